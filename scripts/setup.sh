@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Installs the Debian packages the build and tests need (idempotent; needs root or sudo when
+# something is missing). CUDA is optional: when /usr/local/cuda/bin/nvcc exists the CUDA
+# target is built as well.
+set -euo pipefail
+
+PACKAGES=(
+  build-essential cmake ninja-build   # toolchain
+  libfmt-dev                          # formatting of messages and tables
+  nlohmann-json3-dev                  # model / profile / trace metadata JSON
+  libcli11-dev                        # the `ess` command line
+  libgtest-dev libgmock-dev           # unit, property and soak tests
+  libbenchmark-dev                    # CPU benchmarks
+)
+
+missing=()
+for p in "${PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "setup: installing ${missing[*]}"
+  SUDO=""
+  if [[ $(id -u) -ne 0 ]]; then SUDO="sudo"; fi
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+else
+  echo "setup: all build packages present"
+fi

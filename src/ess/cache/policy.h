@@ -1,0 +1,122 @@
+// Replacement policies of the Sparse Memory Pool (one instance per request-layer).
+//
+// Contract, shared by every policy and by the GPU swap engine that must match them:
+//   * A step's working set is the set of distinct tokens its T query tokens select.
+//   * The engine finds the hits (resident tokens) and the misses, in canonical order:
+//     query token 0..T-1, then top-k position 0..K-1, first occurrence only.
+//   * The policy is told the hit slots (distinct, canonical order) and how many misses there
+//     are; it returns as many distinct victim slots, none of them a hit slot; the i-th miss
+//     goes to the i-th victim. Empty slots are ordinary victims (they hold no token).
+//   * Afterwards the whole working set (hits and newly filled victims) counts as used by
+//     this step.
+// The pool has at least as many slots as a working set can hold, so victims always exist.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <set>
+#include <span>
+#include <string_view>
+#include <vector>
+
+#include "ess/cache/types.h"
+
+namespace ess {
+
+class Digest;
+
+struct PolicyStepView {
+  std::span<const std::int32_t> hit_slots;      // distinct resident slots, canonical order
+  std::span<const std::int32_t> miss_tokens;    // tokens needing a slot, canonical order
+  std::span<const std::int32_t> token_of_slot;  // residency before this step (-1 = empty)
+};
+
+class ReplacementPolicy {
+ public:
+  virtual ~ReplacementPolicy() = default;
+  virtual std::string_view name() const = 0;
+  // Chooses victims.size() == miss_tokens.size() victims and records the step's use.
+  virtual void step(const PolicyStepView& view, std::span<std::int32_t> victims) = 0;
+  // Per-slot recency as the policy sees it, for inspection and for bit-exact comparison
+  // with the GPU engine (LRU: the step index of the slot's last use, -1 if never used).
+  virtual std::vector<std::int64_t> recency() const = 0;
+  virtual void hash(Digest& d) const = 0;
+  // Throws ess::Error (internal) if the policy's own structures are inconsistent.
+  virtual void check_invariants() const = 0;
+};
+
+// Creates the policy of one request-layer with `slots` slots.
+using PolicyFactory =
+    std::function<std::unique_ptr<ReplacementPolicy>(RequestId request, int layer, std::int32_t slots)>;
+
+// LRU exactly as the ESS paper: recency is the index of the step that last used the slot
+// (steps counted per request-layer from 0, LRU-Warmup windows included; -1 = never used).
+// Victims are the non-working-set slots in ascending (recency, slot index) order: the least
+// recently used first, ties (slots used in the same step, or never used) to the lower slot
+// index. All T MTP query tokens of one step refresh to the same step index.
+class LruPolicy final : public ReplacementPolicy {
+ public:
+  explicit LruPolicy(std::int32_t slots);
+  std::string_view name() const override { return "lru"; }
+  void step(const PolicyStepView& view, std::span<std::int32_t> victims) override;
+  std::vector<std::int64_t> recency() const override;
+  void hash(Digest& d) const override;
+  void check_invariants() const override;
+
+ private:
+  void unlink(std::int32_t s) {
+    next_[prev_[s]] = next_[s];
+    prev_[next_[s]] = prev_[s];
+  }
+  void push_back(std::int32_t s) {
+    const std::int32_t tail = prev_[n_];
+    next_[tail] = s;
+    prev_[s] = tail;
+    next_[s] = n_;
+    prev_[n_] = s;
+  }
+
+  std::int32_t n_;
+  std::int64_t clock_ = 0;             // index of the next step
+  std::vector<std::int32_t> prev_;     // doubly linked list in (recency, slot) order; node n_ is
+  std::vector<std::int32_t> next_;     // the sentinel: next_[n_] is the LRU slot
+  std::vector<std::int64_t> stamp_;    // last step that used the slot, -1 = never
+  std::vector<std::uint64_t> in_set_;  // scratch bitmap of this step's working-set slots
+};
+
+// Belady's MIN, offline: given the exact sequence of working sets the policy will see, it
+// evicts the resident token whose next use lies furthest in the future (empty slots first,
+// then tokens never used again, then the furthest next use; ties to the lower slot index).
+// For demand fetching with whole working sets that must be resident together this is the
+// minimum number of misses any policy can achieve; the analyzers use it as the lower bound.
+// O(|working set| log slots) per step.
+class BeladyPolicy final : public ReplacementPolicy {
+ public:
+  // future[i] holds the distinct tokens of the i-th step this policy will see.
+  BeladyPolicy(std::int32_t slots, std::vector<std::vector<std::int32_t>> future);
+  std::string_view name() const override { return "belady"; }
+  void step(const PolicyStepView& view, std::span<std::int32_t> victims) override;
+  std::vector<std::int64_t> recency() const override;  // next-use step per slot
+  void hash(Digest& d) const override;
+  void check_invariants() const override;
+
+ private:
+  std::int64_t next_use(std::int64_t step, std::int32_t token) const;
+
+  std::int32_t n_;
+  std::int64_t clock_ = 0;
+  std::vector<std::vector<std::pair<std::int32_t, std::int64_t>>> next_;  // per step: (token, next use), sorted
+  std::vector<std::int64_t> key_;  // per slot: next use (kEmpty for empty slots)
+  struct Cmp {
+    bool operator()(const std::pair<std::int64_t, std::int32_t>& a,
+                    const std::pair<std::int64_t, std::int32_t>& b) const {
+      return a.first != b.first ? a.first > b.first : a.second < b.second;
+    }
+  };
+  std::set<std::pair<std::int64_t, std::int32_t>, Cmp> order_;  // (key, slot): key desc, slot asc
+};
+
+PolicyFactory lru_factory();
+
+}  // namespace ess

@@ -1,0 +1,138 @@
+#include "ess/model/entry_layout.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "ess/core/error.h"
+#include "ess/model/model_spec.h"
+#include "ess/model/numerics.h"
+
+namespace ess {
+namespace {
+
+void check_finite(std::span<const float> v, const char* what) {
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    ESS_CHECK(std::isfinite(v[i]), "{}[{}] is {}: cache entries must be finite", what, i, v[i]);
+  }
+}
+
+// Quantizes `values` (a multiple of 128 long) into FP8 bytes with one power-of-two scale per
+// 128-value tile.
+void quantize_tiles(std::span<const float> values, std::uint8_t* fp8, float* scales) {
+  for (std::size_t t = 0; t * kQuantTile < values.size(); ++t) {
+    const auto tile = values.subspan(t * kQuantTile, kQuantTile);
+    float amax = 0.0f;
+    for (float v : tile) amax = std::fmax(amax, std::fabs(v));
+    const float scale = pow2_block_scale(amax);
+    scales[t] = scale;
+    for (int i = 0; i < kQuantTile; ++i) {
+      fp8[t * kQuantTile + i] = fp8_e4m3_from_float(tile[i] / scale);  // exact division by 2^k
+    }
+  }
+}
+
+}  // namespace
+
+LatentLayout LatentLayout::for_model(const ModelSpec& m) {
+  LatentLayout l{m.kv_lora_rank, m.qk_rope_head_dim};
+  l.validate();
+  return l;
+}
+
+void LatentLayout::validate() const {
+  ESS_CHECK(nope_dim > 0 && nope_dim % kQuantTile == 0,
+            "latent layout: kv_lora_rank = {} must be a positive multiple of {}", nope_dim, kQuantTile);
+  ESS_CHECK(rope_dim > 0, "latent layout: qk_rope_head_dim = {} must be positive", rope_dim);
+  ESS_CHECK(bytes() % kVectorBytes == 0,
+            "latent layout: entry of {} bytes (kv_lora_rank {}, qk_rope_head_dim {}) is not a "
+            "multiple of {} bytes",
+            bytes(), nope_dim, rope_dim, kVectorBytes);
+}
+
+IndexerLayout IndexerLayout::for_model(const ModelSpec& m) {
+  IndexerLayout l{m.index_head_dim};
+  l.validate();
+  return l;
+}
+
+void IndexerLayout::validate() const {
+  ESS_CHECK(head_dim == kQuantTile,
+            "indexer layout: index_head_dim = {} unsupported: the DeepSeek-V3.2 indexer page stores "
+            "one fp32 scale per token, i.e. exactly {} FP8 values",
+            head_dim, kQuantTile);
+}
+
+void quantize_latent(const LatentLayout& layout, std::span<const float> nope,
+                     std::span<const float> rope, std::span<std::uint8_t> out) {
+  ESS_CHECK(nope.size() == static_cast<std::size_t>(layout.nope_dim),
+            "quantize_latent: nope has {} values, expected {}", nope.size(), layout.nope_dim);
+  ESS_CHECK(rope.size() == static_cast<std::size_t>(layout.rope_dim),
+            "quantize_latent: rope has {} values, expected {}", rope.size(), layout.rope_dim);
+  ESS_CHECK(out.size() == layout.bytes(), "quantize_latent: output has {} bytes, expected {}",
+            out.size(), layout.bytes());
+  check_finite(nope, "latent nope");
+  check_finite(rope, "latent rope");
+  std::vector<float> scales(static_cast<std::size_t>(layout.num_scales()));
+  quantize_tiles(nope, out.data() + layout.nope_offset(), scales.data());
+  std::memcpy(out.data() + layout.scale_offset(), scales.data(), scales.size() * sizeof(float));
+  for (int i = 0; i < layout.rope_dim; ++i) {
+    const std::uint16_t b = bf16_from_float(rope[i]);
+    std::memcpy(out.data() + layout.rope_offset() + 2u * i, &b, 2);
+  }
+}
+
+void dequantize_latent(const LatentLayout& layout, std::span<const std::uint8_t> entry,
+                       std::span<float> nope, std::span<float> rope) {
+  ESS_CHECK(entry.size() == layout.bytes(), "dequantize_latent: entry has {} bytes, expected {}",
+            entry.size(), layout.bytes());
+  ESS_CHECK(nope.size() == static_cast<std::size_t>(layout.nope_dim) &&
+                rope.size() == static_cast<std::size_t>(layout.rope_dim),
+            "dequantize_latent: outputs have {} and {} values, expected {} and {}", nope.size(),
+            rope.size(), layout.nope_dim, layout.rope_dim);
+  for (int t = 0; t < layout.num_scales(); ++t) {
+    float scale = 0.0f;
+    std::memcpy(&scale, entry.data() + layout.scale_offset() + 4u * t, 4);
+    for (int i = 0; i < kQuantTile; ++i) {
+      const int d = t * kQuantTile + i;
+      nope[d] = fp8_e4m3_to_float(entry[layout.nope_offset() + d]) * scale;
+    }
+  }
+  for (int i = 0; i < layout.rope_dim; ++i) {
+    std::uint16_t b = 0;
+    std::memcpy(&b, entry.data() + layout.rope_offset() + 2u * i, 2);
+    rope[i] = bf16_to_float(b);
+  }
+}
+
+void quantize_indexer_key(const IndexerLayout& layout, std::span<const float> key,
+                          std::span<std::uint8_t> page, int j) {
+  ESS_CHECK(key.size() == static_cast<std::size_t>(layout.head_dim),
+            "quantize_indexer_key: key has {} values, expected {}", key.size(), layout.head_dim);
+  ESS_CHECK(page.size() == layout.page_bytes(), "quantize_indexer_key: page has {} bytes, expected {}",
+            page.size(), layout.page_bytes());
+  ESS_CHECK(j >= 0 && j < kPageTokens, "quantize_indexer_key: token {} outside a {}-token page", j,
+            kPageTokens);
+  layout.validate();
+  check_finite(key, "indexer key");
+  float scale = 0.0f;
+  quantize_tiles(key, page.data() + layout.key_offset(j), &scale);
+  std::memcpy(page.data() + layout.scale_offset(j), &scale, 4);
+}
+
+void dequantize_indexer_key(const IndexerLayout& layout, std::span<const std::uint8_t> page, int j,
+                            std::span<float> key) {
+  ESS_CHECK(page.size() == layout.page_bytes() && j >= 0 && j < kPageTokens &&
+                key.size() == static_cast<std::size_t>(layout.head_dim),
+            "dequantize_indexer_key: page of {} bytes, token {}, key of {} values (expected {}, "
+            "[0, {}), {})",
+            page.size(), j, key.size(), layout.page_bytes(), kPageTokens, layout.head_dim);
+  float scale = 0.0f;
+  std::memcpy(&scale, page.data() + layout.scale_offset(j), 4);
+  for (int d = 0; d < layout.head_dim; ++d) {
+    key[d] = fp8_e4m3_to_float(page[layout.key_offset(j) + d]) * scale;
+  }
+}
+
+}  // namespace ess

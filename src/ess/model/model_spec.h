@@ -1,0 +1,65 @@
+// The model facts ESS needs, read from JSON with the field names of the model's own
+// Hugging Face config.json, so a user can point at the real file (unknown fields are
+// ignored; missing required fields and out-of-range values are errors naming the field).
+#pragma once
+
+#include <nlohmann/json_fwd.hpp>
+
+#include <cstdint>
+#include <string>
+
+namespace ess {
+
+struct ModelSpec {
+  std::string name;  // "_name_or_path" / "model_type" when present, else the file name
+
+  // Transformer shape.
+  int num_hidden_layers = 0;
+  int hidden_size = 0;
+  int vocab_size = 0;
+  int num_attention_heads = 0;
+  // MLA.
+  int q_lora_rank = 0;
+  int kv_lora_rank = 0;
+  int qk_nope_head_dim = 0;
+  int qk_rope_head_dim = 0;
+  int v_head_dim = 0;
+  // DSA lightning indexer.
+  int index_n_heads = 0;
+  int index_head_dim = 0;
+  int index_topk = 0;
+  // FFN / MoE.
+  int intermediate_size = 0;
+  int moe_intermediate_size = 0;
+  int n_routed_experts = 0;
+  int n_shared_experts = 0;
+  int num_experts_per_tok = 0;
+  int first_k_dense_replace = 0;
+  // Multi-token prediction (next-n) layers.
+  int num_nextn_predict_layers = 0;
+  int max_position_embeddings = 0;
+  // YaRN softmax correction (rope_scaling.factor / mscale_all_dim); 1 / 0 when absent.
+  double rope_scaling_factor = 1.0;
+  double rope_mscale_all_dim = 0.0;
+
+  static ModelSpec from_json(const nlohmann::json& j, const std::string& source = "<json>");
+  static ModelSpec from_file(const std::string& path);
+  // The shipped configs/models/deepseek-v3.2-exp.json, compiled in.
+  static ModelSpec deepseek_v32_exp();
+
+  nlohmann::json to_json() const;
+
+  // Derived facts.
+  int num_dense_layers() const { return first_k_dense_replace; }
+  int num_moe_layers() const { return num_hidden_layers - first_k_dense_replace; }
+  int mla_head_dim() const { return kv_lora_rank + qk_rope_head_dim; }  // absorbed q/k width (576)
+  std::size_t latent_entry_bytes() const;   // 656 for DeepSeek-V3.2
+  std::size_t indexer_entry_bytes() const;  // 132 for DeepSeek-V3.2
+  // Softmax scale of the absorbed MLA: mscale^2 / sqrt(qk_nope_head_dim + qk_rope_head_dim),
+  // mscale = 0.1 * mscale_all_dim * ln(factor) + 1 under YaRN (as DeepSeek's reference code).
+  double softmax_scale() const;
+
+  void validate(const std::string& source) const;
+};
+
+}  // namespace ess

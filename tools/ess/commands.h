@@ -1,0 +1,15 @@
+// Subcommands of the `ess` program. Each adds itself to the app; its callback runs the job
+// and sets the process exit code through the returned reference.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+namespace ess::cli {
+
+// Shared by every subcommand that prints results.
+enum class Format { kTable, kJson };
+void add_format_option(CLI::App& cmd, Format& format);
+
+void add_verify(CLI::App& app, int& exit_code);
+
+}  // namespace ess::cli

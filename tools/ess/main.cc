@@ -1,0 +1,44 @@
+// ess: the command-line program. Subcommands: verify (this engine), and the ones later
+// issues add (sim, plan, trace, bench).
+#include <fmt/format.h>
+
+#include <CLI/CLI.hpp>
+#include <exception>
+#include <map>
+#include <string>
+
+#include "commands.h"
+#include "ess/cache/host_memory.h"
+#include "ess/core/error.h"
+
+namespace ess::cli {
+
+void add_format_option(CLI::App& cmd, Format& format) {
+  const std::map<std::string, Format> names{{"table", Format::kTable}, {"json", Format::kJson}};
+  cmd.add_option("--format", format, "Output format: table or json")
+      ->transform(CLI::CheckedTransformer(names, CLI::ignore_case))
+      ->default_str("table");
+}
+
+}  // namespace ess::cli
+
+int main(int argc, char** argv) {
+  CLI::App app{"ESS: offloaded latent cache for DeepSeek-V3.2-style sparse attention"};
+  app.set_version_flag("--version", fmt::format("ess {} (CUDA target: {})", ESS_VERSION,
+                                                 ESS_WITH_CUDA ? "built" : "not built"));
+  app.require_subcommand(1);
+  int exit_code = 0;
+  ess::cli::add_verify(app, exit_code);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  } catch (const ess::Error& e) {
+    fmt::print(stderr, "ess: error: {}\n", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "ess: unexpected error: {}\n", e.what());
+    return 3;
+  }
+  return exit_code;
+}
