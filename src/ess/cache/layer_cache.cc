@@ -35,6 +35,11 @@ StepCounts LayerCache::access(std::span<const std::int32_t> ids, int T, int K,
   }
   hits_.clear();
   miss_tokens_.clear();
+  // Reserve up front so that nothing below allocates once tokens are marked.
+  hits_.reserve(ids.size());
+  miss_tokens_.reserve(ids.size());
+  victims_.reserve(ids.size());
+  fills.reserve(fills.size() + ids.size());
   std::int32_t* const s_of_t = slot_of_token_.data();
   std::uint32_t* const mark = mark_.data();
   const std::size_t n = ids.size();
@@ -62,7 +67,12 @@ StepCounts LayerCache::access(std::span<const std::int32_t> ids, int T, int K,
   }
 
   victims_.resize(miss_tokens_.size());
-  policy_->step(PolicyStepView{hits_, miss_tokens_, token_of_slot_}, victims_);
+  try {
+    policy_->step(PolicyStepView{hits_, miss_tokens_, token_of_slot_}, victims_);
+  } catch (...) {
+    for (std::int32_t tok : miss_tokens_) s_of_t[tok] = -1;  // undo the miss marks
+    throw;
+  }
 
   for (std::size_t m = 0; m < miss_tokens_.size(); ++m) {
     const std::int32_t v = victims_[m];

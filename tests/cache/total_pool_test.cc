@@ -1,0 +1,132 @@
+#include "ess/cache/total_pool.h"
+
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <set>
+#include <string>
+
+#include "ess/core/error.h"
+#include "fixtures.h"
+
+namespace ess {
+namespace {
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(TotalPool, PagesAndAccounting) {
+  const LatentLayout layout;  // 656 B
+  const std::uint64_t page = 64 * 656;
+  TotalPool pool(3, layout, 10 * page + 100);
+  EXPECT_EQ(pool.page_bytes(), page);
+  EXPECT_EQ(pool.capacity_pages(), 10);
+  EXPECT_EQ(pool.capacity_bytes(), 10 * page);
+  EXPECT_EQ(pool.free_pages(), 10);
+  EXPECT_EQ(pool.memory_kind() == HostMemoryKind::kPinned, cuda_device_present());
+
+  pool.admit(7, 65);  // 2 pages per layer
+  const TotalPoolUsage u = pool.usage(7);
+  EXPECT_EQ(u.length, 65);
+  EXPECT_EQ(u.pages, 6);
+  EXPECT_EQ(u.bytes, 6 * page);
+  EXPECT_EQ(u.entry_bytes, 65u * 3u * 656u);
+  EXPECT_EQ(pool.free_pages(), 4);
+  EXPECT_EQ(pool.used_bytes(), 6 * page);
+
+  pool.extend(7, 63);  // 128 tokens: still 2 pages per layer
+  EXPECT_EQ(pool.free_pages(), 4);
+  EXPECT_EQ(pool.length(7), 128);
+  pool.extend(7, 1);  // 129: a third page per layer
+  EXPECT_EQ(pool.free_pages(), 1);
+  pool.release(7);
+  EXPECT_EQ(pool.free_pages(), 10);
+  EXPECT_FALSE(pool.contains(7));
+}
+
+TEST(TotalPool, EntriesLiveInTheirPagesAndStartZeroed) {
+  TotalPool pool(2, test::small_layout(), 8 * 64 * 144);
+  pool.admit(1, 100);
+  pool.admit(2, 10);
+  for (int l = 0; l < 2; ++l) {
+    for (std::int64_t t = 0; t < 100; ++t) {
+      for (std::uint8_t b : pool.entry(1, l, t)) ASSERT_EQ(b, 0);
+    }
+  }
+  test::write_pattern(pool, 1, 0, 0, 100);
+  test::write_pattern(pool, 1, 1, 0, 100);
+  test::write_pattern(pool, 2, 0, 0, 10);
+  // Offsets: distinct, entry-aligned, inside the arena, consistent with entry().
+  std::set<std::uint64_t> seen;
+  for (int l = 0; l < 2; ++l) {
+    for (std::int64_t t = 0; t < 100; ++t) {
+      const std::uint64_t off = pool.offset(1, l, t);
+      EXPECT_EQ(off % pool.entry_bytes(), 0u);
+      EXPECT_LT(off + pool.entry_bytes(), pool.capacity_bytes() + 1);
+      EXPECT_TRUE(seen.insert(off).second);
+      EXPECT_EQ(pool.entry(1, l, t).data(), pool.base() + off);
+      // Tokens of one page are contiguous.
+      if (t % 64 != 0) {
+        EXPECT_EQ(off, pool.offset(1, l, t - 1) + pool.entry_bytes());
+      }
+    }
+  }
+  // A released page is zeroed before it is handed out again.
+  pool.release(1);
+  pool.admit(3, 128);
+  for (int l = 0; l < 2; ++l) {
+    for (std::int64_t t = 0; t < 128; ++t) {
+      for (std::uint8_t b : pool.entry(3, l, t)) ASSERT_EQ(b, 0) << "stale byte in a reused page";
+    }
+  }
+}
+
+TEST(TotalPool, AdmissionThatDoesNotFitChangesNothing) {
+  TotalPool pool(4, test::small_layout(), 10 * 64 * 144);  // 10 pages
+  pool.admit(1, 64);                                       // 4 pages
+  test::write_pattern(pool, 1, 2, 0, 64);
+  const std::uint64_t before = pool.digest();
+  const std::string msg = error_of([&] { pool.admit(2, 65); });  // needs 8 pages, 6 free
+  EXPECT_NE(msg.find("total pool full"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("request 2"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("8 pages"), std::string::npos) << msg;
+  EXPECT_EQ(pool.digest(), before);
+  EXPECT_FALSE(pool.contains(2));
+  EXPECT_EQ(pool.free_pages(), 6);
+
+  // Growth that does not fit is all-or-nothing too.
+  pool.admit(3, 64);  // 4 more pages: 2 free
+  const std::uint64_t before_grow = pool.digest();
+  EXPECT_THROW(pool.extend(3, 1), Error);  // needs 4
+  EXPECT_EQ(pool.digest(), before_grow);
+  EXPECT_EQ(pool.length(3), 64);
+}
+
+TEST(TotalPool, BadInputIsRefusedWithContext) {
+  TotalPool pool(2, test::small_layout(), 4 * 64 * 144);
+  pool.admit(5, 10);
+  const std::uint64_t before = pool.digest();
+  EXPECT_NE(error_of([&] { pool.admit(5, 1); }).find("already admitted"), std::string::npos);
+  EXPECT_NE(error_of([&] { pool.admit(6, -1); }).find("-1"), std::string::npos);
+  EXPECT_NE(error_of([&] { pool.extend(9, 1); }).find("unknown request 9"), std::string::npos);
+  EXPECT_NE(error_of([&] { pool.extend(5, -3); }).find("-3"), std::string::npos);
+  EXPECT_NE(error_of([&] { pool.release(9); }).find("unknown request 9"), std::string::npos);
+  const std::string tok = error_of([&] { (void)pool.offset(5, 1, 10); });
+  EXPECT_NE(tok.find("token 10"), std::string::npos) << tok;
+  EXPECT_NE(tok.find("layer 1"), std::string::npos) << tok;
+  EXPECT_NE(error_of([&] { (void)pool.offset(5, 2, 0); }).find("layer 2"), std::string::npos);
+  std::vector<std::uint8_t> short_entry(10);
+  EXPECT_NE(error_of([&] { pool.write(5, 0, 0, short_entry); }).find("10 bytes"), std::string::npos);
+  EXPECT_EQ(pool.digest(), before);
+  EXPECT_THROW(TotalPool(2, test::small_layout(), 100), Error);  // smaller than a page
+  EXPECT_THROW(TotalPool(0, test::small_layout(), 1 << 20), Error);
+}
+
+}  // namespace
+}  // namespace ess

@@ -1,0 +1,81 @@
+#include "ess/verify/decode_loop.h"
+
+#include <gtest/gtest.h>
+
+#include "ess/core/error.h"
+
+namespace ess {
+namespace {
+
+VerifyConfig small() {
+  VerifyConfig c;
+  c.requests = 2;
+  c.layers = 2;
+  c.context = 300;
+  c.steps = 6;
+  c.mtp = 2;
+  c.topk = 32;
+  c.ratio = 0.3;  // 90 slots >= 64
+  c.warmup_windows = 8;
+  return c;
+}
+
+TEST(VerifyLoop, OffloadedAttentionIsBitIdenticalToTheFullCache) {
+  const ModelSpec m = ModelSpec::deepseek_v32_exp();
+  const VerifyReport r = run_verify(m, small());
+  EXPECT_TRUE(r.bitwise_equal) << r.first_mismatch;
+  EXPECT_EQ(r.mismatched_outputs, 0);
+  EXPECT_EQ(r.compared_outputs, 2 * 2 * 6 * 2);
+  EXPECT_EQ(r.steps, 6);
+  EXPECT_EQ(r.slots, 90);
+  ASSERT_EQ(r.per_layer.size(), 2u);
+  EXPECT_EQ(r.hits, r.per_layer[0].hits + r.per_layer[1].hits);
+  EXPECT_EQ(r.misses, r.per_layer[0].misses + r.per_layer[1].misses);
+  // Each request-layer-step's working set is at most T x K distinct tokens.
+  EXPECT_LE(r.hits + r.misses, 2 * 2 * 6 * 2 * 32);
+  EXPECT_GE(r.hits + r.misses, 2 * 2 * 6 * 32);
+  EXPECT_GT(r.hits, 0);
+  EXPECT_GT(r.misses, 0);
+}
+
+TEST(VerifyLoop, TheCheckCanFail) {
+  VerifyConfig c = small();
+  c.inject_fault = true;  // one flipped bit in one slot
+  const VerifyReport r = run_verify(ModelSpec::deepseek_v32_exp(), c);
+  EXPECT_FALSE(r.bitwise_equal);
+  EXPECT_GE(r.mismatched_outputs, 1);
+  EXPECT_NE(r.first_mismatch.find("request 0"), std::string::npos) << r.first_mismatch;
+}
+
+TEST(VerifyLoop, WarmupCutsTheFirstStepsMisses) {
+  VerifyConfig warm = small();
+  warm.warmup_windows = 32;
+  warm.query_drift = 0.05;
+  VerifyConfig cold = warm;
+  cold.warmup_windows = 0;
+  const VerifyReport a = run_verify(ModelSpec::deepseek_v32_exp(), warm);
+  const VerifyReport b = run_verify(ModelSpec::deepseek_v32_exp(), cold);
+  ASSERT_FALSE(a.misses_per_step.empty());
+  EXPECT_LT(a.misses_per_step[0] * 2, b.misses_per_step[0]);
+  EXPECT_TRUE(a.bitwise_equal && b.bitwise_equal);
+}
+
+TEST(VerifyLoop, IsDeterministicAndValidatesItsConfig) {
+  const ModelSpec m = ModelSpec::deepseek_v32_exp();
+  const VerifyReport a = run_verify(m, small());
+  const VerifyReport b = run_verify(m, small());
+  EXPECT_EQ(a.misses_per_step, b.misses_per_step);
+  EXPECT_EQ(a.hits, b.hits);
+  VerifyConfig bad = small();
+  bad.layers = 62;
+  EXPECT_THROW(run_verify(m, bad), Error);
+  bad = small();
+  bad.slots = 10;  // smaller than T x K = 64
+  EXPECT_THROW(run_verify(m, bad), Error);
+  bad = small();
+  bad.ratio = 1.2;
+  EXPECT_THROW(run_verify(m, bad), Error);
+}
+
+}  // namespace
+}  // namespace ess
