@@ -7,19 +7,13 @@
 #include <string>
 
 #include "ess/core/error.h"
+#include "testing.h"
 #include "fixtures.h"
 
 namespace ess {
 namespace {
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using test::error_of;
 
 SparsePoolConfig config(std::int32_t slots, int T, int K, std::int64_t max_context = 0) {
   SparsePoolConfig c;

@@ -6,19 +6,13 @@
 #include <string>
 
 #include "ess/core/error.h"
+#include "testing.h"
 #include "fixtures.h"
 
 namespace ess {
 namespace {
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "no error";
-}
+using test::error_of;
 
 // Two layers, up to 3 requests, T query tokens x K ids, S slots; requests 0..n-1 admitted
 // with `length` tokens whose bytes identify (request, layer, token).

@@ -8,20 +8,14 @@
 #include <string>
 
 #include "ess/core/error.h"
+#include "testing.h"
 
 namespace ess {
 namespace {
 
 using nlohmann::json;
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using test::error_of;
 
 TEST(ModelSpec, ShippedDeepSeekV32Exp) {
   const ModelSpec m = ModelSpec::deepseek_v32_exp();
