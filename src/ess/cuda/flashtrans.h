@@ -1,0 +1,40 @@
+// FlashTrans: zero-copy gather / scatter of latent entries between the pinned Total Memory
+// Pool (read or written through Unified Virtual Addressing) and Sparse Memory Pool slots in
+// device memory. One launch per layer moves every miss of the batch; the work is spread
+// over 16-byte chunks, not over requests, so one request with many misses does not
+// serialize on one thread block.
+//
+// Plain C++ declarations: the kernels are in flashtrans.cu (CUDA target only).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace ess::cuda {
+
+using Stream = void*;  // cudaStream_t, without the CUDA headers
+
+// Copy `count` entries of `entry_bytes` (a multiple of 16) each:
+//   dst_base + dst_offsets[i]  <-  src_base + src_offsets[i]
+// The offset arrays live in device memory (or mapped host memory). Every base pointer and
+// offset must be 16-byte aligned.
+struct EntryCopy {
+  const std::uint8_t* src_base = nullptr;
+  std::uint8_t* dst_base = nullptr;
+  const std::uint64_t* src_offsets = nullptr;
+  const std::uint64_t* dst_offsets = nullptr;
+  std::int64_t count = 0;
+  int entry_bytes = 656;
+};
+
+// Host -> device gather (misses into slots) and device -> host scatter (new entries back to
+// the Total Memory Pool); the same kernel, named for the direction. Returns a cudaError_t
+// value (0 = success) and never synchronizes.
+int flashtrans_gather(const EntryCopy& copy, Stream stream);
+int flashtrans_scatter(const EntryCopy& copy, Stream stream);
+
+// The device pointer through which kernels reach mapped pinned host memory (equal to the
+// host pointer under UVA). nullptr when `host` is not mapped pinned memory.
+const std::uint8_t* device_view(const std::uint8_t* host);
+
+}  // namespace ess::cuda

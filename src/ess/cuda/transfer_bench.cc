@@ -1,0 +1,181 @@
+#include "ess/cuda/transfer_bench.h"
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <ctime>
+#include <functional>
+#include <numeric>
+#include <random>
+#include <unordered_set>
+
+#include "ess/core/stats.h"
+#include "ess/cuda/check.h"
+#include "ess/cuda/flashtrans.h"
+#include "ess/cuda/swap_bench.h"
+
+namespace ess::cuda {
+namespace {
+
+// Owns CUDA allocations for the duration of the benchmark.
+struct Buffers {
+  std::uint8_t* host = nullptr;       // pinned, mapped: the host pool (requests x context entries)
+  std::uint8_t* dev = nullptr;        // device slots (requests x slots entries)
+  std::uint8_t* host_bulk = nullptr;  // pinned contiguous staging for the bulk baseline
+  std::uint8_t* dev_bulk = nullptr;
+  std::uint64_t* dev_offsets = nullptr;  // [2][n]: host offsets, then device offsets
+  cudaStream_t stream = nullptr;
+  cudaEvent_t start = nullptr, stop = nullptr;
+  ~Buffers() {
+    if (start) cudaEventDestroy(start);
+    if (stop) cudaEventDestroy(stop);
+    if (stream) cudaStreamDestroy(stream);
+    if (dev_offsets) cudaFree(dev_offsets);
+    if (dev_bulk) cudaFree(dev_bulk);
+    if (host_bulk) cudaFreeHost(host_bulk);
+    if (dev) cudaFree(dev);
+    if (host) cudaFreeHost(host);
+  }
+};
+
+}  // namespace
+
+TransferBenchResult run_transfer_bench(const TransferBenchConfig& c) {
+  ESS_CHECK(c.requests > 0 && c.misses_per_request > 0 && c.context > 0 && c.slots > 0 && c.repeats > 0 && c.warmup >= 0,
+            "bench transfer: requests {}, misses {}, context {}, slots {}, repeats {} must be positive", c.requests,
+            c.misses_per_request, c.context, c.slots, c.repeats);
+  ESS_CHECK(c.misses_per_request <= c.slots && c.misses_per_request <= c.context,
+            "bench transfer: {} misses per request exceed the {} slots or the context {}", c.misses_per_request, c.slots,
+            c.context);
+  ESS_CHECK(c.entry_bytes > 0 && c.entry_bytes % 16 == 0, "bench transfer: entry_bytes = {} must be a multiple of 16",
+            c.entry_bytes);
+  TransferBenchResult res;
+  res.device = use_device(c.device, "bench transfer");
+  res.date = utc_now();
+  const std::uint64_t E = static_cast<std::uint64_t>(c.entry_bytes);
+  const std::int64_t n = static_cast<std::int64_t>(c.requests) * c.misses_per_request;
+  res.entries_per_run = n;
+  res.bytes_per_run = static_cast<std::uint64_t>(n) * E;
+
+  Buffers b;
+  const std::uint64_t host_bytes = static_cast<std::uint64_t>(c.requests) * static_cast<std::uint64_t>(c.context) * E;
+  const std::uint64_t dev_bytes = static_cast<std::uint64_t>(c.requests) * static_cast<std::uint64_t>(c.slots) * E;
+  ESS_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&b.host), host_bytes, cudaHostAllocMapped | cudaHostAllocPortable),
+                 "pinning {} bytes of host pool", host_bytes);
+  ESS_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&b.dev), dev_bytes), "allocating {} bytes of slots", dev_bytes);
+  ESS_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&b.host_bulk), res.bytes_per_run), "bulk staging");
+  ESS_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&b.dev_bulk), res.bytes_per_run), "bulk device buffer");
+  ESS_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&b.dev_offsets), 2 * static_cast<std::size_t>(n) * sizeof(std::uint64_t)),
+                 "offset arrays");
+  ESS_CUDA_CHECK(cudaStreamCreateWithFlags(&b.stream, cudaStreamNonBlocking), "creating a stream");
+  ESS_CUDA_CHECK(cudaEventCreate(&b.start), "creating an event");
+  ESS_CUDA_CHECK(cudaEventCreate(&b.stop), "creating an event");
+
+  // Recognisable host bytes; scattered, distinct source tokens and destination slots.
+  for (std::uint64_t i = 0; i < host_bytes; i += 4096) b.host[i] = static_cast<std::uint8_t>(i >> 12);
+  std::mt19937_64 rng(c.seed);
+  std::vector<std::uint64_t> offsets(2 * static_cast<std::size_t>(n));
+  for (int r = 0; r < c.requests; ++r) {
+    std::unordered_set<std::int64_t> toks, slots;
+    while (static_cast<int>(toks.size()) < c.misses_per_request) toks.insert(static_cast<std::int64_t>(rng() % static_cast<std::uint64_t>(c.context)));
+    while (static_cast<int>(slots.size()) < c.misses_per_request) slots.insert(static_cast<std::int64_t>(rng() % static_cast<std::uint64_t>(c.slots)));
+    std::vector<std::int64_t> tv(toks.begin(), toks.end()), sv(slots.begin(), slots.end());
+    std::sort(tv.begin(), tv.end());
+    for (int m = 0; m < c.misses_per_request; ++m) {
+      const std::size_t i = static_cast<std::size_t>(r) * c.misses_per_request + m;
+      offsets[i] = (static_cast<std::uint64_t>(r) * c.context + static_cast<std::uint64_t>(tv[m])) * E;
+      offsets[static_cast<std::size_t>(n) + i] = (static_cast<std::uint64_t>(r) * c.slots + static_cast<std::uint64_t>(sv[m])) * E;
+      for (std::uint64_t k = 0; k < E; ++k) b.host[offsets[i] + k] = static_cast<std::uint8_t>(rng());
+    }
+  }
+  ESS_CUDA_CHECK(cudaMemcpy(b.dev_offsets, offsets.data(), offsets.size() * sizeof(std::uint64_t), cudaMemcpyHostToDevice),
+                 "uploading offsets");
+  const std::uint8_t* host_dev = device_view(b.host);
+  ESS_CHECK(host_dev != nullptr, "bench transfer: pinned host pool is not mapped");
+
+  EntryCopy h2d{host_dev, b.dev, b.dev_offsets, b.dev_offsets + n, n, c.entry_bytes};
+  EntryCopy d2h{b.dev, const_cast<std::uint8_t*>(host_dev), b.dev_offsets + n, b.dev_offsets, n, c.entry_bytes};
+
+  // Verify FlashTrans H2D byte for byte before timing anything.
+  ESS_CUDA_CHECK(cudaMemset(b.dev, 0, dev_bytes), "clearing slots");
+  ESS_CUDA_CHECK(static_cast<cudaError_t>(flashtrans_gather(h2d, b.stream)), "FlashTrans gather");
+  ESS_CUDA_CHECK(cudaStreamSynchronize(b.stream), "FlashTrans gather");
+  {
+    std::vector<std::uint8_t> back(E);
+    res.verified = true;
+    for (std::int64_t i = 0; i < n && res.verified; ++i) {
+      ESS_CUDA_CHECK(cudaMemcpy(back.data(), b.dev + offsets[static_cast<std::size_t>(n + i)], E, cudaMemcpyDeviceToHost), "read back");
+      res.verified = std::memcmp(back.data(), b.host + offsets[static_cast<std::size_t>(i)], E) == 0;
+    }
+  }
+
+  std::vector<void*> dsts(static_cast<std::size_t>(n)), srcs(static_cast<std::size_t>(n));
+  std::vector<std::size_t> sizes(static_cast<std::size_t>(n), E);
+  const auto time_it = [&](const std::string& method, const std::string& dir, const std::function<cudaError_t()>& run) {
+    TransferStat s;
+    s.method = method;
+    s.direction = dir;
+    std::vector<double> us;
+    for (int it = 0; it < c.warmup + c.repeats; ++it) {
+      ESS_CUDA_CHECK(cudaEventRecord(b.start, b.stream), "event");
+      const cudaError_t err = run();
+      if (err != cudaSuccess) {
+        (void)cudaGetLastError();
+        cudaStreamSynchronize(b.stream);
+        s.available = false;
+        s.note = cudaGetErrorString(err);
+        res.stats.push_back(s);
+        return;
+      }
+      ESS_CUDA_CHECK(cudaEventRecord(b.stop, b.stream), "event");
+      ESS_CUDA_CHECK(cudaEventSynchronize(b.stop), "{} {}", method, dir);
+      float ms = 0;
+      ESS_CUDA_CHECK(cudaEventElapsedTime(&ms, b.start, b.stop), "event time");
+      if (it >= c.warmup) us.push_back(1000.0 * ms);
+    }
+    const Summary t = summarize(us);
+    const double gb = static_cast<double>(res.bytes_per_run) / 1e9;
+    s.median_us = t.median;
+    s.median_gbps = gb / (t.median * 1e-6);
+    s.max_gbps = gb / (t.min * 1e-6);
+    s.min_gbps = gb / (t.max * 1e-6);
+    res.stats.push_back(s);
+  };
+
+  for (const std::string dir : {"h2d", "d2h"}) {
+    const bool up = dir == "h2d";
+    time_it("flashtrans", dir, [&] { return static_cast<cudaError_t>(up ? flashtrans_gather(h2d, b.stream) : flashtrans_scatter(d2h, b.stream)); });
+    time_it("memcpy_per_entry", dir, [&] {
+      for (std::int64_t i = 0; i < n; ++i) {
+        std::uint8_t* hp = b.host + offsets[static_cast<std::size_t>(i)];
+        std::uint8_t* dp = b.dev + offsets[static_cast<std::size_t>(n + i)];
+        const cudaError_t e = up ? cudaMemcpyAsync(dp, hp, E, cudaMemcpyHostToDevice, b.stream)
+                                 : cudaMemcpyAsync(hp, dp, E, cudaMemcpyDeviceToHost, b.stream);
+        if (e != cudaSuccess) return e;
+      }
+      return cudaSuccess;
+    });
+    for (std::int64_t i = 0; i < n; ++i) {
+      std::uint8_t* hp = b.host + offsets[static_cast<std::size_t>(i)];
+      std::uint8_t* dp = b.dev + offsets[static_cast<std::size_t>(n + i)];
+      dsts[static_cast<std::size_t>(i)] = up ? static_cast<void*>(dp) : static_cast<void*>(hp);
+      srcs[static_cast<std::size_t>(i)] = up ? static_cast<void*>(hp) : static_cast<void*>(dp);
+    }
+    time_it("memcpy_batch", dir, [&] {
+      cudaMemcpyAttributes attr{};
+      attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+      std::size_t attr_idx = 0;
+      return cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), static_cast<std::size_t>(n), &attr, &attr_idx, 1,
+                                  b.stream);
+    });
+    time_it("bulk", dir, [&] {
+      return up ? cudaMemcpyAsync(b.dev_bulk, b.host_bulk, res.bytes_per_run, cudaMemcpyHostToDevice, b.stream)
+                : cudaMemcpyAsync(b.host_bulk, b.dev_bulk, res.bytes_per_run, cudaMemcpyDeviceToHost, b.stream);
+    });
+  }
+  return res;
+}
+
+}  // namespace ess::cuda

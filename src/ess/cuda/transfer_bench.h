@@ -1,0 +1,50 @@
+// `ess bench transfer`: moves the misses of one layer of a decode batch between the pinned
+// Total Memory Pool and device slots with every method we compare, on the same entries:
+//   flashtrans        one zero-copy kernel launch for all misses (FlashTrans)
+//   memcpy_per_entry  one cudaMemcpyAsync per 656-byte entry (the paper's baseline)
+//   memcpy_batch      one cudaMemcpyBatchAsync of all entries (CUDA 12.8+)
+//   bulk              one contiguous pinned copy of the same byte count (the ceiling)
+// in both directions (h2d: host pool -> slots; d2h: slots -> host pool), timed with CUDA
+// events, repeated, reported as median / min / max GB/s. FlashTrans's copies are verified
+// byte for byte against the host pool before timing.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace ess::cuda {
+
+struct TransferBenchConfig {
+  int requests = 64;
+  int misses_per_request = 256;
+  std::int64_t context = 32768;   // tokens per request in the host pool (one layer)
+  std::int32_t slots = 6554;      // device slots per request
+  int entry_bytes = 656;
+  int repeats = 20;
+  int warmup = 3;
+  std::uint64_t seed = 1;
+  int device = 0;
+};
+
+struct TransferStat {
+  std::string method;     // flashtrans, memcpy_per_entry, memcpy_batch, bulk
+  std::string direction;  // h2d, d2h
+  double median_gbps = 0, min_gbps = 0, max_gbps = 0;
+  double median_us = 0;
+  bool available = true;  // false when the method is missing (e.g. no cudaMemcpyBatchAsync)
+  std::string note;
+};
+
+struct TransferBenchResult {
+  std::string device;
+  std::string date;  // UTC, ISO 8601
+  std::uint64_t bytes_per_run = 0;
+  std::int64_t entries_per_run = 0;
+  bool verified = false;  // FlashTrans copies equal the host entries
+  std::vector<TransferStat> stats;
+};
+
+TransferBenchResult run_transfer_bench(const TransferBenchConfig& config);
+
+}  // namespace ess::cuda
