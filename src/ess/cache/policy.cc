@@ -89,59 +89,109 @@ constexpr std::int64_t kNever = kEmpty - 1;
 }  // namespace
 
 BeladyPolicy::BeladyPolicy(std::int32_t slots, std::vector<std::vector<std::int32_t>> future)
-    : n_(slots), next_(future.size()), key_(static_cast<std::size_t>(slots), kEmpty) {
+    : n_(slots),
+      leaves_(static_cast<std::int32_t>(std::bit_ceil(static_cast<std::uint32_t>(std::max(slots, 1))))),
+      key_(static_cast<std::size_t>(std::max(slots, 0)), kEmpty) {
   ESS_CHECK(slots > 0, "belady policy: slots = {} must be positive", slots);
-  std::unordered_map<std::int32_t, std::int64_t> seen;  // token -> the next step it is used
-  for (std::size_t i = future.size(); i-- > 0;) {
-    auto& out = next_[i];
-    out.reserve(future[i].size());
+  std::int32_t max_token = -1;
+  std::size_t total = 0;
+  for (std::size_t i = 0; i < future.size(); ++i) {
     for (std::int32_t tok : future[i]) {
-      auto it = seen.find(tok);
-      out.emplace_back(tok, it == seen.end() ? kNever : it->second);
+      ESS_CHECK(tok >= 0, "belady policy: step {} of the future lists token {}", i, tok);
+      max_token = std::max(max_token, tok);
     }
-    for (std::int32_t tok : future[i]) seen[tok] = static_cast<std::int64_t>(i);
-    std::sort(out.begin(), out.end());
-    ESS_CHECK(std::adjacent_find(out.begin(), out.end(),
-                                 [](const auto& a, const auto& b) { return a.first == b.first; }) ==
-                  out.end(),
-              "belady policy: step {} of the future lists a token twice", i);
-    ESS_CHECK(out.size() <= static_cast<std::size_t>(slots),
-              "belady policy: step {} needs {} tokens but the pool has {} slots", i, out.size(), slots);
+    ESS_CHECK(future[i].size() <= static_cast<std::size_t>(slots),
+              "belady policy: step {} needs {} tokens but the pool has {} slots", i, future[i].size(), slots);
+    total += future[i].size();
   }
-  for (std::int32_t s = 0; s < n_; ++s) order_.emplace(kEmpty, s);
+  const auto universe = static_cast<std::size_t>(max_token + 1);
+  begin_.resize(future.size() + 1);
+  tokens_.reserve(total);
+  for (std::size_t i = 0; i < future.size(); ++i) {
+    begin_[i] = tokens_.size();
+    tokens_.insert(tokens_.end(), future[i].begin(), future[i].end());
+  }
+  begin_[future.size()] = tokens_.size();
+  uses_.resize(total);
+  use_of_token_.assign(universe, kNever);  // during the backward pass: the next step using the token
+  stamp_of_token_.assign(universe, -1);
+  for (std::size_t i = future.size(); i-- > 0;) {
+    for (std::size_t j = begin_[i]; j < begin_[i + 1]; ++j) {
+      const auto tok = static_cast<std::size_t>(tokens_[j]);
+      ESS_CHECK(stamp_of_token_[tok] != static_cast<std::int64_t>(i),
+                "belady policy: step {} of the future lists token {} twice", i, tokens_[j]);
+      stamp_of_token_[tok] = static_cast<std::int64_t>(i);
+      uses_[j] = use_of_token_[tok];
+    }
+    for (std::size_t j = begin_[i]; j < begin_[i + 1]; ++j) {
+      use_of_token_[static_cast<std::size_t>(tokens_[j])] = static_cast<std::int64_t>(i);
+    }
+  }
+  std::fill(stamp_of_token_.begin(), stamp_of_token_.end(), -1);
+  tree_.assign(2 * static_cast<std::size_t>(leaves_), -1);
+  rebuild();
+}
+
+void BeladyPolicy::rebuild() {
+  for (std::int32_t i = 0; i < leaves_; ++i) tree_[static_cast<std::size_t>(leaves_ + i)] = i < n_ ? i : -1;
+  for (std::size_t i = static_cast<std::size_t>(leaves_) - 1; i >= 1; --i) {
+    const std::int32_t a = tree_[2 * i];
+    const std::int32_t b = tree_[2 * i + 1];
+    tree_[i] = wins(a, b) ? a : b;  // ties to the left child: the lower slot
+  }
+}
+
+void BeladyPolicy::update(std::int32_t s) {
+  for (std::size_t i = (static_cast<std::size_t>(leaves_) + static_cast<std::size_t>(s)) >> 1; i >= 1; i >>= 1) {
+    const std::int32_t a = tree_[2 * i];
+    const std::int32_t b = tree_[2 * i + 1];
+    tree_[i] = wins(a, b) ? a : b;
+  }
 }
 
 std::int64_t BeladyPolicy::next_use(std::int64_t step, std::int32_t token) const {
-  ESS_ASSERT(step < static_cast<std::int64_t>(next_.size()),
-             "belady policy asked for step {} but was given a future of {} steps", step, next_.size());
-  const auto& v = next_[static_cast<std::size_t>(step)];
-  auto it = std::lower_bound(v.begin(), v.end(), std::make_pair(token, std::int64_t{-1}));
-  ESS_ASSERT(it != v.end() && it->first == token,
+  ESS_ASSERT(token >= 0 && static_cast<std::size_t>(token) < stamp_of_token_.size() &&
+                 stamp_of_token_[static_cast<std::size_t>(token)] == step,
              "belady policy: token {} at step {} is not in the future it was given", token, step);
-  return it->second;
+  return use_of_token_[static_cast<std::size_t>(token)];
 }
 
 void BeladyPolicy::step(const PolicyStepView& view, std::span<std::int32_t> victims) {
   ESS_ASSERT(victims.size() == view.miss_tokens.size());
   const auto step = clock_;
-  ESS_ASSERT(static_cast<std::size_t>(step) < next_.size() &&
-                 view.hit_slots.size() + view.miss_tokens.size() == next_[static_cast<std::size_t>(step)].size(),
+  const auto i = static_cast<std::size_t>(step);
+  ESS_ASSERT(i + 1 < begin_.size() && view.hit_slots.size() + view.miss_tokens.size() == begin_[i + 1] - begin_[i],
              "belady policy: step {} does not match the future it was given", step);
-  for (std::int32_t s : view.hit_slots) order_.erase({key_[s], s});
-  for (auto& v : victims) {
-    ESS_ASSERT(!order_.empty());
-    const auto it = order_.begin();
-    v = it->second;
-    order_.erase(it);
+  for (std::size_t j = begin_[i]; j < begin_[i + 1]; ++j) {
+    const auto tok = static_cast<std::size_t>(tokens_[j]);
+    use_of_token_[tok] = uses_[j];
+    stamp_of_token_[tok] = step;
   }
+  // Check everything before changing anything (an exception leaves the policy as it was).
   for (std::int32_t s : view.hit_slots) {
-    key_[s] = next_use(step, view.token_of_slot[s]);
-    order_.emplace(key_[s], s);
+    ESS_ASSERT(key_[s] == step, "belady policy: hit slot {} was not expected at step {} (its next use is {})", s, step,
+               key_[s]);
+    next_use(step, view.token_of_slot[s]);
   }
-  for (std::size_t i = 0; i < victims.size(); ++i) {
-    const std::int32_t s = victims[i];
-    key_[s] = next_use(step, view.miss_tokens[i]);
-    order_.emplace(key_[s], s);
+  for (std::int32_t tok : view.miss_tokens) next_use(step, tok);
+  // Hits hold key == step, below every other slot's key, so the winners are non-hits. A chosen
+  // victim takes key == step as well until the step ends.
+  for (auto& v : victims) {
+    const std::int32_t s = tree_[1];
+    ESS_ASSERT(s >= 0 && key_[s] > step, "belady policy: no victim left (working set larger than the pool)");
+    v = s;
+    key_[s] = step;
+    update(s);
+  }
+  for (std::int32_t s : view.hit_slots) key_[s] = next_use(step, view.token_of_slot[s]);
+  for (std::size_t m = 0; m < victims.size(); ++m) key_[victims[m]] = next_use(step, view.miss_tokens[m]);
+  const std::size_t changed = view.hit_slots.size() + victims.size();
+  if (changed * static_cast<std::size_t>(std::bit_width(static_cast<std::uint32_t>(leaves_))) >
+      static_cast<std::size_t>(leaves_)) {
+    rebuild();
+  } else {
+    for (std::int32_t s : view.hit_slots) update(s);
+    for (std::int32_t s : victims) update(s);
   }
   ++clock_;
 }
@@ -154,9 +204,15 @@ void BeladyPolicy::hash(Digest& d) const {
 }
 
 void BeladyPolicy::check_invariants() const {
-  ESS_ASSERT(order_.size() == static_cast<std::size_t>(n_), "belady order holds {} of {} slots",
-             order_.size(), n_);
-  for (const auto& [key, s] : order_) ESS_ASSERT(key_[s] == key, "belady key of slot {} stale", s);
+  for (std::size_t i = static_cast<std::size_t>(leaves_) - 1; i >= 1; --i) {
+    const std::int32_t a = tree_[2 * i];
+    const std::int32_t b = tree_[2 * i + 1];
+    ESS_ASSERT(tree_[i] == (wins(a, b) ? a : b), "belady tree node {} stale", i);
+  }
+  for (std::int32_t s = 0; s < n_; ++s) {
+    ESS_ASSERT(key_[s] == kEmpty || key_[s] >= clock_, "belady key of slot {} ({}) lies in the past (step {})", s,
+               key_[s], clock_);
+  }
 }
 
 }  // namespace ess

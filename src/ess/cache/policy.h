@@ -90,7 +90,10 @@ class LruPolicy final : public ReplacementPolicy {
 // then tokens never used again, then the furthest next use; ties to the lower slot index).
 // For demand fetching with whole working sets that must be resident together this is the
 // minimum number of misses any policy can achieve; the analyzers use it as the lower bound.
-// O(|working set| log slots) per step.
+// O(|working set| + min(slots, |working set| log slots)) per step: a tournament tree over the
+// slots' keys (largest key wins, ties to the lower slot), rebuilt in one sweep when a step
+// changes more keys than a sweep costs. A hit slot's key is always the current step (that is
+// its next use), smaller than every other slot's, so hits never win before they are re-keyed.
 class BeladyPolicy final : public ReplacementPolicy {
  public:
   // future[i] holds the distinct tokens of the i-th step this policy will see.
@@ -103,18 +106,22 @@ class BeladyPolicy final : public ReplacementPolicy {
 
  private:
   std::int64_t next_use(std::int64_t step, std::int32_t token) const;
+  bool wins(std::int32_t a, std::int32_t b) const {  // a beats b as a victim (b may be -1)
+    return b < 0 || (a >= 0 && key_[a] >= key_[b]);
+  }
+  void update(std::int32_t s);  // re-evaluates the path from slot s to the root
+  void rebuild();
 
   std::int32_t n_;
+  std::int32_t leaves_;  // power of two >= n_
   std::int64_t clock_ = 0;
-  std::vector<std::vector<std::pair<std::int32_t, std::int64_t>>> next_;  // per step: (token, next use), sorted
-  std::vector<std::int64_t> key_;  // per slot: next use (kEmpty for empty slots)
-  struct Cmp {
-    bool operator()(const std::pair<std::int64_t, std::int32_t>& a,
-                    const std::pair<std::int64_t, std::int32_t>& b) const {
-      return a.first != b.first ? a.first > b.first : a.second < b.second;
-    }
-  };
-  std::set<std::pair<std::int64_t, std::int32_t>, Cmp> order_;  // (key, slot): key desc, slot asc
+  std::vector<std::size_t> begin_;          // per step: first index in tokens_ / uses_ (+ end)
+  std::vector<std::int32_t> tokens_;        // the future, flat
+  std::vector<std::int64_t> uses_;          // next use of tokens_[j] after its step
+  std::vector<std::int64_t> use_of_token_;  // scratch: token -> next use, valid where stamped
+  std::vector<std::int64_t> stamp_of_token_;  // token -> step whose uses fill use_of_token_
+  std::vector<std::int64_t> key_;   // per slot: next use (kEmpty for empty slots)
+  std::vector<std::int32_t> tree_;  // tournament tree: winner slot per node, leaves at [leaves_, 2 leaves_)
 };
 
 PolicyFactory lru_factory();

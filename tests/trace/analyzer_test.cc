@@ -1,0 +1,221 @@
+// The analyzer on hand-computed traces, and its invariants on generated ones.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "ess/trace/analyzer.h"
+#include "ess/trace/format.h"
+#include "ess/trace/generator.h"
+#include "test_util.h"
+
+namespace ess::trace {
+namespace {
+
+using testing::expect_error;
+using testing::temp_path;
+
+// 1 request, 2 layers, MTP 1, top-k 2, 4 steps, every length 10.
+//   layer 0: {0,1} {1,2} {2,3} {0,1}
+//   layer 1: {0,1} {0,1} {0,2} {0,2}
+std::string hand_trace() {
+  const auto path = temp_path("hand.safetensors");
+  TraceMeta m;
+  m.layers = 2;
+  m.mtp = 1;
+  m.topk = 2;
+  m.model = "hand";
+  m.provenance = "analyzer_test";
+  RequestData r;
+  r.id = "hand";
+  const int l0[4][2] = {{0, 1}, {1, 2}, {2, 3}, {0, 1}};
+  const int l1[4][2] = {{0, 1}, {0, 1}, {0, 2}, {0, 2}};
+  for (int s = 0; s < 4; ++s) {
+    r.lengths.push_back(10);
+    for (int k = 0; k < 2; ++k) r.topk.push_back(l0[s][k]);
+    for (int k = 0; k < 2; ++k) r.topk.push_back(l1[s][k]);
+  }
+  write_trace(path, m, {r});
+  return path;
+}
+
+AnalyzeConfig hand_config() {
+  AnalyzeConfig c;
+  c.slots = {3, 2};
+  c.steady_from = 0;
+  c.recommend = false;
+  return c;
+}
+
+const PolicyResult& policy(const PoolResult& p, const std::string& name) {
+  for (const auto& q : p.policies) {
+    if (q.name == name) return q;
+  }
+  throw std::runtime_error("no policy " + name);
+}
+
+TEST(Analyzer, HandComputedMissesAndSimilarity) {
+  const TraceReader trace(hand_trace());
+  const auto r = analyze(trace, hand_config());
+  ASSERT_EQ(r.pools.size(), 2u);
+  // 3 slots, LRU: layer 0 misses 2,1,1,1 ; layer 1 misses 2,0,1,0.
+  const auto& lru3 = policy(r.pools[0], "lru");
+  EXPECT_DOUBLE_EQ(lru3.overall.per_layer[0], 5.0 / 4);
+  EXPECT_DOUBLE_EQ(lru3.overall.per_layer[1], 3.0 / 4);
+  EXPECT_DOUBLE_EQ(lru3.overall.mean_misses, 8.0 / 8);
+  EXPECT_EQ(lru3.overall.per_step, (std::vector<double>{2, 0.5, 1, 0.5}));
+  // 2 slots, LRU: layer 0 misses 2,1,1,2 ; layer 1 misses 2,0,1,0.
+  const auto& lru2 = policy(r.pools[1], "lru");
+  EXPECT_DOUBLE_EQ(lru2.overall.per_layer[0], 6.0 / 4);
+  EXPECT_DOUBLE_EQ(lru2.overall.per_layer[1], 3.0 / 4);
+  // Belady at 2 slots: nothing can do better here (every step brings a new token or returns
+  // after an unavoidable eviction), at 3 slots the same 5 + 3.
+  EXPECT_DOUBLE_EQ(policy(r.pools[0], "belady").overall.mean_misses, 1.0);
+  EXPECT_DOUBLE_EQ(policy(r.pools[1], "belady").overall.per_layer[0], 6.0 / 4);
+  // Intra: layer 0 (1 + 1 + 0) / 6, layer 1 (2 + 1 + 2) / 6. Inter (layer 1 vs 0): (2+1+1+1)/8.
+  EXPECT_DOUBLE_EQ(r.intra[0], 2.0 / 6);
+  EXPECT_DOUBLE_EQ(r.intra[1], 5.0 / 6);
+  EXPECT_TRUE(std::isnan(r.inter[0]));
+  EXPECT_DOUBLE_EQ(r.inter[1], 5.0 / 8);
+  EXPECT_DOUBLE_EQ(r.intra_mean, 7.0 / 12);
+  // Prefetch at 3 slots, layer 1: step 0 fetches layer 0's {0,1} (both useful); step 1 fetches
+  // {2} (wasted); step 2 fetches {2,3}: 2 useful, 3 wasted; step 3 {0,1} is resident.
+  ASSERT_TRUE(r.prefetch.has_value());
+  EXPECT_DOUBLE_EQ(r.prefetch->prefetched[1], (2 + 1 + 2 + 0) / 4.0);
+  EXPECT_DOUBLE_EQ(r.prefetch->useful[1], (2 + 0 + 1 + 0) / 4.0);
+  EXPECT_DOUBLE_EQ(r.prefetch->wasted[1], (0 + 1 + 1 + 0) / 4.0);
+  EXPECT_DOUBLE_EQ(r.prefetch->misses_left[1], (0 + 0 + 0 + 0) / 4.0);
+  EXPECT_DOUBLE_EQ(r.prefetch->max_wasted, 1);
+}
+
+TEST(Analyzer, JsonHasTheDocumentedFields) {
+  const TraceReader trace(hand_trace());
+  const auto j = to_json(analyze(trace, hand_config()));
+  for (const char* p : {"lru", "lru_warmup", "fifo", "clock", "lfu", "s3fifo", "belady"}) {
+    ASSERT_TRUE(j["policies"].contains(p)) << p;
+    EXPECT_TRUE(j["policies"][p]["mean_misses"].is_number());
+    EXPECT_EQ(j["policies"][p]["per_layer"].size(), 2u);
+  }
+  EXPECT_EQ(j["similarity"]["intra"].size(), 2u);
+  EXPECT_TRUE(j["similarity"]["inter"][0].is_null());
+  EXPECT_EQ(j["sweep"].size(), 2u);
+  EXPECT_EQ(j["pool"]["slots"], 3);
+  const auto csv = to_csv(analyze(trace, hand_config()));
+  EXPECT_EQ(std::count(csv.begin(), csv.end(), '\n'), 1 + 2 * 2);
+  EXPECT_NE(csv.find("pool,layer,intra,inter,lru,lru_warmup"), std::string::npos);
+  EXPECT_NE(to_table(analyze(trace, hand_config())).find("belady"), std::string::npos);
+}
+
+TEST(Analyzer, BadConfigurationsAreErrors) {
+  const TraceReader trace(hand_trace());
+  auto c = hand_config();
+  c.slots = {1};
+  expect_error([&] { analyze(trace, c); }, {"pool of 1 slots", "largest step working set (2"});
+  c = hand_config();
+  c.slots.clear();
+  c.ratios = {1.5};
+  expect_error([&] { analyze(trace, c); }, {"ratio 1.5"});
+  c = hand_config();
+  c.policies = {"lru", "mru"};
+  expect_error([&] { analyze(trace, c); }, {"unknown policy 'mru'"});
+  c = hand_config();
+  c.steady_from = 4;
+  expect_error([&] { analyze(trace, c); }, {"steady state from step 4"});
+}
+
+TEST(Analyzer, InvalidIdsAreFoundBeforeAnyReplay) {
+  const auto path = temp_path("bad.safetensors");
+  TraceMeta m;
+  m.layers = 1;
+  m.mtp = 1;
+  m.topk = 2;
+  RequestData r;
+  r.lengths = {5, 5};
+  r.topk = {0, 1, 4, 5};
+  write_trace(path, m, {r});
+  const TraceReader trace(path);
+  expect_error([&] { analyze(trace, hand_config()); }, {path, "request 0", "step 1", "id 5 is out of range [0, 5)"});
+}
+
+GeneratorProfile small_profile() {
+  GeneratorProfile p = GeneratorProfile::shipped_default();
+  p.layers = 6;
+  p.topk = 128;
+  p.sink_tokens = 2;
+  p.recent_window = 8;
+  p.candidate_base = 1024;
+  p.reference_context = 2048;
+  p.prefill_windows = 8;
+  p.drift = {0.2, 0.02, 0.08, 0.05, 0.01, 0.1};
+  return p;
+}
+
+TEST(Analyzer, BeladyIsALowerBoundAndWarmupHelpsEarlySteps) {
+  const auto path = temp_path("gen.safetensors");
+  GenerateConfig g;
+  g.contexts = {2048, 4096};
+  g.requests = 2;
+  g.steps = 40;
+  generate_trace(small_profile(), g, path);
+  const TraceReader trace(path);
+  AnalyzeConfig c;
+  c.ratios = {0.2, 0.4};
+  c.threads = 2;
+  c.warmup = false;  // every policy but lru_warmup starts cold, Belady included: a strict bound
+  const auto r = analyze(trace, c);
+  for (const auto& pool : r.pools) {
+    const auto& opt = policy(pool, "belady");
+    for (const auto& q : pool.policies) {
+      if (q.name == "lru_warmup") continue;
+      for (int l = 0; l < 6; ++l) {
+        EXPECT_LE(opt.overall.per_layer[static_cast<std::size_t>(l)], q.overall.per_layer[static_cast<std::size_t>(l)] + 1e-9)
+            << q.name << " layer " << l;
+      }
+    }
+    // Cold start: the first step misses the whole working set; warm-up removes most of it.
+    EXPECT_GT(policy(pool, "lru").overall.per_step[0], 3 * policy(pool, "lru_warmup").overall.per_step[0]);
+  }
+  // A bigger pool never misses more under LRU here, and the recommendation meets its target.
+  EXPECT_LE(policy(r.pools[1], "lru_warmup").overall.mean_misses, policy(r.pools[0], "lru_warmup").overall.mean_misses);
+  ASSERT_EQ(r.recommended.size(), 2u);
+  for (const auto& x : r.recommended) {
+    if (x.slots > 0) {
+      EXPECT_LE(x.mean_misses, r.target_misses);
+    }
+  }
+  // The miss profile carries per-layer percentiles in order.
+  const auto mp = miss_profile_json(r);
+  EXPECT_EQ(mp["format"], "ess-miss-profile");
+  EXPECT_EQ(mp["contexts"].size(), 2u);
+  for (const auto& layer : mp["contexts"][1]["layers"]) {
+    EXPECT_TRUE(layer["mean"].is_number());
+    EXPECT_LE(layer["p50"].get<double>(), layer["p90"].get<double>());
+    EXPECT_LE(layer["p90"].get<double>(), layer["p99"].get<double>());
+  }
+  for (int l = 0; l < 6; ++l) {
+    const auto& g0 = policy(r.pools[0], "lru_warmup").overall;
+    EXPECT_LE(g0.p50[static_cast<std::size_t>(l)], g0.p90[static_cast<std::size_t>(l)]);
+    EXPECT_LE(g0.p90[static_cast<std::size_t>(l)], g0.p99[static_cast<std::size_t>(l)]);
+    EXPECT_LE(g0.p99[static_cast<std::size_t>(l)], g0.max[static_cast<std::size_t>(l)]);
+  }
+}
+
+TEST(Analyzer, ParallelAndSerialReplaysAgree) {
+  const auto path = temp_path("gen.safetensors");
+  GenerateConfig g;
+  g.contexts = {2048};
+  g.requests = 2;
+  g.steps = 24;
+  generate_trace(small_profile(), g, path);
+  const TraceReader trace(path);
+  AnalyzeConfig c;
+  c.recommend = false;
+  c.threads = 1;
+  const auto a = to_json(analyze(trace, c));
+  c.threads = 4;
+  const auto b = to_json(analyze(trace, c));
+  EXPECT_EQ(a["policies"], b["policies"]);
+  EXPECT_EQ(a["similarity"], b["similarity"]);
+}
+
+}  // namespace
+}  // namespace ess::trace

@@ -1,0 +1,315 @@
+// The trace format: C++ round trip, Python-writes / C++-reads, and every kind of bad input.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <nlohmann/json.hpp>
+
+#include "ess/trace/format.h"
+#include "test_util.h"
+
+namespace ess::trace {
+namespace {
+
+using testing::expect_error;
+using testing::read_bytes;
+using testing::temp_path;
+using testing::write_bytes;
+
+TraceMeta small_meta() {
+  TraceMeta m;
+  m.layers = 2;
+  m.mtp = 2;
+  m.topk = 4;
+  m.model = "tiny";
+  m.provenance = "format_test";
+  m.synthetic = true;
+  m.note = "test trace";
+  m.extra["user.key"] = "value";
+  return m;
+}
+
+// Two requests: the first with prefill windows, the second without. Every query selects
+// distinct ids below its step's length.
+std::vector<RequestData> small_requests() {
+  std::vector<RequestData> rs(2);
+  for (int i = 0; i < 2; ++i) {
+    auto& r = rs[static_cast<std::size_t>(i)];
+    r.id = "req-" + std::to_string(i);
+    const int steps = 3 + i;
+    for (int s = 0; s < steps; ++s) {
+      r.lengths.push_back(20 + s);
+      for (int l = 0; l < 2; ++l) {
+        for (int t = 0; t < 2; ++t) {
+          for (int k = 0; k < 4; ++k) r.topk.push_back(k == 3 && t == 1 ? -1 : (s + l + t + 5 * k) % (20 + s));
+        }
+      }
+    }
+    if (i == 0) {
+      r.prefill_windows = 3;
+      for (int l = 0; l < 2; ++l) {
+        for (int w = 0; w < 3; ++w) {
+          for (int k = 0; k < 4; ++k) r.prefill.push_back(w + 4 * k + l);
+        }
+      }
+      r.context = 18;
+    }
+  }
+  return rs;
+}
+
+TEST(TraceFormat, RoundTripsThroughTheWriterAndTheMappedReader) {
+  const auto path = temp_path("t.safetensors");
+  const auto rs = small_requests();
+  write_trace(path, small_meta(), rs);
+  const TraceReader r(path);
+  EXPECT_EQ(r.meta().layers, 2);
+  EXPECT_EQ(r.meta().mtp, 2);
+  EXPECT_EQ(r.meta().topk, 4);
+  EXPECT_EQ(r.meta().model, "tiny");
+  EXPECT_TRUE(r.meta().synthetic);
+  EXPECT_EQ(r.meta().note, "test trace");
+  EXPECT_EQ(r.meta().extra.at("user.key"), "value");
+  ASSERT_EQ(r.requests(), 2u);
+  for (std::size_t i = 0; i < 2; ++i) {
+    const auto& v = r.request(i);
+    EXPECT_EQ(v.id, rs[i].id);
+    EXPECT_EQ(v.lengths, rs[i].lengths);
+    EXPECT_EQ(v.steps, static_cast<std::int64_t>(rs[i].lengths.size()));
+    const std::vector<std::int32_t> ids(v.topk_ids, v.topk_ids + rs[i].topk.size());
+    EXPECT_EQ(ids, rs[i].topk);
+    EXPECT_EQ(v.prefill_windows, rs[i].prefill_windows);
+    if (v.prefill_windows > 0) {
+      const std::vector<std::int32_t> pf(v.prefill_ids, v.prefill_ids + rs[i].prefill.size());
+      EXPECT_EQ(pf, rs[i].prefill);
+    }
+    r.validate_request(i);
+  }
+  EXPECT_EQ(r.request(0).context, 18);  // from metadata
+  EXPECT_EQ(r.request(1).context, 20);  // lengths[0]
+  // step(s, layer) views the right rows.
+  EXPECT_EQ(r.request(1).step(2, 1)[0], rs[1].topk[(2 * 2 + 1) * 8]);
+  // The data section is 8-aligned, so the ids are read in place.
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(r.request(0).topk_ids) % 4, 0u);
+}
+
+// Python writes with numpy alone (python/ess_trace.py), C++ reads: every value equal.
+TEST(TraceFormat, PythonWritesCppReads) {
+#ifndef ESS_SYSTEM_PYTHON3
+  GTEST_SKIP() << "no /usr/bin/python3 at configure time";
+#else
+  const std::string py = ESS_SYSTEM_PYTHON3;
+  if (std::system((py + " -c 'import numpy' 2>/dev/null").c_str()) != 0) {
+    GTEST_SKIP() << py << " has no numpy (install Debian's python3-numpy)";
+  }
+  const auto trace = temp_path("py.safetensors");
+  const auto raw = temp_path("py.raw");
+  const std::string cmd = py + " " + ESS_SOURCE_DIR + "/tests/trace/write_python_trace.py " + ESS_SOURCE_DIR + " " +
+                          trace + " " + raw;
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  const auto bytes = read_bytes(raw);
+  std::vector<std::int64_t> expect(bytes.size() / 8);
+  std::memcpy(expect.data(), bytes.data(), expect.size() * 8);
+  const TraceReader r(trace);
+  EXPECT_EQ(r.meta().model, "test-model");
+  EXPECT_EQ(r.meta().note, "round trip");
+  ASSERT_EQ(r.requests(), 3u);
+  std::size_t at = 0;
+  for (std::size_t i = 0; i < r.requests(); ++i) {
+    const auto& v = r.request(i);
+    EXPECT_EQ(v.id, "py-" + std::to_string(i));
+    r.validate_request(i);
+    const std::size_t n = static_cast<std::size_t>(v.steps) * 3 * 2 * 16;
+    for (std::size_t k = 0; k < n; ++k) ASSERT_EQ(v.topk_ids[k], expect.at(at + k)) << "request " << i << " id " << k;
+    at += n;
+    for (std::size_t s = 0; s < v.lengths.size(); ++s) ASSERT_EQ(v.lengths[s], expect.at(at + s));
+    at += v.lengths.size();
+    EXPECT_EQ(v.context, v.lengths[0] - 2);
+    const std::size_t m = static_cast<std::size_t>(v.prefill_windows) * 3 * 16;
+    for (std::size_t k = 0; k < m; ++k) ASSERT_EQ(v.prefill_ids[k], expect.at(at + k));
+    at += m;
+  }
+  EXPECT_EQ(at, expect.size());
+#endif
+}
+
+// ---- bad input -------------------------------------------------------------------------------
+
+std::vector<std::uint8_t> image(const std::string& header, const std::vector<std::uint8_t>& data) {
+  std::vector<std::uint8_t> out(8 + header.size() + data.size());
+  const std::uint64_t n = header.size();
+  std::memcpy(out.data(), &n, 8);
+  std::memcpy(out.data() + 8, header.data(), header.size());
+  if (!data.empty()) std::memcpy(out.data() + 8 + header.size(), data.data(), data.size());
+  return out;
+}
+
+nlohmann::json good_header(int steps = 1) {
+  // One request, 1 layer, mtp 1, topk 2: topk I32 [steps,1,1,2] then lengths I64 [steps].
+  const auto n = static_cast<std::uint64_t>(steps);
+  return {{"__metadata__",
+           {{"ess.format", "ess-topk-trace"},
+            {"ess.version", "1"},
+            {"ess.requests", "1"},
+            {"ess.layers", "1"},
+            {"ess.mtp", "1"},
+            {"ess.topk", "2"}}},
+          {"requests.0.topk", {{"dtype", "I32"}, {"shape", {steps, 1, 1, 2}}, {"data_offsets", {0, 8 * n}}}},
+          {"requests.0.lengths", {{"dtype", "I64"}, {"shape", {steps}}, {"data_offsets", {8 * n, 16 * n}}}}};
+}
+
+std::vector<std::uint8_t> good_data(std::vector<std::int32_t> ids, std::vector<std::int64_t> lengths) {
+  std::vector<std::uint8_t> d(ids.size() * 4 + lengths.size() * 8);
+  std::memcpy(d.data(), ids.data(), ids.size() * 4);
+  std::memcpy(d.data() + ids.size() * 4, lengths.data(), lengths.size() * 8);
+  return d;
+}
+
+TraceReader parse(const nlohmann::json& h, const std::vector<std::uint8_t>& data) {
+  return TraceReader::from_bytes(image(h.dump(), data), "bad.safetensors");
+}
+
+TEST(TraceFormatBadInput, TheGoodImageParses) {
+  const auto r = parse(good_header(), good_data({3, 4}, {10}));
+  EXPECT_EQ(r.request(0).step(0, 0)[1], 4);
+  r.validate_all();
+}
+
+TEST(TraceFormatBadInput, TruncatedFiles) {
+  const auto path = temp_path("t.safetensors");
+  write_trace(path, small_meta(), small_requests());
+  auto bytes = read_bytes(path);
+  ASSERT_GT(bytes.size(), 100u);
+  bytes.erase(bytes.end() - 10, bytes.end());
+  write_bytes(path, bytes);
+  expect_error([&] { TraceReader r(path); }, {path, "tensor 'requests.1.lengths'", "file offset", "runs past the end"});
+  expect_error([&] { TraceReader::from_bytes(std::vector<std::uint8_t>{1, 2, 3}, "short.bin"); },
+               {"short.bin", "truncated", "offset 0"});
+  expect_error([&] { TraceReader("/nonexistent/x.safetensors"); }, {"/nonexistent/x.safetensors", "cannot open"});
+}
+
+TEST(TraceFormatBadInput, HeaderLengthPastTheEnd) {
+  auto img = image(good_header().dump(), good_data({3, 4}, {10}));
+  const std::uint64_t huge = img.size();
+  std::memcpy(img.data(), &huge, 8);
+  expect_error([&] { TraceReader::from_bytes(img, "f.st"); }, {"f.st", "header length", "past the end"});
+}
+
+TEST(TraceFormatBadInput, MalformedJson) {
+  auto text = good_header().dump();
+  text.pop_back();  // the closing brace
+  expect_error([&] { TraceReader::from_bytes(image(text, good_data({3, 4}, {10})), "f.st"); },
+               {"f.st", "malformed JSON header", "byte offset"});
+  expect_error([&] { TraceReader::from_bytes(image("[1,2]", {}), "f.st"); }, {"not an object"});
+  // Found by the fuzzer: a number no type can hold is a JSON error too, not a crash.
+  expect_error([&] { TraceReader::from_bytes(image("{\"a\": 299999999E9999999}", {}), "f.st"); },
+               {"f.st", "malformed JSON header"});
+}
+
+TEST(TraceFormatBadInput, UnknownAndUnsupportedDtypes) {
+  auto h = good_header();
+  h["requests.0.topk"]["dtype"] = "Q32";
+  expect_error([&] { parse(h, good_data({3, 4}, {10})); }, {"bad.safetensors", "requests.0.topk", "unknown dtype 'Q32'"});
+  h = good_header();
+  h["requests.0.topk"]["dtype"] = "F32";
+  const auto data_start = 8 + h.dump().size();  // the data section starts after the header
+  expect_error([&] { parse(h, good_data({3, 4}, {10})); },
+               {"request 0", "requests.0.topk", "file offset " + std::to_string(data_start), "F32 is not supported"});
+}
+
+TEST(TraceFormatBadInput, ShapeAndLengthMismatches) {
+  auto h = good_header();
+  h["__metadata__"]["ess.layers"] = "2";
+  expect_error([&] { parse(h, good_data({3, 4}, {10})); }, {"request 0", "requests.0.topk", "does not match"});
+  h = good_header();
+  h["requests.0.topk"]["shape"] = {1, 1, 1, 3};  // 12 bytes but offsets hold 8
+  expect_error([&] { parse(h, good_data({3, 4}, {10})); }, {"requests.0.topk", "needs 12 bytes", "hold 8"});
+  h = good_header(2);
+  h["requests.0.lengths"]["shape"] = {1};
+  h["requests.0.lengths"]["data_offsets"] = {16, 24};
+  expect_error([&] { parse(h, good_data({3, 4, 5, 6}, {10})); }, {"requests.0.lengths", "does not match [steps=2]"});
+  h = good_header();
+  h["requests.0.topk"]["data_offsets"] = {8, 4};
+  expect_error([&] { parse(h, good_data({3, 4}, {10})); }, {"reversed"});
+  h = good_header();
+  h["__metadata__"]["ess.requests"] = "2";
+  expect_error([&] { parse(h, good_data({3, 4}, {10})); }, {"request 1", "'requests.1.topk' is missing"});
+  expect_error([&] { parse(good_header(0), {}); }, {"request 0", "requests.0.topk", "at least one step"});
+  h = good_header();
+  h["requests.7.topk"] = h["requests.0.topk"];
+  expect_error([&] { parse(h, good_data({3, 4}, {10})); }, {"requests.7.topk", "not part of the format"});
+}
+
+TEST(TraceFormatBadInput, MetadataErrors) {
+  auto h = good_header();
+  h["__metadata__"].erase("ess.topk");
+  expect_error([&] { parse(h, good_data({3, 4}, {10})); }, {"'ess.topk' is missing"});
+  h = good_header();
+  h["__metadata__"]["ess.version"] = "2";
+  expect_error([&] { parse(h, good_data({3, 4}, {10})); }, {"version 2 is not supported"});
+  h = good_header();
+  h["__metadata__"]["ess.mtp"] = "two";
+  expect_error([&] { parse(h, good_data({3, 4}, {10})); }, {"'ess.mtp' = 'two' is not an integer"});
+  h = good_header();
+  h["__metadata__"]["ess.format"] = "pytorch";
+  expect_error([&] { parse(h, good_data({3, 4}, {10})); }, {"ess.format"});
+  h = good_header();
+  h["__metadata__"]["ess.layers"] = 1;
+  expect_error([&] { parse(h, good_data({3, 4}, {10})); }, {"'ess.layers'", "not a string"});
+}
+
+TEST(TraceFormatBadInput, BadLengths) {
+  const auto data_start = 8 + good_header().dump().size();
+  expect_error([&] { parse(good_header(), good_data({3, 4}, {0})); },
+               {"request 0", "requests.0.lengths", "byte offset " + std::to_string(data_start + 8), "length 0"});
+}
+
+TEST(TraceFormatBadInput, IdsOutOfRangeOrDuplicatedWithinAQuery) {
+  {
+    const auto r = parse(good_header(2), good_data({3, 4, 5, 11}, {10, 11}));
+    // Step 1 has length 11: id 11 is one past the end. Byte offset = header + 8 + 3 * 4.
+    const auto off = 8 + good_header(2).dump().size() + 12;
+    expect_error([&] { r.validate_request(0); },
+                 {"bad.safetensors", "request 0", "requests.0.topk", "byte offset " + std::to_string(off), "step 1",
+                  "position 1", "id 11 is out of range [0, 11)"});
+  }
+  {
+    const auto r = parse(good_header(), good_data({-2, 4}, {10}));
+    expect_error([&] { r.validate_all(); }, {"id -2 is out of range"});
+  }
+  {
+    const auto r = parse(good_header(), good_data({4, 4}, {10}));
+    expect_error([&] { r.validate_all(); }, {"request 0", "requests.0.topk", "id 4 is selected twice", "first at position 0"});
+  }
+  {
+    // -1 padding may repeat.
+    const auto r = parse(good_header(), good_data({-1, -1}, {10}));
+    EXPECT_NO_THROW(r.validate_all());
+  }
+}
+
+TEST(TraceFormatBadInput, MisalignedTensorsAreCopiedNotMisread) {
+  auto h = good_header();
+  // Put the ids at data offset 2 (misaligned), after two padding bytes.
+  h["requests.0.topk"]["data_offsets"] = {2, 10};
+  h["requests.0.lengths"]["data_offsets"] = {10, 18};
+  const auto body = good_data({7, 9}, {12});
+  std::vector<std::uint8_t> data(2 + body.size(), 0);
+  std::memcpy(data.data() + 2, body.data(), body.size());
+  const auto r = parse(h, data);
+  EXPECT_EQ(r.request(0).step(0, 0)[0], 7);
+  EXPECT_EQ(r.request(0).step(0, 0)[1], 9);
+  EXPECT_EQ(r.request(0).lengths[0], 12);
+}
+
+TEST(TraceFormat, WriterRefusesWrongShapesAndOrder) {
+  const auto path = temp_path("w.safetensors");
+  TraceWriter w(path, small_meta(), {{"a", 2, 0, 0}});
+  std::vector<std::int32_t> ids(2 * 2 * 2 * 4, 0);
+  std::vector<std::int64_t> lengths{5, 6};
+  expect_error([&] { w.write_request(1, ids, lengths, {}); }, {"out of order"});
+  expect_error([&] { w.write_request(0, std::span(ids).first(3), lengths, {}); }, {"topk has 3 ids"});
+  expect_error([&] { w.close(); }, {"after 0 of 1 requests"});
+}
+
+}  // namespace
+}  // namespace ess::trace

@@ -1,0 +1,173 @@
+// The synthetic generator: structural guarantees, determinism, metadata, profile validation.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <set>
+
+#include "ess/trace/format.h"
+#include "ess/trace/generator.h"
+#include "test_util.h"
+
+namespace ess::trace {
+namespace {
+
+using testing::expect_error;
+using testing::temp_path;
+
+GeneratorProfile tiny_profile() {
+  GeneratorProfile p;
+  p.name = "tiny";
+  p.layers = 4;
+  p.topk = 64;
+  p.mtp = 2;
+  p.accept_ratio = 1.5;
+  p.prefill_windows = 4;
+  p.sink_tokens = 2;
+  p.recent_window = 8;
+  p.candidate_base = 300;
+  p.reference_context = 1000;
+  p.topic_shift_rate = 0.1;
+  p.candidate_churn = 0.01;
+  p.drift = {0.5, 0.05, 0.2, 0.01};
+  p.validate("test");
+  return p;
+}
+
+// Every query selects exactly min(K, visible) distinct valid ids, -1 for the rest.
+void check_row(const std::int32_t* row, int K, std::int64_t visible, const std::string& where) {
+  std::set<std::int32_t> seen;
+  int valid = 0;
+  for (int k = 0; k < K; ++k) {
+    if (row[k] == -1) continue;
+    ASSERT_GE(row[k], 0) << where;
+    ASSERT_LT(row[k], visible) << where;
+    ASSERT_TRUE(seen.insert(row[k]).second) << where << ": id " << row[k] << " twice";
+    ++valid;
+  }
+  ASSERT_EQ(valid, std::min<std::int64_t>(K, visible)) << where;
+}
+
+TEST(Generator, EveryQuerySelectsExactlyMinKDistinctValidIds) {
+  const auto p = tiny_profile();
+  for (std::int64_t context : {1, 5, 40, 61, 62, 63, 64, 65, 70, 200, 3000}) {
+    const auto r = generate_request(p, context, 40, 11, 0);
+    ASSERT_EQ(r.lengths.size(), 40u);
+    ASSERT_EQ(r.lengths.front(), context + p.mtp);
+    const int W = r.prefill_windows;
+    ASSERT_EQ(W, std::min<std::int64_t>(p.prefill_windows, context));
+    for (int l = 0; l < p.layers; ++l) {
+      for (int w = 0; w < W; ++w) {
+        check_row(r.prefill.data() + (static_cast<std::size_t>(l) * W + w) * 64, 64, context - W + w + 1,
+                  "prefill context " + std::to_string(context));
+      }
+    }
+    for (std::size_t s = 0; s < r.lengths.size(); ++s) {
+      if (s > 0) {
+        const auto grew = r.lengths[s] - r.lengths[s - 1];
+        ASSERT_GE(grew, 1);
+        ASSERT_LE(grew, p.mtp);
+      }
+      for (int l = 0; l < p.layers; ++l) {
+        for (int t = 0; t < p.mtp; ++t) {
+          const std::int64_t visible = r.lengths[s] - (p.mtp - 1 - t);
+          check_row(r.topk.data() + ((s * p.layers + static_cast<std::size_t>(l)) * p.mtp + static_cast<std::size_t>(t)) * 64,
+                    64, visible, "context " + std::to_string(context) + " step " + std::to_string(s));
+        }
+      }
+    }
+  }
+}
+
+TEST(Generator, IsDeterministicInItsSeed) {
+  const auto p = tiny_profile();
+  const auto a = generate_request(p, 500, 20, 5, 1);
+  const auto b = generate_request(p, 500, 20, 5, 1);
+  const auto c = generate_request(p, 500, 20, 6, 1);
+  EXPECT_EQ(a.topk, b.topk);
+  EXPECT_EQ(a.prefill, b.prefill);
+  EXPECT_EQ(a.lengths, b.lengths);
+  EXPECT_NE(a.topk, c.topk);
+}
+
+TEST(Generator, HigherDriftLayersChangeMore) {
+  const auto p = tiny_profile();
+  const auto r = generate_request(p, 3000, 60, 3, 0);
+  auto changed = [&](int layer) {
+    std::int64_t n = 0;
+    for (std::size_t s = 1; s < 60; ++s) {
+      const auto* a = r.topk.data() + ((s - 1) * p.layers + static_cast<std::size_t>(layer)) * p.mtp * 64;
+      const auto* b = r.topk.data() + (s * p.layers + static_cast<std::size_t>(layer)) * p.mtp * 64;
+      const std::set<std::int32_t> prev(a, a + 64);
+      for (int k = 0; k < 64; ++k) n += prev.contains(b[k]) ? 0 : 1;
+    }
+    return n;
+  };
+  EXPECT_GT(changed(0), changed(2));
+  EXPECT_GT(changed(2), changed(1));
+  EXPECT_GT(changed(1), changed(3));
+}
+
+TEST(Generator, TracesSayTheyAreSynthetic) {
+  const auto path = temp_path("gen.safetensors");
+  GenerateConfig c;
+  c.contexts = {300, 900};
+  c.requests = 3;
+  c.steps = 6;
+  generate_trace(tiny_profile(), c, path);
+  const TraceReader r(path);
+  EXPECT_TRUE(r.meta().synthetic);
+  EXPECT_NE(r.meta().note.find("SYNTHETIC"), std::string::npos);
+  EXPECT_NE(r.meta().provenance.find("synthetic"), std::string::npos);
+  EXPECT_NE(r.meta().generator.find("\"drift\""), std::string::npos);
+  ASSERT_EQ(r.requests(), 3u);
+  EXPECT_EQ(r.request(0).context, 300);
+  EXPECT_EQ(r.request(1).context, 900);
+  EXPECT_EQ(r.request(2).context, 300);
+  r.validate_all();
+}
+
+TEST(Generator, ShippedDefaultProfileLoads) {
+  const auto p = GeneratorProfile::shipped_default();
+  EXPECT_EQ(p.layers, 61);
+  EXPECT_EQ(p.topk, 2048);
+  EXPECT_EQ(p.mtp, 2);
+  EXPECT_EQ(p.drift.size(), 61u);
+  const auto again = GeneratorProfile::from_json(p.to_json(), "round trip");
+  EXPECT_EQ(again.drift, p.drift);
+  EXPECT_EQ(GeneratorProfile::from_file(std::string(ESS_SOURCE_DIR) + "/configs/trace-profiles/default.json").drift, p.drift);
+}
+
+TEST(Generator, BadProfilesAreRefusedWithTheField) {
+  auto j = tiny_profile().to_json();
+  j["drfit"] = 1;
+  expect_error([&] { GeneratorProfile::from_json(j, "p.json"); }, {"p.json", "unknown generator profile field 'drfit'"});
+  j = tiny_profile().to_json();
+  j["drift"] = {0.1, 1.5};
+  expect_error([&] { GeneratorProfile::from_json(j, "p.json"); }, {"p.json", "'drift'[1] = 1.5"});
+  j = tiny_profile().to_json();
+  j["synthetic"] = false;
+  expect_error([&] { GeneratorProfile::from_json(j, "p.json"); }, {"'synthetic' must be true"});
+  j = tiny_profile().to_json();
+  j["topk"] = "many";
+  expect_error([&] { GeneratorProfile::from_json(j, "p.json"); }, {"'topk'", "wrong type"});
+  j = tiny_profile().to_json();
+  j["recent_window"] = 70;
+  expect_error([&] { GeneratorProfile::from_json(j, "p.json"); }, {"'recent_window' = 70"});
+  j = tiny_profile().to_json();
+  j.erase("drift");
+  expect_error([&] { GeneratorProfile::from_json(j, "p.json"); }, {"'drift'", "missing"});
+  expect_error([&] { GeneratorProfile::from_file("/nonexistent.json"); }, {"/nonexistent.json"});
+  expect_error([&] { generate_request(tiny_profile(), 0, 5, 1, 0); }, {"context 0"});
+}
+
+TEST(Generator, DriftIsResampledForAnotherLayerCount) {
+  auto p = tiny_profile();
+  p.drift = {0.0, 1.0};
+  p.layers = 5;
+  EXPECT_DOUBLE_EQ(p.drift_of(0), 0.0);
+  EXPECT_DOUBLE_EQ(p.drift_of(2), 0.5);
+  EXPECT_DOUBLE_EQ(p.drift_of(4), 1.0);
+}
+
+}  // namespace
+}  // namespace ess::trace

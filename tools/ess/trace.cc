@@ -1,0 +1,200 @@
+// ess trace gen | analyze | info: the trace toolkit (docs/trace-format.md, docs/trace-analysis.md).
+#include <fmt/format.h>
+
+#include <chrono>
+#include <fstream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "commands.h"
+#include "ess/core/error.h"
+#include "ess/trace/analyzer.h"
+#include "ess/trace/format.h"
+#include "ess/trace/generator.h"
+
+namespace ess::cli {
+namespace {
+
+struct GenArgs {
+  std::string output;
+  std::string profile;
+  trace::GenerateConfig config;
+  int layers = 0;
+  std::uint64_t seed = 1;
+  Format format = Format::kTable;
+};
+
+struct AnalyzeArgs {
+  std::string input;
+  trace::AnalyzeConfig config;
+  std::string policies;
+  bool no_warmup = false;
+  bool no_recommend = false;
+  bool no_prefetch = false;
+  bool no_similarity = false;
+  std::string miss_profile;
+  std::string output;
+  Format format = Format::kTable;
+};
+
+void write_text(const std::string& path, const std::string& text) {
+  std::ofstream out(path);
+  ESS_CHECK(out.good(), "{}: cannot create file", path);
+  out << text;
+  out.close();
+  ESS_CHECK(out.good(), "{}: write failed", path);
+}
+
+void add_gen(CLI::App& parent) {
+  auto a = std::make_shared<GenArgs>();
+  CLI::App* cmd = parent.add_subcommand(
+      "gen",
+      "Generate a SYNTHETIC top-k trace from a parametric locality model (sinks, recency window, drifting heavy "
+      "hitters, topic shifts, MTP, prefill windows). The default profile is calibrated to the statistics the ESS "
+      "paper reports for DeepSeek-V3.2-Exp; the traces are not real model selections, and their metadata says so.");
+  cmd->add_option("--output,-o", a->output, "Trace file to write (.safetensors)")->required();
+  cmd->add_option("--profile", a->profile, "Generator profile JSON (default: configs/trace-profiles/default.json, built in)");
+  cmd->add_option("--context,-c", a->config.contexts, "Prompt length(s); request i uses the (i mod n)-th")
+      ->capture_default_str();
+  cmd->add_option("--requests,-b", a->config.requests, "Requests")->capture_default_str();
+  cmd->add_option("--steps,-s", a->config.steps, "Decode steps per request")->capture_default_str();
+  cmd->add_option("--layers,-l", a->layers, "Override the profile's layer count (the drift curve is resampled)");
+  cmd->add_option("--seed", a->config.seed, "Random seed")->capture_default_str();
+  add_format_option(*cmd, a->format);
+  cmd->callback([a] {
+    trace::GeneratorProfile p =
+        a->profile.empty() ? trace::GeneratorProfile::shipped_default() : trace::GeneratorProfile::from_file(a->profile);
+    if (a->layers > 0) {
+      p.layers = a->layers;
+      p.validate("--layers");
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    trace::generate_trace(p, a->config, a->output);
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const double ids = static_cast<double>(a->config.requests) * static_cast<double>(a->config.steps) * p.layers * p.mtp * p.topk;
+    if (a->format == Format::kJson) {
+      fmt::print("{}\n", nlohmann::json{{"output", a->output},
+                                        {"synthetic", true},
+                                        {"profile", p.name},
+                                        {"requests", a->config.requests},
+                                        {"steps", a->config.steps},
+                                        {"contexts", a->config.contexts},
+                                        {"layers", p.layers},
+                                        {"mtp", p.mtp},
+                                        {"topk", p.topk},
+                                        {"seconds", secs}}
+                             .dump(2));
+    } else {
+      fmt::print("wrote {} (SYNTHETIC: profile '{}'): {} requests x {} steps x {} layers x MTP {} x top-k {} = {:.0f} ids "
+                 "in {:.2f} s\n",
+                 a->output, p.name, a->config.requests, a->config.steps, p.layers, p.mtp, p.topk, ids, secs);
+    }
+  });
+}
+
+void add_analyze(CLI::App& parent) {
+  auto a = std::make_shared<AnalyzeArgs>();
+  CLI::App* cmd = parent.add_subcommand(
+      "analyze",
+      "Locality (intra/inter-layer similarity), misses per layer / step / policy / pool size (LRU, LRU + warm-up, "
+      "FIFO, CLOCK, LFU with aging, S3-FIFO, Belady-optimal), inter-layer prefetch, recommended pool size per "
+      "context, and the miss profile the simulator reads.");
+  auto& c = a->config;
+  cmd->add_option("trace", a->input, "Trace file")->required();
+  auto* ratio = cmd->add_option("--ratio,-r", c.ratios, "Sparse Memory Ratio(s); slots = ceil(ratio x context) (default 0.2)");
+  cmd->add_option("--slots", c.slots, "Slot count(s) per request-layer")->excludes(ratio);
+  cmd->add_option("--policies", a->policies,
+                  "Comma-separated subset of lru,lru_warmup,fifo,clock,lfu,s3fifo,belady (default: all)");
+  cmd->add_flag("--no-warmup", a->no_warmup, "Start every policy but lru_warmup cold");
+  cmd->add_option("--steady-from", c.steady_from, "First decode step of the steady state (default min(32, steps/4))");
+  cmd->add_option("--target", c.target_misses, "Mean-miss target of the recommended pool size")->capture_default_str();
+  cmd->add_option("--granularity", c.recommend_granularity, "Slot granularity of the recommended pool size")
+      ->capture_default_str();
+  cmd->add_flag("--no-recommend", a->no_recommend, "Skip the recommended pool size search");
+  cmd->add_flag("--no-prefetch", a->no_prefetch, "Skip the inter-layer prefetch analysis");
+  cmd->add_flag("--no-similarity", a->no_similarity, "Skip the similarity metrics");
+  cmd->add_option("--lfu-aging", c.policy_options.lfu_aging_period, "Steps between LFU count halvings")
+      ->capture_default_str();
+  cmd->add_option("--threads,-j", c.threads, "Worker threads (0 = all cores)")->capture_default_str();
+  cmd->add_option("--miss-profile", a->miss_profile, "Also write the miss profile JSON (per layer mean/p50/p90/p99)");
+  cmd->add_option("--output,-o", a->output, "Write the report to this file instead of stdout");
+  add_format_option(*cmd, a->format);
+  cmd->callback([a] {
+    auto& cfg = a->config;
+    if (!a->policies.empty()) {
+      cfg.policies.clear();
+      std::size_t start = 0;
+      while (start <= a->policies.size()) {
+        const auto end = std::min(a->policies.find(',', start), a->policies.size());
+        const auto name = a->policies.substr(start, end - start);
+        if (!name.empty()) cfg.policies.push_back(name);
+        start = end + 1;
+      }
+      ESS_CHECK(!cfg.policies.empty(), "--policies: no policy named");
+    }
+    cfg.warmup = !a->no_warmup;
+    cfg.recommend = !a->no_recommend;
+    cfg.prefetch = !a->no_prefetch;
+    cfg.similarity = !a->no_similarity;
+    const trace::TraceReader reader(a->input);
+    const trace::AnalysisResult r = trace::analyze(reader, cfg);
+    std::string text;
+    if (a->format == Format::kJson) {
+      text = trace::to_json(r).dump(2) + "\n";
+    } else if (a->format == Format::kCsv) {
+      text = trace::to_csv(r);
+    } else {
+      text = trace::to_table(r);
+    }
+    if (a->output.empty()) {
+      fmt::print("{}", text);
+    } else {
+      write_text(a->output, text);
+    }
+    if (!a->miss_profile.empty()) {
+      const bool has = std::find(cfg.policies.begin(), cfg.policies.end(), "lru_warmup") != cfg.policies.end();
+      write_text(a->miss_profile, trace::miss_profile_json(r, has ? "lru_warmup" : cfg.policies.front()).dump(2) + "\n");
+    }
+  });
+}
+
+void add_info(CLI::App& parent) {
+  auto path = std::make_shared<std::string>();
+  auto full = std::make_shared<bool>(false);
+  CLI::App* cmd = parent.add_subcommand("info", "Check a trace file and print its metadata and shapes");
+  cmd->add_option("trace", *path, "Trace file")->required();
+  cmd->add_flag("--validate", *full, "Also check every id (range, duplicates within a query)");
+  cmd->callback([path, full] {
+    const trace::TraceReader r(*path);
+    const auto& m = r.meta();
+    fmt::print("{}: ESS top-k trace v{} | {} | {} requests | {} layers | MTP {} | top-k {} | {}\n", *path,
+               trace::kFormatVersion, m.model, r.requests(), m.layers, m.mtp, m.topk,
+               m.synthetic ? "SYNTHETIC" : "recorded");
+    fmt::print("provenance: {}\n", m.provenance);
+    if (!m.note.empty()) fmt::print("note: {}\n", m.note);
+    for (std::size_t i = 0; i < r.requests(); ++i) {
+      const auto& q = r.request(i);
+      fmt::print("  request {} '{}': context {}, {} steps (length {} -> {}), {} prefill windows\n", i, q.id, q.context,
+                 q.steps, q.lengths.front(), q.lengths.back(), q.prefill_windows);
+    }
+    if (*full) {
+      r.validate_all();
+      fmt::print("all ids valid\n");
+    }
+  });
+}
+
+}  // namespace
+
+void add_trace(CLI::App& app, int& exit_code) {
+  (void)exit_code;
+  CLI::App* cmd = app.add_subcommand("trace", "Top-k access traces: generate (synthetic), check, analyze");
+  cmd->require_subcommand(1);
+  add_gen(*cmd);
+  add_analyze(*cmd);
+  add_info(*cmd);
+}
+
+}  // namespace ess::cli
