@@ -1,0 +1,61 @@
+// Hardware profile: what one GPU, its node and the cluster fabric can do, read from JSON.
+//
+// Every number has its source written beside it in the file's "sources" object (field ->
+// text); a profile with a number and no source, an unknown field, or a value out of range is
+// refused with a message naming the file, the field and the value.
+#pragma once
+
+#include <nlohmann/json_fwd.hpp>
+
+#include <map>
+#include <string>
+#include <vector>
+
+namespace ess::sim {
+
+struct HardwareProfile {
+  std::string name;         // "h200", ...
+  std::string description;  // free text
+  // GPU memory.
+  double hbm_capacity_gb = 0;       // usable device memory, 1e9 bytes
+  double hbm_bandwidth_gbps = 0;    // peak, GB/s
+  double memory_efficiency = 0;     // achievable fraction of hbm_bandwidth_gbps
+  // GPU compute (dense, no sparsity).
+  double bf16_tflops = 0;
+  double fp8_tflops = 0;
+  double gemm_efficiency = 0;       // achievable fraction of peak for FP8 GEMMs
+  double attention_efficiency = 0;  // sparse MLA decode (FlashMLA), fraction of BF16 peak
+  double indexer_efficiency = 0;    // FP8 paged MQA logits (DeepGEMM), fraction of FP8 peak
+  double kernel_launch_us = 0;      // per kernel: launch gap inside a CUDA graph
+  // Host link (PCIe), per GPU, GB/s.
+  double h2d_scattered_gbps = 0;    // 656-byte entries, FlashTrans kernel (zero-copy)
+  double d2h_scattered_gbps = 0;
+  double h2d_bulk_gbps = 0;         // large contiguous copies (copy engine)
+  double d2h_bulk_gbps = 0;
+  double transfer_launch_us = 0;    // fixed cost of one FlashTrans launch
+  // Expert-parallel fabric, per GPU.
+  double nvlink_gbps = 0;           // achievable all-to-all bandwidth inside a node
+  double nvlink_latency_us = 0;
+  double rdma_gbps = 0;             // achievable all-to-all bandwidth across nodes
+  double rdma_latency_us = 0;
+  // Host, per node.
+  double host_dram_gb = 0;
+  double host_dram_bandwidth_gbps = 0;
+  // Memory the CUDA context, NCCL/DeepEP buffers and allocator take outside the model's pools.
+  double cuda_context_gb = 0;
+
+  std::map<std::string, std::string> sources;  // field -> where its value comes from
+
+  static HardwareProfile from_json(const nlohmann::json& j, const std::string& source);
+  static HardwareProfile from_file(const std::string& path);
+  // One of the profiles shipped in configs/hardware (compiled in): see shipped_names().
+  static HardwareProfile shipped(const std::string& name);
+  static std::vector<std::string> shipped_names();
+  // A shipped name or a path to a JSON file.
+  static HardwareProfile load(const std::string& name_or_path);
+
+  nlohmann::json to_json() const;
+  void validate(const std::string& source) const;
+};
+
+}  // namespace ess::sim

@@ -1,0 +1,64 @@
+// Memory model of one decode GPU: weights under the deployment's sharding, the indexer cache
+// (always whole on the GPU), the latent cache (Sparse Memory Pool: slots per request-layer),
+// activations and workspace, the CUDA context; and the host side (Total Memory Pool of all
+// GPUs of a node against host DRAM). All sizes in bytes.
+#pragma once
+
+#include <cstdint>
+
+#include "ess/model/model_spec.h"
+#include "ess/sim/deployment.h"
+#include "ess/sim/hardware.h"
+
+namespace ess::sim {
+
+struct WeightBytes {
+  double attention = 0;       // MLA + indexer projections, every layer (+ the MTP layer)
+  double dense_ffn = 0;       // the first_k_dense_replace layers' FFN
+  double shared_experts = 0;
+  double routed_experts = 0;  // this GPU's share under expert parallelism
+  double embedding = 0;       // embedding + LM head (+ the MTP layer's eh_proj), BF16
+  double router = 0;
+  double total() const { return attention + dense_ffn + shared_experts + routed_experts + embedding + router; }
+};
+
+class MemoryModel {
+ public:
+  MemoryModel(const ModelSpec& model, const HardwareProfile& hw, const Deployment& dep,
+              std::int64_t context);
+
+  const WeightBytes& weights() const { return weights_; }
+  int cache_layers() const { return cache_layers_; }  // layers holding a cache (+ MTP layer)
+  double hbm_bytes() const;
+  // HBM x mem_fraction_static - weights: what the indexer and latent caches may use.
+  double cache_budget() const { return cache_budget_; }
+  // (1 - mem_fraction_static) x HBM - CUDA context: what activations and workspace may use.
+  double activation_budget() const;
+  double indexer_bytes_per_request() const;                  // whole context, every cache layer
+  double latent_bytes_per_request(double slots) const;       // slots x cache layers x 656
+  double activation_bytes(int batch) const;                  // B x T tokens in flight + workspace
+  // Smallest pool that serves a step: min(T x top-k, context) slots.
+  std::int32_t min_slots() const;
+
+  // Largest batch whose caches fit with `slots` per request-layer (0 when none fits).
+  int max_batch(double slots) const;
+  // Most slots per request-layer that fit `batch` requests (capped at the context). Throws
+  // ess::Error naming the batch when even min_slots() does not fit or activations overflow.
+  std::int32_t slots_for_batch(int batch) const;
+  // Throws unless `batch` requests with `slots` each fit (message names what overflows).
+  void check_fits(int batch, double slots) const;
+
+  // Host: the Total Memory Pool of all GPUs of a node (every token of every layer).
+  double host_pool_bytes_per_node(int batch) const;
+
+ private:
+  ModelSpec model_;
+  HardwareProfile hw_;
+  Deployment dep_;
+  std::int64_t context_;
+  int cache_layers_ = 0;
+  WeightBytes weights_;
+  double cache_budget_ = 0;
+};
+
+}  // namespace ess::sim

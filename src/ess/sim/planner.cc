@@ -1,0 +1,117 @@
+#include "ess/sim/planner.h"
+
+#include <algorithm>
+
+#include "ess/core/error.h"
+#include "ess/sim/memory_model.h"
+
+namespace ess::sim {
+namespace {
+
+struct Search {
+  PlanOption option;
+  int too_slow = 0;          // feasible in memory, below the OTPS target
+  int host_dram = 0;         // refused: host pool > host DRAM
+  int host_bandwidth = 0;    // refused: H2D demand > host-memory bandwidth
+  double best_otps_seen = 0;
+};
+
+}  // namespace
+
+PlanResult plan(const StepModel& model, const PlanRequest& req) {
+  ESS_CHECK(req.min_otps >= 0, "plan: minimum OTPS = {} must be >= 0", req.min_otps);
+  ESS_CHECK(req.batch_step >= 1, "plan: batch step = {} must be >= 1", req.batch_step);
+  ESS_CHECK(!req.modes.empty(), "plan: no overlap mode to try");
+  const HardwareProfile& hw = model.hardware();
+  const MemoryModel mem(model.model(), hw, model.deployment(), req.context);
+  PlanResult out;
+  out.context = req.context;
+  out.min_otps = req.min_otps;
+
+  std::vector<Search> searches;
+  auto run_kind = [&](const std::string& label, bool offload, OverlapMode mode) {
+    Search s;
+    s.option.label = label;
+    const double slots = offload ? mem.min_slots() : double(req.context);
+    const int max_b = mem.max_batch(slots);
+    for (int b = 1; b <= max_b; b += req.batch_step) {
+      Workload w;
+      w.context = req.context;
+      w.batch = b;
+      w.offload = offload;
+      w.overlap = mode;
+      w.misses = req.misses;
+      const StepResult r = model.run(w);
+      ++out.evaluated;
+      s.best_otps_seen = std::max(s.best_otps_seen, r.otps);
+      if (offload && r.host_pool_gb_per_node > hw.host_dram_gb) {
+        ++s.host_dram;
+        continue;
+      }
+      if (offload && r.h2d_gbps_per_node > hw.host_dram_bandwidth_gbps) {
+        ++s.host_bandwidth;
+        continue;
+      }
+      if (r.otps < req.min_otps) {
+        ++s.too_slow;
+        continue;
+      }
+      if (!s.option.found || r.throughput_tokens_per_s > s.option.best.throughput_tokens_per_s) {
+        s.option.found = true;
+        s.option.best = r;
+      }
+    }
+    if (s.host_dram > 0) {
+      out.refusals.push_back(fmt::format(
+          "{}: {} batch sizes refused: the node's Total Memory Pool exceeds host DRAM ({} GB)", label,
+          s.host_dram, hw.host_dram_gb));
+    }
+    if (s.host_bandwidth > 0) {
+      out.refusals.push_back(fmt::format(
+          "{}: {} batch sizes refused: aggregate H2D traffic exceeds the node's host-memory bandwidth ({} GB/s)",
+          label, s.host_bandwidth, hw.host_dram_bandwidth_gbps));
+    }
+    if (!s.option.found) {
+      s.option.why = max_b < 1 ? "no batch fits in GPU memory"
+                               : fmt::format("no batch meets {:.2f} tokens/s per request (best {:.2f})",
+                                             req.min_otps, s.best_otps_seen);
+    }
+    searches.push_back(std::move(s));
+  };
+  run_kind("all-on-GPU", false, OverlapMode::kNone);
+  for (OverlapMode m : req.modes) run_kind(fmt::format("ESS {}", to_string(m)), true, m);
+
+  std::sort(searches.begin(), searches.end(), [](const Search& a, const Search& b) {
+    if (a.option.found != b.option.found) return a.option.found;
+    return a.option.best.throughput_tokens_per_s > b.option.best.throughput_tokens_per_s;
+  });
+  if (searches.front().option.found) {
+    out.found = true;
+    out.chosen = searches.front().option;
+    const StepResult& c = out.chosen.best;
+    for (std::size_t i = 1; i < searches.size(); ++i) {
+      PlanOption& o = searches[i].option;
+      if (!o.found) continue;
+      const StepResult& r = o.best;
+      const double gap = 100.0 * (1.0 - r.throughput_tokens_per_s / c.throughput_tokens_per_s);
+      if (gap < 0.05) {
+        o.why = fmt::format("ties with the chosen configuration (within 0.05%: batch {}, step {:.2f} ms)", r.batch,
+                            r.step_us / 1e3);
+      } else if (r.batch < c.batch) {
+        o.why = fmt::format("{:.1f}% less throughput: at most batch {} meets the target (memory or OTPS)", gap, r.batch);
+      } else if (r.exposed_transfer_us > c.exposed_transfer_us) {
+        o.why = fmt::format("{:.1f}% less throughput: {:.2f} ms of exposed H2D transfer per step", gap,
+                            r.exposed_transfer_us / 1e3);
+      } else {
+        o.why = fmt::format("{:.1f}% less throughput: step {:.2f} ms vs {:.2f} ms", gap, r.step_us / 1e3,
+                            c.step_us / 1e3);
+      }
+    }
+    for (std::size_t i = 1; i < searches.size(); ++i) out.alternatives.push_back(searches[i].option);
+  } else {
+    for (auto& s : searches) out.alternatives.push_back(s.option);
+  }
+  return out;
+}
+
+}  // namespace ess::sim

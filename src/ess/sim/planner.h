@@ -1,0 +1,44 @@
+// Capacity planner: for a model, hardware, deployment, context length and minimum OTPS, the
+// configuration (batch, Sparse Memory Ratio, overlap mode) with the highest throughput that
+// meets the OTPS target, and why the alternatives lose. Configurations whose Total Memory
+// Pool does not fit host DRAM, or whose aggregate H2D traffic exceeds the node's host-memory
+// bandwidth, are refused.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "ess/sim/step_model.h"
+
+namespace ess::sim {
+
+struct PlanRequest {
+  std::int64_t context = 32768;
+  double min_otps = 0;  // output tokens/s per request
+  std::vector<OverlapMode> modes = {OverlapMode::kNone, OverlapMode::kDualAttention,
+                                    OverlapMode::kDualBatchAttention, OverlapMode::kLayerWise};
+  MissModel misses;
+  int batch_step = 1;   // batches tried: 1, 1 + step, ... up to the largest that fits
+};
+
+struct PlanOption {
+  std::string label;     // "all-on-GPU", "ESS none", "ESS da", ...
+  bool found = false;    // some configuration of this kind meets every constraint
+  StepResult best;       // its best (when found)
+  std::string why;       // why it loses to the chosen one, or why none qualifies
+};
+
+struct PlanResult {
+  std::int64_t context = 0;
+  double min_otps = 0;
+  bool found = false;
+  PlanOption chosen;
+  std::vector<PlanOption> alternatives;  // one per kind, best first
+  std::vector<std::string> refusals;     // host-side limits that cut the search
+  std::size_t evaluated = 0;
+};
+
+PlanResult plan(const StepModel& model, const PlanRequest& request);
+
+}  // namespace ess::sim

@@ -1,0 +1,81 @@
+// Step model: one decode step of a DeepSeek-V3.2-style model on one GPU of the deployment,
+// built from its operations per layer for B x T tokens, scheduled on four streams (compute,
+// EP comm, H2D, D2H) with Two-Batch Overlap, MTP and the offload overlap mode.
+//
+//   attention block (per micro-batch): proj0 (q_a, kv_a, indexer k / weights) -> Indexer
+//     (wq_b, FP8 logits over the whole context, top-k) -> PreAttn (q_b, absorb bmm) -> sparse
+//     MLA over top-k entries -> PostAttn (output bmm, o_proj); the misses' H2D copy and the new
+//     tokens' D2H write-back on their own streams, placed by the OverlapMode (brief §2.5);
+//   MoE: gate -> dispatch all-to-all -> routed experts + shared expert -> combine;
+//   TBO: micro-batch A's compute runs while B communicates (DeepSeek's two-micro-batch order);
+//   per step: the LM head over B x T tokens and (T - 1) MTP draft passes of the next-n layer.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "ess/model/model_spec.h"
+#include "ess/sim/deployment.h"
+#include "ess/sim/hardware.h"
+#include "ess/sim/memory_model.h"
+#include "ess/sim/op_cost.h"
+#include "ess/sim/timeline.h"
+
+namespace ess::sim {
+
+struct StepResult {
+  int batch = 0;            // requests per GPU
+  std::int32_t slots = 0;   // Sparse Memory Pool slots per request-layer
+  double ratio = 0;         // slots / context
+  bool offload = true;
+  OverlapMode overlap = OverlapMode::kLayerWise;
+  double step_us = 0;
+  double compute_us = 0;            // busy time of the compute stream
+  double exposed_comm_us = 0;       // compute stream idle waiting for the all-to-all
+  double exposed_transfer_us = 0;   // compute stream idle waiting for H2D misses
+  double attention_us = 0;          // compute breakdown
+  double moe_us = 0;
+  double other_us = 0;              // dense FFN, norms, LM head
+  double mtp_draft_us = 0;
+  double comm_us = 0;               // busy time of the comm stream
+  double h2d_us = 0;                // busy time of the H2D stream
+  double misses_per_request_layer = 0;   // mean
+  double h2d_bytes = 0;             // per step per GPU
+  double d2h_bytes = 0;
+  int layers_da = 0;                // layer-wise choices (per micro-batch layer)
+  int layers_dba = 0;
+  // Layer-wise only: the choice per layer, one character per micro-batch ('a' = DA, 'b' =
+  // DBA, '-' = no misses), layers separated by spaces; the MTP draft layer last.
+  std::string layer_modes;
+  int ops_measured = 0;             // op times by source
+  int ops_analytical = 0;
+  int ops_outside_grid = 0;
+  double throughput_tokens_per_s = 0;  // per node
+  double otps = 0;                     // per request
+  double cache_gb = 0;                 // indexer + latent per GPU
+  double host_pool_gb_per_node = 0;
+  double h2d_gbps_per_node = 0;        // aggregate H2D demand over the step
+};
+
+class StepModel {
+ public:
+  StepModel(const ModelSpec& model, const HardwareProfile& hw, const Deployment& dep,
+            const MeasuredTables* tables = nullptr);
+
+  // Resolves the batch (0: largest that fits) and the slots (ratio / slots / the most that
+  // fit the batch), checks the memory, and times one step. Records the events when
+  // `timeline` is given.
+  StepResult run(const Workload& workload, Timeline* timeline = nullptr) const;
+
+  const ModelSpec& model() const { return model_; }
+  const HardwareProfile& hardware() const { return hw_; }
+  const Deployment& deployment() const { return dep_; }
+
+ private:
+  ModelSpec model_;
+  HardwareProfile hw_;
+  Deployment dep_;
+  OpCostModel cost_;
+};
+
+}  // namespace ess::sim

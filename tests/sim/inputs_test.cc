@@ -1,0 +1,161 @@
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "ess/core/error.h"
+#include "ess/sim/deployment.h"
+#include "ess/sim/hardware.h"
+
+namespace ess::sim {
+namespace {
+
+std::string message_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "<no error>";
+}
+
+TEST(sim_inputs, EveryShippedProfileLoadsWithSources) {
+  for (const auto& name : HardwareProfile::shipped_names()) {
+    const HardwareProfile p = HardwareProfile::shipped(name);
+    EXPECT_EQ(p.name, name);
+    EXPECT_GE(p.sources.size(), 21u) << name;
+    // Round trip.
+    const HardwareProfile q = HardwareProfile::from_json(p.to_json(), "round trip");
+    EXPECT_EQ(q.hbm_capacity_gb, p.hbm_capacity_gb);
+  }
+  EXPECT_EQ(HardwareProfile::shipped_names().size(), 5u);
+  EXPECT_NO_THROW(Deployment::shipped("paper-table1"));
+}
+
+TEST(sim_inputs, UnknownHardwareNamesTheChoices) {
+  const std::string m = message_of([] { HardwareProfile::load("b200"); });
+  EXPECT_NE(m.find("unknown hardware 'b200'"), std::string::npos) << m;
+  EXPECT_NE(m.find("h100"), std::string::npos) << m;
+}
+
+TEST(sim_inputs, BadProfilesAreRefusedNamingTheField) {
+  const nlohmann::json good = HardwareProfile::shipped("h200").to_json();
+  nlohmann::json j = good;
+  j["hbm_bandwidth_gbps"] = -1;
+  EXPECT_NE(message_of([&] { HardwareProfile::from_json(j, "x.json"); }).find("hbm_bandwidth_gbps"), std::string::npos);
+  j = good;
+  j["gemm_efficiency"] = 1.5;
+  EXPECT_NE(message_of([&] { HardwareProfile::from_json(j, "x.json"); }).find("gemm_efficiency"), std::string::npos);
+  j = good;
+  j["sources"].erase("rdma_gbps");
+  EXPECT_NE(message_of([&] { HardwareProfile::from_json(j, "x.json"); }).find("has no source"), std::string::npos);
+  j = good;
+  j["warp_speed"] = 9;
+  EXPECT_NE(message_of([&] { HardwareProfile::from_json(j, "x.json"); }).find("unknown hardware field 'warp_speed'"),
+            std::string::npos);
+  j = good;
+  j["fp8_tflops"] = "fast";
+  EXPECT_NE(message_of([&] { HardwareProfile::from_json(j, "x.json"); }).find("must be a number"), std::string::npos);
+  j = good;
+  j.erase("rdma_latency_us");
+  EXPECT_NE(message_of([&] { HardwareProfile::from_json(j, "x.json"); }).find("rdma_latency_us"), std::string::npos);
+}
+
+TEST(sim_inputs, MalformedJsonFileNamesTheFile) {
+  const std::string path = ::testing::TempDir() + "ess_sim_bad.json";
+  std::ofstream(path) << "{\"name\": \"x\", ";
+  const std::string m = message_of([&] { HardwareProfile::from_file(path); });
+  EXPECT_NE(m.find(path), std::string::npos) << m;
+  EXPECT_NE(m.find("malformed JSON"), std::string::npos) << m;
+  std::remove(path.c_str());
+}
+
+TEST(sim_inputs, BadDeploymentsAreRefused) {
+  nlohmann::json j = Deployment::shipped("paper-table1").to_json();
+  j["accept_ratio"] = 2.5;  // > MTP 2
+  EXPECT_NE(message_of([&] { Deployment::from_json(j, "d.json"); }).find("accept_ratio"), std::string::npos);
+  j["accept_ratio"] = 1.7;
+  j["expert_parallel"] = 64;  // > 32 GPUs
+  EXPECT_NE(message_of([&] { Deployment::from_json(j, "d.json"); }).find("expert_parallel"), std::string::npos);
+  j["expert_parallel"] = 32;
+  j["nodes"] = -2;
+  EXPECT_THROW(Deployment::from_json(j, "d.json"), Error);
+  j["nodes"] = 4;
+  j["tbo"] = true;
+  EXPECT_NE(message_of([&] { Deployment::from_json(j, "d.json"); }).find("unknown deployment field 'tbo'"),
+            std::string::npos);
+  j.erase("tbo");
+  j["mem_fraction_static"] = 1.2;
+  EXPECT_THROW(Deployment::from_json(j, "d.json"), Error);
+}
+
+TEST(sim_inputs, MissModelShape) {
+  MissModel m;
+  EXPECT_DOUBLE_EQ(m.misses(0, 6554, 32768, 2), 200);
+  EXPECT_DOUBLE_EQ(m.misses(0, 32768, 32768, 2), 0);
+  EXPECT_DOUBLE_EQ(m.misses(0, 6554, 32768, 1), 100);  // linear in T
+  EXPECT_GT(m.misses(0, 4096, 32768, 2), 200);
+  EXPECT_LT(m.misses(0, 16384, 32768, 2), 200);
+  m.layer_shape = {0.5, 1.5};
+  EXPECT_DOUBLE_EQ(m.misses(0, 6554, 32768, 2), 100);
+  EXPECT_DOUBLE_EQ(m.misses(3, 6554, 32768, 2), 300);
+  m.exponent = -1;
+  EXPECT_THROW(m.validate("t"), Error);
+}
+
+TEST(sim_inputs, MissProfileFile) {
+  const std::string path = ::testing::TempDir() + "ess_sim_profile.json";
+  std::ofstream(path) << R"({"per_layer_misses": [10, 30, 20]})";
+  const auto shape = MissModel::load_layer_shape(path);
+  ASSERT_EQ(shape.size(), 3u);
+  EXPECT_DOUBLE_EQ(shape[0], 0.5);
+  EXPECT_DOUBLE_EQ(shape[1], 1.5);
+  std::ofstream(path) << R"({"per_layer_misses": [10, -1]})";
+  EXPECT_THROW(MissModel::load_layer_shape(path), Error);
+  std::remove(path.c_str());
+}
+
+TEST(sim_inputs, WorkloadJson) {
+  const Workload w = Workload::from_json(
+      nlohmann::json::parse(R"({"context": 131072, "batch": "max", "slots": 8192, "overlap": "dba",
+                               "misses": {"reference_misses": 300, "exponent": 0.5}})"),
+      "w.json");
+  EXPECT_EQ(w.context, 131072);
+  EXPECT_EQ(w.batch, 0);
+  EXPECT_EQ(w.slots, 8192);
+  EXPECT_EQ(w.overlap, OverlapMode::kDualBatchAttention);
+  EXPECT_DOUBLE_EQ(w.misses.reference_misses, 300);
+  EXPECT_DOUBLE_EQ(w.misses.exponent, 0.5);
+  auto bad = [](const char* text) { return message_of([&] { Workload::from_json(nlohmann::json::parse(text), "w.json"); }); };
+  EXPECT_NE(bad(R"({"contxt": 5})").find("unknown workload field 'contxt'"), std::string::npos);
+  EXPECT_NE(bad(R"({"ratio": 0.2, "slots": 100})").find("not both"), std::string::npos);
+  EXPECT_NE(bad(R"({"ratio": 1.2})").find("ratio"), std::string::npos);
+  EXPECT_NE(bad(R"({"batch": "all"})").find("batch"), std::string::npos);
+  EXPECT_NE(bad(R"({"batch": -4})").find("batch"), std::string::npos);
+  EXPECT_NE(bad(R"({"overlap": "fast"})").find("overlap"), std::string::npos);
+  EXPECT_NE(bad(R"({"misses": {"mean": 3}})").find("unknown field 'mean'"), std::string::npos);
+  EXPECT_THROW(Workload::from_file("/nonexistent/w.json"), Error);
+}
+
+TEST(sim_inputs, TraceMissProfileBecomesTheReferencePoint) {
+  const std::string path = ::testing::TempDir() + "ess_sim_trace_profile.json";
+  std::ofstream(path) << R"({"format": "ess-miss-profile", "version": 1, "mtp": 2, "contexts": [
+      {"context": 8192, "slots": 2048, "ratio": null, "mean_misses": 50,
+       "layers": [{"layer": 0, "mean": 25}, {"layer": 1, "mean": 75}]},
+      {"context": 32768, "slots": 8192, "ratio": null, "mean_misses": 100,
+       "layers": [{"layer": 0, "mean": 50}, {"layer": 1, "mean": 150}]}]})";
+  const MissModel m = MissModel::load_profile(path, 30000, MissModel{});
+  EXPECT_DOUBLE_EQ(m.reference_misses, 100);
+  EXPECT_DOUBLE_EQ(m.reference_slots, 8192);
+  EXPECT_DOUBLE_EQ(m.reference_context, 32768);
+  EXPECT_DOUBLE_EQ(m.misses(0, 8192, 32768, 2), 50);   // the profile's own point, per layer
+  EXPECT_DOUBLE_EQ(m.misses(1, 8192, 32768, 2), 150);
+  EXPECT_DOUBLE_EQ(MissModel::load_profile(path, 4096, MissModel{}).reference_context, 8192);  // nearest
+  std::ofstream(path) << R"({"format": "ess-miss-profile", "contexts": [{"context": 100, "slots": 200, "layers": []}]})";
+  EXPECT_THROW(MissModel::load_profile(path, 100, MissModel{}), Error);
+  std::remove(path.c_str());
+}
+
+}  // namespace
+}  // namespace ess::sim

@@ -1,0 +1,74 @@
+#include <gtest/gtest.h>
+
+#include "ess/core/error.h"
+#include "ess/sim/planner.h"
+#include "sim/sim_test_util.h"
+
+namespace ess::sim {
+namespace {
+
+using testing::dsv32;
+using testing::paper_dep;
+using testing::paper_hw;
+
+PlanRequest request(double min_otps) {
+  PlanRequest r;
+  r.min_otps = min_otps;
+  r.batch_step = 8;
+  return r;
+}
+
+TEST(sim_plan, PicksTheHighestThroughputThatMeetsTheTarget) {
+  const StepModel sm(dsv32(), paper_hw(), paper_dep());
+  for (double target : {0.0, 15.0, 22.0}) {
+    const PlanResult p = plan(sm, request(target));
+    ASSERT_TRUE(p.found) << target;
+    EXPECT_GE(p.chosen.best.otps, target);
+    for (const auto& o : p.alternatives) {
+      if (!o.found) continue;
+      EXPECT_LE(o.best.throughput_tokens_per_s, p.chosen.best.throughput_tokens_per_s) << o.label;
+      EXPECT_FALSE(o.why.empty()) << o.label;
+    }
+  }
+  // With no latency target, offload wins (more batch than the memory wall allows).
+  const PlanResult loose = plan(sm, request(0));
+  EXPECT_TRUE(loose.chosen.best.offload);
+  EXPECT_GT(loose.chosen.best.batch, 54);
+}
+
+TEST(sim_plan, ImpossibleTargetFindsNothingAndSaysWhy) {
+  const StepModel sm(dsv32(), paper_hw(), paper_dep());
+  const PlanResult p = plan(sm, request(1000));
+  EXPECT_FALSE(p.found);
+  for (const auto& o : p.alternatives) EXPECT_NE(o.why.find("no batch meets"), std::string::npos) << o.why;
+}
+
+TEST(sim_plan, HostLimitsRefuseConfigurations) {
+  HardwareProfile small_host = paper_hw();
+  small_host.host_dram_gb = 600;  // 8 GPUs x batch x 1.33 GB: ~56 requests per GPU at most
+  const StepModel sm(dsv32(), small_host, paper_dep());
+  const PlanResult p = plan(sm, request(0));
+  ASSERT_FALSE(p.refusals.empty());
+  EXPECT_NE(p.refusals.front().find("host DRAM"), std::string::npos) << p.refusals.front();
+  if (p.chosen.best.offload) {
+    EXPECT_LE(p.chosen.best.host_pool_gb_per_node, 600);
+  }
+
+  HardwareProfile slow_host = paper_hw();
+  slow_host.host_dram_bandwidth_gbps = 20;
+  const PlanResult q = plan(StepModel(dsv32(), slow_host, paper_dep()), request(0));
+  bool bandwidth = false;
+  for (const auto& s : q.refusals) bandwidth = bandwidth || s.find("host-memory bandwidth") != std::string::npos;
+  EXPECT_TRUE(bandwidth);
+}
+
+TEST(sim_plan, InvalidRequests) {
+  const StepModel sm(dsv32(), paper_hw(), paper_dep());
+  EXPECT_THROW(plan(sm, request(-1)), Error);
+  PlanRequest r = request(0);
+  r.batch_step = 0;
+  EXPECT_THROW(plan(sm, r), Error);
+}
+
+}  // namespace
+}  // namespace ess::sim

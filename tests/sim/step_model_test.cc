@@ -1,0 +1,200 @@
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include "ess/core/error.h"
+#include "ess/sim/step_model.h"
+#include "sim/sim_test_util.h"
+
+namespace ess::sim {
+namespace {
+
+using testing::dsv32;
+using testing::paper_dep;
+using testing::paper_hw;
+
+Workload at(int batch, OverlapMode mode, double misses = 200) {
+  Workload w;
+  w.batch = batch;
+  w.overlap = mode;
+  w.misses.reference_misses = misses;
+  return w;
+}
+
+// DA splits the attention in two (Attn0 + Attn1 + merge: two more kernels). Once the copy
+// is longer than that split costs, DA is never slower than None; with no misses they coincide.
+TEST(sim_step, DualAttentionIsNeverSlowerThanNone) {
+  const StepModel sm(dsv32(), paper_hw(), paper_dep());
+  for (int b : {32, 64, 128, 160}) {
+    for (double m : {0.0, 200.0, 800.0, 3000.0}) {
+      Workload none_w = at(b, OverlapMode::kNone, m), da_w = at(b, OverlapMode::kDualAttention, m);
+      none_w.slots = da_w.slots = 6554;  // the miss model's reference pool: m misses per request-layer
+      const StepResult none = sm.run(none_w);
+      const StepResult da = sm.run(da_w);
+      EXPECT_LE(da.step_us, none.step_us * (1 + 1e-12)) << "batch " << b << " misses " << m;
+      EXPECT_LE(da.exposed_transfer_us, none.exposed_transfer_us + 1e-9);
+    }
+  }
+}
+
+TEST(sim_step, DualAttentionSplitCostsTwoLaunchesWhenMissesAreFew) {
+  const StepModel sm(dsv32(), paper_hw(), paper_dep());
+  const StepResult none = sm.run(at(160, OverlapMode::kNone, 1));
+  const StepResult da = sm.run(at(160, OverlapMode::kDualAttention, 1));
+  EXPECT_DOUBLE_EQ(da.exposed_transfer_us, 0.0);
+  EXPECT_GT(da.step_us, none.step_us);  // the split is not free
+  EXPECT_LT(da.step_us, none.step_us + 2 * 124 * (2 * paper_hw().kernel_launch_us + 10));
+}
+
+TEST(sim_step, TransferThatFitsUnderAttn0IsFullyHidden) {
+  const StepModel sm(dsv32(), paper_hw(), paper_dep());
+  // ~20 misses per request-layer: a few us of H2D per layer, far under PreAttn + Attn0.
+  const StepResult da = sm.run(at(128, OverlapMode::kDualAttention, 20));
+  EXPECT_GT(da.h2d_bytes, 0);
+  EXPECT_DOUBLE_EQ(da.exposed_transfer_us, 0.0);
+  const StepResult none = sm.run(at(128, OverlapMode::kNone, 20));
+  EXPECT_GT(none.exposed_transfer_us, 0.0);  // serial: every copy is exposed
+  EXPECT_NEAR(none.exposed_transfer_us, none.h2d_us, 1e-6 * none.h2d_us);
+}
+
+TEST(sim_step, LayerWiseIsAtLeastAsGoodAsEitherMode) {
+  const StepModel sm(dsv32(), paper_hw(), paper_dep());
+  for (double m : {20.0, 200.0, 1500.0}) {
+    const StepResult da = sm.run(at(160, OverlapMode::kDualAttention, m));
+    const StepResult dba = sm.run(at(160, OverlapMode::kDualBatchAttention, m));
+    const StepResult lw = sm.run(at(160, OverlapMode::kLayerWise, m));
+    EXPECT_LE(lw.step_us, std::min(da.step_us, dba.step_us) * 1.005) << m;
+    EXPECT_EQ(lw.layers_da + lw.layers_dba, 2 * 62);  // 61 layers + MTP draft layer, 2 micro-batches
+  }
+  // An explicit threshold: 0 sends every layer to DBA, a huge one to DA.
+  Workload w = at(160, OverlapMode::kLayerWise);
+  w.layerwise_threshold = 0;
+  EXPECT_EQ(sm.run(w).layers_da, 0);
+  w.layerwise_threshold = 1e12;
+  EXPECT_EQ(sm.run(w).layers_dba, 0);
+}
+
+TEST(sim_step, ThroughputAndOtpsFollowFromTheStep) {
+  const StepModel sm(dsv32(), paper_hw(), paper_dep());
+  const StepResult r = sm.run(at(96, OverlapMode::kLayerWise));
+  EXPECT_DOUBLE_EQ(r.otps, 1.7 / (r.step_us * 1e-6));
+  EXPECT_DOUBLE_EQ(r.throughput_tokens_per_s, 96 * 8 * 1.7 / (r.step_us * 1e-6));
+  EXPECT_NEAR(r.step_us, r.compute_us + r.exposed_comm_us + r.exposed_transfer_us, 1e-6 * r.step_us);
+  EXPECT_NEAR(r.compute_us, r.attention_us + r.moe_us + r.other_us + r.mtp_draft_us, 1e-6 * r.compute_us);
+}
+
+TEST(sim_step, BaselineMovesNoBytes) {
+  const StepModel sm(dsv32(), paper_hw(), paper_dep());
+  Workload w = at(0, OverlapMode::kLayerWise);
+  w.offload = false;
+  const StepResult r = sm.run(w);
+  EXPECT_EQ(r.slots, 32768);
+  EXPECT_EQ(r.h2d_bytes, 0);
+  EXPECT_EQ(r.d2h_bytes, 0);
+  EXPECT_EQ(r.exposed_transfer_us, 0);
+  EXPECT_GE(r.batch, 1);
+  w.batch = r.batch + 1;
+  EXPECT_THROW(sm.run(w), Error);  // one more request hits the memory wall
+}
+
+TEST(sim_step, MoreMissesNeverMakeAStepFaster) {
+  const StepModel sm(dsv32(), paper_hw(), paper_dep());
+  double prev = 0;
+  for (double m : {0.0, 100.0, 400.0, 1600.0, 6400.0}) {
+    const double t = sm.run(at(160, OverlapMode::kLayerWise, m)).step_us;
+    EXPECT_GE(t, prev * (1 - 1e-12)) << m;
+    prev = t;
+  }
+}
+
+TEST(sim_step, MtpDraftsAreCharged) {
+  Deployment d1 = paper_dep();
+  d1.mtp_tokens = 1;
+  d1.accept_ratio = 1;
+  Deployment d3 = paper_dep();
+  d3.mtp_tokens = 3;
+  d3.accept_ratio = 2.2;
+  const StepResult r1 = StepModel(dsv32(), paper_hw(), d1).run(at(64, OverlapMode::kLayerWise));
+  const StepResult r2 = StepModel(dsv32(), paper_hw(), paper_dep()).run(at(64, OverlapMode::kLayerWise));
+  const StepResult r3 = StepModel(dsv32(), paper_hw(), d3).run(at(64, OverlapMode::kLayerWise));
+  EXPECT_EQ(r1.mtp_draft_us, 0);
+  EXPECT_GT(r2.mtp_draft_us, 0);
+  EXPECT_GT(r3.mtp_draft_us, 1.5 * r2.mtp_draft_us);
+  EXPECT_LT(r1.step_us, r2.step_us);
+  EXPECT_LT(r2.step_us, r3.step_us);
+}
+
+TEST(sim_step, TwoBatchOverlapHidesCommunication) {
+  Deployment no_tbo = paper_dep();
+  no_tbo.two_batch_overlap = false;
+  const StepResult on = StepModel(dsv32(), paper_hw(), paper_dep()).run(at(128, OverlapMode::kLayerWise));
+  const StepResult off = StepModel(dsv32(), paper_hw(), no_tbo).run(at(128, OverlapMode::kLayerWise));
+  EXPECT_LT(on.exposed_comm_us, off.exposed_comm_us);
+  EXPECT_GT(off.exposed_comm_us, 0.8 * off.comm_us);  // serial: most of it exposed (shared expert overlaps dispatch)
+}
+
+TEST(sim_step, LongerContextCostsIndexerTimeAndBatch) {
+  const StepModel sm(dsv32(), paper_hw(), paper_dep());
+  Workload w = at(32, OverlapMode::kLayerWise);
+  const StepResult r32 = sm.run(w);
+  w.context = 131072;
+  const StepResult r128 = sm.run(w);
+  EXPECT_GT(r128.attention_us, r32.attention_us);
+  Workload base;
+  base.offload = false;
+  base.context = 131072;
+  const StepResult wall = sm.run(base);
+  EXPECT_LT(wall.batch, 20);
+}
+
+TEST(sim_step, TimelineHasOneTrackPerStreamAndFitsTheStep) {
+  const StepModel sm(dsv32(), paper_hw(), paper_dep());
+  Timeline tl;
+  const StepResult r = sm.run(at(160, OverlapMode::kDualBatchAttention), &tl);
+  bool seen[4] = {false, false, false, false};
+  for (const auto& e : tl.events) {
+    seen[static_cast<int>(e.stream)] = true;
+    EXPECT_GE(e.start_us, 0);
+    EXPECT_LE(e.start_us + e.dur_us, r.step_us * (1 + 1e-9)) << e.name;
+  }
+  for (bool s : seen) EXPECT_TRUE(s);
+  const nlohmann::json j = tl.to_chrome_trace("t");
+  ASSERT_TRUE(j.contains("traceEvents"));
+  EXPECT_GT(j["traceEvents"].size(), tl.events.size());  // + track names
+  // Recording changes nothing.
+  EXPECT_DOUBLE_EQ(sm.run(at(160, OverlapMode::kDualBatchAttention)).step_us, r.step_us);
+}
+
+TEST(sim_step, InvalidWorkloadsAreClearErrors) {
+  const StepModel sm(dsv32(), paper_hw(), paper_dep());
+  Workload w;
+  w.batch = 64;
+  w.ratio = 1.5;
+  EXPECT_THROW(sm.run(w), Error);
+  w.ratio = -0.1;
+  EXPECT_THROW(sm.run(w), Error);
+  w.ratio = 0;
+  w.context = -5;
+  EXPECT_THROW(sm.run(w), Error);
+  w.context = 32768;
+  w.batch = -1;
+  EXPECT_THROW(sm.run(w), Error);
+  w.batch = 64;
+  w.slots = 40000;  // more than the context
+  EXPECT_THROW(sm.run(w), Error);
+  w.slots = 0;
+  w.batch = 1000;  // cannot fit at any ratio
+  EXPECT_THROW(sm.run(w), Error);
+  w.batch = 160;
+  w.ratio = 0.5;  // fits in principle, not at this ratio
+  try {
+    sm.run(w);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("cannot fit"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(parse_overlap_mode("fast"), Error);
+}
+
+}  // namespace
+}  // namespace ess::sim
