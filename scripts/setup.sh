@@ -11,6 +11,10 @@ PACKAGES=(
   libcli11-dev                        # the `ess` command line
   libgtest-dev libgmock-dev           # unit, property and soak tests
   libbenchmark-dev                    # CPU benchmarks
+  libtbb-dev                          # oneTBB: parallel trace replay (ess trace analyze)
+  python3-numpy                       # python/ess_trace.py writer; Python -> C++ trace round-trip test
+  python3-matplotlib                  # scripts/plot_trace_analysis.py figures
+  clang-14 libclang-rt-14-dev         # libFuzzer target of the trace reader (scripts/fuzz.sh)
 )
 
 missing=()

@@ -7,9 +7,13 @@
 namespace ess::cli {
 
 // Shared by every subcommand that prints results.
-enum class Format { kTable, kJson };
+enum class Format { kTable, kJson, kCsv };
 void add_format_option(CLI::App& cmd, Format& format);
 
-void add_verify(CLI::App& app, int& exit_code);
+void add_sim(CLI::App& app, int& exit_code);    // sim.cc
+void add_plan(CLI::App& app, int& exit_code);   // plan.cc
+void add_trace(CLI::App& app, int& exit_code);  // trace.cc
+void add_verify(CLI::App& app, int& exit_code);  // verify.cc
+void add_bench(CLI::App& app, int& exit_code);  // bench.cc
 
 }  // namespace ess::cli

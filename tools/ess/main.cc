@@ -1,5 +1,6 @@
-// ess: the command-line program. Subcommands: verify (this engine), and the ones later
-// issues add (sim, plan, trace, bench).
+// ess: the command-line program. Subcommands: sim and plan (simulator, capacity planner),
+// trace (record / generate / analyze top-k traces), verify (the lossless offloaded decode
+// loop on the CPU), bench (GPU benchmarks).
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
@@ -14,9 +15,12 @@
 namespace ess::cli {
 
 void add_format_option(CLI::App& cmd, Format& format) {
-  const std::map<std::string, Format> names{{"table", Format::kTable}, {"json", Format::kJson}};
-  cmd.add_option("--format", format, "Output format: table or json")
-      ->transform(CLI::CheckedTransformer(names, CLI::ignore_case))
+  static const std::map<std::string, Format> names{
+      {"table", Format::kTable}, {"json", Format::kJson}, {"csv", Format::kCsv}};
+  cmd.add_option_function<std::string>(
+         "--format", [&format](const std::string& s) { format = names.at(s); },
+         "Output format: table, json or csv")
+      ->check(CLI::IsMember({"table", "json", "csv"}))
       ->default_str("table");
 }
 
@@ -28,7 +32,11 @@ int main(int argc, char** argv) {
                                                  ESS_WITH_CUDA ? "built" : "not built"));
   app.require_subcommand(1);
   int exit_code = 0;
+  ess::cli::add_sim(app, exit_code);
+  ess::cli::add_plan(app, exit_code);
+  ess::cli::add_trace(app, exit_code);
   ess::cli::add_verify(app, exit_code);
+  ess::cli::add_bench(app, exit_code);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -5,7 +5,12 @@
 #include <string>
 
 #include "commands.h"
+#include "ess/core/error.h"
 #include "ess/verify/decode_loop.h"
+
+#if ESS_WITH_CUDA
+#include "ess/cuda/device_slot_storage.h"
+#endif
 
 namespace ess::cli {
 namespace {
@@ -13,15 +18,16 @@ namespace {
 struct VerifyArgs {
   VerifyConfig config;
   std::string model;
+  std::string backend = "cpu";
   Format format = Format::kTable;
 };
 
 void print_table(const ModelSpec& model, const VerifyConfig& c, const VerifyReport& r) {
   fmt::print("ess verify: {} | {} requests x {} layers | context {} + {} steps x MTP {} | top-k {} | {} slots "
-             "per request-layer | warm-up {} | host memory {}\n\n",
+             "per request-layer | warm-up {} | host memory {} | slots on {}\n\n",
              model.name, c.requests, c.layers, c.context, c.steps, c.mtp, c.topk, r.slots,
              c.warmup_windows > 0 ? fmt::format("{} windows", c.warmup_windows) : std::string("off"),
-             r.host_memory);
+             r.host_memory, r.backend);
   fmt::print("{:>6} {:>12} {:>12} {:>10} {:>22} {:>14}\n", "layer", "hits", "misses", "hit rate",
              "misses/request-step", "warm-up fills");
   const double request_steps = static_cast<double>(c.requests) * static_cast<double>(std::max<std::int64_t>(r.steps, 1));
@@ -77,8 +83,16 @@ void print_json(const ModelSpec& model, const VerifyConfig& c, const VerifyRepor
         {"warmup_windows", c.warmup_windows},
         {"seed", c.seed}}},
       {"host_memory", r.host_memory},
+      {"backend", r.backend},
       {"seconds", r.seconds}};
   fmt::print("{}\n", j.dump(2));
+}
+
+void print_csv(const VerifyReport& r) {
+  fmt::print("layer,hits,misses,warmup_fills,bitwise_equal\n");
+  for (const auto& l : r.per_layer) {
+    fmt::print("{},{},{},{},{}\n", l.layer, l.hits, l.misses, l.warmup_fills, r.bitwise_equal);
+  }
 }
 
 }  // namespace
@@ -105,12 +119,25 @@ void add_verify(CLI::App& app, int& exit_code) {
   cmd->add_option("--warmup", c.warmup_windows, "LRU-Warmup prefill windows (0 = cold start)")->capture_default_str();
   cmd->add_option("--drift", c.query_drift, "Indexer query drift per step in [0, 1]")->capture_default_str();
   cmd->add_option("--seed", c.seed, "Random seed")->capture_default_str();
+  cmd->add_option("--backend", args->backend,
+                  "Sparse Memory Pool backend: cpu, or cuda (device slots filled by FlashTrans; needs a GPU)")
+      ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->capture_default_str();
   add_format_option(*cmd, args->format);
   cmd->callback([args, &exit_code] {
+    if (args->backend == "cuda") {
+#if ESS_WITH_CUDA
+      args->config.storage = [] { return std::make_unique<cuda::DeviceSlotStorage>(); };
+#else
+      ESS_THROW("verify --backend cuda needs the CUDA target: this ess was built without nvcc");
+#endif
+    }
     const ModelSpec model = args->model.empty() ? ModelSpec::deepseek_v32_exp() : ModelSpec::from_file(args->model);
     const VerifyReport r = run_verify(model, args->config);
     if (args->format == Format::kJson) {
       print_json(model, args->config, r);
+    } else if (args->format == Format::kCsv) {
+      print_csv(r);
     } else {
       print_table(model, args->config, r);
     }

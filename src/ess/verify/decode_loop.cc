@@ -67,6 +67,7 @@ class Loop {
   std::unique_ptr<TotalPool> total_;
   std::unique_ptr<SparsePool> sparse_;
   std::vector<std::vector<LayerState>> state_;  // [request][layer]
+  std::vector<std::uint8_t> slot_copy_;          // slot bytes read back from a device backend
   VerifyReport report_;
 };
 
@@ -117,9 +118,16 @@ void Loop::compare_attention(const SwapEngine& engine, RequestId id, int layer, 
   const std::int32_t row = engine.sparse().row(id);
   std::vector<const std::uint8_t*> from_slots(token_ids.size(), nullptr);
   std::vector<const std::uint8_t*> from_full(token_ids.size(), nullptr);
+  const SlotStorage& storage = engine.sparse().storage();
+  slot_copy_.resize(token_ids.size() * latent_.bytes());
   for (std::size_t k = 0; k < token_ids.size(); ++k) {
     if (token_ids[k] < 0) continue;
-    from_slots[k] = engine.sparse().storage().host_entry(row, layer, slot_ids[k]);
+    from_slots[k] = storage.host_entry(row, layer, slot_ids[k]);
+    if (from_slots[k] == nullptr) {  // device-resident slots: read them back
+      const std::span<std::uint8_t> dst(slot_copy_.data() + k * latent_.bytes(), latent_.bytes());
+      storage.read(row, layer, slot_ids[k], dst);
+      from_slots[k] = dst.data();
+    }
     from_full[k] = total_->entry(id, layer, token_ids[k]).data();
   }
   const ref::SparseMlaParams p{latent_, heads, static_cast<float>(model_.softmax_scale())};
@@ -160,7 +168,8 @@ VerifyReport Loop::run() {
   sp.query_tokens = T;
   sp.topk = K;
   sp.max_context = max_len_;
-  sparse_ = std::make_unique<SparsePool>(sp);
+  sparse_ = cfg_.storage ? std::make_unique<SparsePool>(sp, cfg_.storage()) : std::make_unique<SparsePool>(sp);
+  report_.backend = std::string(sparse_->storage().backend());
   SwapEngine::Config ec;
   ec.warmup_windows = std::max(cfg_.warmup_windows, 1);
   SwapEngine engine(*total_, *sparse_, ec);
@@ -229,6 +238,8 @@ VerifyReport Loop::run() {
         // Flip one bit of the first selected slot of request 0: the check below must notice.
         const std::int32_t slot = res.slot_ids[0];
         ESS_ASSERT(slot >= 0, "fault injection needs a selected first position");
+        ESS_CHECK(sparse_->storage().host_entry(sparse_->row(0), l, slot) != nullptr,
+                  "verify: fault injection needs host-resident slots (the cpu backend)");
         auto* p = const_cast<std::uint8_t*>(sparse_->storage().host_entry(sparse_->row(0), l, slot));
         p[3] ^= 0x01;
       }

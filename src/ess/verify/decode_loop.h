@@ -9,9 +9,12 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "ess/cache/sparse_pool.h"
 #include "ess/cache/types.h"
 #include "ess/model/model_spec.h"
 
@@ -30,6 +33,9 @@ struct VerifyConfig {
   std::uint64_t seed = 1;
   double query_drift = 0.15;  // 0 = the same indexer query every step, 1 = a fresh one
   bool inject_fault = false;  // tests only: corrupt one slot byte to prove the check can fail
+  // Where the Sparse Memory Pool's bytes live; empty = CpuSlotStorage. `ess verify --backend
+  // cuda` passes the device backend, so the same loop checks FlashTrans end to end.
+  std::function<std::unique_ptr<SlotStorage>()> storage;
 
   void validate(const ModelSpec& model) const;
 };
@@ -54,6 +60,7 @@ struct VerifyReport {
   std::vector<std::int64_t> misses_per_step;  // summed over requests and layers
   std::string first_mismatch;                 // where, when not bitwise equal
   std::string host_memory;                    // "pinned" or "aligned"
+  std::string backend;                        // the slot storage backend ("cpu", "cuda")
   double seconds = 0.0;
 };
 
