@@ -19,35 +19,24 @@ void check_victims(const PolicyStepView& view, std::span<std::int32_t> victims) 
 
 FifoPolicy::FifoPolicy(std::int32_t slots)
     : n_(slots),
-      prev_(static_cast<std::size_t>(std::max(slots, 0)) + 1),
-      next_(static_cast<std::size_t>(std::max(slots, 0)) + 1),
+      list_(slots, 1),
       filled_(static_cast<std::size_t>(std::max(slots, 0)), -1),
       in_set_((static_cast<std::size_t>(std::max(slots, 0)) + 63) / 64, 0) {
   ESS_CHECK(slots > 0, "fifo policy: slots = {} must be positive", slots);
-  prev_[n_] = n_;
-  next_[n_] = n_;
-  for (std::int32_t s = 0; s < n_; ++s) push_back(s);
-}
-
-void FifoPolicy::push_back(std::int32_t s) {
-  const std::int32_t t = prev_[n_];
-  next_[t] = s;
-  prev_[s] = t;
-  next_[s] = n_;
-  prev_[n_] = s;
+  for (std::int32_t s = 0; s < n_; ++s) list_.push_back(0, s);
 }
 
 void FifoPolicy::step(const PolicyStepView& view, std::span<std::int32_t> victims) {
   check_victims(view, victims);
   for (std::int32_t s : view.hit_slots) in_set_[static_cast<std::size_t>(s) >> 6] |= 1ULL << (s & 63);
-  std::int32_t cur = next_[n_];
+  std::int32_t cur = list_.first(0);
   std::size_t chosen = 0;
   while (chosen < victims.size()) {
-    ESS_ASSERT(cur != n_, "fifo: no victim left (working set larger than the pool)");
-    const std::int32_t nx = next_[cur];
+    ESS_ASSERT(cur != list_.head(0), "fifo: no victim left (working set larger than the pool)");
+    const std::int32_t nx = list_.next(cur);
     if ((in_set_[static_cast<std::size_t>(cur) >> 6] >> (cur & 63) & 1ULL) == 0) {
       victims[chosen++] = cur;
-      unlink(cur);
+      list_.unlink(cur);
     }
     cur = nx;
   }
@@ -56,7 +45,7 @@ void FifoPolicy::step(const PolicyStepView& view, std::span<std::int32_t> victim
   std::vector<std::int32_t> sorted(victims.begin(), victims.end());
   std::sort(sorted.begin(), sorted.end());
   for (std::int32_t s : sorted) {
-    push_back(s);
+    list_.push_back(0, s);
     filled_[s] = clock_;
   }
   ++clock_;
@@ -67,15 +56,16 @@ std::vector<std::int64_t> FifoPolicy::recency() const { return filled_; }
 void FifoPolicy::hash(Digest& d) const {
   d.value(clock_);
   d.values(std::span<const std::int64_t>(filled_));
-  d.values(std::span<const std::int32_t>(next_));
+  d.values(list_.links());
 }
 
 void FifoPolicy::check_invariants() const {
   std::int32_t count = 0;
-  std::int32_t prev = n_;
-  for (std::int32_t s = next_[n_]; s != n_; s = next_[s]) {
-    ESS_ASSERT(s >= 0 && s < n_ && prev_[s] == prev, "fifo list broken at slot {}", s);
-    if (prev != n_) {
+  const std::int32_t head = list_.head(0);
+  std::int32_t prev = head;
+  for (std::int32_t s = list_.first(0); s != head; s = list_.next(s)) {
+    ESS_ASSERT(s >= 0 && s < n_ && list_.prev(s) == prev, "fifo list broken at slot {}", s);
+    if (prev != head) {
       ESS_ASSERT(filled_[prev] < filled_[s] || (filled_[prev] == filled_[s] && prev < s),
                  "fifo list out of (fill, slot) order at {} -> {}", prev, s);
     }
@@ -238,35 +228,23 @@ void LfuPolicy::check_invariants() const {
 S3FifoPolicy::S3FifoPolicy(std::int32_t slots)
     : n_(slots),
       small_target_(std::max<std::int32_t>(1, slots / 10)),
-      prev_(static_cast<std::size_t>(std::max(slots, 0)) + 3),
-      next_(static_cast<std::size_t>(std::max(slots, 0)) + 3),
+      lists_(slots, 3),
       queue_(static_cast<std::size_t>(std::max(slots, 0)), kFree),
       freq_(static_cast<std::size_t>(std::max(slots, 0)), 0),
       in_set_(static_cast<std::size_t>(std::max(slots, 0)), 0),
       ghost_capacity_(std::max<std::int64_t>(1, slots - std::max<std::int32_t>(1, slots / 10))) {
   ESS_CHECK(slots > 0, "s3fifo policy: slots = {} must be positive", slots);
-  for (int q = 0; q < 3; ++q) {
-    const std::int32_t h = n_ + q;
-    prev_[h] = h;
-    next_[h] = h;
-  }
   // The free list pops from its tail: pushing 0, 1, ... at the head leaves slot 0 at the tail.
   for (std::int32_t s = 0; s < n_; ++s) push_head(kFree, s);
 }
 
 void S3FifoPolicy::unlink(std::int32_t s) {
-  next_[prev_[s]] = next_[s];
-  prev_[next_[s]] = prev_[s];
+  lists_.unlink(s);
   --size_[queue_[s]];
 }
 
 void S3FifoPolicy::push_head(Queue q, std::int32_t s) {
-  const std::int32_t h = sentinel(q);
-  const std::int32_t first = next_[h];
-  next_[h] = s;
-  prev_[s] = h;
-  next_[s] = first;
-  prev_[first] = s;
+  lists_.push_front(q, s);
   queue_[s] = q;
   ++size_[q];
 }
@@ -350,7 +328,7 @@ std::vector<std::int64_t> S3FifoPolicy::recency() const {
 }
 
 void S3FifoPolicy::hash(Digest& d) const {
-  d.values(std::span<const std::int32_t>(next_));
+  d.values(lists_.links());
   d.values(std::span<const std::uint8_t>(freq_));
   d.value(ghost_next_);
 }
@@ -358,11 +336,11 @@ void S3FifoPolicy::hash(Digest& d) const {
 void S3FifoPolicy::check_invariants() const {
   std::int32_t total = 0;
   for (int q = 0; q < 3; ++q) {
-    const std::int32_t h = n_ + q;
+    const std::int32_t h = lists_.head(q);
     std::int32_t count = 0;
     std::int32_t prev = h;
-    for (std::int32_t s = next_[h]; s != h; s = next_[s]) {
-      ESS_ASSERT(s >= 0 && s < n_ && prev_[s] == prev && queue_[s] == q, "s3fifo queue {} broken at slot {}", q, s);
+    for (std::int32_t s = lists_.first(q); s != h; s = lists_.next(s)) {
+      ESS_ASSERT(s >= 0 && s < n_ && lists_.prev(s) == prev && queue_[s] == q, "s3fifo queue {} broken at slot {}", q, s);
       prev = s;
       ESS_ASSERT(++count <= n_, "s3fifo queue {} has a cycle", q);
     }

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "ess/cache/policy.h"
+#include "ess/cache/slot_lists.h"
 
 namespace ess {
 
@@ -36,15 +37,9 @@ class FifoPolicy final : public ReplacementPolicy {
   void check_invariants() const override;
 
  private:
-  void unlink(std::int32_t s) {
-    next_[prev_[s]] = next_[s];
-    prev_[next_[s]] = prev_[s];
-  }
-  void push_back(std::int32_t s);
-
   std::int32_t n_;
   std::int64_t clock_ = 0;
-  std::vector<std::int32_t> prev_, next_;  // list in (fill step, slot) order; sentinel n_
+  SlotLists list_;  // one list in (fill step, slot) order
   std::vector<std::int64_t> filled_;
   std::vector<std::uint64_t> in_set_;  // scratch: hit and chosen slots of this step
 };
@@ -102,8 +97,7 @@ class S3FifoPolicy final : public ReplacementPolicy {
   enum Queue : std::uint8_t { kFree = 0, kSmall = 1, kMain = 2 };
   void unlink(std::int32_t s);
   void push_head(Queue q, std::int32_t s);
-  std::int32_t tail(Queue q) const { return prev_[sentinel(q)]; }
-  std::int32_t sentinel(Queue q) const { return n_ + static_cast<std::int32_t>(q); }
+  std::int32_t tail(Queue q) const { return lists_.last(q); }
   bool in_ghost(std::int32_t token) const;
   void to_ghost(std::int32_t token);
   std::int32_t evict(std::span<const std::int32_t> token_of_slot);
@@ -111,7 +105,7 @@ class S3FifoPolicy final : public ReplacementPolicy {
   std::int32_t n_;
   std::int32_t small_target_;  // 10 % of the slots (at least 1)
   std::int32_t size_[3] = {0, 0, 0};
-  std::vector<std::int32_t> prev_, next_;  // three circular lists, sentinels n_ + queue
+  SlotLists lists_;  // one list per queue
   std::vector<Queue> queue_;
   std::vector<std::uint8_t> freq_;
   std::vector<std::uint8_t> in_set_;  // scratch

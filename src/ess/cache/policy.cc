@@ -14,26 +14,23 @@ namespace ess {
 
 LruPolicy::LruPolicy(std::int32_t slots)
     : n_(slots),
-      prev_(static_cast<std::size_t>(slots) + 1),
-      next_(static_cast<std::size_t>(slots) + 1),
+      list_(slots, 1),
       stamp_(static_cast<std::size_t>(slots), -1),
       in_set_((static_cast<std::size_t>(slots) + 63) / 64, 0) {
   ESS_CHECK(slots > 0, "lru policy: slots = {} must be positive", slots);
-  prev_[n_] = n_;
-  next_[n_] = n_;
-  for (std::int32_t s = 0; s < n_; ++s) push_back(s);
+  for (std::int32_t s = 0; s < n_; ++s) list_.push_back(0, s);
 }
 
 void LruPolicy::step(const PolicyStepView& view, std::span<std::int32_t> victims) {
   ESS_ASSERT(victims.size() == view.miss_tokens.size());
   for (std::int32_t s : view.hit_slots) {
-    unlink(s);
+    list_.unlink(s);
     in_set_[static_cast<std::size_t>(s) >> 6] |= 1ULL << (s & 63);
   }
   for (auto& v : victims) {
-    const std::int32_t s = next_[n_];
-    ESS_ASSERT(s != n_, "lru: no victim left (working set larger than the pool)");
-    unlink(s);
+    const std::int32_t s = list_.first(0);
+    ESS_ASSERT(s != list_.head(0), "lru: no victim left (working set larger than the pool)");
+    list_.unlink(s);
     in_set_[static_cast<std::size_t>(s) >> 6] |= 1ULL << (s & 63);
     v = s;
   }
@@ -44,7 +41,7 @@ void LruPolicy::step(const PolicyStepView& view, std::span<std::int32_t> victims
     while (bits != 0) {
       const auto s = static_cast<std::int32_t>(w * 64 + static_cast<std::size_t>(std::countr_zero(bits)));
       bits &= bits - 1;
-      push_back(s);
+      list_.push_back(0, s);
       stamp_[s] = clock_;
     }
   }
@@ -56,16 +53,17 @@ std::vector<std::int64_t> LruPolicy::recency() const { return stamp_; }
 void LruPolicy::hash(Digest& d) const {
   d.value(clock_);
   d.values(std::span<const std::int64_t>(stamp_));
-  d.values(std::span<const std::int32_t>(next_));
+  d.values(list_.links());
 }
 
 void LruPolicy::check_invariants() const {
   std::int32_t count = 0;
-  std::int32_t prev = n_;
-  for (std::int32_t s = next_[n_]; s != n_; s = next_[s]) {
+  const std::int32_t head = list_.head(0);
+  std::int32_t prev = head;
+  for (std::int32_t s = list_.first(0); s != head; s = list_.next(s)) {
     ESS_ASSERT(s >= 0 && s < n_, "lru list holds slot {}", s);
-    ESS_ASSERT(prev_[s] == prev, "lru list: prev of slot {} broken", s);
-    if (prev != n_) {
+    ESS_ASSERT(list_.prev(s) == prev, "lru list: prev of slot {} broken", s);
+    if (prev != head) {
       const bool ordered = stamp_[prev] < stamp_[s] || (stamp_[prev] == stamp_[s] && prev < s);
       ESS_ASSERT(ordered, "lru list out of (recency, slot) order at slots {} -> {}", prev, s);
     }

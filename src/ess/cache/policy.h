@@ -20,6 +20,7 @@
 #include <string_view>
 #include <vector>
 
+#include "ess/cache/slot_lists.h"
 #include "ess/cache/types.h"
 
 namespace ess {
@@ -65,22 +66,9 @@ class LruPolicy final : public ReplacementPolicy {
   void check_invariants() const override;
 
  private:
-  void unlink(std::int32_t s) {
-    next_[prev_[s]] = next_[s];
-    prev_[next_[s]] = prev_[s];
-  }
-  void push_back(std::int32_t s) {
-    const std::int32_t tail = prev_[n_];
-    next_[tail] = s;
-    prev_[s] = tail;
-    next_[s] = n_;
-    prev_[n_] = s;
-  }
-
   std::int32_t n_;
   std::int64_t clock_ = 0;             // index of the next step
-  std::vector<std::int32_t> prev_;     // doubly linked list in (recency, slot) order; node n_ is
-  std::vector<std::int32_t> next_;     // the sentinel: next_[n_] is the LRU slot
+  SlotLists list_;                     // one list in (recency, slot) order: first() is the LRU slot
   std::vector<std::int64_t> stamp_;    // last step that used the slot, -1 = never
   std::vector<std::uint64_t> in_set_;  // scratch bitmap of this step's working-set slots
 };
