@@ -3,6 +3,7 @@
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <random>
 #include <set>
@@ -114,6 +115,44 @@ TEST(FlashTrans, ScatterWritesDeviceEntriesBackToPinnedHostMemory) {
   cudaFree(offs);
   cudaFree(dev);
   cudaFreeHost(host);
+}
+
+// The executor sizes a launch for the largest list and lets an earlier kernel write the real
+// count: exactly min(*device_count, count) entries move, the rest stay untouched.
+TEST(FlashTrans, DeviceCountBoundsTheCopy) {
+  ESS_SKIP_WITHOUT_GPU();
+  const int n = 300;
+  const std::size_t E = 656;
+  std::uint8_t *src = nullptr, *dst = nullptr;
+  std::uint64_t* offs = nullptr;
+  std::int64_t* count = nullptr;
+  ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&src), n * E), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&dst), n * E), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&offs), 2 * n * sizeof(std::uint64_t)), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&count), sizeof(std::int64_t)), cudaSuccess);
+  std::vector<std::uint8_t> h(n * E);
+  std::mt19937 rng(5);
+  for (auto& x : h) x = static_cast<std::uint8_t>(rng() | 1u);  // never zero
+  ASSERT_EQ(cudaMemcpy(src, h.data(), h.size(), cudaMemcpyHostToDevice), cudaSuccess);
+  std::vector<std::uint64_t> o(2 * n);
+  for (int i = 0; i < n; ++i) o[i] = o[n + i] = static_cast<std::uint64_t>(i) * E;
+  ASSERT_EQ(cudaMemcpy(offs, o.data(), o.size() * 8, cudaMemcpyHostToDevice), cudaSuccess);
+  for (const std::int64_t k : {std::int64_t{0}, std::int64_t{1}, std::int64_t{41}, std::int64_t{n}, std::int64_t{n + 50}}) {
+    ASSERT_EQ(cudaMemset(dst, 0, n * E), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(count, &k, sizeof k, cudaMemcpyHostToDevice), cudaSuccess);
+    cuda::EntryCopy c{src, dst, offs, offs + n, n, static_cast<int>(E), count};
+    ASSERT_EQ(cuda::flashtrans_gather(c, nullptr), 0);
+    std::vector<std::uint8_t> got(n * E);
+    ASSERT_EQ(cudaMemcpy(got.data(), dst, got.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+    const std::size_t moved = static_cast<std::size_t>(std::min<std::int64_t>(k, n)) * E;
+    EXPECT_EQ(std::memcmp(got.data(), h.data(), moved), 0) << "count " << k;
+    EXPECT_TRUE(std::all_of(got.begin() + static_cast<std::ptrdiff_t>(moved), got.end(), [](std::uint8_t x) { return x == 0; }))
+        << "count " << k << ": copied past the device count";
+  }
+  cudaFree(count);
+  cudaFree(offs);
+  cudaFree(dst);
+  cudaFree(src);
 }
 
 TEST(DeviceSlotStorage, RefusesAnUnpinnedTotalPoolAndOutOfRangeMisses) {

@@ -5,6 +5,7 @@
 #include "ess/core/error.h"
 #include "ess/sim/step_model.h"
 #include "sim/sim_test_util.h"
+#include "testing.h"
 
 namespace ess::sim {
 namespace {
@@ -194,6 +195,76 @@ TEST(sim_step, InvalidWorkloadsAreClearErrors) {
     EXPECT_NE(std::string(e.what()).find("cannot fit"), std::string::npos) << e.what();
   }
   EXPECT_THROW(parse_overlap_mode("fast"), Error);
+}
+
+}  // namespace
+}  // namespace ess::sim
+
+namespace ess::sim {
+namespace {
+
+Deployment rig(int layers) {
+  Deployment d;
+  d.name = "rig";
+  d.nodes = 1;
+  d.gpus_per_node = 1;
+  d.expert_parallel = 32;
+  d.attention_data_parallel = 1;
+  d.mtp_tokens = 2;
+  d.accept_ratio = 1.0;
+  d.two_batch_overlap = false;
+  d.rig_layers = layers;
+  return d;
+}
+
+// The executor rig (`ess bench step`): EP is emulated on one GPU, so it is valid only there.
+TEST(sim_rig, EmulatedExpertParallelismIsOnlyValidOnTheRig) {
+  Deployment d = rig(4);
+  EXPECT_EQ(test::error_of([&] { d.validate("rig"); }), "no error");
+  d.rig_layers = 0;
+  EXPECT_NE(test::error_of([&] { d.validate("rig"); }).find("expert_parallel = 32"), std::string::npos);
+  d.rig_layers = -1;
+  EXPECT_NE(test::error_of([&] { d.validate("rig"); }).find("rig_layers = -1"), std::string::npos);
+}
+
+TEST(sim_rig, StepIsItsLayersWithoutCommunicationOrLmHead) {
+  const StepModel four(testing::dsv32(), testing::paper_hw(), rig(4));
+  const StepModel eight(testing::dsv32(), testing::paper_hw(), rig(8));
+  Workload w;
+  w.batch = 64;
+  w.slots = 6554;
+  w.overlap = OverlapMode::kDualAttention;
+  const StepResult a = four.run(w);
+  const StepResult b = eight.run(w);
+  EXPECT_EQ(a.comm_us, 0.0);
+  EXPECT_EQ(a.exposed_comm_us, 0.0);
+  EXPECT_EQ(a.mtp_draft_us, 0.0);
+  // Uniform misses: eight layers take twice four layers' time.
+  EXPECT_NEAR(b.step_us, 2 * a.step_us, 1e-6 * a.step_us);
+  // Compute is attention + MoE only (no dense layers, no LM head).
+  EXPECT_NEAR(a.compute_us, a.attention_us + a.moe_us, 1e-9 * a.compute_us);
+  EXPECT_EQ(a.other_us, 0.0);
+  // No memory model on the rig: a batch the whole model could never hold still runs.
+  w.batch = 2000;
+  w.offload = false;
+  w.slots = 0;
+  EXPECT_GT(four.run(w).step_us, 0.0);
+  w.batch = 0;
+  EXPECT_NE(test::error_of([&] { four.run(w); }).find("explicit batch"), std::string::npos);
+}
+
+// The swap engine's op has no analytical launch cost (the paper calibration is unchanged)
+// but takes a measured table's time when there is one.
+TEST(sim_rig, SwapOpTakesItsMeasuredTime) {
+  const MeasuredTables t = MeasuredTables::from_csv_text("op,context,tokens,time_us\nswap.lru+split,0,1,100\nswap.lru+split,0,1000,100\n", "test");
+  Workload w;
+  w.batch = 64;
+  w.slots = 6554;
+  w.overlap = OverlapMode::kNone;
+  const StepResult plain = StepModel(testing::dsv32(), testing::paper_hw(), rig(2)).run(w);
+  const StepResult measured = StepModel(testing::dsv32(), testing::paper_hw(), rig(2), &t).run(w);
+  EXPECT_EQ(measured.ops_measured, 2);  // one per layer
+  EXPECT_GT(measured.step_us - plain.step_us, 2 * 100 - 2 * 10.0);
 }
 
 }  // namespace

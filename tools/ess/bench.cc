@@ -1,6 +1,6 @@
 // ess bench: measurements on the GPU (CUDA target + a device). `transfer` compares
 // FlashTrans with per-entry, batched and bulk copies; later issues add swap, attention,
-// indexer, step and profile.
+// indexer (bench_kernels.cc), step and profile (bench_step.cc).
 #include <fmt/format.h>
 
 #include <nlohmann/json.hpp>
@@ -176,6 +176,8 @@ void add_bench(CLI::App& app, int& exit_code) {
     ESS_THROW("bench swap needs the CUDA target: this ess was built without nvcc");
 #endif
   });
+  add_bench_kernels(*bench, exit_code);
+  add_bench_step(*bench, exit_code);
 }
 
 }  // namespace ess::cli

@@ -15,5 +15,9 @@ void add_plan(CLI::App& app, int& exit_code);   // plan.cc
 void add_trace(CLI::App& app, int& exit_code);  // trace.cc
 void add_verify(CLI::App& app, int& exit_code);  // verify.cc
 void add_bench(CLI::App& app, int& exit_code);  // bench.cc
+// `bench attention` and `bench indexer` (bench_kernels.cc); `bench step` and `bench profile`
+// (bench_step.cc): added to the `bench` subcommand.
+void add_bench_kernels(CLI::App& bench, int& exit_code);
+void add_bench_step(CLI::App& bench, int& exit_code);
 
 }  // namespace ess::cli

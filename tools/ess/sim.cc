@@ -179,7 +179,10 @@ void add_sim(CLI::App& app, int& exit_code) {
     wall.ratio = 0;
     wall.slots = 0;
     wall.batch = 0;
-    const int wall_batch = mem.max_batch(static_cast<double>(context));
+    // The executor rig (--rig-layers) has no memory wall of its own: its all-resident step is
+    // reported at every batch instead.
+    const bool rig = dep.rig_layers > 0;
+    const int wall_batch = rig ? 0 : mem.max_batch(static_cast<double>(context));
     const bool wall_fits = wall_batch >= 1;
     StepResult wall_r;
     if (wall_fits) wall_r = sm.run(wall);
@@ -202,7 +205,7 @@ void add_sim(CLI::App& app, int& exit_code) {
         timeline.write(a.timeline, fmt::format("ess sim: {} on {}, batch {}, ratio {:.3f}, {}", model.name, hw.name,
                                                row.ess.batch, row.ess.ratio, sim::to_string(row.ess.overlap)));
       }
-      if (wall_fits && row.ess.batch <= wall_batch) {
+      if (rig || (wall_fits && row.ess.batch <= wall_batch)) {
         sim::Workload b = wall;
         b.batch = row.ess.batch;
         row.baseline_fits = true;

@@ -26,6 +26,7 @@ struct SimInputs {
   std::optional<int> ep;
   std::optional<double> mem_fraction;
   bool no_tbo = false;
+  std::optional<int> rig_layers;
   std::optional<double> reference_misses;
   std::optional<double> miss_exponent;
   std::string miss_profile;
@@ -45,6 +46,9 @@ struct SimInputs {
     cmd.add_option("--ep", ep, "Override: expert-parallel degree");
     cmd.add_option("--mem-fraction", mem_fraction, "Override: mem_fraction_static (weights + caches)");
     cmd.add_flag("--no-tbo", no_tbo, "Turn Two-Batch Overlap off");
+    cmd.add_option("--rig-layers", rig_layers,
+                   "Model the single-GPU executor rig of `ess bench step` with this many MoE layers (no all-to-all, "
+                   "TBO, LM head or MTP drafts; needs --batch)");
     cmd.add_option("--misses", reference_misses,
                    "Parametric miss model: mean misses per request-layer-step at 6554 slots (ratio 0.2 of 32K), "
                    "T = 2 (default 200)");
@@ -68,6 +72,7 @@ struct SimInputs {
     if (nodes || gpus_per_node) d.attention_data_parallel = d.gpus();
     if (mem_fraction) d.mem_fraction_static = *mem_fraction;
     if (no_tbo) d.two_batch_overlap = false;
+    if (rig_layers) d.rig_layers = *rig_layers;
     d.validate("deployment (after command-line overrides)");
     return d;
   }

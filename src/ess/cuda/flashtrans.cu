@@ -18,7 +18,12 @@ __global__ void __launch_bounds__(kThreads) copy_entries(const uint4* __restrict
                                                           uint4* __restrict__ dst_base,
                                                           const std::uint64_t* __restrict__ src_off,
                                                           const std::uint64_t* __restrict__ dst_off,
-                                                          std::int64_t total_chunks, int chunks_per_entry) {
+                                                          std::int64_t total_chunks, int chunks_per_entry,
+                                                          const std::int64_t* __restrict__ device_count) {
+  if (device_count != nullptr) {
+    const std::int64_t n = *device_count * chunks_per_entry;
+    total_chunks = n < total_chunks ? (n > 0 ? n : 0) : total_chunks;
+  }
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
   std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   for (; i < total_chunks; i += stride * kChunksPerThread) {
@@ -59,7 +64,7 @@ int launch(const EntryCopy& c, Stream stream) {
   const int blocks = static_cast<int>(want < static_cast<std::int64_t>(sms) * 8 ? want : static_cast<std::int64_t>(sms) * 8);
   copy_entries<<<blocks > 0 ? blocks : 1, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
       reinterpret_cast<const uint4*>(c.src_base), reinterpret_cast<uint4*>(c.dst_base), c.src_offsets, c.dst_offsets,
-      total, chunks_per_entry);
+      total, chunks_per_entry, c.device_count);
   return cudaGetLastError();
 }
 

@@ -25,6 +25,10 @@ struct EntryCopy {
   const std::uint64_t* dst_offsets = nullptr;
   std::int64_t count = 0;
   int entry_bytes = 656;
+  // Optional: the entry count lives in device memory (written by an earlier kernel of the
+  // same stream, so no host synchronization is needed). `count` is then the largest value it
+  // can hold; the launch is sized for it and copies min(*device_count, count) entries.
+  const std::int64_t* device_count = nullptr;
 };
 
 // Host -> device gather (misses into slots) and device -> host scatter (new entries back to

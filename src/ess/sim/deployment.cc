@@ -38,7 +38,7 @@ Deployment Deployment::from_json(const json& j, const std::string& source) {
   ESS_CHECK(j.is_object(), "{}: a deployment must be a JSON object", source);
   static constexpr const char* kKnown[] = {"name", "nodes", "gpus_per_node", "expert_parallel",
                                            "attention_data_parallel", "mtp_tokens", "accept_ratio",
-                                           "two_batch_overlap", "mem_fraction_static", "sources"};
+                                           "two_batch_overlap", "mem_fraction_static", "rig_layers", "sources"};
   for (const auto& [k, v] : j.items()) {
     (void)v;
     bool known = false;
@@ -61,6 +61,7 @@ Deployment Deployment::from_json(const json& j, const std::string& source) {
   d.accept_ratio = json_number_or(j, "accept_ratio", source, d.accept_ratio);
   d.two_batch_overlap = json_bool_or(j, "two_batch_overlap", source, d.two_batch_overlap);
   d.mem_fraction_static = json_number_or(j, "mem_fraction_static", source, d.mem_fraction_static);
+  d.rig_layers = get_int("rig_layers", d.rig_layers);
   if (auto it = j.find("sources"); it != j.end()) d.sources = it->dump();
   d.validate(source);
   return d;
@@ -69,7 +70,8 @@ Deployment Deployment::from_json(const json& j, const std::string& source) {
 void Deployment::validate(const std::string& source) const {
   ESS_CHECK(nodes >= 1, "{}: nodes = {} must be at least 1", source, nodes);
   ESS_CHECK(gpus_per_node >= 1, "{}: gpus_per_node = {} must be at least 1", source, gpus_per_node);
-  ESS_CHECK(expert_parallel >= 1 && expert_parallel <= gpus(),
+  ESS_CHECK(rig_layers >= 0 && rig_layers <= 1024, "{}: rig_layers = {} must be in [0, 1024]", source, rig_layers);
+  ESS_CHECK(expert_parallel >= 1 && (rig_layers > 0 || expert_parallel <= gpus()),
             "{}: expert_parallel = {} must be in [1, nodes x gpus_per_node = {}]", source,
             expert_parallel, gpus());
   ESS_CHECK(attention_data_parallel >= 1 && attention_data_parallel <= gpus(),
@@ -91,7 +93,8 @@ json Deployment::to_json() const {
           {"mtp_tokens", mtp_tokens},
           {"accept_ratio", accept_ratio},
           {"two_batch_overlap", two_batch_overlap},
-          {"mem_fraction_static", mem_fraction_static}};
+          {"mem_fraction_static", mem_fraction_static},
+          {"rig_layers", rig_layers}};
 }
 
 Deployment Deployment::shipped(const std::string& name) {

@@ -33,6 +33,12 @@ struct Deployment {
   // Fraction of HBM for weights + caches (SGLang's mem_fraction_static); the rest holds
   // activations, CUDA graphs and workspace.
   double mem_fraction_static = 0.9;
+  // 0: the whole model. > 0: the single-GPU rig of `ess bench step` (src/ess/pipeline): a step
+  // is this many MoE decoder layers running the experts one GPU of expert_parallel owns, with
+  // no all-to-all, no Two-Batch Overlap, no LM head and no MTP draft pass; expert_parallel may
+  // then exceed the GPUs (it is emulated) and the memory model is not applied (the rig holds
+  // only rig_layers layers).
+  int rig_layers = 0;
   std::string sources;  // where the numbers come from
 
   int gpus() const { return nodes * gpus_per_node; }

@@ -1,0 +1,347 @@
+#include "ess/pipeline/bench.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "ess/core/error.h"
+#include "ess/cuda/sparse_mla.h"
+#include "ess/cuda/swap_bench.h"
+#include "ess/cuda/transfer_bench.h"
+#include "ess/pipeline/gemm.h"
+#include "ess/sim/hardware.h"
+#include "ess/sim/memory_model.h"
+#include "ess/sim/op_cost.h"
+#include "ess/sim/step_model.h"
+
+namespace ess::pipeline {
+namespace {
+
+struct Line {
+  double intercept = 0, slope = 0;
+};
+// Least-squares line through (x, y).
+Line fit(const std::vector<double>& x, const std::vector<double>& y) {
+  const double n = static_cast<double>(x.size());
+  const double mx = std::accumulate(x.begin(), x.end(), 0.0) / n;
+  const double my = std::accumulate(y.begin(), y.end(), 0.0) / n;
+  double sxy = 0, sxx = 0;
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    sxy += (x[i] - mx) * (y[i] - my);
+    sxx += (x[i] - mx) * (x[i] - mx);
+  }
+  Line l;
+  l.slope = sxx > 0 ? sxy / sxx : 0.0;
+  l.intercept = my - l.slope * mx;
+  return l;
+}
+
+nlohmann::json summary_json(const Summary& s) { return {{"median", s.median}, {"min", s.min}, {"max", s.max}}; }
+
+// The simulator's model of one executor run: the rig deployment (rig_layers), the run's
+// batch, pool and schedule, and its measured misses per layer.
+double predict(const ModelSpec& model, const sim::HardwareProfile& hw, const sim::MeasuredTables& tables,
+               const ExecutorConfig& c, const ExecutorReport& r) {
+  sim::Deployment d;
+  d.name = "executor rig";
+  d.nodes = 1;
+  d.gpus_per_node = 1;
+  d.expert_parallel = c.expert_parallel;
+  d.attention_data_parallel = 1;
+  d.mtp_tokens = r.mtp;
+  d.accept_ratio = 1.0;
+  d.two_batch_overlap = false;
+  d.rig_layers = r.layers;
+  d.validate("executor rig");
+  sim::Workload w;
+  w.context = r.context;
+  w.batch = r.batch;
+  w.offload = r.offload;
+  w.overlap = r.offload ? c.overlap : OverlapMode::kNone;
+  if (r.offload) {
+    w.slots = r.slots;
+    w.layerwise_threshold = c.layerwise_threshold * r.batch;  // the sim's threshold is per micro-batch
+    const double mean = std::accumulate(r.misses.begin(), r.misses.end(), 0.0) / static_cast<double>(r.misses.size());
+    w.misses.reference_misses = mean;
+    w.misses.reference_slots = r.slots;
+    w.misses.reference_context = static_cast<double>(r.context);
+    w.misses.reference_tokens = r.mtp;
+    if (mean > 0) {
+      w.misses.layer_shape.clear();
+      for (const double v : r.misses) w.misses.layer_shape.push_back(v / mean);
+    }
+  }
+  const sim::StepModel sm(model, hw, d, &tables);
+  return sm.run(w).step_us;
+}
+
+}  // namespace
+
+// ---- bench profile ----------------------------------------------------------------------
+
+ProfileResult run_profile(const ProfileConfig& pc) {
+  ESS_CHECK(!pc.requests.empty() && pc.repeats >= 1, "bench profile: needs a request grid and repeats >= 1");
+  cuda::use_device(pc.base.device, "bench profile");  // before any host-side work
+  const ModelSpec model = ModelSpec::deepseek_v32_exp();
+  const int max_req = *std::max_element(pc.requests.begin(), pc.requests.end());
+  ESS_CHECK(*std::min_element(pc.requests.begin(), pc.requests.end()) >= 1, "bench profile: request counts must be >= 1");
+  ProfileResult res;
+  nlohmann::json ops = nlohmann::json::array();
+  std::string csv = "op,context,tokens,time_us\n";
+  const std::int64_t ctx = pc.base.context;
+  auto add = [&](std::string_view op, std::int64_t context, int tokens, const Summary& s) {
+    csv += fmt::format("{},{},{},{:.3f}\n", op, context, tokens, s.median);  // op names hold no comma
+    ops.push_back({{"op", op}, {"context", context}, {"tokens", tokens}, {"us", summary_json(s)}});
+  };
+
+  ExecutorConfig rc = pc.base;
+  rc.layers = 1;
+  rc.batch = max_req;
+  rc.steps = 2;
+  rc.warm_steps = 0;
+  rc.offload = false;
+  rc.stand_in_gemms = true;
+  const StepInputs rin = load_inputs(rc, model);
+  const int T = rin.mtp;
+  Line attn_line;
+  double attn_tokens = 0;
+  {
+    StepExecutor ex(rc, model, rin);
+    for (const int b : pc.requests) {
+      const int n = b * T;
+      for (const GemmOp g : kAllGemmOps) add(sim_name(g), 0, n, ex.time_op(sim_name(g), b, pc.repeats));
+      add("indexer.logits", ctx, n, ex.time_op("indexer.logits", b, pc.repeats));
+      add("indexer.topk", ctx, n, ex.time_op("indexer.topk", b, pc.repeats));
+      add("attn.sparse_mla", ctx, n, ex.time_op("attn.sparse_mla", b, pc.repeats));
+    }
+    // Attention time against the entries each query token reads (the DA halves read fewer):
+    // a line whose slope gives the achieved TFLOP/s and whose intercept the fixed cost.
+    std::vector<double> xs, ys;
+    nlohmann::json pts = nlohmann::json::array();
+    for (const int e : {256, 512, 1024, 1536, 2048}) {
+      if (e > rin.topk) continue;
+      const Summary s = ex.time_op("attn.sparse_mla", max_req, pc.repeats, e);
+      xs.push_back(e);
+      ys.push_back(s.median);
+      pts.push_back({{"entries", e}, {"us", summary_json(s)}});
+    }
+    attn_line = fit(xs, ys);
+    attn_tokens = static_cast<double>(max_req) * T;
+    res.report["attention_vs_entries"] = {{"tokens", attn_tokens}, {"points", pts},
+                                          {"intercept_us", attn_line.intercept}, {"us_per_entry", attn_line.slope}};
+    res.device = cuda::use_device(rc.device, "bench profile");
+  }
+  {
+    ExecutorConfig oc = rc;
+    oc.offload = true;
+    oc.steps = 8;
+    oc.overlap = OverlapMode::kDualAttention;
+    oc.stand_in_gemms = false;
+    const StepInputs oin = load_inputs(oc, model);
+    StepExecutor ex(oc, model, oin);
+    ex.run();  // fills the partial states the merge reads
+    for (const int b : pc.requests) {
+      add("swap.lru+split", 0, b * T, ex.time_op("swap.lru+split", b, pc.repeats));
+      add("attn.merge_lse", 0, b * T, ex.time_op("attn.merge_lse", b, pc.repeats));
+    }
+  }
+  // FlashTrans in both directions at a few miss counts: bandwidth and fixed cost.
+  Line h2d, d2h;
+  {
+    std::vector<double> bytes, th, td;
+    nlohmann::json pts = nlohmann::json::array();
+    for (const int misses : {32, 128, 512}) {
+      cuda::TransferBenchConfig tc;
+      tc.requests = 64;
+      tc.misses_per_request = misses;
+      tc.context = ctx;
+      tc.repeats = std::max(5, pc.repeats / 2);
+      tc.device = rc.device;
+      const cuda::TransferBenchResult tr = cuda::run_transfer_bench(tc);
+      ESS_CHECK(tr.verified, "bench profile: FlashTrans copies did not verify");
+      for (const cuda::TransferStat& st : tr.stats) {
+        if (st.method != "flashtrans") continue;
+        (st.direction == "h2d" ? th : td).push_back(st.median_us);
+      }
+      bytes.push_back(static_cast<double>(tr.bytes_per_run));
+      pts.push_back({{"misses_per_request", misses}, {"bytes", tr.bytes_per_run}, {"h2d_us", th.back()}, {"d2h_us", td.back()}});
+    }
+    h2d = fit(bytes, th);
+    d2h = fit(bytes, td);
+    res.report["flashtrans"] = {{"points", pts}};
+  }
+  res.date = cuda::utc_now();
+  res.csv = csv;
+  res.report["ops"] = ops;
+
+  // The hardware profile: the base profile with the fields measured here replaced.
+  sim::HardwareProfile hw = sim::HardwareProfile::load(pc.base_hardware);
+  const double flop_per_entry = 2.0 * model.num_attention_heads * (model.mla_head_dim() + model.kv_lora_rank);
+  const std::string tag = fmt::format("MEASURED by ess bench profile on {} ({})", res.device, res.date);
+  hw.name = fmt::format("measured-{}", res.device);
+  std::replace(hw.name.begin(), hw.name.end(), ' ', '-');
+  hw.description = fmt::format("{}: op tables for the executor rig; unmeasured fields from '{}'", tag, pc.base_hardware);
+  if (attn_line.slope > 0) {
+    const double tflops = attn_tokens * flop_per_entry / attn_line.slope / 1e6;  // flop per us -> TFLOP/s
+    hw.attention_efficiency = std::min(1.0, tflops / hw.bf16_tflops);
+    hw.sources["attention_efficiency"] = fmt::format("{}: sparse MLA slope {:.4f} us per entry at {} tokens = {:.0f} TFLOP/s",
+                                                     tag, attn_line.slope, attn_tokens, tflops);
+  }
+  hw.kernel_launch_us = std::max(0.0, attn_line.intercept);
+  hw.sources["kernel_launch_us"] = fmt::format("{}: intercept of the sparse MLA time against entries (ops without a "
+                                               "table: the DA halves, the copies' kernels)", tag);
+  if (h2d.slope > 0) {
+    hw.h2d_scattered_gbps = 1e-3 / h2d.slope;  // us per byte -> GB/s
+    hw.sources["h2d_scattered_gbps"] = fmt::format("{}: FlashTrans H2D, 656-byte entries, slope of time against bytes", tag);
+  }
+  if (d2h.slope > 0) {
+    hw.d2h_scattered_gbps = 1e-3 / d2h.slope;
+    hw.sources["d2h_scattered_gbps"] = fmt::format("{}: FlashTrans D2H, slope of time against bytes", tag);
+  }
+  hw.transfer_launch_us = std::max(0.0, 0.5 * (h2d.intercept + d2h.intercept));
+  hw.sources["transfer_launch_us"] = fmt::format("{}: mean intercept of the FlashTrans H2D / D2H lines", tag);
+  hw.validate("bench profile");
+  res.hardware = hw.to_json();
+  res.report["device"] = res.device;
+  res.report["date"] = res.date;
+  res.report["statistic"] = fmt::format("median (min, max) of {} launches after 3 untimed ones, CUDA events", pc.repeats);
+  res.report["params"] = {{"context", ctx}, {"requests", pc.requests}, {"mtp", T}, {"base_hardware", pc.base_hardware},
+                          {"expert_parallel", pc.base.expert_parallel}, {"stand_in_gemm_dtype", "bf16"}};
+  return res;
+}
+
+// ---- bench step -------------------------------------------------------------------------
+
+StepBenchResult run_step_bench(const StepBenchConfig& sc) {
+  ESS_CHECK(!sc.batches.empty(), "bench step: no batch given");
+  cuda::use_device(sc.base.device, "bench step");  // before any host-side work
+  const ModelSpec model = ModelSpec::deepseek_v32_exp();
+  StepBenchResult res;
+  const bool predict_on = !sc.profile_hardware.empty() || !sc.profile_table.empty();
+  ESS_CHECK(sc.profile_hardware.empty() == sc.profile_table.empty(),
+            "bench step: predictions need both the measured hardware profile and its op table");
+  sim::HardwareProfile phw;
+  sim::MeasuredTables tables;
+  if (predict_on) {
+    phw = sim::HardwareProfile::load(sc.profile_hardware);
+    tables = sim::MeasuredTables::from_csv(sc.profile_table);
+  }
+  auto run_point = [&](int batch, bool offload, OverlapMode mode, const StepInputs& in) {
+    StepPoint p;
+    p.batch = batch;
+    ExecutorConfig c = sc.base;
+    c.batch = batch;
+    c.offload = offload;
+    c.overlap = mode;
+    p.mode = offload ? std::string(sim::to_string(mode)) : "resident";
+    {
+      StepExecutor ex(c, model, in);
+      p.report = ex.run();
+    }
+    if (offload && sc.exposed) {
+      c.skip_transfers = true;
+      StepExecutor ex(c, model, in);
+      p.exposed_us = p.report.step.median - ex.run().step.median;
+    }
+    if (predict_on) p.predicted_us = predict(model, phw, tables, c, p.report);
+    res.device = p.report.device;
+    res.date = p.report.date;
+    return p;
+  };
+  for (const int b : sc.batches) {
+    ExecutorConfig c = sc.base;
+    c.batch = b;
+    c.offload = true;
+    const StepInputs in = load_inputs(c, model);
+    if (sc.resident) res.points.push_back(run_point(b, false, OverlapMode::kNone, in));
+    for (const OverlapMode m : sc.modes) res.points.push_back(run_point(b, true, m, in));
+  }
+  // Max batch of the whole model on this GPU (the simulator's memory model) and the
+  // throughput gain measured on the rig at those two batches.
+  const sim::HardwareProfile hw = sim::HardwareProfile::load(sc.hardware);
+  const sim::Deployment dep = sim::Deployment::load(sc.deployment);
+  const sim::MemoryModel mem(model, hw, dep, sc.base.context);
+  res.ess_slots = sc.base.resolved_slots();
+  res.max_batch_resident = mem.max_batch(static_cast<double>(sc.base.context));
+  res.max_batch_ess = mem.max_batch(static_cast<double>(res.ess_slots));
+  if (sc.gain && res.max_batch_resident >= 1 && res.max_batch_ess >= 1) {
+    const OverlapMode best = sc.modes.empty() ? OverlapMode::kLayerWise : sc.modes.back();
+    ExecutorConfig c = sc.base;
+    c.batch = res.max_batch_resident;
+    const StepInputs in_r = load_inputs(c, model);
+    res.gain_points.push_back(run_point(res.max_batch_resident, false, OverlapMode::kNone, in_r));
+    c.batch = res.max_batch_ess;
+    const StepInputs in_e = load_inputs(c, model);
+    res.gain_points.push_back(run_point(res.max_batch_ess, true, best, in_e));
+    const double tr = res.gain_points[0].report.step.median, te = res.gain_points[1].report.step.median;
+    res.throughput_gain = (res.max_batch_ess / te) / (res.max_batch_resident / tr);
+  }
+  return res;
+}
+
+nlohmann::json StepBenchResult::to_json(const StepBenchConfig& sc) const {
+  auto point = [](const StepPoint& p) {
+    nlohmann::json j = {{"batch", p.batch},
+                        {"mode", p.mode},
+                        {"step_us", summary_json(p.report.step)},
+                        {"steps_timed", p.report.step_us.size()},
+                        {"slots", p.report.slots},
+                        {"graph", p.report.graph}};
+    if (p.report.offload) {
+      j["misses_per_request_layer"] = p.report.misses;
+      j["profile_misses_per_request_layer"] = p.report.profile_misses;
+      j["h2d_mb_per_step"] = p.report.h2d_bytes_per_step / 1e6;
+      j["d2h_mb_per_step"] = p.report.d2h_bytes_per_step / 1e6;
+      std::string modes;
+      for (const OverlapMode m : p.report.modes) modes += m == OverlapMode::kDualBatchAttention ? 'b' : (m == OverlapMode::kDualAttention ? 'a' : 'n');
+      j["layer_modes"] = modes;
+    }
+    if (p.exposed_us >= 0) j["exposed_transfer_us"] = p.exposed_us;
+    if (p.predicted_us >= 0) {
+      j["predicted_us"] = p.predicted_us;
+      j["prediction_error"] = p.predicted_us / p.report.step.median - 1.0;
+    }
+    return j;
+  };
+  nlohmann::json pts = nlohmann::json::array();
+  for (const StepPoint& p : points) {
+    nlohmann::json j = point(p);
+    for (const StepPoint& q : points) {
+      if (q.batch == p.batch && q.mode == "resident" && p.mode != "resident") {
+        j["vs_resident"] = p.report.step.median / q.report.step.median;
+      }
+    }
+    pts.push_back(j);
+  }
+  nlohmann::json gain = nullptr;
+  if (gain_points.size() == 2) {
+    gain = {{"resident", point(gain_points[0])}, {"ess", point(gain_points[1])}, {"throughput_gain", throughput_gain}};
+  }
+  const ExecutorConfig& b = sc.base;
+  return {{"benchmark", "step"},
+          {"device", device},
+          {"date", date},
+          {"statistic", fmt::format("median (min, max) over {} graph-replayed steps after {} warm steps, CUDA events",
+                                    b.steps - b.warm_steps, b.warm_steps)},
+          {"params",
+           {{"layers", b.layers},
+            {"context", b.context},
+            {"ratio", b.ratio},
+            {"slots", sc.base.resolved_slots()},
+            {"layerwise_threshold", b.layerwise_threshold},
+            {"expert_parallel", b.expert_parallel},
+            {"stand_in_gemms", b.stand_in_gemms ? "bf16 cuBLAS" : "off"},
+            {"graph", b.graph},
+            {"inputs", points.empty() ? std::string() : points.front().report.inputs}}},
+          {"points", pts},
+          {"max_batch",
+           {{"hardware", sc.hardware},
+            {"deployment", sc.deployment},
+            {"resident", max_batch_resident},
+            {"ess", max_batch_ess},
+            {"ess_slots", ess_slots}}},
+          {"gain", gain},
+          {"target_vs_resident", 1.10}};
+}
+
+}  // namespace ess::pipeline

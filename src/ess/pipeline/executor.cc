@@ -1,0 +1,606 @@
+#include "ess/pipeline/executor.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+
+#include "ess/cache/total_pool.h"
+#include "ess/core/error.h"
+#include "ess/cuda/check.h"
+#include "ess/cuda/device_buffer.h"
+#include "ess/cuda/flashtrans.h"
+#include "ess/cuda/indexer.h"
+#include "ess/cuda/sparse_mla.h"
+#include "ess/cuda/swap_bench.h"
+#include "ess/cuda/swap_engine_gpu.h"
+#include "ess/model/entry_layout.h"
+#include "ess/pipeline/gemm.h"
+#include "ess/pipeline/executor_impl.h"
+#include "ess/pipeline/kernels.h"
+
+namespace ess::pipeline {
+namespace {
+
+#define ESS_LAUNCH(call, ...) ESS_CUDA_CHECK(static_cast<cudaError_t>(call), __VA_ARGS__)
+
+// Entry contents: (request, layer, token) -> one of kEntryTable quantized random latent
+// entries, picked by a hash. Both modes, the host pool and the device caches agree on every
+// byte without storing a second copy, and a misplaced entry shows up as different bytes.
+constexpr int kEntryTable = 4096;
+
+std::uint64_t entry_pick(int b, int l, std::int64_t p) {
+  std::uint64_t x = (static_cast<std::uint64_t>(b) << 40) ^ (static_cast<std::uint64_t>(l) << 32) ^
+                    static_cast<std::uint64_t>(p) ^ 0x9E3779B97F4A7C15ULL;
+  x ^= x >> 31;
+  x *= 0xBF58476D1CE4E5B9ULL;
+  x ^= x >> 29;
+  return x % kEntryTable;
+}
+
+std::vector<std::uint8_t> make_entry_table(const LatentLayout& layout, std::uint64_t seed) {
+  std::vector<std::uint8_t> t(static_cast<std::size_t>(kEntryTable) * layout.bytes());
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> nope(static_cast<std::size_t>(layout.nope_dim)), rope(static_cast<std::size_t>(layout.rope_dim));
+  for (int i = 0; i < kEntryTable; ++i) {
+    const float tile_scale = std::ldexp(1.0f, static_cast<int>(rng() % 7) - 3);  // tiles of different ranges
+    for (float& v : nope) v = nd(rng) * tile_scale;
+    for (float& v : rope) v = nd(rng);
+    quantize_latent(layout, nope, rope, {t.data() + static_cast<std::size_t>(i) * layout.bytes(), layout.bytes()});
+  }
+  return t;
+}
+
+}  // namespace
+
+void StepExecutor::Impl::setup() {
+  c.validate(m);
+  ESS_CHECK(in->layers == c.layers && in->batch == c.batch && in->steps == c.steps,
+            "executor: inputs for {} layers x {} requests x {} steps, configuration asks {} x {} x {}", in->layers,
+            in->batch, in->steps, c.layers, c.batch, c.steps);
+  device = cuda::use_device(c.device, "executor");
+  layout = LatentLayout::for_model(m);
+  ilayout = IndexerLayout::for_model(m);
+  B = c.batch;
+  L = c.layers;
+  T = in->mtp;
+  K = in->topk;
+  P = T * K;
+  H = m.num_attention_heads;
+  IH = m.index_n_heads;
+  entry = layout.bytes();
+  softmax_scale = 1.0f / std::sqrt(static_cast<float>(m.qk_nope_head_dim + m.qk_rope_head_dim));
+  modes = layer_modes(c, *in);
+  const std::int64_t max_len = in->max_length();
+  const std::int64_t cap = (max_len + kPageTokens - 1) / kPageTokens * kPageTokens;
+  S = c.offload ? c.resolved_slots() : static_cast<std::int32_t>(cap);
+  idx_pages = static_cast<int>(cap / kPageTokens);
+  stride = cap;
+
+  // Device memory, checked up front so that a batch that does not fit says so.
+  const double kv_bytes = static_cast<double>(B) * L * S * static_cast<double>(entry);
+  const double idx_bytes = static_cast<double>(L) * B * idx_pages * static_cast<double>(ilayout.page_bytes());
+  const double tokens = static_cast<double>(bt());
+  const double act_bytes = (L * 2.0 + 2 * 4.0) * tokens * H * layout.nope_dim + static_cast<double>(c.steps) * L * B * P * 4.0 +
+                           tokens * static_cast<double>(stride) * 4.0;
+  std::size_t free_b = 0, total_b = 0;
+  ESS_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b), "executor: reading free device memory");
+  const double need = kv_bytes + idx_bytes + act_bytes + (c.stand_in_gemms ? 1.5e9 : 0.0);
+  ESS_CHECK(need < 0.95 * static_cast<double>(free_b),
+            "executor: batch {} {} needs about {:.1f} GB of device memory ({:.1f} GB latent, {:.1f} GB indexer cache); "
+            "{:.1f} GB of {:.1f} GB is free on {}",
+            B, c.offload ? fmt::format("with {} slots per request-layer", S) : std::string("all-resident"), need / 1e9,
+            kv_bytes / 1e9, idx_bytes / 1e9, static_cast<double>(free_b) / 1e9, static_cast<double>(total_b) / 1e9, device);
+
+  ESS_CUDA_CHECK(cudaStreamCreateWithFlags(&cs, cudaStreamNonBlocking), "executor: compute stream");
+  ESS_CUDA_CHECK(cudaStreamCreateWithFlags(&hs, cudaStreamNonBlocking), "executor: H2D stream");
+  ESS_CUDA_CHECK(cudaStreamCreateWithFlags(&ds, cudaStreamNonBlocking), "executor: D2H stream");
+  auto make = [](std::vector<cudaEvent_t>& v, std::size_t n, bool timing) {
+    v.resize(n, nullptr);
+    for (cudaEvent_t& e : v) {
+      ESS_CUDA_CHECK(cudaEventCreateWithFlags(&e, timing ? cudaEventDefault : cudaEventDisableTiming), "executor: events");
+    }
+  };
+  make(ev_proj0, static_cast<std::size_t>(L), false);
+  make(ev_d2h, static_cast<std::size_t>(L), false);
+  make(ev_idx, 2 * static_cast<std::size_t>(L), false);
+  make(ev_h2d, 2 * static_cast<std::size_t>(L), false);
+  make(t0, static_cast<std::size_t>(c.steps), true);
+  make(t1, static_cast<std::size_t>(c.steps), true);
+  ESS_CUDA_CHECK(cudaEventCreateWithFlags(&ev_join_h, cudaEventDisableTiming), "executor: events");
+  ESS_CUDA_CHECK(cudaEventCreateWithFlags(&ev_join_d, cudaEventDisableTiming), "executor: events");
+
+  if (c.stand_in_gemms) gemms = std::make_unique<StandInGemms>(m, static_cast<int>(bt()), c.expert_parallel);
+
+  // Inputs of every step, uploaded once.
+  ids = DeviceBuffer<std::int32_t>(in->ids.size());
+  ESS_CUDA_CHECK(cudaMemcpy(ids.get(), in->ids.data(), in->ids.size() * 4, cudaMemcpyHostToDevice), "executor: uploading the ids");
+  q = DeviceBuffer<std::uint16_t>(bt() * H * (layout.nope_dim + layout.rope_dim));
+  out = DeviceBuffer<std::uint16_t>(static_cast<std::size_t>(L) * bt() * H * layout.nope_dim);
+  lse = DeviceBuffer<float>(bt() * H);
+  ESS_LAUNCH(fill_bf16(q.get(), q.size(), 1.0f, c.seed + 1, cs), "executor: queries");
+  if (c.offload) {
+    o_a = DeviceBuffer<float>(bt() * H * layout.nope_dim);
+    o_b = DeviceBuffer<float>(bt() * H * layout.nope_dim);
+    lse_a = DeviceBuffer<float>(bt() * H);
+    lse_b = DeviceBuffer<float>(bt() * H);
+  }
+  // Indexer: random FP8 queries and keys (finite by construction), full-length pages.
+  idx_q = DeviceBuffer<std::uint8_t>(bt() * IH * ilayout.head_dim);
+  idx_w = DeviceBuffer<float>(bt() * IH);
+  idx_cache = DeviceBuffer<std::uint8_t>(static_cast<std::size_t>(L) * B * idx_pages * ilayout.page_bytes());
+  idx_table = DeviceBuffer<std::int32_t>(static_cast<std::size_t>(B) * idx_pages);
+  logits = DeviceBuffer<float>(bt() * static_cast<std::size_t>(stride));
+  topk_out = DeviceBuffer<std::int32_t>(bt() * K);
+  ESS_LAUNCH(fill_fp8(idx_q.get(), idx_q.size(), c.seed + 2, cs), "executor: indexer queries");
+  ESS_LAUNCH(fill_f32(idx_w.get(), idx_w.size(), 0.0f, 1.0f / static_cast<float>(IH), c.seed + 3, cs), "executor: indexer weights");
+  ESS_LAUNCH(fill_fp8(idx_cache.get(), idx_cache.size(), c.seed + 4, cs), "executor: indexer cache");
+  {
+    std::vector<std::int32_t> pages(static_cast<std::size_t>(B) * idx_pages);
+    for (std::size_t i = 0; i < pages.size(); ++i) pages[i] = static_cast<std::int32_t>(i);
+    ESS_CUDA_CHECK(cudaMemcpy(idx_table.get(), pages.data(), pages.size() * 4, cudaMemcpyHostToDevice), "executor: indexer pages");
+    std::vector<std::int32_t> len(static_cast<std::size_t>(c.steps) * bt());
+    for (int s = 0; s < c.steps; ++s) {
+      for (int b = 0; b < B; ++b) {
+        const std::int64_t l0 = in->lengths[static_cast<std::size_t>(s) * B + static_cast<std::size_t>(b)];
+        for (int t = 0; t < T; ++t) {
+          len[(static_cast<std::size_t>(s) * B + static_cast<std::size_t>(b)) * T + static_cast<std::size_t>(t)] =
+              static_cast<std::int32_t>(l0 - T + 1 + t);
+        }
+      }
+    }
+    idx_len = DeviceBuffer<std::int32_t>(len.size());
+    ESS_CUDA_CHECK(cudaMemcpy(idx_len.get(), len.data(), len.size() * 4, cudaMemcpyHostToDevice), "executor: indexer lengths");
+  }
+  fill_caches();
+  if (c.offload) warm_up();
+  ESS_CUDA_CHECK(cudaDeviceSynchronize(), "executor: setup");
+}
+
+// The latent caches: the pinned host pool (offload) or the resident device cache, holding
+// every request's prompt; and the offsets of each step's new entries.
+void StepExecutor::Impl::fill_caches() {
+  const std::vector<std::uint8_t> host_table = make_entry_table(layout, c.seed + 5);
+  table = DeviceBuffer<std::uint8_t>(host_table.size());
+  ESS_CUDA_CHECK(cudaMemcpy(table.get(), host_table.data(), host_table.size(), cudaMemcpyHostToDevice), "executor: entry table");
+  std::vector<std::int64_t> prompt(static_cast<std::size_t>(B)), max_len(static_cast<std::size_t>(B));
+  for (int b = 0; b < B; ++b) {
+    prompt[static_cast<std::size_t>(b)] = in->lengths[static_cast<std::size_t>(b)] - T;
+    std::int64_t mx = 0;
+    for (int s = 0; s < c.steps; ++s) mx = std::max(mx, in->lengths[static_cast<std::size_t>(s) * B + static_cast<std::size_t>(b)]);
+    max_len[static_cast<std::size_t>(b)] = mx;
+  }
+  kv = DeviceBuffer<std::uint8_t>(static_cast<std::size_t>(B) * L * static_cast<std::size_t>(S) * entry);
+  std::vector<std::uint64_t> kvo(static_cast<std::size_t>(L) * B);
+  for (int l = 0; l < L; ++l) {
+    for (int b = 0; b < B; ++b) {
+      kvo[static_cast<std::size_t>(l) * B + static_cast<std::size_t>(b)] =
+          ((static_cast<std::uint64_t>(b) * L + static_cast<std::uint64_t>(l)) * static_cast<std::uint64_t>(S)) * entry;
+    }
+  }
+  kv_offsets = DeviceBuffer<std::uint64_t>(kvo.size());
+  ESS_CUDA_CHECK(cudaMemcpy(kv_offsets.get(), kvo.data(), kvo.size() * 8, cudaMemcpyHostToDevice), "executor: slot offsets");
+
+  // New entries of each step: token positions [length - T, length) of every request-layer.
+  std::vector<std::uint64_t> src(static_cast<std::size_t>(c.steps) * L * bt()), dst(src.size());
+  if (c.offload) {
+    std::uint64_t pages = 0;
+    for (int b = 0; b < B; ++b) pages += static_cast<std::uint64_t>((max_len[static_cast<std::size_t>(b)] + kPageTokens - 1) / kPageTokens) * L;
+    pool = std::make_unique<TotalPool>(L, layout, pages * kPageTokens * entry, HostMemoryKind::kPinned);
+    ESS_CHECK(pool->memory_kind() == HostMemoryKind::kPinned, "executor: the Total Memory Pool ({:.1f} GB) could not be pinned",
+              static_cast<double>(pages * kPageTokens * entry) / 1e9);
+    pool_dev = cuda::device_view(pool->base());
+    ESS_CHECK(pool_dev != nullptr, "executor: the Total Memory Pool is not mapped into the device's address space");
+    pool_pages = 0;
+    for (int b = 0; b < B; ++b) {
+      pool->admit(static_cast<RequestId>(b), prompt[static_cast<std::size_t>(b)]);
+      pool->extend(static_cast<RequestId>(b), max_len[static_cast<std::size_t>(b)] - prompt[static_cast<std::size_t>(b)]);
+      pool_pages = std::max<int>(pool_pages, static_cast<int>((max_len[static_cast<std::size_t>(b)] + kPageTokens - 1) / kPageTokens));
+      for (int l = 0; l < L; ++l) {
+        for (std::int64_t p = 0; p < prompt[static_cast<std::size_t>(b)]; ++p) {
+          pool->write(static_cast<RequestId>(b), l, p, {host_table.data() + entry_pick(b, l, p) * entry, entry});
+        }
+      }
+    }
+    std::vector<std::int32_t> pt(static_cast<std::size_t>(B) * L * pool_pages, -1);
+    for (int b = 0; b < B; ++b) {
+      for (int l = 0; l < L; ++l) {
+        for (std::int64_t p = 0; p < max_len[static_cast<std::size_t>(b)]; p += kPageTokens) {
+          pt[(static_cast<std::size_t>(b) * L + static_cast<std::size_t>(l)) * pool_pages + static_cast<std::size_t>(p / kPageTokens)] =
+              static_cast<std::int32_t>(pool->offset(static_cast<RequestId>(b), l, p) / pool->page_bytes());
+        }
+      }
+    }
+    page_table = DeviceBuffer<std::int32_t>(pt.size());
+    ESS_CUDA_CHECK(cudaMemcpy(page_table.get(), pt.data(), pt.size() * 4, cudaMemcpyHostToDevice), "executor: page tables");
+  } else {
+    // Resident cache [B][L][S = capacity][656], filled on the device from the entry table.
+    std::vector<std::uint64_t> fs, fd;
+    DeviceBuffer<std::uint64_t> ds_src(static_cast<std::size_t>(L) * static_cast<std::size_t>(S));
+    DeviceBuffer<std::uint64_t> ds_dst(ds_src.size());
+    for (int b = 0; b < B; ++b) {
+      fs.clear();
+      fd.clear();
+      for (int l = 0; l < L; ++l) {
+        for (std::int64_t p = 0; p < prompt[static_cast<std::size_t>(b)]; ++p) {
+          fs.push_back(entry_pick(b, l, p) * entry);
+          fd.push_back(kvo[static_cast<std::size_t>(l) * B + static_cast<std::size_t>(b)] + static_cast<std::uint64_t>(p) * entry);
+        }
+      }
+      ESS_CUDA_CHECK(cudaMemcpy(ds_src.get(), fs.data(), fs.size() * 8, cudaMemcpyHostToDevice), "executor: cache fill");
+      ESS_CUDA_CHECK(cudaMemcpy(ds_dst.get(), fd.data(), fd.size() * 8, cudaMemcpyHostToDevice), "executor: cache fill");
+      cuda::EntryCopy copy{table.get(), kv.get(), ds_src.get(), ds_dst.get(), static_cast<std::int64_t>(fs.size()),
+                           static_cast<int>(entry), nullptr};
+      ESS_LAUNCH(cuda::flashtrans_gather(copy, nullptr), "executor: resident cache fill of request {}", b);
+      ESS_CUDA_CHECK(cudaDeviceSynchronize(), "executor: resident cache fill");
+    }
+  }
+  for (int s = 0; s < c.steps; ++s) {
+    for (int l = 0; l < L; ++l) {
+      for (int b = 0; b < B; ++b) {
+        const std::int64_t len = in->lengths[static_cast<std::size_t>(s) * B + static_cast<std::size_t>(b)];
+        for (int t = 0; t < T; ++t) {
+          const std::int64_t p = len - T + t;
+          const std::size_t i = ((static_cast<std::size_t>(s) * L + static_cast<std::size_t>(l)) * B + static_cast<std::size_t>(b)) * T +
+                                static_cast<std::size_t>(t);
+          src[i] = entry_pick(b, l, p) * entry;
+          dst[i] = c.offload ? pool->offset(static_cast<RequestId>(b), l, p)
+                             : kvo[static_cast<std::size_t>(l) * B + static_cast<std::size_t>(b)] + static_cast<std::uint64_t>(p) * entry;
+        }
+      }
+    }
+  }
+  new_src = DeviceBuffer<std::uint64_t>(src.size());
+  new_dst = DeviceBuffer<std::uint64_t>(dst.size());
+  ESS_CUDA_CHECK(cudaMemcpy(new_src.get(), src.data(), src.size() * 8, cudaMemcpyHostToDevice), "executor: new-entry offsets");
+  ESS_CUDA_CHECK(cudaMemcpy(new_dst.get(), dst.data(), dst.size() * 8, cudaMemcpyHostToDevice), "executor: new-entry offsets");
+
+  if (c.offload) {
+    cuda::GpuSwapConfig sc;
+    sc.rows = B;
+    sc.layers = L;
+    sc.slots = S;
+    sc.max_positions = P;
+    sc.device = c.device;
+    swap = std::make_unique<cuda::GpuSwapEngine>(sc, cs);
+    std::vector<std::int32_t> r(static_cast<std::size_t>(B));
+    for (int b = 0; b < B; ++b) r[static_cast<std::size_t>(b)] = b;
+    rows = DeviceBuffer<std::int32_t>(r.size());
+    ESS_CUDA_CHECK(cudaMemcpy(rows.get(), r.data(), r.size() * 4, cudaMemcpyHostToDevice), "executor: rows");
+    slot_ids = DeviceBuffer<std::int32_t>(static_cast<std::size_t>(B) * P);
+    hit_ids = DeviceBuffer<std::int32_t>(slot_ids.size());
+    miss_ids = DeviceBuffer<std::int32_t>(slot_ids.size());
+    hit_count = DeviceBuffer<std::int32_t>(bt());
+    miss_count = DeviceBuffer<std::int32_t>(bt());
+    fill_tokens = DeviceBuffer<std::int32_t>(slot_ids.size());
+    fill_slots = DeviceBuffer<std::int32_t>(slot_ids.size());
+    fill_host = DeviceBuffer<std::uint64_t>(slot_ids.size());
+    flags = DeviceBuffer<std::uint8_t>(static_cast<std::size_t>(B) * static_cast<std::size_t>(S));
+    h2d_src = DeviceBuffer<std::uint64_t>(slot_ids.size());
+    h2d_dst = DeviceBuffer<std::uint64_t>(slot_ids.size());
+    h2d_total = DeviceBuffer<std::int64_t>(2);
+    counts = DeviceBuffer<std::int32_t>(static_cast<std::size_t>(c.steps) * L * B * 2);
+  }
+}
+
+// LRU-Warmup of every request-layer from the trace's prefill top-k, then the warmed slots
+// filled from the host pool (not part of any timed step).
+void StepExecutor::Impl::warm_up() {
+  if (in->prefill_windows <= 0) return;
+  const std::size_t W = static_cast<std::size_t>(in->prefill_windows);
+  std::vector<std::uint64_t> src, dst;
+  for (int b = 0; b < B; ++b) {
+    src.clear();
+    dst.clear();
+    for (int l = 0; l < L; ++l) {
+      const std::int32_t* w = in->prefill.data() + (static_cast<std::size_t>(l) * B + static_cast<std::size_t>(b)) * W * K;
+      const std::vector<MissEntry> fills = swap->warmup(b, l, K, std::vector<std::int32_t>(w, w + W * K));
+      for (const MissEntry& f : fills) {
+        src.push_back(pool->offset(static_cast<RequestId>(b), l, f.token));
+        dst.push_back(((static_cast<std::uint64_t>(b) * L + static_cast<std::uint64_t>(l)) * static_cast<std::uint64_t>(S) +
+                       static_cast<std::uint64_t>(f.slot)) * entry);
+      }
+    }
+    if (src.empty()) continue;
+    DeviceBuffer<std::uint64_t> d_src(src.size()), d_dst(dst.size());
+    ESS_CUDA_CHECK(cudaMemcpy(d_src.get(), src.data(), src.size() * 8, cudaMemcpyHostToDevice), "executor: warm-up offsets");
+    ESS_CUDA_CHECK(cudaMemcpy(d_dst.get(), dst.data(), dst.size() * 8, cudaMemcpyHostToDevice), "executor: warm-up offsets");
+    cuda::EntryCopy copy{pool_dev, kv.get(), d_src.get(), d_dst.get(), static_cast<std::int64_t>(src.size()),
+                         static_cast<int>(entry), nullptr};
+    ESS_LAUNCH(cuda::flashtrans_gather(copy, nullptr), "executor: warm-up fill of request {}", b);
+    ESS_CUDA_CHECK(cudaDeviceSynchronize(), "executor: warm-up fill");
+  }
+}
+
+void StepExecutor::Impl::attention(int l, const std::int32_t* idx, const std::int32_t* lengths, std::uint16_t* o16,
+                                   float* o32, float* l32) {
+  cuda::SparseMlaArgs a;
+  a.batch = B;
+  a.query_tokens = T;
+  a.heads = H;
+  a.topk = K;
+  a.softmax_scale = softmax_scale;
+  a.q = q.get();
+  a.kv = kv.get();
+  a.kv_offsets = kv_offsets.get() + static_cast<std::size_t>(l) * B;
+  a.slots = S;
+  a.indices = idx;
+  a.row_lengths = lengths;
+  a.out = o16;
+  a.out_f32 = o32;
+  a.lse = l32;
+  ESS_LAUNCH(cuda::sparse_mla_decode(a, cs), "executor: sparse MLA of layer {}", l);
+}
+
+// The indexer of requests [b0, b0 + nb) and, offloaded, their swap decision, FlashTrans list
+// and H2D copy (half 0 or 1 of the batch under DBA; the whole batch as half 0 otherwise).
+void StepExecutor::Impl::indexer_half(int s, int l, int b0, int nb, int half) {
+  run_indexer(s, l, b0, nb);
+  if (!c.offload) return;
+  swap_split(s, l, b0, nb, half);
+  issue_copy(l, b0, nb, half);
+}
+
+void StepExecutor::Impl::run_indexer(int s, int l, int b0, int nb) {
+  const std::size_t rows0 = static_cast<std::size_t>(b0) * T;
+  if (gemms) gemms->run(GemmOp::kIndexerWqB, nb * T, cs);
+  cuda::IndexerArgs ia;
+  ia.batch = nb;
+  ia.query_tokens = T;
+  ia.heads = IH;
+  ia.head_dim = ilayout.head_dim;
+  ia.q = idx_q.get() + rows0 * IH * ilayout.head_dim;
+  ia.weights = idx_w.get() + rows0 * IH;
+  ia.pages = idx_cache.get() + static_cast<std::size_t>(l) * B * idx_pages * ilayout.page_bytes();
+  ia.page_table = idx_table.get() + static_cast<std::size_t>(b0) * idx_pages;
+  ia.max_pages = idx_pages;
+  ia.lengths = idx_len.get() + static_cast<std::size_t>(s) * bt() + rows0;
+  ia.logits = logits.get() + rows0 * static_cast<std::size_t>(stride);
+  ia.logits_stride = stride;
+  ESS_LAUNCH(cuda::indexer_logits(ia, cs), "executor: indexer of layer {}", l);
+  cuda::TopkArgs ta;
+  ta.rows = static_cast<std::int64_t>(nb) * T;
+  ta.k = K;
+  ta.logits = ia.logits;
+  ta.stride = stride;
+  ta.lengths = ia.lengths;
+  ta.out = topk_out.get() + rows0 * K;
+  ESS_LAUNCH(cuda::topk(ta, cs), "executor: top-k of layer {}", l);
+}
+
+void StepExecutor::Impl::swap_split(int s, int l, int b0, int nb, int half) {
+  const std::size_t pos0 = static_cast<std::size_t>(b0) * P;
+  cuda::GpuSwapStep st;
+  st.layer = l;
+  st.batch = nb;
+  st.query_tokens = T;
+  st.topk = K;
+  st.rows = rows.get() + b0;  // batch position b uses Sparse Memory Pool row b
+  st.ids = ids.get() + (static_cast<std::size_t>(s) * L + static_cast<std::size_t>(l)) * B * P + pos0;
+  st.slot_ids = slot_ids.get() + pos0;
+  st.fill_tokens = fill_tokens.get() + pos0;
+  st.fill_slots = fill_slots.get() + pos0;
+  st.fill_host_offsets = fill_host.get() + pos0;
+  st.counts = counts.get() + ((static_cast<std::size_t>(s) * L + static_cast<std::size_t>(l)) * B + static_cast<std::size_t>(b0)) * 2;
+  st.page_table = page_table.get();
+  st.max_pages = pool_pages;
+  st.page_bytes = pool->page_bytes();
+  st.entry_bytes = entry;
+  swap->step_async(st);
+
+  SplitArgs sp;
+  sp.batch = nb;
+  sp.positions = P;
+  sp.slots = S;
+  sp.entry_bytes = static_cast<int>(entry);
+  sp.slot_ids = st.slot_ids;
+  sp.counts = st.counts;
+  sp.fill_slots = st.fill_slots;
+  sp.fill_host_offsets = st.fill_host_offsets;
+  sp.kv_offsets = kv_offsets.get() + static_cast<std::size_t>(l) * B + static_cast<std::size_t>(b0);
+  sp.flags = flags.get() + static_cast<std::size_t>(b0) * static_cast<std::size_t>(S);
+  sp.src_offsets = h2d_src.get() + pos0;
+  sp.dst_offsets = h2d_dst.get() + pos0;
+  sp.total = h2d_total.get() + half;
+  const bool split = modes[static_cast<std::size_t>(l)] != OverlapMode::kNone;
+  sp.query_tokens = T;
+  sp.hit_ids = split ? hit_ids.get() + pos0 : nullptr;
+  sp.miss_ids = split ? miss_ids.get() + pos0 : nullptr;
+  sp.hit_count = split ? hit_count.get() + static_cast<std::size_t>(b0) * T : nullptr;
+  sp.miss_count = split ? miss_count.get() + static_cast<std::size_t>(b0) * T : nullptr;
+  ESS_LAUNCH(split_misses(sp, cs), "executor: miss list of layer {}", l);
+}
+
+void StepExecutor::Impl::issue_copy(int l, int b0, int nb, int half) {
+  const std::size_t pos0 = static_cast<std::size_t>(b0) * P;
+  cudaEvent_t e_idx = ev_idx[2 * static_cast<std::size_t>(l) + static_cast<std::size_t>(half)];
+  ESS_CUDA_CHECK(cudaEventRecord(e_idx, cs), "executor: event");
+  ESS_CUDA_CHECK(cudaStreamWaitEvent(hs, e_idx, 0), "executor: H2D waits for the swap decision");
+  ESS_CUDA_CHECK(cudaStreamWaitEvent(hs, ev_d2h[static_cast<std::size_t>(l)], 0), "executor: H2D waits for the new entries");
+  if (!c.skip_transfers) {
+    cuda::EntryCopy copy{pool_dev, kv.get(), h2d_src.get() + pos0, h2d_dst.get() + pos0, static_cast<std::int64_t>(nb) * P,
+                         static_cast<int>(entry), h2d_total.get() + half};
+    ESS_LAUNCH(cuda::flashtrans_gather(copy, hs), "executor: FlashTrans H2D of layer {}", l);
+  }
+  ESS_CUDA_CHECK(cudaEventRecord(ev_h2d[2 * static_cast<std::size_t>(l) + static_cast<std::size_t>(half)], hs), "executor: event");
+}
+
+// One decode step of every layer, enqueued on the three streams (or captured).
+void StepExecutor::Impl::enqueue(int s) {
+  const std::size_t n_out = bt() * H * static_cast<std::size_t>(layout.nope_dim);
+  const int n = static_cast<int>(bt());
+  for (int l = 0; l < L; ++l) {
+    const auto lz = static_cast<std::size_t>(l);
+    const OverlapMode mode = modes[lz];
+    if (gemms) gemms->run(GemmOp::kProj0, n, cs);
+    // The step's new entries: D2H into the host pool (offloaded) or a device copy (resident).
+    cuda::EntryCopy nc{table.get(), c.offload ? const_cast<std::uint8_t*>(pool_dev) : kv.get(),
+                       new_src.get() + (static_cast<std::size_t>(s) * L + lz) * bt(),
+                       new_dst.get() + (static_cast<std::size_t>(s) * L + lz) * bt(), static_cast<std::int64_t>(bt()),
+                       static_cast<int>(entry), nullptr};
+    if (c.offload) {
+      ESS_CUDA_CHECK(cudaEventRecord(ev_proj0[lz], cs), "executor: event");
+      ESS_CUDA_CHECK(cudaStreamWaitEvent(ds, ev_proj0[lz], 0), "executor: D2H waits for proj0");
+      if (!c.skip_transfers) ESS_LAUNCH(cuda::flashtrans_scatter(nc, ds), "executor: new entries D2H of layer {}", l);
+      ESS_CUDA_CHECK(cudaEventRecord(ev_d2h[lz], ds), "executor: event");
+    } else {
+      ESS_LAUNCH(cuda::flashtrans_gather(nc, cs), "executor: new entries of layer {}", l);
+    }
+    std::uint16_t* o16 = out.get() + lz * n_out;
+    auto pre_attention = [&] {
+      if (gemms) {
+        gemms->run(GemmOp::kQbProj, n, cs);
+        gemms->run(GemmOp::kAbsorbBmm, n, cs);
+      }
+    };
+    const std::int32_t* token_ids = ids.get() + (static_cast<std::size_t>(s) * L + lz) * B * P;
+    if (!c.offload) {
+      pre_attention();
+      indexer_half(s, l, 0, B, 0);
+      attention(l, token_ids, nullptr, o16, nullptr, lse.get());
+    } else if (mode == OverlapMode::kNone) {
+      pre_attention();
+      indexer_half(s, l, 0, B, 0);
+      ESS_CUDA_CHECK(cudaStreamWaitEvent(cs, ev_h2d[2 * lz], 0), "executor: attention waits for the copy");
+      attention(l, slot_ids.get(), nullptr, o16, nullptr, lse.get());
+    } else {
+      int last = 0;
+      if (mode == OverlapMode::kDualBatchAttention && B >= 2) {
+        const int b_half = (B + 1) / 2;
+        indexer_half(s, l, 0, b_half, 0);
+        indexer_half(s, l, b_half, B - b_half, 1);
+        last = 1;
+      } else {
+        indexer_half(s, l, 0, B, 0);
+      }
+      pre_attention();
+      attention(l, hit_ids.get(), hit_count.get(), nullptr, o_a.get(), lse_a.get());  // Attn0: resident, under the copy
+      ESS_CUDA_CHECK(cudaStreamWaitEvent(cs, ev_h2d[2 * lz + static_cast<std::size_t>(last)], 0),
+                     "executor: Attn1 waits for the copy");
+      attention(l, miss_ids.get(), miss_count.get(), nullptr, o_b.get(), lse_b.get());  // Attn1: fetched entries
+      cuda::MergeArgs mg;
+      mg.rows = static_cast<std::int64_t>(bt()) * H;
+      mg.dim = layout.nope_dim;
+      mg.o_a = o_a.get();
+      mg.lse_a = lse_a.get();
+      mg.o_b = o_b.get();
+      mg.lse_b = lse_b.get();
+      mg.out = o16;
+      mg.lse = lse.get();
+      ESS_LAUNCH(cuda::merge_states(mg, cs), "executor: merge of layer {}", l);
+    }
+    if (gemms) {
+      gemms->run(GemmOp::kOutBmm, n, cs);
+      gemms->run(GemmOp::kOProj, n, cs);
+      gemms->run(GemmOp::kGate, n, cs);
+      gemms->run(GemmOp::kSharedExpert, n, cs);
+      gemms->run(GemmOp::kRoutedExperts, n, cs);
+    }
+  }
+  if (c.offload) {  // join the copy streams back into the compute stream (required by capture)
+    ESS_CUDA_CHECK(cudaEventRecord(ev_join_h, hs), "executor: event");
+    ESS_CUDA_CHECK(cudaEventRecord(ev_join_d, ds), "executor: event");
+    ESS_CUDA_CHECK(cudaStreamWaitEvent(cs, ev_join_h, 0), "executor: join");
+    ESS_CUDA_CHECK(cudaStreamWaitEvent(cs, ev_join_d, 0), "executor: join");
+  }
+}
+
+StepExecutor::StepExecutor(const ExecutorConfig& config, const ModelSpec& model, const StepInputs& inputs)
+    : impl_(std::make_unique<Impl>(config, model, inputs)) {
+  impl_->setup();
+}
+
+StepExecutor::~StepExecutor() = default;
+
+ExecutorReport StepExecutor::run(const std::function<void(int)>& after_step) {
+  Impl& x = *impl_;
+  ExecutorReport r;
+  r.device = x.device;
+  r.date = cuda::utc_now();
+  r.batch = x.B;
+  r.layers = x.L;
+  r.mtp = x.T;
+  r.topk = x.K;
+  r.context = x.in->prompt;
+  r.offload = x.c.offload;
+  r.slots = x.S;
+  r.graph = x.c.graph;
+  r.modes = x.modes;
+  r.profile_misses = x.in->profile_misses;
+  r.inputs = x.in->source;
+  r.host_pool_bytes = x.pool ? x.pool->capacity_bytes() : 0;
+  r.device_cache_bytes = x.kv.size() + x.idx_cache.size();
+  x.graphs.assign(static_cast<std::size_t>(x.c.steps), nullptr);
+  for (int s = 0; s < x.c.steps; ++s) {
+    const auto sz = static_cast<std::size_t>(s);
+    // Step 0 runs eagerly (it performs any one-time initialisation of the kernels); later
+    // steps are captured once step 0 has finished and replayed as graphs.
+    const bool use_graph = x.c.graph && s > 0;
+    if (use_graph && x.graphs[sz] == nullptr) {
+      cudaGraph_t g = nullptr;
+      ESS_CUDA_CHECK(cudaStreamBeginCapture(x.cs, cudaStreamCaptureModeThreadLocal), "executor: capturing step {}", s);
+      try {
+        x.enqueue(s);
+      } catch (...) {
+        cudaStreamEndCapture(x.cs, &g);
+        if (g != nullptr) cudaGraphDestroy(g);
+        throw;
+      }
+      ESS_CUDA_CHECK(cudaStreamEndCapture(x.cs, &g), "executor: capturing step {}", s);
+      const cudaError_t e = cudaGraphInstantiate(&x.graphs[sz], g, 0);
+      cudaGraphDestroy(g);
+      ESS_CUDA_CHECK(e, "executor: instantiating the graph of step {}", s);
+    }
+    ESS_CUDA_CHECK(cudaEventRecord(x.t0[sz], x.cs), "executor: timing");
+    if (use_graph) {
+      ESS_CUDA_CHECK(cudaGraphLaunch(x.graphs[sz], x.cs), "executor: launching step {}", s);
+    } else {
+      x.enqueue(s);
+    }
+    ESS_CUDA_CHECK(cudaEventRecord(x.t1[sz], x.cs), "executor: timing");
+    if (after_step || s == 0) {
+      ESS_CUDA_CHECK(cudaStreamSynchronize(x.cs), "executor: step {}", s);
+      if (after_step) after_step(s);
+    }
+  }
+  ESS_CUDA_CHECK(cudaStreamSynchronize(x.cs), "executor: steps");
+  for (int s = x.c.warm_steps; s < x.c.steps; ++s) {
+    float ms = 0;
+    ESS_CUDA_CHECK(cudaEventElapsedTime(&ms, x.t0[static_cast<std::size_t>(s)], x.t1[static_cast<std::size_t>(s)]), "executor: timing");
+    r.step_us.push_back(static_cast<double>(ms) * 1e3);
+  }
+  r.step = summarize(r.step_us);
+  r.misses.assign(static_cast<std::size_t>(x.L), 0.0);
+  if (x.c.offload) {
+    std::vector<std::int32_t> counts(x.counts.size());
+    ESS_CUDA_CHECK(cudaMemcpy(counts.data(), x.counts.get(), counts.size() * 4, cudaMemcpyDeviceToHost), "executor: counts");
+    const int timed = x.c.steps - x.c.warm_steps;
+    double misses = 0;
+    for (int s = x.c.warm_steps; s < x.c.steps; ++s) {
+      for (int l = 0; l < x.L; ++l) {
+        for (int b = 0; b < x.B; ++b) {
+          const double v = counts[((static_cast<std::size_t>(s) * x.L + static_cast<std::size_t>(l)) * x.B + static_cast<std::size_t>(b)) * 2 + 1];
+          r.misses[static_cast<std::size_t>(l)] += v / (static_cast<double>(timed) * x.B);
+          misses += v;
+        }
+      }
+    }
+    r.h2d_bytes_per_step = misses * static_cast<double>(x.entry) / timed;
+    r.d2h_bytes_per_step = static_cast<double>(x.bt()) * x.L * static_cast<double>(x.entry);
+  }
+  return r;
+}
+
+std::vector<std::uint16_t> StepExecutor::attention_output(int layer) const {
+  const Impl& x = *impl_;
+  ESS_CHECK(layer >= 0 && layer < x.L, "executor: layer {} out of [0, {})", layer, x.L);
+  const std::size_t n = x.bt() * x.H * static_cast<std::size_t>(x.layout.nope_dim);
+  std::vector<std::uint16_t> v(n);
+  ESS_CUDA_CHECK(cudaMemcpy(v.data(), x.out.get() + static_cast<std::size_t>(layer) * n, n * 2, cudaMemcpyDeviceToHost),
+                 "executor: reading the attention output of layer {}", layer);
+  return v;
+}
+
+}  // namespace ess::pipeline

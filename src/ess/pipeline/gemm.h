@@ -1,0 +1,60 @@
+// Stand-in GEMMs for the parts of a DeepSeek-V3.2 decoder layer around the attention stack
+// (projections, MoE gate, shared and routed experts), so that the executor's schedules have
+// real tensor-core work to overlap with. Shapes follow the model; values are a fixed pseudo-
+// random pattern; outputs are discarded (the attention stack's inputs are separate tensors).
+//
+// Each op carries the simulator's op name (src/ess/sim/step_model.cc), so that what
+// `ess bench profile` measures feeds `ess sim` table for table.
+//
+// Stand-ins run in BF16 through cuBLAS (the model runs most of them in FP8 via DeepGEMM):
+// per op, twice the weight bytes and half the peak rate of the FP8 original. Weights are
+// shared by all layers (the real ones are not; every op's weights are far larger than L2,
+// so each layer still streams them from HBM). CUDA target only.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string_view>
+
+#include "ess/cuda/flashtrans.h"
+#include "ess/model/model_spec.h"
+
+namespace ess::pipeline {
+
+enum class GemmOp {
+  kProj0,          // q_a, kv_a, indexer k / weights: hidden -> q_lora + kv_lora + rope + 128 + 64
+  kIndexerWqB,     // q_lora -> index heads x index dim
+  kQbProj,         // q_lora -> heads x (nope + rope)
+  kAbsorbBmm,      // per head: nope -> kv_lora (q absorbed into the latent space)
+  kOutBmm,         // per head: kv_lora -> v_head_dim
+  kOProj,          // heads x v_head_dim -> hidden
+  kGate,           // hidden -> routed experts
+  kSharedExpert,   // hidden -> 2 x moe_inter -> hidden
+  kRoutedExperts,  // ceil(E / EP) local experts, n x top-8 / local rows each
+};
+inline constexpr GemmOp kAllGemmOps[] = {GemmOp::kProj0,  GemmOp::kIndexerWqB, GemmOp::kQbProj,
+                                          GemmOp::kAbsorbBmm, GemmOp::kOutBmm, GemmOp::kOProj,
+                                          GemmOp::kGate, GemmOp::kSharedExpert, GemmOp::kRoutedExperts};
+std::string_view sim_name(GemmOp op);
+// Floating-point operations of the op for n tokens (what the simulator charges).
+double gemm_flops(const ModelSpec& m, int expert_parallel, GemmOp op, int n);
+
+class StandInGemms {
+ public:
+  // Sized for up to max_tokens tokens per call. Allocates the weights (about 1.2 GB in BF16
+  // for DeepSeek-V3.2 with EP 32) and a cuBLAS workspace, so that calls can be captured.
+  StandInGemms(const ModelSpec& model, int max_tokens, int expert_parallel);
+  ~StandInGemms();
+  StandInGemms(const StandInGemms&) = delete;
+  StandInGemms& operator=(const StandInGemms&) = delete;
+
+  // Enqueues the op for n tokens (1 <= n <= max_tokens) on the stream.
+  void run(GemmOp op, int n, cuda::Stream stream);
+  std::uint64_t weight_bytes() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace ess::pipeline

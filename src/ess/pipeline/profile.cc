@@ -1,0 +1,137 @@
+// StepExecutor::time_op: the op times `ess bench profile` measures, each op of the step run
+// alone on the compute stream over the executor's own buffers.
+#include <cuda_runtime.h>
+
+#include <functional>
+
+#include "ess/core/error.h"
+#include "ess/cuda/check.h"
+#include "ess/cuda/indexer.h"
+#include "ess/cuda/sparse_mla.h"
+#include "ess/pipeline/executor.h"
+#include "ess/pipeline/executor_impl.h"
+
+namespace ess::pipeline {
+
+Summary StepExecutor::time_op(std::string_view op, int requests, int repeats, int entries) {
+  Impl& x = *impl_;
+  ESS_CHECK(requests >= 1 && requests <= x.B, "profile: {} requests outside [1, {}] (the executor's batch)", requests, x.B);
+  ESS_CHECK(repeats >= 1, "profile: repeats = {} must be >= 1", repeats);
+  ESS_CHECK(entries >= 0 && entries <= x.K, "profile: {} entries per query token outside [0, top-k = {}]", entries, x.K);
+  const int n = requests * x.T;
+  std::function<void(int)> launch;
+  for (const GemmOp g : kAllGemmOps) {
+    if (op == sim_name(g)) {
+      ESS_CHECK(x.gemms != nullptr, "profile: {} needs the stand-in GEMMs (stand_in_gemms = true)", op);
+      launch = [&x, g, n](int) { x.gemms->run(g, n, x.cs); };
+    }
+  }
+  DeviceBuffer<std::int32_t> row_len;
+  if (launch) {
+  } else if (op == "indexer.logits" || op == "indexer.topk") {
+    x.run_indexer(0, 0, 0, requests);  // logits for the top-k timing
+    if (op == "indexer.logits") {
+      launch = [&x, requests](int) {
+        // run_indexer = wq_b + logits + top-k; time the logits alone through the same args.
+        cuda::IndexerArgs ia;
+        ia.batch = requests;
+        ia.query_tokens = x.T;
+        ia.heads = x.IH;
+        ia.head_dim = x.ilayout.head_dim;
+        ia.q = x.idx_q.get();
+        ia.weights = x.idx_w.get();
+        ia.pages = x.idx_cache.get();
+        ia.page_table = x.idx_table.get();
+        ia.max_pages = x.idx_pages;
+        ia.lengths = x.idx_len.get();
+        ia.logits = x.logits.get();
+        ia.logits_stride = x.stride;
+        ESS_CUDA_CHECK(static_cast<cudaError_t>(cuda::indexer_logits(ia, x.cs)), "profile: indexer logits");
+      };
+    } else {
+      launch = [&x, requests](int) {
+        cuda::TopkArgs ta;
+        ta.rows = static_cast<std::int64_t>(requests) * x.T;
+        ta.k = x.K;
+        ta.logits = x.logits.get();
+        ta.stride = x.stride;
+        ta.lengths = x.idx_len.get();
+        ta.out = x.topk_out.get();
+        ESS_CUDA_CHECK(static_cast<cudaError_t>(cuda::topk(ta, x.cs)), "profile: top-k");
+      };
+    }
+  } else if (op == "swap.lru+split") {
+    ESS_CHECK(x.c.offload, "profile: {} needs an offloaded executor", op);
+    launch = [&x, requests](int rep) { x.swap_split(rep % x.c.steps, 0, 0, requests, 0); };
+  } else if (op == "attn.sparse_mla") {
+    // Step 0's ids of layer 0; with `entries` < top-k only the first `entries` of each row
+    // are read (row lengths, as the DA halves pass their compacted lists).
+    const std::int32_t* ids = x.c.offload ? x.slot_ids.get() : x.ids.get();
+    if (x.c.offload) x.swap_split(0, 0, 0, x.B, 0);
+    const std::int32_t* lengths = nullptr;
+    if (entries > 0 && entries < x.K) {
+      const std::vector<std::int32_t> h(x.bt(), entries);
+      row_len = DeviceBuffer<std::int32_t>(h.size());
+      ESS_CUDA_CHECK(cudaMemcpy(row_len.get(), h.data(), h.size() * 4, cudaMemcpyHostToDevice), "profile: row lengths");
+      lengths = row_len.get();
+    }
+    launch = [&x, ids, lengths, requests](int) {
+      cuda::SparseMlaArgs a;
+      a.batch = requests;
+      a.query_tokens = x.T;
+      a.heads = x.H;
+      a.topk = x.K;
+      a.softmax_scale = x.softmax_scale;
+      a.q = x.q.get();
+      a.kv = x.kv.get();
+      a.kv_offsets = x.kv_offsets.get();
+      a.slots = x.S;
+      a.indices = ids;
+      a.row_lengths = lengths;
+      a.out = x.out.get();
+      a.lse = x.lse.get();
+      ESS_CUDA_CHECK(static_cast<cudaError_t>(cuda::sparse_mla_decode(a, x.cs)), "profile: sparse MLA");
+    };
+  } else if (op == "attn.merge_lse") {
+    ESS_CHECK(x.c.offload, "profile: {} needs an offloaded executor (the partial states)", op);
+    launch = [&x, n](int) {
+      cuda::MergeArgs mg;
+      mg.rows = static_cast<std::int64_t>(n) * x.H;
+      mg.dim = x.layout.nope_dim;
+      mg.o_a = x.o_a.get();
+      mg.lse_a = x.lse_a.get();
+      mg.o_b = x.o_b.get();
+      mg.lse_b = x.lse_b.get();
+      mg.out = x.out.get();
+      mg.lse = x.lse.get();
+      ESS_CUDA_CHECK(static_cast<cudaError_t>(cuda::merge_states(mg, x.cs)), "profile: merge");
+    };
+  } else {
+    ESS_THROW("profile: unknown op '{}'", op);
+  }
+  cudaEvent_t a = nullptr, b = nullptr;
+  ESS_CUDA_CHECK(cudaEventCreate(&a), "profile: events");
+  ESS_CUDA_CHECK(cudaEventCreate(&b), "profile: events");
+  std::vector<double> us;
+  try {
+    for (int r = 0; r < 3; ++r) launch(r);
+    for (int r = 0; r < repeats; ++r) {
+      ESS_CUDA_CHECK(cudaEventRecord(a, x.cs), "profile: timing");
+      launch(3 + r);
+      ESS_CUDA_CHECK(cudaEventRecord(b, x.cs), "profile: timing");
+      ESS_CUDA_CHECK(cudaEventSynchronize(b), "profile: {}", op);
+      float ms = 0;
+      ESS_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b), "profile: timing");
+      us.push_back(static_cast<double>(ms) * 1e3);
+    }
+  } catch (...) {
+    cudaEventDestroy(a);
+    cudaEventDestroy(b);
+    throw;
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  return summarize(us);
+}
+
+}  // namespace ess::pipeline

@@ -1,0 +1,202 @@
+// ess bench step | profile: the decode-step executor (src/ess/pipeline) on the GPU.
+#include <fmt/format.h>
+
+#include <fstream>
+#include <memory>
+#include <nlohmann/json.hpp>
+
+#include "commands.h"
+#include "ess/core/error.h"
+#include "ess/pipeline/config.h"
+
+#if ESS_WITH_CUDA
+#include "ess/pipeline/bench.h"
+#endif
+
+namespace ess::cli {
+namespace {
+
+// Options of the executor shared by both subcommands.
+struct ExecutorArgs {
+  pipeline::ExecutorConfig c;
+  std::string overlap_list = "none,da,dba,layerwise";
+  bool no_graph = false, no_gemms = false, no_warmup = false;
+
+  void add_to(CLI::App& cmd) {
+    cmd.add_option("--layers", c.layers, "Decoder layers per step (MoE layers)")->capture_default_str();
+    cmd.add_option("--context,-c", c.context, "Prompt length (synthetic traces)")->capture_default_str();
+    cmd.add_option("--ratio", c.ratio, "Sparse Memory Ratio")->capture_default_str();
+    cmd.add_option("--slots", c.slots, "Slots per request-layer (overrides --ratio)");
+    cmd.add_option("--steps", c.steps, "Decode steps replayed per run")->capture_default_str();
+    cmd.add_option("--warm-steps", c.warm_steps, "Of which untimed")->capture_default_str();
+    cmd.add_option("--threshold", c.layerwise_threshold,
+                   "Layer-wise: DBA for layers whose profiled misses per request reach this")
+        ->capture_default_str();
+    cmd.add_option("--ep", c.expert_parallel, "Expert parallelism emulated: the routed experts one GPU owns")
+        ->capture_default_str();
+    cmd.add_option("--trace", c.trace, "Top-k trace (default: synthetic, the shipped generator profile)");
+    cmd.add_option("--seed", c.seed, "Random seed")->capture_default_str();
+    cmd.add_option("--device", c.device, "CUDA device")->capture_default_str();
+    cmd.add_flag("--no-graph", no_graph, "Launch kernels one by one instead of replaying CUDA graphs");
+    cmd.add_flag("--no-gemms", no_gemms, "Attention stack only (no stand-in GEMMs)");
+    cmd.add_flag("--no-warmup", no_warmup, "No LRU-Warmup from the trace's prefill top-k");
+  }
+  pipeline::ExecutorConfig config() const {
+    pipeline::ExecutorConfig r = c;
+    r.graph = !no_graph;
+    r.stand_in_gemms = !no_gemms;
+    r.warmup = !no_warmup;
+    return r;
+  }
+};
+
+std::vector<int> parse_ints(const std::string& text, const char* what) {
+  std::vector<int> v;
+  std::size_t pos = 0;
+  while (pos <= text.size()) {
+    const std::size_t end = std::min(text.find(',', pos), text.size());
+    const std::string item = text.substr(pos, end - pos);
+    std::size_t used = 0;
+    int x = 0;
+    try {
+      x = std::stoi(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    ESS_CHECK(used == item.size() && !item.empty() && x >= 1, "{}: '{}' is not a positive integer", what, item);
+    v.push_back(x);
+    pos = end + 1;
+  }
+  return v;
+}
+
+#if ESS_WITH_CUDA
+void print_step(const pipeline::StepBenchConfig& sc, const pipeline::StepBenchResult& r, Format format) {
+  if (format == Format::kJson) {
+    fmt::print("{}\n", r.to_json(sc).dump(2));
+    return;
+  }
+  const auto& b = sc.base;
+  fmt::print("ess bench step on {} ({}): {} layers, context {}, ratio {} ({} slots), median of {} graph steps\n", r.device,
+             r.date, b.layers, b.context, b.ratio, b.resolved_slots(), b.steps - b.warm_steps);
+  fmt::print("{:>6} {:<10} {:>10} {:>10} {:>10} {:>9} {:>9} {:>11} {:>11}\n", "batch", "mode", "step us", "min", "max",
+             "vs res", "misses", "exposed us", "predicted");
+  for (const auto& p : r.points) {
+    double res_us = 0;
+    for (const auto& q : r.points) {
+      if (q.batch == p.batch && q.mode == "resident") res_us = q.report.step.median;
+    }
+    double misses = 0;
+    for (const double m : p.report.misses) misses += m / static_cast<double>(p.report.misses.size());
+    fmt::print("{:>6} {:<10} {:>10.1f} {:>10.1f} {:>10.1f} {:>9} {:>9.1f} {:>11} {:>11}\n", p.batch, p.mode,
+               p.report.step.median, p.report.step.min, p.report.step.max,
+               res_us > 0 && p.mode != "resident" ? fmt::format("{:.3f}", p.report.step.median / res_us) : "",
+               misses, p.exposed_us >= 0 ? fmt::format("{:.1f}", p.exposed_us) : "",
+               p.predicted_us >= 0 ? fmt::format("{:.1f}", p.predicted_us) : "");
+  }
+  fmt::print("\nmax batch of the whole model ({}, {}): all-resident {}, ESS {} ({} slots)\n", sc.hardware, sc.deployment,
+             r.max_batch_resident, r.max_batch_ess, r.ess_slots);
+  if (r.gain_points.size() == 2) {
+    fmt::print("throughput gain on the rig at those batches: {:.2f}x (resident {:.1f} us, ESS {:.1f} us per step)\n",
+               r.throughput_gain, r.gain_points[0].report.step.median, r.gain_points[1].report.step.median);
+  }
+}
+#endif
+
+}  // namespace
+
+void add_bench_step(CLI::App& bench, int& exit_code) {
+  (void)exit_code;
+  // ---- bench step ------------------------------------------------------------------------
+  CLI::App* step = bench.add_subcommand(
+      "step", "Time the ESS decode step (indexer, swap engine, FlashTrans, sparse MLA, stand-in GEMMs) against the "
+              "all-resident step, per batch and overlap schedule; optionally beside the simulator's prediction");
+  struct StepArgs {
+    ExecutorArgs ex;
+    std::string batches = "16,32,64,128";
+    bool no_resident = false, no_exposed = false, no_gain = false;
+    std::string profile_hw, profile_table, hardware = "h100", deployment = "paper-table1";
+    Format format = Format::kTable;
+  };
+  auto sa = std::make_shared<StepArgs>();
+  sa->ex.add_to(*step);
+  step->add_option("--batch,-b", sa->batches, "Batches (comma-separated)")->capture_default_str();
+  step->add_option("--overlap", sa->ex.overlap_list, "Schedules of the offloaded step: none,da,dba,layerwise")
+      ->capture_default_str();
+  step->add_flag("--no-resident", sa->no_resident, "Skip the all-resident baseline");
+  step->add_flag("--no-exposed", sa->no_exposed, "Skip the runs without transfers (exposed transfer time)");
+  step->add_flag("--no-gain", sa->no_gain, "Skip the two max-batch runs (throughput gain)");
+  step->add_option("--profile-hardware", sa->profile_hw, "Measured hardware profile (ess bench profile) for predictions");
+  step->add_option("--profile-table", sa->profile_table, "Measured op table (ess bench profile) for predictions");
+  step->add_option("--hardware", sa->hardware, "Hardware profile for the whole model's max batch")->capture_default_str();
+  step->add_option("--deployment", sa->deployment, "Deployment for the whole model's max batch")->capture_default_str();
+  add_format_option(*step, sa->format);
+  step->callback([sa] {
+    pipeline::StepBenchConfig sc;
+    sc.base = sa->ex.config();
+    sc.batches = parse_ints(sa->batches, "--batch");
+    sc.modes.clear();
+    std::size_t pos = 0;
+    const std::string& ol = sa->ex.overlap_list;
+    while (pos <= ol.size()) {
+      const std::size_t end = std::min(ol.find(',', pos), ol.size());
+      sc.modes.push_back(sim::parse_overlap_mode(ol.substr(pos, end - pos)));
+      pos = end + 1;
+    }
+    sc.resident = !sa->no_resident;
+    sc.exposed = !sa->no_exposed;
+    sc.gain = !sa->no_gain;
+    sc.profile_hardware = sa->profile_hw;
+    sc.profile_table = sa->profile_table;
+    sc.hardware = sa->hardware;
+    sc.deployment = sa->deployment;
+#if ESS_WITH_CUDA
+    print_step(sc, pipeline::run_step_bench(sc), sa->format);
+#else
+    ESS_THROW("bench step needs the CUDA target: this ess was built without nvcc");
+#endif
+  });
+
+  // ---- bench profile ---------------------------------------------------------------------
+  CLI::App* profile = bench.add_subcommand(
+      "profile", "Measure the op times the simulator uses on this GPU; write them as an op table (CSV) and a "
+                 "hardware profile (JSON) that `ess sim --rig-layers` and `ess bench step --profile-*` read");
+  struct ProfileArgs {
+    ExecutorArgs ex;
+    std::string requests = "1,2,4,8,16,32,64,128";
+    int repeats = 20;
+    std::string base = "h100";
+    std::string out;
+  };
+  auto pa = std::make_shared<ProfileArgs>();
+  pa->ex.add_to(*profile);
+  profile->add_option("--requests", pa->requests, "Request grid (tokens = requests x T)")->capture_default_str();
+  profile->add_option("--repeats,-r", pa->repeats, "Timed launches per op and point")->capture_default_str();
+  profile->add_option("--base-hardware", pa->base, "Profile the unmeasured fields come from")->capture_default_str();
+  profile->add_option("--out,-o", pa->out, "Output prefix: writes PREFIX-ops.csv, PREFIX-hardware.json, PREFIX.json")
+      ->required();
+  profile->callback([pa] {
+#if ESS_WITH_CUDA
+    pipeline::ProfileConfig pc;
+    pc.base = pa->ex.config();
+    pc.requests = parse_ints(pa->requests, "--requests");
+    pc.repeats = pa->repeats;
+    pc.base_hardware = pa->base;
+    const pipeline::ProfileResult r = pipeline::run_profile(pc);
+    auto write = [](const std::string& path, const std::string& text) {
+      std::ofstream f(path);
+      f << text;
+      ESS_CHECK(f.good(), "bench profile: cannot write {}", path);
+    };
+    write(pa->out + "-ops.csv", r.csv);
+    write(pa->out + "-hardware.json", r.hardware.dump(2) + "\n");
+    write(pa->out + ".json", r.report.dump(2) + "\n");
+    fmt::print("ess bench profile on {} ({}): wrote {}-ops.csv, -hardware.json and .json\n", r.device, r.date, pa->out);
+#else
+    (void)pa;
+    ESS_THROW("bench profile needs the CUDA target: this ess was built without nvcc");
+#endif
+  });
+}
+
+}  // namespace ess::cli
