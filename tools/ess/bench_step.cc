@@ -50,12 +50,21 @@ struct ExecutorArgs {
   }
 };
 
-std::vector<int> parse_ints(const std::string& text, const char* what) {
-  std::vector<int> v;
+// "a,b,c" -> {"a", "b", "c"} (empty items kept, so that they are reported).
+std::vector<std::string> split_commas(const std::string& text) {
+  std::vector<std::string> items;
   std::size_t pos = 0;
   while (pos <= text.size()) {
     const std::size_t end = std::min(text.find(',', pos), text.size());
-    const std::string item = text.substr(pos, end - pos);
+    items.push_back(text.substr(pos, end - pos));
+    pos = end + 1;
+  }
+  return items;
+}
+
+std::vector<int> parse_ints(const std::string& text, const char* what) {
+  std::vector<int> v;
+  for (const std::string& item : split_commas(text)) {
     std::size_t used = 0;
     int x = 0;
     try {
@@ -65,7 +74,6 @@ std::vector<int> parse_ints(const std::string& text, const char* what) {
     }
     ESS_CHECK(used == item.size() && !item.empty() && x >= 1, "{}: '{}' is not a positive integer", what, item);
     v.push_back(x);
-    pos = end + 1;
   }
   return v;
 }
@@ -136,13 +144,7 @@ void add_bench_step(CLI::App& bench, int& exit_code) {
     sc.base = sa->ex.config();
     sc.batches = parse_ints(sa->batches, "--batch");
     sc.modes.clear();
-    std::size_t pos = 0;
-    const std::string& ol = sa->ex.overlap_list;
-    while (pos <= ol.size()) {
-      const std::size_t end = std::min(ol.find(',', pos), ol.size());
-      sc.modes.push_back(sim::parse_overlap_mode(ol.substr(pos, end - pos)));
-      pos = end + 1;
-    }
+    for (const std::string& m : split_commas(sa->ex.overlap_list)) sc.modes.push_back(sim::parse_overlap_mode(m));
     sc.resident = !sa->no_resident;
     sc.exposed = !sa->no_exposed;
     sc.gain = !sa->no_gain;

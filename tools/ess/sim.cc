@@ -264,16 +264,27 @@ void add_sim(CLI::App& app, int& exit_code) {
                    r.baseline_fits ? fmt::format("{:.1f}", r.baseline.throughput_tokens_per_s) : "");
       }
     } else {
-      fmt::print("ess sim: {} on {} | {} nodes x {} GPUs, EP {}, MTP {} (accept {}), TBO {} | context {} | overlap {}\n",
-                 model.name, hw.name, dep.nodes, dep.gpus_per_node, dep.expert_parallel, dep.mtp_tokens,
-                 dep.accept_ratio, dep.two_batch_overlap ? "on" : "off", context, sim::to_string(base.overlap));
-      fmt::print("per GPU: {:.1f} GB HBM x {} static = {:.1f} GB weights + {:.1f} GB for the caches\n",
-                 hw.hbm_capacity_gb, dep.mem_fraction_static, mem.weights().total() / 1e9, mem.cache_budget() / 1e9);
-      if (wall_fits) {
+      if (rig) {
+        fmt::print("ess sim: {} on {} | executor rig: {} MoE layers on one GPU, experts of EP {}, MTP {}, no all-to-all / "
+                   "TBO / LM head | context {} | overlap {}\n",
+                   model.name, hw.name, dep.rig_layers, dep.expert_parallel, dep.mtp_tokens, context,
+                   sim::to_string(base.overlap));
+      } else {
+        fmt::print("ess sim: {} on {} | {} nodes x {} GPUs, EP {}, MTP {} (accept {}), TBO {} | context {} | overlap {}\n",
+                   model.name, hw.name, dep.nodes, dep.gpus_per_node, dep.expert_parallel, dep.mtp_tokens,
+                   dep.accept_ratio, dep.two_batch_overlap ? "on" : "off", context, sim::to_string(base.overlap));
+      }
+      if (rig) {
+        fmt::print("no memory model on the rig; all-on-GPU: the rig's all-resident step at the same batch\n\n");
+      } else {
+        fmt::print("per GPU: {:.1f} GB HBM x {} static = {:.1f} GB weights + {:.1f} GB for the caches\n",
+                   hw.hbm_capacity_gb, dep.mem_fraction_static, mem.weights().total() / 1e9, mem.cache_budget() / 1e9);
+      }
+      if (!rig && wall_fits) {
         fmt::print("all-on-GPU baseline (memory wall): batch {}, step {:.2f} ms, {:.0f} tokens/s per node, {:.2f} "
                    "tokens/s per request\n\n",
                    wall_r.batch, ms(wall_r.step_us), wall_r.throughput_tokens_per_s, wall_r.otps);
-      } else {
+      } else if (!rig) {
         fmt::print("all-on-GPU baseline: no request fits without offload at this context\n\n");
       }
       const bool any_paper = std::any_of(rows.begin(), rows.end(), [](const Row& r) { return r.paper != nullptr; });

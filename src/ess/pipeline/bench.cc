@@ -9,6 +9,7 @@
 #include "ess/cuda/swap_bench.h"
 #include "ess/cuda/transfer_bench.h"
 #include "ess/pipeline/gemm.h"
+#include "ess/pipeline/predict.h"
 #include "ess/sim/hardware.h"
 #include "ess/sim/memory_model.h"
 #include "ess/sim/op_cost.h"
@@ -37,43 +38,6 @@ Line fit(const std::vector<double>& x, const std::vector<double>& y) {
 }
 
 nlohmann::json summary_json(const Summary& s) { return {{"median", s.median}, {"min", s.min}, {"max", s.max}}; }
-
-// The simulator's model of one executor run: the rig deployment (rig_layers), the run's
-// batch, pool and schedule, and its measured misses per layer.
-double predict(const ModelSpec& model, const sim::HardwareProfile& hw, const sim::MeasuredTables& tables,
-               const ExecutorConfig& c, const ExecutorReport& r) {
-  sim::Deployment d;
-  d.name = "executor rig";
-  d.nodes = 1;
-  d.gpus_per_node = 1;
-  d.expert_parallel = c.expert_parallel;
-  d.attention_data_parallel = 1;
-  d.mtp_tokens = r.mtp;
-  d.accept_ratio = 1.0;
-  d.two_batch_overlap = false;
-  d.rig_layers = r.layers;
-  d.validate("executor rig");
-  sim::Workload w;
-  w.context = r.context;
-  w.batch = r.batch;
-  w.offload = r.offload;
-  w.overlap = r.offload ? c.overlap : OverlapMode::kNone;
-  if (r.offload) {
-    w.slots = r.slots;
-    w.layerwise_threshold = c.layerwise_threshold * r.batch;  // the sim's threshold is per micro-batch
-    const double mean = std::accumulate(r.misses.begin(), r.misses.end(), 0.0) / static_cast<double>(r.misses.size());
-    w.misses.reference_misses = mean;
-    w.misses.reference_slots = r.slots;
-    w.misses.reference_context = static_cast<double>(r.context);
-    w.misses.reference_tokens = r.mtp;
-    if (mean > 0) {
-      w.misses.layer_shape.clear();
-      for (const double v : r.misses) w.misses.layer_shape.push_back(v / mean);
-    }
-  }
-  const sim::StepModel sm(model, hw, d, &tables);
-  return sm.run(w).step_us;
-}
 
 }  // namespace
 
@@ -110,9 +74,9 @@ ProfileResult run_profile(const ProfileConfig& pc) {
     for (const int b : pc.requests) {
       const int n = b * T;
       for (const GemmOp g : kAllGemmOps) add(sim_name(g), 0, n, ex.time_op(sim_name(g), b, pc.repeats));
-      add("indexer.logits", ctx, n, ex.time_op("indexer.logits", b, pc.repeats));
-      add("indexer.topk", ctx, n, ex.time_op("indexer.topk", b, pc.repeats));
-      add("attn.sparse_mla", ctx, n, ex.time_op("attn.sparse_mla", b, pc.repeats));
+      add(kOpIndexerLogits, ctx, n, ex.time_op(kOpIndexerLogits, b, pc.repeats));
+      add(kOpIndexerTopk, ctx, n, ex.time_op(kOpIndexerTopk, b, pc.repeats));
+      add(kOpSparseMla, ctx, n, ex.time_op(kOpSparseMla, b, pc.repeats));
     }
     // Attention time against the entries each query token reads (the DA halves read fewer):
     // a line whose slope gives the achieved TFLOP/s and whose intercept the fixed cost.
@@ -120,7 +84,7 @@ ProfileResult run_profile(const ProfileConfig& pc) {
     nlohmann::json pts = nlohmann::json::array();
     for (const int e : {256, 512, 1024, 1536, 2048}) {
       if (e > rin.topk) continue;
-      const Summary s = ex.time_op("attn.sparse_mla", max_req, pc.repeats, e);
+      const Summary s = ex.time_op(kOpSparseMla, max_req, pc.repeats, e);
       xs.push_back(e);
       ys.push_back(s.median);
       pts.push_back({{"entries", e}, {"us", summary_json(s)}});
@@ -141,8 +105,8 @@ ProfileResult run_profile(const ProfileConfig& pc) {
     StepExecutor ex(oc, model, oin);
     ex.run();  // fills the partial states the merge reads
     for (const int b : pc.requests) {
-      add("swap.lru+split", 0, b * T, ex.time_op("swap.lru+split", b, pc.repeats));
-      add("attn.merge_lse", 0, b * T, ex.time_op("attn.merge_lse", b, pc.repeats));
+      add(kOpSwap, 0, b * T, ex.time_op(kOpSwap, b, pc.repeats));
+      add(kOpMerge, 0, b * T, ex.time_op(kOpMerge, b, pc.repeats));
     }
   }
   // FlashTrans in both directions at a few miss counts: bandwidth and fixed cost.
@@ -243,7 +207,7 @@ StepBenchResult run_step_bench(const StepBenchConfig& sc) {
       StepExecutor ex(c, model, in);
       p.exposed_us = p.report.step.median - ex.run().step.median;
     }
-    if (predict_on) p.predicted_us = predict(model, phw, tables, c, p.report);
+    if (predict_on) p.predicted_us = predict_step(model, phw, tables, c, p.report).step_us;
     res.device = p.report.device;
     res.date = p.report.date;
     return p;

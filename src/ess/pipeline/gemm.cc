@@ -76,21 +76,6 @@ const char* cublas_name(cublasStatus_t s) {
 
 }  // namespace
 
-std::string_view sim_name(GemmOp op) {
-  switch (op) {
-    case GemmOp::kProj0: return "attn.norm+proj0 (q_a kv_a idx_k idx_w)";
-    case GemmOp::kIndexerWqB: return "indexer.wq_b";
-    case GemmOp::kQbProj: return "preattn.q_b_proj";
-    case GemmOp::kAbsorbBmm: return "preattn.absorb_bmm";
-    case GemmOp::kOutBmm: return "postattn.out_bmm";
-    case GemmOp::kOProj: return "postattn.o_proj";
-    case GemmOp::kGate: return "moe.norm+gate";
-    case GemmOp::kSharedExpert: return "moe.shared_expert";
-    case GemmOp::kRoutedExperts: return "moe.routed_experts";
-  }
-  return "?";
-}
-
 double gemm_flops(const ModelSpec& m, int expert_parallel, GemmOp op, int n) {
   double f = 0;
   for (const Shape& s : shapes(Dims(m, expert_parallel), op, n)) f += 2.0 * s.m * s.n * s.k * s.count;

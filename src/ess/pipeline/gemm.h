@@ -8,8 +8,9 @@
 //
 // Stand-ins run in BF16 through cuBLAS (the model runs most of them in FP8 via DeepGEMM):
 // per op, twice the weight bytes and half the peak rate of the FP8 original. Weights are
-// shared by all layers (the real ones are not; every op's weights are far larger than L2,
-// so each layer still streams them from HBM). CUDA target only.
+// shared by all layers (the real ones are not): the large ones (o_proj, q_b, the experts)
+// exceed L2 and still stream from HBM each layer; the small gate and proj0 weights may stay
+// partly in L2, a little faster than a real model. CUDA target only.
 #pragma once
 
 #include <cstdint>
@@ -18,24 +19,10 @@
 
 #include "ess/cuda/flashtrans.h"
 #include "ess/model/model_spec.h"
+#include "ess/pipeline/ops.h"
 
 namespace ess::pipeline {
 
-enum class GemmOp {
-  kProj0,          // q_a, kv_a, indexer k / weights: hidden -> q_lora + kv_lora + rope + 128 + 64
-  kIndexerWqB,     // q_lora -> index heads x index dim
-  kQbProj,         // q_lora -> heads x (nope + rope)
-  kAbsorbBmm,      // per head: nope -> kv_lora (q absorbed into the latent space)
-  kOutBmm,         // per head: kv_lora -> v_head_dim
-  kOProj,          // heads x v_head_dim -> hidden
-  kGate,           // hidden -> routed experts
-  kSharedExpert,   // hidden -> 2 x moe_inter -> hidden
-  kRoutedExperts,  // ceil(E / EP) local experts, n x top-8 / local rows each
-};
-inline constexpr GemmOp kAllGemmOps[] = {GemmOp::kProj0,  GemmOp::kIndexerWqB, GemmOp::kQbProj,
-                                          GemmOp::kAbsorbBmm, GemmOp::kOutBmm, GemmOp::kOProj,
-                                          GemmOp::kGate, GemmOp::kSharedExpert, GemmOp::kRoutedExperts};
-std::string_view sim_name(GemmOp op);
 // Floating-point operations of the op for n tokens (what the simulator charges).
 double gemm_flops(const ModelSpec& m, int expert_parallel, GemmOp op, int n);
 

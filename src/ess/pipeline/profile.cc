@@ -28,9 +28,9 @@ Summary StepExecutor::time_op(std::string_view op, int requests, int repeats, in
   }
   DeviceBuffer<std::int32_t> row_len;
   if (launch) {
-  } else if (op == "indexer.logits" || op == "indexer.topk") {
+  } else if (op == kOpIndexerLogits || op == kOpIndexerTopk) {
     x.run_indexer(0, 0, 0, requests);  // logits for the top-k timing
-    if (op == "indexer.logits") {
+    if (op == kOpIndexerLogits) {
       launch = [&x, requests](int) {
         // run_indexer = wq_b + logits + top-k; time the logits alone through the same args.
         cuda::IndexerArgs ia;
@@ -60,10 +60,10 @@ Summary StepExecutor::time_op(std::string_view op, int requests, int repeats, in
         ESS_CUDA_CHECK(static_cast<cudaError_t>(cuda::topk(ta, x.cs)), "profile: top-k");
       };
     }
-  } else if (op == "swap.lru+split") {
+  } else if (op == kOpSwap) {
     ESS_CHECK(x.c.offload, "profile: {} needs an offloaded executor", op);
     launch = [&x, requests](int rep) { x.swap_split(rep % x.c.steps, 0, 0, requests, 0); };
-  } else if (op == "attn.sparse_mla") {
+  } else if (op == kOpSparseMla) {
     // Step 0's ids of layer 0; with `entries` < top-k only the first `entries` of each row
     // are read (row lengths, as the DA halves pass their compacted lists).
     const std::int32_t* ids = x.c.offload ? x.slot_ids.get() : x.ids.get();
@@ -92,7 +92,7 @@ Summary StepExecutor::time_op(std::string_view op, int requests, int repeats, in
       a.lse = x.lse.get();
       ESS_CUDA_CHECK(static_cast<cudaError_t>(cuda::sparse_mla_decode(a, x.cs)), "profile: sparse MLA");
     };
-  } else if (op == "attn.merge_lse") {
+  } else if (op == kOpMerge) {
     ESS_CHECK(x.c.offload, "profile: {} needs an offloaded executor (the partial states)", op);
     launch = [&x, n](int) {
       cuda::MergeArgs mg;
