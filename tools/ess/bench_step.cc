@@ -7,11 +7,8 @@
 
 #include "commands.h"
 #include "ess/core/error.h"
+#include "ess/pipeline/bench.h"  // plain declarations; defined in the CUDA target
 #include "ess/pipeline/config.h"
-
-#if ESS_WITH_CUDA
-#include "ess/pipeline/bench.h"
-#endif
 
 namespace ess::cli {
 namespace {
