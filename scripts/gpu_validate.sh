@@ -36,7 +36,9 @@ for stage in $STAGES; do
       $ESS verify --backend cuda --format json > "$OUT/verify-cuda-$gpu-$day.json" ;;
     step)
       $ESS bench profile --out "$OUT/profile-$gpu-$day"
-      $ESS bench step --format json \
+      # Two batches keep the stage inside one 10-minute device call (each point builds its own
+      # executor: host pool, caches, warm-up); add batches in further calls.
+      $ESS bench step --format json --batch 16,64 \
         --profile-hardware "$OUT/profile-$gpu-$day-hardware.json" --profile-table "$OUT/profile-$gpu-$day-ops.csv" \
         > "$OUT/step-$gpu-$day.json" ;;
     *)
