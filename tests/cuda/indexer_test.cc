@@ -57,7 +57,7 @@ constexpr int kDim = 128;
 constexpr double kU13 = 1.0 / 8192.0;              // 2^-13: the FP8 MMA accumulator's unit
 constexpr double kU24 = 1.0 / 16777216.0;          // 2^-24: fp32 unit roundoff
 constexpr double kBoundFactor = 160 * kU13 + 24 * kU24;
-static_assert(kBoundFactor == cuda::kIndexerLogitsTolerance, "the benchmark verifies with the same bound");
+static_assert(kBoundFactor == cuda::kIndexerLogitsTolerance, "cuda::indexer_reference (tests and benchmark) uses this bound");
 constexpr std::uint32_t kSentinel = 0x7fbadbadu;   // a NaN payload no kernel produces
 
 template <typename T>
@@ -204,9 +204,7 @@ Reference reference(const Problem& p) {
   const std::size_t n = static_cast<std::size_t>(p.B) * p.T * static_cast<std::size_t>(p.stride);
   r.logits.assign(n, 0.0f);
   r.bound.assign(n, 0.0);
-  std::vector<float> qf(static_cast<std::size_t>(p.H) * kDim);
-  std::vector<double> qabs(qf.size());
-  std::vector<double> kabs(kDim);
+  const std::size_t q_row = static_cast<std::size_t>(p.H) * kDim;
   for (int b = 0; b < p.B; ++b) {
     std::vector<const std::uint8_t*> pages;
     for (int pg = 0; pg < p.max_pages; ++pg) {
@@ -216,28 +214,12 @@ Reference reference(const Problem& p) {
     }
     for (int t = 0; t < p.T; ++t) {
       const std::size_t row = static_cast<std::size_t>(b) * p.T + t;
-      const std::int64_t len = p.lengths[row];
-      for (std::size_t i = 0; i < qf.size(); ++i) {
-        qf[i] = fp8_e4m3_to_float(p.q[row * qf.size() + i]);
-        qabs[i] = std::fabs(static_cast<double>(qf[i]));
-      }
-      const std::span<const float> w(p.w.data() + row * static_cast<std::size_t>(p.H), static_cast<std::size_t>(p.H));
-      float* out = r.logits.data() + row * static_cast<std::size_t>(p.stride);
-      ref::indexer_logits(layout, qf, w, p.H, pages, len, std::span<float>(out, static_cast<std::size_t>(len)));
-      for (std::int64_t j = 0; j < len; ++j) {
-        const std::uint8_t* page = pages[static_cast<std::size_t>(j / 64)];
-        const int jj = static_cast<int>(j % 64);
-        for (int d = 0; d < kDim; ++d) kabs[static_cast<std::size_t>(d)] = std::fabs(fp8_e4m3_to_float(page[layout.key_offset(jj) + d]));
-        float scale = 0.0f;
-        std::memcpy(&scale, page + layout.scale_offset(jj), 4);
-        double s = 0.0;
-        for (int h = 0; h < p.H; ++h) {
-          double a = 0.0;
-          for (int d = 0; d < kDim; ++d) a += qabs[static_cast<std::size_t>(h) * kDim + d] * kabs[static_cast<std::size_t>(d)];
-          s += std::fabs(static_cast<double>(w[static_cast<std::size_t>(h)])) * a;
-        }
-        r.bound[row * static_cast<std::size_t>(p.stride) + static_cast<std::size_t>(j)] = s * scale * kBoundFactor;
-      }
+      const std::size_t len = static_cast<std::size_t>(p.lengths[row]);
+      const std::size_t at = row * static_cast<std::size_t>(p.stride);
+      cuda::indexer_reference({p.q.data() + row * q_row, q_row},
+                              {p.w.data() + row * static_cast<std::size_t>(p.H), static_cast<std::size_t>(p.H)}, p.H,
+                              pages, static_cast<std::int64_t>(len), {r.logits.data() + at, len},
+                              {r.bound.data() + at, len});
     }
   }
   return r;
@@ -472,6 +454,31 @@ float draw(Pattern pat, std::mt19937& rng) {
 
 class TopkK : public testing::TestWithParam<int> {};
 
+// Top-k of host logits ([rows][stride], row r over its first lengths[r]) on the device, with
+// or without a nan_row to report to.
+struct TopkRun {
+  std::vector<std::int32_t> out;  // [rows][k]
+  int nan_row = -1;
+};
+TopkRun run_topk(const std::vector<float>& logits, std::int64_t stride, const std::vector<std::int32_t>& lengths, int k,
+                 bool report_nan = true) {
+  const cuda::DeviceBuffer<float> d_logits = upload(logits);
+  const cuda::DeviceBuffer<std::int32_t> d_len = upload(lengths);
+  cuda::DeviceBuffer<std::int32_t> d_out(lengths.size() * static_cast<std::size_t>(k));
+  const cuda::DeviceBuffer<int> d_nan = upload(std::vector<int>{-1});
+  cuda::TopkArgs ta;
+  ta.rows = static_cast<std::int64_t>(lengths.size());
+  ta.k = k;
+  ta.logits = d_logits.get();
+  ta.stride = stride;
+  ta.lengths = d_len.get();
+  ta.out = d_out.get();
+  ta.nan_row = report_nan ? d_nan.get() : nullptr;
+  EXPECT_EQ(cuda::topk(ta, nullptr), 0);
+  sync("top-k");
+  return {download(d_out), download(d_nan)[0]};
+}
+
 TEST_P(TopkK, MatchesTheReferenceBitForBit) {
   ESS_SKIP_WITHOUT_GPU();
   const int k = GetParam();
@@ -493,22 +500,10 @@ TEST_P(TopkK, MatchesTheReferenceBitForBit) {
       logits[static_cast<std::size_t>(row * stride + j)] = draw(pat, rng);
     }
   }
-  const cuda::DeviceBuffer<float> d_logits = upload(logits);
-  const cuda::DeviceBuffer<std::int32_t> d_len = upload(lengths);
-  cuda::DeviceBuffer<std::int32_t> d_out(static_cast<std::size_t>(rows) * k);
-  const cuda::DeviceBuffer<int> d_nan = upload(std::vector<int>{-1});
-  cuda::TopkArgs ta;
-  ta.rows = rows;
-  ta.k = k;
-  ta.logits = d_logits.get();
-  ta.stride = stride;
-  ta.lengths = d_len.get();
-  ta.out = d_out.get();
-  ta.nan_row = d_nan.get();
-  ASSERT_EQ(cuda::topk(ta, nullptr), 0);
-  sync("top-k");
-  const std::vector<std::int32_t> got = download(d_out);
-  EXPECT_EQ(download(d_nan)[0], -1);
+  const TopkRun run = run_topk(logits, stride, lengths, k);
+  ASSERT_FALSE(HasFailure());
+  const std::vector<std::int32_t>& got = run.out;
+  EXPECT_EQ(run.nan_row, -1);
   for (std::int64_t row = 0; row < rows; ++row) {
     const std::span<const float> x(logits.data() + row * stride, static_cast<std::size_t>(lengths[static_cast<std::size_t>(row)]));
     std::vector<std::int32_t> want(static_cast<std::size_t>(k));
@@ -533,22 +528,10 @@ TEST(Topk, ReportsTheFirstRowWithANaN) {
   logits[static_cast<std::size_t>(1 * stride + 150)] = nan;   // row 1, past its length: ignored
   logits[static_cast<std::size_t>(2 * stride + 2499)] = nan;  // row 2: the first NaN row
   logits[static_cast<std::size_t>(4 * stride + 0)] = -nan;
-  const cuda::DeviceBuffer<float> d_logits = upload(logits);
-  const cuda::DeviceBuffer<std::int32_t> d_len = upload(lengths);
-  cuda::DeviceBuffer<std::int32_t> d_out(lengths.size() * k);
-  const cuda::DeviceBuffer<int> d_nan = upload(std::vector<int>{-1});
-  cuda::TopkArgs ta;
-  ta.rows = static_cast<std::int64_t>(lengths.size());
-  ta.k = k;
-  ta.logits = d_logits.get();
-  ta.stride = stride;
-  ta.lengths = d_len.get();
-  ta.out = d_out.get();
-  ta.nan_row = d_nan.get();
-  ASSERT_EQ(cuda::topk(ta, nullptr), 0);
-  sync("top-k");
-  EXPECT_EQ(download(d_nan)[0], 2);
-  const std::vector<std::int32_t> got = download(d_out);
+  const TopkRun run = run_topk(logits, stride, lengths, k);
+  ASSERT_FALSE(HasFailure());
+  EXPECT_EQ(run.nan_row, 2);
+  const std::vector<std::int32_t>& got = run.out;
   for (const std::size_t row : {std::size_t{0}, std::size_t{1}, std::size_t{3}}) {  // rows without NaN are exact
     std::vector<std::int32_t> want(static_cast<std::size_t>(k));
     ref::topk(std::span<const float>(logits.data() + row * static_cast<std::size_t>(stride),
@@ -560,9 +543,7 @@ TEST(Topk, ReportsTheFirstRowWithANaN) {
         << "row " << row;
   }
   // Without a nan_row the NaN rows are still processed without fault.
-  ta.nan_row = nullptr;
-  ASSERT_EQ(cuda::topk(ta, nullptr), 0);
-  sync("top-k without nan_row");
+  run_topk(logits, stride, lengths, k, false);
 }
 
 TEST(Topk, RejectsBadArguments) {

@@ -16,6 +16,8 @@
 #include <numeric>
 #include <random>
 #include <span>
+#include <string>
+#include <tuple>
 #include <vector>
 
 #include "ess/cuda/attention_bench.h"
@@ -43,6 +45,13 @@ inline const char* mask_name(Mask m) {
     case Mask::kBad: return "bad";
   }
   return "?";
+}
+
+// A parameterized decode shape, (B, T, heads, K, mask), and its test name.
+using Shape = std::tuple<int, int, int, int, Mask>;
+inline std::string shape_name(const testing::TestParamInfo<Shape>& param_info) {
+  const auto [B, T, H, K, mask] = param_info.param;
+  return fmt::format("B{}_T{}_H{}_K{}_{}", B, T, H, K, mask_name(mask));
 }
 
 // One latent entry. kRandom: each 128-value tile has its own magnitude 2^-6 .. 2^6 (so the

@@ -79,12 +79,6 @@ Output emulate_decode(const Problem& p, const std::vector<std::int32_t>& ids, bo
   return out;
 }
 
-using Shape = std::tuple<int, int, int, int, Mask>;
-std::string shape_name(const testing::TestParamInfo<Shape>& param_info) {
-  const auto [B, T, H, K, mask] = param_info.param;
-  return fmt::format("B{}_T{}_H{}_K{}_{}", B, T, H, K, mask_name(mask));
-}
-
 class EmulatedSparseMla : public testing::TestWithParam<Shape> {};
 
 TEST_P(EmulatedSparseMla, MatchesTheReferenceWithinTheContract) {

@@ -94,13 +94,6 @@ Output run_decode(const Problem& p, const std::vector<std::int32_t>& ids, bool w
   return out;
 }
 
-// (B, T, heads, K, mask)
-using Shape = std::tuple<int, int, int, int, Mask>;
-std::string shape_name(const testing::TestParamInfo<Shape>& param_info) {
-  const auto [B, T, H, K, mask] = param_info.param;
-  return fmt::format("B{}_T{}_H{}_K{}_{}", B, T, H, K, mask_name(mask));
-}
-
 class SparseMlaShapes : public testing::TestWithParam<Shape> {};
 
 TEST_P(SparseMlaShapes, MatchesTheReferenceWithinTheContract) {

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <string>
 
 #include "ess/core/stats.h"
@@ -18,6 +19,14 @@ namespace ess::cuda {
 // accumulator over 4 chained k = 32 steps, 24 units of 2^-24 for the fp32 head sum and the
 // final roundings; derived in tests/cuda/indexer_test.cc.
 inline constexpr double kIndexerLogitsTolerance = 160.0 / 8192.0 + 24.0 / 16777216.0;
+
+// The CPU reference of one query token, shared by the benchmark's check and the tests:
+// logits[j] = ess::ref::indexer_logits over the first `length` keys of `pages` with q decoded
+// from its FP8 bytes ([heads][128]), and bound[j] = kIndexerLogitsTolerance * scale_j *
+// sum_h |w_h| sum_d |q_hd k_jd|, the error a GPU logit is allowed. Both spans hold `length`.
+void indexer_reference(std::span<const std::uint8_t> q_fp8, std::span<const float> w, int heads,
+                       std::span<const std::uint8_t* const> pages, std::int64_t length, std::span<float> logits,
+                       std::span<double> bound);
 
 struct IndexerBenchConfig {
   int batch = 64;

@@ -45,11 +45,11 @@ nlohmann::json summary_json(const Summary& s) { return {{"median", s.median}, {"
 
 ProfileResult run_profile(const ProfileConfig& pc) {
   ESS_CHECK(!pc.requests.empty() && pc.repeats >= 1, "bench profile: needs a request grid and repeats >= 1");
-  cuda::use_device(pc.base.device, "bench profile");  // before any host-side work
+  ProfileResult res;
+  res.device = cuda::use_device(pc.base.device, "bench profile");  // before any host-side work
   const ModelSpec model = ModelSpec::deepseek_v32_exp();
   const int max_req = *std::max_element(pc.requests.begin(), pc.requests.end());
   ESS_CHECK(*std::min_element(pc.requests.begin(), pc.requests.end()) >= 1, "bench profile: request counts must be >= 1");
-  ProfileResult res;
   nlohmann::json ops = nlohmann::json::array();
   std::string csv = "op,context,tokens,time_us\n";
   const std::int64_t ctx = pc.base.context;
@@ -93,7 +93,6 @@ ProfileResult run_profile(const ProfileConfig& pc) {
     attn_tokens = static_cast<double>(max_req) * T;
     res.report["attention_vs_entries"] = {{"tokens", attn_tokens}, {"points", pts},
                                           {"intercept_us", attn_line.intercept}, {"us_per_entry", attn_line.slope}};
-    res.device = cuda::use_device(rc.device, "bench profile");
   }
   {
     ExecutorConfig oc = rc;

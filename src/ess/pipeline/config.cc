@@ -21,6 +21,23 @@ std::int32_t ExecutorConfig::resolved_slots() const {
   return slots > 0 ? slots : slots_for_ratio(ratio, context);
 }
 
+namespace {
+
+// The Sparse Memory Pool's own check: the pool must hold one step's working set, min(T x
+// top-k, context) ids, for the swap engine to place every id.
+void check_pool(const ExecutorConfig& c, int topk, int query_tokens) {
+  SparsePoolConfig pc;
+  pc.num_layers = c.layers;
+  pc.max_requests = c.batch;
+  pc.slots = c.resolved_slots();
+  pc.query_tokens = query_tokens;
+  pc.topk = topk;
+  pc.max_context = c.context;
+  pc.validate();
+}
+
+}  // namespace
+
 void ExecutorConfig::validate(const ModelSpec& model) const {
   ESS_CHECK(layers >= 1 && layers <= 256, "executor: layers = {} must be in [1, 256]", layers);
   ESS_CHECK(batch >= 1 && batch <= 4096, "executor: batch = {} must be in [1, 4096]", batch);
@@ -43,18 +60,8 @@ void ExecutorConfig::validate(const ModelSpec& model) const {
   } else {
     ESS_CHECK(!skip_transfers, "executor: skip_transfers applies to the offloaded mode only");
   }
-  // The pool must hold one step's working set (what the swap engine needs to place every id).
-  if (offload) {
-    const std::int32_t s = resolved_slots();
-    SparsePoolConfig pc;
-    pc.num_layers = layers;
-    pc.max_requests = batch;
-    pc.slots = s;
-    pc.query_tokens = 1;  // T is the trace's: checked again in load_inputs
-    pc.topk = model.index_topk;
-    pc.max_context = context;
-    pc.validate();
-  }
+  // T is the trace's: at least 1 here, checked again with the trace's T in load_inputs.
+  if (offload) check_pool(*this, model.index_topk, 1);
 }
 
 std::int64_t StepInputs::max_length() const {
@@ -118,12 +125,7 @@ StepInputs load_inputs(const ExecutorConfig& c, const ModelSpec& model) {
   ESS_CHECK(static_cast<std::int64_t>(in.mtp) * in.topk <= 4096,
             "executor: trace {} has T x top-k = {} x {} > 4096 ids per request (the GPU swap engine's limit)",
             in.source, in.mtp, in.topk);
-  if (c.offload) {
-    const std::int64_t working_set = std::min<std::int64_t>(static_cast<std::int64_t>(in.mtp) * in.topk, c.context);
-    ESS_CHECK(c.resolved_slots() >= working_set,
-              "executor: {} slots per request-layer cannot hold one step's working set of up to {} ids (T {} x top-k {})",
-              c.resolved_slots(), working_set, in.mtp, in.topk);
-  }
+  if (c.offload) check_pool(c, in.topk, in.mtp);
   for (int l = 0; l < c.layers; ++l) {
     const int tl = c.layers == 1 ? 0
                                  : static_cast<int>(std::lround(static_cast<double>(l) * (meta.layers - 1) /

@@ -314,8 +314,7 @@ void StepExecutor::Impl::warm_up() {
   }
 }
 
-void StepExecutor::Impl::attention(int l, const std::int32_t* idx, const std::int32_t* lengths, std::uint16_t* o16,
-                                   float* o32, float* l32) {
+cuda::SparseMlaArgs StepExecutor::Impl::mla_args(int l, const std::int32_t* idx, const std::int32_t* lengths) const {
   cuda::SparseMlaArgs a;
   a.batch = B;
   a.query_tokens = T;
@@ -328,6 +327,25 @@ void StepExecutor::Impl::attention(int l, const std::int32_t* idx, const std::in
   a.slots = S;
   a.indices = idx;
   a.row_lengths = lengths;
+  return a;
+}
+
+cuda::MergeArgs StepExecutor::Impl::merge_args(std::uint16_t* o16) const {
+  cuda::MergeArgs mg;
+  mg.rows = static_cast<std::int64_t>(bt()) * H;
+  mg.dim = layout.nope_dim;
+  mg.o_a = o_a.get();
+  mg.lse_a = lse_a.get();
+  mg.o_b = o_b.get();
+  mg.lse_b = lse_b.get();
+  mg.out = o16;
+  mg.lse = lse.get();
+  return mg;
+}
+
+void StepExecutor::Impl::attention(int l, const std::int32_t* idx, const std::int32_t* lengths, std::uint16_t* o16,
+                                   float* o32, float* l32) {
+  cuda::SparseMlaArgs a = mla_args(l, idx, lengths);
   a.out = o16;
   a.out_f32 = o32;
   a.lse = l32;
@@ -344,8 +362,14 @@ void StepExecutor::Impl::indexer_half(int s, int l, int b0, int nb, int half) {
 }
 
 void StepExecutor::Impl::run_indexer(int s, int l, int b0, int nb) {
-  const std::size_t rows0 = static_cast<std::size_t>(b0) * T;
   if (gemms) gemms->run(GemmOp::kIndexerWqB, nb * T, cs);
+  const cuda::IndexerArgs ia = indexer_args(s, l, b0, nb);
+  ESS_LAUNCH(cuda::indexer_logits(ia, cs), "executor: indexer of layer {}", l);
+  ESS_LAUNCH(cuda::topk(topk_args(ia, b0), cs), "executor: top-k of layer {}", l);
+}
+
+cuda::IndexerArgs StepExecutor::Impl::indexer_args(int s, int l, int b0, int nb) const {
+  const std::size_t rows0 = static_cast<std::size_t>(b0) * T;
   cuda::IndexerArgs ia;
   ia.batch = nb;
   ia.query_tokens = T;
@@ -359,15 +383,18 @@ void StepExecutor::Impl::run_indexer(int s, int l, int b0, int nb) {
   ia.lengths = idx_len.get() + static_cast<std::size_t>(s) * bt() + rows0;
   ia.logits = logits.get() + rows0 * static_cast<std::size_t>(stride);
   ia.logits_stride = stride;
-  ESS_LAUNCH(cuda::indexer_logits(ia, cs), "executor: indexer of layer {}", l);
+  return ia;
+}
+
+cuda::TopkArgs StepExecutor::Impl::topk_args(const cuda::IndexerArgs& ia, int b0) const {
   cuda::TopkArgs ta;
-  ta.rows = static_cast<std::int64_t>(nb) * T;
+  ta.rows = static_cast<std::int64_t>(ia.batch) * T;
   ta.k = K;
   ta.logits = ia.logits;
   ta.stride = stride;
   ta.lengths = ia.lengths;
-  ta.out = topk_out.get() + rows0 * K;
-  ESS_LAUNCH(cuda::topk(ta, cs), "executor: top-k of layer {}", l);
+  ta.out = topk_out.get() + static_cast<std::size_t>(b0) * T * K;
+  return ta;
 }
 
 void StepExecutor::Impl::swap_split(int s, int l, int b0, int nb, int half) {
@@ -480,16 +507,7 @@ void StepExecutor::Impl::enqueue(int s) {
       ESS_CUDA_CHECK(cudaStreamWaitEvent(cs, ev_h2d[2 * lz + static_cast<std::size_t>(last)], 0),
                      "executor: Attn1 waits for the copy");
       attention(l, miss_ids.get(), miss_count.get(), nullptr, o_b.get(), lse_b.get());  // Attn1: fetched entries
-      cuda::MergeArgs mg;
-      mg.rows = static_cast<std::int64_t>(bt()) * H;
-      mg.dim = layout.nope_dim;
-      mg.o_a = o_a.get();
-      mg.lse_a = lse_a.get();
-      mg.o_b = o_b.get();
-      mg.lse_b = lse_b.get();
-      mg.out = o16;
-      mg.lse = lse.get();
-      ESS_LAUNCH(cuda::merge_states(mg, cs), "executor: merge of layer {}", l);
+      ESS_LAUNCH(cuda::merge_states(merge_args(o16), cs), "executor: merge of layer {}", l);
     }
     if (gemms) {
       gemms->run(GemmOp::kOutBmm, n, cs);

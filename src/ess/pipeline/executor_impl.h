@@ -10,6 +10,8 @@
 
 #include "ess/cache/total_pool.h"
 #include "ess/cuda/device_buffer.h"
+#include "ess/cuda/indexer.h"
+#include "ess/cuda/sparse_mla.h"
 #include "ess/cuda/swap_engine_gpu.h"
 #include "ess/model/entry_layout.h"
 #include "ess/pipeline/executor.h"
@@ -98,6 +100,10 @@ struct StepExecutor::Impl {
   void enqueue(int s);
   void indexer_half(int s, int l, int b0, int nb, int half);  // the three below
   void run_indexer(int s, int l, int b0, int nb);             // wq_b, logits, top-k
+  cuda::IndexerArgs indexer_args(int s, int l, int b0, int nb) const;  // requests [b0, b0 + nb)
+  cuda::TopkArgs topk_args(const cuda::IndexerArgs& ia, int b0) const;
+  cuda::SparseMlaArgs mla_args(int l, const std::int32_t* idx, const std::int32_t* lengths) const;  // all B
+  cuda::MergeArgs merge_args(std::uint16_t* o16) const;  // the DA partials of all B x T tokens
   void swap_split(int s, int l, int b0, int nb, int half);    // swap engine + split (offload)
   void issue_copy(int l, int b0, int nb, int half);           // H2D of the half's misses
   void attention(int l, const std::int32_t* idx, const std::int32_t* lengths, std::uint16_t* o16, float* o32, float* l32);

@@ -31,33 +31,13 @@ Summary StepExecutor::time_op(std::string_view op, int requests, int repeats, in
     // a stand-in GEMM
   } else if (op == kOpIndexerLogits || op == kOpIndexerTopk) {
     x.run_indexer(0, 0, 0, requests);  // logits for the top-k timing
+    const cuda::IndexerArgs ia = x.indexer_args(0, 0, 0, requests);
     if (op == kOpIndexerLogits) {
-      launch = [&x, requests](int) {
-        // run_indexer = wq_b + logits + top-k; time the logits alone through the same args.
-        cuda::IndexerArgs ia;
-        ia.batch = requests;
-        ia.query_tokens = x.T;
-        ia.heads = x.IH;
-        ia.head_dim = x.ilayout.head_dim;
-        ia.q = x.idx_q.get();
-        ia.weights = x.idx_w.get();
-        ia.pages = x.idx_cache.get();
-        ia.page_table = x.idx_table.get();
-        ia.max_pages = x.idx_pages;
-        ia.lengths = x.idx_len.get();
-        ia.logits = x.logits.get();
-        ia.logits_stride = x.stride;
+      launch = [&x, ia](int) {
         ESS_CUDA_CHECK(static_cast<cudaError_t>(cuda::indexer_logits(ia, x.cs)), "profile: indexer logits");
       };
     } else {
-      launch = [&x, requests](int) {
-        cuda::TopkArgs ta;
-        ta.rows = static_cast<std::int64_t>(requests) * x.T;
-        ta.k = x.K;
-        ta.logits = x.logits.get();
-        ta.stride = x.stride;
-        ta.lengths = x.idx_len.get();
-        ta.out = x.topk_out.get();
+      launch = [&x, ta = x.topk_args(ia, 0)](int) {
         ESS_CUDA_CHECK(static_cast<cudaError_t>(cuda::topk(ta, x.cs)), "profile: top-k");
       };
     }
@@ -76,35 +56,18 @@ Summary StepExecutor::time_op(std::string_view op, int requests, int repeats, in
       ESS_CUDA_CHECK(cudaMemcpy(row_len.get(), h.data(), h.size() * 4, cudaMemcpyHostToDevice), "profile: row lengths");
       lengths = row_len.get();
     }
-    launch = [&x, ids, lengths, requests](int) {
-      cuda::SparseMlaArgs a;
-      a.batch = requests;
-      a.query_tokens = x.T;
-      a.heads = x.H;
-      a.topk = x.K;
-      a.softmax_scale = x.softmax_scale;
-      a.q = x.q.get();
-      a.kv = x.kv.get();
-      a.kv_offsets = x.kv_offsets.get();
-      a.slots = x.S;
-      a.indices = ids;
-      a.row_lengths = lengths;
-      a.out = x.out.get();
-      a.lse = x.lse.get();
+    cuda::SparseMlaArgs a = x.mla_args(0, ids, lengths);
+    a.batch = requests;
+    a.out = x.out.get();
+    a.lse = x.lse.get();
+    launch = [&x, a](int) {
       ESS_CUDA_CHECK(static_cast<cudaError_t>(cuda::sparse_mla_decode(a, x.cs)), "profile: sparse MLA");
     };
   } else if (op == kOpMerge) {
     ESS_CHECK(x.c.offload, "profile: {} needs an offloaded executor (the partial states)", op);
-    launch = [&x, n](int) {
-      cuda::MergeArgs mg;
-      mg.rows = static_cast<std::int64_t>(n) * x.H;
-      mg.dim = x.layout.nope_dim;
-      mg.o_a = x.o_a.get();
-      mg.lse_a = x.lse_a.get();
-      mg.o_b = x.o_b.get();
-      mg.lse_b = x.lse_b.get();
-      mg.out = x.out.get();
-      mg.lse = x.lse.get();
+    cuda::MergeArgs mg = x.merge_args(x.out.get());
+    mg.rows = static_cast<std::int64_t>(n) * x.H;
+    launch = [&x, mg](int) {
       ESS_CUDA_CHECK(static_cast<cudaError_t>(cuda::merge_states(mg, x.cs)), "profile: merge");
     };
   } else {
