@@ -4,9 +4,10 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <map>
 #include <memory>
 #include <span>
+#include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "ess/cache/sparse_pool.h"
@@ -39,8 +40,9 @@ class NaiveLru {
   // ids: [T][K]; returns slot ids and appends (token, slot) fills.
   std::vector<std::int32_t> step(std::span<const std::int32_t> ids, std::vector<std::pair<std::int32_t, std::int32_t>>& fills) {
     std::vector<std::int32_t> ws;  // canonical first-occurrence order
+    std::unordered_set<std::int32_t> seen;
     for (std::int32_t t : ids) {
-      if (t >= 0 && std::find(ws.begin(), ws.end(), t) == ws.end()) ws.push_back(t);
+      if (t >= 0 && seen.insert(t).second) ws.push_back(t);
     }
     std::vector<bool> in_ws(token_.size(), false);
     std::vector<std::int32_t> misses;
@@ -81,7 +83,7 @@ class NaiveLru {
  private:
   std::vector<std::int32_t> token_;
   std::vector<std::int64_t> stamp_;
-  std::map<std::int32_t, std::int32_t> slot_;
+  std::unordered_map<std::int32_t, std::int32_t> slot_;
   std::int64_t clock_ = 0;
 };
 

@@ -1,46 +1,66 @@
-// The decode-step executor on the GPU (issue 6): offloaded outputs against all-resident
-// outputs (None: bit-identical; DA / DBA: within the merge's tolerance), graph replay
-// against eager launches, the GPU LRU's misses against the CPU profile, and the per-op
-// timings. Skipped without a CUDA device.
+// The decode-step executor on the GPU: every output written and finite, chosen tokens against
+// the CPU reference on the rig's own data, offloaded outputs against all-resident ones (None:
+// bit-identical; DA / DBA / layer-wise: within the merge's tolerance), graph replay against
+// eager launches, a rearmed executor replaying its steps exactly, the GPU LRU's misses against
+// the CPU profile, the per-op timings, and the stand-in GEMMs capturable without allocating.
+// Skipped without a CUDA device; the host half is executor_host_test.cc.
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <vector>
 
+#include "ess/cuda/check.h"
 #include "ess/model/numerics.h"
 #include "ess/pipeline/executor.h"
+#include "ess/pipeline/gemm.h"
+#include "executor_problem.h"
 #include "testing.h"
 
-namespace ess::pipeline {
+namespace ess::executor_test {
 namespace {
 
-ExecutorConfig tiny(OverlapMode mode, bool offload = true) {
-  ExecutorConfig c;
-  c.layers = 2;
-  c.batch = 3;
-  c.context = 8192;
-  c.steps = 4;
-  c.warm_steps = 0;
-  c.ratio = 0.5;  // 4096 slots: the smallest pool that holds a T = 2 working set
-  c.overlap = mode;
-  c.offload = offload;
-  c.stand_in_gemms = false;
-  return c;
-}
+using pipeline::ExecutorReport;
+using pipeline::StepExecutor;
 
-// outputs[step][layer] = the attention output of that step and layer.
-using Outputs = std::vector<std::vector<std::vector<std::uint16_t>>>;
+// One run's outputs: [step][layer].
+struct Outputs {
+  std::vector<std::vector<std::vector<std::uint16_t>>> out;
+  std::vector<std::vector<std::vector<float>>> lse;
+};
 
-Outputs run(const ExecutorConfig& c, const StepInputs& in, ExecutorReport* report = nullptr) {
-  const ModelSpec m = ModelSpec::deepseek_v32_exp();
-  StepExecutor ex(c, m, in);
-  Outputs out;
+// Runs `ex` and checks what every run must give: each step's outputs written and finite, and
+// the checked tokens within the accuracy contract of the reference.
+Outputs collect(StepExecutor& ex, const ExecutorConfig& c, const StepInputs& in, ExecutorReport* report = nullptr) {
+  Outputs o;
   const ExecutorReport r = ex.run([&](int) {
-    out.emplace_back();
-    for (int l = 0; l < c.layers; ++l) out.back().push_back(ex.attention_output(l));
+    o.out.emplace_back();
+    o.lse.emplace_back();
+    for (int l = 0; l < c.layers; ++l) {
+      o.out.back().push_back(ex.attention_output(l));
+      o.lse.back().push_back(ex.attention_lse(l));
+    }
   });
   if (report != nullptr) *report = r;
-  return out;
+  const std::string what = c.offload ? std::string(sim::to_string(c.overlap)) : "resident";
+  for (std::size_t s = 0; s < o.out.size(); ++s) {
+    for (std::size_t l = 0; l < o.out[s].size(); ++l) expect_written(o.out[s][l], fmt::format("{} step {} layer {}", what, s, l));
+  }
+  const pipeline::RigData rig(ModelSpec::deepseek_v32_exp(), c.batch, in.mtp, c.seed);
+  const bool merged = c.offload && c.overlap != OverlapMode::kNone;
+  for (const TokenAt& at : checked_tokens(in)) {
+    const auto s = static_cast<std::size_t>(at.step), l = static_cast<std::size_t>(at.layer);
+    const ref::DecodeCheck chk = check_token(rig, in, at, o.out[s][l], o.lse[s][l], merged);
+    EXPECT_TRUE(chk.ok()) << what << " step " << at.step << " layer " << at.layer << " request " << at.b << " token " << at.t
+                          << ": " << chk.structural << " worst " << chk.worst << " at " << chk.worst_at;
+  }
+  return o;
+}
+
+Outputs run(const ExecutorConfig& c, const StepInputs& in, ExecutorReport* report = nullptr) {
+  StepExecutor ex(c, ModelSpec::deepseek_v32_exp(), in);
+  return collect(ex, c, in, report);
 }
 
 TEST(executor, OffloadedNoneIsBitIdenticalToResident) {
@@ -50,10 +70,10 @@ TEST(executor, OffloadedNoneIsBitIdenticalToResident) {
   const Outputs res = run(tiny(OverlapMode::kNone, false), in);
   ExecutorReport r;
   const Outputs off = run(tiny(OverlapMode::kNone), in, &r);
-  ASSERT_EQ(res.size(), off.size());
-  for (std::size_t s = 0; s < res.size(); ++s) {
-    for (std::size_t l = 0; l < res[s].size(); ++l) {
-      EXPECT_TRUE(res[s][l] == off[s][l]) << "step " << s << " layer " << l;
+  ASSERT_EQ(res.out.size(), off.out.size());
+  for (std::size_t s = 0; s < res.out.size(); ++s) {
+    for (std::size_t l = 0; l < res.out[s].size(); ++l) {
+      EXPECT_TRUE(res.out[s][l] == off.out[s][l]) << "step " << s << " layer " << l;
     }
   }
   // The run had misses to fetch, so the check covered FlashTrans (and the new entries' D2H).
@@ -63,14 +83,14 @@ TEST(executor, OffloadedNoneIsBitIdenticalToResident) {
 // DA / DBA merge two partial states: both outputs are bf16 roundings of the same softmax,
 // the merged one through two fp32 partials whose probabilities are rounded to bf16 against
 // a different running maximum. Per element: |a - b| <= 2^-7 max|o| over the head's row + one
-// bf16 ulp of each value (2^-8 |o|).
+// bf16 ulp of each value (2^-8 |o|). Both outputs are finite (collect checked it).
 void expect_close(const Outputs& a, const Outputs& b, const char* what) {
-  ASSERT_EQ(a.size(), b.size());
+  ASSERT_EQ(a.out.size(), b.out.size());
   const std::size_t dim = 512;
-  for (std::size_t s = 0; s < a.size(); ++s) {
-    for (std::size_t l = 0; l < a[s].size(); ++l) {
-      const auto& x = a[s][l];
-      const auto& y = b[s][l];
+  for (std::size_t s = 0; s < a.out.size(); ++s) {
+    for (std::size_t l = 0; l < a.out[s].size(); ++l) {
+      const auto& x = a.out[s][l];
+      const auto& y = b.out[s][l];
       ASSERT_EQ(x.size(), y.size());
       int bad = 0;
       for (std::size_t row = 0; row < x.size() / dim; ++row) {
@@ -78,8 +98,7 @@ void expect_close(const Outputs& a, const Outputs& b, const char* what) {
         for (std::size_t d = 0; d < dim; ++d) rmax = std::max(rmax, std::fabs(bf16_to_float(x[row * dim + d])));
         for (std::size_t d = 0; d < dim; ++d) {
           const float u = bf16_to_float(x[row * dim + d]), v = bf16_to_float(y[row * dim + d]);
-          ASSERT_EQ(std::isnan(u), std::isnan(v));
-          if (std::fabs(u - v) > 0x1p-7f * rmax + 0x1p-8f * (std::fabs(u) + std::fabs(v))) ++bad;
+          if (!(std::fabs(u - v) <= 0x1p-7f * rmax + 0x1p-8f * (std::fabs(u) + std::fabs(v)))) ++bad;
         }
       }
       EXPECT_EQ(bad, 0) << what << ": step " << s << " layer " << l;
@@ -107,8 +126,30 @@ TEST(executor, GraphReplayEqualsEagerLaunches) {
     g.stand_in_gemms = e.stand_in_gemms = true;
     e.graph = false;
     const StepInputs in = load_inputs(g, m);
-    EXPECT_TRUE(run(g, in) == run(e, in)) << sim::to_string(mode);
+    EXPECT_TRUE(run(g, in).out == run(e, in).out) << sim::to_string(mode);
   }
+}
+
+// A rearmed executor replays its steps from the start: the same schedule again gives the same
+// bits and misses; rearmed to None it is bit-identical to all-resident.
+TEST(executor, RearmReplaysTheStepsExactly) {
+  ESS_SKIP_WITHOUT_GPU();
+  const ModelSpec m = ModelSpec::deepseek_v32_exp();
+  const ExecutorConfig c = tiny(OverlapMode::kDualAttention);
+  const StepInputs in = load_inputs(c, m);
+  StepExecutor ex(c, m, in);
+  ExecutorReport r1, r2;
+  const Outputs first = collect(ex, c, in, &r1);
+  ex.rearm(OverlapMode::kDualAttention, false);
+  const Outputs again = collect(ex, c, in, &r2);
+  EXPECT_TRUE(first.out == again.out);
+  EXPECT_EQ(r1.misses, r2.misses);
+  ex.rearm(OverlapMode::kNone, false);
+  const Outputs none = collect(ex, tiny(OverlapMode::kNone), in);
+  EXPECT_TRUE(none.out == run(tiny(OverlapMode::kNone, false), in).out);
+  // Rearming validates like construction: an all-resident executor has no transfers to skip.
+  StepExecutor resident(tiny(OverlapMode::kNone, false), m, in);
+  EXPECT_NE(test::error_of([&] { resident.rearm(OverlapMode::kNone, true); }).find("skip_transfers"), std::string::npos);
 }
 
 // The GPU swap engine on the trace's ids misses exactly what the CPU LRU profile counted.
@@ -134,7 +175,8 @@ TEST(executor, SingleRequestAndTimedSteps) {
   c.warm_steps = 2;
   const StepInputs in = load_inputs(c, m);
   StepExecutor ex(c, m, in);
-  const ExecutorReport r = ex.run();
+  ExecutorReport r;
+  collect(ex, c, in, &r);
   EXPECT_EQ(r.step_us.size(), 3u);
   EXPECT_GT(r.step.min, 0.0);
   EXPECT_LE(r.step.min, r.step.median);
@@ -180,5 +222,48 @@ TEST(executor, BatchThatDoesNotFitIsRefusedByName) {
   EXPECT_NE(e.find("device memory"), std::string::npos) << e;
 }
 
+// A graph capture of the stand-in GEMMs on a stream cuBLAS has not seen allocates nothing:
+// the handle keeps the workspace given at construction across stream changes (cublasSetStream
+// alone would fall back to cuBLAS's own per-stream pool, which allocates, also in a capture).
+TEST(executor, StandInGemmsCaptureWithoutAllocating) {
+  ESS_SKIP_WITHOUT_GPU();
+  const ModelSpec m = ModelSpec::deepseek_v32_exp();
+  pipeline::StandInGemms gemms(m, 8, 32);
+  cudaStream_t first = nullptr, second = nullptr;
+  ESS_CUDA_CHECK(cudaStreamCreateWithFlags(&first, cudaStreamNonBlocking), "stream");
+  ESS_CUDA_CHECK(cudaStreamCreateWithFlags(&second, cudaStreamNonBlocking), "stream");
+  for (const pipeline::GemmOp op : pipeline::kAllGemmOps) gemms.run(op, 8, first);
+  ESS_CUDA_CHECK(cudaStreamSynchronize(first), "eager GEMMs");
+  cudaGraph_t graph = nullptr;
+  ASSERT_EQ(cudaStreamBeginCapture(second, cudaStreamCaptureModeGlobal), cudaSuccess);
+  std::string error = "no error";
+  try {
+    for (const pipeline::GemmOp op : pipeline::kAllGemmOps) gemms.run(op, 8, second);
+  } catch (const Error& e) {
+    error = e.what();
+  }
+  const cudaError_t end = cudaStreamEndCapture(second, &graph);
+  EXPECT_EQ(error, "no error");
+  ASSERT_EQ(end, cudaSuccess) << cudaGetErrorString(end);
+  std::size_t n = 0;
+  ASSERT_EQ(cudaGraphGetNodes(graph, nullptr, &n), cudaSuccess);
+  std::vector<cudaGraphNode_t> nodes(n);
+  ASSERT_EQ(cudaGraphGetNodes(graph, nodes.data(), &n), cudaSuccess);
+  EXPECT_GT(n, 0u);
+  for (cudaGraphNode_t node : nodes) {
+    cudaGraphNodeType type{};
+    ASSERT_EQ(cudaGraphNodeGetType(node, &type), cudaSuccess);
+    EXPECT_NE(type, cudaGraphNodeTypeMemAlloc) << "the capture allocates device memory";
+  }
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  ASSERT_EQ(cudaGraphLaunch(exec, second), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(second), cudaSuccess);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(first);
+  cudaStreamDestroy(second);
+}
+
 }  // namespace
-}  // namespace ess::pipeline
+}  // namespace ess::executor_test

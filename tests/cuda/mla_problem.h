@@ -1,7 +1,7 @@
 // Test problems for the sparse MLA decode, shared by the GPU test (sparse_mla_test.cc) and
 // the CPU emulation of the kernel (sparse_mla_emulation_test.cc): seeded slot arrays, ids
 // with masks, q, and the checks against the reference (the accuracy contract of
-// cuda::check_decode_token, and two exact cases; the tolerances are justified in
+// ref::check_decode_token, and two exact cases; the tolerances are justified in
 // sparse_mla_test.cc).
 #pragma once
 
@@ -20,7 +20,8 @@
 #include <tuple>
 #include <vector>
 
-#include "ess/cuda/attention_bench.h"
+#include "ess/cuda/sparse_mla.h"
+#include "ess/kernels/ref/accuracy.h"
 #include "ess/kernels/ref/reference.h"
 #include "ess/model/entry_layout.h"
 #include "ess/model/numerics.h"
@@ -108,6 +109,18 @@ struct Problem {
     return {q.data() + token * n, n};
   }
 };
+
+// The decode's launch arguments for p: its shape; the caller sets the pointers.
+inline cuda::SparseMlaArgs shape_args(const Problem& p) {
+  cuda::SparseMlaArgs a;
+  a.batch = p.B;
+  a.query_tokens = p.T;
+  a.heads = p.H;
+  a.topk = p.K;
+  a.softmax_scale = p.scale;
+  a.slots = p.slots;
+  return a;
+}
 
 inline Problem make_problem(int B, int T, int H, int K, Mask mask, Values values, std::uint32_t seed, float scale = 0.0f) {
   Problem p;
@@ -204,13 +217,13 @@ inline void expect_within_contract(const Problem& p, const std::vector<std::int3
     const auto ptrs = p.ptrs(t, ids);
     const std::span<const float> lse{out.lse.data() + t * static_cast<std::size_t>(p.H), static_cast<std::size_t>(p.H)};
     if (!out.o32.empty()) {
-      const auto c = cuda::check_decode_token(params, p.q_of(t), ptrs, {out.o32.data() + t * hv, hv}, false, lse, slack, merged);
+      const auto c = ref::check_decode_token(params, p.q_of(t), ptrs, {out.o32.data() + t * hv, hv}, false, lse, slack, merged);
       EXPECT_TRUE(c.ok()) << "token " << t << " fp32: " << c.structural << " worst " << c.worst << " at " << c.worst_at;
       worst = std::max(worst, c.worst);
     }
     if (!out.o16.empty()) {
       const auto f = to_float(out.o16.data() + t * hv, hv);
-      const auto c = cuda::check_decode_token(params, p.q_of(t), ptrs, f, true, lse, slack, merged);
+      const auto c = ref::check_decode_token(params, p.q_of(t), ptrs, f, true, lse, slack, merged);
       EXPECT_TRUE(c.ok()) << "token " << t << " bf16: " << c.structural << " worst " << c.worst << " at " << c.worst_at;
       worst = std::max(worst, c.worst);
     }

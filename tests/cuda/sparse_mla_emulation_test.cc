@@ -34,16 +34,10 @@ Output emulate_decode(const Problem& p, const std::vector<std::int32_t>& ids, bo
   std::vector<std::uint16_t> o16(rows * kV + kGuard, 0xffff);
   std::vector<float> lse(rows + kGuard, std::numeric_limits<float>::quiet_NaN());
   int bad = -1;
-  cuda::SparseMlaArgs a;
-  a.batch = p.B;
-  a.query_tokens = p.T;
-  a.heads = p.H;
-  a.topk = p.K;
-  a.softmax_scale = p.scale;
+  cuda::SparseMlaArgs a = shape_args(p);
   a.q = p.q.data();
   a.kv = p.kv.data();
   a.kv_offsets = p.offsets.data();
-  a.slots = p.slots;
   a.indices = ids.data();
   a.out = want_bf16 ? o16.data() : nullptr;
   a.out_f32 = want_f32 ? o32.data() : nullptr;

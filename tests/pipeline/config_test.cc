@@ -6,9 +6,8 @@
 
 #include <algorithm>
 #include <filesystem>
-#include <map>
-#include <set>
 
+#include "cache/fixtures.h"
 #include "ess/pipeline/config.h"
 #include "ess/trace/format.h"
 #include "ess/trace/generator.h"
@@ -100,7 +99,7 @@ TEST(pipeline_config, SyntheticInputsReplayTheGeneratedTrace) {
 }
 
 // The offline profile is the CPU swap engine's LRU(+warm-up) miss count on the same ids,
-// counted here independently through SwapEngine.
+// counted here independently by the cache tests' naive LRU model.
 TEST(pipeline_config, ProfileIsTheLruReplayOfTheIds) {
   const ModelSpec m = ModelSpec::deepseek_v32_exp();
   const ExecutorConfig c = small();
@@ -109,36 +108,12 @@ TEST(pipeline_config, ProfileIsTheLruReplayOfTheIds) {
   for (int l = 0; l < c.layers; ++l) {
     double total = 0;
     for (int b = 0; b < c.batch; ++b) {
-      // A plain slot-array LRU after docs/architecture.md "Exact semantics": misses in order of
-      // first occurrence take the non-working-set slots in ascending (last use, slot) order,
-      // never-used slots first; then the whole working set is stamped with the step index.
-      std::vector<std::int32_t> token(static_cast<std::size_t>(slots), -1);
-      std::vector<std::int64_t> stamp(static_cast<std::size_t>(slots), -1);
-      std::map<std::int32_t, std::int32_t> slot_of;
-      std::int64_t clock = 0;
+      // The independent LRU model of the cache tests (docs/architecture.md "Exact semantics").
+      test::NaiveLru lru(slots);
       auto step = [&](const std::int32_t* ids, int n) {
-        std::vector<std::int32_t> misses;
-        std::set<std::int32_t> seen;
-        for (int i = 0; i < n; ++i) {
-          if (ids[i] < 0 || !seen.insert(ids[i]).second) continue;
-          if (!slot_of.contains(ids[i])) misses.push_back(ids[i]);
-        }
-        std::vector<std::pair<std::int64_t, std::int32_t>> victims;
-        for (std::int32_t sl = 0; sl < slots; ++sl) {
-          if (token[static_cast<std::size_t>(sl)] < 0 || !seen.contains(token[static_cast<std::size_t>(sl)])) {
-            victims.emplace_back(stamp[static_cast<std::size_t>(sl)], sl);
-          }
-        }
-        std::sort(victims.begin(), victims.end());
-        for (std::size_t i = 0; i < misses.size(); ++i) {
-          const std::int32_t sl = victims[i].second;
-          if (token[static_cast<std::size_t>(sl)] >= 0) slot_of.erase(token[static_cast<std::size_t>(sl)]);
-          token[static_cast<std::size_t>(sl)] = misses[i];
-          slot_of[misses[i]] = sl;
-        }
-        for (const std::int32_t t : seen) stamp[static_cast<std::size_t>(slot_of[t])] = clock;
-        ++clock;
-        return static_cast<int>(misses.size());
+        std::vector<std::pair<std::int32_t, std::int32_t>> fills;
+        lru.step({ids, static_cast<std::size_t>(n)}, fills);
+        return static_cast<int>(fills.size());
       };
       for (int w = 0; w < in.prefill_windows; ++w) {
         step(in.prefill.data() + ((static_cast<std::size_t>(l) * c.batch + b) * in.prefill_windows + w) * in.topk, in.topk);

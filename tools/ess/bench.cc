@@ -45,8 +45,30 @@ void print_transfer(const cuda::TransferBenchConfig& c, const cuda::TransferBenc
                               {"bytes_per_run", r.bytes_per_run},
                               {"entries_per_run", r.entries_per_run},
                               {"flashtrans_verified", r.verified},
+                              {"flashtrans_default_blocks", r.default_blocks},
                               {"methods", methods}};
-    fmt::print("{}\n", j.dump(2));
+    nlohmann::json out = j;
+    if (!r.sweep.empty()) {
+      nlohmann::json pts = nlohmann::json::array();
+      for (const auto& p : r.sweep) {
+        nlohmann::json q = {{"blocks", p.blocks}, {"direction", p.direction}, {"gbps", p.gbps},
+                            {"gbps_min", p.gbps_min}, {"gbps_max", p.gbps_max}};
+        if (p.concurrent_gbps >= 0) {
+          q["concurrent_gbps"] = p.concurrent_gbps;
+          q["attention_us"] = p.attention_us;
+          q["attention_slowdown"] = p.attention_slowdown;
+        }
+        pts.push_back(q);
+      }
+      out["grid_sweep"] = {{"points", pts},
+                           {"attention_alone_us", r.attention_alone_us},
+                           {"attention", c.concurrent ? fmt::format("sparse MLA decode, batch {}, T 2, 128 heads, "
+                                                                    "top-k 2048, {} slots", c.attention_batch, c.slots)
+                                                      : std::string("not run")},
+                           {"recommended_blocks", {{"h2d", r.recommended_blocks_h2d}, {"d2h", r.recommended_blocks_d2h}}},
+                           {"rule", "smallest block count within 5 % of the best bandwidth alone"}};
+    }
+    fmt::print("{}\n", out.dump(2));
     return;
   }
   fmt::print("ess bench transfer on {} ({}): {} requests x {} misses x {} B = {:.1f} MB per run; median of {} runs\n",
@@ -62,6 +84,20 @@ void print_transfer(const cuda::TransferBenchConfig& c, const cuda::TransferBenc
       fmt::print("{:<18} {:>4} {:>10}  ({})\n", s.method, s.direction, "n/a", s.note);
     }
   }
+  fmt::print("(FlashTrans with its default grid: {} blocks)\n", r.default_blocks);
+  if (r.sweep.empty()) return;
+  fmt::print("\nFlashTrans grid sweep{}\n", c.concurrent ? fmt::format(" (beside: sparse MLA batch {} alone {:.1f} us)",
+                                                                      c.attention_batch, r.attention_alone_us)
+                                                        : std::string());
+  fmt::print("{:>7} {:>4} {:>10} {:>10} {:>10} {:>12} {:>10}\n", "blocks", "dir", "GB/s", "min", "max", "GB/s beside",
+             "attn x");
+  for (const auto& p : r.sweep) {
+    fmt::print("{:>7} {:>4} {:>10.2f} {:>10.2f} {:>10.2f} {:>12} {:>10}\n", p.blocks, p.direction, p.gbps, p.gbps_min,
+               p.gbps_max, p.concurrent_gbps >= 0 ? fmt::format("{:.2f}", p.concurrent_gbps) : "",
+               p.attention_slowdown >= 0 ? fmt::format("{:.3f}", p.attention_slowdown) : "");
+  }
+  fmt::print("recommended blocks (smallest within 5 % of the best alone): h2d {}, d2h {}\n", r.recommended_blocks_h2d,
+             r.recommended_blocks_d2h);
 }
 
 void print_swap(const cuda::SwapBenchConfig& c, const cuda::SwapBenchResult& r, Format format) {
@@ -107,6 +143,9 @@ void add_bench(CLI::App& app, int& exit_code) {
     long long context = 32768;
     int slots = 6554;
     std::uint64_t seed = 1;
+    std::vector<int> blocks;
+    bool concurrent = false;
+    int attention_batch = 128;
     Format format = Format::kTable;
   };
   auto a = std::make_shared<Args>();
@@ -117,6 +156,13 @@ void add_bench(CLI::App& app, int& exit_code) {
   transfer->add_option("--repeats,-r", a->repeats, "Timed runs per method")->capture_default_str();
   transfer->add_option("--device", a->device, "CUDA device")->capture_default_str();
   transfer->add_option("--seed", a->seed, "Random seed")->capture_default_str();
+  transfer->add_option("--blocks", a->blocks, "FlashTrans grid sizes to sweep, comma-separated (e.g. 8,16,32,64,132,1056)")
+      ->delimiter(',')
+      ->check(CLI::Range(1, 65535));
+  transfer->add_flag("--concurrent", a->concurrent, "Sweep also beside a sparse MLA decode (copy bandwidth, attention slowdown)");
+  transfer->add_option("--attention-batch", a->attention_batch, "Batch of that decode (T 2, 128 heads, top-k 2048)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 4096));
   add_format_option(*transfer, a->format);
   transfer->callback([a, &exit_code] {
 #if ESS_WITH_CUDA
@@ -128,6 +174,9 @@ void add_bench(CLI::App& app, int& exit_code) {
     c.repeats = a->repeats;
     c.device = a->device;
     c.seed = a->seed;
+    c.blocks = a->blocks;
+    c.concurrent = a->concurrent;
+    c.attention_batch = a->attention_batch;
     const auto r = cuda::run_transfer_bench(c);
     print_transfer(c, r, a->format);
     exit_code = r.verified ? 0 : 1;

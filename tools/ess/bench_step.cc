@@ -34,6 +34,8 @@ struct ExecutorArgs {
     cmd.add_option("--trace", c.trace, "Top-k trace (default: synthetic, the shipped generator profile)");
     cmd.add_option("--seed", c.seed, "Random seed")->capture_default_str();
     cmd.add_option("--device", c.device, "CUDA device")->capture_default_str();
+    cmd.add_option("--copy-blocks", c.copy_blocks, "FlashTrans grid of the step's copies (0 = its default)")
+        ->capture_default_str();
     cmd.add_flag("--no-graph", no_graph, "Launch kernels one by one instead of replaying CUDA graphs");
     cmd.add_flag("--no-gemms", no_gemms, "Attention stack only (no stand-in GEMMs)");
     cmd.add_flag("--no-warmup", no_warmup, "No LRU-Warmup from the trace's prefill top-k");
@@ -87,15 +89,11 @@ void print_step(const pipeline::StepBenchConfig& sc, const pipeline::StepBenchRe
   fmt::print("{:>6} {:<10} {:>10} {:>10} {:>10} {:>9} {:>9} {:>11} {:>11}\n", "batch", "mode", "step us", "min", "max",
              "vs res", "misses", "exposed us", "predicted");
   for (const auto& p : r.points) {
-    double res_us = 0;
-    for (const auto& q : r.points) {
-      if (q.batch == p.batch && q.mode == "resident") res_us = q.report.step.median;
-    }
     double misses = 0;
     for (const double m : p.report.misses) misses += m / static_cast<double>(p.report.misses.size());
     fmt::print("{:>6} {:<10} {:>10.1f} {:>10.1f} {:>10.1f} {:>9} {:>9.1f} {:>11} {:>11}\n", p.batch, p.mode,
                p.report.step.median, p.report.step.min, p.report.step.max,
-               res_us > 0 && p.mode != "resident" ? fmt::format("{:.3f}", p.report.step.median / res_us) : "",
+               p.vs_resident > 0 ? fmt::format("{:.3f}", p.vs_resident) : "",
                misses, p.exposed_us >= 0 ? fmt::format("{:.1f}", p.exposed_us) : "",
                p.predicted_us >= 0 ? fmt::format("{:.1f}", p.predicted_us) : "");
   }
@@ -121,6 +119,7 @@ void add_bench_step(CLI::App& bench, int& exit_code) {
     std::string batches = "16,32,64,128";
     bool no_resident = false, no_exposed = false, no_gain = false;
     std::string profile_hw, profile_table, hardware = "h100", deployment = "paper-table1";
+    std::string points_file;
     Format format = Format::kTable;
   };
   auto sa = std::make_shared<StepArgs>();
@@ -135,6 +134,9 @@ void add_bench_step(CLI::App& bench, int& exit_code) {
   step->add_option("--profile-table", sa->profile_table, "Measured op table (ess bench profile) for predictions");
   step->add_option("--hardware", sa->hardware, "Hardware profile for the whole model's max batch")->capture_default_str();
   step->add_option("--deployment", sa->deployment, "Deployment for the whole model's max batch")->capture_default_str();
+  step->add_option("--points", sa->points_file,
+                   "Append each point to FILE as one JSON line as soon as it is measured (a run stopped early keeps "
+                   "what it finished)");
   add_format_option(*step, sa->format);
   step->callback([sa] {
     pipeline::StepBenchConfig sc;
@@ -150,7 +152,17 @@ void add_bench_step(CLI::App& bench, int& exit_code) {
     sc.hardware = sa->hardware;
     sc.deployment = sa->deployment;
 #if ESS_WITH_CUDA
-    print_step(sc, pipeline::run_step_bench(sc), sa->format);
+    std::ofstream points;
+    if (!sa->points_file.empty()) {
+      points.open(sa->points_file, std::ios::app);
+      ESS_CHECK(points.good(), "bench step: cannot append to --points {}", sa->points_file);
+    }
+    const auto on_point = [&](const pipeline::StepPoint& p) {
+      if (!points.is_open()) return;
+      points << p.to_json().dump() << '\n' << std::flush;
+      ESS_CHECK(points.good(), "bench step: writing --points {} failed", sa->points_file);
+    };
+    print_step(sc, pipeline::run_step_bench(sc, on_point), sa->format);
 #else
     ESS_THROW("bench step needs the CUDA target: this ess was built without nvcc");
 #endif

@@ -4,17 +4,16 @@
 // each query token selects `topk` distinct random slots. Issue target: >= 150 TFLOP/s at
 // batch 128, T 2, 128 heads, top-k 2048 (FlashMLA's FP8 sparse decode: 410 on H800).
 //
-// Also here: the accuracy contract of the decode against ess::ref, shared by the benchmark's
-// verification and tests/cuda/sparse_mla_test.cc.
+// The benchmark's check uses the decode's accuracy contract (ess/kernels/ref/accuracy.h).
 #pragma once
 
 #include <cstdint>
-#include <span>
 #include <string>
 #include <vector>
 
 #include "ess/core/stats.h"
-#include "ess/kernels/ref/reference.h"
+#include "ess/cuda/device_buffer.h"
+#include "ess/cuda/sparse_mla.h"
 
 namespace ess::cuda {
 
@@ -52,43 +51,37 @@ struct AttentionBenchResult {
   std::vector<AttentionBenchPoint> points;  // one per batch size, in the order asked
 };
 
+// A decode batch for the sparse MLA on the device (the benchmark's, and the workload the
+// transfer benchmark runs beside FlashTrans): random valid latent entries in `slots` slots
+// per request, K distinct random slot ids per query token, q ~ N(0, 1) in bf16.
+class AttentionWorkload {
+ public:
+  AttentionWorkload(const AttentionBenchConfig& config, int max_batch);
+  // The decode of the first `batch` requests (<= max_batch), into the workload's outputs.
+  SparseMlaArgs args(int batch) const;
+  float softmax_scale() const { return scale_; }
+  // Host copies, for checks against the CPU reference.
+  const std::vector<std::int32_t>& ids() const { return ids_; }            // [max_batch][T][K]
+  const std::vector<std::uint16_t>& queries() const { return q_; }         // [max_batch][T][H][576]
+  const std::uint8_t* host_entry(int b, std::int32_t slot) const;           // the bytes of a slot
+
+ private:
+  AttentionBenchConfig config_;
+  int max_batch_ = 0;
+  float scale_ = 0;
+  std::vector<std::uint8_t> pattern_;
+  std::vector<std::int32_t> ids_;
+  std::vector<std::uint16_t> q_;
+  DeviceBuffer<std::uint8_t> kv_;
+  DeviceBuffer<std::uint64_t> d_offsets_;
+  DeviceBuffer<std::int32_t> d_ids_;
+  DeviceBuffer<std::uint16_t> d_q_;
+  DeviceBuffer<std::uint16_t> d_out_;
+  DeviceBuffer<float> d_lse_;
+};
+
 // `batches`: the batch sizes to time (empty: config.batch alone); the largest sets the
 // allocation, the check runs at config.batch.
 AttentionBenchResult run_attention_bench(const AttentionBenchConfig& config, const std::vector<int>& batches = {});
-
-// ---- accuracy contract ------------------------------------------------------------------------
-// The GPU decode of one query token against ess::ref::sparse_mla_decode_f32 (which sums in
-// double). With q . k exact products summed in fp32 over 576 dims, P rounded to bf16 and
-// fp32 accumulation over n valid entries (sparse_mla.cu), per head h and value dim d:
-//   score error   Delta_h = scale * 577 * 2^-23 * max_j sum_d |q_hd| |k_jd|
-//                           + 2^-20 max_j |s_hj| + 2^-21
-//                 (fp32 sums with up to one rounding per term, exchange add included; the
-//                 prescale, the subtraction of the running max and exp2's 2-ulp error)
-//   eps_h         = 2^-8                (P rounded to bf16: relative 2^-8)
-//                 + expm1(2 Delta_h)    (softmax weights of perturbed scores: w'_j / w_j in
-//                                        [e^-2Delta, e^2Delta])
-//                 + 2 n 2^-23           (fp32 accumulation of O and of l over n entries)
-//                 + 2^-20               (final division, rescale factors, slack)
-//   |o - o_ref|   <= eps_h * V_d + 1e-30,  V_d = max over valid j of |v_jd|
-//   bf16 output:  <= eps_h V_d + 2^-8 (|o_ref| + eps_h V_d) + 1e-30   (one more rounding)
-//   |lse - ref|   <= Delta_h + 2 n 2^-23 + 2^-20 (1 + |lse_ref|)
-// plus `slack` * V_d (o) and `slack` (lse) for callers that add rounding of their own. With
-// `merged`, the output is a merge of partial decodes over disjoint parts of the ids, whose
-// lse values carry the error above: the merge weights exp(lse_part - lse) are then off by up
-// to a factor e^(2 x lse bound), so eps_h gains expm1(2 x lse bound). A query token with no
-// valid entry must give lse = -inf and o = 0 exactly; NaN or infinities anywhere else fail
-// the check.
-struct DecodeCheck {
-  double worst = 0;         // max |error| / bound over o and lse (<= 1 passes)
-  std::string worst_at;     // "head h dim d" / "head h lse" of the worst
-  std::string structural;   // the first non-finite / emptiness mismatch, empty if none
-  bool ok() const { return structural.empty() && worst <= 1.0; }
-};
-// q: [heads][576] bf16 bits; entries: K pointers (nullptr = masked); out: [heads][512] as
-// floats (the bf16 output converted when out_is_bf16); lse: [heads].
-DecodeCheck check_decode_token(const ref::SparseMlaParams& p, std::span<const std::uint16_t> q,
-                               std::span<const std::uint8_t* const> entries, std::span<const float> out,
-                               bool out_is_bf16, std::span<const float> lse, double slack = 0.0,
-                               bool merged = false);
 
 }  // namespace ess::cuda

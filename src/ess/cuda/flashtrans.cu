@@ -3,34 +3,34 @@
 #include <cstdint>
 
 #include "ess/cuda/flashtrans.h"
+#include "ess/cuda/launch_args.h"
 
 namespace ess::cuda {
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kChunksPerThread = 4;  // independent 16-byte loads in flight per thread
+constexpr int kChunks = kFlashTransChunksPerThread;
 
 // Thread i of the grid copies chunks i, i + stride, ... of the flattened (entry, chunk)
 // space; consecutive threads copy consecutive 16-byte chunks of one entry, so each warp's
-// reads and writes are contiguous runs. Loads are issued before stores to keep several PCIe
-// reads in flight per thread.
-__global__ void __launch_bounds__(kThreads) copy_entries(const uint4* __restrict__ src_base,
-                                                          uint4* __restrict__ dst_base,
-                                                          const std::uint64_t* __restrict__ src_off,
-                                                          const std::uint64_t* __restrict__ dst_off,
-                                                          std::int64_t total_chunks, int chunks_per_entry,
-                                                          const std::int64_t* __restrict__ device_count) {
+// reads and writes are contiguous runs. Loads are issued before stores to keep kChunks
+// PCIe reads in flight per thread.
+__global__ void __launch_bounds__(kFlashTransDefaultThreads) copy_entries(const uint4* __restrict__ src_base,
+                                                                          uint4* __restrict__ dst_base,
+                                                                          const std::uint64_t* __restrict__ src_off,
+                                                                          const std::uint64_t* __restrict__ dst_off,
+                                                                          std::int64_t total_chunks, int chunks_per_entry,
+                                                                          const std::int64_t* __restrict__ device_count) {
   if (device_count != nullptr) {
     const std::int64_t n = *device_count * chunks_per_entry;
     total_chunks = n < total_chunks ? (n > 0 ? n : 0) : total_chunks;
   }
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
   std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  for (; i < total_chunks; i += stride * kChunksPerThread) {
-    uint4 v[kChunksPerThread];
-    std::int64_t dst[kChunksPerThread];
+  for (; i < total_chunks; i += stride * kChunks) {
+    uint4 v[kChunks];
+    std::int64_t dst[kChunks];
 #pragma unroll
-    for (int u = 0; u < kChunksPerThread; ++u) {
+    for (int u = 0; u < kChunks; ++u) {
       const std::int64_t c = i + u * stride;
       dst[u] = -1;
       if (c < total_chunks) {
@@ -41,30 +41,19 @@ __global__ void __launch_bounds__(kThreads) copy_entries(const uint4* __restrict
       }
     }
 #pragma unroll
-    for (int u = 0; u < kChunksPerThread; ++u) {
+    for (int u = 0; u < kChunks; ++u) {
       if (dst[u] >= 0) __stcs(dst_base + dst[u], v[u]);
     }
   }
 }
 
 int launch(const EntryCopy& c, Stream stream) {
+  if (!check_args(c).empty()) return cudaErrorInvalidValue;
   if (c.count <= 0) return cudaSuccess;
-  if (c.entry_bytes <= 0 || c.entry_bytes % 16 != 0 || c.src_base == nullptr || c.dst_base == nullptr ||
-      c.src_offsets == nullptr || c.dst_offsets == nullptr ||
-      reinterpret_cast<std::uintptr_t>(c.src_base) % 16 != 0 || reinterpret_cast<std::uintptr_t>(c.dst_base) % 16 != 0) {
-    return cudaErrorInvalidValue;
-  }
-  const int chunks_per_entry = c.entry_bytes / 16;
-  const std::int64_t total = c.count * chunks_per_entry;
-  int device = 0;
-  int sms = 0;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  const std::int64_t want = (total + kThreads * kChunksPerThread - 1) / (kThreads * kChunksPerThread);
-  const int blocks = static_cast<int>(want < static_cast<std::int64_t>(sms) * 8 ? want : static_cast<std::int64_t>(sms) * 8);
-  copy_entries<<<blocks > 0 ? blocks : 1, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+  const FlashTransGrid g = flashtrans_grid(c);
+  copy_entries<<<g.blocks, g.threads, 0, static_cast<cudaStream_t>(stream)>>>(
       reinterpret_cast<const uint4*>(c.src_base), reinterpret_cast<uint4*>(c.dst_base), c.src_offsets, c.dst_offsets,
-      total, chunks_per_entry, c.device_count);
+      c.count * (c.entry_bytes / 16), c.entry_bytes / 16, c.device_count);
   return cudaGetLastError();
 }
 

@@ -29,7 +29,24 @@ struct EntryCopy {
   // same stream, so no host synchronization is needed). `count` is then the largest value it
   // can hold; the launch is sized for it and copies min(*device_count, count) entries.
   const std::int64_t* device_count = nullptr;
+  // Grid: at most `blocks` blocks of `threads` threads (0 = the defaults below); fewer when
+  // the copy is small. Every thread keeps kFlashTransChunksPerThread 16-byte loads in flight.
+  int blocks = 0;
+  int threads = 0;  // 32 .. 256, a multiple of 32
 };
+
+// The default grid. PCIe, not the SMs, bounds the copy: sustaining W bytes/s over a host
+// read latency of L seconds needs W x L bytes in flight (Little's law), about 110 KB for
+// 55 GB/s at 2 us. A 256-thread block with 8 loads of 16 bytes per thread keeps 32 KB in
+// flight, so a few blocks could fill the link if an SM could track that many misses; 32
+// blocks (1 MB in flight) leave ample margin for the per-SM limits while taking a quarter of
+// an H100's 132 SMs, so that a concurrent sparse MLA (one CTA per SM, the whole register
+// file) keeps the other 100 (the DA schedule's Attn0 and the DBA half-indexer run beside the
+// copy). `ess bench transfer --blocks` measures bandwidth against block count, alone and
+// beside a sparse MLA, and reports the smallest block count within 5 % of the best.
+inline constexpr int kFlashTransDefaultBlocks = 32;
+inline constexpr int kFlashTransDefaultThreads = 256;
+inline constexpr int kFlashTransChunksPerThread = 8;
 
 // Host -> device gather (misses into slots) and device -> host scatter (new entries back to
 // the Total Memory Pool); the same kernel, named for the direction. Returns a cudaError_t

@@ -34,10 +34,11 @@
 // test tolerance is derived from it (tests/cuda/indexer_test.cc). The head sum is fp32.
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <cstdint>
 
 #include "ess/cuda/indexer.h"
+#include "ess/cuda/launch_args.h"
+#include "ess/cuda/smem_limit.h"
 
 namespace ess::cuda {
 namespace {
@@ -241,18 +242,6 @@ __global__ void __launch_bounds__(kThreads) indexer_logits_kernel(const Params p
   }
 }
 
-// Raises the kernel's dynamic shared-memory limit to the device's opt-in maximum, once per
-// device: an idempotent host-side setting, so concurrent first launches are harmless.
-cudaError_t raise_smem_limit(int device, int optin) {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<bool> done[kMaxDevices] = {};
-  const bool cached = device >= 0 && device < kMaxDevices;
-  if (cached && done[device].load(std::memory_order_acquire)) return cudaSuccess;
-  const cudaError_t e = cudaFuncSetAttribute(indexer_logits_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin);
-  if (e == cudaSuccess && cached) done[device].store(true, std::memory_order_release);
-  return e;
-}
-
 std::size_t smem_bytes(int T, int heads) {
   const std::size_t rows = static_cast<std::size_t>(T) * heads;
   return rows * kDim + ((rows * 4 + 127) & ~static_cast<std::size_t>(127)) +
@@ -262,13 +251,10 @@ std::size_t smem_bytes(int T, int heads) {
 }  // namespace
 
 int indexer_logits(const IndexerArgs& a, Stream stream) {
+  // Arguments first (launch_args.cc), whether or not there is work: a caller's bad pointer
+  // shows on its first call, not on the first call that happens to have keys.
+  if (!check_args(a).empty()) return cudaErrorInvalidValue;
   if (a.batch == 0 || a.max_pages == 0) return cudaSuccess;  // no keys: nothing to write
-  if (a.batch < 0 || a.batch > 65535 || a.query_tokens < 1 || a.heads < 16 || a.heads > 64 || a.heads % 16 != 0 ||
-      a.head_dim != kDim || a.q == nullptr || a.weights == nullptr || a.pages == nullptr || a.page_table == nullptr ||
-      a.lengths == nullptr || a.logits == nullptr || a.max_pages < 0 || a.logits_stride <= 0 ||
-      reinterpret_cast<std::uintptr_t>(a.q) % 16 != 0 || reinterpret_cast<std::uintptr_t>(a.pages) % 16 != 0) {
-    return cudaErrorInvalidValue;
-  }
   int device = 0;
   int sms = 0;
   int optin = 0;
@@ -278,7 +264,8 @@ int indexer_logits(const IndexerArgs& a, Stream stream) {
   if (e != cudaSuccess) return e;
   const std::size_t smem = smem_bytes(a.query_tokens, a.heads);
   if (smem > static_cast<std::size_t>(optin)) return cudaErrorInvalidValue;  // too many query tokens
-  e = raise_smem_limit(device, optin);
+  static DynamicSmemLimit limit;
+  e = limit.raise(indexer_logits_kernel);
   if (e != cudaSuccess) return e;
 
   // Pages per warp: enough CTAs for about eight per SM over the batch (several waves, to

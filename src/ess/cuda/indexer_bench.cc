@@ -16,6 +16,7 @@
 #include "ess/cuda/device_buffer.h"
 #include "ess/cuda/indexer.h"
 #include "ess/cuda/swap_bench.h"
+#include "ess/kernels/ref/accuracy.h"
 #include "ess/kernels/ref/reference.h"
 #include "ess/model/entry_layout.h"
 #include "ess/model/numerics.h"
@@ -47,39 +48,6 @@ std::vector<std::uint8_t> fp8_normal_table(std::mt19937_64& rng) {
 
 }  // namespace
 
-void indexer_reference(std::span<const std::uint8_t> q_fp8, std::span<const float> w, int heads,
-                       std::span<const std::uint8_t* const> pages, std::int64_t length, std::span<float> logits,
-                       std::span<double> bound) {
-  const IndexerLayout layout;
-  const auto H = static_cast<std::size_t>(heads);
-  ESS_CHECK(q_fp8.size() == H * kDim && w.size() == H && logits.size() >= static_cast<std::size_t>(length) &&
-                bound.size() >= static_cast<std::size_t>(length),
-            "indexer reference: {} query bytes, {} weights for {} heads; {} logits / {} bounds for {} keys", q_fp8.size(),
-            w.size(), heads, logits.size(), bound.size(), length);
-  std::vector<float> qf(H * kDim);
-  std::vector<double> qabs(qf.size());
-  for (std::size_t i = 0; i < qf.size(); ++i) {
-    qf[i] = fp8_e4m3_to_float(q_fp8[i]);
-    qabs[i] = std::fabs(static_cast<double>(qf[i]));
-  }
-  ref::indexer_logits(layout, qf, w, heads, pages, length, logits.first(static_cast<std::size_t>(length)));
-  std::vector<double> kabs(kDim);
-  for (std::int64_t j = 0; j < length; ++j) {
-    const std::uint8_t* page = pages[static_cast<std::size_t>(j / 64)];
-    const int jj = static_cast<int>(j % 64);
-    for (int d = 0; d < kDim; ++d) kabs[static_cast<std::size_t>(d)] = std::fabs(fp8_e4m3_to_float(page[layout.key_offset(jj) + d]));
-    float scale = 0.0f;
-    std::memcpy(&scale, page + layout.scale_offset(jj), 4);
-    double s = 0.0;
-    for (std::size_t h = 0; h < H; ++h) {
-      double a = 0.0;
-      for (int d = 0; d < kDim; ++d) a += qabs[h * kDim + static_cast<std::size_t>(d)] * kabs[static_cast<std::size_t>(d)];
-      s += std::fabs(static_cast<double>(w[h])) * a;
-    }
-    bound[static_cast<std::size_t>(j)] = s * scale * kIndexerLogitsTolerance;
-  }
-}
-
 namespace {
 
 // Checks query token `row` ([B][T] order) of one step: GPU logits against
@@ -99,7 +67,7 @@ bool verify_row(const IndexerBenchConfig& c, std::int64_t row, const std::vector
   const std::span<const float> wr(w.data() + static_cast<std::size_t>(row) * H, H);
   std::vector<float> ref(static_cast<std::size_t>(len));
   std::vector<double> bounds(static_cast<std::size_t>(len));
-  indexer_reference({q.data() + static_cast<std::size_t>(row) * H * kDim, H * kDim}, wr, c.heads, pages, len, ref, bounds);
+  ref::indexer_reference({q.data() + static_cast<std::size_t>(row) * H * kDim, H * kDim}, wr, c.heads, pages, len, ref, bounds);
   std::vector<float> gpu(static_cast<std::size_t>(len));
   ESS_CUDA_CHECK(cudaMemcpy(gpu.data(), d_logits + row * c.context, gpu.size() * 4, cudaMemcpyDeviceToHost),
                  "bench indexer: logits");

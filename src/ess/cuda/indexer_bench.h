@@ -2,31 +2,16 @@
 // FP8 logits over every request's whole indexer cache (64-token pages scattered through a
 // device arena by a shuffled page table) and the top-k of every query token, timed with
 // CUDA events: logits alone, top-k alone and both back to back. One step is first checked
-// against the CPU references (ess::ref::indexer_logits within kIndexerLogitsTolerance,
+// against the CPU references (ess::ref::indexer_logits within ref::kIndexerLogitsTolerance,
 // ess::ref::topk bit for bit on the GPU's logits) for two query tokens.
 #pragma once
 
 #include <cstdint>
-#include <span>
 #include <string>
 
 #include "ess/core/stats.h"
 
 namespace ess::cuda {
-
-// Relative error bound of the GPU logits: |gpu - ref| <= tolerance * scale_j * sum_h |w_h|
-// * sum_d |q_hd k_jd|. 160 units of 2^-13 for the FP8 tensor core's truncating ~13-bit
-// accumulator over 4 chained k = 32 steps, 24 units of 2^-24 for the fp32 head sum and the
-// final roundings; derived in tests/cuda/indexer_test.cc.
-inline constexpr double kIndexerLogitsTolerance = 160.0 / 8192.0 + 24.0 / 16777216.0;
-
-// The CPU reference of one query token, shared by the benchmark's check and the tests:
-// logits[j] = ess::ref::indexer_logits over the first `length` keys of `pages` with q decoded
-// from its FP8 bytes ([heads][128]), and bound[j] = kIndexerLogitsTolerance * scale_j *
-// sum_h |w_h| sum_d |q_hd k_jd|, the error a GPU logit is allowed. Both spans hold `length`.
-void indexer_reference(std::span<const std::uint8_t> q_fp8, std::span<const float> w, int heads,
-                       std::span<const std::uint8_t* const> pages, std::int64_t length, std::span<float> logits,
-                       std::span<double> bound);
 
 struct IndexerBenchConfig {
   int batch = 64;

@@ -56,7 +56,7 @@
 // (the score error is the fp32 summation error of 576 terms). The dominant error is P rounded
 // to bf16 (relative 2^-8) before the P V product: |o - o_ref| <= 2^-8 max_j |v_j| plus the
 // effect of the score error and the fp32 accumulation over K entries (the complete bound:
-// cuda::check_decode_token in attention_bench.h, used by tests/cuda/sparse_mla_test.cc).
+// ref::check_decode_token in ess/kernels/ref/accuracy.h, used by the tests and the benchmark).
 //
 // ---- Merge ----------------------------------------------------------------------------------
 // One warp per row (head): reads both lse values, computes the two weights exactly as
@@ -73,7 +73,9 @@
 #include <cstdint>
 #include <cstring>
 
+#include "ess/cuda/launch_args.h"
 #include "ess/cuda/mma_layout.h"
+#include "ess/cuda/smem_limit.h"
 #include "ess/cuda/sparse_mla.h"
 #include "ess/cuda/sparse_mla_kernel.h"
 
@@ -210,24 +212,15 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(MergeArgs a) {
   }
 }
 
-bool aligned(const void* p, std::uintptr_t n) { return reinterpret_cast<std::uintptr_t>(p) % n == 0; }
-
 }  // namespace
 
 int sparse_mla_decode(const SparseMlaArgs& a, Stream stream) {
-  if (a.batch < 0 || a.query_tokens < 1 || a.topk < 1 || a.heads <= 0 || a.heads % kHeadsPerCta != 0 || a.heads > 128 ||
-      !(a.softmax_scale > 0.0f) || !std::isfinite(a.softmax_scale) || a.slots < 0 || a.q == nullptr ||
-      a.kv == nullptr || a.kv_offsets == nullptr || a.indices == nullptr || a.lse == nullptr || !aligned(a.q, 16) ||
-      !aligned(a.kv, 16) || !aligned(a.out, 4) || !aligned(a.out_f32, 8)) {
-    return cudaErrorInvalidValue;
-  }
+  if (!check_args(a).empty()) return cudaErrorInvalidValue;
   const long long tokens = static_cast<long long>(a.batch) * a.query_tokens;
   if (tokens == 0) return cudaSuccess;
   const int head_blocks = a.heads / kHeadsPerCta;
-  if (tokens * head_blocks > INT_MAX) return cudaErrorInvalidValue;
-  // A host-side attribute (legal at any time, also during stream capture); set on every
-  // launch so that it holds for whichever device is current.
-  cudaError_t err = cudaFuncSetAttribute(sparse_mla_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  static DynamicSmemLimit limit;
+  const cudaError_t err = limit.raise(sparse_mla_kernel);
   if (err != cudaSuccess) return err;
   const float scale_log2 = a.softmax_scale * kLog2e;
   sparse_mla_kernel<<<static_cast<unsigned>(tokens * head_blocks), kThreads, kSmemBytes, static_cast<cudaStream_t>(stream)>>>(
@@ -240,10 +233,7 @@ double sparse_mla_flops(int batch, int query_tokens, int heads, int topk) {
 }
 
 int merge_states(const MergeArgs& a, Stream stream) {
-  if (a.rows < 0 || a.dim <= 0 || a.dim % 4 != 0 || a.o_a == nullptr || a.lse_a == nullptr || a.o_b == nullptr ||
-      a.lse_b == nullptr || !aligned(a.o_a, 16) || !aligned(a.o_b, 16) || !aligned(a.out_f32, 16) || !aligned(a.out, 8)) {
-    return cudaErrorInvalidValue;
-  }
+  if (!check_args(a).empty()) return cudaErrorInvalidValue;
   if (a.rows == 0) return cudaSuccess;
   int device = 0;
   int sms = 0;

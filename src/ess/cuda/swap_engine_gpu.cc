@@ -9,20 +9,16 @@
 namespace ess::cuda {
 
 GpuSwapEngine::GpuSwapEngine(const GpuSwapConfig& config, Stream stream) : config_(config), stream_(stream) {
-  ESS_CHECK(config.rows > 0 && config.layers > 0 && config.slots > 0 && config.max_positions > 0,
-            "gpu swap engine: rows {}, layers {}, slots {}, max_positions {} must be positive", config.rows, config.layers,
-            config.slots, config.max_positions);
-  ESS_CHECK(config.slots >= config.max_positions,
-            "gpu swap engine: {} slots cannot hold a working set of up to {} entries", config.slots, config.max_positions);
+  const std::string bad = check_args(config);
+  ESS_CHECK(bad.empty(), "{}", bad);
   ESS_CUDA_CHECK(cudaSetDevice(config.device), "gpu swap engine: selecting device {}", config.device);
-  smem_bytes_ = swap_step_smem_bytes(config.max_positions, config.slots);
+  const std::size_t smem = swap_step_smem_bytes(config.max_positions, config.slots) + kSwapStepStaticSmemBound;
   int optin = 0;
   ESS_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, config.device), "shared memory limit");
-  ESS_CHECK(smem_bytes_ + swap_step_static_smem_bytes() <= static_cast<std::size_t>(optin),
+  ESS_CHECK(smem <= static_cast<std::size_t>(optin),
             "gpu swap engine: {} slots and {} positions need {} bytes of shared memory per block; the device allows {}",
-            config.slots, config.max_positions, smem_bytes_, optin);
-  ESS_CUDA_CHECK(static_cast<cudaError_t>(swap_step_set_smem_limit(smem_bytes_)),
-                 "gpu swap engine: raising the shared-memory limit to {} bytes", smem_bytes_);
+            config.slots, config.max_positions, smem, optin);
+  ESS_CUDA_CHECK(static_cast<cudaError_t>(swap_step_raise_smem_limit()), "gpu swap engine: raising the shared-memory limit");
   const std::size_t n = static_cast<std::size_t>(config.rows) * config.layers * config.slots;
   ESS_CUDA_CHECK(cudaMalloc(&order_, n * 4), "gpu swap engine: order");
   ESS_CUDA_CHECK(cudaMalloc(&stamp_, n * 4), "gpu swap engine: recency");
@@ -48,13 +44,8 @@ void GpuSwapEngine::reset_row(int row) {
 }
 
 void GpuSwapEngine::step_async(const GpuSwapStep& s) {
-  ESS_CHECK(s.layer >= 0 && s.layer < config_.layers, "gpu swap engine: layer {} out of [0, {})", s.layer, config_.layers);
-  ESS_CHECK(s.batch >= 0 && s.query_tokens > 0 && s.topk > 0 && s.query_tokens * s.topk <= config_.max_positions,
-            "gpu swap engine: batch {}, T {} x K {} exceeds the {} positions it was built for", s.batch, s.query_tokens,
-            s.topk, config_.max_positions);
-  ESS_CHECK(s.rows != nullptr && s.ids != nullptr && s.slot_ids != nullptr && s.fill_tokens != nullptr &&
-                s.fill_slots != nullptr && s.counts != nullptr,
-            "gpu swap engine: a required device buffer is null");
+  const std::string bad = check_args(config_, s);
+  ESS_CHECK(bad.empty(), "{}", bad);
   if (s.batch == 0) return;
   ESS_CUDA_CHECK(static_cast<cudaError_t>(launch_swap_step(s, state(), stream_)),
                  "gpu swap engine: step of layer {} for {} requests", s.layer, s.batch);

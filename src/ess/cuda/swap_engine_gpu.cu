@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <cub/block/block_scan.cuh>
 
+#include "ess/cuda/smem_limit.h"
 #include "ess/cuda/swap_engine_kernels.h"
 
 namespace ess::cuda {
@@ -11,6 +12,7 @@ namespace {
 
 constexpr int kThreads = 1024;
 using BlockScan = cub::BlockScan<int, kThreads>;
+static_assert(sizeof(BlockScan::TempStorage) <= kSwapStepStaticSmemBound, "launch_args.h bounds the static shared memory");
 
 __device__ inline int hash_home(std::int32_t tok, int mask) {
   return static_cast<int>((static_cast<std::uint32_t>(tok) * 0x9E3779B1u) >> 7) & mask;
@@ -220,21 +222,9 @@ __global__ void __launch_bounds__(kThreads, 1) diff_kernel(const std::int32_t* b
 
 }  // namespace
 
-int swap_hash_capacity(int positions) {
-  int h = 1;
-  while (h < 2 * positions) h <<= 1;
-  return h;
-}
-
-std::size_t swap_step_smem_bytes(int positions, std::int32_t slots) {
-  return (3 * static_cast<std::size_t>(swap_hash_capacity(positions)) + 2 * static_cast<std::size_t>(positions)) * 4 +
-         static_cast<std::size_t>(slots);
-}
-
-std::size_t swap_step_static_smem_bytes() { return sizeof(BlockScan::TempStorage); }
-
-int swap_step_set_smem_limit(std::size_t bytes) {
-  return cudaFuncSetAttribute(swap_step_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+int swap_step_raise_smem_limit() {
+  static DynamicSmemLimit limit;
+  return limit.raise(swap_step_kernel);
 }
 
 int launch_swap_step(const GpuSwapStep& step, const SwapState& state, Stream stream) {

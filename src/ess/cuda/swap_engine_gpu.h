@@ -95,7 +95,6 @@ class GpuSwapEngine {
   std::int32_t* stamp_ = nullptr;
   std::int32_t* token_ = nullptr;
   std::int32_t* clock_ = nullptr;
-  std::size_t smem_bytes_ = 0;
 };
 
 }  // namespace ess::cuda

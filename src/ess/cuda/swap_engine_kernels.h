@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "ess/cuda/launch_args.h"
 #include "ess/cuda/swap_engine_gpu.h"
 
 namespace ess::cuda {
@@ -19,11 +20,9 @@ struct SwapState {
   int layers = 0;
 };
 
-int swap_hash_capacity(int positions);
-// Dynamic shared memory of one step block for T x K = positions and `slots` slots.
-std::size_t swap_step_smem_bytes(int positions, std::int32_t slots);
-std::size_t swap_step_static_smem_bytes();
-int swap_step_set_smem_limit(std::size_t bytes);
+// Raises the step kernel's dynamic shared-memory limit to the device's maximum (once per
+// device; smem_limit.h), so that engines of any size coexist.
+int swap_step_raise_smem_limit();
 
 int launch_swap_step(const GpuSwapStep& step, const SwapState& state, Stream stream);
 int launch_swap_reset(const SwapState& state, int row, Stream stream);

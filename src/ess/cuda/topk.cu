@@ -23,13 +23,14 @@
 //      equal keys keep index order: ties go to the lower index), write the indices, pad -1.
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <climits>
 #include <cstdint>
 #include <cub/block/block_radix_sort.cuh>
 #include <cub/block/block_scan.cuh>
 
 #include "ess/cuda/indexer.h"
+#include "ess/cuda/launch_args.h"
+#include "ess/cuda/smem_limit.h"
 
 namespace ess::cuda {
 namespace {
@@ -260,34 +261,18 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-constexpr std::size_t kMaxSmemBytes = kFixedBytes + static_cast<std::size_t>(kCacheKeys) * 4;
-
-// Raises the kernel's dynamic shared-memory limit to the most it ever asks for, once per
-// device: an idempotent host-side setting, so concurrent first launches are harmless.
-cudaError_t raise_smem_limit() {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<bool> done[kMaxDevices] = {};
-  int device = 0;
-  cudaError_t e = cudaGetDevice(&device);
-  if (e != cudaSuccess) return e;
-  const bool cached = device >= 0 && device < kMaxDevices;
-  if (cached && done[device].load(std::memory_order_acquire)) return cudaSuccess;
-  e = cudaFuncSetAttribute(topk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kMaxSmemBytes));
-  if (e == cudaSuccess && cached) done[device].store(true, std::memory_order_release);
-  return e;
-}
+// The most shared memory a launch asks for fits every device ESS targets.
+static_assert(kFixedBytes + static_cast<std::size_t>(kCacheKeys) * 4 <= kHopperSmemOptin, "top-k shared memory");
 
 }  // namespace
 
 int topk(const TopkArgs& a, Stream stream) {
+  if (!check_args(a).empty()) return cudaErrorInvalidValue;
   if (a.rows == 0) return cudaSuccess;
-  if (a.rows < 0 || a.rows > INT_MAX || a.k <= 0 || a.k > kMaxK || a.logits == nullptr || a.lengths == nullptr ||
-      a.out == nullptr || a.stride <= 0 || a.stride > INT_MAX) {
-    return cudaErrorInvalidValue;
-  }
   const int cache_n = static_cast<int>(a.stride < kCacheKeys ? a.stride : kCacheKeys);
   const std::size_t smem = kFixedBytes + static_cast<std::size_t>(cache_n) * 4;
-  const cudaError_t e = raise_smem_limit();
+  static DynamicSmemLimit limit;
+  const cudaError_t e = limit.raise(topk_kernel);
   if (e != cudaSuccess) return e;
   topk_kernel<<<static_cast<unsigned>(a.rows), kThreads, smem, static_cast<cudaStream_t>(stream)>>>(
       a.logits, a.stride, a.lengths, a.k, a.out, a.nan_row, cache_n);

@@ -7,13 +7,16 @@
 #include <cstring>
 #include <ctime>
 #include <functional>
+#include <memory>
 #include <numeric>
 #include <random>
 #include <unordered_set>
 
 #include "ess/core/stats.h"
 #include "ess/cuda/check.h"
+#include "ess/cuda/attention_bench.h"
 #include "ess/cuda/flashtrans.h"
+#include "ess/cuda/launch_args.h"
 #include "ess/cuda/swap_bench.h"
 
 namespace ess::cuda {
@@ -27,11 +30,18 @@ struct Buffers {
   std::uint8_t* dev_bulk = nullptr;
   std::uint64_t* dev_offsets = nullptr;  // [2][n]: host offsets, then device offsets
   cudaStream_t stream = nullptr;
+  cudaStream_t copy_stream = nullptr, attn_stream = nullptr;  // the concurrent sweep's
   cudaEvent_t start = nullptr, stop = nullptr;
+  cudaEvent_t events[4] = {};  // copy start / stop, attention start / stop
   ~Buffers() {
     if (start) cudaEventDestroy(start);
     if (stop) cudaEventDestroy(stop);
+    for (cudaEvent_t e : events) {
+      if (e) cudaEventDestroy(e);
+    }
     if (stream) cudaStreamDestroy(stream);
+    if (copy_stream) cudaStreamDestroy(copy_stream);
+    if (attn_stream) cudaStreamDestroy(attn_stream);
     if (dev_offsets) cudaFree(dev_offsets);
     if (dev_bulk) cudaFree(dev_bulk);
     if (host_bulk) cudaFreeHost(host_bulk);
@@ -39,6 +49,109 @@ struct Buffers {
     if (host) cudaFreeHost(host);
   }
 };
+
+}  // namespace
+
+namespace {
+
+double elapsed_us(cudaEvent_t a, cudaEvent_t b) {
+  float ms = 0;
+  ESS_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b), "bench transfer: event time");
+  return 1000.0 * static_cast<double>(ms);
+}
+
+// FlashTrans over grid sizes, alone and beside a sparse MLA decode (see transfer_bench.h).
+void sweep_grids(const TransferBenchConfig& c, Buffers& b, const EntryCopy& h2d, const EntryCopy& d2h,
+                 TransferBenchResult& res) {
+  int least = 0, greatest = 0;
+  ESS_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest), "bench transfer: stream priorities");
+  ESS_CUDA_CHECK(cudaStreamCreateWithPriority(&b.copy_stream, cudaStreamNonBlocking, greatest), "bench transfer: copy stream");
+  ESS_CUDA_CHECK(cudaStreamCreateWithFlags(&b.attn_stream, cudaStreamNonBlocking), "bench transfer: attention stream");
+  for (cudaEvent_t& e : b.events) ESS_CUDA_CHECK(cudaEventCreate(&e), "bench transfer: event");
+  const double gb = static_cast<double>(res.bytes_per_run) / 1e9;
+
+  std::unique_ptr<AttentionWorkload> attn;
+  SparseMlaArgs aa;
+  const auto launch_attention = [&] {
+    ESS_CUDA_CHECK(static_cast<cudaError_t>(sparse_mla_decode(aa, b.attn_stream)), "bench transfer: sparse MLA");
+  };
+  if (c.concurrent) {
+    AttentionBenchConfig ac;
+    ac.batch = c.attention_batch;
+    ac.slots = c.slots;
+    ac.seed = c.seed + 1;
+    attn = std::make_unique<AttentionWorkload>(ac, ac.batch);
+    aa = attn->args(ac.batch);
+    std::vector<double> us;
+    for (int it = 0; it < c.warmup + c.repeats; ++it) {
+      ESS_CUDA_CHECK(cudaEventRecord(b.events[2], b.attn_stream), "bench transfer: event");
+      launch_attention();
+      ESS_CUDA_CHECK(cudaEventRecord(b.events[3], b.attn_stream), "bench transfer: event");
+      ESS_CUDA_CHECK(cudaEventSynchronize(b.events[3]), "bench transfer: sparse MLA alone");
+      if (it >= c.warmup) us.push_back(elapsed_us(b.events[2], b.events[3]));
+    }
+    res.attention_alone_us = summarize(us).median;
+  }
+
+  for (const std::string dir : {"h2d", "d2h"}) {
+    double best = 0;
+    const std::size_t first = res.sweep.size();
+    for (const int blocks : c.blocks) {
+      EntryCopy e = dir == "h2d" ? h2d : d2h;
+      e.blocks = blocks;
+      const auto launch_copy = [&](cudaStream_t s) {
+        ESS_CUDA_CHECK(static_cast<cudaError_t>(dir == "h2d" ? flashtrans_gather(e, s) : flashtrans_scatter(e, s)),
+                       "bench transfer: FlashTrans {} with {} blocks", dir, blocks);
+      };
+      TransferSweepPoint p;
+      p.blocks = flashtrans_grid(e).blocks;
+      p.direction = dir;
+      std::vector<double> alone, beside, attn_us;
+      for (int it = 0; it < c.warmup + c.repeats; ++it) {
+        ESS_CUDA_CHECK(cudaEventRecord(b.events[0], b.copy_stream), "bench transfer: event");
+        launch_copy(b.copy_stream);
+        ESS_CUDA_CHECK(cudaEventRecord(b.events[1], b.copy_stream), "bench transfer: event");
+        ESS_CUDA_CHECK(cudaEventSynchronize(b.events[1]), "bench transfer: FlashTrans {}", dir);
+        if (it >= c.warmup) alone.push_back(elapsed_us(b.events[0], b.events[1]));
+      }
+      if (attn) {
+        // The copy first (high priority), then the attention on its own stream, as the DA
+        // schedule issues them; each timed on its own stream.
+        for (int it = 0; it < c.warmup + c.repeats; ++it) {
+          ESS_CUDA_CHECK(cudaEventRecord(b.events[0], b.copy_stream), "bench transfer: event");
+          launch_copy(b.copy_stream);
+          ESS_CUDA_CHECK(cudaEventRecord(b.events[1], b.copy_stream), "bench transfer: event");
+          ESS_CUDA_CHECK(cudaEventRecord(b.events[2], b.attn_stream), "bench transfer: event");
+          launch_attention();
+          ESS_CUDA_CHECK(cudaEventRecord(b.events[3], b.attn_stream), "bench transfer: event");
+          ESS_CUDA_CHECK(cudaEventSynchronize(b.events[1]), "bench transfer: FlashTrans {} beside attention", dir);
+          ESS_CUDA_CHECK(cudaEventSynchronize(b.events[3]), "bench transfer: attention beside FlashTrans {}", dir);
+          if (it >= c.warmup) {
+            beside.push_back(elapsed_us(b.events[0], b.events[1]));
+            attn_us.push_back(elapsed_us(b.events[2], b.events[3]));
+          }
+        }
+      }
+      const Summary t = summarize(alone);
+      p.gbps = gb / (t.median * 1e-6);
+      p.gbps_max = gb / (t.min * 1e-6);
+      p.gbps_min = gb / (t.max * 1e-6);
+      if (attn) {
+        p.concurrent_gbps = gb / (summarize(beside).median * 1e-6);
+        p.attention_us = summarize(attn_us).median;
+        p.attention_slowdown = p.attention_us / res.attention_alone_us;
+      }
+      best = std::max(best, p.gbps);
+      res.sweep.push_back(p);
+    }
+    int pick = 0;
+    for (std::size_t i = first; i < res.sweep.size(); ++i) {
+      const TransferSweepPoint& p = res.sweep[i];
+      if (p.gbps >= 0.95 * best && (pick == 0 || p.blocks < pick)) pick = p.blocks;
+    }
+    (dir == "h2d" ? res.recommended_blocks_h2d : res.recommended_blocks_d2h) = pick;
+  }
+}
 
 }  // namespace
 
@@ -51,6 +164,11 @@ TransferBenchResult run_transfer_bench(const TransferBenchConfig& c) {
             c.context);
   ESS_CHECK(c.entry_bytes > 0 && c.entry_bytes % 16 == 0, "bench transfer: entry_bytes = {} must be a multiple of 16",
             c.entry_bytes);
+  for (const int blocks : c.blocks) {
+    ESS_CHECK(blocks >= 1 && blocks <= 65535, "bench transfer: --blocks {} must be in [1, 65535]", blocks);
+  }
+  ESS_CHECK(!c.concurrent || !c.blocks.empty(), "bench transfer: the concurrent sweep needs --blocks");
+  ESS_CHECK(c.attention_batch >= 1, "bench transfer: attention batch {} must be >= 1", c.attention_batch);
   TransferBenchResult res;
   res.device = use_device(c.device, "bench transfer");
   res.date = utc_now();
@@ -175,6 +293,8 @@ TransferBenchResult run_transfer_bench(const TransferBenchConfig& c) {
                 : cudaMemcpyAsync(b.host_bulk, b.dev_bulk, res.bytes_per_run, cudaMemcpyDeviceToHost, b.stream);
     });
   }
+  res.default_blocks = flashtrans_grid(h2d).blocks;
+  if (!c.blocks.empty()) sweep_grids(c, b, h2d, d2h, res);
   return res;
 }
 

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <numeric>
 
 #include "ess/core/error.h"
@@ -46,7 +47,6 @@ nlohmann::json summary_json(const Summary& s) { return {{"median", s.median}, {"
 ProfileResult run_profile(const ProfileConfig& pc) {
   ESS_CHECK(!pc.requests.empty() && pc.repeats >= 1, "bench profile: needs a request grid and repeats >= 1");
   ProfileResult res;
-  res.device = cuda::use_device(pc.base.device, "bench profile");  // before any host-side work
   const ModelSpec model = ModelSpec::deepseek_v32_exp();
   const int max_req = *std::max_element(pc.requests.begin(), pc.requests.end());
   ESS_CHECK(*std::min_element(pc.requests.begin(), pc.requests.end()) >= 1, "bench profile: request counts must be >= 1");
@@ -65,6 +65,9 @@ ProfileResult run_profile(const ProfileConfig& pc) {
   rc.warm_steps = 0;
   rc.offload = false;
   rc.stand_in_gemms = true;
+  rc.validate(model);  // checked without a device first: a bad flag costs no device time
+  (void)sim::HardwareProfile::load(pc.base_hardware);
+  res.device = cuda::use_device(pc.base.device, "bench profile");
   const StepInputs rin = load_inputs(rc, model);
   const int T = rin.mtp;
   Line attn_line;
@@ -175,10 +178,18 @@ ProfileResult run_profile(const ProfileConfig& pc) {
 
 // ---- bench step -------------------------------------------------------------------------
 
-StepBenchResult run_step_bench(const StepBenchConfig& sc) {
+StepBenchResult run_step_bench(const StepBenchConfig& sc, const std::function<void(const StepPoint&)>& on_point) {
   ESS_CHECK(!sc.batches.empty(), "bench step: no batch given");
-  cuda::use_device(sc.base.device, "bench step");  // before any host-side work
   const ModelSpec model = ModelSpec::deepseek_v32_exp();
+  // Everything that can be checked without a device first: a bad flag costs no device time.
+  for (const int b : sc.batches) {
+    ExecutorConfig c = sc.base;
+    c.batch = b;
+    for (const bool offload : {false, true}) {
+      c.offload = offload;
+      c.validate(model);
+    }
+  }
   StepBenchResult res;
   const bool predict_on = !sc.profile_hardware.empty() || !sc.profile_table.empty();
   ESS_CHECK(sc.profile_hardware.empty() == sc.profile_table.empty(),
@@ -189,40 +200,59 @@ StepBenchResult run_step_bench(const StepBenchConfig& sc) {
     phw = sim::HardwareProfile::load(sc.profile_hardware);
     tables = sim::MeasuredTables::from_csv(sc.profile_table);
   }
-  auto run_point = [&](int batch, bool offload, OverlapMode mode, const StepInputs& in) {
+  const sim::HardwareProfile hw = sim::HardwareProfile::load(sc.hardware);
+  const sim::Deployment dep = sim::Deployment::load(sc.deployment);
+  cuda::use_device(sc.base.device, "bench step");
+  // One point: the run's report, the exposed transfer time (the same schedule again without
+  // transfers, on the same executor), the prediction; handed on as soon as it is measured.
+  auto measure = [&](StepExecutor& ex, const ExecutorConfig& c, int batch, const std::string& mode, double resident_us) {
     StepPoint p;
     p.batch = batch;
-    ExecutorConfig c = sc.base;
-    c.batch = batch;
-    c.offload = offload;
-    c.overlap = mode;
-    p.mode = offload ? std::string(sim::to_string(mode)) : "resident";
-    {
-      StepExecutor ex(c, model, in);
-      p.report = ex.run();
-    }
-    if (offload && sc.exposed) {
-      c.skip_transfers = true;
-      StepExecutor ex(c, model, in);
+    p.mode = mode;
+    p.report = ex.run();
+    if (c.offload && sc.exposed) {
+      ex.rearm(c.overlap, true);
       p.exposed_us = p.report.step.median - ex.run().step.median;
     }
     if (predict_on) p.predicted_us = predict_step(model, phw, tables, c, p.report).step_us;
+    p.vs_resident = resident_us > 0 ? p.report.step.median / resident_us : -1;
     res.device = p.report.device;
     res.date = p.report.date;
+    if (on_point) on_point(p);
     return p;
+  };
+  auto resident_point = [&](int batch, const StepInputs& in) {
+    ExecutorConfig c = sc.base;
+    c.batch = batch;
+    c.offload = false;
+    c.overlap = OverlapMode::kNone;
+    StepExecutor ex(c, model, in);
+    return measure(ex, c, batch, "resident", -1);
   };
   for (const int b : sc.batches) {
     ExecutorConfig c = sc.base;
     c.batch = b;
     c.offload = true;
     const StepInputs in = load_inputs(c, model);
-    if (sc.resident) res.points.push_back(run_point(b, false, OverlapMode::kNone, in));
-    for (const OverlapMode m : sc.modes) res.points.push_back(run_point(b, true, m, in));
+    double resident_us = -1;
+    if (sc.resident) {
+      res.points.push_back(resident_point(b, in));
+      resident_us = res.points.back().report.step.median;
+    }
+    if (sc.modes.empty()) continue;
+    // One offloaded executor for every schedule of this batch (rearmed between them).
+    c.overlap = sc.modes.front();
+    StepExecutor ex(c, model, in);
+    bool fresh = true;
+    for (const OverlapMode m : sc.modes) {
+      c.overlap = m;
+      if (!fresh) ex.rearm(m, false);
+      fresh = false;
+      res.points.push_back(measure(ex, c, b, std::string(sim::to_string(m)), resident_us));
+    }
   }
   // Max batch of the whole model on this GPU (the simulator's memory model) and the
   // throughput gain measured on the rig at those two batches.
-  const sim::HardwareProfile hw = sim::HardwareProfile::load(sc.hardware);
-  const sim::Deployment dep = sim::Deployment::load(sc.deployment);
   const sim::MemoryModel mem(model, hw, dep, sc.base.context);
   res.ess_slots = sc.base.resolved_slots();
   res.max_batch_resident = mem.max_batch(static_cast<double>(sc.base.context));
@@ -232,53 +262,54 @@ StepBenchResult run_step_bench(const StepBenchConfig& sc) {
     ExecutorConfig c = sc.base;
     c.batch = res.max_batch_resident;
     const StepInputs in_r = load_inputs(c, model);
-    res.gain_points.push_back(run_point(res.max_batch_resident, false, OverlapMode::kNone, in_r));
+    res.gain_points.push_back(resident_point(res.max_batch_resident, in_r));
     c.batch = res.max_batch_ess;
+    c.offload = true;
+    c.overlap = best;
     const StepInputs in_e = load_inputs(c, model);
-    res.gain_points.push_back(run_point(res.max_batch_ess, true, best, in_e));
+    StepExecutor ex(c, model, in_e);
+    res.gain_points.push_back(measure(ex, c, res.max_batch_ess, std::string(sim::to_string(best)), -1));
     const double tr = res.gain_points[0].report.step.median, te = res.gain_points[1].report.step.median;
     res.throughput_gain = (res.max_batch_ess / te) / (res.max_batch_resident / tr);
   }
   return res;
 }
 
-nlohmann::json StepBenchResult::to_json(const StepBenchConfig& sc) const {
-  auto point = [](const StepPoint& p) {
-    nlohmann::json j = {{"batch", p.batch},
-                        {"mode", p.mode},
-                        {"step_us", summary_json(p.report.step)},
-                        {"steps_timed", p.report.step_us.size()},
-                        {"slots", p.report.slots},
-                        {"graph", p.report.graph}};
-    if (p.report.offload) {
-      j["misses_per_request_layer"] = p.report.misses;
-      j["profile_misses_per_request_layer"] = p.report.profile_misses;
-      j["h2d_mb_per_step"] = p.report.h2d_bytes_per_step / 1e6;
-      j["d2h_mb_per_step"] = p.report.d2h_bytes_per_step / 1e6;
-      std::string modes;
-      for (const OverlapMode m : p.report.modes) modes += m == OverlapMode::kDualBatchAttention ? 'b' : (m == OverlapMode::kDualAttention ? 'a' : 'n');
-      j["layer_modes"] = modes;
+nlohmann::json StepPoint::to_json() const {
+  nlohmann::json j = {{"batch", batch},
+                      {"mode", mode},
+                      {"device", report.device},
+                      {"date", report.date},
+                      {"step_us", summary_json(report.step)},
+                      {"steps_timed", report.step_us.size()},
+                      {"slots", report.slots},
+                      {"graph", report.graph}};
+  if (report.offload) {
+    j["misses_per_request_layer"] = report.misses;
+    j["profile_misses_per_request_layer"] = report.profile_misses;
+    j["h2d_mb_per_step"] = report.h2d_bytes_per_step / 1e6;
+    j["d2h_mb_per_step"] = report.d2h_bytes_per_step / 1e6;
+    std::string modes;
+    for (const OverlapMode m : report.modes) {
+      modes += m == OverlapMode::kDualBatchAttention ? 'b' : (m == OverlapMode::kDualAttention ? 'a' : 'n');
     }
-    if (p.exposed_us >= 0) j["exposed_transfer_us"] = p.exposed_us;
-    if (p.predicted_us >= 0) {
-      j["predicted_us"] = p.predicted_us;
-      j["prediction_error"] = p.predicted_us / p.report.step.median - 1.0;
-    }
-    return j;
-  };
-  nlohmann::json pts = nlohmann::json::array();
-  for (const StepPoint& p : points) {
-    nlohmann::json j = point(p);
-    for (const StepPoint& q : points) {
-      if (q.batch == p.batch && q.mode == "resident" && p.mode != "resident") {
-        j["vs_resident"] = p.report.step.median / q.report.step.median;
-      }
-    }
-    pts.push_back(j);
+    j["layer_modes"] = modes;
   }
+  if (vs_resident > 0) j["vs_resident"] = vs_resident;
+  if (exposed_us >= 0) j["exposed_transfer_us"] = exposed_us;
+  if (predicted_us >= 0) {
+    j["predicted_us"] = predicted_us;
+    j["prediction_error"] = predicted_us / report.step.median - 1.0;
+  }
+  return j;
+}
+
+nlohmann::json StepBenchResult::to_json(const StepBenchConfig& sc) const {
+  nlohmann::json pts = nlohmann::json::array();
+  for (const StepPoint& p : points) pts.push_back(p.to_json());
   nlohmann::json gain = nullptr;
   if (gain_points.size() == 2) {
-    gain = {{"resident", point(gain_points[0])}, {"ess", point(gain_points[1])}, {"throughput_gain", throughput_gain}};
+    gain = {{"resident", gain_points[0].to_json()}, {"ess", gain_points[1].to_json()}, {"throughput_gain", throughput_gain}};
   }
   const ExecutorConfig& b = sc.base;
   return {{"benchmark", "step"},
@@ -295,6 +326,7 @@ nlohmann::json StepBenchResult::to_json(const StepBenchConfig& sc) const {
             {"expert_parallel", b.expert_parallel},
             {"stand_in_gemms", b.stand_in_gemms ? "bf16 cuBLAS" : "off"},
             {"graph", b.graph},
+            {"copy_blocks", b.copy_blocks > 0 ? b.copy_blocks : cuda::kFlashTransDefaultBlocks},
             {"inputs", points.empty() ? std::string() : points.front().report.inputs}}},
           {"points", pts},
           {"max_batch",

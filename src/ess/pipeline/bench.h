@@ -5,6 +5,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -55,6 +56,8 @@ struct StepPoint {
   ExecutorReport report;
   double exposed_us = -1;        // step - step without transfers (< 0: not measured)
   double predicted_us = -1;      // simulator (< 0: no profile)
+  double vs_resident = -1;       // step / all-resident step at the same batch (< 0: not run)
+  nlohmann::json to_json() const;  // self-contained: device and date included
 };
 
 struct StepBenchResult {
@@ -67,6 +70,11 @@ struct StepBenchResult {
   nlohmann::json to_json(const StepBenchConfig& config) const;
 };
 
-StepBenchResult run_step_bench(const StepBenchConfig& config);
+// Measures every point; on_point, when given, receives each one as soon as it is measured
+// (`ess bench step --points FILE` appends it there, so a run stopped at a time limit keeps
+// what it finished). Each batch builds one all-resident executor and one offloaded executor
+// that every schedule reuses (StepExecutor::rearm).
+StepBenchResult run_step_bench(const StepBenchConfig& config,
+                               const std::function<void(const StepPoint&)>& on_point = {});
 
 }  // namespace ess::pipeline

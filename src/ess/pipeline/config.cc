@@ -52,6 +52,8 @@ void ExecutorConfig::validate(const ModelSpec& model) const {
   ESS_CHECK(std::isfinite(layerwise_threshold) && layerwise_threshold >= 0,
             "executor: layerwise_threshold = {} must be a non-negative number of misses", layerwise_threshold);
   ESS_CHECK(device >= 0, "executor: device = {} must be >= 0", device);
+  ESS_CHECK(copy_blocks >= 0 && copy_blocks <= 65535, "executor: copy_blocks = {} must be in [0, 65535] (0 = default)",
+            copy_blocks);
   if (offload) {
     ESS_CHECK(slots >= 0, "executor: slots = {} must be >= 0 (0 = from the ratio)", slots);
     if (slots == 0) {

@@ -35,6 +35,7 @@ struct ExecutorConfig {
   bool stand_in_gemms = true;      // false: only the attention stack (indexer .. merge)
   bool skip_transfers = false;     // timing aid: FlashTrans copies nothing (NOT lossless)
   bool graph = true;               // capture each step in a CUDA graph
+  int copy_blocks = 0;             // FlashTrans grid of the step's copies (0 = its default)
   std::string trace;               // top-k trace file; empty: synthetic, default profile
   std::uint64_t seed = 1;
   int device = 0;

@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <random>
 
 #include "ess/cache/total_pool.h"
 #include "ess/core/error.h"
@@ -19,39 +18,15 @@
 #include "ess/pipeline/gemm.h"
 #include "ess/pipeline/executor_impl.h"
 #include "ess/pipeline/kernels.h"
+#include "ess/pipeline/rig_data.h"
 
 namespace ess::pipeline {
 namespace {
 
 #define ESS_LAUNCH(call, ...) ESS_CUDA_CHECK(static_cast<cudaError_t>(call), __VA_ARGS__)
 
-// Entry contents: (request, layer, token) -> one of kEntryTable quantized random latent
-// entries, picked by a hash. Both modes, the host pool and the device caches agree on every
-// byte without storing a second copy, and a misplaced entry shows up as different bytes.
-constexpr int kEntryTable = 4096;
-
-std::uint64_t entry_pick(int b, int l, std::int64_t p) {
-  std::uint64_t x = (static_cast<std::uint64_t>(b) << 40) ^ (static_cast<std::uint64_t>(l) << 32) ^
-                    static_cast<std::uint64_t>(p) ^ 0x9E3779B97F4A7C15ULL;
-  x ^= x >> 31;
-  x *= 0xBF58476D1CE4E5B9ULL;
-  x ^= x >> 29;
-  return x % kEntryTable;
-}
-
-std::vector<std::uint8_t> make_entry_table(const LatentLayout& layout, std::uint64_t seed) {
-  std::vector<std::uint8_t> t(static_cast<std::size_t>(kEntryTable) * layout.bytes());
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> nd(0.0f, 1.0f);
-  std::vector<float> nope(static_cast<std::size_t>(layout.nope_dim)), rope(static_cast<std::size_t>(layout.rope_dim));
-  for (int i = 0; i < kEntryTable; ++i) {
-    const float tile_scale = std::ldexp(1.0f, static_cast<int>(rng() % 7) - 3);  // tiles of different ranges
-    for (float& v : nope) v = nd(rng) * tile_scale;
-    for (float& v : rope) v = nd(rng);
-    quantize_latent(layout, nope, rope, {t.data() + static_cast<std::size_t>(i) * layout.bytes(), layout.bytes()});
-  }
-  return t;
-}
+// The untimed set-up copies (resident cache fill, warm-up fill) take the whole GPU.
+constexpr int kSetupCopyBlocks = 4096;
 
 }  // namespace
 
@@ -71,7 +46,8 @@ void StepExecutor::Impl::setup() {
   H = m.num_attention_heads;
   IH = m.index_n_heads;
   entry = layout.bytes();
-  softmax_scale = 1.0f / std::sqrt(static_cast<float>(m.qk_nope_head_dim + m.qk_rope_head_dim));
+  rig = std::make_unique<RigData>(m, B, T, c.seed);
+  softmax_scale = rig->softmax_scale();
   modes = layer_modes(c, *in);
   const std::int64_t max_len = in->max_length();
   const std::int64_t cap = (max_len + kPageTokens - 1) / kPageTokens * kPageTokens;
@@ -95,8 +71,12 @@ void StepExecutor::Impl::setup() {
             kv_bytes / 1e9, idx_bytes / 1e9, static_cast<double>(free_b) / 1e9, static_cast<double>(total_b) / 1e9, device);
 
   ESS_CUDA_CHECK(cudaStreamCreateWithFlags(&cs, cudaStreamNonBlocking), "executor: compute stream");
-  ESS_CUDA_CHECK(cudaStreamCreateWithFlags(&hs, cudaStreamNonBlocking), "executor: H2D stream");
-  ESS_CUDA_CHECK(cudaStreamCreateWithFlags(&ds, cudaStreamNonBlocking), "executor: D2H stream");
+  // The copy streams at the highest priority: their FlashTrans blocks take SMs as soon as
+  // any free up, ahead of compute blocks still waiting (the copy is on the critical path).
+  int least = 0, greatest = 0;
+  ESS_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest), "executor: stream priorities");
+  ESS_CUDA_CHECK(cudaStreamCreateWithPriority(&hs, cudaStreamNonBlocking, greatest), "executor: H2D stream");
+  ESS_CUDA_CHECK(cudaStreamCreateWithPriority(&ds, cudaStreamNonBlocking, greatest), "executor: D2H stream");
   auto make = [](std::vector<cudaEvent_t>& v, std::size_t n, bool timing) {
     v.resize(n, nullptr);
     for (cudaEvent_t& e : v) {
@@ -119,8 +99,8 @@ void StepExecutor::Impl::setup() {
   ESS_CUDA_CHECK(cudaMemcpy(ids.get(), in->ids.data(), in->ids.size() * 4, cudaMemcpyHostToDevice), "executor: uploading the ids");
   q = DeviceBuffer<std::uint16_t>(bt() * H * (layout.nope_dim + layout.rope_dim));
   out = DeviceBuffer<std::uint16_t>(static_cast<std::size_t>(L) * bt() * H * layout.nope_dim);
-  lse = DeviceBuffer<float>(bt() * H);
-  ESS_LAUNCH(fill_bf16(q.get(), q.size(), 1.0f, c.seed + 1, cs), "executor: queries");
+  lse = DeviceBuffer<float>(static_cast<std::size_t>(L) * bt() * H);
+  ESS_CUDA_CHECK(cudaMemcpy(q.get(), rig->queries().data(), q.size() * 2, cudaMemcpyHostToDevice), "executor: queries");
   if (c.offload) {
     o_a = DeviceBuffer<float>(bt() * H * layout.nope_dim);
     o_b = DeviceBuffer<float>(bt() * H * layout.nope_dim);
@@ -162,7 +142,7 @@ void StepExecutor::Impl::setup() {
 // The latent caches: the pinned host pool (offload) or the resident device cache, holding
 // every request's prompt; and the offsets of each step's new entries.
 void StepExecutor::Impl::fill_caches() {
-  const std::vector<std::uint8_t> host_table = make_entry_table(layout, c.seed + 5);
+  const std::vector<std::uint8_t>& host_table = rig->table();
   table = DeviceBuffer<std::uint8_t>(host_table.size());
   ESS_CUDA_CHECK(cudaMemcpy(table.get(), host_table.data(), host_table.size(), cudaMemcpyHostToDevice), "executor: entry table");
   std::vector<std::int64_t> prompt(static_cast<std::size_t>(B)), max_len(static_cast<std::size_t>(B));
@@ -200,7 +180,7 @@ void StepExecutor::Impl::fill_caches() {
       pool_pages = std::max<int>(pool_pages, static_cast<int>((max_len[static_cast<std::size_t>(b)] + kPageTokens - 1) / kPageTokens));
       for (int l = 0; l < L; ++l) {
         for (std::int64_t p = 0; p < prompt[static_cast<std::size_t>(b)]; ++p) {
-          pool->write(static_cast<RequestId>(b), l, p, {host_table.data() + entry_pick(b, l, p) * entry, entry});
+          pool->write(static_cast<RequestId>(b), l, p, rig->entry(b, l, p));
         }
       }
     }
@@ -225,14 +205,14 @@ void StepExecutor::Impl::fill_caches() {
       fd.clear();
       for (int l = 0; l < L; ++l) {
         for (std::int64_t p = 0; p < prompt[static_cast<std::size_t>(b)]; ++p) {
-          fs.push_back(entry_pick(b, l, p) * entry);
+          fs.push_back(RigData::entry_index(b, l, p) * entry);
           fd.push_back(kvo[static_cast<std::size_t>(l) * B + static_cast<std::size_t>(b)] + static_cast<std::uint64_t>(p) * entry);
         }
       }
       ESS_CUDA_CHECK(cudaMemcpy(ds_src.get(), fs.data(), fs.size() * 8, cudaMemcpyHostToDevice), "executor: cache fill");
       ESS_CUDA_CHECK(cudaMemcpy(ds_dst.get(), fd.data(), fd.size() * 8, cudaMemcpyHostToDevice), "executor: cache fill");
       cuda::EntryCopy copy{table.get(), kv.get(), ds_src.get(), ds_dst.get(), static_cast<std::int64_t>(fs.size()),
-                           static_cast<int>(entry), nullptr};
+                           static_cast<int>(entry), nullptr, kSetupCopyBlocks};
       ESS_LAUNCH(cuda::flashtrans_gather(copy, nullptr), "executor: resident cache fill of request {}", b);
       ESS_CUDA_CHECK(cudaDeviceSynchronize(), "executor: resident cache fill");
     }
@@ -245,7 +225,7 @@ void StepExecutor::Impl::fill_caches() {
           const std::int64_t p = len - T + t;
           const std::size_t i = ((static_cast<std::size_t>(s) * L + static_cast<std::size_t>(l)) * B + static_cast<std::size_t>(b)) * T +
                                 static_cast<std::size_t>(t);
-          src[i] = entry_pick(b, l, p) * entry;
+          src[i] = RigData::entry_index(b, l, p) * entry;
           dst[i] = c.offload ? pool->offset(static_cast<RequestId>(b), l, p)
                              : kvo[static_cast<std::size_t>(l) * B + static_cast<std::size_t>(b)] + static_cast<std::uint64_t>(p) * entry;
         }
@@ -281,6 +261,7 @@ void StepExecutor::Impl::fill_caches() {
     h2d_src = DeviceBuffer<std::uint64_t>(slot_ids.size());
     h2d_dst = DeviceBuffer<std::uint64_t>(slot_ids.size());
     h2d_total = DeviceBuffer<std::int64_t>(2);
+    miss_offsets = DeviceBuffer<std::int64_t>(static_cast<std::size_t>(B));
     counts = DeviceBuffer<std::int32_t>(static_cast<std::size_t>(c.steps) * L * B * 2);
   }
 }
@@ -308,7 +289,7 @@ void StepExecutor::Impl::warm_up() {
     ESS_CUDA_CHECK(cudaMemcpy(d_src.get(), src.data(), src.size() * 8, cudaMemcpyHostToDevice), "executor: warm-up offsets");
     ESS_CUDA_CHECK(cudaMemcpy(d_dst.get(), dst.data(), dst.size() * 8, cudaMemcpyHostToDevice), "executor: warm-up offsets");
     cuda::EntryCopy copy{pool_dev, kv.get(), d_src.get(), d_dst.get(), static_cast<std::int64_t>(src.size()),
-                         static_cast<int>(entry), nullptr};
+                         static_cast<int>(entry), nullptr, kSetupCopyBlocks};
     ESS_LAUNCH(cuda::flashtrans_gather(copy, nullptr), "executor: warm-up fill of request {}", b);
     ESS_CUDA_CHECK(cudaDeviceSynchronize(), "executor: warm-up fill");
   }
@@ -330,7 +311,7 @@ cuda::SparseMlaArgs StepExecutor::Impl::mla_args(int l, const std::int32_t* idx,
   return a;
 }
 
-cuda::MergeArgs StepExecutor::Impl::merge_args(std::uint16_t* o16) const {
+cuda::MergeArgs StepExecutor::Impl::merge_args(int l, std::uint16_t* o16) const {
   cuda::MergeArgs mg;
   mg.rows = static_cast<std::int64_t>(bt()) * H;
   mg.dim = layout.nope_dim;
@@ -339,7 +320,7 @@ cuda::MergeArgs StepExecutor::Impl::merge_args(std::uint16_t* o16) const {
   mg.o_b = o_b.get();
   mg.lse_b = lse_b.get();
   mg.out = o16;
-  mg.lse = lse.get();
+  mg.lse = layer_lse(l);
   return mg;
 }
 
@@ -428,6 +409,7 @@ void StepExecutor::Impl::swap_split(int s, int l, int b0, int nb, int half) {
   sp.fill_host_offsets = st.fill_host_offsets;
   sp.kv_offsets = kv_offsets.get() + static_cast<std::size_t>(l) * B + static_cast<std::size_t>(b0);
   sp.flags = flags.get() + static_cast<std::size_t>(b0) * static_cast<std::size_t>(S);
+  sp.miss_offsets = miss_offsets.get() + b0;
   sp.src_offsets = h2d_src.get() + pos0;
   sp.dst_offsets = h2d_dst.get() + pos0;
   sp.total = h2d_total.get() + half;
@@ -448,7 +430,7 @@ void StepExecutor::Impl::issue_copy(int l, int b0, int nb, int half) {
   ESS_CUDA_CHECK(cudaStreamWaitEvent(hs, ev_d2h[static_cast<std::size_t>(l)], 0), "executor: H2D waits for the new entries");
   if (!c.skip_transfers) {
     cuda::EntryCopy copy{pool_dev, kv.get(), h2d_src.get() + pos0, h2d_dst.get() + pos0, static_cast<std::int64_t>(nb) * P,
-                         static_cast<int>(entry), h2d_total.get() + half};
+                         static_cast<int>(entry), h2d_total.get() + half, c.copy_blocks};
     ESS_LAUNCH(cuda::flashtrans_gather(copy, hs), "executor: FlashTrans H2D of layer {}", l);
   }
   ESS_CUDA_CHECK(cudaEventRecord(ev_h2d[2 * static_cast<std::size_t>(l) + static_cast<std::size_t>(half)], hs), "executor: event");
@@ -466,7 +448,7 @@ void StepExecutor::Impl::enqueue(int s) {
     cuda::EntryCopy nc{table.get(), c.offload ? const_cast<std::uint8_t*>(pool_dev) : kv.get(),
                        new_src.get() + (static_cast<std::size_t>(s) * L + lz) * bt(),
                        new_dst.get() + (static_cast<std::size_t>(s) * L + lz) * bt(), static_cast<std::int64_t>(bt()),
-                       static_cast<int>(entry), nullptr};
+                       static_cast<int>(entry), nullptr, c.copy_blocks};
     if (c.offload) {
       ESS_CUDA_CHECK(cudaEventRecord(ev_proj0[lz], cs), "executor: event");
       ESS_CUDA_CHECK(cudaStreamWaitEvent(ds, ev_proj0[lz], 0), "executor: D2H waits for proj0");
@@ -486,12 +468,12 @@ void StepExecutor::Impl::enqueue(int s) {
     if (!c.offload) {
       pre_attention();
       indexer_half(s, l, 0, B, 0);
-      attention(l, token_ids, nullptr, o16, nullptr, lse.get());
+      attention(l, token_ids, nullptr, o16, nullptr, layer_lse(l));
     } else if (mode == OverlapMode::kNone) {
       pre_attention();
       indexer_half(s, l, 0, B, 0);
       ESS_CUDA_CHECK(cudaStreamWaitEvent(cs, ev_h2d[2 * lz], 0), "executor: attention waits for the copy");
-      attention(l, slot_ids.get(), nullptr, o16, nullptr, lse.get());
+      attention(l, slot_ids.get(), nullptr, o16, nullptr, layer_lse(l));
     } else {
       int last = 0;
       if (mode == OverlapMode::kDualBatchAttention && B >= 2) {
@@ -507,7 +489,7 @@ void StepExecutor::Impl::enqueue(int s) {
       ESS_CUDA_CHECK(cudaStreamWaitEvent(cs, ev_h2d[2 * lz + static_cast<std::size_t>(last)], 0),
                      "executor: Attn1 waits for the copy");
       attention(l, miss_ids.get(), miss_count.get(), nullptr, o_b.get(), lse_b.get());  // Attn1: fetched entries
-      ESS_LAUNCH(cuda::merge_states(merge_args(o16), cs), "executor: merge of layer {}", l);
+      ESS_LAUNCH(cuda::merge_states(merge_args(l, o16), cs), "executor: merge of layer {}", l);
     }
     if (gemms) {
       gemms->run(GemmOp::kOutBmm, n, cs);
@@ -550,7 +532,10 @@ ExecutorReport StepExecutor::run(const std::function<void(int)>& after_step) {
   r.inputs = x.in->source;
   r.host_pool_bytes = x.pool ? x.pool->capacity_bytes() : 0;
   r.device_cache_bytes = x.kv.size() + x.idx_cache.size();
+  x.drop_graphs();
   x.graphs.assign(static_cast<std::size_t>(x.c.steps), nullptr);
+  ESS_CUDA_CHECK(cudaMemsetAsync(x.out.get(), 0xff, x.out.size() * 2, x.cs), "executor: poisoning the outputs");
+  ESS_CUDA_CHECK(cudaMemsetAsync(x.lse.get(), 0xff, x.lse.size() * 4, x.cs), "executor: poisoning the outputs");
   for (int s = 0; s < x.c.steps; ++s) {
     const auto sz = static_cast<std::size_t>(s);
     // Step 0 runs eagerly (it performs any one-time initialisation of the kernels); later
@@ -609,6 +594,32 @@ ExecutorReport StepExecutor::run(const std::function<void(int)>& after_step) {
     r.d2h_bytes_per_step = static_cast<double>(x.bt()) * x.L * static_cast<double>(x.entry);
   }
   return r;
+}
+
+void StepExecutor::rearm(OverlapMode mode, bool skip_transfers) {
+  Impl& x = *impl_;
+  ExecutorConfig next = x.c;
+  next.overlap = mode;
+  next.skip_transfers = skip_transfers;
+  next.validate(x.m);
+  ESS_CUDA_CHECK(cudaDeviceSynchronize(), "executor: finishing the last run");
+  x.drop_graphs();
+  x.c = next;
+  x.modes = layer_modes(x.c, *x.in);
+  if (x.c.offload) {
+    for (int b = 0; b < x.B; ++b) x.swap->reset_row(b);
+    x.warm_up();
+  }
+  ESS_CUDA_CHECK(cudaDeviceSynchronize(), "executor: rearming");
+}
+
+std::vector<float> StepExecutor::attention_lse(int layer) const {
+  const Impl& x = *impl_;
+  ESS_CHECK(layer >= 0 && layer < x.L, "executor: layer {} out of [0, {})", layer, x.L);
+  std::vector<float> v(x.bt() * x.H);
+  ESS_CUDA_CHECK(cudaMemcpy(v.data(), x.layer_lse(layer), v.size() * 4, cudaMemcpyDeviceToHost),
+                 "executor: reading the attention lse of layer {}", layer);
+  return v;
 }
 
 std::vector<std::uint16_t> StepExecutor::attention_output(int layer) const {

@@ -66,11 +66,20 @@ class StepExecutor {
   StepExecutor& operator=(const StepExecutor&) = delete;
 
   // Runs every step in order; after_step(s), when given, is called once step s finished (the
-  // outputs are then readable). Times the steps from warm_steps on.
+  // outputs are then readable). Times the steps from warm_steps on. The attention outputs are
+  // poisoned (NaN) before the first step, so an output no step wrote cannot pass for one.
   ExecutorReport run(const std::function<void(int step)>& after_step = {});
 
-  // The attention output (bf16 bits, [batch][T][heads][512]) of `layer` at the last step run.
+  // Makes the next run() replay the steps from the start under another schedule, on the same
+  // buffers: a fresh LRU in every request-layer and the LRU-Warmup again (offloaded), the
+  // graphs captured anew. Saves the host-pool fill and the allocations when one batch is
+  // measured under several schedules. skip_transfers applies to the offloaded mode only.
+  void rearm(OverlapMode mode, bool skip_transfers);
+
+  // The attention output (bf16 bits, [batch][T][heads][512]) and its log-sum-exp
+  // ([batch][T][heads]) of `layer` at the last step run.
   std::vector<std::uint16_t> attention_output(int layer) const;
+  std::vector<float> attention_lse(int layer) const;
 
   // `ess bench profile`: one op of the step timed alone on the compute stream (CUDA events,
   // median / min / max of `repeats` launches after 3 untimed ones), for the first `requests`

@@ -16,6 +16,7 @@
 #include "ess/model/entry_layout.h"
 #include "ess/pipeline/executor.h"
 #include "ess/pipeline/gemm.h"
+#include "ess/pipeline/rig_data.h"
 
 namespace ess::pipeline {
 
@@ -42,6 +43,7 @@ struct StepExecutor::Impl {
   cudaEvent_t ev_join_h = nullptr, ev_join_d = nullptr;
   std::vector<cudaEvent_t> t0, t1;
 
+  std::unique_ptr<RigData> rig;             // entries and queries (host), also the CPU reference's
   std::unique_ptr<StandInGemms> gemms;
   std::unique_ptr<TotalPool> pool;
   const std::uint8_t* pool_dev = nullptr;   // the pool's arena as kernels see it
@@ -63,10 +65,12 @@ struct StepExecutor::Impl {
   DeviceBuffer<std::uint8_t> flags;         // [B][S]
   DeviceBuffer<std::uint64_t> h2d_src, h2d_dst;  // [B x P]
   DeviceBuffer<std::int64_t> h2d_total;     // [2] (DBA halves)
+  DeviceBuffer<std::int64_t> miss_offsets;  // [B]: each request's place in the FlashTrans list
   DeviceBuffer<std::uint64_t> new_src, new_dst;  // [steps][L][B x T]
   DeviceBuffer<std::uint16_t> q;            // [B][T][H][576]
   DeviceBuffer<std::uint16_t> out;          // [L][B][T][H][512]
-  DeviceBuffer<float> o_a, o_b, lse_a, lse_b, lse;
+  DeviceBuffer<float> o_a, o_b, lse_a, lse_b;
+  DeviceBuffer<float> lse;                  // [L][B][T][H]
   DeviceBuffer<std::uint8_t> idx_q;         // [B][T][IH][128] FP8
   DeviceBuffer<float> idx_w;                // [B][T][IH]
   DeviceBuffer<std::uint8_t> idx_cache;     // [L][B][idx_pages][8448]
@@ -79,9 +83,7 @@ struct StepExecutor::Impl {
   Impl(const ExecutorConfig& config, const ModelSpec& model, const StepInputs& inputs)
       : c(config), m(model), in(&inputs) {}
   ~Impl() {
-    for (cudaGraphExec_t g : graphs) {
-      if (g != nullptr) cudaGraphExecDestroy(g);
-    }
+    drop_graphs();
     for (auto* v : {&ev_proj0, &ev_d2h, &ev_idx, &ev_h2d, &t0, &t1}) {
       for (cudaEvent_t e : *v) cudaEventDestroy(e);
     }
@@ -93,6 +95,13 @@ struct StepExecutor::Impl {
   }
 
   std::size_t bt() const { return static_cast<std::size_t>(B) * T; }
+  void drop_graphs() {
+    for (cudaGraphExec_t g : graphs) {
+      if (g != nullptr) cudaGraphExecDestroy(g);
+    }
+    graphs.clear();
+  }
+  float* layer_lse(int l) const { return lse.get() + static_cast<std::size_t>(l) * bt() * H; }
 
   void setup();
   void fill_caches();
@@ -103,7 +112,7 @@ struct StepExecutor::Impl {
   cuda::IndexerArgs indexer_args(int s, int l, int b0, int nb) const;  // requests [b0, b0 + nb)
   cuda::TopkArgs topk_args(const cuda::IndexerArgs& ia, int b0) const;
   cuda::SparseMlaArgs mla_args(int l, const std::int32_t* idx, const std::int32_t* lengths) const;  // all B
-  cuda::MergeArgs merge_args(std::uint16_t* o16) const;  // the DA partials of all B x T tokens
+  cuda::MergeArgs merge_args(int l, std::uint16_t* o16) const;  // the DA partials of all B x T tokens
   void swap_split(int s, int l, int b0, int nb, int half);    // swap engine + split (offload)
   void issue_copy(int l, int b0, int nb, int half);           // H2D of the half's misses
   void attention(int l, const std::int32_t* idx, const std::int32_t* lengths, std::uint16_t* o16, float* o32, float* l32);

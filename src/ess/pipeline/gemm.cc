@@ -93,6 +93,8 @@ struct StandInGemms::Impl {
   std::vector<std::size_t> weight_offset;  // per op, elements
   std::uint16_t* in = nullptr;
   std::uint16_t* out = nullptr;
+  bool bound = false;              // the handle runs on `stream`, with our workspace
+  cudaStream_t stream = nullptr;
 
   Impl(const ModelSpec& m, int max_n, int ep) : dims(m, ep), max_tokens(max_n) {}
   ~Impl() {
@@ -119,7 +121,6 @@ StandInGemms::StandInGemms(const ModelSpec& model, int max_tokens, int expert_pa
   }
   ESS_CUBLAS_CHECK(cublasCreate(&s.handle), "stand-in GEMMs: creating the cuBLAS handle");
   ESS_CUDA_CHECK(cudaMalloc(&s.workspace, s.workspace_bytes), "stand-in GEMMs: cuBLAS workspace");
-  ESS_CUBLAS_CHECK(cublasSetWorkspace(s.handle, s.workspace, s.workspace_bytes), "stand-in GEMMs: setting the workspace");
   ESS_CUDA_CHECK(cudaMalloc(&s.weights, s.weight_total * 2), "stand-in GEMMs: {:.2f} GB of BF16 weights", static_cast<double>(s.weight_total) * 2e-9);
   ESS_CUDA_CHECK(cudaMalloc(&s.in, in_max * 2), "stand-in GEMMs: input activations");
   ESS_CUDA_CHECK(cudaMalloc(&s.out, out_max * 2), "stand-in GEMMs: output activations");
@@ -135,7 +136,14 @@ std::uint64_t StandInGemms::weight_bytes() const { return impl_->weight_total * 
 void StandInGemms::run(GemmOp op, int n, cuda::Stream stream) {
   Impl& s = *impl_;
   ESS_CHECK(n >= 1 && n <= s.max_tokens, "stand-in GEMM {}: {} tokens outside [1, {}]", sim_name(op), n, s.max_tokens);
-  ESS_CUBLAS_CHECK(cublasSetStream(s.handle, static_cast<cudaStream_t>(stream)), "stand-in GEMMs: setting the stream");
+  // cublasSetStream resets the handle to cuBLAS's default workspace pool, which allocates
+  // per stream, also inside a graph capture; so every change of stream sets ours again.
+  if (!s.bound || s.stream != static_cast<cudaStream_t>(stream)) {
+    ESS_CUBLAS_CHECK(cublasSetStream(s.handle, static_cast<cudaStream_t>(stream)), "stand-in GEMMs: setting the stream");
+    ESS_CUBLAS_CHECK(cublasSetWorkspace(s.handle, s.workspace, s.workspace_bytes), "stand-in GEMMs: setting the workspace");
+    s.stream = static_cast<cudaStream_t>(stream);
+    s.bound = true;
+  }
   const float alpha = 1.0f, beta = 0.0f;
   const std::uint16_t* w = s.weights + s.weight_offset[static_cast<std::size_t>(op)];
   for (const Shape& sh : shapes(s.dims, op, n)) {

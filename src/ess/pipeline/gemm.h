@@ -35,7 +35,9 @@ class StandInGemms {
   StandInGemms(const StandInGemms&) = delete;
   StandInGemms& operator=(const StandInGemms&) = delete;
 
-  // Enqueues the op for n tokens (1 <= n <= max_tokens) on the stream.
+  // Enqueues the op for n tokens (1 <= n <= max_tokens) on the stream, with the workspace
+  // allocated at construction (so that a graph capture of the call allocates nothing). Not
+  // thread-safe: one caller at a time.
   void run(GemmOp op, int n, cuda::Stream stream);
   std::uint64_t weight_bytes() const;
 

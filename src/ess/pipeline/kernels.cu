@@ -11,23 +11,35 @@ namespace {
 constexpr int kThreads = 512;
 constexpr int kItems = 4;  // positions per thread per tile of the compaction scan
 using Scan = cub::BlockScan<int, kThreads>;
+constexpr int kScanThreads = 1024;
+using OffsetScan = cub::BlockScan<std::int64_t, kScanThreads>;
+
+// Exclusive scan of the miss counts in tiles of kScanThreads: miss_offsets[b] = the misses
+// of the requests before b, *total = all of them. O(batch) for any batch.
+__global__ void __launch_bounds__(kScanThreads) miss_offsets_kernel(const std::int32_t* counts, int batch,
+                                                                     std::int64_t* miss_offsets, std::int64_t* total) {
+  __shared__ typename OffsetScan::TempStorage tmp;
+  std::int64_t running = 0;
+  for (int base = 0; base < batch; base += kScanThreads) {
+    const int b = base + static_cast<int>(threadIdx.x);
+    const std::int64_t m = b < batch ? counts[2 * b + 1] : 0;
+    std::int64_t before = 0, tile = 0;
+    OffsetScan(tmp).ExclusiveSum(m, before, tile);
+    if (b < batch) miss_offsets[b] = running + before;
+    running += tile;
+    __syncthreads();  // tmp is reused by the next tile
+  }
+  if (threadIdx.x == 0) *total = running;
+}
 
 __global__ void __launch_bounds__(kThreads) split_kernel(SplitArgs a) {
   const int b = static_cast<int>(blockIdx.x);
   const std::size_t P = static_cast<std::size_t>(a.positions);
   const int misses = a.counts[2 * b + 1];
-  // Flat position of this request's first miss: the misses of the requests before it.
-  __shared__ std::int64_t base;
-  if (threadIdx.x == 0) {
-    std::int64_t s = 0;
-    for (int i = 0; i < b; ++i) s += a.counts[2 * i + 1];
-    base = s;
-    if (b == a.batch - 1) *a.total = s + misses;
-  }
+  const std::int64_t base = a.miss_offsets[b];
   const std::uint64_t kv = a.kv_offsets[b];
   const std::int32_t* fs = a.fill_slots + static_cast<std::size_t>(b) * P;
   const std::uint64_t* fh = a.fill_host_offsets + static_cast<std::size_t>(b) * P;
-  __syncthreads();
   for (int m = static_cast<int>(threadIdx.x); m < misses; m += kThreads) {
     a.src_offsets[base + m] = fh[m];
     a.dst_offsets[base + m] = kv + static_cast<std::uint64_t>(fs[m]) * static_cast<std::uint64_t>(a.entry_bytes);
@@ -124,15 +136,11 @@ int grid_for(std::size_t n) {
 }  // namespace
 
 int split_misses(const SplitArgs& a, cuda::Stream stream) {
-  if (a.batch <= 0) return cudaSuccess;
-  if (a.positions <= 0 || a.slot_ids == nullptr || a.counts == nullptr || a.fill_slots == nullptr ||
-      a.fill_host_offsets == nullptr || a.kv_offsets == nullptr || a.src_offsets == nullptr ||
-      a.dst_offsets == nullptr || a.total == nullptr || ((a.hit_ids == nullptr) != (a.miss_ids == nullptr)) ||
-      (a.hit_ids != nullptr && (a.flags == nullptr || a.slots <= 0 || a.hit_count == nullptr ||
-                                a.miss_count == nullptr || a.query_tokens <= 0 || a.positions % a.query_tokens != 0))) {
-    return cudaErrorInvalidValue;
-  }
-  split_kernel<<<a.batch, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(a);
+  if (!check_args(a).empty()) return cudaErrorInvalidValue;
+  if (a.batch == 0) return cudaSuccess;
+  const auto st = static_cast<cudaStream_t>(stream);
+  miss_offsets_kernel<<<1, kScanThreads, 0, st>>>(a.counts, a.batch, a.miss_offsets, a.total);
+  split_kernel<<<a.batch, kThreads, 0, st>>>(a);
   return cudaGetLastError();
 }
 

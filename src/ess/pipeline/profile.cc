@@ -65,7 +65,7 @@ Summary StepExecutor::time_op(std::string_view op, int requests, int repeats, in
     };
   } else if (op == kOpMerge) {
     ESS_CHECK(x.c.offload, "profile: {} needs an offloaded executor (the partial states)", op);
-    cuda::MergeArgs mg = x.merge_args(x.out.get());
+    cuda::MergeArgs mg = x.merge_args(0, x.out.get());
     mg.rows = static_cast<std::int64_t>(n) * x.H;
     launch = [&x, mg](int) {
       ESS_CUDA_CHECK(static_cast<cudaError_t>(cuda::merge_states(mg, x.cs)), "profile: merge");

@@ -11,6 +11,17 @@
 
 namespace ess::ref {
 
+void copy_entries(const std::uint8_t* src_base, std::uint8_t* dst_base, std::span<const std::uint64_t> src_offsets,
+                  std::span<const std::uint64_t> dst_offsets, std::int64_t count, int entry_bytes) {
+  ESS_CHECK(count >= 0 && entry_bytes > 0 && src_offsets.size() >= static_cast<std::size_t>(count) &&
+                dst_offsets.size() >= static_cast<std::size_t>(count),
+            "copy_entries: {} entries of {} bytes with {} / {} offsets", count, entry_bytes, src_offsets.size(),
+            dst_offsets.size());
+  for (std::size_t i = 0; i < static_cast<std::size_t>(count); ++i) {
+    std::memcpy(dst_base + dst_offsets[i], src_base + src_offsets[i], static_cast<std::size_t>(entry_bytes));
+  }
+}
+
 void indexer_logits(const IndexerLayout& layout, std::span<const float> q, std::span<const float> w,
                     int heads, std::span<const std::uint8_t* const> pages, std::int64_t length,
                     std::span<float> logits) {
