@@ -1,49 +1,277 @@
 #!/usr/bin/env bash
-# GPU validation, for a machine with a CUDA device (H100 / H200). Writes JSON and logs to
-# OUT (default docs/results/). Stages, so that each fits a time-limited device call:
-#   build     the release preset
-#   tests     the gpu-labelled tests
-#   memcheck  the tests/cuda binaries once under compute-sanitizer
-#   kernels   ess bench transfer | swap | attention | indexer, ess verify --backend cuda
-#   step      ess bench profile, then ess bench step with the simulator's predictions
-# Usage: scripts/gpu_validate.sh [OUT_DIR] [STAGE...]   (no stage: all of them, in order)
+# GPU validation on a bare H100 / H200 (docs/gpu-validation.md): what the GPU must show, in
+# three commands of well under 10 minutes each on 16 cores, with the device bundle
+# (scripts/device_bundle.sh) carried along as build/device-bundle:
+#
+#   1. scripts/gpu_validate.sh $OUT probe tests      the machine, then every kernel test binary
+#   2. scripts/gpu_validate.sh $OUT sanitize kernels compute-sanitizer; the kernel benchmarks
+#   3. scripts/gpu_validate.sh $OUT step             the op profile; the decode step per schedule
+#
+# Every stage writes as it goes into OUT (at most two files per stage, so that a command's
+# files all come back): STAGE.jsonl, one JSON record per binary / run, appended when it ends,
+# and STAGE.log, the full output. A command stopped at its time limit keeps what it finished.
+# Every command first checks that the carried binaries start there; if they do not, it builds
+# them from source against the bundle's prefix (build/device; kept between warm calls).
+#
+# Usage: scripts/gpu_validate.sh [--dry-run] [--bundle DIR] OUT STAGE...
+#   stages: probe tests sanitize kernels step
+#   --dry-run  everything but the device work, on any machine (CI runs it): the probe, every
+#              test binary (the device cases skip themselves), the planned sanitizer and
+#              benchmark command lines (each benchmark's flags are parsed by ess itself: it
+#              must fail only for want of a device), and the records they would write.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT=${1:-docs/results}
-shift || true
-STAGES=${*:-build tests memcheck kernels step}
-mkdir -p "$OUT"
-ESS=./build/release/tools/ess/ess
-day=$(date -u +%Y-%m-%d)
-gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | tr ' ' '-' | tr -cd '[:alnum:]-')
-for stage in $STAGES; do
-  case $stage in
-    build)
-      cmake --preset release -DESS_BUILD_BENCHMARKS=OFF >/dev/null
-      cmake --build --preset release -j "$(nproc)" ;;
-    tests)
-      ctest --preset release -L gpu --output-on-failure 2>&1 | tee "$OUT/gpu-tests.log" ;;
-    memcheck)
-      SAN=/usr/local/cuda/bin/compute-sanitizer
-      for t in build/release/tests/cuda/*_test; do
-        "$SAN" --tool memcheck --error-exitcode 1 "$t" --gtest_brief=1 2>&1 | tail -n 5 | tee -a "$OUT/gpu-memcheck.log"
-      done ;;
-    kernels)
-      $ESS bench transfer --format json > "$OUT/transfer-$gpu-$day.json"
-      $ESS bench swap --format json > "$OUT/swap-$gpu-$day.json"
-      $ESS bench attention --format json > "$OUT/attention-$gpu-$day.json"
-      $ESS bench indexer --format json > "$OUT/indexer-$gpu-$day.json"
-      $ESS verify --backend cuda --format json > "$OUT/verify-cuda-$gpu-$day.json" ;;
-    step)
-      $ESS bench profile --out "$OUT/profile-$gpu-$day"
-      # Two batches keep the stage inside one 10-minute device call (each point builds its own
-      # executor: host pool, caches, warm-up); add batches in further calls.
-      $ESS bench step --format json --batch 16,64 \
-        --profile-hardware "$OUT/profile-$gpu-$day-hardware.json" --profile-table "$OUT/profile-$gpu-$day-ops.csv" \
-        > "$OUT/step-$gpu-$day.json" ;;
-    *)
-      echo "unknown stage '$stage' (build, tests, memcheck, kernels, step)" >&2
-      exit 2 ;;
+ROOT=$(pwd)
+
+DRY=0
+BUNDLE=build/device-bundle
+ARGS=()
+while (($#)); do
+  case $1 in
+    --dry-run) DRY=1 ;;
+    --bundle) BUNDLE=$2; shift ;;
+    -*) echo "gpu_validate: unknown option '$1'" >&2; exit 2 ;;
+    *) ARGS+=("$1") ;;
   esac
+  shift
 done
-echo "results in $OUT"
+((${#ARGS[@]} >= 2)) || { sed -n '2,25p' "$0"; exit 2; }
+OUT=${ARGS[0]}
+STAGES=("${ARGS[@]:1}")
+for s in "${STAGES[@]}"; do
+  case $s in probe|tests|sanitize|kernels|step) ;; *) echo "gpu_validate: unknown stage '$s'" >&2; exit 2 ;; esac
+done
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+STAMP=$(date -u +%Y-%m-%dT%H:%M:%SZ)
+TEST_TIMEOUT=${TEST_TIMEOUT:-420}
+SAN_TIMEOUT=${SAN_TIMEOUT:-240}
+BENCH_TIMEOUT=${BENCH_TIMEOUT:-300}
+
+log() { echo "[$(date -u +%H:%M:%S)] $*"; }
+# record STAGE JSON: appends one line to OUT/STAGE.jsonl.
+record() { printf '%s\n' "$2" >> "$OUT/$1.jsonl"; }
+json() { python3 -c 'import json, sys; print(json.dumps(sys.argv[1]))' "$1"; }
+
+# ---- where the binaries come from ---------------------------------------------------------------
+CUDA_LIB=""
+for d in /usr/local/cuda/lib64 /usr/local/cuda/lib /usr/local/cuda/targets/x86_64-linux/lib; do
+  [[ -e $d/libcudart.so.13 || -e $d/libcublas.so.13 ]] && { CUDA_LIB=$d; break; }
+done
+if [[ -z $CUDA_LIB ]]; then
+  p=$(ldconfig -p 2>/dev/null | awk '/libcublas\.so\.13 /{print $NF; exit}')
+  [[ -n $p ]] && CUDA_LIB=$(dirname "$p")
+fi
+if [[ -z $CUDA_LIB ]]; then  # PyTorch's wheels carry the CUDA 13 libraries
+  p=$(python3 -c 'import nvidia.cublas, os; print(os.path.join(list(nvidia.cublas.__path__)[0], "lib"))' 2>/dev/null || true)
+  [[ -n $p && -d $p ]] && CUDA_LIB=$p
+fi
+export LD_LIBRARY_PATH="$ROOT/$BUNDLE/lib${CUDA_LIB:+:$CUDA_LIB}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+
+starts() { "$@" >/dev/null 2>&1; }
+BIN=$ROOT/$BUNDLE/bin
+carried_ok=0
+if [[ -x $BIN/ess ]] && starts "$BIN/ess" --version; then
+  carried_ok=1
+  for t in "$BIN"/cuda_*_test; do starts "$t" --gtest_list_tests || carried_ok=0; done
+fi
+if ((!carried_ok)); then
+  FB=$ROOT/build/device
+  if [[ ! -x $FB/tools/ess/ess ]]; then
+    log "carried binaries do not start here: building from source with $BUNDLE/prefix"
+    prefix=$ROOT/$BUNDLE/prefix/usr
+    [[ -d $prefix ]] || { echo "gpu_validate: no $prefix (scripts/device_bundle.sh without --no-prefix)" >&2; exit 1; }
+    cmake -S "$ROOT" -B "$FB" -G Ninja -DCMAKE_BUILD_TYPE=Release -DESS_BUILD_BENCHMARKS=OFF \
+      -DCMAKE_PREFIX_PATH="$prefix" >"$OUT/build.log" 2>&1
+    cmake --build "$FB" -j "$(nproc)" >>"$OUT/build.log" 2>&1 || { tail -n 30 "$OUT/build.log"; exit 1; }
+  fi
+  BIN=$FB/bin-view
+  mkdir -p "$BIN"
+  ln -sf "$FB/tools/ess/ess" "$BIN/ess"
+  for t in "$FB"/tests/cuda/cuda_*_test; do ln -sf "$t" "$BIN/"; done
+fi
+ESS=$BIN/ess
+SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+NVCC=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
+log "binaries: $BIN ($( ((carried_ok)) && echo carried || echo built here)); CUDA libraries: ${CUDA_LIB:-not found}"
+
+# ---- stages -------------------------------------------------------------------------------------
+stage_probe() {
+  local smi="" bins=()
+  command -v nvidia-smi >/dev/null && smi=$(nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap,pcie.link.gen.max,pcie.link.width.max,clocks.max.sm --format=csv,noheader 2>&1 || true)
+  for b in "$BIN"/*; do
+    local ok=false missing
+    if [[ $(basename "$b") == ess ]]; then starts "$b" --version && ok=true; else starts "$b" --gtest_list_tests && ok=true; fi
+    missing=$(ldd "$b" 2>/dev/null | awk '/not found/{print $1}' | tr '\n' ' ')
+    bins+=("{\"binary\": \"$(basename "$b")\", \"starts\": $ok, \"missing_libraries\": $(json "$missing")}")
+  done
+  local IFS=,
+  record probe "{\"stage\": \"probe\", \"date\": \"$STAMP\", \"dry_run\": $( ((DRY)) && echo true || echo false), \
+\"gpu\": $(json "${smi:-none}"), \"nvcc\": $(json "$("$NVCC" --version 2>/dev/null | tail -n 1 || echo none)"), \
+\"compute_sanitizer\": $(json "$("$SAN" --version 2>/dev/null | tail -n 1 || echo none)"), \
+\"cuda_libraries\": $(json "${CUDA_LIB:-not found}"), \"glibc\": $(json "$(ldd --version 2>&1 | head -n 1)"), \
+\"os\": $(json "$(. /etc/os-release 2>/dev/null && echo "$PRETTY_NAME")"), \"cores\": $(nproc), \
+\"binaries_from\": \"$( ((carried_ok)) && echo bundle || echo source)\", \"binaries\": [${bins[*]}]}"
+  { echo "== probe"; echo "$smi"; ldd "$ESS"; } >> "$OUT/probe.log" 2>&1
+  log "probe: ${smi:-no GPU}"
+}
+
+# The device test binaries, cheapest and most basic first (if a command is cut off, what it
+# finished is what everything else rests on). Their host runs and the CPU-only tests pass in
+# CI; a dry run (or HOST_RUNS=1) runs them too.
+DEVICE_TESTS=(cuda_flashtrans_test cuda_swap_engine_test cuda_split_test cuda_sparse_mla_test cuda_indexer_test
+              cuda_executor_test)
+
+# Every test binary under its own timeout, with gtest's JSON report.
+stage_tests() {
+  local t name tmp rc start list=()
+  for name in "${DEVICE_TESTS[@]}"; do list+=("$BIN/$name"); done
+  if ((DRY)) || [[ ${HOST_RUNS:-0} == 1 ]]; then
+    for t in "$BIN"/cuda_*_test; do [[ " ${DEVICE_TESTS[*]} " == *" $(basename "$t") "* ]] || list+=("$t"); done
+  fi
+  tmp=$(mktemp -d)
+  for t in "${list[@]}"; do
+    name=$(basename "$t")
+    [[ -x $t ]] || { echo "gpu_validate: $name missing from $BIN" >&2; exit 1; }
+    start=$(date +%s)
+    set +e
+    timeout --kill-after=10 "$TEST_TIMEOUT" "$t" --gtest_output="json:$tmp/$name.json" >> "$OUT/tests.log" 2>&1
+    rc=$?
+    set -e
+    python3 - "$tmp/$name.json" "$name" "$rc" "$(( $(date +%s) - start ))" "$TEST_TIMEOUT" >> "$OUT/tests.jsonl" <<'PY'
+import json, sys
+path, name, rc, secs, limit = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+rec = {"stage": "tests", "binary": name, "exit": rc, "seconds": secs, "timed_out": rc in (124, 137)}
+try:
+    g = json.load(open(path))
+    cases = [(s["name"] + "." + t["name"], t) for s in g.get("testsuites", []) for t in s.get("testsuite", [])]
+    # What a test recorded (RecordProperty: worst error over its bound, ...), beside gtest's own fields.
+    own = {"name", "file", "line", "status", "result", "timestamp", "time", "classname", "failures", "value_param", "type_param"}
+    rec.update(tests=g.get("tests"), failures=g.get("failures"), errors=g.get("errors"),
+               skipped=sum(1 for _, t in cases if t.get("result") == "SKIPPED"),
+               failed=[n for n, t in cases if t.get("failures")],
+               recorded={n: {k: v for k, v in t.items() if k not in own} for n, t in cases if set(t) - own})
+except (OSError, ValueError) as e:
+    rec["report"] = f"no gtest report ({e.__class__.__name__}): crashed or killed"
+print(json.dumps(rec))
+PY
+    log "tests: $name exit $rc ($(( $(date +%s) - start )) s)"
+  done
+  rm -rf "$tmp"
+  # The stage's verdict. With a device, a device binary's case that skips did not see it.
+  python3 - "$OUT/tests.jsonl" "$DRY" >> "$OUT/tests.jsonl" <<'PY'
+import json, sys
+recs = [json.loads(l) for l in open(sys.argv[1]) if '"binary"' in l]
+device = [r for r in recs if not r["binary"].endswith("_host_test") and r["binary"].startswith("cuda_")]
+summary = {"binaries": len(recs), "failed_binaries": [r["binary"] for r in recs if r["exit"] != 0],
+           "failures": sum(r.get("failures") or 0 for r in recs),
+           "skipped_in_device_binaries": sum(r.get("skipped") or 0 for r in device)}
+summary["ok"] = not summary["failed_binaries"] and (sys.argv[2] == "1" or summary["skipped_in_device_binaries"] == 0)
+print(json.dumps({"stage": "tests", "summary": summary}))
+PY
+  log "tests: $(tail -n 1 "$OUT/tests.jsonl")"
+}
+
+# compute-sanitizer on small filters (it runs kernels 10-100x slower). Memcheck: every device
+# binary; racecheck and synccheck: the kernels with shared memory and barriers.
+SAN_RUNS=(
+  "memcheck cuda_flashtrans_test *"
+  "memcheck cuda_swap_engine_test *WarmupMatches*:*BitForBit/1:*Smaller*"
+  "memcheck cuda_sparse_mla_test *K64_bad*:*K41_some*:*RowLengths*:*MergeStates*"
+  "memcheck cuda_indexer_test *B3_T2_H64_exact*:*ReportsTheFirstRow*"
+  "memcheck cuda_split_test *SplitShapes*/1:*SplitShapes*/3"
+  "memcheck cuda_executor_test executor.OffloadedNoneIsBitIdenticalToResident"
+  "racecheck cuda_sparse_mla_test *K64_bad*:*K41_some*"
+  "racecheck cuda_swap_engine_test *BitForBit/1:*WarmupMatches*"
+  "racecheck cuda_indexer_test *B3_T2_H64_exact*:*ReportsTheFirstRow*"
+  "racecheck cuda_split_test *SplitShapes*/1"
+  "synccheck cuda_sparse_mla_test *K64_bad*:*K41_some*"
+  "synccheck cuda_swap_engine_test *BitForBit/1"
+  "synccheck cuda_indexer_test *B3_T2_H64_exact*:*ReportsTheFirstRow*"
+  "synccheck cuda_split_test *SplitShapes*/1"
+)
+stage_sanitize() {
+  local run tool bin filter rc start summary
+  local san=$SAN
+  for run in "${SAN_RUNS[@]}"; do
+    read -r tool bin filter <<< "$run"
+    local cmd=("$san" --tool "$tool" --error-exitcode 99 --print-limit 50 "$BIN/$bin" "--gtest_filter=$filter" --gtest_brief=1)
+    echo "== ${cmd[*]}" >> "$OUT/sanitize.log"
+    if ((DRY)) || [[ ! -x $san ]]; then
+      [[ -x $BIN/$bin ]] || { echo "gpu_validate: $bin missing from $BIN" >&2; exit 1; }
+      record sanitize "{\"stage\": \"sanitize\", \"tool\": \"$tool\", \"binary\": \"$bin\", \"filter\": $(json "$filter"), \"run\": false, \"why\": $(json "$( ((DRY)) && echo 'dry run' || echo "no compute-sanitizer at $san")")}"
+      continue
+    fi
+    start=$(date +%s)
+    set +e
+    timeout --kill-after=10 "$SAN_TIMEOUT" "${cmd[@]}" > "$OUT/.san.out" 2>&1
+    rc=$?
+    set -e
+    cat "$OUT/.san.out" >> "$OUT/sanitize.log"
+    summary=$(grep -o 'ERROR SUMMARY: [0-9]* error[s]*' "$OUT/.san.out" | tail -n 1 || true)
+    rm -f "$OUT/.san.out"
+    record sanitize "{\"stage\": \"sanitize\", \"tool\": \"$tool\", \"binary\": \"$bin\", \"filter\": $(json "$filter"), \"run\": true, \"exit\": $rc, \"seconds\": $(( $(date +%s) - start )), \"summary\": $(json "$summary")}"
+    log "sanitize: $tool $bin exit $rc ${summary}"
+  done
+}
+
+# One ess command: its JSON output (or its text) into STAGE.jsonl. In a dry run ess must fail
+# only for want of a device (its flags and the configuration it checks first are fine).
+ess_run() {
+  local stage=$1 name=$2
+  shift 2
+  local start rc
+  echo "== ess $*" >> "$OUT/$stage.log"
+  start=$(date +%s)
+  set +e
+  timeout --kill-after=10 "$BENCH_TIMEOUT" "$ESS" "$@" > "$OUT/.out" 2> "$OUT/.err"
+  rc=$?
+  set -e
+  cat "$OUT/.out" "$OUT/.err" >> "$OUT/$stage.log"
+  if ((DRY)); then
+    if grep -q "no CUDA device" "$OUT/.err" || { [[ $rc == 0 ]] && [[ $name == verify-cpu ]]; }; then
+      record "$stage" "{\"stage\": \"$stage\", \"name\": \"$name\", \"command\": $(json "ess $*"), \"run\": false, \"why\": \"dry run: flags and configuration accepted, no device\"}"
+    else
+      echo "gpu_validate: dry run: 'ess $*' failed other than for want of a device (exit $rc):" >&2
+      cat "$OUT/.err" >&2
+      exit 1
+    fi
+  else
+    python3 - "$OUT/.out" "$name" "$rc" "$(( $(date +%s) - start ))" "ess $*" "$stage" >> "$OUT/$stage.jsonl" <<'PY'
+import json, sys
+path, name, rc, secs, cmd, stage = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6]
+text = open(path).read()
+try:
+    out = json.loads(text)
+except ValueError:
+    out = text[-4000:]
+print(json.dumps({"stage": stage, "name": name, "command": cmd, "exit": rc, "seconds": secs, "timed_out": rc in (124, 137), "output": out}))
+PY
+    log "$stage: $name exit $rc ($(( $(date +%s) - start )) s)"
+  fi
+  rm -f "$OUT/.out" "$OUT/.err"
+}
+
+stage_kernels() {
+  ess_run kernels transfer bench transfer --format json --blocks 4,8,16,24,32,48,64,132,264,1056 --concurrent
+  ess_run kernels swap bench swap --format json
+  ess_run kernels attention bench attention --format json --batches 1,2,8,32,64,128
+  ess_run kernels indexer-32k bench indexer --format json --requests 64 --context 32768
+  ess_run kernels indexer-128k bench indexer --format json --requests 16 --context 131072
+  ess_run kernels verify-cuda verify --backend cuda --format json
+}
+
+stage_step() {
+  ess_run step profile bench profile --out "$OUT/profile"
+  local hw="$OUT/profile-hardware.json" table="$OUT/profile-ops.csv" pred=()
+  [[ -f $hw && -f $table ]] && pred=(--profile-hardware "$hw" --profile-table "$table")
+  # Each point is appended to step.jsonl as soon as it is measured (--points).
+  ess_run step step bench step --format json --batch 1,2,16,64,128 --points "$OUT/step.jsonl" "${pred[@]}"
+}
+
+for s in "${STAGES[@]}"; do
+  log "stage $s"
+  rm -f "$OUT/$s.jsonl" "$OUT/$s.log"  # a stage's files hold one run
+  "stage_$s"
+done
+log "done: results in $OUT"

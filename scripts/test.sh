@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The test command: sets up, builds, and runs every test twice: once in the release build
 # (CUDA target included when nvcc exists; GPU tests skip themselves without a device) and
-# once under AddressSanitizer + UndefinedBehaviorSanitizer, with a short libFuzzer run of the
-# trace reader in between.
+# once under AddressSanitizer + UndefinedBehaviorSanitizer; in between, the GPU bring-up kit
+# (device bundle, its fallback configure check, a dry run of the GPU validation) and a short
+# libFuzzer run of the trace reader.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 JOBS=${JOBS:-$(nproc)}
@@ -13,6 +14,14 @@ echo "== release build =="
 cmake --preset release >/dev/null
 cmake --build --preset release -j "$JOBS"
 ctest --preset release -j "$JOBS"
+
+echo "== GPU bring-up kit: device bundle, fallback configure check, validation dry run =="
+if ./build/release/tools/ess/ess --version | grep -q "CUDA target: built"; then
+  bash scripts/device_bundle.sh --no-build --check-fallback=configure
+  bash scripts/gpu_validate.sh --dry-run build/gpu-validate-dry-run probe tests sanitize kernels step
+else
+  echo "skipped: this build has no CUDA target (nvcc not found)"
+fi
 
 echo "== fuzz: trace reader (${FUZZ_SECONDS:-45} s) =="
 bash scripts/fuzz.sh "${FUZZ_SECONDS:-45}"
