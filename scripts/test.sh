@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The test command: sets up, builds, and runs every test twice: once in the release build
 # (CUDA target included when nvcc exists; GPU tests skip themselves without a device) and
-# once under AddressSanitizer + UndefinedBehaviorSanitizer; in between, the GPU bring-up kit
-# (device bundle, its fallback configure check, a dry run of the GPU validation) and a short
-# libFuzzer run of the trace reader.
+# once under AddressSanitizer + UndefinedBehaviorSanitizer; in between, the installed
+# package (cmake --install, then examples/consumer built against it and run), the GPU
+# bring-up kit (device bundle, its fallback configure check, a dry run of the GPU
+# validation) and a short libFuzzer run of the trace reader.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 JOBS=${JOBS:-$(nproc)}
@@ -14,6 +15,15 @@ echo "== release build =="
 cmake --preset release >/dev/null
 cmake --build --preset release -j "$JOBS"
 ctest --preset release -j "$JOBS"
+
+echo "== installed package: examples/consumer against cmake --install =="
+prefix=$(mktemp -d)
+trap 'rm -rf "$prefix"' EXIT
+cmake --install build/release --prefix "$prefix/ess" >/dev/null
+cmake -S examples/consumer -B "$prefix/consumer" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix/ess" >/dev/null
+cmake --build "$prefix/consumer"
+"$prefix/consumer/ess_consumer"
+test -x "$prefix/ess/bin/ess"
 
 echo "== GPU bring-up kit: device bundle, fallback configure check, validation dry run =="
 if ./build/release/tools/ess/ess --version | grep -q "CUDA target: built"; then

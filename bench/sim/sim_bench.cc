@@ -1,5 +1,5 @@
 // Sweep speed of the simulator (analytical mode): configurations evaluated per second on one
-// core. Target (issue 4): >= 10,000 configurations/s. Each configuration resolves the batch's
+// core. Target: >= 10,000 configurations/s. Each configuration resolves the batch's
 // Sparse Memory Ratio through the memory model and times one decode step of the 61-layer
 // model (+ MTP draft) with TBO. Report: items_per_second; --benchmark_repetitions=5 for
 // min / median / max, --benchmark_format=json for scripts.
@@ -12,6 +12,7 @@
 namespace {
 
 using namespace ess::sim;
+using ess::OverlapMode;
 
 std::vector<Workload> workloads(OverlapMode mode, std::int64_t context) {
   std::vector<Workload> w;

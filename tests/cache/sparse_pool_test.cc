@@ -7,8 +7,8 @@
 #include <string>
 
 #include "ess/core/error.h"
-#include "testing.h"
-#include "fixtures.h"
+#include "harness/support/cache_fixtures.h"
+#include "harness/support/testing.h"
 
 namespace ess {
 namespace {

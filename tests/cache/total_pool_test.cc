@@ -7,8 +7,9 @@
 #include <string>
 
 #include "ess/core/error.h"
-#include "testing.h"
-#include "fixtures.h"
+#include "ess/runtime/backend.h"
+#include "harness/support/cache_fixtures.h"
+#include "harness/support/testing.h"
 
 namespace ess {
 namespace {

@@ -8,7 +8,7 @@
 #include <string>
 
 #include "ess/core/error.h"
-#include "testing.h"
+#include "harness/support/testing.h"
 
 namespace ess {
 namespace {

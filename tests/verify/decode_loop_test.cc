@@ -1,4 +1,4 @@
-#include "ess/verify/decode_loop.h"
+#include "harness/verify/decode_loop.h"
 
 #include <gtest/gtest.h>
 
@@ -36,6 +36,20 @@ TEST(VerifyLoop, OffloadedAttentionIsBitIdenticalToTheFullCache) {
   EXPECT_GE(r.hits + r.misses, 2 * 2 * 6 * 32);
   EXPECT_GT(r.hits, 0);
   EXPECT_GT(r.misses, 0);
+}
+
+// The reserved newest rows take each step's new tokens out of the LRU; the write-back puts
+// them into the host pool, which the loop checks entry by entry against what it generated.
+TEST(VerifyLoop, ReservedNewestRowsAndTheWriteBackAreLossless) {
+  VerifyConfig c = small();
+  c.reserve_newest = true;
+  const VerifyReport r = run_verify(ModelSpec::deepseek_v32_exp(), c);
+  EXPECT_TRUE(r.bitwise_equal) << r.first_mismatch;
+  EXPECT_EQ(r.mismatched_host_entries, 0);
+  EXPECT_EQ(r.compared_outputs, 2 * 2 * 6 * 2);
+  const VerifyReport plain = run_verify(ModelSpec::deepseek_v32_exp(), small());
+  EXPECT_GT(r.hits + r.misses, 0);
+  EXPECT_LT(r.misses, plain.misses);  // the newest tokens never miss
 }
 
 TEST(VerifyLoop, TheCheckCanFail) {

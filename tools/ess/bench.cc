@@ -8,15 +8,11 @@
 #include "commands.h"
 #include "ess/core/error.h"
 
-#if ESS_WITH_CUDA
-#include "ess/cuda/swap_bench.h"
-#include "ess/cuda/transfer_bench.h"
-#endif
+#include "harness/gpu_benchmarks.h"
 
 namespace ess::cli {
 namespace {
 
-#if ESS_WITH_CUDA
 void print_transfer(const cuda::TransferBenchConfig& c, const cuda::TransferBenchResult& r, Format format) {
   if (format == Format::kJson) {
     nlohmann::json methods = nlohmann::json::object();
@@ -127,7 +123,6 @@ void print_swap(const cuda::SwapBenchConfig& c, const cuda::SwapBenchResult& r, 
              "(target <= 20)\n",
              r.us_per_layer.median, r.us_per_layer.min, r.us_per_layer.max, c.repeats);
 }
-#endif
 
 }  // namespace
 
@@ -165,7 +160,6 @@ void add_bench(CLI::App& app, int& exit_code) {
       ->check(CLI::Range(1, 4096));
   add_format_option(*transfer, a->format);
   transfer->callback([a, &exit_code] {
-#if ESS_WITH_CUDA
     cuda::TransferBenchConfig c;
     c.requests = a->requests;
     c.misses_per_request = a->misses;
@@ -177,14 +171,9 @@ void add_bench(CLI::App& app, int& exit_code) {
     c.blocks = a->blocks;
     c.concurrent = a->concurrent;
     c.attention_batch = a->attention_batch;
-    const auto r = cuda::run_transfer_bench(c);
+    const auto r = harness::gpu_benchmarks("bench transfer").transfer(c);
     print_transfer(c, r, a->format);
     exit_code = r.verified ? 0 : 1;
-#else
-    (void)a;
-    (void)exit_code;
-    ESS_THROW("bench transfer needs the CUDA target: this ess was built without nvcc");
-#endif
   });
 
   CLI::App* swap = bench->add_subcommand(
@@ -208,7 +197,6 @@ void add_bench(CLI::App& app, int& exit_code) {
   swap->add_option("--seed", sa->seed, "Random seed")->capture_default_str();
   add_format_option(*swap, sa->format);
   swap->callback([sa] {
-#if ESS_WITH_CUDA
     cuda::SwapBenchConfig c;
     c.requests = sa->requests;
     c.query_tokens = sa->mtp;
@@ -219,11 +207,7 @@ void add_bench(CLI::App& app, int& exit_code) {
     c.repeats = sa->repeats;
     c.device = sa->device;
     c.seed = sa->seed;
-    print_swap(c, cuda::run_swap_bench(c), sa->format);
-#else
-    (void)sa;
-    ESS_THROW("bench swap needs the CUDA target: this ess was built without nvcc");
-#endif
+    print_swap(c, harness::gpu_benchmarks("bench swap").swap(c), sa->format);
   });
   add_bench_kernels(*bench, exit_code);
   add_bench_step(*bench, exit_code);

@@ -11,11 +11,8 @@
 #include <vector>
 
 #include "ess/core/error.h"
-#if ESS_WITH_CUDA
-#include "ess/cuda/attention_bench.h"
-#include "ess/cuda/indexer_bench.h"
-#include "ess/cuda/sparse_mla.h"
-#endif
+#include "ess/ops/sparse_mla.h"
+#include "harness/gpu_benchmarks.h"
 
 namespace ess::cli {
 namespace {
@@ -51,7 +48,6 @@ void add_bench_attention(CLI::App& bench, int& exit_code) {
   cmd->add_option("--seed", a->seed, "Random seed")->capture_default_str();
   add_format_option(*cmd, a->format);
   cmd->callback([a, &exit_code] {
-#if ESS_WITH_CUDA
     cuda::AttentionBenchConfig c;
     c.batch = a->batch;
     c.query_tokens = a->mtp;
@@ -64,7 +60,7 @@ void add_bench_attention(CLI::App& bench, int& exit_code) {
     c.device = a->device;
     c.seed = a->seed;
     const std::vector<int> batches = a->sweep ? std::vector<int>{1, 8, 32, 64, 128} : a->batches;
-    const cuda::AttentionBenchResult r = cuda::run_attention_bench(c, batches);
+    const cuda::AttentionBenchResult r = harness::gpu_benchmarks("bench attention").attention(c, batches);
     // Headline: the point at --batch when it was timed, else the last one.
     const cuda::AttentionBenchPoint* head = &r.points.back();
     for (const auto& pt : r.points) head = pt.batch == c.batch ? &pt : head;
@@ -128,11 +124,6 @@ void add_bench_attention(CLI::App& bench, int& exit_code) {
                  kTarget, kFlashMlaH800);
     }
     exit_code = r.verified ? 0 : 1;
-#else
-    (void)a;
-    (void)exit_code;
-    ESS_THROW("bench attention needs the CUDA target: this ess was built without nvcc");
-#endif
   });
 }
 
@@ -160,7 +151,6 @@ void add_bench_indexer(CLI::App& bench, int& exit_code) {
   cmd->add_option("--seed", a->seed, "Random seed")->capture_default_str();
   add_format_option(*cmd, a->format);
   cmd->callback([a, &exit_code] {
-#if ESS_WITH_CUDA
     cuda::IndexerBenchConfig c;
     c.batch = a->requests;
     c.query_tokens = a->mtp;
@@ -171,7 +161,7 @@ void add_bench_indexer(CLI::App& bench, int& exit_code) {
     c.warmup = a->warmup;
     c.device = a->device;
     c.seed = a->seed;
-    const cuda::IndexerBenchResult r = cuda::run_indexer_bench(c);
+    const cuda::IndexerBenchResult r = harness::gpu_benchmarks("bench indexer").indexer(c);
     const double hbm_fraction = r.hbm_peak_gbps > 0 ? r.logits_gbps / r.hbm_peak_gbps : 0.0;
     const auto summary = [](const Summary& s) {
       return nlohmann::json{{"median", s.median}, {"min", s.min}, {"max", s.max}};
@@ -226,11 +216,6 @@ void add_bench_indexer(CLI::App& bench, int& exit_code) {
                  r.bytes_read / 1e6, r.logits_gbps, 100.0 * hbm_fraction, r.hbm_peak_gbps, r.logits_tflops);
     }
     exit_code = r.verified ? 0 : 1;
-#else
-    (void)a;
-    (void)exit_code;
-    ESS_THROW("bench indexer needs the CUDA target: this ess was built without nvcc");
-#endif
   });
 }
 

@@ -7,8 +7,9 @@
 
 #include "commands.h"
 #include "ess/core/error.h"
-#include "ess/pipeline/bench.h"  // plain declarations; defined in the CUDA target
-#include "ess/pipeline/config.h"
+#include "ess/core/lists.h"
+#include "harness/gpu_benchmarks.h"
+#include "harness/rig/config.h"
 
 namespace ess::cli {
 namespace {
@@ -39,6 +40,8 @@ struct ExecutorArgs {
     cmd.add_flag("--no-graph", no_graph, "Launch kernels one by one instead of replaying CUDA graphs");
     cmd.add_flag("--no-gemms", no_gemms, "Attention stack only (no stand-in GEMMs)");
     cmd.add_flag("--no-warmup", no_warmup, "No LRU-Warmup from the trace's prefill top-k");
+    cmd.add_flag("--reserve-newest", c.reserve_newest,
+                 "Each step's newest tokens in reserved rows outside the LRU (the H2D no longer waits for their D2H)");
   }
   pipeline::ExecutorConfig config() const {
     pipeline::ExecutorConfig r = c;
@@ -49,35 +52,6 @@ struct ExecutorArgs {
   }
 };
 
-// "a,b,c" -> {"a", "b", "c"} (empty items kept, so that they are reported).
-std::vector<std::string> split_commas(const std::string& text) {
-  std::vector<std::string> items;
-  std::size_t pos = 0;
-  while (pos <= text.size()) {
-    const std::size_t end = std::min(text.find(',', pos), text.size());
-    items.push_back(text.substr(pos, end - pos));
-    pos = end + 1;
-  }
-  return items;
-}
-
-std::vector<int> parse_ints(const std::string& text, const char* what) {
-  std::vector<int> v;
-  for (const std::string& item : split_commas(text)) {
-    std::size_t used = 0;
-    int x = 0;
-    try {
-      x = std::stoi(item, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    ESS_CHECK(used == item.size() && !item.empty() && x >= 1, "{}: '{}' is not a positive integer", what, item);
-    v.push_back(x);
-  }
-  return v;
-}
-
-#if ESS_WITH_CUDA
 void print_step(const pipeline::StepBenchConfig& sc, const pipeline::StepBenchResult& r, Format format) {
   if (format == Format::kJson) {
     fmt::print("{}\n", r.to_json(sc).dump(2));
@@ -104,7 +78,6 @@ void print_step(const pipeline::StepBenchConfig& sc, const pipeline::StepBenchRe
                r.throughput_gain, r.gain_points[0].report.step.median, r.gain_points[1].report.step.median);
   }
 }
-#endif
 
 }  // namespace
 
@@ -141,9 +114,9 @@ void add_bench_step(CLI::App& bench, int& exit_code) {
   step->callback([sa] {
     pipeline::StepBenchConfig sc;
     sc.base = sa->ex.config();
-    sc.batches = parse_ints(sa->batches, "--batch");
+    sc.batches = parse_positive_ints(sa->batches, "--batch");
     sc.modes.clear();
-    for (const std::string& m : split_commas(sa->ex.overlap_list)) sc.modes.push_back(sim::parse_overlap_mode(m));
+    for (const std::string& m : split_list(sa->ex.overlap_list)) sc.modes.push_back(parse_overlap_mode(m));
     sc.resident = !sa->no_resident;
     sc.exposed = !sa->no_exposed;
     sc.gain = !sa->no_gain;
@@ -151,7 +124,6 @@ void add_bench_step(CLI::App& bench, int& exit_code) {
     sc.profile_table = sa->profile_table;
     sc.hardware = sa->hardware;
     sc.deployment = sa->deployment;
-#if ESS_WITH_CUDA
     std::ofstream points;
     if (!sa->points_file.empty()) {
       points.open(sa->points_file, std::ios::app);
@@ -162,10 +134,7 @@ void add_bench_step(CLI::App& bench, int& exit_code) {
       points << p.to_json().dump() << '\n' << std::flush;
       ESS_CHECK(points.good(), "bench step: writing --points {} failed", sa->points_file);
     };
-    print_step(sc, pipeline::run_step_bench(sc, on_point), sa->format);
-#else
-    ESS_THROW("bench step needs the CUDA target: this ess was built without nvcc");
-#endif
+    print_step(sc, harness::gpu_benchmarks("bench step").step(sc, on_point), sa->format);
   });
 
   // ---- bench profile ---------------------------------------------------------------------
@@ -187,13 +156,12 @@ void add_bench_step(CLI::App& bench, int& exit_code) {
   profile->add_option("--out,-o", pa->out, "Output prefix: writes PREFIX-ops.csv, PREFIX-hardware.json, PREFIX.json")
       ->required();
   profile->callback([pa] {
-#if ESS_WITH_CUDA
     pipeline::ProfileConfig pc;
     pc.base = pa->ex.config();
-    pc.requests = parse_ints(pa->requests, "--requests");
+    pc.requests = parse_positive_ints(pa->requests, "--requests");
     pc.repeats = pa->repeats;
     pc.base_hardware = pa->base;
-    const pipeline::ProfileResult r = pipeline::run_profile(pc);
+    const pipeline::ProfileResult r = harness::gpu_benchmarks("bench profile").profile(pc);
     auto write = [](const std::string& path, const std::string& text) {
       std::ofstream f(path);
       f << text;
@@ -203,10 +171,6 @@ void add_bench_step(CLI::App& bench, int& exit_code) {
     write(pa->out + "-hardware.json", r.hardware.dump(2) + "\n");
     write(pa->out + ".json", r.report.dump(2) + "\n");
     fmt::print("ess bench profile on {} ({}): wrote {}-ops.csv, -hardware.json and .json\n", r.device, r.date, pa->out);
-#else
-    (void)pa;
-    ESS_THROW("bench profile needs the CUDA target: this ess was built without nvcc");
-#endif
   });
 }
 

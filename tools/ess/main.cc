@@ -9,8 +9,9 @@
 #include <string>
 
 #include "commands.h"
-#include "ess/cache/host_memory.h"
 #include "ess/core/error.h"
+#include "ess/runtime/backend.h"
+#include "ess/version.h"
 
 namespace ess::cli {
 
@@ -29,7 +30,7 @@ void add_format_option(CLI::App& cmd, Format& format) {
 int main(int argc, char** argv) {
   CLI::App app{"ESS: offloaded latent cache for DeepSeek-V3.2-style sparse attention"};
   app.set_version_flag("--version", fmt::format("ess {} (CUDA target: {})", ESS_VERSION,
-                                                 ESS_WITH_CUDA ? "built" : "not built"));
+                                                 ess::cuda_backend_built() ? "built" : "not built"));
   app.require_subcommand(1);
   int exit_code = 0;
   ess::cli::add_sim(app, exit_code);

@@ -32,7 +32,7 @@ nlohmann::json option_json(const sim::PlanOption& o) {
     j["batch"] = r.batch;
     j["ratio"] = r.ratio;
     j["slots"] = r.slots;
-    j["overlap"] = std::string(sim::to_string(r.overlap));
+    j["overlap"] = std::string(to_string(r.overlap));
     j["step_ms"] = r.step_us / 1e3;
     j["throughput_tokens_per_s"] = r.throughput_tokens_per_s;
     j["otps"] = r.otps;
@@ -79,7 +79,7 @@ void add_plan(CLI::App& app, int& exit_code) {
     base.min_otps = a.min_otps;
     base.batch_step = a.batch_step;
     base.modes.clear();
-    for (const auto& m : a.modes) base.modes.push_back(sim::parse_overlap_mode(m));
+    for (const auto& m : a.modes) base.modes.push_back(parse_overlap_mode(m));
     ESS_CHECK(!a.contexts.empty(), "--context: no context length given");
     std::vector<sim::PlanResult> results;
     for (std::int64_t ctx : a.contexts) {
@@ -114,7 +114,7 @@ void add_plan(CLI::App& app, int& exit_code) {
           auto line = [&](const sim::PlanOption& o) {
             if (!o.found) return fmt::print("{},{},{},{},,,,,,\n", r.context, r.min_otps, false, o.label);
             fmt::print("{},{},{},{},{},{:.4f},{},{:.3f},{:.1f},{:.3f}\n", r.context, r.min_otps, true, o.label,
-                       o.best.batch, o.best.ratio, sim::to_string(o.best.overlap), o.best.step_us / 1e3,
+                       o.best.batch, o.best.ratio, to_string(o.best.overlap), o.best.step_us / 1e3,
                        o.best.throughput_tokens_per_s, o.best.otps);
           };
           if (r.found) line(r.chosen);
@@ -129,7 +129,7 @@ void add_plan(CLI::App& app, int& exit_code) {
         fmt::print("\ncontext {} ({} configurations evaluated)\n", r.context, r.evaluated);
         if (r.found) {
           fmt::print("  chosen: {}\n", option_line(r.chosen));
-          if (r.chosen.best.offload && r.chosen.best.overlap == sim::OverlapMode::kLayerWise) {
+          if (r.chosen.best.offload && r.chosen.best.overlap == OverlapMode::kLayerWise) {
             fmt::print("          layer-wise: {} micro-batch layers DA, {} DBA; per layer (micro-batch A B; a = DA, "
                        "b = DBA): {}\n",
                        r.chosen.best.layers_da, r.chosen.best.layers_dba, r.chosen.best.layer_modes);

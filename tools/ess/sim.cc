@@ -14,7 +14,7 @@
 
 #include "commands.h"
 #include "ess/core/error.h"
-#include "ess/sim/json_util.h"
+#include "ess/core/json.h"
 #include "ess/sim/memory_model.h"
 #include "ess/sim/sweep.h"
 #include "sim_inputs.h"
@@ -84,7 +84,7 @@ nlohmann::json row_json(const StepResult& r) {
           {"ratio", r.ratio},
           {"slots", r.slots},
           {"offload", r.offload},
-          {"overlap", std::string(sim::to_string(r.overlap))},
+          {"overlap", std::string(to_string(r.overlap))},
           {"step_ms", ms(r.step_us)},
           {"throughput_tokens_per_s", r.throughput_tokens_per_s},
           {"otps", r.otps},
@@ -151,7 +151,7 @@ void add_sim(CLI::App& app, int& exit_code) {
     std::vector<std::string> batch_items = a.batches;
     if (file) {
       base = sim::Workload::from_file(a.workload);
-      const nlohmann::json j = sim::read_json_file(a.workload, "workload");
+      const nlohmann::json j = read_json_file(a.workload, "workload");
       if (cmd->count("--batch") == 0 && j.contains("batch")) {
         batch_items = {base.batch == 0 ? std::string("max") : std::to_string(base.batch)};
       }
@@ -162,7 +162,7 @@ void add_sim(CLI::App& app, int& exit_code) {
     if (given("--slots")) base.slots = a.slots;
     if (given("--ratio") && a.ratio > 0) base.slots = 0;
     if (given("--slots") && a.slots > 0) base.ratio = 0;
-    if (given("--overlap")) base.overlap = sim::parse_overlap_mode(a.overlap);
+    if (given("--overlap")) base.overlap = parse_overlap_mode(a.overlap);
     if (given("--miss-threshold")) base.layerwise_threshold = a.threshold;
     if (given("--misses") || given("--miss-exponent") || given("--miss-profile")) {
       base.misses = a.inputs.load_misses(base.context);
@@ -203,7 +203,7 @@ void add_sim(CLI::App& app, int& exit_code) {
       row.ess = sm.run(w, record ? &timeline : nullptr);
       if (record) {
         timeline.write(a.timeline, fmt::format("ess sim: {} on {}, batch {}, ratio {:.3f}, {}", model.name, hw.name,
-                                               row.ess.batch, row.ess.ratio, sim::to_string(row.ess.overlap)));
+                                               row.ess.batch, row.ess.ratio, to_string(row.ess.overlap)));
       }
       if (rig || (wall_fits && row.ess.batch <= wall_batch)) {
         sim::Workload b = wall;
@@ -258,7 +258,7 @@ void add_sim(CLI::App& app, int& exit_code) {
       for (const Row& r : rows) {
         const StepResult& e = r.ess;
         fmt::print("{},{:.4f},{},{},{:.3f},{:.1f},{:.3f},{:.3f},{:.3f},{:.3f},{:.1f},{},{}\n", e.batch, e.ratio, e.slots,
-                   sim::to_string(e.overlap), ms(e.step_us), e.throughput_tokens_per_s, e.otps, ms(e.compute_us),
+                   to_string(e.overlap), ms(e.step_us), e.throughput_tokens_per_s, e.otps, ms(e.compute_us),
                    ms(e.exposed_comm_us), ms(e.exposed_transfer_us), e.misses_per_request_layer,
                    wall_fits ? fmt::format("{:.4f}", gain(e)) : "",
                    r.baseline_fits ? fmt::format("{:.1f}", r.baseline.throughput_tokens_per_s) : "");
@@ -268,11 +268,11 @@ void add_sim(CLI::App& app, int& exit_code) {
         fmt::print("ess sim: {} on {} | executor rig: {} MoE layers on one GPU, experts of EP {}, MTP {}, no all-to-all / "
                    "TBO / LM head | context {} | overlap {}\n",
                    model.name, hw.name, dep.rig_layers, dep.expert_parallel, dep.mtp_tokens, context,
-                   sim::to_string(base.overlap));
+                   to_string(base.overlap));
       } else {
         fmt::print("ess sim: {} on {} | {} nodes x {} GPUs, EP {}, MTP {} (accept {}), TBO {} | context {} | overlap {}\n",
                    model.name, hw.name, dep.nodes, dep.gpus_per_node, dep.expert_parallel, dep.mtp_tokens,
-                   dep.accept_ratio, dep.two_batch_overlap ? "on" : "off", context, sim::to_string(base.overlap));
+                   dep.accept_ratio, dep.two_batch_overlap ? "on" : "off", context, to_string(base.overlap));
       }
       if (rig) {
         fmt::print("no memory model on the rig; all-on-GPU: the rig's all-resident step at the same batch\n\n");

@@ -10,6 +10,7 @@
 
 #include "commands.h"
 #include "ess/core/error.h"
+#include "ess/core/lists.h"
 #include "ess/trace/analyzer.h"
 #include "ess/trace/format.h"
 #include "ess/trace/generator.h"
@@ -124,15 +125,10 @@ void add_analyze(CLI::App& parent) {
   cmd->callback([a] {
     auto& cfg = a->config;
     if (!a->policies.empty()) {
-      cfg.policies.clear();
-      std::size_t start = 0;
-      while (start <= a->policies.size()) {
-        const auto end = std::min(a->policies.find(',', start), a->policies.size());
-        const auto name = a->policies.substr(start, end - start);
-        if (!name.empty()) cfg.policies.push_back(name);
-        start = end + 1;
+      cfg.policies = split_list(a->policies);
+      for (const std::string& name : cfg.policies) {
+        ESS_CHECK(!name.empty(), "--policies: an empty policy name in '{}'", a->policies);
       }
-      ESS_CHECK(!cfg.policies.empty(), "--policies: no policy named");
     }
     cfg.warmup = !a->no_warmup;
     cfg.recommend = !a->no_recommend;

@@ -1,0 +1,44 @@
+# Test helpers. Tests live per part under tests/, and each op's tests beside its sources
+# (src/runtime/ops/<op>/).
+find_package(GTest REQUIRED)
+include(GoogleTest)
+
+# ess_add_test(<name> <sources...> [LABELS <label>] [PREFIX <prefix>])
+# One GoogleTest binary; each TEST becomes a ctest test (gtest_discover_tests), its name
+# prefixed with PREFIX when given (the host runs of the GPU tests share their test names).
+# Tests see the public headers, the internal ones (src/) and the harness's test support.
+function(ess_add_test name)
+  cmake_parse_arguments(T "" "PREFIX" "LABELS" ${ARGN})
+  add_executable(${name} ${T_UNPARSED_ARGUMENTS})
+  target_link_libraries(${name} PRIVATE ess_runtime GTest::gtest GTest::gtest_main ess_flags)
+  target_include_directories(${name} PRIVATE ${PROJECT_SOURCE_DIR}/src ${PROJECT_SOURCE_DIR}/tests)
+  target_compile_definitions(${name} PRIVATE ESS_SOURCE_DIR="${PROJECT_SOURCE_DIR}")
+  # One label per test: gtest_discover_tests passes its PROPERTIES through a command line
+  # and a generated script, which split a label list (CMake 3.25), so a test carries its
+  # own label (gpu, property, soak) or "unit".
+  list(LENGTH T_LABELS n_labels)
+  if(n_labels GREATER 1)
+    message(FATAL_ERROR "ess_add_test(${name}): one label per test, got ${T_LABELS}")
+  endif()
+  set(label unit)
+  if(n_labels EQUAL 1)
+    set(label ${T_LABELS})
+  endif()
+  gtest_discover_tests(${name} TEST_PREFIX "${T_PREFIX}" PROPERTIES LABELS ${label} DISCOVERY_TIMEOUT 60)
+endfunction()
+
+# A kernel's cases (<op>_cases.h, written once against a backend; harness/support/backend.h)
+# run twice:
+#   cuda_<op>_host_test  the CPU reference stands in for the device; label unit; always built
+#                        (ASan build included), test names prefixed "host.";
+#   cuda_<op>_test       the device; label gpu; built with the CUDA target; skips without one.
+# ess_add_kernel_test(<op> [HOST <libs...>] [DEVICE <libs...>])
+function(ess_add_kernel_test op)
+  cmake_parse_arguments(K "" "" "HOST;DEVICE" ${ARGN})
+  ess_add_test(cuda_${op}_host_test ${op}_host_test.cc PREFIX "host.")
+  target_link_libraries(cuda_${op}_host_test PRIVATE ess_harness ${K_HOST})
+  if(ESS_WITH_CUDA)
+    ess_add_test(cuda_${op}_test ${op}_test.cc LABELS gpu)
+    target_link_libraries(cuda_${op}_test PRIVATE ess_harness ${K_DEVICE})
+  endif()
+endfunction()

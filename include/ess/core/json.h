@@ -1,0 +1,51 @@
+// Strict JSON readers shared by every input file (model configs, hardware and deployment
+// profiles, generator profiles, trace metadata): each error names the file and the field.
+#pragma once
+
+#include <fmt/format.h>
+
+#include <nlohmann/json.hpp>
+
+#include <initializer_list>
+#include <string>
+#include <string_view>
+
+namespace ess {
+
+nlohmann::json read_json_file(const std::string& path, const char* what);
+// A required number (throws when missing or not a number).
+double json_number(const nlohmann::json& j, const char* field, const std::string& source);
+// An optional number; `fallback` when absent.
+double json_number_or(const nlohmann::json& j, const char* field, const std::string& source,
+                      double fallback);
+std::int64_t json_int_or(const nlohmann::json& j, const char* field, const std::string& source,
+                         std::int64_t fallback);
+// A 32-bit integer: required (throws when missing), or `fallback` when absent.
+int json_int(const nlohmann::json& j, const char* field, const std::string& source, bool required, int fallback = 0);
+bool json_bool_or(const nlohmann::json& j, const char* field, const std::string& source, bool fallback);
+std::string json_string(const nlohmann::json& j, const char* field, const std::string& source,
+                        bool required);
+// An optional field of any type nlohmann/json converts to T: `out` is left as it is when the
+// field is absent; a value of the wrong type is an error naming the field.
+template <typename T>
+void json_read(const nlohmann::json& j, const char* field, T& out, const std::string& source);
+// Every key of the object `j` is one of `known` (an unknown key is refused by name).
+void json_check_keys(const nlohmann::json& j, std::initializer_list<std::string_view> known, const std::string& source,
+                     const char* what);
+
+// ---- implementation ----------------------------------------------------------------------
+[[noreturn]] void json_wrong_type(const std::string& source, const char* field, const nlohmann::json& value,
+                                  const char* why);
+
+template <typename T>
+void json_read(const nlohmann::json& j, const char* field, T& out, const std::string& source) {
+  const auto it = j.find(field);
+  if (it == j.end()) return;
+  try {
+    out = it->get<T>();
+  } catch (const nlohmann::json::exception& e) {
+    json_wrong_type(source, field, *it, e.what());
+  }
+}
+
+}  // namespace ess

@@ -1,0 +1,204 @@
+// The per-layer step a serving engine calls: ESS's offloaded latent cache behind one object.
+//
+// The engine's indexer picks each query token's top-k logical token ids; Offload::step turns
+// them into the physical rows of the layer's device latent buffer that FlashMLA's sparse
+// decode reads (its `indices`), after fetching the misses from the pinned Total Memory Pool
+// with FlashTrans, all on the engine's stream. Offload::write_back copies the entries the
+// model wrote this step back to the host pool. Requests are admitted (with LRU-Warmup from
+// the prefill's top-k), extended as decode appends tokens, and released.
+//
+// Shapes. A step serves a static batch of B positions (padded positions included, so shapes
+// stay fixed under CUDA graphs): position b is pool row rows[b] (-1 = padded: skipped, its
+// outputs -1), holds lengths[b] tokens and has T query tokens (MTP) of K ids each; ids are
+// -1 (padding) or in [0, lengths[b]). Row r's slots are the physical rows [r x rows_per_request(), ... + slots) of
+// each layer's buffer; with reserve_newest, the T rows after them hold the step's newest
+// tokens (HiSparse's reserved slot): an id among a position's T newest tokens maps there,
+// outside the LRU, whose rules (docs/architecture.md, "Exact semantics") hold for every other
+// id. Slot and row indices are int32 (no 32K cap); addresses are 64-bit.
+//
+// Streams and graphs (CUDA backend). step and write_back enqueue on the given stream and
+// return: no host synchronization, no allocation, no host-visible data dependence, so they
+// can be captured in a CUDA graph and replayed. Their argument pointers are device memory
+// and must stay valid (same addresses) for every replay. The lifecycle calls (admit, warmup,
+// extend, release) are host calls made between steps; they synchronize with the device
+// where they must and are never captured.
+//
+// Backends. kCpu keeps everything in host memory and runs synchronously (the stream is
+// ignored, every pointer is host memory); kCuda needs the CUDA backend and a device. For
+// valid input the two give the same rows, bit for bit. Invalid input: kCpu throws ess::Error
+// naming the position and leaves every state unchanged; kCuda, which cannot check without
+// synchronizing, treats ids outside [-1, length) as padding.
+//
+// Thread safety: one thread at a time per Offload.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "ess/cache/host_memory.h"
+#include "ess/cache/total_pool.h"
+#include "ess/cache/types.h"
+#include "ess/model/entry_layout.h"
+#include "ess/model/model_spec.h"
+#include "ess/ops/flashtrans.h"
+
+namespace ess {
+
+enum class Backend { kCpu, kCuda };
+
+// Where physical row p of a layer's buffer lives, in bytes from its base:
+//   (p / block_rows) * block_stride + (p % block_rows) * row_stride
+// (a paged cache of blocks of block_rows rows; block_rows = 0: one contiguous block).
+struct RowLayout {
+  std::uint64_t row_stride = 0;    // 0 = the entry size
+  std::int64_t block_rows = 0;
+  std::uint64_t block_stride = 0;
+  constexpr std::uint64_t offset(std::int64_t p) const {
+    if (block_rows <= 0) return static_cast<std::uint64_t>(p) * row_stride;
+    return static_cast<std::uint64_t>(p / block_rows) * block_stride +
+           static_cast<std::uint64_t>(p % block_rows) * row_stride;
+  }
+};
+
+// The device latent buffer of every layer: FlashMLA's KV cache viewed as rows of
+// layout.bytes() bytes, one base per layer, rows placed by `rows`. Empty layer_base: ESS
+// allocates a contiguous buffer per layer itself (Offload::buffer() gives it).
+struct LatentBuffer {
+  std::vector<std::uint8_t*> layer_base;
+  RowLayout rows;
+};
+
+struct OffloadConfig {
+  int layers = 0;
+  LatentLayout layout;             // 656-byte entries for DeepSeek-V3.2
+  std::int32_t max_requests = 0;   // pool rows
+  int query_tokens = 1;            // T: query tokens per request per step (MTP)
+  int topk = 2048;                 // K: ids per query token
+  std::int32_t slots = 0;          // LRU-managed slots per request-layer; must hold a step's working set
+  bool reserve_newest = false;     // T more rows per request-layer for each step's newest tokens
+  std::int64_t max_context = 0;    // longest request, tokens
+  std::uint64_t host_bytes = 0;    // Total Memory Pool capacity (0: max_requests x max_context x layers)
+  int warmup_windows = 32;         // LRU-Warmup: the last this-many prefill query positions
+  int copy_blocks = 0;             // FlashTrans grid of the step's copies (0 = its default)
+  Backend backend = Backend::kCpu;
+  int device = 0;
+
+  // Layers and entry layout of a model; the rest as given.
+  static OffloadConfig for_model(const ModelSpec& model, std::int32_t max_requests, std::int32_t slots,
+                                 std::int64_t max_context, int query_tokens = 1);
+  // Throws ess::Error naming the field unless usable (slots below min(T x K, max_context) are refused).
+  void validate() const;
+  std::int32_t rows_per_request() const { return slots + (reserve_newest ? query_tokens : 0); }
+};
+
+struct LayerStep {
+  int layer = 0;
+  int batch = 0;                          // B, padded positions included
+  const std::int32_t* rows = nullptr;     // [B] pool row of each position, -1 = padded
+  const std::int32_t* topk = nullptr;     // [B][T][K] logical token ids, -1 = padding
+  // [B] tokens of each position after this step's extend (its last T are the newest); ids at
+  // or past it are invalid.
+  const std::int32_t* lengths = nullptr;
+  std::int32_t* physical = nullptr;       // [B][T][K] out: rows of the layer's buffer, -1 = padding
+  // Optional, for the DA overlap: per query row, its rows that were resident before the step
+  // and those this step fetches, each compacted to the front in the row's order, -1 after.
+  std::int32_t* resident = nullptr;       // [B][T][K] out
+  std::int32_t* fetched = nullptr;        // [B][T][K] out
+  std::int32_t* resident_count = nullptr; // [B][T] out
+  std::int32_t* fetched_count = nullptr;  // [B][T] out
+  // [B][2] out, optional: the LRU's distinct hits and misses per position (the reserved
+  // newest rows are outside the LRU and not counted).
+  std::int32_t* counts = nullptr;
+  cuda::Stream stream = nullptr;
+  // The fetch on another stream (the DA overlap): the decision runs on `stream`, the copy on
+  // `copy_stream` after it, and `copy_done` (a cudaEvent_t the caller owns) is recorded when
+  // the copy ends; attention over fetched rows waits for it. nullptr: the copy runs on
+  // `stream`. kCpu ignores both.
+  cuda::Stream copy_stream = nullptr;
+  void* copy_done = nullptr;
+  // Scratch set of this step (0 or 1): two steps whose copies may be in flight together (the
+  // DBA halves of one layer) use different parts.
+  int part = 0;
+  // false: decide and fill every output but copy nothing (the fetched rows keep stale bytes:
+  // NOT lossless; for benchmarks that take the copy's share out of a step).
+  bool fetch = true;
+};
+
+// The D2H write-back of the entries the model wrote this step: positions [length - T, length)
+// of each position's request, from the reserved rows (reserve_newest) or from source_rows.
+// Write-backs share one scratch list (CUDA backend): issue them on one stream, or order them.
+struct WriteBack {
+  int layer = 0;
+  int batch = 0;
+  const std::int32_t* rows = nullptr;         // [B], -1 = padded
+  const std::int32_t* lengths = nullptr;      // [B] after this step's extend
+  const std::int32_t* source_rows = nullptr;  // [B][T] rows of the layer's buffer; nullptr = the reserved rows
+  cuda::Stream stream = nullptr;
+};
+
+struct OffloadStats {
+  std::int64_t steps = 0;          // layer steps run
+  std::int64_t warmup_fills = 0;   // rows loaded by LRU-Warmup
+  // kCpu: counted; kCuda: 0 (they stay on the device: LayerStep::counts).
+  std::int64_t hits = 0, misses = 0, reserved_hits = 0;
+  std::uint64_t host_bytes_used = 0, host_bytes_capacity = 0;
+  std::int32_t requests = 0;
+};
+
+class Offload {
+ public:
+  static constexpr int kParts = 2;  // scratch sets (LayerStep::part)
+
+  // Allocates the pools (the Total Memory Pool from `host`, which must outlive this object)
+  // and, without `buffer`, the device latent buffers.
+  explicit Offload(const OffloadConfig& config, LatentBuffer buffer = {},
+                   HostAllocator& host = default_host_allocator());
+  ~Offload();
+  Offload(const Offload&) = delete;
+  Offload& operator=(const Offload&) = delete;
+
+  // ---- request lifecycle (host calls between steps) ----
+  // A request with `prompt_length` tokens in the host pool (entries zeroed): returns its pool
+  // row. The engine then writes the prompt's entries (host_entry, or write_back from its
+  // prefill buffer) and calls warmup.
+  std::int32_t admit(RequestId id, std::int64_t prompt_length);
+  // LRU-Warmup of every layer: `windows` is [layers][W][K] (the prefill's last W query
+  // positions' top-k, oldest first, -1 = padding; W <= warmup_windows uses the last W); the
+  // resulting residency is loaded into the slots from the host pool.
+  void warmup(RequestId id, std::span<const std::int32_t> windows, int window_count);
+  // Appends n tokens to the request (host pages; their entries arrive by write_back).
+  void extend(RequestId id, std::int64_t n);
+  void release(RequestId id);
+  // Forgets the request's device residency (every layer's LRU empty, as at admit); its host
+  // entries stay. Then warmup again, e.g. when the engine resumes a preempted request whose
+  // device rows it reused, or to replay a measurement from the same state.
+  void reset(RequestId id);
+  std::int32_t row(RequestId id) const;
+  std::int64_t length(RequestId id) const;
+  // The host pool's entry of (request, layer, token), for the engine to fill the prompt.
+  std::span<std::uint8_t> host_entry(RequestId id, int layer, std::int64_t token);
+
+  // ---- the per-layer step ----
+  void step(const LayerStep& step);
+  void write_back(const WriteBack& write_back);
+
+  // ---- what is where ----
+  const OffloadConfig& config() const;
+  std::int32_t rows_per_request() const { return config().rows_per_request(); }
+  // The layer's buffer as the engine passes it to FlashMLA.
+  const LatentBuffer& buffer() const;
+  // The bytes of physical row p of a layer (a copy; for tests and tools).
+  std::vector<std::uint8_t> read_row(int layer, std::int32_t p) const;
+  // The Total Memory Pool (host accounting, entry offsets).
+  const TotalPool& host_pool() const;
+  OffloadStats stats() const;
+
+  class Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace ess

@@ -1,0 +1,89 @@
+// What is deployed (Deployment), what it serves (Workload) and how the offload traffic is
+// scheduled (OverlapMode), as the simulator's inputs.
+#pragma once
+
+#include <nlohmann/json_fwd.hpp>
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "ess/core/overlap.h"
+
+namespace ess::sim {
+
+struct Deployment {
+  std::string name = "custom";
+  int nodes = 4;
+  int gpus_per_node = 8;
+  int expert_parallel = 32;          // EP degree (GPUs the routed experts are spread over)
+  int attention_data_parallel = 32;  // DP degree of attention (TP 1: every GPU its own batch)
+  int mtp_tokens = 2;                // T: query tokens per request per step (1 = no MTP)
+  double accept_ratio = 1.7;         // tokens kept per request per step, in [1, T]
+  bool two_batch_overlap = true;     // TBO: two micro-batches, compute of one over comm of other
+  // Fraction of HBM for weights + caches (SGLang's mem_fraction_static); the rest holds
+  // activations, CUDA graphs and workspace.
+  double mem_fraction_static = 0.9;
+  // 0: the whole model. > 0: the single-GPU rig of `ess bench step` (src/ess/pipeline): a step
+  // is this many MoE decoder layers running the experts one GPU of expert_parallel owns, with
+  // no all-to-all, no Two-Batch Overlap, no LM head and no MTP draft pass; expert_parallel may
+  // then exceed the GPUs (it is emulated) and the memory model is not applied (the rig holds
+  // only rig_layers layers).
+  int rig_layers = 0;
+  std::string sources;  // where the numbers come from
+
+  int gpus() const { return nodes * gpus_per_node; }
+  static Deployment from_json(const nlohmann::json& j, const std::string& source);
+  static Deployment shipped(const std::string& name);  // configs/deployments/<name>.json
+  static Deployment load(const std::string& name_or_path);
+  nlohmann::json to_json() const;
+  void validate(const std::string& source) const;
+};
+
+// Misses per request, layer and step (all T query tokens of the request together).
+//
+// Parametric model: `reference_misses` at `reference_slots` slots for `reference_tokens` query
+// tokens, scaled by (reference_slots / slots)^exponent x (1 - slots/context) / (1 -
+// reference_slots/reference_context) and linearly in T; zero when the pool holds the whole
+// context. An optional per-layer shape (e.g. `ess verify`'s per_layer_misses) redistributes
+// the mean over layers (normalised to mean 1).
+struct MissModel {
+  double reference_misses = 200;      // brief §2.1: >= 6.4K slots keep the mean below ~200
+  double reference_slots = 6554;      // 0.2 x 32768
+  double reference_context = 32768;
+  int reference_tokens = 2;
+  double exponent = 1.0;
+  std::vector<double> layer_shape;    // empty: uniform
+
+  double misses(int layer, double slots, double context, int tokens) const;
+  // Reads {"per_layer_misses": [...]} (the key `ess verify --format json` writes) or a
+  // plain array of numbers.
+  static std::vector<double> load_layer_shape(const std::string& path);
+  // Reads a miss profile: either `ess trace analyze --miss-profile` output ("format":
+  // "ess-miss-profile": absolute per-layer means at a pool size, context and MTP; the entry
+  // whose context is nearest `context` becomes the reference point and the per-layer shape)
+  // or a plain per_layer_misses list (shape only, applied to `base`).
+  static MissModel load_profile(const std::string& path, std::int64_t context, MissModel base);
+  void validate(const std::string& source) const;
+};
+
+struct Workload {
+  std::int64_t context = 32768;
+  int batch = 0;          // requests per GPU; 0 = the largest that fits
+  double ratio = 0;       // Sparse Memory Ratio; 0 = the smallest that fits the batch
+  std::int32_t slots = 0; // overrides ratio when > 0
+  bool offload = true;    // false: the all-on-GPU baseline (ratio 1, no transfers)
+  OverlapMode overlap = OverlapMode::kLayerWise;
+  double layerwise_threshold = -1;  // misses per layer per micro-batch; < 0: pick the faster
+  MissModel misses;
+  void validate() const;
+  // {"context", "batch" (number or "max"), "ratio", "slots", "offload", "overlap",
+  //  "layerwise_threshold", "misses": {"reference_misses", "reference_slots",
+  //  "reference_context", "reference_tokens", "exponent", "profile" (a miss-profile file)}};
+  // every field optional, unknown fields refused.
+  static Workload from_json(const nlohmann::json& j, const std::string& source);
+  static Workload from_file(const std::string& path);
+};
+
+}  // namespace ess::sim

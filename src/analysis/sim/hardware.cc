@@ -1,0 +1,133 @@
+#include "ess/sim/hardware.h"
+
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+
+#include "analysis/sim/shipped_configs.h"
+#include "ess/core/error.h"
+#include "ess/core/json.h"
+
+namespace ess::sim {
+namespace {
+
+using nlohmann::json;
+
+struct Field {
+  const char* key;
+  double HardwareProfile::*member;
+  double min;  // inclusive
+  double max;  // inclusive
+};
+
+// Every numeric field of a profile, with the range a real machine can have.
+constexpr Field kFields[] = {
+    {"hbm_capacity_gb", &HardwareProfile::hbm_capacity_gb, 1, 1e4},
+    {"hbm_bandwidth_gbps", &HardwareProfile::hbm_bandwidth_gbps, 1, 1e5},
+    {"memory_efficiency", &HardwareProfile::memory_efficiency, 0.01, 1},
+    {"bf16_tflops", &HardwareProfile::bf16_tflops, 1, 1e5},
+    {"fp8_tflops", &HardwareProfile::fp8_tflops, 1, 1e5},
+    {"gemm_efficiency", &HardwareProfile::gemm_efficiency, 0.01, 1},
+    {"attention_efficiency", &HardwareProfile::attention_efficiency, 0.01, 1},
+    {"indexer_efficiency", &HardwareProfile::indexer_efficiency, 0.01, 1},
+    {"kernel_launch_us", &HardwareProfile::kernel_launch_us, 0, 1e3},
+    {"h2d_scattered_gbps", &HardwareProfile::h2d_scattered_gbps, 0.01, 1e4},
+    {"d2h_scattered_gbps", &HardwareProfile::d2h_scattered_gbps, 0.01, 1e4},
+    {"h2d_bulk_gbps", &HardwareProfile::h2d_bulk_gbps, 0.01, 1e4},
+    {"d2h_bulk_gbps", &HardwareProfile::d2h_bulk_gbps, 0.01, 1e4},
+    {"transfer_launch_us", &HardwareProfile::transfer_launch_us, 0, 1e3},
+    {"nvlink_gbps", &HardwareProfile::nvlink_gbps, 0.01, 1e5},
+    {"nvlink_latency_us", &HardwareProfile::nvlink_latency_us, 0, 1e4},
+    {"rdma_gbps", &HardwareProfile::rdma_gbps, 0.01, 1e5},
+    {"rdma_latency_us", &HardwareProfile::rdma_latency_us, 0, 1e4},
+    {"host_dram_gb", &HardwareProfile::host_dram_gb, 1, 1e6},
+    {"host_dram_bandwidth_gbps", &HardwareProfile::host_dram_bandwidth_gbps, 1, 1e5},
+    {"cuda_context_gb", &HardwareProfile::cuda_context_gb, 0, 1e3},
+};
+
+}  // namespace
+
+HardwareProfile HardwareProfile::from_json(const json& j, const std::string& source) {
+  ESS_CHECK(j.is_object(), "{}: a hardware profile must be a JSON object, got {}", source,
+            std::string(j.type_name()));
+  HardwareProfile p;
+  p.name = json_string(j, "name", source, true);
+  p.description = json_string(j, "description", source, false);
+  for (const Field& f : kFields) p.*(f.member) = json_number(j, f.key, source);
+  if (auto it = j.find("sources"); it != j.end()) {
+    ESS_CHECK(it->is_object(), "{}: 'sources' must be an object of field -> text", source);
+    for (const auto& [k, v] : it->items()) {
+      ESS_CHECK(v.is_string(), "{}: sources.{} must be a string, got {}", source, k, v.dump());
+      p.sources[k] = v.get<std::string>();
+    }
+  }
+  for (const auto& [k, v] : j.items()) {
+    (void)v;
+    bool known = k == "name" || k == "description" || k == "sources";
+    for (const Field& f : kFields) known = known || k == f.key;
+    ESS_CHECK(known, "{}: unknown hardware field '{}'", source, k);
+  }
+  for (const auto& [k, v] : p.sources) {
+    (void)v;
+    bool known = false;
+    for (const Field& f : kFields) known = known || k == f.key;
+    ESS_CHECK(known, "{}: sources.{} names no hardware field", source, k);
+  }
+  p.validate(source);
+  return p;
+}
+
+void HardwareProfile::validate(const std::string& source) const {
+  ESS_CHECK(!name.empty(), "{}: hardware 'name' is empty", source);
+  for (const Field& f : kFields) {
+    const double v = this->*(f.member);
+    ESS_CHECK(std::isfinite(v) && v >= f.min && v <= f.max,
+              "{}: hardware field '{}' = {} is outside [{}, {}]", source, f.key, v, f.min, f.max);
+    const auto it = sources.find(f.key);
+    ESS_CHECK(it != sources.end() && !it->second.empty(),
+              "{}: hardware field '{}' = {} has no source (add \"sources\": {{\"{}\": \"...\"}})",
+              source, f.key, v, f.key);
+  }
+}
+
+json HardwareProfile::to_json() const {
+  json j = {{"name", name}, {"description", description}};
+  for (const Field& f : kFields) j[f.key] = this->*(f.member);
+  j["sources"] = sources;
+  return j;
+}
+
+HardwareProfile HardwareProfile::from_file(const std::string& path) {
+  return from_json(read_json_file(path, "hardware profile"), path);
+}
+
+std::vector<std::string> HardwareProfile::shipped_names() {
+  std::vector<std::string> names;
+  for (const auto& c : shipped::kHardware) names.emplace_back(c.name);
+  return names;
+}
+
+HardwareProfile HardwareProfile::shipped(const std::string& name) {
+  for (const auto& c : shipped::kHardware) {
+    if (name == c.name) {
+      return from_json(json::parse(c.json), fmt::format("configs/hardware/{}.json", c.name));
+    }
+  }
+  ESS_THROW("unknown hardware '{}': shipped profiles are {} (or give a path to a JSON file)", name,
+            fmt::join(shipped_names(), ", "));
+}
+
+HardwareProfile HardwareProfile::load(const std::string& name_or_path) {
+  for (const auto& c : shipped::kHardware) {
+    if (name_or_path == c.name) return shipped(name_or_path);
+  }
+  if (name_or_path.find('/') != std::string::npos || name_or_path.ends_with(".json") ||
+      std::filesystem::exists(name_or_path)) {
+    return from_file(name_or_path);
+  }
+  return shipped(name_or_path);  // throws with the list of names
+}
+
+}  // namespace ess::sim

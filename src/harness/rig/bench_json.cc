@@ -1,0 +1,80 @@
+// The JSON of `ess bench step` (host code: the command line formats results without the
+// CUDA target).
+#include <fmt/format.h>
+
+#include "ess/ops/flashtrans.h"
+#include "harness/rig/bench.h"
+
+namespace ess::pipeline {
+namespace {
+
+nlohmann::json summary_json(const Summary& s) { return {{"median", s.median}, {"min", s.min}, {"max", s.max}}; }
+
+}  // namespace
+
+nlohmann::json StepPoint::to_json() const {
+  nlohmann::json j = {{"batch", batch},
+                      {"mode", mode},
+                      {"device", report.device},
+                      {"date", report.date},
+                      {"step_us", summary_json(report.step)},
+                      {"steps_timed", report.step_us.size()},
+                      {"slots", report.slots},
+                      {"graph", report.graph}};
+  if (report.offload) {
+    j["misses_per_request_layer"] = report.misses;
+    j["profile_misses_per_request_layer"] = report.profile_misses;
+    j["h2d_mb_per_step"] = report.h2d_bytes_per_step / 1e6;
+    j["d2h_mb_per_step"] = report.d2h_bytes_per_step / 1e6;
+    std::string modes;
+    for (const OverlapMode m : report.modes) {
+      modes += m == OverlapMode::kDualBatchAttention ? 'b' : (m == OverlapMode::kDualAttention ? 'a' : 'n');
+    }
+    j["layer_modes"] = modes;
+  }
+  if (vs_resident > 0) j["vs_resident"] = vs_resident;
+  if (exposed_us >= 0) j["exposed_transfer_us"] = exposed_us;
+  if (predicted_us >= 0) {
+    j["predicted_us"] = predicted_us;
+    j["prediction_error"] = predicted_us / report.step.median - 1.0;
+  }
+  return j;
+}
+
+nlohmann::json StepBenchResult::to_json(const StepBenchConfig& sc) const {
+  nlohmann::json pts = nlohmann::json::array();
+  for (const StepPoint& p : points) pts.push_back(p.to_json());
+  nlohmann::json gain = nullptr;
+  if (gain_points.size() == 2) {
+    gain = {{"resident", gain_points[0].to_json()}, {"ess", gain_points[1].to_json()}, {"throughput_gain", throughput_gain}};
+  }
+  const ExecutorConfig& b = sc.base;
+  return {{"benchmark", "step"},
+          {"device", device},
+          {"date", date},
+          {"statistic", fmt::format("median (min, max) over {} graph-replayed steps after {} warm steps, CUDA events",
+                                    b.steps - b.warm_steps, b.warm_steps)},
+          {"params",
+           {{"layers", b.layers},
+            {"context", b.context},
+            {"ratio", b.ratio},
+            {"slots", sc.base.resolved_slots()},
+            {"layerwise_threshold", b.layerwise_threshold},
+            {"expert_parallel", b.expert_parallel},
+            {"stand_in_gemms", b.stand_in_gemms ? "bf16 cuBLAS" : "off"},
+            {"graph", b.graph},
+            {"copy_blocks", b.copy_blocks > 0 ? b.copy_blocks : cuda::kFlashTransDefaultBlocks},
+            {"reserve_newest", b.reserve_newest},
+            {"inputs", points.empty() ? std::string() : points.front().report.inputs}}},
+          {"points", pts},
+          {"max_batch",
+           {{"hardware", sc.hardware},
+            {"deployment", sc.deployment},
+            {"resident", max_batch_resident},
+            {"ess", max_batch_ess},
+            {"ess_slots", ess_slots}}},
+          {"gain", gain},
+          {"target_vs_resident", 1.10}};
+}
+
+}  // namespace ess::pipeline

@@ -1,0 +1,315 @@
+#include "harness/verify/decode_loop.h"
+
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <random>
+
+#include "ess/cache/sparse_pool.h"
+#include "ess/core/error.h"
+#include "ess/model/entry_layout.h"
+#include "ess/model/numerics.h"
+#include "ess/ops/reference.h"
+#include "harness/support/offload_io.h"
+
+namespace ess {
+
+void VerifyConfig::validate(const ModelSpec& model) const {
+  ESS_CHECK(requests > 0 && requests <= 4096, "verify: --requests = {} must be in [1, 4096]", requests);
+  ESS_CHECK(layers > 0 && layers <= model.num_hidden_layers,
+            "verify: --layers = {} must be in [1, {}] (the model's num_hidden_layers)", layers,
+            model.num_hidden_layers);
+  ESS_CHECK(context > 0 && context <= (std::int64_t{1} << 24), "verify: --context = {} must be in [1, 2^24]", context);
+  ESS_CHECK(steps >= 0 && steps <= 100000, "verify: --steps = {} must be in [0, 100000]", steps);
+  ESS_CHECK(mtp > 0 && mtp <= 16, "verify: --mtp = {} must be in [1, 16]", mtp);
+  ESS_CHECK(topk > 0, "verify: --topk = {} must be positive", topk);
+  ESS_CHECK(slots >= 0, "verify: --slots = {} must be >= 0 (0 = use --ratio)", slots);
+  ESS_CHECK(warmup_windows >= 0, "verify: --warmup = {} must be >= 0", warmup_windows);
+  ESS_CHECK(query_drift >= 0.0 && query_drift <= 1.0, "verify: query drift = {} must be in [0, 1]", query_drift);
+}
+
+namespace {
+
+struct LayerState {
+  std::vector<std::vector<std::uint8_t>> index_pages;  // indexer key cache, 64-token pages
+  std::vector<float> q;                                // indexer query [H][D], drifts per step
+  std::vector<float> w;                                // head weights [H]
+  std::vector<std::uint8_t> full;                      // the full latent cache [tokens][entry]
+};
+
+class Loop {
+ public:
+  Loop(const ModelSpec& model, const VerifyConfig& cfg)
+      : model_(model),
+        cfg_(cfg),
+        latent_(LatentLayout::for_model(model)),
+        index_(IndexerLayout::for_model(model)),
+        rng_(cfg.seed),
+        max_len_(cfg.context + static_cast<std::int64_t>(cfg.steps) * cfg.mtp) {}
+
+  VerifyReport run();
+
+ private:
+  float normal() { return normal_(rng_); }
+  // Generates the entries of `token` for every layer into the full cache (and the indexer's);
+  // returns them, [layer][entry].
+  std::vector<std::uint8_t> append_token(RequestId id, std::int64_t token);
+  std::vector<std::int32_t> select(RequestId id, int layer, std::int64_t position);
+  // Row p of the layer's buffer as the attention reads it.
+  const std::uint8_t* row_bytes(int layer, std::int32_t p);
+  void compare_attention(RequestId id, int layer, int t, std::span<const std::int32_t> token_ids,
+                         std::span<const std::int32_t> rows, std::int64_t step);
+
+  const ModelSpec& model_;
+  VerifyConfig cfg_;
+  LatentLayout latent_;
+  IndexerLayout index_;
+  std::mt19937_64 rng_;
+  std::normal_distribution<float> normal_{0.0f, 1.0f};
+  std::int64_t max_len_;
+  std::unique_ptr<Offload> offload_;
+  const harness::OffloadIo* io_ = nullptr;
+  std::vector<std::uint8_t> device_rows_;        // kCuda: the layer's buffer read back once per step
+  int device_rows_layer_ = -1;
+  std::vector<std::vector<LayerState>> state_;  // [request][layer]
+  VerifyReport report_;
+};
+
+std::vector<std::uint8_t> Loop::append_token(RequestId id, std::int64_t token) {
+  std::vector<float> nope(static_cast<std::size_t>(latent_.nope_dim));
+  std::vector<float> rope(static_cast<std::size_t>(latent_.rope_dim));
+  const std::size_t E = latent_.bytes();
+  std::vector<std::uint8_t> entries(static_cast<std::size_t>(cfg_.layers) * E);
+  std::vector<float> key(static_cast<std::size_t>(index_.head_dim));
+  for (int l = 0; l < cfg_.layers; ++l) {
+    // Latent values of varying magnitude per tile, so the four scales differ.
+    for (std::size_t d = 0; d < nope.size(); ++d) {
+      nope[d] = normal() * std::ldexp(1.0f, static_cast<int>(d / kQuantTile) - 1);
+    }
+    for (float& v : rope) v = normal();
+    const std::span<std::uint8_t> entry(entries.data() + static_cast<std::size_t>(l) * E, E);
+    quantize_latent(latent_, nope, rope, entry);
+    LayerState& ls = state_[static_cast<std::size_t>(id)][static_cast<std::size_t>(l)];
+    ESS_ASSERT(ls.full.size() == static_cast<std::size_t>(token) * E, "verify: tokens are appended in order");
+    ls.full.insert(ls.full.end(), entry.begin(), entry.end());
+
+    for (float& v : key) v = normal();
+    if (token % kPageTokens == 0) ls.index_pages.emplace_back(index_.page_bytes(), 0);
+    quantize_indexer_key(index_, key, ls.index_pages[static_cast<std::size_t>(token / kPageTokens)],
+                         static_cast<int>(token % kPageTokens));
+  }
+  return entries;
+}
+
+// Top-k of the query at `position` over its causal prefix [0, position].
+std::vector<std::int32_t> Loop::select(RequestId id, int layer, std::int64_t position) {
+  LayerState& ls = state_[static_cast<std::size_t>(id)][static_cast<std::size_t>(layer)];
+  const float keep = static_cast<float>(std::sqrt(1.0 - cfg_.query_drift * cfg_.query_drift));
+  const float mix = static_cast<float>(cfg_.query_drift);
+  for (float& v : ls.q) v = keep * v + mix * normal();
+  std::vector<const std::uint8_t*> pages;
+  for (const auto& p : ls.index_pages) pages.push_back(p.data());
+  std::vector<float> logits(static_cast<std::size_t>(position + 1));
+  ref::indexer_logits(index_, ls.q, ls.w, model_.index_n_heads, pages, position + 1, logits);
+  std::vector<std::int32_t> ids(static_cast<std::size_t>(cfg_.topk));
+  ref::topk(logits, cfg_.topk, ids);
+  return ids;
+}
+
+const std::uint8_t* Loop::row_bytes(int layer, std::int32_t p) {
+  const std::uint64_t at = offload_->buffer().rows.offset(p);
+  if (cfg_.backend == Backend::kCpu) return offload_->buffer().layer_base[static_cast<std::size_t>(layer)] + at;
+  if (device_rows_layer_ != layer) {
+    device_rows_ = io_->dump(*offload_, layer);
+    device_rows_layer_ = layer;
+  }
+  return device_rows_.data() + at;
+}
+
+void Loop::compare_attention(RequestId id, int layer, int t, std::span<const std::int32_t> token_ids,
+                             std::span<const std::int32_t> rows, std::int64_t step) {
+  const int heads = model_.num_attention_heads;
+  const std::size_t qdim = static_cast<std::size_t>(latent_.nope_dim + latent_.rope_dim);
+  std::vector<std::uint16_t> q(static_cast<std::size_t>(heads) * qdim);
+  for (auto& v : q) v = bf16_from_float(normal());
+  const LayerState& ls = state_[static_cast<std::size_t>(id)][static_cast<std::size_t>(layer)];
+  std::vector<const std::uint8_t*> from_rows(token_ids.size(), nullptr);
+  std::vector<const std::uint8_t*> from_full(token_ids.size(), nullptr);
+  for (std::size_t k = 0; k < token_ids.size(); ++k) {
+    if (token_ids[k] < 0) continue;
+    ESS_CHECK(rows[k] >= 0, "verify: step {} layer {} request {}: token {} was given no row", step, layer, id, token_ids[k]);
+    from_rows[k] = row_bytes(layer, rows[k]);
+    from_full[k] = ls.full.data() + static_cast<std::size_t>(token_ids[k]) * latent_.bytes();
+  }
+  const ref::SparseMlaParams p{latent_, heads, static_cast<float>(model_.softmax_scale())};
+  const std::size_t out_n = static_cast<std::size_t>(heads) * latent_.nope_dim;
+  std::vector<std::uint16_t> out_a(out_n), out_b(out_n);
+  std::vector<float> lse_a(static_cast<std::size_t>(heads)), lse_b(static_cast<std::size_t>(heads));
+  ref::sparse_mla_decode(p, q, from_rows, out_a, lse_a);
+  ref::sparse_mla_decode(p, q, from_full, out_b, lse_b);
+  ++report_.compared_outputs;
+  const bool same = std::memcmp(out_a.data(), out_b.data(), out_n * 2) == 0 &&
+                    std::memcmp(lse_a.data(), lse_b.data(), lse_a.size() * 4) == 0;
+  if (!same) {
+    ++report_.mismatched_outputs;
+    if (report_.bitwise_equal) {
+      report_.first_mismatch = fmt::format("step {} layer {} request {} query token {}", step, layer, id, t);
+    }
+    report_.bitwise_equal = false;
+  }
+}
+
+VerifyReport Loop::run() {
+  const auto t0 = std::chrono::steady_clock::now();
+  const int B = cfg_.requests;
+  const int L = cfg_.layers;
+  const int T = cfg_.mtp;
+  const int K = cfg_.topk;
+  const std::size_t E = latent_.bytes();
+  const std::int32_t slots = cfg_.slots > 0 ? cfg_.slots : slots_for_ratio(cfg_.ratio, cfg_.context);
+
+  OffloadConfig oc = OffloadConfig::for_model(model_, B, slots, max_len_, T);
+  oc.layers = L;
+  oc.topk = K;
+  oc.reserve_newest = cfg_.reserve_newest;
+  oc.warmup_windows = std::max(cfg_.warmup_windows, 1);
+  oc.backend = cfg_.backend;
+  oc.device = cfg_.device;
+  io_ = &harness::offload_io(cfg_.backend);
+  offload_ = std::make_unique<Offload>(oc);
+  Offload& o = *offload_;
+  report_.host_memory = std::string(to_string(o.host_pool().memory_kind()));
+  report_.backend = cfg_.backend == Backend::kCuda ? "cuda" : "cpu";
+  report_.slots = slots;
+  report_.per_layer.resize(static_cast<std::size_t>(L));
+  for (int l = 0; l < L; ++l) report_.per_layer[static_cast<std::size_t>(l)].layer = l;
+
+  // Prefill: every request's prompt is in the Total Memory Pool and the indexer cache.
+  state_.assign(static_cast<std::size_t>(B), std::vector<LayerState>(static_cast<std::size_t>(L)));
+  const std::size_t qn = static_cast<std::size_t>(model_.index_n_heads) * index_.head_dim;
+  std::vector<std::int32_t> rows(static_cast<std::size_t>(B));
+  for (RequestId id = 0; id < B; ++id) {
+    for (auto& ls : state_[static_cast<std::size_t>(id)]) {
+      ls.q.resize(qn);
+      for (float& v : ls.q) v = normal();
+      ls.w.resize(static_cast<std::size_t>(model_.index_n_heads));
+      for (float& v : ls.w) v = normal() / std::sqrt(static_cast<float>(model_.index_n_heads));
+    }
+    rows[static_cast<std::size_t>(id)] = o.admit(id, cfg_.context);
+    for (std::int64_t tok = 0; tok < cfg_.context; ++tok) {
+      const std::vector<std::uint8_t> entries = append_token(id, tok);
+      for (int l = 0; l < L; ++l) {
+        std::memcpy(o.host_entry(id, l, tok).data(), entries.data() + static_cast<std::size_t>(l) * E, E);
+      }
+    }
+  }
+
+  // LRU-Warmup from the top-k of the last prefill query positions.
+  if (cfg_.warmup_windows > 0) {
+    const auto W = static_cast<int>(std::min<std::int64_t>(cfg_.warmup_windows, cfg_.context));
+    for (RequestId id = 0; id < B; ++id) {
+      std::vector<std::int32_t> windows;  // [L][W][K]
+      for (int l = 0; l < L; ++l) {
+        for (std::int64_t pos = cfg_.context - W; pos < cfg_.context; ++pos) {
+          const auto ids = select(id, l, pos);
+          windows.insert(windows.end(), ids.begin(), ids.end());
+        }
+      }
+      const std::int64_t before = o.stats().warmup_fills;
+      o.warmup(id, windows, W);
+      report_.warmup_fills += o.stats().warmup_fills - before;
+    }
+  }
+
+  harness::OffloadStepIn in;
+  in.batch = B;
+  in.rows = rows;
+  in.lengths.resize(static_cast<std::size_t>(B));
+  in.topk.resize(static_cast<std::size_t>(B) * T * K);
+  for (int s = 0; s < cfg_.steps; ++s) {
+    // The step's T new tokens: into the host pool directly, or (reserve_newest) into the
+    // reserved rows, from which the write-back below copies them to the host pool.
+    for (RequestId id = 0; id < B; ++id) {
+      const std::int64_t len = o.length(id);
+      o.extend(id, T);
+      for (int t = 0; t < T; ++t) {
+        const std::vector<std::uint8_t> entries = append_token(id, len + t);
+        for (int l = 0; l < L; ++l) {
+          const std::span<const std::uint8_t> e(entries.data() + static_cast<std::size_t>(l) * E, E);
+          if (cfg_.reserve_newest) {
+            io_->write_row(o, l, rows[static_cast<std::size_t>(id)] * o.rows_per_request() + slots + t, e);
+          } else {
+            std::memcpy(o.host_entry(id, l, len + t).data(), e.data(), E);
+          }
+        }
+      }
+      in.lengths[static_cast<std::size_t>(id)] = static_cast<std::int32_t>(len + T);
+    }
+    std::int64_t step_misses = 0;
+    for (int l = 0; l < L; ++l) {
+      for (int b = 0; b < B; ++b) {
+        for (int t = 0; t < T; ++t) {
+          const std::int64_t pos = in.lengths[static_cast<std::size_t>(b)] - T + t;
+          const auto ids = select(b, l, pos);
+          std::copy(ids.begin(), ids.end(), in.topk.begin() + (static_cast<std::ptrdiff_t>(b) * T + t) * K);
+        }
+      }
+      in.layer = l;
+      const harness::OffloadStepOut out = io_->step(o, in);
+      if (cfg_.reserve_newest) io_->write_back(o, l, rows, in.lengths, {});
+      device_rows_layer_ = -1;
+      if (cfg_.inject_fault && s == cfg_.steps - 1 && l == L - 1) {
+        // Flip one bit of the first selected row of request 0: the check below must notice.
+        const std::int32_t p = out.physical[0];
+        ESS_ASSERT(p >= 0, "fault injection needs a selected first position");
+        std::vector<std::uint8_t> bytes = o.read_row(l, p);
+        bytes[3] ^= 0x01;
+        io_->write_row(o, l, p, bytes);
+      }
+      auto& pl = report_.per_layer[static_cast<std::size_t>(l)];
+      for (int b = 0; b < B; ++b) {
+        pl.hits += out.counts[2 * static_cast<std::size_t>(b)];
+        pl.misses += out.counts[2 * static_cast<std::size_t>(b) + 1];
+        step_misses += out.counts[2 * static_cast<std::size_t>(b) + 1];
+        for (int t = 0; t < T; ++t) {
+          const std::size_t off = (static_cast<std::size_t>(b) * T + t) * K;
+          compare_attention(b, l, t, std::span<const std::int32_t>(in.topk).subspan(off, K),
+                            std::span<const std::int32_t>(out.physical).subspan(off, K), s);
+        }
+      }
+    }
+    report_.misses_per_step.push_back(step_misses);
+  }
+  // Every entry the loop generated is in the host pool, bit for bit (the write-back included).
+  for (RequestId id = 0; id < B; ++id) {
+    for (int l = 0; l < L; ++l) {
+      const LayerState& ls = state_[static_cast<std::size_t>(id)][static_cast<std::size_t>(l)];
+      for (std::int64_t tok = 0; tok < o.length(id); ++tok) {
+        const auto e = o.host_entry(id, l, tok);
+        if (std::memcmp(e.data(), ls.full.data() + static_cast<std::size_t>(tok) * E, E) != 0) {
+          ++report_.mismatched_host_entries;
+          if (report_.bitwise_equal) {
+            report_.first_mismatch = fmt::format("host pool: request {} layer {} token {}", id, l, tok);
+          }
+          report_.bitwise_equal = false;
+        }
+      }
+    }
+  }
+  report_.steps = cfg_.steps;
+  for (const auto& pl : report_.per_layer) {
+    report_.hits += pl.hits;
+    report_.misses += pl.misses;
+  }
+  report_.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return report_;
+}
+
+}  // namespace
+
+VerifyReport run_verify(const ModelSpec& model, const VerifyConfig& config) {
+  config.validate(model);
+  return Loop(model, config).run();
+}
+
+}  // namespace ess

@@ -1,0 +1,72 @@
+// `ess verify`: a decode loop over a batch of requests and layers that runs the ESS offload
+// path (the runtime's per-layer step, ess/runtime/offload.h, on its CPU or CUDA backend) side
+// by side with the all-resident path and checks they agree bit for bit.
+//
+// Per step and layer: indexer (reference kernel) -> top-k -> Offload::step (swap decision,
+// misses fetched from the Total Memory Pool into the layer buffer's rows) -> sparse MLA
+// (reference kernel) over the rows it returns; and, with the same top-k ids, sparse MLA over
+// the full cache, a copy of every entry the loop generated, kept apart from the Offload. With
+// reserve_newest, each step's new entries are written into the reserved rows and reach the
+// host pool by Offload::write_back, so the write-back is checked too. The inputs are random;
+// the indexer queries drift slowly from step to step so that the top-k sets have the temporal
+// locality ESS relies on.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "ess/cache/types.h"
+#include "ess/model/model_spec.h"
+#include "ess/runtime/offload.h"
+
+namespace ess {
+
+struct VerifyConfig {
+  int requests = 2;
+  int layers = 3;             // the model's first `layers` layers
+  std::int64_t context = 2048;  // prompt length at the prefill -> decode hand-over
+  int steps = 8;
+  int mtp = 2;                // T: query tokens per request per step
+  int topk = 128;             // K (the model's index_topk is 2048; smaller keeps the default fast)
+  std::int32_t slots = 0;     // per request-layer; 0 = from `ratio`
+  double ratio = 0.2;         // Sparse Memory Ratio x context
+  int warmup_windows = 32;    // LRU-Warmup windows (0 = cold start)
+  std::uint64_t seed = 1;
+  double query_drift = 0.15;  // 0 = the same indexer query every step, 1 = a fresh one
+  bool inject_fault = false;  // tests only: corrupt one row byte to prove the check can fail
+  bool reserve_newest = false;  // OffloadConfig::reserve_newest (new entries via write_back)
+  // The Offload's backend: kCuda checks the device path (swap kernels, split, FlashTrans) end to end.
+  Backend backend = Backend::kCpu;
+  int device = 0;
+
+  void validate(const ModelSpec& model) const;
+};
+
+struct VerifyLayerStats {
+  int layer = 0;
+  std::int64_t hits = 0;
+  std::int64_t misses = 0;
+};
+
+struct VerifyReport {
+  bool bitwise_equal = true;
+  std::int64_t compared_outputs = 0;  // query-token x layer attention outputs compared
+  std::int64_t mismatched_outputs = 0;
+  std::int64_t mismatched_host_entries = 0;  // host pool entries that differ from the generated ones
+  std::int32_t slots = 0;
+  std::int64_t steps = 0;
+  std::int64_t hits = 0;
+  std::int64_t misses = 0;
+  std::int64_t warmup_fills = 0;
+  std::vector<VerifyLayerStats> per_layer;
+  std::vector<std::int64_t> misses_per_step;  // summed over requests and layers
+  std::string first_mismatch;                 // where, when not bitwise equal
+  std::string host_memory;                    // "pinned" or "aligned"
+  std::string backend;                        // the Offload's backend ("cpu", "cuda")
+  double seconds = 0.0;
+};
+
+VerifyReport run_verify(const ModelSpec& model, const VerifyConfig& config);
+
+}  // namespace ess

@@ -1,0 +1,167 @@
+#include "ess/cache/total_pool.h"
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+
+#include "ess/core/digest.h"
+#include "ess/core/error.h"
+
+namespace ess {
+
+TotalPool::TotalPool(int num_layers, LatentLayout layout, std::uint64_t capacity_bytes,
+                     HostMemoryKind prefer, HostAllocator& allocator)
+    : num_layers_(num_layers), layout_(layout) {
+  ESS_CHECK(num_layers > 0, "total pool: num_layers = {} must be positive", num_layers);
+  layout_.validate();
+  entry_bytes_ = layout_.bytes();
+  page_bytes_ = entry_bytes_ * kPageTokens;
+  capacity_pages_ = static_cast<std::int64_t>(capacity_bytes / page_bytes_);
+  ESS_CHECK(capacity_pages_ >= 1,
+            "total pool: capacity_bytes = {} is smaller than one page ({} tokens x {} B = {} B)",
+            capacity_bytes, kPageTokens, entry_bytes_, page_bytes_);
+  ESS_CHECK(capacity_pages_ <= std::numeric_limits<std::int32_t>::max(),
+            "total pool: capacity_bytes = {} is {} pages, more than the {} a page id can address",
+            capacity_bytes, capacity_pages_, std::numeric_limits<std::int32_t>::max());
+  arena_ = HostBuffer::allocate(static_cast<std::size_t>(capacity_pages_) * page_bytes_, prefer, allocator);
+  free_.resize(static_cast<std::size_t>(capacity_pages_));
+  for (std::int64_t i = 0; i < capacity_pages_; ++i) {
+    free_[static_cast<std::size_t>(i)] = static_cast<std::int32_t>(capacity_pages_ - 1 - i);
+  }
+}
+
+std::int64_t TotalPool::pages_for(std::int64_t length) const {
+  return (length + kPageTokens - 1) / kPageTokens * num_layers_;
+}
+
+std::int32_t TotalPool::take_page() {
+  const std::int32_t p = free_.back();
+  free_.pop_back();
+  std::memset(arena_.data() + static_cast<std::size_t>(p) * page_bytes_, 0, page_bytes_);
+  return p;
+}
+
+void TotalPool::admit(RequestId id, std::int64_t length) {
+  ESS_CHECK(!requests_.contains(id), "total pool: request {} is already admitted", id);
+  ESS_CHECK(length >= 0 && length <= std::numeric_limits<std::int32_t>::max(),
+            "total pool: request {}: length {} out of range [0, {}]", id, length,
+            std::numeric_limits<std::int32_t>::max());
+  const std::int64_t need = pages_for(length);
+  ESS_CHECK(need <= free_pages(),
+            "total pool full: request {} with {} tokens needs {} pages ({} B) but only {} of {} "
+            "pages are free",
+            id, length, need, static_cast<std::uint64_t>(need) * page_bytes_, free_pages(),
+            capacity_pages_);
+  Request r;
+  r.length = length;
+  r.pages.resize(static_cast<std::size_t>(num_layers_));
+  const std::int64_t per_layer = need / num_layers_;
+  for (auto& table : r.pages) table.reserve(static_cast<std::size_t>(per_layer));
+  auto [it, inserted] = requests_.emplace(id, std::move(r));  // may throw: nothing taken yet
+  (void)inserted;
+  for (auto& table : it->second.pages) {
+    for (std::int64_t i = 0; i < per_layer; ++i) table.push_back(take_page());  // reserved: no throw
+  }
+}
+
+void TotalPool::extend(RequestId id, std::int64_t n) {
+  auto it = requests_.find(id);
+  ESS_CHECK(it != requests_.end(), "total pool: extend of unknown request {}", id);
+  Request& r = it->second;
+  ESS_CHECK(n >= 0 && n <= std::numeric_limits<std::int32_t>::max() - r.length,
+            "total pool: request {}: cannot extend length {} by {} tokens", id, r.length, n);
+  const std::int64_t new_length = r.length + n;
+  const std::int64_t need = pages_for(new_length) - pages_for(r.length);
+  ESS_CHECK(need <= free_pages(),
+            "total pool full: request {} growing from {} to {} tokens needs {} more pages but only "
+            "{} of {} pages are free",
+            id, r.length, new_length, need, free_pages(), capacity_pages_);
+  const std::size_t per_layer = static_cast<std::size_t>(pages_for(new_length) / num_layers_);
+  for (auto& table : r.pages) table.reserve(per_layer);  // may throw: nothing changed yet
+  for (auto& table : r.pages) {
+    while (table.size() < per_layer) table.push_back(take_page());
+  }
+  r.length = new_length;
+}
+
+void TotalPool::release(RequestId id) {
+  auto it = requests_.find(id);
+  ESS_CHECK(it != requests_.end(), "total pool: release of unknown request {}", id);
+  free_.reserve(static_cast<std::size_t>(capacity_pages_));
+  for (const auto& table : it->second.pages) {
+    for (auto p = table.rbegin(); p != table.rend(); ++p) free_.push_back(*p);
+  }
+  requests_.erase(it);
+}
+
+const TotalPool::Request& TotalPool::find(RequestId id, const char* what) const {
+  auto it = requests_.find(id);
+  ESS_CHECK(it != requests_.end(), "total pool: {} of unknown request {}", what, id);
+  return it->second;
+}
+
+std::int64_t TotalPool::length(RequestId id) const { return find(id, "length").length; }
+
+TotalPoolUsage TotalPool::usage(RequestId id) const {
+  const Request& r = find(id, "usage");
+  TotalPoolUsage u;
+  u.length = r.length;
+  u.pages = pages_for(r.length);
+  u.bytes = static_cast<std::uint64_t>(u.pages) * page_bytes_;
+  u.entry_bytes = static_cast<std::uint64_t>(r.length) * num_layers_ * entry_bytes_;
+  return u;
+}
+
+std::vector<RequestId> TotalPool::requests() const {
+  std::vector<RequestId> ids;
+  ids.reserve(requests_.size());
+  for (const auto& [id, r] : requests_) ids.push_back(id);
+  std::sort(ids.begin(), ids.end());
+  return ids;
+}
+
+void TotalPool::check_token(RequestId id, const Request& r, int layer, std::int64_t token,
+                            const char* what) const {
+  ESS_CHECK(layer >= 0 && layer < num_layers_, "total pool: {} of request {}: layer {} out of [0, {})",
+            what, id, layer, num_layers_);
+  ESS_CHECK(token >= 0 && token < r.length,
+            "total pool: {} of request {} layer {}: token {} out of [0, {})", what, id, layer, token,
+            r.length);
+}
+
+std::uint64_t TotalPool::offset(RequestId id, int layer, std::int64_t token) const {
+  const Request& r = find(id, "offset");
+  check_token(id, r, layer, token, "offset");
+  const auto page = r.pages[static_cast<std::size_t>(layer)][static_cast<std::size_t>(token / kPageTokens)];
+  return static_cast<std::uint64_t>(page) * page_bytes_ +
+         static_cast<std::uint64_t>(token % kPageTokens) * entry_bytes_;
+}
+
+std::span<const std::uint8_t> TotalPool::entry(RequestId id, int layer, std::int64_t token) const {
+  return {arena_.data() + offset(id, layer, token), entry_bytes_};
+}
+
+void TotalPool::write(RequestId id, int layer, std::int64_t token, std::span<const std::uint8_t> bytes) {
+  ESS_CHECK(bytes.size() == entry_bytes_, "total pool: write of request {} layer {} token {}: {} bytes, expected {}",
+            id, layer, token, bytes.size(), entry_bytes_);
+  const std::uint64_t off = offset(id, layer, token);
+  std::memcpy(arena_.data() + off, bytes.data(), entry_bytes_);
+}
+
+std::uint64_t TotalPool::digest() const {
+  Digest d;
+  d.value(capacity_pages_);
+  d.values(std::span<const std::int32_t>(free_));
+  for (RequestId id : requests()) {
+    const Request& r = requests_.at(id);
+    d.value(id);
+    d.value(r.length);
+    for (const auto& table : r.pages) {
+      d.values(std::span<const std::int32_t>(table));
+      for (std::int32_t p : table) d.bytes(arena_.data() + static_cast<std::size_t>(p) * page_bytes_, page_bytes_);
+    }
+  }
+  return d.get();
+}
+
+}  // namespace ess

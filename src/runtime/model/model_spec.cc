@@ -1,0 +1,152 @@
+#include "ess/model/model_spec.h"
+
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <limits>
+#include <sstream>
+
+#include "ess/core/error.h"
+#include "ess/core/json.h"
+#include "ess/model/entry_layout.h"
+#include "runtime/model/shipped_models.h"
+
+namespace ess {
+
+using nlohmann::json;
+
+ModelSpec ModelSpec::from_json(const json& j, const std::string& source) {
+  ESS_CHECK(j.is_object(), "{}: a model config must be a JSON object, got {}", source,
+            std::string(j.type_name()));
+  ModelSpec m;
+  if (auto it = j.find("_name_or_path"); it != j.end() && it->is_string()) {
+    m.name = it->get<std::string>();
+  } else if (auto mt = j.find("model_type"); mt != j.end() && mt->is_string()) {
+    m.name = mt->get<std::string>();
+  } else {
+    m.name = source;
+  }
+  m.num_hidden_layers = json_int(j, "num_hidden_layers", source, true);
+  m.hidden_size = json_int(j, "hidden_size", source, true);
+  m.vocab_size = json_int(j, "vocab_size", source, true);
+  m.num_attention_heads = json_int(j, "num_attention_heads", source, true);
+  m.q_lora_rank = json_int(j, "q_lora_rank", source, true);
+  m.kv_lora_rank = json_int(j, "kv_lora_rank", source, true);
+  m.qk_nope_head_dim = json_int(j, "qk_nope_head_dim", source, true);
+  m.qk_rope_head_dim = json_int(j, "qk_rope_head_dim", source, true);
+  m.v_head_dim = json_int(j, "v_head_dim", source, true);
+  m.index_n_heads = json_int(j, "index_n_heads", source, true);
+  m.index_head_dim = json_int(j, "index_head_dim", source, true);
+  m.index_topk = json_int(j, "index_topk", source, true);
+  m.intermediate_size = json_int(j, "intermediate_size", source, true);
+  m.moe_intermediate_size = json_int(j, "moe_intermediate_size", source, true);
+  m.n_routed_experts = json_int(j, "n_routed_experts", source, true);
+  m.n_shared_experts = json_int(j, "n_shared_experts", source, false, 0);
+  m.num_experts_per_tok = json_int(j, "num_experts_per_tok", source, true);
+  m.first_k_dense_replace = json_int(j, "first_k_dense_replace", source, false, 0);
+  m.num_nextn_predict_layers = json_int(j, "num_nextn_predict_layers", source, false, 0);
+  m.max_position_embeddings = json_int(j, "max_position_embeddings", source, true);
+  if (auto rs = j.find("rope_scaling"); rs != j.end() && !rs->is_null()) {
+    ESS_CHECK(rs->is_object(), "{}: field 'rope_scaling' must be an object, got {}", source,
+              rs->dump());
+    const std::string where = source + " rope_scaling";
+    m.rope_scaling_factor = json_number_or(*rs, "factor", where, 1.0);
+    m.rope_mscale_all_dim = json_number_or(*rs, "mscale_all_dim", where, 0.0);
+  }
+  m.validate(source);
+  return m;
+}
+
+ModelSpec ModelSpec::from_file(const std::string& path) {
+  return from_json(read_json_file(path, "model config"), path);
+}
+
+ModelSpec ModelSpec::deepseek_v32_exp() {
+  return from_json(json::parse(shipped::kDeepseekV32ExpJson), "configs/models/deepseek-v3.2-exp.json");
+}
+
+json ModelSpec::to_json() const {
+  json j = {{"_name_or_path", name},
+            {"num_hidden_layers", num_hidden_layers},
+            {"hidden_size", hidden_size},
+            {"vocab_size", vocab_size},
+            {"num_attention_heads", num_attention_heads},
+            {"q_lora_rank", q_lora_rank},
+            {"kv_lora_rank", kv_lora_rank},
+            {"qk_nope_head_dim", qk_nope_head_dim},
+            {"qk_rope_head_dim", qk_rope_head_dim},
+            {"v_head_dim", v_head_dim},
+            {"index_n_heads", index_n_heads},
+            {"index_head_dim", index_head_dim},
+            {"index_topk", index_topk},
+            {"intermediate_size", intermediate_size},
+            {"moe_intermediate_size", moe_intermediate_size},
+            {"n_routed_experts", n_routed_experts},
+            {"n_shared_experts", n_shared_experts},
+            {"num_experts_per_tok", num_experts_per_tok},
+            {"first_k_dense_replace", first_k_dense_replace},
+            {"num_nextn_predict_layers", num_nextn_predict_layers},
+            {"max_position_embeddings", max_position_embeddings}};
+  if (rope_scaling_factor != 1.0 || rope_mscale_all_dim != 0.0) {
+    j["rope_scaling"] = {{"factor", rope_scaling_factor}, {"mscale_all_dim", rope_mscale_all_dim}};
+  }
+  return j;
+}
+
+std::size_t ModelSpec::latent_entry_bytes() const { return LatentLayout::for_model(*this).bytes(); }
+
+std::size_t ModelSpec::indexer_entry_bytes() const {
+  return IndexerLayout::for_model(*this).entry_bytes();
+}
+
+double ModelSpec::softmax_scale() const {
+  double scale = 1.0 / std::sqrt(static_cast<double>(qk_nope_head_dim + qk_rope_head_dim));
+  if (rope_mscale_all_dim != 0.0 && rope_scaling_factor > 1.0) {
+    const double mscale = 0.1 * rope_mscale_all_dim * std::log(rope_scaling_factor) + 1.0;
+    scale *= mscale * mscale;
+  }
+  return scale;
+}
+
+void ModelSpec::validate(const std::string& source) const {
+  const auto positive = [&](int v, const char* field) {
+    ESS_CHECK(v > 0, "{}: field '{}' = {} must be positive", source, field, v);
+  };
+  positive(num_hidden_layers, "num_hidden_layers");
+  positive(hidden_size, "hidden_size");
+  positive(vocab_size, "vocab_size");
+  positive(num_attention_heads, "num_attention_heads");
+  positive(q_lora_rank, "q_lora_rank");
+  positive(kv_lora_rank, "kv_lora_rank");
+  positive(qk_nope_head_dim, "qk_nope_head_dim");
+  positive(qk_rope_head_dim, "qk_rope_head_dim");
+  positive(v_head_dim, "v_head_dim");
+  positive(index_n_heads, "index_n_heads");
+  positive(index_head_dim, "index_head_dim");
+  positive(index_topk, "index_topk");
+  positive(intermediate_size, "intermediate_size");
+  positive(moe_intermediate_size, "moe_intermediate_size");
+  positive(n_routed_experts, "n_routed_experts");
+  positive(num_experts_per_tok, "num_experts_per_tok");
+  positive(max_position_embeddings, "max_position_embeddings");
+  ESS_CHECK(n_shared_experts >= 0, "{}: field 'n_shared_experts' = {} must be >= 0", source,
+            n_shared_experts);
+  ESS_CHECK(num_nextn_predict_layers >= 0, "{}: field 'num_nextn_predict_layers' = {} must be >= 0",
+            source, num_nextn_predict_layers);
+  ESS_CHECK(first_k_dense_replace >= 0 && first_k_dense_replace <= num_hidden_layers,
+            "{}: field 'first_k_dense_replace' = {} must be in [0, num_hidden_layers = {}]", source,
+            first_k_dense_replace, num_hidden_layers);
+  ESS_CHECK(num_experts_per_tok <= n_routed_experts,
+            "{}: field 'num_experts_per_tok' = {} exceeds n_routed_experts = {}", source,
+            num_experts_per_tok, n_routed_experts);
+  ESS_CHECK(rope_scaling_factor > 0.0, "{}: field 'rope_scaling.factor' = {} must be positive",
+            source, rope_scaling_factor);
+  try {
+    LatentLayout::for_model(*this);
+    IndexerLayout::for_model(*this);
+  } catch (const Error& e) {
+    ESS_THROW("{}: {}", source, e.what());
+  }
+}
+
+}  // namespace ess

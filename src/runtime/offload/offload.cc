@@ -1,0 +1,251 @@
+// Offload's front: configuration, requests and their pool rows, the Total Memory Pool; the
+// step itself is the backend's (offload_cpu.cc, and the CUDA backend's offload_cuda.cc).
+#include "ess/runtime/offload.h"
+
+#include <algorithm>
+
+#include "ess/core/error.h"
+#include "ess/runtime/backend.h"
+#include "runtime/backend/cuda_backend.h"
+#include "runtime/offload/offload_impl.h"
+
+namespace ess {
+
+OffloadConfig OffloadConfig::for_model(const ModelSpec& model, std::int32_t max_requests, std::int32_t slots,
+                                       std::int64_t max_context, int query_tokens) {
+  OffloadConfig c;
+  c.layers = model.num_hidden_layers;
+  c.layout = LatentLayout::for_model(model);
+  c.max_requests = max_requests;
+  c.slots = slots;
+  c.max_context = max_context;
+  c.query_tokens = query_tokens;
+  c.topk = model.index_topk;
+  return c;
+}
+
+void OffloadConfig::validate() const {
+  ESS_CHECK(layers >= 1 && layers <= 1024, "offload: layers = {} must be in [1, 1024]", layers);
+  layout.validate();
+  ESS_CHECK(max_requests >= 1, "offload: max_requests = {} must be >= 1", max_requests);
+  ESS_CHECK(query_tokens >= 1 && query_tokens <= 16, "offload: query_tokens = {} must be in [1, 16]", query_tokens);
+  ESS_CHECK(topk >= 1 && topk <= 65536, "offload: topk = {} must be in [1, 65536]", topk);
+  ESS_CHECK(max_context >= 1, "offload: max_context = {} must be >= 1", max_context);
+  ESS_CHECK(warmup_windows >= 0, "offload: warmup_windows = {} is negative", warmup_windows);
+  const std::int64_t working_set = std::min<std::int64_t>(static_cast<std::int64_t>(query_tokens) * topk, max_context);
+  ESS_CHECK(slots >= working_set && slots >= 1,
+            "offload: {} slots per request-layer cannot hold one step's working set of up to {} entries "
+            "(query_tokens {} x topk {}, max_context {})",
+            slots, working_set, query_tokens, topk, max_context);
+  ESS_CHECK(static_cast<std::int64_t>(max_requests) * rows_per_request() <= std::int64_t{1} << 31,
+            "offload: {} requests x {} rows per request exceed the int32 rows of a layer's buffer", max_requests,
+            rows_per_request());
+  ESS_CHECK(max_context < (std::int64_t{1} << 31), "offload: max_context = {} exceeds int32 token ids", max_context);
+  ESS_CHECK(device >= 0, "offload: device = {} is negative", device);
+  ESS_CHECK(copy_blocks >= 0 && copy_blocks <= 65535, "offload: copy_blocks = {} must be in [0, 65535] (0 = default)",
+            copy_blocks);
+}
+
+Offload::Impl::Impl(const OffloadConfig& c, LatentBuffer b, HostAllocator& host) : config(c), buffer(std::move(b)) {
+  config.validate();
+  const std::uint64_t entry = config.layout.bytes();
+  const bool owned = buffer.layer_base.empty();
+  if (buffer.rows.row_stride == 0) buffer.rows.row_stride = entry;
+  ESS_CHECK(buffer.rows.row_stride >= entry && buffer.rows.row_stride % 16 == 0,
+            "offload: row_stride = {} must be a multiple of 16 of at least the entry's {} bytes", buffer.rows.row_stride, entry);
+  ESS_CHECK(buffer.rows.block_rows >= 0, "offload: block_rows = {} is negative", buffer.rows.block_rows);
+  if (buffer.rows.block_rows > 0) {
+    ESS_CHECK(buffer.rows.block_stride >= static_cast<std::uint64_t>(buffer.rows.block_rows) * buffer.rows.row_stride &&
+                  buffer.rows.block_stride % 16 == 0,
+              "offload: block_stride = {} must be a multiple of 16 holding block_rows {} x row_stride {}",
+              buffer.rows.block_stride, buffer.rows.block_rows, buffer.rows.row_stride);
+  }
+  if (!owned) {
+    ESS_CHECK(static_cast<int>(buffer.layer_base.size()) == config.layers,
+              "offload: {} layer buffers for {} layers", buffer.layer_base.size(), config.layers);
+    for (std::size_t l = 0; l < buffer.layer_base.size(); ++l) {
+      ESS_CHECK(buffer.layer_base[l] != nullptr && reinterpret_cast<std::uintptr_t>(buffer.layer_base[l]) % 16 == 0,
+                "offload: the buffer of layer {} is null or not 16-byte aligned", l);
+    }
+  }
+  const std::uint64_t host_bytes =
+      config.host_bytes > 0 ? config.host_bytes
+                            : static_cast<std::uint64_t>(config.max_requests) * config.layers *
+                                  static_cast<std::uint64_t>((config.max_context + kPageTokens - 1) / kPageTokens) *
+                                  kPageTokens * entry;
+  pool = std::make_unique<TotalPool>(config.layers, config.layout, host_bytes, HostMemoryKind::kPinned, host);
+  request_of_row.assign(static_cast<std::size_t>(config.max_requests), -1);
+  if (config.backend == Backend::kCuda) {
+    const auto* cuda = detail::cuda_backend();
+    ESS_CHECK(cuda != nullptr, "offload: the CUDA backend is not part of this build (nvcc was not found when it was built)");
+    ESS_CHECK(config.device < cuda->device_count(), "offload: no CUDA device {} (found {})", config.device,
+              cuda->device_count());
+    ESS_CHECK(pool->memory_kind() == HostMemoryKind::kPinned,
+              "offload: the host pool is {} memory; the CUDA backend reads it zero-copy and needs it pinned and mapped",
+              to_string(pool->memory_kind()));
+    backend = cuda->make_offload(*this, owned);
+  } else {
+    backend = make_cpu_offload(*this, owned);
+  }
+}
+
+std::int32_t Offload::Impl::find_row(RequestId id, const char* what) const {
+  const auto it = row_of_request.find(id);
+  ESS_CHECK(it != row_of_request.end(), "offload: {} of request {}: not admitted", what, id);
+  return it->second;
+}
+
+RequestId Offload::Impl::request_at(std::int32_t row, const char* what, int position) const {
+  ESS_CHECK(row >= 0 && row < config.max_requests, "offload: {}: position {} names row {}, outside [0, {})", what,
+            position, row, config.max_requests);
+  const RequestId id = request_of_row[static_cast<std::size_t>(row)];
+  ESS_CHECK(id >= 0, "offload: {}: position {} names row {}, which holds no request", what, position, row);
+  return id;
+}
+
+Offload::Offload(const OffloadConfig& config, LatentBuffer buffer, HostAllocator& host)
+    : impl_(std::make_unique<Impl>(config, std::move(buffer), host)) {}
+
+Offload::~Offload() = default;
+
+std::int32_t Offload::admit(RequestId id, std::int64_t prompt_length) {
+  Impl& x = *impl_;
+  ESS_CHECK(id >= 0, "offload: admit: request id {} is negative", id);
+  ESS_CHECK(!x.row_of_request.contains(id), "offload: admit: request {} is already admitted", id);
+  ESS_CHECK(prompt_length >= 1 && prompt_length <= x.config.max_context,
+            "offload: admit of request {}: prompt length {} outside [1, max_context = {}]", id, prompt_length,
+            x.config.max_context);
+  const auto free = std::find(x.request_of_row.begin(), x.request_of_row.end(), RequestId{-1});
+  ESS_CHECK(free != x.request_of_row.end(), "offload: admit of request {}: all {} rows are taken", id,
+            x.config.max_requests);
+  const auto row = static_cast<std::int32_t>(free - x.request_of_row.begin());
+  x.pool->admit(id, prompt_length);  // throws, changing nothing, when the pages do not fit
+  try {
+    x.backend->admit(row, id);
+    x.backend->pages_added(row, id, 0);
+  } catch (...) {
+    x.pool->release(id);
+    throw;
+  }
+  *free = id;
+  x.row_of_request.emplace(id, row);
+  return row;
+}
+
+void Offload::warmup(RequestId id, std::span<const std::int32_t> windows, int window_count) {
+  Impl& x = *impl_;
+  const std::int32_t row = x.find_row(id, "warmup");
+  const std::size_t K = static_cast<std::size_t>(x.config.topk);
+  ESS_CHECK(window_count >= 0 &&
+                windows.size() == static_cast<std::size_t>(x.config.layers) * static_cast<std::size_t>(window_count) * K,
+            "offload: warmup of request {}: {} ids for [layers {}][windows {}][topk {}]", id, windows.size(),
+            x.config.layers, window_count, K);
+  const int W = std::min(window_count, x.config.warmup_windows);
+  std::vector<std::int32_t> last;  // [layers][W][K]: each layer's last W windows
+  last.reserve(static_cast<std::size_t>(x.config.layers) * static_cast<std::size_t>(W) * K);
+  for (int l = 0; l < x.config.layers; ++l) {
+    const auto first = windows.begin() + static_cast<std::ptrdiff_t>(
+                                             (static_cast<std::size_t>(l) * static_cast<std::size_t>(window_count) +
+                                              static_cast<std::size_t>(window_count - W)) * K);
+    last.insert(last.end(), first, first + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(W) * K));
+  }
+  if (W > 0) x.backend->warmup(row, id, last, W);
+}
+
+void Offload::extend(RequestId id, std::int64_t n) {
+  Impl& x = *impl_;
+  const std::int32_t row = x.find_row(id, "extend");
+  ESS_CHECK(n >= 1, "offload: extend of request {} by {} tokens: must be >= 1", id, n);
+  const std::int64_t length = x.pool->length(id);
+  ESS_CHECK(length + n <= x.config.max_context, "offload: extend of request {} to {} tokens exceeds max_context = {}", id,
+            length + n, x.config.max_context);
+  const std::int64_t pages_before = x.pool->usage(id).pages / x.config.layers;
+  x.pool->extend(id, n);
+  x.backend->pages_added(row, id, pages_before);
+}
+
+void Offload::release(RequestId id) {
+  Impl& x = *impl_;
+  const std::int32_t row = x.find_row(id, "release");
+  x.backend->release(row, id);
+  x.pool->release(id);
+  x.request_of_row[static_cast<std::size_t>(row)] = -1;
+  x.row_of_request.erase(id);
+}
+
+void Offload::reset(RequestId id) {
+  Impl& x = *impl_;
+  x.backend->reset(x.find_row(id, "reset"), id);
+}
+
+std::int32_t Offload::row(RequestId id) const { return impl_->find_row(id, "row"); }
+
+std::int64_t Offload::length(RequestId id) const {
+  impl_->find_row(id, "length");
+  return impl_->pool->length(id);
+}
+
+std::span<std::uint8_t> Offload::host_entry(RequestId id, int layer, std::int64_t token) {
+  impl_->find_row(id, "host_entry");
+  const auto e = impl_->pool->entry(id, layer, token);  // checks layer and token
+  return {const_cast<std::uint8_t*>(e.data()), e.size()};
+}
+
+void Offload::step(const LayerStep& s) {
+  const Impl& x = *impl_;
+  ESS_CHECK(s.layer >= 0 && s.layer < x.config.layers, "offload: step: layer {} outside [0, {})", s.layer, x.config.layers);
+  ESS_CHECK(s.batch >= 0 && s.batch <= x.config.max_requests, "offload: step of layer {}: batch {} outside [0, {}]",
+            s.layer, s.batch, x.config.max_requests);
+  if (s.batch == 0) return;
+  ESS_CHECK(s.rows != nullptr && s.topk != nullptr && s.lengths != nullptr && s.physical != nullptr,
+            "offload: step of layer {}: rows, topk, lengths and physical are required", s.layer);
+  const bool any_split = s.resident != nullptr || s.fetched != nullptr || s.resident_count != nullptr ||
+                         s.fetched_count != nullptr;
+  ESS_CHECK(!any_split || (s.resident != nullptr && s.fetched != nullptr && s.resident_count != nullptr &&
+                           s.fetched_count != nullptr),
+            "offload: step of layer {}: resident, fetched and their counts go together", s.layer);
+  ESS_CHECK((s.copy_stream == nullptr) == (s.copy_done == nullptr),
+            "offload: step of layer {}: copy_stream and copy_done go together (attention must wait for the copy)",
+            s.layer);
+  ESS_CHECK(s.part >= 0 && s.part < kParts, "offload: step of layer {}: part {} outside [0, {})", s.layer, s.part, kParts);
+  impl_->backend->step(s);
+}
+
+void Offload::write_back(const WriteBack& w) {
+  const Impl& x = *impl_;
+  ESS_CHECK(w.layer >= 0 && w.layer < x.config.layers, "offload: write_back: layer {} outside [0, {})", w.layer,
+            x.config.layers);
+  ESS_CHECK(w.batch >= 0 && w.batch <= x.config.max_requests, "offload: write_back of layer {}: batch {} outside [0, {}]",
+            w.layer, w.batch, x.config.max_requests);
+  if (w.batch == 0) return;
+  ESS_CHECK(w.rows != nullptr && w.lengths != nullptr, "offload: write_back of layer {}: rows and lengths are required",
+            w.layer);
+  ESS_CHECK(w.source_rows != nullptr || x.config.reserve_newest,
+            "offload: write_back of layer {}: without reserve_newest the source rows are required", w.layer);
+  impl_->backend->write_back(w);
+}
+
+const OffloadConfig& Offload::config() const { return impl_->config; }
+const TotalPool& Offload::host_pool() const { return *impl_->pool; }
+const LatentBuffer& Offload::buffer() const { return impl_->buffer; }
+
+std::vector<std::uint8_t> Offload::read_row(int layer, std::int32_t p) const {
+  const Impl& x = *impl_;
+  ESS_CHECK(layer >= 0 && layer < x.config.layers, "offload: read_row: layer {} outside [0, {})", layer, x.config.layers);
+  ESS_CHECK(p >= 0 && static_cast<std::int64_t>(p) < static_cast<std::int64_t>(x.config.max_requests) * x.config.rows_per_request(),
+            "offload: read_row: row {} outside the layer's {} x {} rows", p, x.config.max_requests,
+            x.config.rows_per_request());
+  return x.backend->read_row(layer, p);
+}
+
+OffloadStats Offload::stats() const {
+  const Impl& x = *impl_;
+  OffloadStats st;
+  st.host_bytes_used = x.pool->used_bytes();
+  st.host_bytes_capacity = x.pool->capacity_bytes();
+  st.requests = static_cast<std::int32_t>(x.row_of_request.size());
+  x.backend->add_stats(st);
+  return st;
+}
+
+}  // namespace ess

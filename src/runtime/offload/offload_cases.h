@@ -1,0 +1,402 @@
+// The per-layer step (ess/runtime/offload.h) against an independent model, over seeded random
+// MTP batches with padded positions: the physical rows bit for bit (the cache tests' naive
+// LRU per request-layer, plus the reserved newest rows), the LRU's counts, the DA split, and
+// losslessness (every selected row holds exactly the host pool's entry of its token); the
+// write-back; reset; an engine's own buffer with strides and blocks. Written once against a
+// harness (harness/support/backend.h) and driven through harness/support/offload_io.h: the
+// CUDA backend in offload_test.cc, the CPU backend in offload_host_test.cc. Include in
+// exactly one source file per binary.
+#pragma once
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <random>
+#include <set>
+#include <span>
+#include <tuple>
+#include <unordered_map>
+#include <vector>
+
+#include "ess/runtime/offload.h"
+#include "harness/support/backend.h"
+#include "harness/support/cache_fixtures.h"
+#include "harness/support/offload_io.h"
+#include "runtime/offload/offload_impl.h"
+
+namespace ess::offload_test {
+
+using StepIn = ess::harness::OffloadStepIn;
+using StepOut = ess::harness::OffloadStepOut;
+
+struct OffloadHarness {
+  test::BackendInfo info;
+  Backend backend;
+  // An engine-owned buffer for `layers` layers of `rows` rows with the given strides (kept
+  // alive by the harness until the program ends).
+  LatentBuffer (*engine_buffer)(int layers, std::int64_t rows, std::uint64_t row_stride, std::int64_t block_rows,
+                                std::uint64_t block_stride);
+};
+const OffloadHarness& harness();  // defined by the including binary
+// Host arrays in and out, on the harness's backend (harness/support/offload_io.h).
+inline const ess::harness::OffloadIo& io() { return ess::harness::offload_io(harness().backend); }
+
+// The entry of (request, layer, token): bytes no other token shares.
+inline std::vector<std::uint8_t> entry_of(RequestId id, int layer, std::int64_t token, std::size_t bytes) {
+  std::vector<std::uint8_t> e(bytes);
+  for (std::size_t i = 0; i < bytes; ++i) {
+    e[i] = static_cast<std::uint8_t>((id * 131 + layer * 31 + token * 7 + static_cast<std::int64_t>(i) * 13) & 0xff);
+  }
+  e[0] = static_cast<std::uint8_t>(token & 0xff);
+  e[1] = static_cast<std::uint8_t>((token >> 8) & 0xff);
+  e[2] = static_cast<std::uint8_t>(id & 0xff);
+  e[3] = static_cast<std::uint8_t>(layer & 0xff);
+  return e;
+}
+
+// [T][K] ids with decode-like locality, duplicate-free per query row, some -1.
+inline std::vector<std::int32_t> next_ids(std::vector<std::int32_t>& prev, int T, int K, std::int64_t len, int fresh,
+                                          std::mt19937& rng) {
+  std::set<std::int32_t> q;
+  const auto want = static_cast<std::size_t>(std::min<std::int64_t>(K, len));
+  for (std::int32_t t : prev) {
+    if (q.size() + static_cast<std::size_t>(fresh) < want) q.insert(t);
+  }
+  while (q.size() < want) q.insert(static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(len)));
+  prev.assign(q.begin(), q.end());
+  std::vector<std::int32_t> out;
+  for (int t = 0; t < T; ++t) {
+    std::vector<std::int32_t> row(prev);
+    std::shuffle(row.begin(), row.end(), rng);
+    if (t > 0 && !row.empty()) row[0] = static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(len));
+    std::set<std::int32_t> uniq;
+    for (auto& x : row) {
+      if (!uniq.insert(x).second) x = -1;
+    }
+    row.resize(static_cast<std::size_t>(K), -1);
+    if (rng() % 5 == 0) row[rng() % static_cast<std::uint64_t>(K)] = -1;
+    out.insert(out.end(), row.begin(), row.end());
+  }
+  return out;
+}
+
+// The model of one request: a naive LRU per layer over the LRU slots.
+struct ModelRequest {
+  RequestId id = 0;
+  std::int32_t row = 0;
+  std::int64_t length = 0;
+  std::vector<test::NaiveLru> lru;             // per layer
+  std::vector<std::vector<std::int32_t>> prev;  // per layer: the ids' locality state
+};
+
+// (real positions, padded positions, T, K, extra slots, reserve_newest)
+using Shape = std::tuple<int, int, int, int, int, bool>;
+
+class OffloadShapes : public testing::TestWithParam<Shape> {};
+
+TEST_P(OffloadShapes, MatchesTheModelAndIsLossless) {
+  ESS_REQUIRE_BACKEND(harness().info);
+  const auto [R, pads, T, K, extra, reserve] = GetParam();
+  const int L = 2;
+  const std::int32_t S = T * K + extra;
+  const std::int64_t prompt = std::max<std::int64_t>(4 * S, 200);
+  const int steps = 10;
+  OffloadConfig c;
+  c.layers = L;
+  c.layout = test::small_layout();
+  c.max_requests = R + pads + 2;  // the padded batch fits; rows nobody uses stay untouched
+  c.query_tokens = T;
+  c.topk = K;
+  c.slots = S;
+  c.reserve_newest = reserve;
+  c.max_context = prompt + steps * T;
+  c.backend = harness().backend;
+  Offload o(c);
+  const std::size_t E = c.layout.bytes();
+  const std::int32_t rpr = c.rows_per_request();
+  std::mt19937 rng(static_cast<std::uint32_t>(R * 7919 + pads * 131 + T * 31 + K + extra + reserve));
+  std::vector<ModelRequest> reqs(static_cast<std::size_t>(R));
+  const int W = 4;
+  for (int i = 0; i < R; ++i) {
+    ModelRequest& m = reqs[static_cast<std::size_t>(i)];
+    m.id = 1000 + 17 * i;
+    m.length = prompt;
+    m.row = o.admit(m.id, prompt);
+    for (int l = 0; l < L; ++l) {
+      for (std::int64_t t = 0; t < prompt; ++t) {
+        const auto e = entry_of(m.id, l, t, E);
+        std::memcpy(o.host_entry(m.id, l, t).data(), e.data(), E);
+      }
+      m.lru.emplace_back(S);
+      m.prev.emplace_back();
+    }
+    // LRU-Warmup from W prefill windows per layer (T = 1 each), on both sides.
+    std::vector<std::int32_t> windows;
+    for (int l = 0; l < L; ++l) {
+      for (int w = 0; w < W; ++w) {
+        const auto v = next_ids(m.prev[static_cast<std::size_t>(l)], 1, K, prompt, std::max(1, K / 4), rng);
+        std::vector<std::pair<std::int32_t, std::int32_t>> fills;
+        m.lru[static_cast<std::size_t>(l)].step(v, fills);
+        windows.insert(windows.end(), v.begin(), v.end());
+      }
+    }
+    o.warmup(m.id, windows, W);
+  }
+  for (int step = 0; step < steps; ++step) {
+    // Decode appends T tokens to every request; the model writes their entries to the host
+    // pool (the write-back, tested below) and, with reserve_newest, into the reserved rows.
+    for (ModelRequest& m : reqs) {
+      o.extend(m.id, T);
+      for (int l = 0; l < L; ++l) {
+        for (int t = 0; t < T; ++t) {
+          const std::int64_t p = m.length + t;
+          const auto e = entry_of(m.id, l, p, E);
+          std::memcpy(o.host_entry(m.id, l, p).data(), e.data(), E);
+          if (reserve) io().write_row(o, l, m.row * rpr + S + t, e);
+        }
+      }
+      m.length += T;
+    }
+    // The batch: every request once, in a random order, padded positions among them.
+    std::vector<int> order(static_cast<std::size_t>(R + pads), -1);
+    for (int i = 0; i < R; ++i) order[static_cast<std::size_t>(i)] = i;
+    std::shuffle(order.begin(), order.end(), rng);
+    for (int layer = 0; layer < L; ++layer) {
+      SCOPED_TRACE(fmt::format("step {} layer {}", step, layer));
+      const auto lz = static_cast<std::size_t>(layer);
+      const int fresh = (step / 3) % 2 == 0 ? std::max(1, K / 10) : K;
+      StepIn in;
+      in.layer = layer;
+      in.batch = R + pads;
+      in.split = true;
+      const std::size_t P = static_cast<std::size_t>(T) * K;
+      for (const int i : order) {
+        if (i < 0) {
+          in.rows.push_back(-1);
+          in.lengths.push_back(0);
+          in.topk.insert(in.topk.end(), P, static_cast<std::int32_t>(rng() % 7));  // garbage, never read
+          continue;
+        }
+        ModelRequest& m = reqs[static_cast<std::size_t>(i)];
+        in.rows.push_back(m.row);
+        in.lengths.push_back(static_cast<std::int32_t>(m.length));
+        // With reserve_newest the older tokens, and a few newest ones below; else any token.
+        auto ids = next_ids(m.prev[lz], T, K, reserve ? m.length - T : m.length, fresh, rng);
+        if (reserve && K > 1) {  // some query rows also select newest tokens
+          for (int t = 0; t < T; ++t) {
+            if (rng() % 2 == 0) ids[static_cast<std::size_t>(t) * K + 1] = static_cast<std::int32_t>(m.length - 1 - (rng() % T));
+          }
+        }
+        in.topk.insert(in.topk.end(), ids.begin(), ids.end());
+      }
+      const StepOut got = io().step(o, in);
+      const std::vector<std::uint8_t> buf = io().dump(o, layer);
+      ASSERT_EQ(got.physical.size(), in.topk.size());
+      for (int b = 0; b < in.batch; ++b) {
+        const auto bz = static_cast<std::size_t>(b);
+        const std::span<const std::int32_t> ids(in.topk.data() + bz * P, P);
+        const std::span<const std::int32_t> phys(got.physical.data() + bz * P, P);
+        if (in.rows[bz] < 0) {
+          EXPECT_TRUE(std::all_of(phys.begin(), phys.end(), [](std::int32_t p) { return p == -1; })) << "padded position " << b;
+          EXPECT_EQ(got.counts[2 * bz], 0);
+          EXPECT_EQ(got.counts[2 * bz + 1], 0);
+          continue;
+        }
+        ModelRequest& m = *std::find_if(reqs.begin(), reqs.end(), [&](const ModelRequest& r) { return r.row == in.rows[bz]; });
+        // The model: reserved newest tokens out of the LRU, the rest through the naive LRU.
+        std::vector<std::int32_t> masked(ids.begin(), ids.end());
+        std::vector<std::int32_t> want(P, -1);
+        const std::int64_t newest = m.length - T;
+        for (std::size_t i = 0; i < P; ++i) {
+          if (reserve && ids[i] >= newest) {
+            want[i] = m.row * rpr + S + static_cast<std::int32_t>(ids[i] - newest);
+            masked[i] = -1;
+          }
+        }
+        std::vector<std::pair<std::int32_t, std::int32_t>> fills;
+        const std::vector<std::int32_t> slots = m.lru[lz].step(masked, fills);
+        std::set<std::int32_t> distinct;
+        for (std::size_t i = 0; i < P; ++i) {
+          if (masked[i] >= 0) {
+            want[i] = m.row * rpr + slots[i];
+            distinct.insert(masked[i]);
+          }
+        }
+        ASSERT_TRUE(std::equal(phys.begin(), phys.end(), want.begin())) << "position " << b << " (request " << m.id << ")";
+        EXPECT_EQ(got.counts[2 * bz], static_cast<std::int32_t>(distinct.size() - fills.size())) << "position " << b;
+        EXPECT_EQ(got.counts[2 * bz + 1], static_cast<std::int32_t>(fills.size())) << "position " << b;
+        // Lossless: every selected row holds the host pool's entry of its token.
+        for (std::size_t i = 0; i < P; ++i) {
+          if (ids[i] < 0) continue;
+          const auto e = entry_of(m.id, layer, ids[i], E);
+          const std::uint64_t at = o.buffer().rows.offset(phys[i]);
+          ASSERT_EQ(0, std::memcmp(buf.data() + at, e.data(), E)) << "position " << b << " token " << ids[i] << " row " << phys[i];
+        }
+        // The DA split: each query row's resident rows, then its fetched ones, in order.
+        std::set<std::int32_t> fetched_slots;
+        for (const auto& f : fills) fetched_slots.insert(f.second);
+        for (int t = 0; t < T; ++t) {
+          std::vector<std::int32_t> res, fet;
+          for (int k = 0; k < K; ++k) {
+            const std::int32_t p = phys[static_cast<std::size_t>(t) * K + k];
+            if (p < 0) continue;
+            (fetched_slots.contains(p - m.row * rpr) ? fet : res).push_back(p);
+          }
+          const std::size_t row0 = (bz * T + t) * static_cast<std::size_t>(K);
+          ASSERT_EQ(got.resident_count[bz * T + t], static_cast<std::int32_t>(res.size()));
+          ASSERT_EQ(got.fetched_count[bz * T + t], static_cast<std::int32_t>(fet.size()));
+          res.resize(static_cast<std::size_t>(K), -1);
+          fet.resize(static_cast<std::size_t>(K), -1);
+          ASSERT_TRUE(std::equal(res.begin(), res.end(), got.resident.begin() + static_cast<std::ptrdiff_t>(row0)));
+          ASSERT_TRUE(std::equal(fet.begin(), fet.end(), got.fetched.begin() + static_cast<std::ptrdiff_t>(row0)));
+        }
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Random, OffloadShapes,
+                         testing::Values(Shape{1, 0, 1, 1, 0, false}, Shape{3, 2, 2, 41, 7, true}, Shape{5, 3, 2, 64, 30, false},
+                                         Shape{4, 1, 3, 128, 50, true}, Shape{6, 2, 2, 2048, 2458, true},
+                                         Shape{2, 5, 1, 256, 0, false}));
+
+// The write-back copies each position's T newest entries from the reserved rows (or from the
+// rows the engine names) into the host pool; padded positions are skipped.
+TEST(OffloadWriteBack, CopiesTheNewestEntriesToTheHostPool) {
+  ESS_REQUIRE_BACKEND(harness().info);
+  for (const bool reserve : {true, false}) {
+    OffloadConfig c;
+    c.layers = 3;
+    c.layout = test::small_layout();
+    c.max_requests = 4;
+    c.query_tokens = 2;
+    c.topk = 8;
+    c.slots = 16;
+    c.reserve_newest = reserve;
+    c.max_context = 400;
+    c.backend = harness().backend;
+    Offload o(c);
+    const std::size_t E = c.layout.bytes();
+    o.admit(7, 100);
+    o.admit(9, 63);
+    o.extend(7, 2);
+    o.extend(9, 2);  // crosses a page boundary
+    const std::vector<std::int32_t> rows = {o.row(9), -1, o.row(7)};
+    const std::vector<std::int32_t> lengths = {65, 0, 102};
+    std::vector<std::int32_t> sources;
+    for (int l = 0; l < c.layers; ++l) {
+      for (std::size_t b = 0; b < rows.size(); ++b) {
+        if (rows[b] < 0) continue;
+        const RequestId id = b == 0 ? 9 : 7;
+        for (int t = 0; t < 2; ++t) {
+          const std::int32_t p = reserve ? rows[b] * o.rows_per_request() + c.slots + t : rows[b] * o.rows_per_request() + 5 + t;
+          io().write_row(o, l, p, entry_of(id, l, lengths[b] - 2 + t, E));
+        }
+      }
+      if (!reserve) sources = {o.row(9) * o.rows_per_request() + 5, o.row(9) * o.rows_per_request() + 6, 0, 0,
+                               o.row(7) * o.rows_per_request() + 5, o.row(7) * o.rows_per_request() + 6};
+      io().write_back(o, l, rows, lengths, sources);
+    }
+    for (int l = 0; l < c.layers; ++l) {
+      for (const auto& [id, len] : {std::pair<RequestId, std::int64_t>{9, 65}, {7, 102}}) {
+        for (std::int64_t p = len - 2; p < len; ++p) {
+          const auto want = entry_of(id, l, p, E);
+          const auto got = o.host_entry(id, l, p);
+          EXPECT_TRUE(std::equal(got.begin(), got.end(), want.begin())) << "request " << id << " layer " << l << " token " << p;
+        }
+      }
+    }
+  }
+}
+
+// An engine's own buffer (a paged cache: blocks of 64 rows, padded rows and blocks): every
+// fetched entry lands at the address the engine's layout gives its row.
+TEST(OffloadEngineBuffer, RowsLandWhereTheEnginesStridesPutThem) {
+  ESS_REQUIRE_BACKEND(harness().info);
+  OffloadConfig c;
+  c.layers = 2;
+  c.layout = test::small_layout();
+  c.max_requests = 3;
+  c.query_tokens = 1;
+  c.topk = 40;
+  c.slots = 100;
+  c.max_context = 1000;
+  c.backend = harness().backend;
+  const std::uint64_t row_stride = c.layout.bytes() + 48, block_stride = 64 * row_stride + 4096;
+  Offload o(c, harness().engine_buffer(c.layers, c.max_requests * c.rows_per_request(), row_stride, 64, block_stride));
+  const std::size_t E = c.layout.bytes();
+  std::mt19937 rng(3);
+  std::vector<std::int32_t> prev;
+  StepIn in;
+  in.layer = 1;
+  in.batch = 3;
+  for (int i = 0; i < 3; ++i) {
+    const RequestId id = 40 + i;
+    in.rows.push_back(o.admit(id, 900));
+    in.lengths.push_back(900);
+    for (std::int64_t t = 0; t < 900; ++t) {
+      const auto e = entry_of(id, 1, t, E);
+      std::memcpy(o.host_entry(id, 1, t).data(), e.data(), E);
+    }
+    const auto ids = next_ids(prev, 1, 40, 900, 40, rng);
+    in.topk.insert(in.topk.end(), ids.begin(), ids.end());
+  }
+  const StepOut got = io().step(o, in);
+  const std::vector<std::uint8_t> buf = io().dump(o, 1);
+  for (int b = 0; b < 3; ++b) {
+    for (int k = 0; k < 40; ++k) {
+      const auto i = static_cast<std::size_t>(b * 40 + k);
+      if (in.topk[i] < 0) continue;
+      const std::int32_t p = got.physical[i];
+      ASSERT_GE(p, in.rows[static_cast<std::size_t>(b)] * o.rows_per_request());
+      const std::uint64_t at = (static_cast<std::uint64_t>(p) / 64) * block_stride + (static_cast<std::uint64_t>(p) % 64) * row_stride;
+      const auto e = entry_of(40 + b, 1, in.topk[i], E);
+      ASSERT_EQ(0, std::memcmp(buf.data() + at, e.data(), E)) << "position " << b << " row " << p;
+    }
+  }
+}
+
+// reset forgets the residency, not the host entries: the same ids miss again and still read
+// exactly their tokens' entries.
+TEST(OffloadReset, ForgetsResidencyKeepsHostEntries) {
+  ESS_REQUIRE_BACKEND(harness().info);
+  OffloadConfig c;
+  c.layers = 2;
+  c.layout = test::small_layout();
+  c.max_requests = 2;
+  c.topk = 32;
+  c.slots = 64;
+  c.max_context = 500;
+  c.backend = harness().backend;
+  Offload o(c);
+  const std::size_t E = c.layout.bytes();
+  StepIn in;
+  in.layer = 1;
+  in.batch = 1;
+  in.rows = {o.admit(5, 300)};
+  in.lengths = {300};
+  for (std::int64_t t = 0; t < 300; ++t) {
+    const auto e = entry_of(5, 1, t, E);
+    std::memcpy(o.host_entry(5, 1, t).data(), e.data(), E);
+  }
+  for (int k = 0; k < 32; ++k) in.topk.push_back(9 * k + 1);
+  const auto misses = [&] {
+    const StepOut got = io().step(o, in);
+    const std::vector<std::uint8_t> buf = io().dump(o, 1);
+    for (int k = 0; k < 32; ++k) {
+      const auto e = entry_of(5, 1, in.topk[static_cast<std::size_t>(k)], E);
+      EXPECT_EQ(0, std::memcmp(buf.data() + o.buffer().rows.offset(got.physical[static_cast<std::size_t>(k)]), e.data(), E));
+    }
+    return got.counts[1];
+  };
+  EXPECT_EQ(misses(), 32);
+  EXPECT_EQ(misses(), 0);
+  o.reset(5);
+  EXPECT_EQ(misses(), 32);
+  EXPECT_EQ(o.length(5), 300);
+  EXPECT_THROW(o.reset(6), Error);
+}
+
+}  // namespace ess::offload_test

@@ -1,0 +1,286 @@
+// Offload's CUDA backend: the GPU swap engine decides, the split turns its decision into one
+// FlashTrans list (and the DA halves), FlashTrans fetches; every launch on the caller's
+// stream(s), nothing allocated or synchronized inside a step. CUDA target only.
+#include <cuda_runtime.h>
+
+#include <memory>
+
+#include "ess/core/error.h"
+#include "runtime/cuda/backend_impl.h"
+#include "runtime/cuda/check.h"
+#include "runtime/cuda/device_buffer.h"
+#include "runtime/offload/offload_impl.h"
+#include "runtime/offload/offload_kernels.h"
+#include "runtime/offload/split.h"
+#include "runtime/ops/gpu_swap/swap_engine_gpu.h"
+
+namespace ess::cuda {
+namespace {
+
+#define ESS_LAUNCH(call, ...) ESS_CUDA_CHECK(static_cast<cudaError_t>(call), __VA_ARGS__)
+
+// The scratch of one step in flight (LayerStep::part), sized for a full batch.
+struct Part {
+  DeviceBuffer<std::int32_t> masked, lru_slots, merged, fill_tokens, fill_slots, counts;
+  DeviceBuffer<std::uint64_t> fill_host, src, dst;
+  DeviceBuffer<std::uint8_t> flags;
+  DeviceBuffer<std::int64_t> miss_offsets, total;
+  cudaEvent_t decided = nullptr;  // the copy stream waits for the decision
+};
+
+class CudaOffload final : public OffloadBackend {
+ public:
+  CudaOffload(Offload::Impl& front, bool owned) : x_(front) {
+    const OffloadConfig& c = front.config;
+    ESS_CUDA_CHECK(cudaSetDevice(c.device), "offload: selecting device {}", c.device);
+    P_ = static_cast<std::size_t>(c.query_tokens) * static_cast<std::size_t>(c.topk);
+    B_ = static_cast<std::size_t>(c.max_requests);
+    rpr_ = c.rows_per_request();
+    max_pages_ = static_cast<int>((c.max_context + kPageTokens - 1) / kPageTokens);
+    GpuSwapConfig gc;
+    gc.rows = c.max_requests;
+    gc.layers = c.layers;
+    gc.slots = c.slots;
+    gc.max_positions = static_cast<int>(P_);
+    gc.device = c.device;
+    swap_ = std::make_unique<GpuSwapEngine>(gc);
+    if (owned) {
+      const std::uint64_t bytes = front.buffer.rows.offset(static_cast<std::int64_t>(B_) * rpr_);
+      for (int l = 0; l < c.layers; ++l) {
+        owned_.emplace_back(bytes);
+        ESS_CUDA_CHECK(cudaMemset(owned_.back().get(), 0, bytes), "offload: zeroing the buffer of layer {}", l);
+        front.buffer.layer_base.push_back(owned_.back().get());
+      }
+    }
+    for (Part& p : parts_) {
+      p.masked = DeviceBuffer<std::int32_t>(B_ * P_);
+      p.lru_slots = DeviceBuffer<std::int32_t>(B_ * P_);
+      p.merged = DeviceBuffer<std::int32_t>(B_ * P_);
+      p.fill_tokens = DeviceBuffer<std::int32_t>(B_ * P_);
+      p.fill_slots = DeviceBuffer<std::int32_t>(B_ * P_);
+      p.counts = DeviceBuffer<std::int32_t>(2 * B_);
+      p.fill_host = DeviceBuffer<std::uint64_t>(B_ * P_);
+      p.src = DeviceBuffer<std::uint64_t>(B_ * P_);
+      p.dst = DeviceBuffer<std::uint64_t>(B_ * P_);
+      p.flags = DeviceBuffer<std::uint8_t>(B_ * static_cast<std::size_t>(rpr_));
+      p.miss_offsets = DeviceBuffer<std::int64_t>(B_);
+      p.total = DeviceBuffer<std::int64_t>(1);
+      ESS_CUDA_CHECK(cudaEventCreateWithFlags(&p.decided, cudaEventDisableTiming), "offload: events");
+    }
+    wb_src_ = DeviceBuffer<std::uint64_t>(B_ * static_cast<std::size_t>(c.query_tokens));
+    wb_dst_ = DeviceBuffer<std::uint64_t>(B_ * static_cast<std::size_t>(c.query_tokens));
+    wb_total_ = DeviceBuffer<std::int64_t>(1);
+    page_table_ = DeviceBuffer<std::int32_t>(B_ * static_cast<std::size_t>(max_pages_) * static_cast<std::size_t>(c.layers));
+    ESS_CUDA_CHECK(cudaMemset(page_table_.get(), 0xff, page_table_.size() * 4), "offload: page tables");
+    pool_dev_ = device_view_cuda(front.pool->base());
+    ESS_CHECK(pool_dev_ != nullptr, "offload: the host pool is not mapped into the device's address space");
+    ESS_CUDA_CHECK(cudaDeviceSynchronize(), "offload: set-up");
+  }
+
+  ~CudaOffload() override {
+    for (Part& p : parts_) {
+      if (p.decided != nullptr) cudaEventDestroy(p.decided);
+    }
+  }
+
+  void admit(std::int32_t row, RequestId) override {
+    swap_->reset_row(row);
+    ESS_CUDA_CHECK(cudaDeviceSynchronize(), "offload: admit of row {}", row);
+  }
+
+  void release(std::int32_t row, RequestId) override {
+    swap_->reset_row(row);
+    ESS_CUDA_CHECK(cudaDeviceSynchronize(), "offload: release of row {}", row);
+  }
+
+  void reset(std::int32_t row, RequestId) override {
+    swap_->reset_row(row);
+    ESS_CUDA_CHECK(cudaDeviceSynchronize(), "offload: reset of row {}", row);
+  }
+
+  // New host pages: their ids for every layer, contiguous in [row][page][layer].
+  void pages_added(std::int32_t row, RequestId id, std::int64_t first_page) override {
+    const int L = x_.config.layers;
+    const std::int64_t pages = x_.pool->usage(id).pages / L;
+    if (pages <= first_page) return;
+    std::vector<std::int32_t> ids(static_cast<std::size_t>(pages - first_page) * static_cast<std::size_t>(L));
+    for (std::int64_t p = first_page; p < pages; ++p) {
+      for (int l = 0; l < L; ++l) {
+        ids[static_cast<std::size_t>(p - first_page) * L + static_cast<std::size_t>(l)] =
+            static_cast<std::int32_t>(x_.pool->offset(id, l, p * kPageTokens) / x_.pool->page_bytes());
+      }
+    }
+    const std::size_t at = (static_cast<std::size_t>(row) * static_cast<std::size_t>(max_pages_) + static_cast<std::size_t>(first_page)) *
+                           static_cast<std::size_t>(L);
+    ESS_CUDA_CHECK(cudaMemcpy(page_table_.get() + at, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice),
+                   "offload: page table of row {}", row);
+  }
+
+  void warmup(std::int32_t row, RequestId id, std::span<const std::int32_t> windows, int W) override {
+    const std::size_t per_layer = static_cast<std::size_t>(W) * static_cast<std::size_t>(x_.config.topk);
+    for (int l = 0; l < x_.config.layers; ++l) {
+      const auto w = windows.subspan(static_cast<std::size_t>(l) * per_layer, per_layer);
+      const std::vector<MissEntry> fills = swap_->warmup(row, l, x_.config.topk, std::vector<std::int32_t>(w.begin(), w.end()));
+      if (fills.empty()) continue;
+      warmup_fills_ += static_cast<std::int64_t>(fills.size());
+      std::vector<std::uint64_t> offsets(2 * fills.size());
+      for (std::size_t i = 0; i < fills.size(); ++i) {
+        offsets[i] = x_.pool->offset(id, l, fills[i].token);
+        offsets[fills.size() + i] = x_.buffer.rows.offset(static_cast<std::int64_t>(row) * rpr_ + fills[i].slot);
+      }
+      DeviceBuffer<std::uint64_t> d(offsets.size());
+      ESS_CUDA_CHECK(cudaMemcpy(d.get(), offsets.data(), offsets.size() * 8, cudaMemcpyHostToDevice), "offload: warm-up list");
+      EntryCopy copy{pool_dev_, x_.buffer.layer_base[static_cast<std::size_t>(l)], d.get(), d.get() + fills.size(),
+                     static_cast<std::int64_t>(fills.size()), static_cast<int>(x_.config.layout.bytes()), nullptr, kWholeGpu};
+      ESS_LAUNCH(flashtrans_cuda(copy, nullptr), "offload: warm-up fill of row {} layer {}", row, l);
+      ESS_CUDA_CHECK(cudaDeviceSynchronize(), "offload: warm-up of row {} layer {}", row, l);
+    }
+  }
+
+  void step(const LayerStep& s) override {
+    const OffloadConfig& c = x_.config;
+    Part& p = parts_[static_cast<std::size_t>(s.part)];
+    ++steps_;
+    const auto stream = static_cast<Stream>(s.stream);
+    StepShape shape;
+    shape.batch = s.batch;
+    shape.query_tokens = c.query_tokens;
+    shape.topk = c.topk;
+    shape.slots = c.slots;
+    shape.rows_per_request = rpr_;
+    shape.reserve_newest = c.reserve_newest;
+    shape.rows = s.rows;
+    shape.topk_ids = s.topk;
+    shape.lengths = s.lengths;
+    // 1. The ids the LRU sees: padded positions, invalid ids and reserved newest tokens hidden.
+    ESS_LAUNCH(launch_mask_ids(shape, p.masked.get(), stream), "offload: masking the ids of layer {}", s.layer);
+    // 2. The LRU decision for the batch.
+    std::int32_t* counts = s.counts != nullptr ? s.counts : p.counts.get();
+    GpuSwapStep st;
+    st.layer = s.layer;
+    st.batch = s.batch;
+    st.query_tokens = c.query_tokens;
+    st.topk = c.topk;
+    st.rows = s.rows;
+    st.ids = p.masked.get();
+    st.slot_ids = p.lru_slots.get();
+    st.fill_tokens = p.fill_tokens.get();
+    st.fill_slots = p.fill_slots.get();
+    st.fill_host_offsets = p.fill_host.get();
+    st.counts = counts;
+    st.page_table = page_table_.get();
+    st.max_pages = max_pages_;
+    st.page_bytes = x_.pool->page_bytes();
+    st.entry_bytes = x_.config.layout.bytes();
+    swap_->step_async(st, stream);
+    // 3. Each id's slot and physical row.
+    ESS_LAUNCH(launch_finalize_rows(shape, p.lru_slots.get(), p.merged.get(), s.physical, stream),
+               "offload: the rows of layer {}", s.layer);
+    // 4. The FlashTrans list and the DA halves.
+    SplitArgs sp;
+    sp.batch = s.batch;
+    sp.positions = static_cast<int>(P_);
+    sp.rows_per_request = rpr_;
+    sp.buffer = x_.buffer.rows;
+    sp.rows = s.rows;
+    sp.slot_ids = p.merged.get();
+    sp.counts = counts;
+    sp.fill_slots = p.fill_slots.get();
+    sp.fill_host_offsets = p.fill_host.get();
+    sp.miss_offsets = p.miss_offsets.get();
+    sp.src_offsets = p.src.get();
+    sp.dst_offsets = p.dst.get();
+    sp.total = p.total.get();
+    sp.query_tokens = c.query_tokens;
+    if (s.resident != nullptr) {
+      sp.flags = p.flags.get();
+      sp.hit_ids = s.resident;
+      sp.miss_ids = s.fetched;
+      sp.hit_count = s.resident_count;
+      sp.miss_count = s.fetched_count;
+    }
+    ESS_LAUNCH(split_misses_cuda(sp, stream), "offload: the miss list of layer {}", s.layer);
+    // 5. The fetch, on the copy stream when there is one.
+    Stream copy_stream = stream;
+    if (s.copy_stream != nullptr) {
+      ESS_CUDA_CHECK(cudaEventRecord(p.decided, static_cast<cudaStream_t>(stream)), "offload: event");
+      ESS_CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(s.copy_stream), p.decided, 0), "offload: event");
+      copy_stream = s.copy_stream;
+    }
+    if (s.fetch) {
+      EntryCopy copy{pool_dev_, x_.buffer.layer_base[static_cast<std::size_t>(s.layer)], p.src.get(), p.dst.get(),
+                     static_cast<std::int64_t>(s.batch) * static_cast<std::int64_t>(P_),
+                     static_cast<int>(x_.config.layout.bytes()), p.total.get(), c.copy_blocks};
+      ESS_LAUNCH(flashtrans_cuda(copy, copy_stream), "offload: FlashTrans of layer {}", s.layer);
+    }
+    if (s.copy_done != nullptr) {
+      ESS_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(s.copy_done), static_cast<cudaStream_t>(copy_stream)),
+                     "offload: recording copy_done");
+    }
+  }
+
+  void write_back(const WriteBack& w) override {
+    const OffloadConfig& c = x_.config;
+    WriteBackList list;
+    list.batch = w.batch;
+    list.query_tokens = c.query_tokens;
+    list.layers = c.layers;
+    list.layer = w.layer;
+    list.max_pages = max_pages_;
+    list.slots = c.slots;
+    list.rows_per_request = rpr_;
+    list.rows = w.rows;
+    list.lengths = w.lengths;
+    list.source_rows = w.source_rows;
+    list.page_table = page_table_.get();
+    list.page_bytes = x_.pool->page_bytes();
+    list.entry_bytes = c.layout.bytes();
+    list.buffer = x_.buffer.rows;
+    list.src_offsets = wb_src_.get();
+    list.dst_offsets = wb_dst_.get();
+    list.total = wb_total_.get();
+    ESS_LAUNCH(launch_write_back_list(list, w.stream), "offload: the write-back list of layer {}", w.layer);
+    EntryCopy copy{x_.buffer.layer_base[static_cast<std::size_t>(w.layer)], const_cast<std::uint8_t*>(pool_dev_),
+                   wb_src_.get(), wb_dst_.get(), static_cast<std::int64_t>(w.batch) * c.query_tokens,
+                   static_cast<int>(c.layout.bytes()), wb_total_.get(), c.copy_blocks};
+    ESS_LAUNCH(flashtrans_cuda(copy, w.stream), "offload: write-back of layer {}", w.layer);
+  }
+
+  std::vector<std::uint8_t> read_row(int layer, std::int32_t p) const override {
+    std::vector<std::uint8_t> v(x_.config.layout.bytes());
+    ESS_CUDA_CHECK(cudaDeviceSynchronize(), "offload: read_row");
+    ESS_CUDA_CHECK(cudaMemcpy(v.data(), x_.buffer.layer_base[static_cast<std::size_t>(layer)] + x_.buffer.rows.offset(p),
+                              v.size(), cudaMemcpyDeviceToHost),
+                   "offload: reading row {} of layer {}", p, layer);
+    return v;
+  }
+
+  void add_stats(OffloadStats& st) const override {
+    st.steps = steps_;
+    st.warmup_fills = warmup_fills_;
+  }
+
+ private:
+  static constexpr int kWholeGpu = 4096;  // the untimed warm-up fills take every SM
+
+  Offload::Impl& x_;
+  std::size_t P_ = 0, B_ = 0;
+  std::int32_t rpr_ = 0;
+  int max_pages_ = 0;
+  std::unique_ptr<GpuSwapEngine> swap_;
+  std::vector<DeviceBuffer<std::uint8_t>> owned_;
+  Part parts_[Offload::kParts];
+  DeviceBuffer<std::uint64_t> wb_src_, wb_dst_;
+  DeviceBuffer<std::int64_t> wb_total_;
+  DeviceBuffer<std::int32_t> page_table_;
+  const std::uint8_t* pool_dev_ = nullptr;
+  std::int64_t steps_ = 0, warmup_fills_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<OffloadBackend> make_cuda_offload(Offload::Impl& front, bool owned) {
+  return std::make_unique<CudaOffload>(front, owned);
+}
+
+}  // namespace ess::cuda

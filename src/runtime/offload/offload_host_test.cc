@@ -1,0 +1,170 @@
+// The per-layer step on the CPU backend: the cases of offload_cases.h (the same the CUDA
+// backend runs in offload_test.cc), and what only the CPU backend promises: invalid input is
+// refused by name with every state unchanged.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <deque>
+
+#include "ess/core/digest.h"
+#include "harness/support/testing.h"
+#include "offload_cases.h"
+
+namespace ess::offload_test {
+namespace {
+
+LatentBuffer cpu_engine_buffer(int layers, std::int64_t rows, std::uint64_t row_stride, std::int64_t block_rows,
+                               std::uint64_t block_stride) {
+  static std::deque<std::vector<std::uint8_t>> keep;
+  LatentBuffer b;
+  b.rows.row_stride = row_stride;
+  b.rows.block_rows = block_rows;
+  b.rows.block_stride = block_stride;
+  const std::uint64_t bytes = static_cast<std::uint64_t>((rows + block_rows - 1) / block_rows) * block_stride;
+  for (int l = 0; l < layers; ++l) {
+    keep.emplace_back(bytes + 16, std::uint8_t{0});
+    auto* p = keep.back().data();
+    b.layer_base.push_back(p + (16 - reinterpret_cast<std::uintptr_t>(p) % 16) % 16);
+  }
+  return b;
+}
+
+bool always() { return true; }
+
+// Every state of an Offload that a refused call must leave alone: the rows of every layer's
+// buffer, the host pool's entries of the admitted requests, lengths and rows.
+std::uint64_t digest(Offload& o, const std::vector<RequestId>& ids) {
+  Digest d;
+  for (int l = 0; l < o.config().layers; ++l) {
+    const auto buf = io().dump(o, l);
+    d.bytes(buf.data(), buf.size());
+  }
+  for (const RequestId id : ids) {
+    d.value(o.row(id));
+    d.value(o.length(id));
+    for (int l = 0; l < o.config().layers; ++l) {
+      for (std::int64_t t = 0; t < o.length(id); ++t) {
+        const auto e = o.host_entry(id, l, t);
+        d.bytes(e.data(), e.size());
+      }
+    }
+  }
+  const OffloadStats st = o.stats();
+  d.value(st.steps);
+  d.value(st.hits);
+  d.value(st.misses);
+  return d.get();
+}
+
+TEST(OffloadCpu, BadInputIsRefusedByNameAndChangesNothing) {
+  OffloadConfig c;
+  c.layers = 2;
+  c.layout = test::small_layout();
+  c.max_requests = 3;
+  c.query_tokens = 2;
+  c.topk = 4;
+  c.slots = 8;
+  c.reserve_newest = true;
+  c.max_context = 300;
+  Offload o(c);
+  const std::vector<RequestId> ids = {5, 6};
+  for (const RequestId id : ids) {
+    o.admit(id, 100);
+    for (int l = 0; l < 2; ++l) {
+      for (std::int64_t t = 0; t < 100; ++t) {
+        const auto e = entry_of(id, l, t, c.layout.bytes());
+        std::memcpy(o.host_entry(id, l, t).data(), e.data(), e.size());
+      }
+    }
+  }
+  std::vector<std::int32_t> phys(16);
+  const auto step_with = [&](std::vector<std::int32_t> rows, std::vector<std::int32_t> topk, std::vector<std::int32_t> lengths,
+                             int layer = 0) {
+    LayerStep s;
+    s.layer = layer;
+    s.batch = static_cast<int>(rows.size());
+    s.rows = rows.data();
+    s.topk = topk.data();
+    s.lengths = lengths.data();
+    s.physical = phys.data();
+    o.step(s);
+  };
+  const std::vector<std::int32_t> good = {1, 2, 3, 4, 5, 6, 7, 99};
+  step_with({o.row(5)}, good, {100});  // a valid step first, so the LRU has state
+  const std::uint64_t before = digest(o, ids);
+  const auto refused = [&](const std::function<void()>& f, const std::string& needle) {
+    const std::string e = test::error_of(f);
+    EXPECT_NE(e.find(needle), std::string::npos) << e;
+    EXPECT_EQ(digest(o, ids), before) << "after: " << e;
+  };
+  refused([&] { step_with({o.row(5)}, {1, 2, 3, 4, 5, 6, 7, 100}, {100}); }, "100");            // past the length
+  refused([&] { step_with({o.row(5)}, {1, 1, 3, 4, 5, 6, 7, 8}, {100}); }, "twice");            // a duplicate
+  refused([&] { step_with({o.row(5)}, {1, 2, 3, 4, 99, 99, 7, 8}, {100}); }, "twice");          // a duplicate newest
+  refused([&] { step_with({o.row(5)}, good, {101}); }, "length 101");                            // a stale length
+  refused([&] { step_with({2}, good, {100}); }, "row 2, which holds no request");                 // an empty row
+  refused([&] { step_with({7}, good, {100}); }, "row 7, outside [0, 3)");                       // no such row
+  refused([&] { step_with({o.row(5), o.row(5)}, {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16}, {100, 100}); },
+          "5");                                                                                   // a request twice
+  refused([&] { step_with({o.row(5)}, good, {100}, 2); }, "layer 2 outside [0, 2)");
+  refused([&] { LayerStep s; s.batch = 1; o.step(s); }, "rows, topk, lengths and physical are required");
+  refused(
+      [&] {
+        std::vector<std::int32_t> rows = {o.row(5)}, topk = good, lengths = {100};
+        LayerStep s;
+        s.batch = 1;
+        s.rows = rows.data();
+        s.topk = topk.data();
+        s.lengths = lengths.data();
+        s.physical = phys.data();
+        s.copy_stream = reinterpret_cast<cuda::Stream>(std::uintptr_t{1});
+        o.step(s);
+      },
+      "copy_stream and copy_done go together");
+  refused([&] { o.admit(5, 10); }, "already admitted");
+  refused([&] { o.admit(8, 301); }, "prompt length 301");
+  refused([&] { o.extend(6, 201); }, "exceeds max_context");
+  refused([&] { o.release(99); }, "not admitted");
+  refused([&] { o.warmup(5, std::vector<std::int32_t>(7), 1); }, "7 ids");
+  refused([&] { (void)o.read_row(0, 3 * o.rows_per_request()); }, "outside");
+  std::vector<std::int32_t> wb_rows = {o.row(6)}, wb_len = {99};
+  refused([&] { WriteBack w; w.batch = 1; w.rows = wb_rows.data(); w.lengths = wb_len.data(); o.write_back(w); },
+          "has length 99");
+  // A third request fits, a fourth does not; releasing frees the row.
+  o.admit(8, 10);
+  EXPECT_NE(test::error_of([&] { o.admit(9, 10); }).find("all 3 rows are taken"), std::string::npos);
+  const std::int32_t freed = o.row(8);
+  o.release(8);
+  EXPECT_EQ(o.admit(9, 10), freed);
+}
+
+TEST(OffloadCpu, ConfigurationErrorsNameTheField) {
+  OffloadConfig c;
+  c.layers = 2;
+  c.max_requests = 2;
+  c.query_tokens = 2;
+  c.topk = 2048;
+  c.slots = 4000;
+  c.max_context = 32768;
+  EXPECT_NE(test::error_of([&] { Offload o(c); }).find("4000 slots per request-layer cannot hold"), std::string::npos);
+  c.slots = 4096;
+  c.backend = Backend::kCuda;
+  if (!cuda_backend_built()) {
+    EXPECT_NE(test::error_of([&] { Offload o(c); }).find("CUDA backend is not part of this build"), std::string::npos);
+  }
+  c.backend = Backend::kCpu;
+  LatentBuffer b;
+  b.layer_base = {nullptr};
+  EXPECT_NE(test::error_of([&] { Offload o(c, b); }).find("1 layer buffers for 2 layers"), std::string::npos);
+  b.rows.row_stride = 100;
+  b.layer_base = {};
+  EXPECT_NE(test::error_of([&] { Offload o(c, b); }).find("row_stride = 100"), std::string::npos);
+}
+
+}  // namespace
+
+const OffloadHarness& harness() {
+  static const OffloadHarness h{{"cpu", always}, Backend::kCpu, cpu_engine_buffer};
+  return h;
+}
+
+}  // namespace ess::offload_test

@@ -1,0 +1,36 @@
+// `ess bench swap`: the GPU swap engine's time per layer for a decode batch (one launch for
+// all requests), on top-k sequences with decode-like locality, timed with CUDA events.
+// Issue target: <= 20 us per layer at batch 128, T 2, top-k 2048, 6,554 slots.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "ess/core/stats.h"
+
+namespace ess::cuda {
+
+struct SwapBenchConfig {
+  int requests = 128;
+  int query_tokens = 2;
+  int topk = 2048;
+  std::int32_t slots = 6554;
+  std::int64_t context = 32768;
+  int fresh_per_query = 100;  // ids replaced per query per step (sets the miss rate)
+  int steps = 64;             // distinct steps cycled through
+  int repeats = 50;
+  std::uint64_t seed = 1;
+  int device = 0;
+};
+
+struct SwapBenchResult {
+  std::string device;
+  std::string date;
+  Summary us_per_layer;
+  double misses_per_request_step = 0;
+  double hits_per_request_step = 0;
+};
+
+SwapBenchResult run_swap_bench(const SwapBenchConfig& config);
+
+}  // namespace ess::cuda

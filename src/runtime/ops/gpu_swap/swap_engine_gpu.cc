@@ -1,0 +1,159 @@
+#include "runtime/ops/gpu_swap/swap_engine_gpu.h"
+
+#include <cuda_runtime.h>
+
+#include "runtime/cuda/check.h"
+#include "runtime/cuda/device_buffer.h"
+#include "runtime/ops/gpu_swap/swap_engine_kernels.h"
+
+namespace ess::cuda {
+
+GpuSwapEngine::GpuSwapEngine(const GpuSwapConfig& config, Stream stream) : config_(config), stream_(stream) {
+  const std::string bad = check_args(config);
+  ESS_CHECK(bad.empty(), "{}", bad);
+  ESS_CUDA_CHECK(cudaSetDevice(config.device), "gpu swap engine: selecting device {}", config.device);
+  const std::size_t smem = swap_step_smem_bytes(config.max_positions, config.slots) + kSwapStepStaticSmemBound;
+  int optin = 0;
+  ESS_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, config.device), "shared memory limit");
+  ESS_CHECK(smem <= static_cast<std::size_t>(optin),
+            "gpu swap engine: {} slots and {} positions need {} bytes of shared memory per block; the device allows {}",
+            config.slots, config.max_positions, smem, optin);
+  ESS_CUDA_CHECK(static_cast<cudaError_t>(swap_step_raise_smem_limit()), "gpu swap engine: raising the shared-memory limit");
+  const std::size_t n = static_cast<std::size_t>(config.rows) * config.layers * config.slots;
+  ESS_CUDA_CHECK(cudaMalloc(&order_, n * 4), "gpu swap engine: order");
+  ESS_CUDA_CHECK(cudaMalloc(&stamp_, n * 4), "gpu swap engine: recency");
+  ESS_CUDA_CHECK(cudaMalloc(&token_, n * 4), "gpu swap engine: residency");
+  ESS_CUDA_CHECK(cudaMalloc(&clock_, static_cast<std::size_t>(config.rows) * config.layers * 4), "gpu swap engine: clocks");
+  for (int r = 0; r < config.rows; ++r) reset_row(r);
+}
+
+SwapState GpuSwapEngine::state() const {
+  return SwapState{order_, stamp_, token_, clock_, config_.slots, config_.layers};
+}
+
+GpuSwapEngine::~GpuSwapEngine() {
+  cudaFree(order_);
+  cudaFree(stamp_);
+  cudaFree(token_);
+  cudaFree(clock_);
+}
+
+void GpuSwapEngine::reset_row(int row) {
+  ESS_CHECK(row >= 0 && row < config_.rows, "gpu swap engine: row {} out of [0, {})", row, config_.rows);
+  ESS_CUDA_CHECK(static_cast<cudaError_t>(launch_swap_reset(state(), row, stream_)), "gpu swap engine: reset of row {}", row);
+}
+
+void GpuSwapEngine::step_async(const GpuSwapStep& s) { step_async(s, stream_); }
+
+void GpuSwapEngine::step_async(const GpuSwapStep& s, Stream stream) {
+  const std::string bad = check_args(config_, s);
+  ESS_CHECK(bad.empty(), "{}", bad);
+  if (s.batch == 0) return;
+  ESS_CUDA_CHECK(static_cast<cudaError_t>(launch_swap_step(s, state(), stream)),
+                 "gpu swap engine: step of layer {} for {} requests", s.layer, s.batch);
+}
+
+GpuSwapEngine::HostResult GpuSwapEngine::step(int layer, const std::vector<std::int32_t>& rows, int T, int K,
+                                              const std::vector<std::int32_t>& ids) {
+  const int B = static_cast<int>(rows.size());
+  const std::size_t P = static_cast<std::size_t>(T) * K;
+  ESS_CHECK(ids.size() == static_cast<std::size_t>(B) * P, "gpu swap engine: {} ids for [B={}][T={}][K={}]", ids.size(), B, T, K);
+  const auto stream = static_cast<cudaStream_t>(stream_);
+  DeviceBuffer<std::int32_t> d_rows(rows.size()), d_ids(ids.size()), d_slots(ids.size()), d_ft(ids.size()), d_fs(ids.size()),
+      d_counts(2 * rows.size());
+  ESS_CUDA_CHECK(cudaMemcpyAsync(d_rows.get(), rows.data(), rows.size() * 4, cudaMemcpyHostToDevice, stream), "upload rows");
+  ESS_CUDA_CHECK(cudaMemcpyAsync(d_ids.get(), ids.data(), ids.size() * 4, cudaMemcpyHostToDevice, stream), "upload ids");
+  GpuSwapStep s;
+  s.layer = layer;
+  s.batch = B;
+  s.query_tokens = T;
+  s.topk = K;
+  s.rows = d_rows.get();
+  s.ids = d_ids.get();
+  s.slot_ids = d_slots.get();
+  s.fill_tokens = d_ft.get();
+  s.fill_slots = d_fs.get();
+  s.counts = d_counts.get();
+  step_async(s);
+  HostResult r;
+  r.slot_ids.resize(ids.size());
+  std::vector<std::int32_t> ft(ids.size()), fs(ids.size()), counts(2 * rows.size());
+  ESS_CUDA_CHECK(cudaMemcpyAsync(r.slot_ids.data(), d_slots.get(), ids.size() * 4, cudaMemcpyDeviceToHost, stream), "download");
+  ESS_CUDA_CHECK(cudaMemcpyAsync(ft.data(), d_ft.get(), ids.size() * 4, cudaMemcpyDeviceToHost, stream), "download");
+  ESS_CUDA_CHECK(cudaMemcpyAsync(fs.data(), d_fs.get(), ids.size() * 4, cudaMemcpyDeviceToHost, stream), "download");
+  ESS_CUDA_CHECK(cudaMemcpyAsync(counts.data(), d_counts.get(), counts.size() * 4, cudaMemcpyDeviceToHost, stream), "download");
+  ESS_CUDA_CHECK(cudaStreamSynchronize(stream), "gpu swap engine step");
+  r.fills.resize(rows.size());
+  r.counts.resize(rows.size());
+  for (int b = 0; b < B; ++b) {
+    r.counts[static_cast<std::size_t>(b)] = StepCounts{counts[2 * static_cast<std::size_t>(b)], counts[2 * static_cast<std::size_t>(b) + 1]};
+    for (std::int32_t m = 0; m < counts[2 * static_cast<std::size_t>(b) + 1]; ++m) {
+      const std::size_t o = static_cast<std::size_t>(b) * P + static_cast<std::size_t>(m);
+      r.fills[static_cast<std::size_t>(b)].push_back(MissEntry{b, rows[static_cast<std::size_t>(b)], ft[o], fs[o], 0});
+    }
+  }
+  return r;
+}
+
+std::vector<MissEntry> GpuSwapEngine::warmup(int row, int layer, int K, const std::vector<std::int32_t>& windows) {
+  ESS_CHECK(K > 0 && windows.size() % static_cast<std::size_t>(K) == 0,
+            "gpu swap engine: warmup of row {} layer {}: {} ids is not a whole number of top-{} windows", row, layer,
+            windows.size(), K);
+  ESS_CHECK(row >= 0 && row < config_.rows && layer >= 0 && layer < config_.layers,
+            "gpu swap engine: warmup row {} layer {} out of range", row, layer);
+  const auto stream = static_cast<cudaStream_t>(stream_);
+  const std::size_t S = static_cast<std::size_t>(config_.slots);
+  const std::int32_t* after = token_ + (static_cast<std::size_t>(row) * config_.layers + static_cast<std::size_t>(layer)) * S;
+  DeviceBuffer<std::int32_t> before(S), out_t(S), out_s(S), count(1);
+  ESS_CUDA_CHECK(cudaMemcpyAsync(before.get(), after, S * 4, cudaMemcpyDeviceToDevice, stream), "warmup snapshot");
+  const int W = static_cast<int>(windows.size() / static_cast<std::size_t>(K));
+  DeviceBuffer<std::int32_t> d_row(1), d_ids(windows.size() + 1), d_slots(static_cast<std::size_t>(K)), d_ft(static_cast<std::size_t>(K)),
+      d_fs(static_cast<std::size_t>(K)), d_counts(2);
+  ESS_CUDA_CHECK(cudaMemcpyAsync(d_row.get(), &row, 4, cudaMemcpyHostToDevice, stream), "upload row");
+  ESS_CUDA_CHECK(cudaMemcpyAsync(d_ids.get(), windows.data(), windows.size() * 4, cudaMemcpyHostToDevice, stream), "upload windows");
+  for (int w = 0; w < W; ++w) {
+    GpuSwapStep s;
+    s.layer = layer;
+    s.batch = 1;
+    s.query_tokens = 1;
+    s.topk = K;
+    s.rows = d_row.get();
+    s.ids = d_ids.get() + static_cast<std::size_t>(w) * K;
+    s.slot_ids = d_slots.get();
+    s.fill_tokens = d_ft.get();
+    s.fill_slots = d_fs.get();
+    s.counts = d_counts.get();
+    step_async(s);
+  }
+  ESS_CUDA_CHECK(static_cast<cudaError_t>(launch_swap_diff(before.get(), after, config_.slots, out_t.get(), out_s.get(), count.get(), stream_)),
+                 "gpu swap engine: warmup diff");
+  std::int32_t n = 0;
+  ESS_CUDA_CHECK(cudaMemcpyAsync(&n, count.get(), 4, cudaMemcpyDeviceToHost, stream), "download");
+  ESS_CUDA_CHECK(cudaStreamSynchronize(stream), "gpu warmup");
+  std::vector<std::int32_t> t(static_cast<std::size_t>(n)), sl(static_cast<std::size_t>(n));
+  ESS_CUDA_CHECK(cudaMemcpy(t.data(), out_t.get(), t.size() * 4, cudaMemcpyDeviceToHost), "download");
+  ESS_CUDA_CHECK(cudaMemcpy(sl.data(), out_s.get(), sl.size() * 4, cudaMemcpyDeviceToHost), "download");
+  std::vector<MissEntry> fills;
+  for (std::int32_t i = 0; i < n; ++i) fills.push_back(MissEntry{0, row, t[static_cast<std::size_t>(i)], sl[static_cast<std::size_t>(i)], 0});
+  return fills;
+}
+
+GpuSwapEngine::HostState GpuSwapEngine::download(int row, int layer) const {
+  ESS_CHECK(row >= 0 && row < config_.rows && layer >= 0 && layer < config_.layers,
+            "gpu swap engine: row {} layer {} out of range", row, layer);
+  const std::size_t S = static_cast<std::size_t>(config_.slots);
+  const std::size_t base = (static_cast<std::size_t>(row) * config_.layers + static_cast<std::size_t>(layer));
+  ESS_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream_)), "gpu swap engine download");
+  HostState h;
+  h.order.resize(S);
+  h.token_of_slot.resize(S);
+  std::vector<std::int32_t> stamps(S);
+  ESS_CUDA_CHECK(cudaMemcpy(h.order.data(), order_ + base * S, S * 4, cudaMemcpyDeviceToHost), "download order");
+  ESS_CUDA_CHECK(cudaMemcpy(h.token_of_slot.data(), token_ + base * S, S * 4, cudaMemcpyDeviceToHost), "download tokens");
+  ESS_CUDA_CHECK(cudaMemcpy(stamps.data(), stamp_ + base * S, S * 4, cudaMemcpyDeviceToHost), "download recency");
+  ESS_CUDA_CHECK(cudaMemcpy(&h.clock, clock_ + base, 4, cudaMemcpyDeviceToHost), "download clock");
+  h.recency.assign(stamps.begin(), stamps.end());
+  return h;
+}
+
+}  // namespace ess::cuda

@@ -1,0 +1,50 @@
+// The host-side half of every CUDA launcher, in plain C++ (compiled into the host library,
+// built and tested without CUDA): argument checks and launch geometry.
+//
+// Each check_args returns "" when the launcher accepts the arguments, else a message naming
+// the field and its value. The launchers run the same check before any CUDA call and return
+// cudaErrorInvalidValue when it fails, so a test on a machine without a device covers the
+// exact checks a launch performs. Whatever needs the device (its shared-memory limit, its
+// SM count) is checked by the launcher itself.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "ess/ops/flashtrans.h"
+#include "ess/ops/indexer.h"
+#include "ess/ops/sparse_mla.h"
+#include "runtime/ops/gpu_swap/swap_engine_gpu.h"
+
+namespace ess::cuda {
+
+std::string check_args(const EntryCopy& copy);
+std::string check_args(const SparseMlaArgs& args);
+std::string check_args(const MergeArgs& args);
+std::string check_args(const IndexerArgs& args);
+std::string check_args(const TopkArgs& args);
+// A swap engine and one step launched on it (the step's shape must fit the engine).
+std::string check_args(const GpuSwapConfig& config);
+std::string check_args(const GpuSwapConfig& config, const GpuSwapStep& step);
+
+// FlashTrans's grid for a copy: min(blocks, what the entries need) blocks of `threads`.
+struct FlashTransGrid {
+  int blocks = 1;
+  int threads = kFlashTransDefaultThreads;
+};
+FlashTransGrid flashtrans_grid(const EntryCopy& copy);
+
+// The GPU swap engine's step kernel: the shared-memory hash of T x K = `positions`
+// selections (a power of two, at least twice the positions), and the dynamic shared memory
+// of one block (hash keys, first positions, slots; miss tokens and victims; a flag per slot).
+int swap_hash_capacity(int positions);
+std::size_t swap_step_smem_bytes(int positions, std::int32_t slots);
+// Static shared memory of the step kernel (its block scan's storage) is at most this; the
+// kernel asserts it at compile time, so host code can bound a block's total.
+inline constexpr std::size_t kSwapStepStaticSmemBound = 8192;
+// Opt-in shared memory per block of the devices ESS targets (H100, H200, H20, H800:
+// 227 KB), for host-side checks of shapes before any device is present.
+inline constexpr std::size_t kHopperSmemOptin = 232448;
+
+}  // namespace ess::cuda
