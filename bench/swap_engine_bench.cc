@@ -1,5 +1,5 @@
 // CPU swap engine throughput: top-k lookups per second for one layer of a decode batch.
-// Default shape (issue target >= 50 M lookups/s on one core): B = 64 requests, T = 2 MTP
+// Default shape (target >= 50 M lookups/s on one core): B = 64 requests, T = 2 MTP
 // query tokens, K = 2048, 6,554 slots (ratio 0.2 of 32K), context 32K. The top-k sequence
 // has the temporal locality of decode: each query keeps most of its previous selection and
 // draws `new_per_query` fresh ids, about 200 misses per request-step at the defaults.
@@ -8,10 +8,9 @@
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
-#include <random>
-#include <set>
 #include <vector>
 
+#include "decode_ids.h"
 #include "ess/cache/sparse_pool.h"
 #include "ess/cache/swap_engine.h"
 #include "ess/cache/total_pool.h"
@@ -19,50 +18,8 @@
 namespace {
 
 using namespace ess;
-
-struct Shape {
-  int B, T, K;
-  std::int64_t context;
-  double ratio;
-  int new_per_query;
-};
-
-// Pre-generated [steps][B][T][K] ids with decode-like locality.
-std::vector<std::vector<std::int32_t>> make_steps(const Shape& s, int steps, std::uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::vector<std::vector<std::int32_t>> out(static_cast<std::size_t>(steps));
-  std::vector<std::vector<std::int32_t>> cur(static_cast<std::size_t>(s.B));
-  const auto rand_id = [&] { return static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(s.context)); };
-  for (int st = 0; st < steps; ++st) {
-    auto& ids = out[static_cast<std::size_t>(st)];
-    ids.reserve(static_cast<std::size_t>(s.B) * s.T * s.K);
-    for (int b = 0; b < s.B; ++b) {
-      auto& set = cur[static_cast<std::size_t>(b)];
-      std::set<std::int32_t> q(set.begin(), set.end());
-      if (q.empty()) {
-        while (static_cast<int>(q.size()) < s.K) q.insert(rand_id());
-      } else {
-        std::vector<std::int32_t> v(q.begin(), q.end());
-        std::shuffle(v.begin(), v.end(), rng);
-        for (int i = 0; i < s.new_per_query; ++i) q.erase(v[static_cast<std::size_t>(i)]);
-        while (static_cast<int>(q.size()) < s.K) q.insert(rand_id());
-      }
-      set.assign(q.begin(), q.end());
-      for (int t = 0; t < s.T; ++t) {
-        // MTP query tokens share all but a few of their selections.
-        std::vector<std::int32_t> row(set);
-        for (int i = 0; i < t * 16; ++i) {
-          std::int32_t x = rand_id();
-          while (q.count(x) != 0) x = rand_id();
-          row[static_cast<std::size_t>(i)] = x;
-          q.insert(x);
-        }
-        ids.insert(ids.end(), row.begin(), row.end());
-      }
-    }
-  }
-  return out;
-}
+using bench::make_steps;
+using bench::Shape;
 
 void BM_SwapEngineStep(benchmark::State& state) {
   const Shape s{static_cast<int>(state.range(0)), static_cast<int>(state.range(1)), static_cast<int>(state.range(2)),

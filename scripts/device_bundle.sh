@@ -2,7 +2,10 @@
 # Builds here what a GPU validation run needs and collects it into one folder that travels to
 # a bare GPU machine (scripts/gpu_validate.sh; docs/gpu-validation.md):
 #
-#   DIR/bin/       ess and every kernel test binary (device runs and host runs)
+#   DIR/bin.tar.xz ess and every kernel test binary (device runs and host runs), one solid xz
+#                  archive: the binaries share most of their code (the runtime and harness are
+#                  linked into each), so the archive is a tenth of their size; gpu_validate.sh
+#                  unpacks it to DIR/bin there (tar, or Python's tarfile where xz is missing)
 #   DIR/lib/       every shared library they load beyond glibc, libstdc++, libgcc and the
 #                  CUDA driver / toolkit (libfmt, oneTBB, ...)
 #   DIR/prefix/    the fallback if a carried binary does not start there: the headers,
@@ -57,10 +60,11 @@ fi
 "$RELEASE/tools/ess/ess" --version | grep -q "CUDA target: built" ||
   { echo "device_bundle: $RELEASE was built without the CUDA target (nvcc missing?)" >&2; exit 1; }
 
-rm -rf "$DIR/bin" "$DIR/lib" "$DIR/manifest.json"
+rm -rf "$DIR/bin" "$DIR/bin.tar.xz" "$DIR/lib" "$DIR/manifest.json"
 mkdir -p "$DIR/bin" "$DIR/lib"
 cp "$RELEASE/tools/ess/ess" "$DIR/bin/"
-for t in "$RELEASE"/tests/cuda/cuda_*_test; do cp "$t" "$DIR/bin/"; done
+# The kernel tests live beside their sources (src/runtime/ops/<op>, src/runtime/offload, src/harness/rig).
+while IFS= read -r t; do cp "$t" "$DIR/bin/"; done < <(find "$RELEASE/src" -type f -name 'cuda_*_test' -perm -u+x | sort)
 
 # Libraries the machine there is expected to have: glibc, libstdc++, libgcc, the CUDA driver
 # and toolkit (cudart, cuBLAS).
@@ -151,8 +155,12 @@ manifest = {
 json.dump(manifest, open(os.path.join(d, "manifest.json"), "w"), indent=1)
 PY
 
+# The binaries travel as one archive (the manifest above holds each one's hash).
+tar -C "$DIR" -cJf "$DIR/bin.tar.xz" bin
+rm -rf "$DIR/bin"
+
 size_kib=$(du -sk "$DIR" | cut -f1)
-echo "device bundle: $DIR, $((size_kib / 1024)) MiB ($(ls "$DIR/bin" | wc -l) binaries, $(ls "$DIR/lib" | wc -l) libraries$( ((PREFIX)) && echo ", fallback prefix"))"
+echo "device bundle: $DIR, $((size_kib / 1024)) MiB ($(tar -tJf "$DIR/bin.tar.xz" | grep -c '^bin/.') binaries, $(ls "$DIR/lib" | wc -l) libraries$( ((PREFIX)) && echo ", fallback prefix"))"
 if ((size_kib > LIMIT_MIB * 1024)); then
   echo "device_bundle: the bundle is over $LIMIT_MIB MiB; the work tree and the bundle must travel within 64 MiB" >&2
   exit 1
@@ -170,7 +178,7 @@ if ((CHECK)); then
     -DCMAKE_PREFIX_PATH=$DIR/prefix/usr -DCMAKE_IGNORE_PREFIX_PATH='/usr;/usr/local' >/dev/null"
   if ((CHECK == 2)); then
     configure_and_build+=" && cmake --build $FB -j ${JOBS:-$(nproc)} --target ess cuda_swap_engine_test \
-      cuda_swap_engine_host_test cuda_executor_test"
+      cuda_swap_engine_host_test cuda_offload_test cuda_executor_test"
   fi
   if unshare -m true 2>/dev/null; then
     echo "fallback check: building in a mount namespace with the system's copies hidden"
@@ -202,6 +210,6 @@ if ((CHECK)); then
   fi
   "$FB/tools/ess/ess" --version
   ldd "$FB/tools/ess/ess" | grep -E "libfmt|libtbb"
-  "$FB/tests/cuda/cuda_swap_engine_host_test" --gtest_brief=1 --gtest_filter='*WarmupMatches*'
+  "$FB/src/runtime/ops/gpu_swap/cuda_swap_engine_host_test" --gtest_brief=1 --gtest_filter='*WarmupMatches*'
   echo "fallback check: passed (the bundle's prefix alone satisfied find_package and supplied every header and library)"
 fi

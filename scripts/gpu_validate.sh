@@ -54,6 +54,15 @@ record() { printf '%s\n' "$2" >> "$OUT/$1.jsonl"; }
 json() { python3 -c 'import json, sys; print(json.dumps(sys.argv[1]))' "$1"; }
 
 # ---- where the binaries come from ---------------------------------------------------------------
+# The bundle carries them as one archive (scripts/device_bundle.sh), unpacked beside it (the
+# bundle itself stays as it was carried).
+UNPACKED=$ROOT/build/device-bundle-bin
+rm -rf "$UNPACKED"
+mkdir -p "$UNPACKED"
+if [[ -f $ROOT/$BUNDLE/bin.tar.xz ]]; then
+  tar -C "$UNPACKED" -xJf "$ROOT/$BUNDLE/bin.tar.xz" 2>/dev/null ||
+    python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' "$ROOT/$BUNDLE/bin.tar.xz" "$UNPACKED"
+fi
 CUDA_LIB=""
 for d in /usr/local/cuda/lib64 /usr/local/cuda/lib /usr/local/cuda/targets/x86_64-linux/lib; do
   [[ -e $d/libcudart.so.13 || -e $d/libcublas.so.13 ]] && { CUDA_LIB=$d; break; }
@@ -69,7 +78,7 @@ fi
 export LD_LIBRARY_PATH="$ROOT/$BUNDLE/lib${CUDA_LIB:+:$CUDA_LIB}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
 starts() { "$@" >/dev/null 2>&1; }
-BIN=$ROOT/$BUNDLE/bin
+BIN=$UNPACKED/bin
 carried_ok=0
 if [[ -x $BIN/ess ]] && starts "$BIN/ess" --version; then
   carried_ok=1
@@ -88,7 +97,7 @@ if ((!carried_ok)); then
   BIN=$FB/bin-view
   mkdir -p "$BIN"
   ln -sf "$FB/tools/ess/ess" "$BIN/ess"
-  for t in "$FB"/tests/cuda/cuda_*_test; do ln -sf "$t" "$BIN/"; done
+  while IFS= read -r t; do ln -sf "$t" "$BIN/"; done < <(find "$FB/src" -type f -name 'cuda_*_test' -perm -u+x)
 fi
 ESS=$BIN/ess
 SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
@@ -119,8 +128,8 @@ stage_probe() {
 # The device test binaries, cheapest and most basic first (if a command is cut off, what it
 # finished is what everything else rests on). Their host runs and the CPU-only tests pass in
 # CI; a dry run (or HOST_RUNS=1) runs them too.
-DEVICE_TESTS=(cuda_flashtrans_test cuda_swap_engine_test cuda_split_test cuda_sparse_mla_test cuda_indexer_test
-              cuda_executor_test)
+DEVICE_TESTS=(cuda_flashtrans_test cuda_swap_engine_test cuda_split_test cuda_offload_test cuda_sparse_mla_test
+              cuda_indexer_test cuda_executor_test)
 
 # Every test binary under its own timeout, with gtest's JSON report.
 stage_tests() {
@@ -180,15 +189,18 @@ SAN_RUNS=(
   "memcheck cuda_sparse_mla_test *K64_bad*:*K41_some*:*RowLengths*:*MergeStates*"
   "memcheck cuda_indexer_test *B3_T2_H64_exact*:*ReportsTheFirstRow*"
   "memcheck cuda_split_test *SplitShapes*/1:*SplitShapes*/3"
+  "memcheck cuda_offload_test *OffloadShapes*/1:*OffloadShapes*/2:*WriteBack*:*EngineBuffer*:*Reset*"
   "memcheck cuda_executor_test executor.OffloadedNoneIsBitIdenticalToResident"
   "racecheck cuda_sparse_mla_test *K64_bad*:*K41_some*"
   "racecheck cuda_swap_engine_test *BitForBit/1:*WarmupMatches*"
   "racecheck cuda_indexer_test *B3_T2_H64_exact*:*ReportsTheFirstRow*"
   "racecheck cuda_split_test *SplitShapes*/1"
+  "racecheck cuda_offload_test *OffloadShapes*/1:*WriteBack*"
   "synccheck cuda_sparse_mla_test *K64_bad*:*K41_some*"
   "synccheck cuda_swap_engine_test *BitForBit/1"
   "synccheck cuda_indexer_test *B3_T2_H64_exact*:*ReportsTheFirstRow*"
   "synccheck cuda_split_test *SplitShapes*/1"
+  "synccheck cuda_offload_test *OffloadShapes*/1:*WriteBack*"
 )
 stage_sanitize() {
   local run tool bin filter rc start summary
@@ -259,6 +271,7 @@ stage_kernels() {
   ess_run kernels indexer-32k bench indexer --format json --requests 64 --context 32768
   ess_run kernels indexer-128k bench indexer --format json --requests 16 --context 131072
   ess_run kernels verify-cuda verify --backend cuda --format json
+  ess_run kernels verify-cuda-reserved verify --backend cuda --reserve-newest --mtp 3 --format json
 }
 
 stage_step() {

@@ -15,6 +15,7 @@ PACKAGES=(
   python3-numpy                       # python/ess_trace.py writer; Python -> C++ trace round-trip test
   python3-matplotlib                  # scripts/plot_trace_analysis.py figures
   clang-14 libclang-rt-14-dev         # libFuzzer target of the trace reader (scripts/fuzz.sh)
+  xz-utils                            # the device bundle packs its binaries into one xz archive
 )
 
 missing=()

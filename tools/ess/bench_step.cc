@@ -1,4 +1,4 @@
-// ess bench step | profile: the decode-step executor (src/ess/pipeline) on the GPU.
+// ess bench step | profile: the decode-step executor (src/harness/rig) on the GPU.
 #include <fmt/format.h>
 
 #include <fstream>
@@ -9,6 +9,7 @@
 #include "ess/core/error.h"
 #include "ess/core/lists.h"
 #include "harness/gpu_benchmarks.h"
+#include "harness/report/report.h"
 #include "harness/rig/config.h"
 
 namespace ess::cli {
@@ -51,33 +52,6 @@ struct ExecutorArgs {
     return r;
   }
 };
-
-void print_step(const pipeline::StepBenchConfig& sc, const pipeline::StepBenchResult& r, Format format) {
-  if (format == Format::kJson) {
-    fmt::print("{}\n", r.to_json(sc).dump(2));
-    return;
-  }
-  const auto& b = sc.base;
-  fmt::print("ess bench step on {} ({}): {} layers, context {}, ratio {} ({} slots), median of {} graph steps\n", r.device,
-             r.date, b.layers, b.context, b.ratio, b.resolved_slots(), b.steps - b.warm_steps);
-  fmt::print("{:>6} {:<10} {:>10} {:>10} {:>10} {:>9} {:>9} {:>11} {:>11}\n", "batch", "mode", "step us", "min", "max",
-             "vs res", "misses", "exposed us", "predicted");
-  for (const auto& p : r.points) {
-    double misses = 0;
-    for (const double m : p.report.misses) misses += m / static_cast<double>(p.report.misses.size());
-    fmt::print("{:>6} {:<10} {:>10.1f} {:>10.1f} {:>10.1f} {:>9} {:>9.1f} {:>11} {:>11}\n", p.batch, p.mode,
-               p.report.step.median, p.report.step.min, p.report.step.max,
-               p.vs_resident > 0 ? fmt::format("{:.3f}", p.vs_resident) : "",
-               misses, p.exposed_us >= 0 ? fmt::format("{:.1f}", p.exposed_us) : "",
-               p.predicted_us >= 0 ? fmt::format("{:.1f}", p.predicted_us) : "");
-  }
-  fmt::print("\nmax batch of the whole model ({}, {}): all-resident {}, ESS {} ({} slots)\n", sc.hardware, sc.deployment,
-             r.max_batch_resident, r.max_batch_ess, r.ess_slots);
-  if (r.gain_points.size() == 2) {
-    fmt::print("throughput gain on the rig at those batches: {:.2f}x (resident {:.1f} us, ESS {:.1f} us per step)\n",
-               r.throughput_gain, r.gain_points[0].report.step.median, r.gain_points[1].report.step.median);
-  }
-}
 
 }  // namespace
 
@@ -134,7 +108,12 @@ void add_bench_step(CLI::App& bench, int& exit_code) {
       points << p.to_json().dump() << '\n' << std::flush;
       ESS_CHECK(points.good(), "bench step: writing --points {} failed", sa->points_file);
     };
-    print_step(sc, harness::gpu_benchmarks("bench step").step(sc, on_point), sa->format);
+    const pipeline::StepBenchResult r = harness::gpu_benchmarks("bench step").step(sc, on_point);
+    if (sa->format == Format::kJson) {
+      fmt::print("{}\n", r.to_json(sc).dump(2));
+    } else {
+      fmt::print("{}", harness::to_table(sc, r));
+    }
   });
 
   // ---- bench profile ---------------------------------------------------------------------

@@ -4,13 +4,12 @@
 #include <fmt/format.h>
 
 #include <memory>
-#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
 #include "commands.h"
 #include "ess/core/error.h"
-#include "ess/sim/planner.h"
+#include "ess/sim/report.h"
 #include "sim_inputs.h"
 
 namespace ess::cli {
@@ -24,34 +23,6 @@ struct PlanArgs {
   int batch_step = 1;
   Format format = Format::kTable;
 };
-
-nlohmann::json option_json(const sim::PlanOption& o) {
-  nlohmann::json j = {{"label", o.label}, {"found", o.found}, {"why", o.why}};
-  if (o.found) {
-    const auto& r = o.best;
-    j["batch"] = r.batch;
-    j["ratio"] = r.ratio;
-    j["slots"] = r.slots;
-    j["overlap"] = std::string(to_string(r.overlap));
-    j["step_ms"] = r.step_us / 1e3;
-    j["throughput_tokens_per_s"] = r.throughput_tokens_per_s;
-    j["otps"] = r.otps;
-    j["exposed_transfer_ms"] = r.exposed_transfer_us / 1e3;
-    j["layers_da"] = r.layers_da;
-    j["layers_dba"] = r.layers_dba;
-    j["layer_modes"] = r.layer_modes;
-    j["host_pool_gb_per_node"] = r.host_pool_gb_per_node;
-    j["h2d_gbps_per_node"] = r.h2d_gbps_per_node;
-  }
-  return j;
-}
-
-std::string option_line(const sim::PlanOption& o) {
-  if (!o.found) return fmt::format("{:<16} -", o.label);
-  const auto& r = o.best;
-  return fmt::format("{:<16} batch {:>4}  ratio {:.3f}  step {:>7.2f} ms  {:>8.0f} tok/s/node  {:>6.2f} OTPS", o.label,
-                     r.batch, r.ratio, r.step_us / 1e3, r.throughput_tokens_per_s, r.otps);
-}
 
 }  // namespace
 
@@ -81,67 +52,22 @@ void add_plan(CLI::App& app, int& exit_code) {
     base.modes.clear();
     for (const auto& m : a.modes) base.modes.push_back(parse_overlap_mode(m));
     ESS_CHECK(!a.contexts.empty(), "--context: no context length given");
-    std::vector<sim::PlanResult> results;
+    sim::Plans plans{model, hw, dep, a.min_otps, {}};
     for (std::int64_t ctx : a.contexts) {
       ESS_CHECK(ctx >= 1, "--context: {} must be positive", ctx);
       sim::PlanRequest r = base;
       r.context = ctx;
       r.misses = a.inputs.load_misses(ctx);
-      results.push_back(sim::plan(sm, r));
+      plans.results.push_back(sim::plan(sm, r));
     }
-    bool all_found = true;
-    for (const auto& r : results) all_found = all_found && r.found;
-    if (a.format == Format::kJson || a.format == Format::kCsv) {
-      nlohmann::json arr = nlohmann::json::array();
-      for (const auto& r : results) {
-        nlohmann::json alts = nlohmann::json::array();
-        for (const auto& o : r.alternatives) alts.push_back(option_json(o));
-        arr.push_back({{"context", r.context},
-                       {"min_otps", r.min_otps},
-                       {"found", r.found},
-                       {"chosen", r.found ? option_json(r.chosen) : nlohmann::json(nullptr)},
-                       {"alternatives", alts},
-                       {"refusals", r.refusals},
-                       {"evaluated", r.evaluated}});
-      }
-      if (a.format == Format::kJson) {
-        fmt::print("{}\n", nlohmann::json{{"model", model.name}, {"hardware", hw.name}, {"deployment", dep.to_json()},
-                                          {"plans", arr}}
-                               .dump(2));
-      } else {
-        fmt::print("context,min_otps,found,label,batch,ratio,overlap,step_ms,throughput_tokens_per_s,otps\n");
-        for (const auto& r : results) {
-          auto line = [&](const sim::PlanOption& o) {
-            if (!o.found) return fmt::print("{},{},{},{},,,,,,\n", r.context, r.min_otps, false, o.label);
-            fmt::print("{},{},{},{},{},{:.4f},{},{:.3f},{:.1f},{:.3f}\n", r.context, r.min_otps, true, o.label,
-                       o.best.batch, o.best.ratio, to_string(o.best.overlap), o.best.step_us / 1e3,
-                       o.best.throughput_tokens_per_s, o.best.otps);
-          };
-          if (r.found) line(r.chosen);
-          for (const auto& o : r.alternatives) line(o);
-        }
-      }
+    if (a.format == Format::kJson) {
+      fmt::print("{}\n", sim::to_json(plans).dump(2));
+    } else if (a.format == Format::kCsv) {
+      fmt::print("{}", sim::to_csv(plans));
     } else {
-      fmt::print("ess plan: {} on {} | {} nodes x {} GPUs, EP {}, MTP {} (accept {}), TBO {} | min OTPS {}\n", model.name,
-                 hw.name, dep.nodes, dep.gpus_per_node, dep.expert_parallel, dep.mtp_tokens, dep.accept_ratio,
-                 dep.two_batch_overlap ? "on" : "off", a.min_otps);
-      for (const auto& r : results) {
-        fmt::print("\ncontext {} ({} configurations evaluated)\n", r.context, r.evaluated);
-        if (r.found) {
-          fmt::print("  chosen: {}\n", option_line(r.chosen));
-          if (r.chosen.best.offload && r.chosen.best.overlap == OverlapMode::kLayerWise) {
-            fmt::print("          layer-wise: {} micro-batch layers DA, {} DBA; per layer (micro-batch A B; a = DA, "
-                       "b = DBA): {}\n",
-                       r.chosen.best.layers_da, r.chosen.best.layers_dba, r.chosen.best.layer_modes);
-          }
-        } else {
-          fmt::print("  no configuration meets {} tokens/s per request\n", r.min_otps);
-        }
-        for (const auto& o : r.alternatives) fmt::print("  {}\n      {}\n", option_line(o), o.why);
-        for (const auto& s : r.refusals) fmt::print("  refused: {}\n", s);
-      }
+      fmt::print("{}", sim::to_table(plans));
     }
-    exit_code = all_found ? 0 : 1;
+    exit_code = plans.all_found() ? 0 : 1;
   });
 }
 

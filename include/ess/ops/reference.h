@@ -14,7 +14,7 @@ namespace ess::ref {
 // ---- FlashTrans (entry copies) -------------------------------------------------------------
 //
 // For i < count: dst_base + dst_offsets[i] <- src_base + src_offsets[i], entry_bytes bytes
-// each (cuda/flashtrans.h copies exactly this; the entries of one call never overlap).
+// each (ess/ops/flashtrans.h copies exactly this; the entries of one call never overlap).
 void copy_entries(const std::uint8_t* src_base, std::uint8_t* dst_base, std::span<const std::uint64_t> src_offsets,
                   std::span<const std::uint64_t> dst_offsets, std::int64_t count, int entry_bytes);
 

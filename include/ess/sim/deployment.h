@@ -25,7 +25,7 @@ struct Deployment {
   // Fraction of HBM for weights + caches (SGLang's mem_fraction_static); the rest holds
   // activations, CUDA graphs and workspace.
   double mem_fraction_static = 0.9;
-  // 0: the whole model. > 0: the single-GPU rig of `ess bench step` (src/ess/pipeline): a step
+  // 0: the whole model. > 0: the single-GPU rig of `ess bench step` (src/harness/rig): a step
   // is this many MoE decoder layers running the experts one GPU of expert_parallel owns, with
   // no all-to-all, no Two-Batch Overlap, no LM head and no MTP draft pass; expert_parallel may
   // then exceed the GPUs (it is emulated) and the memory model is not applied (the rig holds

@@ -1,6 +1,6 @@
 // The decode-step executor's test problems, shared by its device test (executor_test.cc) and
 // its host half (executor_host_test.cc): the configurations, and the check of one query
-// token's attention against the CPU reference on the rig's own data (pipeline/rig_data.h).
+// token's attention against the CPU reference on the rig's own data (rig_data.h).
 #pragma once
 
 #include <fmt/format.h>

@@ -3,7 +3,7 @@
 // real tensor-core work to overlap with. Shapes follow the model; values are a fixed pseudo-
 // random pattern; outputs are discarded (the attention stack's inputs are separate tensors).
 //
-// Each op carries the simulator's op name (src/ess/sim/step_model.cc), so that what
+// Each op carries the simulator's op name (src/analysis/sim/step_model.cc), so that what
 // `ess bench profile` measures feeds `ess sim` table for table.
 //
 // Stand-ins run in BF16 through cuBLAS (the model runs most of them in FP8 via DeepGEMM):

@@ -11,7 +11,7 @@
 
 namespace ess::ref {
 
-// ---- Sparse MLA decode (cuda/sparse_mla.cu) ------------------------------------------------
+// ---- Sparse MLA decode (runtime/ops/sparse_mla) --------------------------------------------
 // The GPU decode of one query token against ess::ref::sparse_mla_decode_f32 (which sums in
 // double). With q . k exact products summed in fp32 over 576 dims, P rounded to bf16 and
 // fp32 accumulation over n valid entries (sparse_mla.cu), per head h and value dim d:
@@ -46,11 +46,11 @@ DecodeCheck check_decode_token(const SparseMlaParams& p, std::span<const std::ui
                                bool out_is_bf16, std::span<const float> lse, double slack = 0.0,
                                bool merged = false);
 
-// ---- Lightning indexer logits (cuda/indexer.cu) --------------------------------------------
+// ---- Lightning indexer logits (runtime/ops/indexer/indexer.cu) --------------------------------------------
 // Relative error bound of the GPU logits: |gpu - ref| <= tolerance * scale_j * sum_h |w_h|
 // * sum_d |q_hd k_jd|. 160 units of 2^-13 for the FP8 tensor core's truncating ~13-bit
 // accumulator over 4 chained k = 32 steps, 24 units of 2^-24 for the fp32 head sum and the
-// final roundings; derived in tests/cuda/indexer_test.cc.
+// final roundings; derived in src/runtime/ops/indexer/indexer_problem.h.
 inline constexpr double kIndexerLogitsTolerance = 160.0 / 8192.0 + 24.0 / 16777216.0;
 
 // The CPU reference of one query token, shared by the benchmark's check and the tests:

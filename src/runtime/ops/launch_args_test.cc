@@ -1,4 +1,4 @@
-// The CUDA launchers' argument checks and launch geometry (src/ess/cuda/launch_args.h), on
+// The CUDA launchers' argument checks and launch geometry (launch_args.h), on
 // the CPU: every launcher's valid arguments pass, and each invalid field is refused with a
 // message naming it and its value. The launchers run exactly these checks before any CUDA
 // call (their device tests confirm that the launcher refuses what the check refuses).

@@ -31,7 +31,7 @@
 // the largest exponent and keeps about 13 fraction bits, truncating (DeepSeek-V3 technical
 // report, sec. 3.3.2: "around 14 bits"; bit-level models of the H100 tensor cores measure
 // 13 bits, round toward zero). This is the same arithmetic DeepGEMM's kernel performs; the
-// test tolerance is derived from it (tests/cuda/indexer_test.cc). The head sum is fp32.
+// test tolerance is derived from it (indexer_problem.h). The head sum is fp32.
 #include <cuda_runtime.h>
 
 #include <cstdint>

@@ -4,7 +4,7 @@
 // each query token selects `topk` distinct random slots. Issue target: >= 150 TFLOP/s at
 // batch 128, T 2, 128 heads, top-k 2048 (FlashMLA's FP8 sparse decode: 410 on H800).
 //
-// The benchmark's check uses the decode's accuracy contract (ess/kernels/ref/accuracy.h).
+// The benchmark's check uses the decode's accuracy contract (harness/support/accuracy.h).
 #pragma once
 
 #include <cstdint>

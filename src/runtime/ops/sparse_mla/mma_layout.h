@@ -3,7 +3,7 @@
 // address mapping it gives `ldmatrix`, and the (row, column) of each accumulator element of
 // `mma.sync.m16n8k16` that the softmax and the epilogue use. Plain constexpr functions,
 // compiled for the device by nvcc and for the host by the C++ compiler, so that
-// tests/cuda/mma_layout_test.cc can emulate a warp on the CPU: build fragments from a
+// mma_layout_test.cc can emulate a warp on the CPU: build fragments from a
 // shared-memory image through these mappings, apply the PTX ISA's fragment semantics
 // (encoded independently in the test) and compare with a plain matrix product.
 //

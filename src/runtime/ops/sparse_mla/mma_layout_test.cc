@@ -1,4 +1,4 @@
-// The sparse MLA kernel's index math (src/ess/cuda/mma_layout.h), checked on the CPU by
+// The sparse MLA kernel's index math (mma_layout.h), checked on the CPU by
 // emulating one warp: fragments are built from a shared-memory image laid out as the kernel
 // lays it out, through the kernel's ldmatrix lane -> address mappings, then multiplied with
 // mma.m16n8k16's documented semantics and compared with a plain matrix product.

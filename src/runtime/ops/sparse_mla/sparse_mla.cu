@@ -1,7 +1,7 @@
 // Sparse MLA decode on tensor cores (mma.sync m16n8k16 bf16 -> fp32) and the merge of two
 // partial attention states. Definitions in sparse_mla.h; the CTA program in
 // sparse_mla_kernel.h (instantiated here with the PTX primitives, and on the CPU by
-// tests/cuda/sparse_mla_emulation_test.cc); index math in mma_layout.h.
+// sparse_mla_emulation_test.cc); index math in mma_layout.h.
 //
 // ---- Design ---------------------------------------------------------------------------------
 // One CTA per (query token, block of 64 heads), 8 warps, one CTA per SM (207,872 bytes of
@@ -56,7 +56,7 @@
 // (the score error is the fp32 summation error of 576 terms). The dominant error is P rounded
 // to bf16 (relative 2^-8) before the P V product: |o - o_ref| <= 2^-8 max_j |v_j| plus the
 // effect of the score error and the fp32 accumulation over K entries (the complete bound:
-// ref::check_decode_token in ess/kernels/ref/accuracy.h, used by the tests and the benchmark).
+// ref::check_decode_token in harness/support/accuracy.h, used by the tests and the benchmark).
 //
 // ---- Merge ----------------------------------------------------------------------------------
 // One warp per row (head): reads both lse values, computes the two weights exactly as

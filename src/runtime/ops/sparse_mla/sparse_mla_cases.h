@@ -4,7 +4,7 @@
 // Include in exactly one source file per binary.
 //
 // Tolerances. The decode is held to the accuracy contract of ref::check_decode_token
-// (ess/kernels/ref/accuracy.h), derived from the kernel's arithmetic: dequantization is exact,
+// (harness/support/accuracy.h), derived from the kernel's arithmetic: dequantization is exact,
 // so the scores are exact products summed in fp32 (error <= 577 x 2^-23 x scale x sum |q||k|,
 // plus the rounding of the prescale and of exp2); the softmax weights of perturbed scores are
 // off by at most a factor e^(2 Delta); P is rounded to bf16 before P V (relative 2^-8, the

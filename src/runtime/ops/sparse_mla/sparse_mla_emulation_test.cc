@@ -1,4 +1,4 @@
-// The sparse MLA decode kernel's own CTA program (src/ess/cuda/sparse_mla_kernel.h), run on
+// The sparse MLA decode kernel's own CTA program (sparse_mla_kernel.h), run on
 // the CPU by the warp emulator (warp_emulator.h: one fiber per thread, PTX semantics for
 // every primitive, cp.async completed as late as allowed, shared memory poisoned with NaN),
 // against the reference: the accuracy contract and the two exact cases of mla_problem.h,

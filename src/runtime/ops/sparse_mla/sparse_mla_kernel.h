@@ -1,7 +1,7 @@
 // The program of one sparse MLA decode CTA (design: sparse_mla.cu), written against a policy
 // `P` that supplies the GPU primitives: thread index, barriers, warp shuffles / votes,
 // cp.async, ldmatrix, mma, fp8 / bf16 conversions. sparse_mla.cu instantiates it with the
-// PTX primitives; tests/cuda/sparse_mla_emulation_test.cc instantiates it on the CPU with a
+// PTX primitives; sparse_mla_emulation_test.cc instantiates it on the CPU with a
 // warp emulator (one fiber per thread, the PTX semantics of each primitive), so the very code
 // that runs on the GPU is exercised without one.
 //

@@ -1,5 +1,5 @@
 // A CPU emulator of one CUDA thread block, for running device code written against a
-// primitives policy (src/ess/cuda/sparse_mla_kernel.h) without a GPU.
+// primitives policy (sparse_mla_kernel.h) without a GPU.
 //
 // Every CUDA thread is a fiber (ucontext) on the calling OS thread; fibers run one at a time
 // until they block on a barrier, in a seeded random order. Barriers: __syncthreads (all
@@ -14,7 +14,7 @@
 // registered range; shared addresses must lie in the block's shared memory; ldmatrix rows
 // must be 16-byte aligned.
 //
-// The PTX semantics used (independent of src/ess/cuda/mma_layout.h; see mma_layout_test.cc):
+// The PTX semantics used (independent of mma_layout.h; see mma_layout_test.cc):
 //   mma.m16n8k16 bf16: g = lane / 4, t = lane % 4;
 //     A element a_i (half i % 2 of reg i / 2): row g (+8 unless i in {0,1,4,5}), col 2t + (i & 1) (+8 for i >= 4)
 //     B element b_i (half i % 2 of reg i / 2): row 2t + (i & 1) (+8 for i >= 2), col g

@@ -1,9 +1,10 @@
-// The JSON of `ess bench step` (host code: the command line formats results without the
-// CUDA target).
+// `ess bench step`'s report (report.h): its points and result as JSON, its table.
 #include <fmt/format.h>
 
+#include <iterator>
+
 #include "ess/ops/flashtrans.h"
-#include "harness/rig/bench.h"
+#include "harness/report/report.h"
 
 namespace ess::pipeline {
 namespace {
@@ -78,3 +79,35 @@ nlohmann::json StepBenchResult::to_json(const StepBenchConfig& sc) const {
 }
 
 }  // namespace ess::pipeline
+
+namespace ess::harness {
+
+std::string to_table(const pipeline::StepBenchConfig& sc, const pipeline::StepBenchResult& r) {
+  std::string out;
+  auto add = [&out]<typename... A>(fmt::format_string<A...> f, A&&... a) {
+    fmt::format_to(std::back_inserter(out), f, std::forward<A>(a)...);
+  };
+  const auto& b = sc.base;
+  add("ess bench step on {} ({}): {} layers, context {}, ratio {} ({} slots), median of {} graph steps\n", r.device,
+             r.date, b.layers, b.context, b.ratio, b.resolved_slots(), b.steps - b.warm_steps);
+  add("{:>6} {:<10} {:>10} {:>10} {:>10} {:>9} {:>9} {:>11} {:>11}\n", "batch", "mode", "step us", "min", "max",
+             "vs res", "misses", "exposed us", "predicted");
+  for (const auto& p : r.points) {
+    double misses = 0;
+    for (const double m : p.report.misses) misses += m / static_cast<double>(p.report.misses.size());
+    add("{:>6} {:<10} {:>10.1f} {:>10.1f} {:>10.1f} {:>9} {:>9.1f} {:>11} {:>11}\n", p.batch, p.mode,
+               p.report.step.median, p.report.step.min, p.report.step.max,
+               p.vs_resident > 0 ? fmt::format("{:.3f}", p.vs_resident) : "",
+               misses, p.exposed_us >= 0 ? fmt::format("{:.1f}", p.exposed_us) : "",
+               p.predicted_us >= 0 ? fmt::format("{:.1f}", p.predicted_us) : "");
+  }
+  add("\nmax batch of the whole model ({}, {}): all-resident {}, ESS {} ({} slots)\n", sc.hardware, sc.deployment,
+             r.max_batch_resident, r.max_batch_ess, r.ess_slots);
+  if (r.gain_points.size() == 2) {
+    add("throughput gain on the rig at those batches: {:.2f}x (resident {:.1f} us, ESS {:.1f} us per step)\n",
+               r.throughput_gain, r.gain_points[0].report.step.median, r.gain_points[1].report.step.median);
+  }
+  return out;
+}
+
+}  // namespace ess::harness

@@ -1,0 +1,342 @@
+#include "ess/sim/report.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <iterator>
+
+#include "ess/core/error.h"
+#include "ess/sim/memory_model.h"
+#include "ess/sim/timeline.h"
+
+namespace ess::sim {
+namespace {
+
+double ms(double us) { return us / 1e3; }
+
+nlohmann::json row_json(const StepResult& r) {
+  return {{"batch", r.batch},
+          {"ratio", r.ratio},
+          {"slots", r.slots},
+          {"offload", r.offload},
+          {"overlap", std::string(to_string(r.overlap))},
+          {"step_ms", ms(r.step_us)},
+          {"throughput_tokens_per_s", r.throughput_tokens_per_s},
+          {"otps", r.otps},
+          {"compute_ms", ms(r.compute_us)},
+          {"exposed_comm_ms", ms(r.exposed_comm_us)},
+          {"exposed_transfer_ms", ms(r.exposed_transfer_us)},
+          {"breakdown_ms",
+           {{"attention", ms(r.attention_us)},
+            {"moe", ms(r.moe_us)},
+            {"dense_norms_lm_head", ms(r.other_us)},
+            {"mtp_draft", ms(r.mtp_draft_us)},
+            {"comm_stream_busy", ms(r.comm_us)},
+            {"h2d_stream_busy", ms(r.h2d_us)}}},
+          {"misses_per_request_layer", r.misses_per_request_layer},
+          {"h2d_mb_per_step", r.h2d_bytes / 1e6},
+          {"d2h_mb_per_step", r.d2h_bytes / 1e6},
+          {"layers_da", r.layers_da},
+          {"layers_dba", r.layers_dba},
+          {"layer_modes", r.layer_modes},
+          {"cache_gb", r.cache_gb},
+          {"host_pool_gb_per_node", r.host_pool_gb_per_node},
+          {"h2d_gbps_per_node", r.h2d_gbps_per_node},
+          {"op_sources", {{"analytical", r.ops_analytical}, {"measured", r.ops_measured}, {"outside_grid", r.ops_outside_grid}}}};
+}
+
+nlohmann::json option_json(const PlanOption& o) {
+  nlohmann::json j = {{"label", o.label}, {"found", o.found}, {"why", o.why}};
+  if (o.found) {
+    const auto& r = o.best;
+    j["batch"] = r.batch;
+    j["ratio"] = r.ratio;
+    j["slots"] = r.slots;
+    j["overlap"] = std::string(to_string(r.overlap));
+    j["step_ms"] = ms(r.step_us);
+    j["throughput_tokens_per_s"] = r.throughput_tokens_per_s;
+    j["otps"] = r.otps;
+    j["exposed_transfer_ms"] = ms(r.exposed_transfer_us);
+    j["layers_da"] = r.layers_da;
+    j["layers_dba"] = r.layers_dba;
+    j["layer_modes"] = r.layer_modes;
+    j["host_pool_gb_per_node"] = r.host_pool_gb_per_node;
+    j["h2d_gbps_per_node"] = r.h2d_gbps_per_node;
+  }
+  return j;
+}
+
+std::string option_line(const PlanOption& o) {
+  if (!o.found) return fmt::format("{:<16} -", o.label);
+  const auto& r = o.best;
+  return fmt::format("{:<16} batch {:>4}  ratio {:.3f}  step {:>7.2f} ms  {:>8.0f} tok/s/node  {:>6.2f} OTPS", o.label,
+                     r.batch, r.ratio, ms(r.step_us), r.throughput_tokens_per_s, r.otps);
+}
+
+}  // namespace
+
+double Simulation::gain(const StepResult& r) const {
+  return wall_fits ? r.throughput_tokens_per_s / wall.throughput_tokens_per_s - 1.0 : 0.0;
+}
+
+Simulation simulate(const StepModel& sm, const Workload& base_in, const std::vector<int>& batches,
+                    const SimulateOptions& options) {
+  ESS_CHECK(!batches.empty(), "sim: no batch size given");
+  Workload base = base_in;
+  base.batch = 0;
+  base.validate();
+  Simulation s;
+  s.model = sm.model();
+  s.hardware = sm.hardware();
+  s.deployment = sm.deployment();
+  s.base = base;
+  const std::int64_t context = base.context;
+  const MemoryModel mem(s.model, s.hardware, s.deployment, context);
+  s.cache_budget_gb = mem.cache_budget() / 1e9;
+  s.weights_gb = mem.weights().total() / 1e9;
+
+  // The memory wall: the all-on-GPU baseline at its largest batch. The executor rig has no
+  // memory wall of its own: its all-resident step is reported at every batch instead.
+  Workload wall = base;
+  wall.offload = false;
+  wall.ratio = 0;
+  wall.slots = 0;
+  wall.batch = 0;
+  s.rig = s.deployment.rig_layers > 0;
+  const int wall_batch = s.rig ? 0 : mem.max_batch(static_cast<double>(context));
+  s.wall_fits = wall_batch >= 1;
+  if (s.wall_fits) s.wall = sm.run(wall);
+
+  // Paper columns only for the paper's own setup (calibration profile, Table 1 deployment, 32K).
+  const bool paper_setup = s.hardware.name == "paper-table1" &&
+                           s.deployment.to_json() == Deployment::shipped("paper-table1").to_json() && context == 32768 &&
+                           base.ratio == 0 && base.slots == 0;
+  for (std::size_t i = 0; i < batches.size(); ++i) {
+    SimulationRow row;
+    Workload w = base;
+    w.batch = batches[i];
+    Timeline timeline;
+    const bool record = i == 0 && !options.timeline.empty();
+    row.ess = sm.run(w, record ? &timeline : nullptr);
+    if (record) {
+      timeline.write(options.timeline, fmt::format("ess sim: {} on {}, batch {}, ratio {:.3f}, {}", s.model.name,
+                                                   s.hardware.name, row.ess.batch, row.ess.ratio, to_string(row.ess.overlap)));
+    }
+    if (s.rig || (s.wall_fits && row.ess.batch <= wall_batch)) {
+      Workload b = wall;
+      b.batch = row.ess.batch;
+      row.baseline_fits = true;
+      row.baseline = sm.run(b);
+    }
+    if (paper_setup) {
+      for (const auto& p : paper_table2_32k()) {
+        if (p.batch == row.ess.batch) row.paper = &p;
+      }
+    }
+    s.rows.push_back(row);
+    if (options.progress) options.progress(i + 1, batches.size());
+  }
+  return s;
+}
+
+std::vector<int> parse_batches(const std::vector<std::string>& items) {
+  std::vector<int> out;
+  auto to_int = [](const std::string& s) {
+    std::size_t used = 0;
+    long v = -1;
+    try {
+      v = std::stol(s, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    ESS_CHECK(used == s.size() && used > 0 && v >= 1 && v <= 1'000'000,
+              "--batch: '{}' is not a batch size (a positive integer, a range A-B, or max)", s);
+    return static_cast<int>(v);
+  };
+  for (const std::string& item : items) {
+    if (item == "max") {
+      out.push_back(0);
+      continue;
+    }
+    const auto dash = item.find('-');
+    if (dash != std::string::npos && dash > 0) {
+      const int a = to_int(item.substr(0, dash)), b = to_int(item.substr(dash + 1));
+      ESS_CHECK(a <= b, "--batch: range '{}' is empty", item);
+      for (int x = a; x <= b; ++x) out.push_back(x);
+    } else {
+      out.push_back(to_int(item));
+    }
+  }
+  ESS_CHECK(!out.empty(), "--batch: no batch size given");
+  return out;
+}
+
+nlohmann::json to_json(const Simulation& s) {
+  nlohmann::json j;
+  j["model"] = s.model.name;
+  j["hardware"] = s.hardware.name;
+  j["deployment"] = s.deployment.to_json();
+  j["context"] = s.base.context;
+  j["cache_budget_gb"] = s.cache_budget_gb;
+  j["weights_gb"] = s.weights_gb;
+  j["baseline"] = s.wall_fits ? row_json(s.wall) : nlohmann::json(nullptr);
+  nlohmann::json arr = nlohmann::json::array();
+  for (const SimulationRow& r : s.rows) {
+    nlohmann::json e = row_json(r.ess);
+    e["host_dram_fits"] = r.ess.host_pool_gb_per_node <= s.hardware.host_dram_gb;
+    e["host_bandwidth_fits"] = r.ess.h2d_gbps_per_node <= s.hardware.host_dram_bandwidth_gbps;
+    e["gain_vs_baseline"] = s.wall_fits ? nlohmann::json(s.gain(r.ess)) : nlohmann::json(nullptr);
+    e["all_on_gpu_at_batch"] = r.baseline_fits ? row_json(r.baseline) : nlohmann::json(nullptr);
+    if (r.paper != nullptr) {
+      e["paper"] = {{"ratio", r.paper->ratio},
+                    {"throughput_tokens_per_s", r.paper->throughput_tokens_per_s},
+                    {"otps", r.paper->otps}};
+    }
+    arr.push_back(e);
+  }
+  j["rows"] = arr;
+  return j;
+}
+
+std::string to_csv(const Simulation& s) {
+  std::string out =
+      "batch,ratio,slots,overlap,step_ms,throughput_tokens_per_s,otps,compute_ms,exposed_comm_ms,"
+      "exposed_transfer_ms,misses_per_request_layer,gain_vs_baseline,all_on_gpu_throughput_tokens_per_s\n";
+  for (const SimulationRow& r : s.rows) {
+    const StepResult& e = r.ess;
+    fmt::format_to(std::back_inserter(out), "{},{:.4f},{},{},{:.3f},{:.1f},{:.3f},{:.3f},{:.3f},{:.3f},{:.1f},{},{}\n",
+                   e.batch, e.ratio, e.slots, to_string(e.overlap), ms(e.step_us), e.throughput_tokens_per_s, e.otps,
+                   ms(e.compute_us), ms(e.exposed_comm_us), ms(e.exposed_transfer_us), e.misses_per_request_layer,
+                   s.wall_fits ? fmt::format("{:.4f}", s.gain(e)) : "",
+                   r.baseline_fits ? fmt::format("{:.1f}", r.baseline.throughput_tokens_per_s) : "");
+  }
+  return out;
+}
+
+std::string to_table(const Simulation& s) {
+  std::string out;
+  auto add = [&out]<typename... A>(fmt::format_string<A...> f, A&&... a) {
+    fmt::format_to(std::back_inserter(out), f, std::forward<A>(a)...);
+  };
+  const Deployment& dep = s.deployment;
+  const HardwareProfile& hw = s.hardware;
+  const std::int64_t context = s.base.context;
+  if (s.rig) {
+    add("ess sim: {} on {} | executor rig: {} MoE layers on one GPU, experts of EP {}, MTP {}, no all-to-all / "
+        "TBO / LM head | context {} | overlap {}\n",
+        s.model.name, hw.name, dep.rig_layers, dep.expert_parallel, dep.mtp_tokens, context, to_string(s.base.overlap));
+    add("no memory model on the rig; all-on-GPU: the rig's all-resident step at the same batch\n\n");
+  } else {
+    add("ess sim: {} on {} | {} nodes x {} GPUs, EP {}, MTP {} (accept {}), TBO {} | context {} | overlap {}\n",
+        s.model.name, hw.name, dep.nodes, dep.gpus_per_node, dep.expert_parallel, dep.mtp_tokens, dep.accept_ratio,
+        dep.two_batch_overlap ? "on" : "off", context, to_string(s.base.overlap));
+    add("per GPU: {:.1f} GB HBM x {} static = {:.1f} GB weights + {:.1f} GB for the caches\n", hw.hbm_capacity_gb,
+        dep.mem_fraction_static, s.weights_gb, s.cache_budget_gb);
+    if (s.wall_fits) {
+      add("all-on-GPU baseline (memory wall): batch {}, step {:.2f} ms, {:.0f} tokens/s per node, {:.2f} tokens/s per "
+          "request\n\n",
+          s.wall.batch, ms(s.wall.step_us), s.wall.throughput_tokens_per_s, s.wall.otps);
+    } else {
+      add("all-on-GPU baseline: no request fits without offload at this context\n\n");
+    }
+  }
+  const bool any_paper = std::any_of(s.rows.begin(), s.rows.end(), [](const SimulationRow& r) { return r.paper != nullptr; });
+  add("{:>5} {:>6} {:>6} {:>8} {:>8} {:>7} {:>7} {:>7} {:>11} {:>7} {:>7} {:>11}", "batch", "ratio", "slots", "step ms",
+      "compute", "x-comm", "x-h2d", "misses", "tok/s/node", "OTPS", "gain", "all-on-GPU");
+  if (any_paper) add(" | {:>5} {:>10} {:>7} {:>6}", "paper", "tok/s", "err", "OTPS");
+  add("\n");
+  for (const SimulationRow& r : s.rows) {
+    const StepResult& e = r.ess;
+    add("{:>5} {:>6.3f} {:>6} {:>8.2f} {:>8.2f} {:>7.2f} {:>7.2f} {:>7.1f} {:>11.0f} {:>7.2f} {:>6.1f}% {:>11}", e.batch,
+        e.ratio, e.slots, ms(e.step_us), ms(e.compute_us), ms(e.exposed_comm_us), ms(e.exposed_transfer_us),
+        e.misses_per_request_layer, e.throughput_tokens_per_s, e.otps, 100 * s.gain(e),
+        r.baseline_fits ? fmt::format("{:.0f}", r.baseline.throughput_tokens_per_s) : "OOM");
+    if (r.paper != nullptr) {
+      add(" | {:>5.2f} {:>10.0f} {:>+6.1f}% {:>6.2f}", r.paper->ratio, r.paper->throughput_tokens_per_s,
+          100 * (e.throughput_tokens_per_s / r.paper->throughput_tokens_per_s - 1), r.paper->otps);
+    }
+    add("\n");
+  }
+  for (const SimulationRow& r : s.rows) {
+    const StepResult& e = r.ess;
+    if (e.host_pool_gb_per_node > hw.host_dram_gb) {
+      add("\nwarning: batch {}: the node's Total Memory Pool ({:.0f} GB) exceeds host DRAM ({} GB)", e.batch,
+          e.host_pool_gb_per_node, hw.host_dram_gb);
+    }
+    if (e.h2d_gbps_per_node > hw.host_dram_bandwidth_gbps) {
+      add("\nwarning: batch {}: H2D traffic ({:.0f} GB/s per node) exceeds host-memory bandwidth ({} GB/s)", e.batch,
+          e.h2d_gbps_per_node, hw.host_dram_bandwidth_gbps);
+    }
+  }
+  add("\nratio: Sparse Memory Ratio that fits the batch; x-comm / x-h2d: compute stream idle waiting for the "
+      "all-to-all / the misses' copy; misses: mean per request-layer-step (--miss-profile, else the parametric model); "
+      "gain: throughput vs the all-on-GPU baseline at its largest batch; all-on-GPU: its throughput at the same batch "
+      "(OOM: does not fit).\n");
+  return out;
+}
+
+bool Plans::all_found() const {
+  return std::all_of(results.begin(), results.end(), [](const PlanResult& r) { return r.found; });
+}
+
+nlohmann::json to_json(const Plans& p) {
+  nlohmann::json arr = nlohmann::json::array();
+  for (const auto& r : p.results) {
+    nlohmann::json alts = nlohmann::json::array();
+    for (const auto& o : r.alternatives) alts.push_back(option_json(o));
+    arr.push_back({{"context", r.context},
+                   {"min_otps", r.min_otps},
+                   {"found", r.found},
+                   {"chosen", r.found ? option_json(r.chosen) : nlohmann::json(nullptr)},
+                   {"alternatives", alts},
+                   {"refusals", r.refusals},
+                   {"evaluated", r.evaluated}});
+  }
+  return {{"model", p.model.name}, {"hardware", p.hardware.name}, {"deployment", p.deployment.to_json()}, {"plans", arr}};
+}
+
+std::string to_csv(const Plans& p) {
+  std::string out = "context,min_otps,found,label,batch,ratio,overlap,step_ms,throughput_tokens_per_s,otps\n";
+  for (const auto& r : p.results) {
+    auto line = [&](const PlanOption& o) {
+      if (!o.found) {
+        fmt::format_to(std::back_inserter(out), "{},{},{},{},,,,,,\n", r.context, r.min_otps, false, o.label);
+        return;
+      }
+      fmt::format_to(std::back_inserter(out), "{},{},{},{},{},{:.4f},{},{:.3f},{:.1f},{:.3f}\n", r.context, r.min_otps,
+                     true, o.label, o.best.batch, o.best.ratio, to_string(o.best.overlap), ms(o.best.step_us),
+                     o.best.throughput_tokens_per_s, o.best.otps);
+    };
+    if (r.found) line(r.chosen);
+    for (const auto& o : r.alternatives) line(o);
+  }
+  return out;
+}
+
+std::string to_table(const Plans& p) {
+  std::string out;
+  auto add = [&out]<typename... A>(fmt::format_string<A...> f, A&&... a) {
+    fmt::format_to(std::back_inserter(out), f, std::forward<A>(a)...);
+  };
+  const Deployment& dep = p.deployment;
+  add("ess plan: {} on {} | {} nodes x {} GPUs, EP {}, MTP {} (accept {}), TBO {} | min OTPS {}\n", p.model.name,
+      p.hardware.name, dep.nodes, dep.gpus_per_node, dep.expert_parallel, dep.mtp_tokens, dep.accept_ratio,
+      dep.two_batch_overlap ? "on" : "off", p.min_otps);
+  for (const auto& r : p.results) {
+    add("\ncontext {} ({} configurations evaluated)\n", r.context, r.evaluated);
+    if (r.found) {
+      add("  chosen: {}\n", option_line(r.chosen));
+      if (r.chosen.best.offload && r.chosen.best.overlap == OverlapMode::kLayerWise) {
+        add("          layer-wise: {} micro-batch layers DA, {} DBA; per layer (micro-batch A B; a = DA, b = DBA): {}\n",
+            r.chosen.best.layers_da, r.chosen.best.layers_dba, r.chosen.best.layer_modes);
+      }
+    } else {
+      add("  no configuration meets {} tokens/s per request\n", r.min_otps);
+    }
+    for (const auto& o : r.alternatives) add("  {}\n      {}\n", option_line(o), o.why);
+    for (const auto& s : r.refusals) add("  refused: {}\n", s);
+  }
+  return out;
+}
+
+}  // namespace ess::sim
