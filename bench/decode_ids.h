@@ -1,5 +1,6 @@
-// Top-k id sequences with the temporal locality of decode, shared by the CPU step benchmarks:
-// each query keeps most of its previous selection and draws `new_per_query` fresh ids.
+// What the CPU step benchmarks share: top-k id sequences with the temporal locality of decode
+// (each query keeps most of its previous selection and draws `new_per_query` fresh ids), and
+// the swap engine of one layer over a batch of requests, at steady state.
 #pragma once
 
 #include <algorithm>
@@ -7,6 +8,10 @@
 #include <random>
 #include <set>
 #include <vector>
+
+#include "ess/cache/sparse_pool.h"
+#include "ess/cache/swap_engine.h"
+#include "ess/cache/total_pool.h"
 
 namespace ess::bench {
 
@@ -53,5 +58,44 @@ inline std::vector<std::vector<std::int32_t>> make_steps(const Shape& s, int ste
   }
   return out;
 }
+
+// The CPU swap engine of one layer for s.B requests of s.context tokens, ratio s.ratio, run
+// once over `steps` (steady state) by the constructor; step(i) runs steps[i % size].
+struct SwapDecision {
+  explicit SwapDecision(const Shape& s, std::vector<std::vector<std::int32_t>> id_steps)
+      : total(1, LatentLayout{}, static_cast<std::uint64_t>(s.B) * ((s.context + 63) / 64) * 64 * LatentLayout{}.bytes()),
+        sparse(config(s), std::make_unique<CpuSlotStorage>()),
+        engine(total, sparse),
+        steps(std::move(id_steps)) {
+    for (int b = 0; b < s.B; ++b) {
+      total.admit(b, s.context);
+      engine.admit(b);
+      batch.push_back(b);
+      lengths.push_back(s.context);
+    }
+    for (std::size_t i = 0; i < steps.size(); ++i) step(i);
+  }
+  const SwapResult& step(std::size_t i) {
+    engine.step({0, batch, steps[i % steps.size()], lengths}, result);
+    return result;
+  }
+  static SparsePoolConfig config(const Shape& s) {
+    SparsePoolConfig sc;
+    sc.num_layers = 1;
+    sc.max_requests = s.B;
+    sc.slots = slots_for_ratio(s.ratio, s.context);
+    sc.query_tokens = s.T;
+    sc.topk = s.K;
+    return sc;
+  }
+
+  TotalPool total;
+  SparsePool sparse;
+  SwapEngine engine;
+  std::vector<std::vector<std::int32_t>> steps;
+  std::vector<RequestId> batch;
+  std::vector<std::int64_t> lengths;
+  SwapResult result;
+};
 
 }  // namespace ess::bench

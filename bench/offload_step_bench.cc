@@ -13,9 +13,6 @@
 #include <vector>
 
 #include "decode_ids.h"
-#include "ess/cache/sparse_pool.h"
-#include "ess/cache/swap_engine.h"
-#include "ess/cache/total_pool.h"
 #include "ess/runtime/offload.h"
 
 namespace {
@@ -86,34 +83,9 @@ void BM_OffloadStep(benchmark::State& state) {
 // The decision alone: SwapEngine::step over the same sequences (no fetch, no outputs).
 void BM_SwapDecision(benchmark::State& state) {
   const Shape s = shape_of(state);
-  const LatentLayout layout;
-  TotalPool total(1, layout, static_cast<std::uint64_t>(s.B) * ((s.context + 63) / 64) * 64 * layout.bytes());
-  SparsePoolConfig sc;
-  sc.num_layers = 1;
-  sc.layout = layout;
-  sc.max_requests = s.B;
-  sc.slots = slots_for_ratio(s.ratio, s.context);
-  sc.query_tokens = s.T;
-  sc.topk = s.K;
-  SparsePool sparse(sc, std::make_unique<CpuSlotStorage>());
-  SwapEngine engine(total, sparse);
-  std::vector<RequestId> batch;
-  std::vector<std::int64_t> lengths;
-  for (int b = 0; b < s.B; ++b) {
-    total.admit(b, s.context);
-    engine.admit(b);
-    batch.push_back(b);
-    lengths.push_back(s.context);
-  }
-  const auto steps = make_steps(s, 96, 1);
-  SwapResult r;
-  for (const auto& ids : steps) engine.step({0, batch, ids, lengths}, r);
+  bench::SwapDecision d(s, make_steps(s, 96, 1));
   std::size_t i = 0;
-  for (auto _ : state) {
-    engine.step({0, batch, steps[i], lengths}, r);
-    benchmark::DoNotOptimize(r.slot_ids.data());
-    i = (i + 1) % steps.size();
-  }
+  for (auto _ : state) benchmark::DoNotOptimize(d.step(i++).slot_ids.data());
   state.SetItemsProcessed(state.iterations() * s.B * s.T * s.K);
 }
 

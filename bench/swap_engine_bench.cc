@@ -11,9 +11,6 @@
 #include <vector>
 
 #include "decode_ids.h"
-#include "ess/cache/sparse_pool.h"
-#include "ess/cache/swap_engine.h"
-#include "ess/cache/total_pool.h"
 
 namespace {
 
@@ -24,40 +21,17 @@ using bench::Shape;
 void BM_SwapEngineStep(benchmark::State& state) {
   const Shape s{static_cast<int>(state.range(0)), static_cast<int>(state.range(1)), static_cast<int>(state.range(2)),
                 state.range(3), 0.2, static_cast<int>(state.range(4))};
-  const LatentLayout layout;
-  TotalPool total(1, layout, static_cast<std::uint64_t>(s.B) * ((s.context + 63) / 64) * 64 * layout.bytes());
-  SparsePoolConfig sc;
-  sc.num_layers = 1;
-  sc.layout = layout;
-  sc.max_requests = s.B;
-  sc.slots = slots_for_ratio(s.ratio, s.context);
-  sc.query_tokens = s.T;
-  sc.topk = s.K;
-  SparsePool sparse(sc, std::make_unique<CpuSlotStorage>());
-  SwapEngine engine(total, sparse);
-  std::vector<RequestId> batch;
-  std::vector<std::int64_t> lengths;
-  for (int b = 0; b < s.B; ++b) {
-    total.admit(b, s.context);
-    engine.admit(b);
-    batch.push_back(b);
-    lengths.push_back(s.context);
-  }
-  const auto steps = make_steps(s, 96, 1);
-  SwapResult r;
-  // Warm the pools to steady state outside the timing.
-  for (const auto& ids : steps) engine.step({0, batch, ids, lengths}, r);
+  bench::SwapDecision d(s, make_steps(s, 96, 1));  // warmed to steady state outside the timing
   std::size_t i = 0;
   std::int64_t misses = 0, request_steps = 0;
   for (auto _ : state) {
-    engine.step({0, batch, steps[i], lengths}, r);
+    const SwapResult& r = d.step(i++);
     benchmark::DoNotOptimize(r.slot_ids.data());
     misses += r.total.misses;
     request_steps += s.B;
-    i = (i + 1) % steps.size();
   }
   state.SetItemsProcessed(state.iterations() * s.B * s.T * s.K);  // top-k lookups
-  state.counters["slots"] = sc.slots;
+  state.counters["slots"] = d.sparse.slots();
   state.counters["misses_per_request_step"] = static_cast<double>(misses) / static_cast<double>(std::max<std::int64_t>(request_steps, 1));
 }
 

@@ -1,6 +1,7 @@
-// CPU reference kernels: written for clarity and exactness, not speed. Every GPU kernel is
-// checked against these. Accumulation is in double, in a fixed order, so the references are
-// deterministic and their rounding error is far below the tolerances the GPU is held to.
+// CPU reference kernels (each beside its op: src/runtime/ops/<op>/<op>_ref.cc): written for
+// clarity and exactness, not speed. Every GPU kernel is checked against these. Accumulation
+// is in double, in a fixed order, so the references are deterministic and their rounding
+// error is far below the tolerances the GPU is held to.
 #pragma once
 
 #include <cstdint>

@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <memory>
+#include <random>
+#include <set>
 #include <span>
 #include <unordered_map>
 #include <unordered_set>
@@ -86,5 +88,33 @@ class NaiveLru {
   std::unordered_map<std::int32_t, std::int32_t> slot_;
   std::int64_t clock_ = 0;
 };
+
+// [T][K] ids with decode-like locality: each query keeps most of its previous selection (all
+// but `fresh` ids of `prev`, which it updates), later query rows differ in one id, rows are
+// duplicate-free, some ids -1.
+inline std::vector<std::int32_t> decode_like_ids(std::vector<std::int32_t>& prev, int T, int K, std::int64_t len, int fresh,
+                                          std::mt19937& rng) {
+  std::set<std::int32_t> q;
+  const auto want = static_cast<std::size_t>(std::min<std::int64_t>(K, len));
+  for (std::int32_t t : prev) {
+    if (q.size() + static_cast<std::size_t>(fresh) < want) q.insert(t);
+  }
+  while (q.size() < want) q.insert(static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(len)));
+  prev.assign(q.begin(), q.end());
+  std::vector<std::int32_t> out;
+  for (int t = 0; t < T; ++t) {
+    std::vector<std::int32_t> row(prev);
+    std::shuffle(row.begin(), row.end(), rng);
+    if (t > 0 && !row.empty()) row[0] = static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(len));
+    std::set<std::int32_t> uniq;
+    for (auto& x : row) {
+      if (!uniq.insert(x).second) x = -1;  // keep rows duplicate-free
+    }
+    row.resize(static_cast<std::size_t>(K), -1);
+    if (rng() % 5 == 0) row[rng() % static_cast<std::uint64_t>(K)] = -1;
+    out.insert(out.end(), row.begin(), row.end());
+  }
+  return out;
+}
 
 }  // namespace ess::test

@@ -46,11 +46,11 @@ HostBuffer HostBuffer::allocate(std::size_t bytes, HostMemoryKind prefer, HostAl
   if (rounded == 0) return b;
   const HostBlock block = allocator.allocate(rounded, prefer);
   ESS_CHECK(block.data != nullptr, "cannot allocate {} bytes of {} host memory", rounded, to_string(prefer));
+  b.block_ = block;  // owned from here: a block refused below goes back to its allocator
+  b.allocator_ = &allocator;
   ESS_CHECK(block.bytes >= rounded && reinterpret_cast<std::uintptr_t>(block.data) % kAlign == 0,
             "host allocator: asked for {} bytes aligned to {}, got {} at {}", rounded, kAlign, block.bytes,
             static_cast<const void*>(block.data));
-  b.block_ = block;
-  b.allocator_ = &allocator;
   return b;
 }
 

@@ -24,7 +24,6 @@
 #include "harness/support/backend.h"
 #include "harness/support/cache_fixtures.h"
 #include "harness/support/offload_io.h"
-#include "runtime/offload/offload_impl.h"
 
 namespace ess::offload_test {
 
@@ -54,32 +53,6 @@ inline std::vector<std::uint8_t> entry_of(RequestId id, int layer, std::int64_t 
   e[2] = static_cast<std::uint8_t>(id & 0xff);
   e[3] = static_cast<std::uint8_t>(layer & 0xff);
   return e;
-}
-
-// [T][K] ids with decode-like locality, duplicate-free per query row, some -1.
-inline std::vector<std::int32_t> next_ids(std::vector<std::int32_t>& prev, int T, int K, std::int64_t len, int fresh,
-                                          std::mt19937& rng) {
-  std::set<std::int32_t> q;
-  const auto want = static_cast<std::size_t>(std::min<std::int64_t>(K, len));
-  for (std::int32_t t : prev) {
-    if (q.size() + static_cast<std::size_t>(fresh) < want) q.insert(t);
-  }
-  while (q.size() < want) q.insert(static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(len)));
-  prev.assign(q.begin(), q.end());
-  std::vector<std::int32_t> out;
-  for (int t = 0; t < T; ++t) {
-    std::vector<std::int32_t> row(prev);
-    std::shuffle(row.begin(), row.end(), rng);
-    if (t > 0 && !row.empty()) row[0] = static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(len));
-    std::set<std::int32_t> uniq;
-    for (auto& x : row) {
-      if (!uniq.insert(x).second) x = -1;
-    }
-    row.resize(static_cast<std::size_t>(K), -1);
-    if (rng() % 5 == 0) row[rng() % static_cast<std::uint64_t>(K)] = -1;
-    out.insert(out.end(), row.begin(), row.end());
-  }
-  return out;
 }
 
 // The model of one request: a naive LRU per layer over the LRU slots.
@@ -136,7 +109,7 @@ TEST_P(OffloadShapes, MatchesTheModelAndIsLossless) {
     std::vector<std::int32_t> windows;
     for (int l = 0; l < L; ++l) {
       for (int w = 0; w < W; ++w) {
-        const auto v = next_ids(m.prev[static_cast<std::size_t>(l)], 1, K, prompt, std::max(1, K / 4), rng);
+        const auto v = test::decode_like_ids(m.prev[static_cast<std::size_t>(l)], 1, K, prompt, std::max(1, K / 4), rng);
         std::vector<std::pair<std::int32_t, std::int32_t>> fills;
         m.lru[static_cast<std::size_t>(l)].step(v, fills);
         windows.insert(windows.end(), v.begin(), v.end());
@@ -183,7 +156,7 @@ TEST_P(OffloadShapes, MatchesTheModelAndIsLossless) {
         in.rows.push_back(m.row);
         in.lengths.push_back(static_cast<std::int32_t>(m.length));
         // With reserve_newest the older tokens, and a few newest ones below; else any token.
-        auto ids = next_ids(m.prev[lz], T, K, reserve ? m.length - T : m.length, fresh, rng);
+        auto ids = test::decode_like_ids(m.prev[lz], T, K, reserve ? m.length - T : m.length, fresh, rng);
         if (reserve && K > 1) {  // some query rows also select newest tokens
           for (int t = 0; t < T; ++t) {
             if (rng() % 2 == 0) ids[static_cast<std::size_t>(t) * K + 1] = static_cast<std::int32_t>(m.length - 1 - (rng() % T));
@@ -340,7 +313,7 @@ TEST(OffloadEngineBuffer, RowsLandWhereTheEnginesStridesPutThem) {
       const auto e = entry_of(id, 1, t, E);
       std::memcpy(o.host_entry(id, 1, t).data(), e.data(), E);
     }
-    const auto ids = next_ids(prev, 1, 40, 900, 40, rng);
+    const auto ids = test::decode_like_ids(prev, 1, 40, 900, 40, rng);
     in.topk.insert(in.topk.end(), ids.begin(), ids.end());
   }
   const StepOut got = io().step(o, in);

@@ -137,6 +137,62 @@ TEST(OffloadCpu, BadInputIsRefusedByNameAndChangesNothing) {
   EXPECT_EQ(o.admit(9, 10), freed);
 }
 
+// An engine's own host memory: the allocator hands out one region of a buffer the engine
+// owns; the host pool lives there and goes back to it when the Offload goes.
+class EngineArena final : public HostAllocator {
+ public:
+  explicit EngineArena(std::size_t bytes) : storage_(bytes + 4096) {}
+  HostBlock allocate(std::size_t bytes, HostMemoryKind) override {
+    auto* p = storage_.data() + (4096 - reinterpret_cast<std::uintptr_t>(storage_.data()) % 4096) % 4096;
+    if (given_ || bytes > storage_.size() - 4096) return {};
+    given_ = true;
+    ++allocations;
+    return {p, give_less ? bytes - 4096 : bytes, HostMemoryKind::kAligned};
+  }
+  void deallocate(const HostBlock&) noexcept override {
+    given_ = false;
+    ++deallocations;
+  }
+  bool contains(const std::uint8_t* p) const { return p >= storage_.data() && p < storage_.data() + storage_.size(); }
+  int allocations = 0, deallocations = 0;
+  bool give_less = false;
+
+ private:
+  std::vector<std::uint8_t> storage_;
+  bool given_ = false;
+};
+
+TEST(OffloadCpu, HostPoolLivesInTheEnginesMemory) {
+  OffloadConfig c;
+  c.layers = 2;
+  c.layout = test::small_layout();
+  c.max_requests = 2;
+  c.topk = 8;
+  c.slots = 16;
+  c.max_context = 256;
+  EngineArena arena(2u << 20);
+  {
+    Offload o(c, {}, arena);
+    EXPECT_EQ(arena.allocations, 1);
+    o.admit(3, 100);
+    EXPECT_TRUE(arena.contains(o.host_entry(3, 1, 99).data()));
+    EXPECT_EQ(o.host_pool().memory_kind(), HostMemoryKind::kAligned);
+  }
+  EXPECT_EQ(arena.deallocations, 1);
+  // Too small a pool for the configuration, or a short block: refused by name, nothing kept.
+  EngineArena small(4096);
+  EXPECT_NE(test::error_of([&] { Offload o(c, {}, small); }).find("cannot allocate"), std::string::npos);
+  arena.give_less = true;
+  EXPECT_NE(test::error_of([&] { Offload o(c, {}, arena); }).find("host allocator: asked for"), std::string::npos);
+  EXPECT_EQ(arena.deallocations, 2);  // the short block went back
+  // The CUDA backend reads the pool zero-copy: ordinary memory is refused by name.
+  c.backend = Backend::kCuda;
+  arena.give_less = false;
+  if (cuda_backend_built() && cuda_device_present()) {
+    EXPECT_NE(test::error_of([&] { Offload o(c, {}, arena); }).find("needs it pinned and mapped"), std::string::npos);
+  }
+}
+
 TEST(OffloadCpu, ConfigurationErrorsNameTheField) {
   OffloadConfig c;
   c.layers = 2;

@@ -38,32 +38,6 @@ struct SwapBackend {
 };
 const SwapBackend& swap_backend();  // defined by the including binary
 
-// [T][K] ids with decode-like locality: each query keeps most of its previous selection.
-inline std::vector<std::int32_t> next_ids(std::vector<std::int32_t>& prev, int T, int K, std::int64_t len, int fresh,
-                                          std::mt19937& rng) {
-  std::set<std::int32_t> q;
-  const auto want = static_cast<std::size_t>(std::min<std::int64_t>(K, len));
-  for (std::int32_t t : prev) {
-    if (q.size() + static_cast<std::size_t>(fresh) < want) q.insert(t);
-  }
-  while (q.size() < want) q.insert(static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(len)));
-  prev.assign(q.begin(), q.end());
-  std::vector<std::int32_t> out;
-  for (int t = 0; t < T; ++t) {
-    std::vector<std::int32_t> row(prev);
-    std::shuffle(row.begin(), row.end(), rng);
-    if (t > 0 && !row.empty()) row[0] = static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(len));
-    std::set<std::int32_t> uniq;
-    for (auto& x : row) {
-      if (!uniq.insert(x).second) x = -1;  // keep rows duplicate-free
-    }
-    row.resize(static_cast<std::size_t>(K), -1);
-    if (rng() % 5 == 0) row[rng() % static_cast<std::uint64_t>(K)] = -1;
-    out.insert(out.end(), row.begin(), row.end());
-  }
-  return out;
-}
-
 // The CPU engine on pools of the test layout (144-byte entries, a valid LatentLayout: the
 // Total Memory Pool refuses layouts that are not whole 16-byte chunks).
 struct CpuEngine {
@@ -132,7 +106,7 @@ TEST_P(GpuSwapShapes, MatchesTheCpuEngineBitForBit) {
     const int fresh = (step / 10) % 2 == 0 ? std::max(1, K / 10) : K;  // calm and churning phases
     std::vector<std::int32_t> ids;
     for (int b = 0; b < B; ++b) {
-      const auto v = next_ids(prev[static_cast<std::size_t>(b * layers + layer)], T, K, len, fresh, rng);
+      const auto v = test::decode_like_ids(prev[static_cast<std::size_t>(b * layers + layer)], T, K, len, fresh, rng);
       ids.insert(ids.end(), v.begin(), v.end());
     }
     const SwapResult want = cpu.engine.step({layer, batch, ids, lengths});
@@ -182,7 +156,7 @@ TEST(GpuSwapEngine, WarmupMatchesTheCpuEngine) {
   std::mt19937 rng(5);
   std::vector<std::int32_t> prev, windows;
   for (int w = 0; w < 32; ++w) {
-    const auto v = next_ids(prev, 1, K, len, 20, rng);
+    const auto v = test::decode_like_ids(prev, 1, K, len, 20, rng);
     windows.insert(windows.end(), v.begin(), v.end());
   }
   const WarmupResult want = cpu.engine.warmup(0, 0, windows, len);
@@ -221,7 +195,7 @@ TEST(GpuSwapEngine, ASmallerEngineMadeLaterLeavesALargerOneWorking) {
   for (int step = 0; step < 3; ++step) {
     std::vector<std::int32_t> ids;
     for (int b = 0; b < 2; ++b) {
-      const auto v = next_ids(prev[static_cast<std::size_t>(b)], T, K, len, 300, rng);
+      const auto v = test::decode_like_ids(prev[static_cast<std::size_t>(b)], T, K, len, 300, rng);
       ids.insert(ids.end(), v.begin(), v.end());
     }
     const SwapResult want = cpu.engine.step({0, requests, ids, lengths});
