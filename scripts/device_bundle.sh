@@ -2,7 +2,7 @@
 # Builds here what a GPU validation run needs and collects it into one folder that travels to
 # a bare GPU machine (scripts/gpu_validate.sh; docs/gpu-validation.md):
 #
-#   DIR/bin.tar.xz ess and every kernel test binary (device runs and host runs), one solid xz
+#   DIR/bin.tar.xz ess, every kernel test binary (device runs and host runs) and libess.so, one solid xz
 #                  archive: the binaries share most of their code (the runtime and harness are
 #                  linked into each), so the archive is a tenth of their size; gpu_validate.sh
 #                  unpacks it to DIR/bin there (tar, or Python's tarfile where xz is missing)
@@ -50,7 +50,7 @@ LIMIT_MIB=48  # the work tree and the bundle travel together, 64 MiB in all
 # The -dev packages of the build (scripts/setup.sh) and the runtime libraries their CMake
 # package files name, as installed here.
 DEB_PACKAGES=(libfmt-dev libfmt9 nlohmann-json3-dev libcli11-dev libgtest-dev libgmock-dev
-              libtbb-dev libtbb12 libtbbmalloc2 libtbbbind-2-5)
+              libtbb-dev libtbb12 libtbbmalloc2 libtbbbind-2-5 libdlpack-dev)
 
 if ((BUILD)); then
   cmake --preset release >/dev/null
@@ -65,6 +65,8 @@ mkdir -p "$DIR/bin" "$DIR/lib"
 cp "$RELEASE/tools/ess/ess" "$DIR/bin/"
 # The kernel tests live beside their sources (src/runtime/ops/<op>, src/runtime/offload, src/harness/rig).
 while IFS= read -r t; do cp "$t" "$DIR/bin/"; done < <(find "$RELEASE/src" -type f -name 'cuda_*_test' -perm -u+x | sort)
+# The C ABI's library, for the Python package's tests there (gpu_validate.sh's python stage).
+[[ -f $RELEASE/src/capi/libess.so ]] && cp -L "$RELEASE/src/capi/libess.so" "$DIR/bin/libess.so"
 
 # Libraries the machine there is expected to have: glibc, libstdc++, libgcc, the CUDA driver
 # and toolkit (cudart, cuBLAS).
@@ -173,7 +175,8 @@ if ((CHECK)); then
   # What the system has of our packages: hidden from the build, and never to appear in it.
   HIDE=(/usr/include/fmt /usr/include/nlohmann /usr/include/CLI /usr/include/gtest /usr/include/gmock
         /usr/include/tbb /usr/include/oneapi /usr/lib/x86_64-linux-gnu/cmake/fmt /usr/lib/x86_64-linux-gnu/cmake/GTest
-        /usr/lib/x86_64-linux-gnu/cmake/TBB /usr/share/cmake/nlohmann_json /usr/share/cmake/CLI11)
+        /usr/lib/x86_64-linux-gnu/cmake/TBB /usr/share/cmake/nlohmann_json /usr/share/cmake/CLI11
+        /usr/include/dlpack /usr/lib/x86_64-linux-gnu/cmake/dlpack)
   configure_and_build="cmake -S . -B $FB -G Ninja -DCMAKE_BUILD_TYPE=Release -DESS_BUILD_BENCHMARKS=OFF \
     -DCMAKE_PREFIX_PATH=$DIR/prefix/usr -DCMAKE_IGNORE_PREFIX_PATH='/usr;/usr/local' >/dev/null"
   if ((CHECK == 2)); then
@@ -191,7 +194,7 @@ if ((CHECK)); then
     echo "fallback check: unshare not permitted; building with the system prefixes ignored (headers checked below)"
     sh -c "$configure_and_build"
   fi
-  for pkg in fmt nlohmann_json CLI11 GTest TBB; do
+  for pkg in fmt nlohmann_json CLI11 GTest TBB dlpack; do
     dir=$(sed -n "s|^${pkg}_DIR:PATH=||p" "$FB/CMakeCache.txt")
     [[ $dir == "$DIR/prefix/"* ]] || { echo "fallback check FAILED: find_package($pkg) resolved to '$dir', not the bundle" >&2; exit 1; }
   done

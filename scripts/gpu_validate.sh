@@ -5,7 +5,8 @@
 #
 #   1. scripts/gpu_validate.sh $OUT probe tests      the machine, then every kernel test binary
 #   2. scripts/gpu_validate.sh $OUT sanitize kernels compute-sanitizer; the kernel benchmarks
-#   3. scripts/gpu_validate.sh $OUT step             the op profile; the decode step per schedule
+#   3. scripts/gpu_validate.sh $OUT step python      the op profile; the decode step per schedule;
+#                                                    the Python package on torch CUDA tensors
 #
 # Every stage writes as it goes into OUT (at most two files per stage, so that a command's
 # files all come back): STAGE.jsonl, one JSON record per binary / run, appended when it ends,
@@ -14,7 +15,7 @@
 # them from source against the bundle's prefix (build/device; kept between warm calls).
 #
 # Usage: scripts/gpu_validate.sh [--dry-run] [--bundle DIR] OUT STAGE...
-#   stages: probe tests sanitize kernels step
+#   stages: probe tests sanitize kernels step python
 #   --dry-run  everything but the device work, on any machine (CI runs it): the probe, every
 #              test binary (the device cases skip themselves), the planned sanitizer and
 #              benchmark command lines (each benchmark's flags are parsed by ess itself: it
@@ -39,7 +40,7 @@ done
 OUT=${ARGS[0]}
 STAGES=("${ARGS[@]:1}")
 for s in "${STAGES[@]}"; do
-  case $s in probe|tests|sanitize|kernels|step) ;; *) echo "gpu_validate: unknown stage '$s'" >&2; exit 2 ;; esac
+  case $s in probe|tests|sanitize|kernels|step|python) ;; *) echo "gpu_validate: unknown stage '$s'" >&2; exit 2 ;; esac
 done
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
@@ -98,6 +99,7 @@ if ((!carried_ok)); then
   mkdir -p "$BIN"
   ln -sf "$FB/tools/ess/ess" "$BIN/ess"
   while IFS= read -r t; do ln -sf "$t" "$BIN/"; done < <(find "$FB/src" -type f -name 'cuda_*_test' -perm -u+x)
+  [[ -f $FB/src/capi/libess.so ]] && ln -sf "$FB/src/capi/libess.so" "$BIN/libess.so"
 fi
 ESS=$BIN/ess
 SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
@@ -280,6 +282,36 @@ stage_step() {
   [[ -f $hw && -f $table ]] && pred=(--profile-hardware "$hw" --profile-table "$table")
   # Each point is appended to step.jsonl as soon as it is measured (--points).
   ess_run step step bench step --format json --batch 1,2,16,64,128 --points "$OUT/step.jsonl" "${pred[@]}"
+}
+
+# The Python package (python/, in the work tree) on this libess: its pytest suite, whose CUDA
+# cases (torch CUDA tensors, the CUDA backend, a CUDA graph) run where torch sees the GPU, and
+# the engine-loop example.
+stage_python() {
+  local py="" cand rc start lib=$BIN/libess.so
+  for cand in python3 /usr/bin/python3; do
+    command -v "$cand" >/dev/null && "$cand" -c 'import numpy, pytest' 2>/dev/null && { py=$cand; break; }
+  done
+  if [[ -z $py || ! -e $lib ]]; then
+    record python "{\"stage\": \"python\", \"run\": false, \"why\": $(json "$([[ -z $py ]] && echo 'no python3 with numpy and pytest' || echo "no $lib")")}"
+    return
+  fi
+  for item in pytest example; do
+    start=$(date +%s)
+    set +e
+    if [[ $item == pytest ]]; then
+      ESS_LIBRARY=$lib timeout --kill-after=10 "$TEST_TIMEOUT" "$py" -m pytest -q -rs -p no:cacheprovider \
+        "$ROOT/python/tests" > "$OUT/.out" 2>&1
+    else
+      ESS_LIBRARY=$lib timeout --kill-after=10 "$TEST_TIMEOUT" "$py" "$ROOT/examples/engine_loop.py" --format json \
+        > "$OUT/.out" 2>&1
+    fi
+    rc=$?
+    set -e
+    cat "$OUT/.out" >> "$OUT/python.log"
+    record python "{\"stage\": \"python\", \"name\": \"$item\", \"exit\": $rc, \"seconds\": $(( $(date +%s) - start )), \"python\": $(json "$("$py" --version 2>&1)"), \"tail\": $(json "$(tail -n 15 "$OUT/.out")")}"
+    log "python: $item exit $rc"
+  done
 }
 
 for s in "${STAGES[@]}"; do

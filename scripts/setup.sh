@@ -16,6 +16,8 @@ PACKAGES=(
   python3-matplotlib                  # scripts/plot_trace_analysis.py figures
   clang-14 libclang-rt-14-dev         # libFuzzer target of the trace reader (scripts/fuzz.sh)
   xz-utils                            # the device bundle packs its binaries into one xz archive
+  libdlpack-dev                       # DLPack: the C ABI's tensor type (libess.so, the Python package)
+  python3-pytest python3-setuptools python3-pip  # the Python package's tests; pip install ./python
 )
 
 missing=()

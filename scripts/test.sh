@@ -2,7 +2,8 @@
 # The test command: sets up, builds, and runs every test twice: once in the release build
 # (CUDA target included when nvcc exists; GPU tests skip themselves without a device) and
 # once under AddressSanitizer + UndefinedBehaviorSanitizer; in between, the installed
-# package (cmake --install, then examples/consumer built against it and run), the GPU
+# package (cmake --install, then examples/consumer built against it and run; the Python
+# package installed with pip and run on the installed libess), the GPU
 # bring-up kit (device bundle, its fallback configure check, a dry run of the GPU
 # validation) and a short libFuzzer run of the trace reader.
 set -euo pipefail
@@ -25,10 +26,16 @@ cmake --build "$prefix/consumer"
 "$prefix/consumer/ess_consumer"
 test -x "$prefix/ess/bin/ess"
 
+echo "== Python package: pip install ./python, then the example on the installed libess =="
+/usr/bin/python3 -m pip install -q --root-user-action=ignore --no-build-isolation --no-deps --target "$prefix/py" ./python
+(cd "$prefix" && PYTHONPATH="$prefix/py" ESS_LIBRARY="$(ls "$prefix"/ess/lib*/libess.so)" \
+  /usr/bin/python3 -c "import ess, ess.integrations.sglang, ess.integrations.vllm; print('ess', ess.__version__, ess.library_path)")
+/usr/bin/python3 examples/engine_loop.py --steps 4   # finds build/release's libess itself
+
 echo "== GPU bring-up kit: device bundle, fallback configure check, validation dry run =="
 if ./build/release/tools/ess/ess --version | grep -q "CUDA target: built"; then
   bash scripts/device_bundle.sh --no-build --check-fallback=configure
-  bash scripts/gpu_validate.sh --dry-run build/gpu-validate-dry-run probe tests sanitize kernels step
+  bash scripts/gpu_validate.sh --dry-run build/gpu-validate-dry-run probe tests sanitize kernels step python
 else
   echo "skipped: this build has no CUDA target (nvcc not found)"
 fi

@@ -63,7 +63,7 @@ void add_sim(CLI::App& app, int& exit_code) {
   cmd->callback([args, cmd, &exit_code] {
     const SimArgs& a = *args;
     const ModelSpec model = a.inputs.load_model();
-    const sim::HardwareProfile hw = sim::HardwareProfile::load(a.inputs.hardware);
+    const sim::HardwareProfile hw = a.inputs.load_hardware();
     const sim::Deployment dep = a.inputs.load_deployment();
     const auto tables = a.inputs.load_tables();
     const sim::StepModel sm(model, hw, dep, tables.get());

@@ -17,7 +17,21 @@ class Error : public std::runtime_error {
   explicit Error(const std::string& what) : std::runtime_error(what) {}
 };
 
+// A CUDA call failed (the device, its driver or a kernel), not the caller's input.
+class DeviceError : public Error {
+ public:
+  using Error::Error;
+};
+
+// Host or device memory could not be allocated.
+class OutOfMemory : public Error {
+ public:
+  using Error::Error;
+};
+
 [[noreturn]] void throw_error(std::string message);
+[[noreturn]] void throw_device_error(std::string message);
+[[noreturn]] void throw_out_of_memory(std::string message);
 [[noreturn]] void throw_internal(const char* expr, const char* file, int line, std::string message);
 
 }  // namespace ess

@@ -161,9 +161,11 @@ class Offload {
 
   // ---- request lifecycle (host calls between steps) ----
   // A request with `prompt_length` tokens in the host pool (entries zeroed): returns its pool
-  // row. The engine then writes the prompt's entries (host_entry, or write_back from its
-  // prefill buffer) and calls warmup.
-  std::int32_t admit(RequestId id, std::int64_t prompt_length);
+  // row, the lowest free one, or `row` when given (an engine that numbers its request slots
+  // itself, as SGLang's req_pool_indices, keeps its numbers; it must be free). The engine
+  // then writes the prompt's entries (host_entry, or write_back from its prefill buffer) and
+  // calls warmup.
+  std::int32_t admit(RequestId id, std::int64_t prompt_length, std::int32_t row = -1);
   // LRU-Warmup of every layer: `windows` is [layers][W][K] (the prefill's last W query
   // positions' top-k, oldest first, -1 = padding; W <= warmup_windows uses the last W); the
   // resulting residency is loaded into the slots from the host pool.

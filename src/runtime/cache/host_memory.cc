@@ -45,7 +45,9 @@ HostBuffer HostBuffer::allocate(std::size_t bytes, HostMemoryKind prefer, HostAl
   const std::size_t rounded = (bytes + kAlign - 1) / kAlign * kAlign;
   if (rounded == 0) return b;
   const HostBlock block = allocator.allocate(rounded, prefer);
-  ESS_CHECK(block.data != nullptr, "cannot allocate {} bytes of {} host memory", rounded, to_string(prefer));
+  if (block.data == nullptr) {
+    throw_out_of_memory(fmt::format("cannot allocate {} bytes of {} host memory", rounded, to_string(prefer)));
+  }
   b.block_ = block;  // owned from here: a block refused below goes back to its allocator
   b.allocator_ = &allocator;
   ESS_CHECK(block.bytes >= rounded && reinterpret_cast<std::uintptr_t>(block.data) % kAlign == 0,

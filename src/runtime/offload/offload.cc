@@ -108,16 +108,26 @@ Offload::Offload(const OffloadConfig& config, LatentBuffer buffer, HostAllocator
 
 Offload::~Offload() = default;
 
-std::int32_t Offload::admit(RequestId id, std::int64_t prompt_length) {
+std::int32_t Offload::admit(RequestId id, std::int64_t prompt_length, std::int32_t wanted_row) {
   Impl& x = *impl_;
   ESS_CHECK(id >= 0, "offload: admit: request id {} is negative", id);
   ESS_CHECK(!x.row_of_request.contains(id), "offload: admit: request {} is already admitted", id);
   ESS_CHECK(prompt_length >= 1 && prompt_length <= x.config.max_context,
             "offload: admit of request {}: prompt length {} outside [1, max_context = {}]", id, prompt_length,
             x.config.max_context);
-  const auto free = std::find(x.request_of_row.begin(), x.request_of_row.end(), RequestId{-1});
-  ESS_CHECK(free != x.request_of_row.end(), "offload: admit of request {}: all {} rows are taken", id,
-            x.config.max_requests);
+  auto free = x.request_of_row.end();
+  if (wanted_row < 0) {
+    ESS_CHECK(wanted_row == -1, "offload: admit of request {}: row {} must be -1 (any) or in [0, {})", id, wanted_row,
+              x.config.max_requests);
+    free = std::find(x.request_of_row.begin(), x.request_of_row.end(), RequestId{-1});
+    ESS_CHECK(free != x.request_of_row.end(), "offload: admit of request {}: all {} rows are taken", id,
+              x.config.max_requests);
+  } else {
+    ESS_CHECK(wanted_row < x.config.max_requests, "offload: admit of request {}: row {} outside [0, {})", id, wanted_row,
+              x.config.max_requests);
+    free = x.request_of_row.begin() + wanted_row;
+    ESS_CHECK(*free == -1, "offload: admit of request {}: row {} holds request {}", id, wanted_row, *free);
+  }
   const auto row = static_cast<std::int32_t>(free - x.request_of_row.begin());
   x.pool->admit(id, prompt_length);  // throws, changing nothing, when the pages do not fit
   try {

@@ -122,6 +122,9 @@ TEST(OffloadCpu, BadInputIsRefusedByNameAndChangesNothing) {
       "copy_stream and copy_done go together");
   refused([&] { o.admit(5, 10); }, "already admitted");
   refused([&] { o.admit(8, 301); }, "prompt length 301");
+  refused([&] { o.admit(8, 10, o.row(5)); }, "holds request 5");                                 // a taken row
+  refused([&] { o.admit(8, 10, 3); }, "row 3 outside [0, 3)");
+  refused([&] { o.admit(8, 10, -2); }, "row -2 must be -1");
   refused([&] { o.extend(6, 201); }, "exceeds max_context");
   refused([&] { o.release(99); }, "not admitted");
   refused([&] { o.warmup(5, std::vector<std::int32_t>(7), 1); }, "7 ids");
@@ -135,6 +138,10 @@ TEST(OffloadCpu, BadInputIsRefusedByNameAndChangesNothing) {
   const std::int32_t freed = o.row(8);
   o.release(8);
   EXPECT_EQ(o.admit(9, 10), freed);
+  // The engine's own row numbers: a chosen free row is the request's.
+  o.release(9);
+  EXPECT_EQ(o.admit(10, 10, freed), freed);
+  EXPECT_EQ(o.row(10), freed);
 }
 
 // An engine's own host memory: the allocator hands out one region of a buffer the engine

@@ -1,0 +1,219 @@
+/* ESS's C ABI: the per-layer step and its request lifecycle for engines written in any
+ * language (the Python package `ess` is built on it).
+ *
+ * C99. Every object is an opaque handle; every call returns an ess_status, and on failure
+ * ess_last_error() gives this thread's message naming what was wrong, where (request,
+ * layer, position, field) and the offending value. A call that fails changes nothing.
+ *
+ * Tensors are DLPack DLTensors (dlpack/dlpack.h). They are read when they are bound (the
+ * engine's layer buffers at creation, the step's inputs and outputs in ess_step_bind), so
+ * the per-layer call takes only integers; a bound tensor's memory must stay valid, at the
+ * same address, while its binding lives. Streams and events are opaque pointers
+ * (cudaStream_t, cudaEvent_t); the CPU backend ignores them.
+ *
+ * Structs passed in begin with struct_size: set it with the matching ess_*_init (or to
+ * sizeof), so a library built against a later header can tell which fields a caller knows.
+ *
+ * Thread safety: one thread at a time per engine and its bindings. */
+#ifndef ESS_ESS_C_H_
+#define ESS_ESS_C_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <dlpack/dlpack.h>
+
+#if defined(_WIN32)
+#define ESS_API
+#else
+#define ESS_API __attribute__((visibility("default")))
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Raised when a change breaks callers built against an earlier header. */
+#define ESS_ABI_VERSION 1
+
+typedef enum ess_status {
+  ESS_OK = 0,
+  ESS_ERROR_INVALID_ARGUMENT = 1, /* refused: a value, shape, dtype, device or state named in the message */
+  ESS_ERROR_OUT_OF_MEMORY = 2,    /* host or device memory could not be allocated */
+  ESS_ERROR_UNAVAILABLE = 3,      /* the CUDA backend is not in this build, or no such device */
+  ESS_ERROR_DEVICE = 4,           /* a CUDA call failed */
+  ESS_ERROR_INTERNAL = 5          /* a bug in ESS: please report the message */
+} ess_status;
+
+typedef enum ess_backend { ESS_BACKEND_CPU = 0, ESS_BACKEND_CUDA = 1 } ess_backend;
+
+/* The per-layer step's eviction policy. The GPU swap engine implements LRU (with LRU-Warmup);
+ * `ess trace analyze` compares the others on traces. */
+typedef enum ess_policy { ESS_POLICY_LRU = 0 } ess_policy;
+
+typedef struct ess_engine ess_engine;
+typedef struct ess_step_binding ess_step_binding;
+typedef struct ess_write_back_binding ess_write_back_binding;
+
+/* ---- library ---------------------------------------------------------------------------- */
+ESS_API int ess_abi_version(void);
+ESS_API const char* ess_version(void);            /* "0.1.0" */
+ESS_API const char* ess_status_name(ess_status status);
+/* This thread's message of its last failed call ("" when none failed). Valid until the next
+ * failing call on this thread. */
+ESS_API const char* ess_last_error(void);
+ESS_API int ess_cuda_built(void);                 /* 1 when the CUDA backend is in this build */
+ESS_API int ess_cuda_device_count(void);          /* 0 without the backend, a driver or a device */
+
+/* ---- engine ----------------------------------------------------------------------------- */
+typedef struct ess_config {
+  uint32_t struct_size;
+  /* The model: the path of its Hugging Face config.json, or that file's text (its fields),
+   * or neither: the shipped DeepSeek-V3.2-Exp. Not both. */
+  const char* model_path;
+  const char* model_json;
+  int32_t layers;          /* 0: the model's num_hidden_layers */
+  int32_t max_requests;    /* pool rows (requests decoded at once) */
+  int64_t max_context;     /* longest request, tokens */
+  int32_t query_tokens;    /* T: query tokens per request per step (MTP); default 1 */
+  int32_t topk;            /* K: ids per query token; 0: the model's index_topk */
+  int32_t slots;           /* LRU slots per request-layer; 0: from ratio */
+  double ratio;            /* Sparse Memory Ratio: slots = ceil(ratio x max_context) when slots is 0 */
+  int32_t reserve_newest;  /* 1: T more rows per request-layer hold each step's newest tokens */
+  int32_t warmup_windows;  /* LRU-Warmup: the prefill's last this-many query positions; default 32 */
+  int32_t policy;          /* ess_policy */
+  int32_t backend;         /* ess_backend */
+  int32_t device;          /* CUDA device */
+  int32_t copy_blocks;     /* FlashTrans grid (0: its default) */
+  uint64_t host_bytes;     /* Total Memory Pool capacity; 0: max_requests x max_context x layers entries */
+  /* The engine's own layer buffers (FlashMLA's KV cache), `layers` tensors, each [rows, E],
+   * [blocks, block_rows, E] or with size-1 dimensions between (E = the entry's bytes over
+   * the dtype's; uint8 [.., 656] for DeepSeek-V3.2), rows contiguous and 16-byte aligned,
+   * on the backend's device. NULL: ESS allocates them (ess_engine_layer_data). */
+  const DLTensor* const* latent;
+  int32_t latent_count;
+} ess_config;
+
+ESS_API void ess_config_init(ess_config* config);
+/* On success *engine is a new engine; on failure it is NULL. */
+ESS_API ess_status ess_engine_create(const ess_config* config, ess_engine** engine);
+ESS_API void ess_engine_destroy(ess_engine* engine); /* also destroys its bindings; NULL is a no-op */
+
+typedef struct ess_engine_info {
+  uint32_t struct_size;
+  int32_t layers;
+  int32_t max_requests;
+  int64_t max_context;
+  int32_t query_tokens;
+  int32_t topk;
+  int32_t slots;
+  int32_t rows_per_request;  /* slots + (reserve_newest ? T : 0): row r's rows start at r x this */
+  int32_t reserve_newest;
+  int32_t backend;
+  int32_t device;
+  int32_t entry_bytes;       /* 656 for DeepSeek-V3.2 */
+  /* Where physical row p of a layer's buffer lives, in bytes from its base:
+   * (p / block_rows) x block_stride + (p % block_rows) x row_stride (block_rows 0: p x row_stride). */
+  uint64_t row_stride;
+  int64_t block_rows;
+  uint64_t block_stride;
+  uint64_t host_bytes_capacity;
+} ess_engine_info;
+
+ESS_API void ess_engine_info_init(ess_engine_info* info);
+ESS_API ess_status ess_engine_get_info(const ess_engine* engine, ess_engine_info* info);
+/* The base address of a layer's buffer (the engine's own, or the one ESS allocated). */
+ESS_API ess_status ess_engine_layer_data(const ess_engine* engine, int32_t layer, void** data);
+/* A copy of physical row `row` of a layer: `bytes` must be the entry size. */
+ESS_API ess_status ess_engine_read_row(const ess_engine* engine, int32_t layer, int32_t row, void* out, size_t bytes);
+
+typedef struct ess_stats {
+  uint32_t struct_size;
+  int64_t steps;             /* layer steps run */
+  int64_t warmup_fills;      /* rows loaded by LRU-Warmup */
+  int64_t hits, misses;      /* distinct ids: CPU backend counted; CUDA backend 0 (see the counts output) */
+  int64_t reserved_hits;     /* ids that were among their step's newest (reserve_newest) */
+  uint64_t host_bytes_used;
+  uint64_t host_bytes_capacity;
+  int32_t requests;
+} ess_stats;
+
+ESS_API void ess_stats_init(ess_stats* stats);
+ESS_API ess_status ess_engine_get_stats(const ess_engine* engine, ess_stats* stats);
+
+/* ---- requests (host calls between steps) ------------------------------------------------ */
+/* Admits request `id` (any non-negative number the engine chooses) with `prompt_length`
+ * tokens into pool row `row` (-1: the lowest free row); *row_out (may be NULL) gets the row. */
+ESS_API ess_status ess_request_admit(ess_engine* engine, int64_t id, int64_t prompt_length, int32_t row,
+                                     int32_t* row_out);
+/* Writes entries [first_token, first_token + n) of one layer into the host pool: `entries` is
+ * host memory (kDLCPU or kDLCUDAHost), n rows of the entry's bytes (uint8 [n, E], or any
+ * dtype whose last dimension spans E bytes), rows contiguous. */
+ESS_API ess_status ess_request_write_entries(ess_engine* engine, int64_t id, int32_t layer, int64_t first_token,
+                                             const DLTensor* entries);
+/* Reads them back (the same shapes; `entries` is written). */
+ESS_API ess_status ess_request_read_entries(const ess_engine* engine, int64_t id, int32_t layer, int64_t first_token,
+                                            const DLTensor* entries);
+/* LRU-Warmup of every layer: `windows` is int32 host memory [layers, W, K], the prefill's
+ * last W query positions' top-k, oldest first, -1 = padding; the resulting residency is
+ * loaded into the request's rows from the host pool. */
+ESS_API ess_status ess_request_warmup(ess_engine* engine, int64_t id, const DLTensor* windows);
+ESS_API ess_status ess_request_extend(ess_engine* engine, int64_t id, int64_t tokens);
+ESS_API ess_status ess_request_release(ess_engine* engine, int64_t id);
+/* Forgets the request's device residency (its host entries stay); warm it up again after. */
+ESS_API ess_status ess_request_reset(ess_engine* engine, int64_t id);
+/* Its pool row and length (either pointer may be NULL). */
+ESS_API ess_status ess_request_get(const ess_engine* engine, int64_t id, int32_t* row, int64_t* length);
+
+/* ---- the per-layer step ----------------------------------------------------------------- */
+/* The step's tensors, int32, contiguous, on the backend's device (host memory for the CPU
+ * backend: kDLCPU or kDLCUDAHost). B positions (padded ones included); T and K as configured. */
+typedef struct ess_step_tensors {
+  uint32_t struct_size;
+  const DLTensor* rows;           /* [B] pool row of each position, -1 = padded */
+  const DLTensor* topk;           /* [B, T, K] or [B x T, K]: logical token ids, -1 = padding */
+  const DLTensor* lengths;        /* [B] each position's tokens after this step's extend */
+  const DLTensor* physical;       /* like topk, out: rows of the layer's buffer, -1 = padding */
+  /* Optional outputs (NULL: not produced). */
+  const DLTensor* counts;         /* [B, 2]: the LRU's distinct hits and misses per position */
+  const DLTensor* resident;       /* like topk: the rows resident before the step, compacted */
+  const DLTensor* fetched;        /* like topk: the rows this step fetches, compacted */
+  const DLTensor* resident_count; /* [B, T] or [B x T] */
+  const DLTensor* fetched_count;  /* [B, T] or [B x T] */
+} ess_step_tensors;
+
+ESS_API void ess_step_tensors_init(ess_step_tensors* tensors);
+ESS_API ess_status ess_step_bind(ess_engine* engine, const ess_step_tensors* tensors, ess_step_binding** binding);
+ESS_API void ess_step_binding_destroy(ess_step_binding* binding);
+/* One layer's step over the first `batch` positions of the binding (-1: all B): the misses
+ * are fetched and `physical` filled, enqueued on `stream` (CUDA backend; graph-capturable). */
+ESS_API ess_status ess_step(ess_step_binding* binding, int32_t layer, int32_t batch, void* stream);
+/* The same with the fetch on `copy_stream` after the decision, `copy_done` (a cudaEvent_t)
+ * recorded when it ends (both NULL: all on `stream`), and scratch `part` 0 or 1 (two steps
+ * whose copies may be in flight together use different parts). */
+ESS_API ess_status ess_step_async(ess_step_binding* binding, int32_t layer, int32_t batch, int32_t part, void* stream,
+                                  void* copy_stream, void* copy_done);
+
+/* The write-back of the entries the model wrote this step (positions [length - T, length) of
+ * each position's request) to the host pool: rows [B] and lengths [B] as in the step;
+ * source_rows [B, T] rows of the layer's buffer, or NULL: the reserved rows. */
+ESS_API ess_status ess_write_back_bind(ess_engine* engine, const DLTensor* rows, const DLTensor* lengths,
+                                       const DLTensor* source_rows, ess_write_back_binding** binding);
+ESS_API void ess_write_back_binding_destroy(ess_write_back_binding* binding);
+ESS_API ess_status ess_write_back(ess_write_back_binding* binding, int32_t layer, int32_t batch, void* stream);
+
+/* ---- capacity planning ------------------------------------------------------------------ */
+/* `ess plan` as a call: `request_json` is an object with optional keys model (config.json
+ * path), hardware (shipped name or JSON path), deployment, contexts (array), min_otps,
+ * modes (array of none/da/dba/layerwise), batch_step, mtp, accept, nodes, gpus_per_node, ep,
+ * mem_fraction, no_tbo, misses, miss_exponent, miss_profile, op_table; unknown keys are
+ * refused. *result_json gets the JSON `ess plan --format json` prints; free it with
+ * ess_string_free. */
+ESS_API ess_status ess_plan(const char* request_json, char** result_json);
+ESS_API void ess_string_free(char* s);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* ESS_ESS_C_H_ */

@@ -1,0 +1,159 @@
+"""Finds and loads libess (the C ABI of include/ess/ess_c.h) and declares its functions."""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import glob
+import os
+from pathlib import Path
+
+ABI_VERSION = 1  # ESS_ABI_VERSION this package speaks
+
+
+class Config(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("model_path", ctypes.c_char_p),
+        ("model_json", ctypes.c_char_p),
+        ("layers", ctypes.c_int32),
+        ("max_requests", ctypes.c_int32),
+        ("max_context", ctypes.c_int64),
+        ("query_tokens", ctypes.c_int32),
+        ("topk", ctypes.c_int32),
+        ("slots", ctypes.c_int32),
+        ("ratio", ctypes.c_double),
+        ("reserve_newest", ctypes.c_int32),
+        ("warmup_windows", ctypes.c_int32),
+        ("policy", ctypes.c_int32),
+        ("backend", ctypes.c_int32),
+        ("device", ctypes.c_int32),
+        ("copy_blocks", ctypes.c_int32),
+        ("host_bytes", ctypes.c_uint64),
+        ("latent", ctypes.POINTER(ctypes.c_void_p)),
+        ("latent_count", ctypes.c_int32),
+    ]
+
+
+class EngineInfo(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("layers", ctypes.c_int32),
+        ("max_requests", ctypes.c_int32),
+        ("max_context", ctypes.c_int64),
+        ("query_tokens", ctypes.c_int32),
+        ("topk", ctypes.c_int32),
+        ("slots", ctypes.c_int32),
+        ("rows_per_request", ctypes.c_int32),
+        ("reserve_newest", ctypes.c_int32),
+        ("backend", ctypes.c_int32),
+        ("device", ctypes.c_int32),
+        ("entry_bytes", ctypes.c_int32),
+        ("row_stride", ctypes.c_uint64),
+        ("block_rows", ctypes.c_int64),
+        ("block_stride", ctypes.c_uint64),
+        ("host_bytes_capacity", ctypes.c_uint64),
+    ]
+
+
+class Stats(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("steps", ctypes.c_int64),
+        ("warmup_fills", ctypes.c_int64),
+        ("hits", ctypes.c_int64),
+        ("misses", ctypes.c_int64),
+        ("reserved_hits", ctypes.c_int64),
+        ("host_bytes_used", ctypes.c_uint64),
+        ("host_bytes_capacity", ctypes.c_uint64),
+        ("requests", ctypes.c_int32),
+    ]
+
+
+class StepTensors(ctypes.Structure):
+    _fields_ = [("struct_size", ctypes.c_uint32)] + [
+        (name, ctypes.c_void_p)
+        for name in ("rows", "topk", "lengths", "physical", "counts", "resident", "fetched", "resident_count",
+                     "fetched_count")
+    ]
+
+
+def _candidates():
+    env = os.environ.get("ESS_LIBRARY")
+    if env:
+        yield Path(env)
+        return
+    here = Path(__file__).resolve().parent
+    yield from sorted(here.glob("lib/libess.so*"))
+    # A source checkout: python/ess -> the repository's build trees.
+    repo = here.parent.parent
+    for preset in ("release", "cpu", "debug"):
+        yield repo / "build" / preset / "src" / "capi" / "libess.so"
+    for p in sorted(glob.glob(str(repo / "build" / "*" / "src" / "capi" / "libess.so"))):
+        yield Path(p)
+    found = ctypes.util.find_library("ess")
+    if found:
+        yield Path(found)
+
+
+def _load():
+    tried = []
+    for path in _candidates():
+        if not path.exists() and path.is_absolute():
+            tried.append(f"{path} (missing)")
+            continue
+        try:
+            return ctypes.CDLL(str(path)), str(path)
+        except OSError as e:
+            tried.append(f"{path} ({e})")
+    raise ImportError(
+        "ess: libess.so not found. Build it (./scripts/test.sh, or cmake --build build/release --target ess_c), "
+        "install it (cmake --install), or set ESS_LIBRARY to its path. Tried: " + "; ".join(tried or ["nothing"]))
+
+
+lib, path = _load()
+
+_c = ctypes
+_P = _c.c_void_p
+_signatures = {
+    "ess_abi_version": (_c.c_int, []),
+    "ess_version": (_c.c_char_p, []),
+    "ess_status_name": (_c.c_char_p, [_c.c_int]),
+    "ess_last_error": (_c.c_char_p, []),
+    "ess_cuda_built": (_c.c_int, []),
+    "ess_cuda_device_count": (_c.c_int, []),
+    "ess_config_init": (None, [_c.POINTER(Config)]),
+    "ess_engine_create": (_c.c_int, [_c.POINTER(Config), _c.POINTER(_P)]),
+    "ess_engine_destroy": (None, [_P]),
+    "ess_engine_info_init": (None, [_c.POINTER(EngineInfo)]),
+    "ess_engine_get_info": (_c.c_int, [_P, _c.POINTER(EngineInfo)]),
+    "ess_engine_layer_data": (_c.c_int, [_P, _c.c_int32, _c.POINTER(_P)]),
+    "ess_engine_read_row": (_c.c_int, [_P, _c.c_int32, _c.c_int32, _P, _c.c_size_t]),
+    "ess_stats_init": (None, [_c.POINTER(Stats)]),
+    "ess_engine_get_stats": (_c.c_int, [_P, _c.POINTER(Stats)]),
+    "ess_request_admit": (_c.c_int, [_P, _c.c_int64, _c.c_int64, _c.c_int32, _c.POINTER(_c.c_int32)]),
+    "ess_request_write_entries": (_c.c_int, [_P, _c.c_int64, _c.c_int32, _c.c_int64, _P]),
+    "ess_request_read_entries": (_c.c_int, [_P, _c.c_int64, _c.c_int32, _c.c_int64, _P]),
+    "ess_request_warmup": (_c.c_int, [_P, _c.c_int64, _P]),
+    "ess_request_extend": (_c.c_int, [_P, _c.c_int64, _c.c_int64]),
+    "ess_request_release": (_c.c_int, [_P, _c.c_int64]),
+    "ess_request_reset": (_c.c_int, [_P, _c.c_int64]),
+    "ess_request_get": (_c.c_int, [_P, _c.c_int64, _c.POINTER(_c.c_int32), _c.POINTER(_c.c_int64)]),
+    "ess_step_tensors_init": (None, [_c.POINTER(StepTensors)]),
+    "ess_step_bind": (_c.c_int, [_P, _c.POINTER(StepTensors), _c.POINTER(_P)]),
+    "ess_step_binding_destroy": (None, [_P]),
+    "ess_step": (_c.c_int, [_P, _c.c_int32, _c.c_int32, _P]),
+    "ess_step_async": (_c.c_int, [_P, _c.c_int32, _c.c_int32, _c.c_int32, _P, _P, _P]),
+    "ess_write_back_bind": (_c.c_int, [_P, _P, _P, _P, _c.POINTER(_P)]),
+    "ess_write_back_binding_destroy": (None, [_P]),
+    "ess_write_back": (_c.c_int, [_P, _c.c_int32, _c.c_int32, _P]),
+    "ess_plan": (_c.c_int, [_c.c_char_p, _c.POINTER(_c.c_void_p)]),
+    "ess_string_free": (None, [_c.c_void_p]),
+}
+for _name, (_res, _args) in _signatures.items():
+    _f = getattr(lib, _name)
+    _f.restype = _res
+    _f.argtypes = _args
+
+if lib.ess_abi_version() != ABI_VERSION:
+    raise ImportError(f"ess: {path} speaks ABI {lib.ess_abi_version()}, this package ABI {ABI_VERSION}; "
+                      "rebuild the library or reinstall the package from the same source")

@@ -1,0 +1,306 @@
+"""The per-layer step and its request lifecycle (ess_c.h's engine) for Python engines."""
+from __future__ import annotations
+
+import ctypes
+import json
+import weakref
+from dataclasses import dataclass
+from os import PathLike
+from typing import Mapping, Optional, Sequence, Union
+
+from . import _dlpack
+from ._errors import InvalidArgument, check
+from ._lib import Config, EngineInfo, StepTensors, Stats as _Stats, lib
+
+_BACKENDS = {"cpu": 0, "cuda": 1}
+_POLICIES = {"lru": 0}
+
+
+def stream_handle(stream) -> Optional[int]:
+    """A cudaStream_t as an integer: an int, a torch.cuda.Stream (.cuda_stream), a CuPy stream (.ptr) or None."""
+    if stream is None or isinstance(stream, int):
+        return stream or None
+    for attr in ("cuda_stream", "ptr", "handle"):
+        value = getattr(stream, attr, None)
+        if isinstance(value, int):
+            return value or None
+    raise InvalidArgument(f"stream: {type(stream).__name__} is not a stream (an int, torch.cuda.Stream or CuPy stream)")
+
+
+@dataclass(frozen=True)
+class Info:
+    layers: int
+    max_requests: int
+    max_context: int
+    query_tokens: int
+    topk: int
+    slots: int
+    rows_per_request: int
+    reserve_newest: bool
+    backend: str
+    device: int
+    entry_bytes: int
+    row_stride: int
+    block_rows: int
+    block_stride: int
+    host_bytes_capacity: int
+
+    def reserved_row(self, row: int, t: int = 0) -> int:
+        """The physical row holding the t-th of a step's T newest tokens of pool row `row` (reserve_newest)."""
+        return row * self.rows_per_request + self.slots + t
+
+
+@dataclass(frozen=True)
+class Stats:
+    steps: int
+    warmup_fills: int
+    hits: int
+    misses: int
+    reserved_hits: int
+    host_bytes_used: int
+    host_bytes_capacity: int
+    requests: int
+
+
+class Engine:
+    """ESS's offloaded latent cache behind one object: the C ABI's ess_engine.
+
+    model: None (the shipped DeepSeek-V3.2-Exp), a config.json path, or its fields as a dict.
+    slots or ratio: the LRU slots per request-layer (ratio x max_context, rounded up).
+    latent: the engine's own layer buffers (one tensor per layer, [rows, E] or [blocks,
+    block_rows, E]); None: ESS allocates them. Every value is checked by the library; a
+    refused one raises InvalidArgument naming it, and nothing is created."""
+
+    def __init__(self, *, max_requests: int, max_context: int, slots: int = 0, ratio: float = 0.0,
+                 model: Union[None, str, PathLike, Mapping] = None, layers: int = 0, query_tokens: int = 1,
+                 topk: int = 0, reserve_newest: bool = False, warmup_windows: int = 32, policy: str = "lru",
+                 backend: str = "cpu", device: int = 0, copy_blocks: int = 0, host_bytes: int = 0,
+                 latent: Optional[Sequence] = None):
+        self._handle = None
+        if backend not in _BACKENDS:
+            raise InvalidArgument(f"backend = {backend!r}: one of {sorted(_BACKENDS)}")
+        if policy not in _POLICIES:
+            raise InvalidArgument(f"policy = {policy!r}: the per-layer step runs {sorted(_POLICIES)} "
+                                  "(`ess trace analyze` compares the others on traces)")
+        c = Config()
+        lib.ess_config_init(ctypes.byref(c))
+        if model is None:
+            pass
+        elif isinstance(model, Mapping):
+            c.model_json = json.dumps(dict(model)).encode()
+        else:
+            c.model_path = str(model).encode()
+        for name, value in (("layers", layers), ("max_requests", max_requests), ("max_context", max_context),
+                            ("query_tokens", query_tokens), ("topk", topk), ("slots", slots),
+                            ("warmup_windows", warmup_windows), ("device", device), ("copy_blocks", copy_blocks),
+                            ("host_bytes", host_bytes)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise InvalidArgument(f"{name} = {value!r} is not an integer")
+            setattr(c, name, value)
+        c.ratio = float(ratio)
+        c.reserve_newest = 1 if reserve_newest else 0
+        c.policy = _POLICIES[policy]
+        c.backend = _BACKENDS[backend]
+        self._latent = None
+        if latent is not None:
+            exported = [_dlpack.export(t, f"latent[{i}]") for i, t in enumerate(latent)]
+            array = (ctypes.c_void_p * max(1, len(exported)))(*[e.pointer for e in exported])
+            c.latent = ctypes.cast(array, ctypes.POINTER(ctypes.c_void_p))
+            c.latent_count = len(exported)
+            self._latent = (exported, array)
+        handle = ctypes.c_void_p()
+        check(lib.ess_engine_create(ctypes.byref(c), ctypes.byref(handle)))
+        self._handle = handle.value
+        self._bindings = weakref.WeakSet()  # closed with the engine; each freed when it goes
+        raw = EngineInfo()
+        lib.ess_engine_info_init(ctypes.byref(raw))
+        check(lib.ess_engine_get_info(self._handle, ctypes.byref(raw)))
+        values = {name: getattr(raw, name) for name, _ in EngineInfo._fields_ if name != "struct_size"}
+        values["reserve_newest"] = bool(values["reserve_newest"])
+        values["backend"] = "cuda" if values["backend"] == 1 else "cpu"
+        self.info = Info(**values)
+
+    # ---- lifetime ----
+    def close(self):
+        """Frees the engine and its bindings (they refuse calls afterwards)."""
+        if self._handle is not None:
+            for b in list(self._bindings):
+                b._handle = None
+            lib.ess_engine_destroy(self._handle)
+            self._handle = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def _h(self):
+        if self._handle is None:
+            raise InvalidArgument("the engine is closed")
+        return self._handle
+
+    # ---- requests ----
+    def admit(self, request_id: int, prompt_length: int, row: int = -1) -> int:
+        """Admits a request of `prompt_length` tokens (entries zeroed) into pool row `row` (-1: any free); returns the row."""
+        out = ctypes.c_int32()
+        check(lib.ess_request_admit(self._h(), request_id, prompt_length, row, ctypes.byref(out)))
+        return out.value
+
+    def write_entries(self, request_id: int, layer: int, first_token: int, entries):
+        """Copies host entries ([n, E] bytes per entry) into the Total Memory Pool at tokens [first_token, +n)."""
+        e = _dlpack.export(entries, "entries")
+        check(lib.ess_request_write_entries(self._h(), request_id, layer, first_token, e.pointer))
+
+    def read_entries(self, request_id: int, layer: int, first_token: int, out):
+        """Fills `out` ([n, E] host bytes) from the Total Memory Pool; returns it."""
+        e = _dlpack.export(out, "out")
+        check(lib.ess_request_read_entries(self._h(), request_id, layer, first_token, e.pointer))
+        return out
+
+    def warmup(self, request_id: int, windows):
+        """LRU-Warmup of every layer from the prefill's top-k: int32 host [layers, W, K], oldest first."""
+        e = _dlpack.export(windows, "windows")
+        check(lib.ess_request_warmup(self._h(), request_id, e.pointer))
+
+    def extend(self, request_id: int, tokens: int = 1):
+        check(lib.ess_request_extend(self._h(), request_id, tokens))
+
+    def release(self, request_id: int):
+        check(lib.ess_request_release(self._h(), request_id))
+
+    def reset(self, request_id: int):
+        check(lib.ess_request_reset(self._h(), request_id))
+
+    def request(self, request_id: int):
+        """(pool row, length) of an admitted request."""
+        row, length = ctypes.c_int32(), ctypes.c_int64()
+        check(lib.ess_request_get(self._h(), request_id, ctypes.byref(row), ctypes.byref(length)))
+        return row.value, length.value
+
+    # ---- the per-layer step ----
+    def bind_step(self, rows, topk, lengths, physical, *, counts=None, resident=None, fetched=None,
+                  resident_count=None, fetched_count=None) -> "StepBinding":
+        """Checks the step's tensors once; the returned binding's step(layer) passes only integers."""
+        exported = {
+            "rows": _dlpack.export(rows, "rows"),
+            "topk": _dlpack.export(topk, "topk"),
+            "lengths": _dlpack.export(lengths, "lengths"),
+            "physical": _dlpack.export(physical, "physical"),
+            "counts": _dlpack.maybe(counts, "counts"),
+            "resident": _dlpack.maybe(resident, "resident"),
+            "fetched": _dlpack.maybe(fetched, "fetched"),
+            "resident_count": _dlpack.maybe(resident_count, "resident_count"),
+            "fetched_count": _dlpack.maybe(fetched_count, "fetched_count"),
+        }
+        t = StepTensors()
+        lib.ess_step_tensors_init(ctypes.byref(t))
+        for name, e in exported.items():
+            setattr(t, name, None if e is None else e.pointer)
+        handle = ctypes.c_void_p()
+        check(lib.ess_step_bind(self._h(), ctypes.byref(t), ctypes.byref(handle)))
+        b = StepBinding(self, handle.value, exported)
+        self._bindings.add(b)
+        return b
+
+    def bind_write_back(self, rows, lengths, source_rows=None) -> "WriteBackBinding":
+        """The D2H write-back of each step's T newest entries (from the reserved rows, or source_rows [B, T])."""
+        exported = {"rows": _dlpack.export(rows, "rows"), "lengths": _dlpack.export(lengths, "lengths"),
+                    "source_rows": _dlpack.maybe(source_rows, "source_rows")}
+        handle = ctypes.c_void_p()
+        src = exported["source_rows"]
+        check(lib.ess_write_back_bind(self._h(), exported["rows"].pointer, exported["lengths"].pointer,
+                                      None if src is None else src.pointer, ctypes.byref(handle)))
+        b = WriteBackBinding(self, handle.value, exported)
+        self._bindings.add(b)
+        return b
+
+    # ---- what is where ----
+    def stats(self) -> Stats:
+        raw = _Stats()
+        lib.ess_stats_init(ctypes.byref(raw))
+        check(lib.ess_engine_get_stats(self._h(), ctypes.byref(raw)))
+        return Stats(**{name: getattr(raw, name) for name, _ in _Stats._fields_ if name != "struct_size"})
+
+    def layer_data(self, layer: int) -> int:
+        """The address of a layer's buffer (the engine's own, or the one ESS allocated)."""
+        out = ctypes.c_void_p()
+        check(lib.ess_engine_layer_data(self._h(), layer, ctypes.byref(out)))
+        return out.value
+
+    def read_row(self, layer: int, row: int) -> bytes:
+        """A copy of physical row `row` of a layer's buffer."""
+        buf = ctypes.create_string_buffer(self.info.entry_bytes)
+        check(lib.ess_engine_read_row(self._h(), layer, row, buf, self.info.entry_bytes))
+        return buf.raw
+
+
+class _Binding:
+    _destroy = None
+
+    def __init__(self, engine: Engine, handle: int, exported):
+        self._engine = engine
+        self._handle = handle
+        self._exported = exported  # keeps every bound tensor alive while the C side points at it
+
+    def close(self):
+        if self._handle is not None:
+            type(self)._destroy(self._handle)
+            self._handle = None
+
+    def __del__(self):
+        try:
+            if self._engine._handle is not None:
+                self.close()
+        except Exception:
+            pass
+
+    def _h(self):
+        if self._handle is None:
+            raise InvalidArgument("the binding is closed (or its engine is)")
+        return self._handle
+
+    def _failed(self, code):
+        self._h()  # a closed binding says so rather than the library's "binding is NULL"
+        check(code)
+
+
+def _stream(s):
+    return s if s is None or type(s) is int else stream_handle(s)
+
+
+class StepBinding(_Binding):
+    """A bound step: step(layer) runs one layer over the bound tensors."""
+
+    _destroy = lib.ess_step_binding_destroy
+
+    def step(self, layer: int, batch: int = -1, stream=None):
+        """The step of `layer` over the first `batch` positions (-1: all), enqueued on `stream` (CUDA backend)."""
+        code = lib.ess_step(self._handle, layer, batch, _stream(stream))
+        if code:
+            self._failed(code)
+
+    __call__ = step
+
+    def step_async(self, layer: int, batch: int = -1, part: int = 0, stream=None, copy_stream=None, copy_done=None):
+        """The step with its fetch on `copy_stream`, `copy_done` (a cudaEvent_t as int) recorded when it ends."""
+        check(lib.ess_step_async(self._h(), layer, batch, part, stream_handle(stream), stream_handle(copy_stream),
+                                 copy_done))
+
+
+class WriteBackBinding(_Binding):
+    _destroy = lib.ess_write_back_binding_destroy
+
+    def write_back(self, layer: int, batch: int = -1, stream=None):
+        """The write-back of `layer`'s newest entries over the first `batch` positions (-1: all)."""
+        code = lib.ess_write_back(self._handle, layer, batch, _stream(stream))
+        if code:
+            self._failed(code)
+
+    __call__ = write_back

@@ -1,0 +1,163 @@
+"""The Python API on the C ABI: construction and binding checks (by name, nothing created or
+changed), the step against the independent model, lossless bytes, write-back, the planner, and
+torch tensors where Debian's python3-torch is installed."""
+import json
+
+import numpy as np
+import pytest
+
+import ess
+from lru_model import EngineModel
+
+ENTRY = 656
+
+
+def small(**kw):
+    args = dict(layers=2, max_requests=3, max_context=128, topk=8, slots=16)
+    args.update(kw)
+    return ess.Engine(**args)
+
+
+def test_library_facts():
+    assert ess.ABI_VERSION == 1 and ess.__version__.count(".") == 2
+    assert isinstance(ess.cuda_built(), bool) and ess.cuda_device_count() >= 0
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(slots=16, ratio=0.5), "slots = 16 and ratio = 0.5 are both given"),
+    (dict(slots=0), "neither slots nor ratio"),
+    (dict(slots=4), "4 slots per request-layer cannot hold"),
+    (dict(max_context=0), "max_context = 0"),
+    (dict(policy="lfu"), "policy = 'lfu'"),
+    (dict(backend="tpu"), "backend = 'tpu'"),
+    (dict(max_requests=2.5), "max_requests = 2.5 is not an integer"),
+    (dict(model={"num_hidden_layers": 2}), "config.model_json"),
+    (dict(model="/nonexistent/config.json"), "/nonexistent/config.json"),
+    (dict(latent=[np.zeros((48, ENTRY), np.uint8)]), "1 latent buffers for 2 layers"),
+    (dict(latent=[np.zeros((47, ENTRY), np.uint8)] * 2), "holds 47 rows"),
+    (dict(latent=[np.zeros((48, 655), np.uint8)] * 2), "spans 655 bytes"),
+])
+def test_bad_configurations_are_refused_by_name(kw, message):
+    with pytest.raises(ess.InvalidArgument, match=message.replace("(", r"\(").replace("[", r"\[")):
+        small(**kw)
+
+
+def test_unavailable_backend():
+    if ess.cuda_device_count() > 0:
+        pytest.skip("a CUDA device is present")
+    with pytest.raises(ess.Unavailable):
+        small(backend="cuda")
+
+
+def test_ratio_sets_the_slots():
+    e = small(slots=0, ratio=0.2, max_context=100)
+    assert e.info.slots == 20 and e.info.rows_per_request == 20
+
+
+def test_bindings_check_dtype_shape_contiguity_and_device():
+    e = small()
+    row = e.admit(1, 50)
+    rows, lengths = np.array([row], np.int32), np.array([50], np.int32)
+    topk, phys = np.arange(8, dtype=np.int32).reshape(1, 1, 8), np.zeros((1, 1, 8), np.int32)
+    with pytest.raises(ess.InvalidArgument, match="topk has dtype code 0 bits 64: int32 is needed"):
+        e.bind_step(rows, topk.astype(np.int64), lengths, phys)
+    with pytest.raises(ess.InvalidArgument, match=r"physical has shape \[1, 1, 7\]"):
+        e.bind_step(rows, topk, lengths, phys[..., :7].copy())
+    with pytest.raises(ess.InvalidArgument, match="topk is not contiguous"):
+        e.bind_step(rows, np.zeros((1, 1, 16), np.int32)[..., ::2], lengths, phys)
+    with pytest.raises(ess.InvalidArgument, match="has no __dlpack__"):
+        e.bind_step([row], topk, lengths, phys)
+    with pytest.raises(ess.InvalidArgument, match="go together"):
+        e.bind_step(rows, topk, lengths, phys, resident=phys.copy())
+    b = e.bind_step(rows, topk.reshape(1, 8), lengths, phys.reshape(1, 8))  # [B x T, K] is accepted too
+    b.step(0)
+    with pytest.raises(ess.InvalidArgument, match=r"batch 2 outside \[0, 1\]"):
+        b.step(0, 2)
+    e.close()
+    with pytest.raises(ess.InvalidArgument, match="closed"):
+        b.step(0)
+
+
+def test_steps_match_the_model_and_are_lossless():
+    T, K, slots, L = 2, 8, 24, 2
+    latent = [np.zeros((3 * (slots + T), ENTRY), np.uint8) for _ in range(L)]
+    e = small(query_tokens=T, slots=slots, reserve_newest=True, latent=latent)
+    model = EngineModel(L, slots, T, reserve_newest=True)
+    rng = np.random.default_rng(1)
+    full = rng.integers(0, 256, (L, 128, ENTRY), dtype=np.uint8)
+    row = e.admit(9, 40, row=2)
+    model.admit(row)
+    for layer in range(L):
+        e.write_entries(9, layer, 0, full[layer, :40])
+    rows, lengths = np.array([row], np.int32), np.zeros(1, np.int32)
+    topk, phys = np.zeros((1, T, K), np.int32), np.zeros((1, T, K), np.int32)
+    counts = np.zeros((1, 2), np.int32)
+    step = e.bind_step(rows, topk, lengths, phys, counts=counts)
+    wb = e.bind_write_back(rows, lengths)
+    n = 40
+    for s in range(6):
+        e.extend(9, T)
+        n += T
+        lengths[0] = n
+        for layer in range(L):
+            for t in range(T):  # the model writes the new entries into the reserved rows
+                latent[layer][e.info.reserved_row(row, t)] = full[layer, n - T + t]
+            for t in range(T):
+                topk[0, t] = rng.choice(n, K, replace=False)
+            before = e.stats()
+            step.step(layer)
+            expected, hits, misses = model.step(row, layer, n, topk[0].tolist())
+            np.testing.assert_array_equal(phys[0], expected)
+            assert tuple(counts[0]) == (hits, misses)
+            assert e.stats().misses - before.misses == misses
+            for t in range(T):
+                for k in range(K):
+                    assert latent[layer][phys[0, t, k]].tobytes() == full[layer, topk[0, t, k]].tobytes()
+                    assert e.read_row(layer, int(phys[0, t, k])) == full[layer, topk[0, t, k]].tobytes()
+            wb.write_back(layer)
+    back = e.read_entries(9, 1, 0, np.empty((n, ENTRY), np.uint8))
+    np.testing.assert_array_equal(back, full[1, :n])
+
+
+def test_refused_calls_change_nothing():
+    e = small()
+    e.admit(1, 50)
+    before = (e.stats(), e.request(1))
+    with pytest.raises(ess.InvalidArgument, match="entries \\[45, 55\\) outside its 50 tokens"):
+        e.write_entries(1, 0, 45, np.zeros((10, ENTRY), np.uint8))
+    with pytest.raises(ess.InvalidArgument, match="exceeds max_context"):
+        e.extend(1, 1000)
+    with pytest.raises(ess.InvalidArgument, match="not admitted"):
+        e.release(2)
+    with pytest.raises(ess.InvalidArgument, match=r"windows has shape \[2, 1, 7\]"):
+        e.warmup(1, np.zeros((2, 1, 7), np.int32))
+    with pytest.raises(ess.InvalidArgument, match="all 3 rows are taken"):
+        for i in range(2, 6):
+            e.admit(i, 10)
+    e.release(2)
+    e.release(3)
+    assert (e.stats(), e.request(1)) == before
+
+
+def test_plan_is_ess_plan():
+    p = ess.plan(hardware="h200", contexts=[32768], min_otps=15)
+    assert p["plans"][0]["context"] == 32768 and "chosen" in p["plans"][0]
+    with pytest.raises(ess.InvalidArgument, match="unknown request field 'bogus'"):
+        ess.plan(bogus=1)
+    with pytest.raises(ess.InvalidArgument, match="hardware"):
+        ess.plan(hardware="tpu-v9")
+    json.dumps(p)
+
+
+def test_torch_tensors():
+    torch = pytest.importorskip("torch")
+    e = small()
+    row = e.admit(1, 50)
+    rows = torch.tensor([row], dtype=torch.int32)
+    lengths = torch.tensor([50], dtype=torch.int32)
+    topk = torch.arange(8, dtype=torch.int32).reshape(1, 1, 8)
+    phys = torch.empty_like(topk)
+    e.bind_step(rows, topk, lengths, phys).step(0)
+    assert phys.flatten().tolist() == [row * 16 + i for i in range(8)]
+    with pytest.raises(ess.InvalidArgument, match="int32 is needed"):
+        e.bind_step(rows, topk.long(), lengths, phys)

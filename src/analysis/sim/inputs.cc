@@ -1,0 +1,113 @@
+#include "ess/sim/inputs.h"
+
+#include <algorithm>
+
+#include "ess/core/error.h"
+#include "ess/core/json.h"
+#include "ess/core/overlap.h"
+#include "ess/sim/planner.h"
+
+namespace ess::sim {
+
+ModelSpec Inputs::load_model() const { return model.empty() ? ModelSpec::deepseek_v32_exp() : ModelSpec::from_file(model); }
+
+HardwareProfile Inputs::load_hardware() const { return HardwareProfile::load(hardware); }
+
+Deployment Inputs::load_deployment() const {
+  Deployment d = Deployment::load(deployment);
+  if (mtp) d.mtp_tokens = *mtp;
+  if (accept) d.accept_ratio = *accept;
+  if (mtp && !accept) d.accept_ratio = std::min(d.accept_ratio, static_cast<double>(*mtp));
+  if (nodes) d.nodes = *nodes;
+  if (gpus_per_node) d.gpus_per_node = *gpus_per_node;
+  if (ep) d.expert_parallel = *ep;
+  if ((nodes || gpus_per_node) && !ep) d.expert_parallel = d.gpus();
+  d.attention_data_parallel = std::min(d.attention_data_parallel, d.gpus());
+  if (nodes || gpus_per_node) d.attention_data_parallel = d.gpus();
+  if (mem_fraction) d.mem_fraction_static = *mem_fraction;
+  if (no_tbo) d.two_batch_overlap = false;
+  if (rig_layers) d.rig_layers = *rig_layers;
+  d.validate("deployment (after command-line overrides)");
+  return d;
+}
+
+MissModel Inputs::load_misses(std::int64_t context) const {
+  MissModel m;
+  if (reference_misses) m.reference_misses = *reference_misses;
+  if (miss_exponent) m.exponent = *miss_exponent;
+  if (!miss_profile.empty()) m = MissModel::load_profile(miss_profile, context, m);
+  m.validate("--misses / --miss-exponent / --miss-profile");
+  return m;
+}
+
+std::unique_ptr<MeasuredTables> Inputs::load_tables() const {
+  if (op_table.empty()) return nullptr;
+  return std::make_unique<MeasuredTables>(MeasuredTables::from_csv(op_table));
+}
+
+Plans plan_contexts(const Inputs& inputs, const PlanOptions& options) {
+  const ModelSpec model = inputs.load_model();
+  const HardwareProfile hw = inputs.load_hardware();
+  const Deployment dep = inputs.load_deployment();
+  const auto tables = inputs.load_tables();
+  const StepModel sm(model, hw, dep, tables.get());
+  PlanRequest base;
+  base.min_otps = options.min_otps;
+  base.batch_step = options.batch_step;
+  ESS_CHECK(options.batch_step >= 1, "plan: batch_step = {} must be >= 1", options.batch_step);
+  ESS_CHECK(!options.modes.empty(), "plan: no overlap mode to try");
+  base.modes.clear();
+  for (const auto& m : options.modes) base.modes.push_back(parse_overlap_mode(m));
+  ESS_CHECK(!options.contexts.empty(), "plan: no context length given");
+  Plans plans{model, hw, dep, options.min_otps, {}};
+  for (std::int64_t ctx : options.contexts) {
+    ESS_CHECK(ctx >= 1, "plan: context {} must be positive", ctx);
+    PlanRequest r = base;
+    r.context = ctx;
+    r.misses = inputs.load_misses(ctx);
+    plans.results.push_back(plan(sm, r));
+  }
+  return plans;
+}
+
+namespace {
+
+template <typename T>
+void read_optional(const nlohmann::json& j, const char* field, std::optional<T>& out, const std::string& source) {
+  if (!j.contains(field)) return;
+  T value{};
+  json_read(j, field, value, source);
+  out = value;
+}
+
+}  // namespace
+
+void read_plan_request(const nlohmann::json& j, Inputs& in, PlanOptions& opt) {
+  const std::string source = "plan request";
+  ESS_CHECK(j.is_object(), "{}: must be a JSON object, not {}", source, j.type_name());
+  json_check_keys(j,
+                  {"contexts", "min_otps", "modes", "batch_step", "model", "hardware", "deployment", "mtp", "accept",
+                   "nodes", "gpus_per_node", "ep", "mem_fraction", "no_tbo", "misses", "miss_exponent", "miss_profile",
+                   "op_table"},
+                  source, "request");
+  json_read(j, "contexts", opt.contexts, source);
+  json_read(j, "min_otps", opt.min_otps, source);
+  json_read(j, "modes", opt.modes, source);
+  json_read(j, "batch_step", opt.batch_step, source);
+  json_read(j, "model", in.model, source);
+  json_read(j, "hardware", in.hardware, source);
+  json_read(j, "deployment", in.deployment, source);
+  read_optional(j, "mtp", in.mtp, source);
+  read_optional(j, "accept", in.accept, source);
+  read_optional(j, "nodes", in.nodes, source);
+  read_optional(j, "gpus_per_node", in.gpus_per_node, source);
+  read_optional(j, "ep", in.ep, source);
+  read_optional(j, "mem_fraction", in.mem_fraction, source);
+  json_read(j, "no_tbo", in.no_tbo, source);
+  read_optional(j, "misses", in.reference_misses, source);
+  read_optional(j, "miss_exponent", in.miss_exponent, source);
+  json_read(j, "miss_profile", in.miss_profile, source);
+  json_read(j, "op_table", in.op_table, source);
+}
+
+}  // namespace ess::sim

@@ -1,0 +1,106 @@
+// What the C ABI's sources share: the handles behind the opaque types, the guard that turns
+// every exception into a status and this thread's message, and the DLTensor checks.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <new>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "ess/core/error.h"
+#include "ess/ess_c.h"
+#include "ess/runtime/offload.h"
+
+struct ess_engine {
+  std::unique_ptr<ess::Offload> offload;
+  std::set<ess_step_binding*> steps;
+  std::set<ess_write_back_binding*> write_backs;
+};
+
+struct ess_step_binding {
+  ess_engine* engine = nullptr;
+  int batch = 0;  // B
+  ess::LayerStep step;  // the bound pointers (layer, batch and streams set per call)
+};
+
+struct ess_write_back_binding {
+  ess_engine* engine = nullptr;
+  int batch = 0;
+  ess::WriteBack write_back;
+};
+
+namespace ess::capi {
+
+// An error the C layer raises with its own status (the runtime's exceptions map by type).
+struct StatusError : Error {
+  StatusError(ess_status s, const std::string& what) : Error(what), status(s) {}
+  ess_status status;
+};
+
+void set_last_error(const std::string& message);
+
+// Runs f; maps what it throws to a status and this thread's message (prefixed with `where`).
+template <typename F>
+ess_status guard(const char* where, F&& f) noexcept {
+  try {
+    f();
+    return ESS_OK;
+  } catch (const StatusError& e) {
+    set_last_error(std::string(where) + ": " + e.what());
+    return e.status;
+  } catch (const OutOfMemory& e) {
+    set_last_error(std::string(where) + ": " + e.what());
+    return ESS_ERROR_OUT_OF_MEMORY;
+  } catch (const DeviceError& e) {
+    set_last_error(std::string(where) + ": " + e.what());
+    return ESS_ERROR_DEVICE;
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    set_last_error(std::string(where) + ": " + what);
+    return what.rfind("internal error", 0) == 0 ? ESS_ERROR_INTERNAL : ESS_ERROR_INVALID_ARGUMENT;
+  } catch (const std::bad_alloc&) {
+    set_last_error(std::string(where) + ": out of host memory");
+    return ESS_ERROR_OUT_OF_MEMORY;
+  } catch (const std::exception& e) {
+    set_last_error(std::string(where) + ": internal error: " + e.what());
+    return ESS_ERROR_INTERNAL;
+  } catch (...) {
+    set_last_error(std::string(where) + ": internal error: unknown exception");
+    return ESS_ERROR_INTERNAL;
+  }
+}
+
+// Where the backend's kernels read and write: host memory for the CPU backend, device or
+// mapped memory of the configured device for the CUDA one.
+struct Placement {
+  Backend backend = Backend::kCpu;
+  int device = 0;
+};
+
+// A checked view of a DLTensor: its first byte, its shape, its element size.
+struct Tensor {
+  std::uint8_t* data = nullptr;
+  std::vector<std::int64_t> shape;
+  int item_bytes = 0;
+  std::int64_t elements() const;
+};
+
+// `t` non-null, with data, on memory the placement can reach, C-contiguous (size-1
+// dimensions aside). `what` names it in every message.
+Tensor checked(const DLTensor* t, const char* what, const Placement& placement);
+// The same, int32, with one of the shapes `shapes` (each a list of sizes).
+std::int32_t* int32_tensor(const DLTensor* t, const char* what, const Placement& placement,
+                           const std::vector<std::vector<std::int64_t>>& shapes);
+std::string shape_string(const std::vector<std::int64_t>& shape);
+
+// The engine's layer buffer `t`: its base and row placement; `min_rows` rows must fit.
+struct LayerTensor {
+  std::uint8_t* base = nullptr;
+  RowLayout rows;
+  std::int64_t capacity = 0;  // rows it holds
+};
+LayerTensor layer_tensor(const DLTensor* t, int layer, std::uint64_t entry_bytes, const Placement& placement);
+
+}  // namespace ess::capi

@@ -1,0 +1,341 @@
+// The C ABI's library, engine and request calls: ess::Offload behind an opaque handle.
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include <nlohmann/json.hpp>
+
+#include "capi/capi_internal.h"
+#include "ess/model/model_spec.h"
+#include "ess/runtime/backend.h"
+#include "ess/version.h"
+
+namespace ess::capi {
+namespace {
+
+thread_local std::string g_last_error;
+
+template <typename S>
+void check_struct(const S* s, const char* what, const char* init) {
+  ESS_CHECK(s != nullptr, "{} is required (got NULL)", what);
+  ESS_CHECK(s->struct_size == sizeof(S),
+            "{}.struct_size = {}, this library's {} has {} bytes: call {} (a header of another ABI version?)", what,
+            s->struct_size, what, sizeof(S), init);
+}
+
+ModelSpec model_of(const ess_config& c) {
+  ESS_CHECK(c.model_path == nullptr || c.model_json == nullptr,
+            "config: model_path and model_json are both given; pass one");
+  if (c.model_path != nullptr) return ModelSpec::from_file(c.model_path);
+  if (c.model_json != nullptr) {
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(c.model_json);
+    } catch (const nlohmann::json::exception& e) {
+      ESS_THROW("config: model_json is not JSON: {}", e.what());
+    }
+    return ModelSpec::from_json(j, "config.model_json");
+  }
+  return ModelSpec::deepseek_v32_exp();
+}
+
+Placement placement_of(const OffloadConfig& c) { return {c.backend, c.device}; }
+
+OffloadConfig offload_config(const ess_config& c) {
+  const ModelSpec model = model_of(c);
+  ESS_CHECK(c.policy == ESS_POLICY_LRU,
+            "config: policy = {} is not supported by the per-layer step (ESS_POLICY_LRU = {}; `ess trace analyze` "
+            "compares the other policies on traces)",
+            c.policy, static_cast<int>(ESS_POLICY_LRU));
+  ESS_CHECK(c.backend == ESS_BACKEND_CPU || c.backend == ESS_BACKEND_CUDA,
+            "config: backend = {} is neither ESS_BACKEND_CPU (0) nor ESS_BACKEND_CUDA (1)", c.backend);
+  ESS_CHECK(c.layers >= 0, "config: layers = {} is negative (0: the model's {})", c.layers, model.num_hidden_layers);
+  ESS_CHECK(c.topk >= 0, "config: topk = {} is negative (0: the model's {})", c.topk, model.index_topk);
+  ESS_CHECK(c.slots >= 0, "config: slots = {} is negative", c.slots);
+  ESS_CHECK(std::isfinite(c.ratio) && c.ratio >= 0 && c.ratio <= 1, "config: ratio = {} must be in [0, 1]", c.ratio);
+  ESS_CHECK(c.slots == 0 || c.ratio == 0, "config: slots = {} and ratio = {} are both given; pass one", c.slots,
+            c.ratio);
+  ESS_CHECK(c.slots > 0 || c.ratio > 0, "config: neither slots nor ratio is given");
+  ESS_CHECK(c.max_context >= 1, "config: max_context = {} must be >= 1", c.max_context);
+  ESS_CHECK(c.reserve_newest == 0 || c.reserve_newest == 1, "config: reserve_newest = {} must be 0 or 1",
+            c.reserve_newest);
+  OffloadConfig o = OffloadConfig::for_model(model, c.max_requests, c.slots, c.max_context, c.query_tokens);
+  if (c.layers > 0) o.layers = c.layers;
+  if (c.topk > 0) o.topk = c.topk;
+  if (c.slots == 0) {
+    const double slots = std::ceil(c.ratio * static_cast<double>(c.max_context));
+    ESS_CHECK(slots <= static_cast<double>(std::numeric_limits<std::int32_t>::max()),
+              "config: ratio {} of max_context {} gives {} slots, beyond int32", c.ratio, c.max_context, slots);
+    o.slots = static_cast<std::int32_t>(slots);
+  }
+  o.reserve_newest = c.reserve_newest != 0;
+  o.warmup_windows = c.warmup_windows;
+  o.backend = c.backend == ESS_BACKEND_CUDA ? Backend::kCuda : Backend::kCpu;
+  o.device = c.device;
+  o.copy_blocks = c.copy_blocks;
+  o.host_bytes = c.host_bytes;
+  if (o.backend == Backend::kCuda) {
+    if (!cuda_backend_built()) {
+      throw StatusError(ESS_ERROR_UNAVAILABLE,
+                        "config: backend CUDA, but this library was built without the CUDA backend (no nvcc)");
+    }
+    const int devices = cuda_device_count();
+    if (c.device < 0 || c.device >= devices) {
+      throw StatusError(ESS_ERROR_UNAVAILABLE, fmt::format("config: no CUDA device {} (found {})", c.device, devices));
+    }
+  }
+  o.validate();
+  return o;
+}
+
+ess_engine& engine_ref(const ess_engine* e) {
+  ESS_CHECK(e != nullptr, "engine is NULL");
+  return const_cast<ess_engine&>(*e);
+}
+
+}  // namespace
+
+void set_last_error(const std::string& message) { g_last_error = message; }
+
+}  // namespace ess::capi
+
+using ess::capi::guard;
+
+extern "C" {
+
+int ess_abi_version(void) { return ESS_ABI_VERSION; }
+const char* ess_version(void) { return ESS_VERSION; }
+const char* ess_last_error(void) { return ess::capi::g_last_error.c_str(); }
+int ess_cuda_built(void) { return ess::cuda_backend_built() ? 1 : 0; }
+int ess_cuda_device_count(void) { return ess::cuda_device_count(); }
+
+const char* ess_status_name(ess_status status) {
+  switch (status) {
+    case ESS_OK: return "ESS_OK";
+    case ESS_ERROR_INVALID_ARGUMENT: return "ESS_ERROR_INVALID_ARGUMENT";
+    case ESS_ERROR_OUT_OF_MEMORY: return "ESS_ERROR_OUT_OF_MEMORY";
+    case ESS_ERROR_UNAVAILABLE: return "ESS_ERROR_UNAVAILABLE";
+    case ESS_ERROR_DEVICE: return "ESS_ERROR_DEVICE";
+    case ESS_ERROR_INTERNAL: return "ESS_ERROR_INTERNAL";
+  }
+  return "unknown ess_status";
+}
+
+void ess_config_init(ess_config* c) {
+  if (c == nullptr) return;
+  std::memset(c, 0, sizeof(*c));
+  c->struct_size = sizeof(*c);
+  c->query_tokens = 1;
+  c->warmup_windows = 32;
+  c->policy = ESS_POLICY_LRU;
+  c->backend = ESS_BACKEND_CPU;
+}
+
+ess_status ess_engine_create(const ess_config* config, ess_engine** out) {
+  if (out != nullptr) *out = nullptr;
+  return guard("ess_engine_create", [&] {
+    ESS_CHECK(out != nullptr, "the engine out-pointer is NULL");
+    ess::capi::check_struct(config, "ess_config", "ess_config_init");
+    const ess::OffloadConfig oc = ess::capi::offload_config(*config);
+    ess::LatentBuffer buffer;
+    if (config->latent != nullptr || config->latent_count != 0) {
+      ESS_CHECK(config->latent != nullptr && config->latent_count == oc.layers,
+                "config: {} latent buffers for {} layers", config->latent_count, oc.layers);
+      const std::int64_t needed = static_cast<std::int64_t>(oc.max_requests) * oc.rows_per_request();
+      for (int l = 0; l < oc.layers; ++l) {
+        const auto t = ess::capi::layer_tensor(config->latent[l], l, oc.layout.bytes(), ess::capi::placement_of(oc));
+        ESS_CHECK(t.capacity >= needed,
+                  "latent buffer of layer {} holds {} rows; {} requests x {} rows per request need {}", l, t.capacity,
+                  oc.max_requests, oc.rows_per_request(), needed);
+        if (l == 0) {
+          buffer.rows = t.rows;
+        } else {
+          ESS_CHECK(t.rows.row_stride == buffer.rows.row_stride && t.rows.block_rows == buffer.rows.block_rows &&
+                        t.rows.block_stride == buffer.rows.block_stride,
+                    "latent buffer of layer {}: its strides differ from layer 0's", l);
+        }
+        buffer.layer_base.push_back(t.base);
+      }
+    }
+    auto engine = std::make_unique<ess_engine>();
+    engine->offload = std::make_unique<ess::Offload>(oc, std::move(buffer));
+    *out = engine.release();
+  });
+}
+
+void ess_engine_destroy(ess_engine* engine) {
+  if (engine == nullptr) return;
+  for (ess_step_binding* b : engine->steps) delete b;
+  for (ess_write_back_binding* b : engine->write_backs) delete b;
+  delete engine;
+}
+
+void ess_engine_info_init(ess_engine_info* info) {
+  if (info == nullptr) return;
+  std::memset(info, 0, sizeof(*info));
+  info->struct_size = sizeof(*info);
+}
+
+ess_status ess_engine_get_info(const ess_engine* engine, ess_engine_info* info) {
+  return guard("ess_engine_get_info", [&] {
+    const ess::Offload& o = *ess::capi::engine_ref(engine).offload;
+    ess::capi::check_struct(info, "ess_engine_info", "ess_engine_info_init");
+    const ess::OffloadConfig& c = o.config();
+    info->layers = c.layers;
+    info->max_requests = c.max_requests;
+    info->max_context = c.max_context;
+    info->query_tokens = c.query_tokens;
+    info->topk = c.topk;
+    info->slots = c.slots;
+    info->rows_per_request = c.rows_per_request();
+    info->reserve_newest = c.reserve_newest ? 1 : 0;
+    info->backend = c.backend == ess::Backend::kCuda ? ESS_BACKEND_CUDA : ESS_BACKEND_CPU;
+    info->device = c.device;
+    info->entry_bytes = static_cast<std::int32_t>(c.layout.bytes());
+    info->row_stride = o.buffer().rows.row_stride;
+    info->block_rows = o.buffer().rows.block_rows;
+    info->block_stride = o.buffer().rows.block_stride;
+    info->host_bytes_capacity = o.host_pool().capacity_bytes();
+  });
+}
+
+ess_status ess_engine_layer_data(const ess_engine* engine, int32_t layer, void** data) {
+  return guard("ess_engine_layer_data", [&] {
+    const ess::Offload& o = *ess::capi::engine_ref(engine).offload;
+    ESS_CHECK(data != nullptr, "the data out-pointer is NULL");
+    ESS_CHECK(layer >= 0 && layer < o.config().layers, "layer {} outside [0, {})", layer, o.config().layers);
+    *data = o.buffer().layer_base[static_cast<std::size_t>(layer)];
+  });
+}
+
+ess_status ess_engine_read_row(const ess_engine* engine, int32_t layer, int32_t row, void* out, size_t bytes) {
+  return guard("ess_engine_read_row", [&] {
+    const ess::Offload& o = *ess::capi::engine_ref(engine).offload;
+    ESS_CHECK(out != nullptr, "the output is NULL");
+    ESS_CHECK(bytes == o.config().layout.bytes(), "{} bytes asked for; an entry is {}", bytes, o.config().layout.bytes());
+    const auto r = o.read_row(layer, row);
+    std::memcpy(out, r.data(), r.size());
+  });
+}
+
+void ess_stats_init(ess_stats* stats) {
+  if (stats == nullptr) return;
+  std::memset(stats, 0, sizeof(*stats));
+  stats->struct_size = sizeof(*stats);
+}
+
+ess_status ess_engine_get_stats(const ess_engine* engine, ess_stats* stats) {
+  return guard("ess_engine_get_stats", [&] {
+    const ess::Offload& o = *ess::capi::engine_ref(engine).offload;
+    ess::capi::check_struct(stats, "ess_stats", "ess_stats_init");
+    const ess::OffloadStats s = o.stats();
+    stats->steps = s.steps;
+    stats->warmup_fills = s.warmup_fills;
+    stats->hits = s.hits;
+    stats->misses = s.misses;
+    stats->reserved_hits = s.reserved_hits;
+    stats->host_bytes_used = s.host_bytes_used;
+    stats->host_bytes_capacity = s.host_bytes_capacity;
+    stats->requests = s.requests;
+  });
+}
+
+ess_status ess_request_admit(ess_engine* engine, int64_t id, int64_t prompt_length, int32_t row, int32_t* row_out) {
+  return guard("ess_request_admit", [&] {
+    const std::int32_t r = ess::capi::engine_ref(engine).offload->admit(id, prompt_length, row);
+    if (row_out != nullptr) *row_out = r;
+  });
+}
+
+namespace {
+
+// The host entries [first, first + n) of (id, layer) as `t` describes them; checked whole
+// before any byte moves.
+struct EntryRange {
+  std::uint8_t* data = nullptr;
+  std::int64_t n = 0;
+  std::size_t entry = 0;
+};
+
+EntryRange entry_range(const ess::Offload& o, std::int64_t id, int layer, std::int64_t first, const DLTensor* t) {
+  const std::int64_t length = o.length(id);  // throws for an unknown request
+  ESS_CHECK(layer >= 0 && layer < o.config().layers, "request {}: layer {} outside [0, {})", id, layer,
+            o.config().layers);
+  const ess::capi::Tensor v = ess::capi::checked(t, "entries", {ess::Backend::kCpu, 0});
+  const std::size_t entry = o.config().layout.bytes();
+  const std::int64_t bytes = v.elements() * v.item_bytes;
+  const std::int64_t row_bytes = v.shape.back() * v.item_bytes;
+  ESS_CHECK(static_cast<std::size_t>(row_bytes) == entry,
+            "entries has shape {} of {}-byte elements: its last dimension spans {} bytes, an entry is {}",
+            ess::capi::shape_string(v.shape), v.item_bytes, row_bytes, entry);
+  const std::int64_t n = bytes / static_cast<std::int64_t>(entry);
+  ESS_CHECK(first >= 0 && first + n <= length,
+            "request {} layer {}: entries [{}, {}) outside its {} tokens", id, layer, first, first + n, length);
+  return {v.data, n, entry};
+}
+
+}  // namespace
+
+ess_status ess_request_write_entries(ess_engine* engine, int64_t id, int32_t layer, int64_t first_token,
+                                     const DLTensor* entries) {
+  return guard("ess_request_write_entries", [&] {
+    ess::Offload& o = *ess::capi::engine_ref(engine).offload;
+    const EntryRange r = entry_range(o, id, layer, first_token, entries);
+    for (std::int64_t i = 0; i < r.n; ++i) {
+      const auto dst = o.host_entry(id, layer, first_token + i);
+      std::memcpy(dst.data(), r.data + static_cast<std::size_t>(i) * r.entry, r.entry);
+    }
+  });
+}
+
+ess_status ess_request_read_entries(const ess_engine* engine, int64_t id, int32_t layer, int64_t first_token,
+                                    const DLTensor* entries) {
+  return guard("ess_request_read_entries", [&] {
+    ess::Offload& o = *ess::capi::engine_ref(engine).offload;
+    const EntryRange r = entry_range(o, id, layer, first_token, entries);
+    for (std::int64_t i = 0; i < r.n; ++i) {
+      const auto src = o.host_entry(id, layer, first_token + i);
+      std::memcpy(r.data + static_cast<std::size_t>(i) * r.entry, src.data(), r.entry);
+    }
+  });
+}
+
+ess_status ess_request_warmup(ess_engine* engine, int64_t id, const DLTensor* windows) {
+  return guard("ess_request_warmup", [&] {
+    ess::Offload& o = *ess::capi::engine_ref(engine).offload;
+    (void)o.row(id);  // names an unknown request before the shape
+    const ess::capi::Tensor v = ess::capi::checked(windows, "windows", {ess::Backend::kCpu, 0});
+    ESS_CHECK(windows->dtype.code == kDLInt && windows->dtype.bits == 32, "windows: int32 is needed");
+    ESS_CHECK(v.shape.size() == 3 && v.shape[0] == o.config().layers && v.shape[2] == o.config().topk,
+              "windows has shape {}; expected [layers {}, W, topk {}]", ess::capi::shape_string(v.shape),
+              o.config().layers, o.config().topk);
+    const auto* ids = reinterpret_cast<const std::int32_t*>(v.data);
+    o.warmup(id, {ids, static_cast<std::size_t>(v.elements())}, static_cast<int>(v.shape[1]));
+  });
+}
+
+ess_status ess_request_extend(ess_engine* engine, int64_t id, int64_t tokens) {
+  return guard("ess_request_extend", [&] { ess::capi::engine_ref(engine).offload->extend(id, tokens); });
+}
+
+ess_status ess_request_release(ess_engine* engine, int64_t id) {
+  return guard("ess_request_release", [&] { ess::capi::engine_ref(engine).offload->release(id); });
+}
+
+ess_status ess_request_reset(ess_engine* engine, int64_t id) {
+  return guard("ess_request_reset", [&] { ess::capi::engine_ref(engine).offload->reset(id); });
+}
+
+ess_status ess_request_get(const ess_engine* engine, int64_t id, int32_t* row, int64_t* length) {
+  return guard("ess_request_get", [&] {
+    const ess::Offload& o = *ess::capi::engine_ref(engine).offload;
+    const std::int32_t r = o.row(id);
+    const std::int64_t n = o.length(id);
+    if (row != nullptr) *row = r;
+    if (length != nullptr) *length = n;
+  });
+}
+
+void ess_string_free(char* s) { delete[] s; }
+
+}  // extern "C"

@@ -1,0 +1,147 @@
+// The C ABI's per-layer step and write-back: tensors checked once when bound, then each call
+// passes a layer, a batch and streams.
+#include "capi/capi_internal.h"
+
+namespace ess::capi {
+namespace {
+
+ess_engine& engine_ref(ess_engine* e) {
+  ESS_CHECK(e != nullptr, "engine is NULL");
+  return *e;
+}
+
+Placement placement_of(const Offload& o) { return {o.config().backend, o.config().device}; }
+
+// The batch of one call: -1 = the bound B.
+int call_batch(int bound, std::int32_t batch, const char* what) {
+  if (batch == -1) return bound;
+  ESS_CHECK(batch >= 0 && batch <= bound, "{}: batch {} outside [0, {}] (the bound tensors' B; -1 = all)", what,
+            batch, bound);
+  return batch;
+}
+
+}  // namespace
+}  // namespace ess::capi
+
+using ess::capi::guard;
+
+extern "C" {
+
+void ess_step_tensors_init(ess_step_tensors* t) {
+  if (t == nullptr) return;
+  *t = ess_step_tensors{};
+  t->struct_size = sizeof(*t);
+}
+
+ess_status ess_step_bind(ess_engine* engine, const ess_step_tensors* t, ess_step_binding** out) {
+  if (out != nullptr) *out = nullptr;
+  return guard("ess_step_bind", [&] {
+    ess_engine& e = ess::capi::engine_ref(engine);
+    ESS_CHECK(out != nullptr, "the binding out-pointer is NULL");
+    ESS_CHECK(t != nullptr && t->struct_size == sizeof(ess_step_tensors),
+              "ess_step_tensors is NULL or its struct_size is not {}: call ess_step_tensors_init",
+              sizeof(ess_step_tensors));
+    const ess::Offload& o = *e.offload;
+    const ess::capi::Placement p = ess::capi::placement_of(o);
+    const ess::capi::Tensor rows_view = ess::capi::checked(t->rows, "rows", p);
+    ESS_CHECK(rows_view.shape.size() == 1, "rows has shape {}; expected [B]", ess::capi::shape_string(rows_view.shape));
+    const std::int64_t B = rows_view.shape[0], T = o.config().query_tokens, K = o.config().topk;
+    ESS_CHECK(B <= o.config().max_requests, "rows has {} positions; the engine has {} rows (max_requests)", B,
+              o.config().max_requests);
+    const std::vector<std::vector<std::int64_t>> per_id = {{B, T, K}, {B * T, K}};
+    const std::vector<std::vector<std::int64_t>> per_query = {{B, T}, {B * T}};
+    auto binding = std::make_unique<ess_step_binding>();
+    binding->engine = &e;
+    binding->batch = static_cast<int>(B);
+    ess::LayerStep& s = binding->step;
+    s.rows = ess::capi::int32_tensor(t->rows, "rows", p, {{B}});
+    s.topk = ess::capi::int32_tensor(t->topk, "topk", p, per_id);
+    s.lengths = ess::capi::int32_tensor(t->lengths, "lengths", p, {{B}});
+    s.physical = ess::capi::int32_tensor(t->physical, "physical", p, per_id);
+    if (t->counts != nullptr) s.counts = ess::capi::int32_tensor(t->counts, "counts", p, {{B, 2}});
+    const bool any_split = t->resident != nullptr || t->fetched != nullptr || t->resident_count != nullptr ||
+                           t->fetched_count != nullptr;
+    if (any_split) {
+      ESS_CHECK(t->resident != nullptr && t->fetched != nullptr && t->resident_count != nullptr &&
+                    t->fetched_count != nullptr,
+                "resident, fetched, resident_count and fetched_count go together");
+      s.resident = ess::capi::int32_tensor(t->resident, "resident", p, per_id);
+      s.fetched = ess::capi::int32_tensor(t->fetched, "fetched", p, per_id);
+      s.resident_count = ess::capi::int32_tensor(t->resident_count, "resident_count", p, per_query);
+      s.fetched_count = ess::capi::int32_tensor(t->fetched_count, "fetched_count", p, per_query);
+    }
+    e.steps.insert(binding.get());
+    *out = binding.release();
+  });
+}
+
+void ess_step_binding_destroy(ess_step_binding* binding) {
+  if (binding == nullptr) return;
+  binding->engine->steps.erase(binding);
+  delete binding;
+}
+
+ess_status ess_step_async(ess_step_binding* binding, int32_t layer, int32_t batch, int32_t part, void* stream,
+                          void* copy_stream, void* copy_done) {
+  return guard("ess_step", [&] {
+    ESS_CHECK(binding != nullptr, "binding is NULL");
+    ess::LayerStep s = binding->step;
+    s.layer = layer;
+    s.batch = ess::capi::call_batch(binding->batch, batch, "step");
+    s.part = part;
+    s.stream = static_cast<ess::cuda::Stream>(stream);
+    s.copy_stream = static_cast<ess::cuda::Stream>(copy_stream);
+    s.copy_done = copy_done;
+    binding->engine->offload->step(s);
+  });
+}
+
+ess_status ess_step(ess_step_binding* binding, int32_t layer, int32_t batch, void* stream) {
+  return ess_step_async(binding, layer, batch, 0, stream, nullptr, nullptr);
+}
+
+ess_status ess_write_back_bind(ess_engine* engine, const DLTensor* rows, const DLTensor* lengths,
+                               const DLTensor* source_rows, ess_write_back_binding** out) {
+  if (out != nullptr) *out = nullptr;
+  return guard("ess_write_back_bind", [&] {
+    ess_engine& e = ess::capi::engine_ref(engine);
+    ESS_CHECK(out != nullptr, "the binding out-pointer is NULL");
+    const ess::Offload& o = *e.offload;
+    const ess::capi::Placement p = ess::capi::placement_of(o);
+    const ess::capi::Tensor rows_view = ess::capi::checked(rows, "rows", p);
+    ESS_CHECK(rows_view.shape.size() == 1, "rows has shape {}; expected [B]", ess::capi::shape_string(rows_view.shape));
+    const std::int64_t B = rows_view.shape[0], T = o.config().query_tokens;
+    ESS_CHECK(B <= o.config().max_requests, "rows has {} positions; the engine has {} rows (max_requests)", B,
+              o.config().max_requests);
+    ESS_CHECK(source_rows != nullptr || o.config().reserve_newest,
+              "source_rows is required: the engine has no reserved rows (reserve_newest is off)");
+    auto binding = std::make_unique<ess_write_back_binding>();
+    binding->engine = &e;
+    binding->batch = static_cast<int>(B);
+    ess::WriteBack& w = binding->write_back;
+    w.rows = ess::capi::int32_tensor(rows, "rows", p, {{B}});
+    w.lengths = ess::capi::int32_tensor(lengths, "lengths", p, {{B}});
+    if (source_rows != nullptr) w.source_rows = ess::capi::int32_tensor(source_rows, "source_rows", p, {{B, T}, {B * T}});
+    e.write_backs.insert(binding.get());
+    *out = binding.release();
+  });
+}
+
+void ess_write_back_binding_destroy(ess_write_back_binding* binding) {
+  if (binding == nullptr) return;
+  binding->engine->write_backs.erase(binding);
+  delete binding;
+}
+
+ess_status ess_write_back(ess_write_back_binding* binding, int32_t layer, int32_t batch, void* stream) {
+  return guard("ess_write_back", [&] {
+    ESS_CHECK(binding != nullptr, "binding is NULL");
+    ess::WriteBack w = binding->write_back;
+    w.layer = layer;
+    w.batch = ess::capi::call_batch(binding->batch, batch, "write_back");
+    w.stream = static_cast<ess::cuda::Stream>(stream);
+    binding->engine->offload->write_back(w);
+  });
+}
+
+}  // extern "C"

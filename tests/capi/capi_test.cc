@@ -1,0 +1,174 @@
+// The C ABI as a C++ program sees it (linked against libess.so alone): statuses and messages,
+// struct versions, the devices a tensor may live on, paged engine buffers, bindings that die
+// with their engine, and the planner. Runs under the sanitizers too (leaks, use after free).
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <thread>
+#include <string>
+#include <vector>
+
+#include "ess/ess_c.h"
+
+namespace {
+
+constexpr int kEntry = 656;
+
+DLTensor tensor(void* data, std::vector<std::int64_t>& shape, std::uint8_t code, std::uint8_t bits,
+                DLDeviceType device = kDLCPU) {
+  DLTensor t{};
+  t.data = data;
+  t.device = {device, 0};
+  t.ndim = static_cast<int>(shape.size());
+  t.dtype = {code, bits, 1};
+  t.shape = shape.data();
+  return t;
+}
+
+ess_config small_config() {
+  ess_config c;
+  ess_config_init(&c);
+  c.layers = 2;
+  c.max_requests = 2;
+  c.max_context = 128;
+  c.topk = 8;
+  c.slots = 16;
+  return c;
+}
+
+std::string last() { return ess_last_error(); }
+
+TEST(CApi, StatusesNameTheProblem) {
+  ess_config c = small_config();
+  ess_engine* e = reinterpret_cast<ess_engine*>(1);
+  c.policy = 7;
+  EXPECT_EQ(ess_engine_create(&c, &e), ESS_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(e, nullptr);
+  EXPECT_NE(last().find("policy = 7"), std::string::npos) << last();
+  c = small_config();
+  c.struct_size -= 8;
+  EXPECT_EQ(ess_engine_create(&c, &e), ESS_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(last().find("struct_size"), std::string::npos) << last();
+  c = small_config();
+  c.model_json = "{not json";
+  EXPECT_EQ(ess_engine_create(&c, &e), ESS_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(last().find("model_json is not JSON"), std::string::npos) << last();
+  c = small_config();
+  c.backend = ESS_BACKEND_CUDA;
+  c.device = 99;
+  EXPECT_EQ(ess_engine_create(&c, &e), ESS_ERROR_UNAVAILABLE);
+  EXPECT_NE(last().find(ess_cuda_built() ? "no CUDA device 99" : "without the CUDA backend"), std::string::npos)
+      << last();
+  EXPECT_STREQ(ess_status_name(ESS_ERROR_UNAVAILABLE), "ESS_ERROR_UNAVAILABLE");
+  EXPECT_EQ(ess_engine_create(nullptr, &e), ESS_ERROR_INVALID_ARGUMENT);
+  ess_engine_destroy(nullptr);
+}
+
+TEST(CApi, PagedEngineBuffersAndBindingsThatDieWithTheEngine) {
+  // [blocks 4, block_rows 8, E]: 32 rows = 2 requests x 16 slots, placed by block.
+  std::vector<std::vector<std::uint8_t>> storage(2, std::vector<std::uint8_t>(4 * 8 * kEntry + 16));
+  std::vector<std::int64_t> shape = {4, 8, kEntry};
+  std::vector<DLTensor> layers;
+  for (auto& s : storage) layers.push_back(tensor(s.data(), shape, kDLUInt, 8));
+  const DLTensor* ptrs[] = {&layers[0], &layers[1]};
+  ess_config c = small_config();
+  c.latent = ptrs;
+  c.latent_count = 2;
+  ess_engine* e = nullptr;
+  ASSERT_EQ(ess_engine_create(&c, &e), ESS_OK) << last();
+  ess_engine_info info;
+  ess_engine_info_init(&info);
+  ASSERT_EQ(ess_engine_get_info(e, &info), ESS_OK);
+  EXPECT_EQ(info.block_rows, 8);
+  EXPECT_EQ(info.block_stride, 8u * kEntry);
+  void* base = nullptr;
+  ASSERT_EQ(ess_engine_layer_data(e, 1, &base), ESS_OK);
+  EXPECT_EQ(base, storage[1].data());
+
+  std::int32_t row = -1;
+  ASSERT_EQ(ess_request_admit(e, 3, 100, -1, &row), ESS_OK);
+  std::vector<std::uint8_t> entry(kEntry, 0xAB);
+  std::vector<std::int64_t> one = {1, kEntry};
+  DLTensor entry_t = tensor(entry.data(), one, kDLUInt, 8);
+  ASSERT_EQ(ess_request_write_entries(e, 3, 1, 42, &entry_t), ESS_OK) << last();
+
+  std::int32_t rows[1] = {row}, lengths[1] = {100}, ids[8] = {42, -1, -1, -1, -1, -1, -1, -1}, phys[8];
+  std::vector<std::int64_t> b = {1}, btk = {1, 8};
+  DLTensor rows_t = tensor(rows, b, kDLInt, 32), len_t = tensor(lengths, b, kDLInt, 32);
+  DLTensor ids_t = tensor(ids, btk, kDLInt, 32), phys_t = tensor(phys, btk, kDLInt, 32);
+  ess_step_tensors st;
+  ess_step_tensors_init(&st);
+  st.rows = &rows_t;
+  st.topk = &ids_t;
+  st.lengths = &len_t;
+  st.physical = &phys_t;
+  ess_step_binding* binding = nullptr;
+  ASSERT_EQ(ess_step_bind(e, &st, &binding), ESS_OK) << last();
+  ASSERT_EQ(ess_step(binding, 1, -1, nullptr), ESS_OK) << last();
+  // Slot 0 of row `row`: physical row row x 16, in block row x 2, at block offset 0.
+  EXPECT_EQ(phys[0], row * 16);
+  EXPECT_EQ(phys[1], -1);
+  const std::size_t at = static_cast<std::size_t>(phys[0] / 8) * 8 * kEntry + static_cast<std::size_t>(phys[0] % 8) * kEntry;
+  EXPECT_EQ(storage[1][at], 0xAB);
+  EXPECT_EQ(storage[1][at + kEntry - 1], 0xAB);
+
+  // A tensor on a device the CPU backend cannot read; a misaligned or too-small buffer.
+  DLTensor on_gpu = tensor(rows, b, kDLInt, 32, kDLCUDA);
+  st.rows = &on_gpu;
+  ess_step_binding* refused = reinterpret_cast<ess_step_binding*>(1);
+  EXPECT_EQ(ess_step_bind(e, &st, &refused), ESS_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(refused, nullptr);
+  EXPECT_NE(last().find("rows is on cuda:0; the CPU backend needs host memory"), std::string::npos) << last();
+  ess_write_back_binding* wb = nullptr;
+  EXPECT_EQ(ess_write_back_bind(e, &rows_t, &len_t, nullptr, &wb), ESS_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(last().find("reserve_newest is off"), std::string::npos) << last();
+  std::int32_t src[1] = {0};
+  DLTensor src_t = tensor(src, b, kDLInt, 32);
+  ASSERT_EQ(ess_write_back_bind(e, &rows_t, &len_t, &src_t, &wb), ESS_OK) << last();
+  // The engine goes first: its bindings go with it (no leak, no double free under ASan).
+  ess_engine_destroy(e);
+
+  ess_config bad = small_config();
+  std::vector<std::int64_t> small_shape = {3, 8, kEntry};
+  DLTensor small_t = tensor(storage[0].data(), small_shape, kDLUInt, 8);
+  const DLTensor* small_ptrs[] = {&small_t, &small_t};
+  bad.latent = small_ptrs;
+  bad.latent_count = 2;
+  EXPECT_EQ(ess_engine_create(&bad, &e), ESS_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(last().find("holds 24 rows; 2 requests x 16 rows per request need 32"), std::string::npos) << last();
+  DLTensor odd = tensor(storage[0].data() + 1, shape, kDLUInt, 8);
+  const DLTensor* odd_ptrs[] = {&odd, &odd};
+  bad.latent = odd_ptrs;
+  EXPECT_EQ(ess_engine_create(&bad, &e), ESS_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(last().find("not 16-byte aligned"), std::string::npos) << last();
+}
+
+TEST(CApi, ErrorsAreThreadLocal) {
+  ess_engine* e = nullptr;
+  ess_config c = small_config();
+  c.slots = 1;
+  ASSERT_EQ(ess_engine_create(&c, &e), ESS_ERROR_INVALID_ARGUMENT);
+  const std::string mine = last();
+  std::string theirs = "unset";
+  std::thread([&] { theirs = ess_last_error(); }).join();
+  EXPECT_EQ(theirs, "");
+  EXPECT_EQ(last(), mine);
+}
+
+TEST(CApi, PlanIsEssPlan) {
+  char* out = nullptr;
+  ASSERT_EQ(ess_plan(R"({"hardware": "h200", "contexts": [32768], "min_otps": 15})", &out), ESS_OK) << last();
+  const std::string json = out;
+  ess_string_free(out);
+  EXPECT_NE(json.find("\"plans\""), std::string::npos);
+  EXPECT_NE(json.find("32768"), std::string::npos);
+  EXPECT_EQ(ess_plan(R"({"contexts": "many"})", &out), ESS_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(out, nullptr);
+  EXPECT_NE(last().find("contexts"), std::string::npos) << last();
+  EXPECT_EQ(ess_plan("[1, 2]", &out), ESS_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(last().find("must be a JSON object"), std::string::npos) << last();
+  EXPECT_EQ(ess_plan(R"({"batch_step": 0})", &out), ESS_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(last().find("batch_step = 0"), std::string::npos) << last();
+}
+
+}  // namespace
