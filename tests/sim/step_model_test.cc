@@ -101,11 +101,35 @@ TEST(sim_step, BaselineMovesNoBytes) {
 TEST(sim_step, MoreMissesNeverMakeAStepFaster) {
   const StepModel sm(dsv32(), paper_hw(), paper_dep());
   double prev = 0;
-  for (double m : {0.0, 100.0, 400.0, 1600.0, 6400.0}) {
+  for (double m : {0.0, 100.0, 400.0, 1600.0, 4096.0}) {
     const double t = sm.run(at(160, OverlapMode::kLayerWise, m)).step_us;
     EXPECT_GE(t, prev * (1 - 1e-12)) << m;
     prev = t;
   }
+}
+
+// Misses beyond what T query tokens select are impossible: refused at the reference point; at a
+// pool far below it the model's value is capped, and the cap is reported with the misses shown.
+TEST(sim_step, MissesBeyondTheSelectionAreRefusedOrCapped) {
+  const StepModel sm(dsv32(), paper_hw(), paper_dep());
+  EXPECT_NE(test::error_of([&] { (void)sm.run(at(16, OverlapMode::kDualAttention, 6400)); }).find("exceed"),
+            std::string::npos);
+  EXPECT_NE(test::error_of([&] { (void)sm.run(at(16, OverlapMode::kDualAttention, 1e300)); }).find("exceed"),
+            std::string::npos);
+  Workload w = at(16, OverlapMode::kDualAttention, 4000);
+  w.slots = 4096;  // the smallest pool of a step: the model gives ~7000 misses there
+  const StepResult r = sm.run(w);
+  EXPECT_GT(r.miss_capped_layers, 0);
+  EXPECT_LE(r.misses_per_request_layer, 2.0 * 2048);
+  w.slots = 8192;
+  EXPECT_EQ(sm.run(w).miss_capped_layers, 0);
+  Workload shaped = at(16, OverlapMode::kDualAttention);
+  shaped.misses.layer_shape = {1.0, 1.0, 1.0};  // a profile of another layer count
+  EXPECT_NE(test::error_of([&] { (void)sm.run(shaped); }).find("3 per-layer values for a model of 61 layers"),
+            std::string::npos);
+  shaped.misses.layer_shape.clear();
+  shaped.misses.profile_topk = 1024;  // measured at another top-k
+  EXPECT_NE(test::error_of([&] { (void)sm.run(shaped); }).find("top-1024"), std::string::npos);
 }
 
 TEST(sim_step, MtpDraftsAreCharged) {
@@ -225,6 +249,26 @@ TEST(sim_rig, EmulatedExpertParallelismIsOnlyValidOnTheRig) {
   EXPECT_NE(test::error_of([&] { d.validate("rig"); }).find("expert_parallel = 32"), std::string::npos);
   d.rig_layers = -1;
   EXPECT_NE(test::error_of([&] { d.validate("rig"); }).find("rig_layers = -1"), std::string::npos);
+}
+
+// Deployments that cannot exist, or that the simulator does not model, are refused by name.
+TEST(sim_deployment, ImpossibleConfigurationsAreRefused) {
+  auto refused = [](auto change, const char* word) {
+    Deployment d = paper_dep();
+    change(d);
+    const std::string m = test::error_of([&] { d.validate("dep"); });
+    EXPECT_NE(m.find(word), std::string::npos) << m;
+  };
+  refused([](Deployment& d) { d.nodes = 65537; d.gpus_per_node = 65537; }, "nodes = 65537");
+  refused([](Deployment& d) { d.gpus_per_node = 65; }, "gpus_per_node = 65");
+  refused([](Deployment& d) { d.expert_parallel = 7; }, "does not divide the 32 GPUs");
+  refused([](Deployment& d) { d.attention_data_parallel = 8; }, "attention_data_parallel = 8");
+  Deployment big = paper_dep();
+  big.nodes = 64;
+  big.expert_parallel = 512;
+  big.attention_data_parallel = 512;
+  EXPECT_NE(test::error_of([&] { StepModel(dsv32(), paper_hw(), big); }).find("exceeds the model's 256 routed experts"),
+            std::string::npos);
 }
 
 TEST(sim_rig, StepIsItsLayersWithoutCommunicationOrLmHead) {

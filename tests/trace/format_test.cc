@@ -184,7 +184,7 @@ TEST(TraceFormatBadInput, TruncatedFiles) {
   expect_error([&] { TraceReader r(path); }, {path, "tensor 'requests.1.lengths'", "file offset", "runs past the end"});
   expect_error([&] { TraceReader::from_bytes(std::vector<std::uint8_t>{1, 2, 3}, "short.bin"); },
                {"short.bin", "truncated", "offset 0"});
-  expect_error([&] { TraceReader("/nonexistent/x.safetensors"); }, {"/nonexistent/x.safetensors", "cannot open"});
+  expect_error([&] { TraceReader("/nonexistent/x.safetensors"); }, {"/nonexistent/x.safetensors", "does not exist"});
 }
 
 TEST(TraceFormatBadInput, HeaderLengthPastTheEnd) {

@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include "commands.h"
+#include "ess/core/error.h"
 #include "harness/gpu_benchmarks.h"
 #include "harness/report/report.h"
 
@@ -46,10 +47,8 @@ void add_bench(CLI::App& app, int& exit_code) {
   transfer->add_option("--slots", a->slots, "Device slots per request")->capture_default_str();
   transfer->add_option("--repeats,-r", a->repeats, "Timed runs per method")->capture_default_str();
   transfer->add_option("--device", a->device, "CUDA device")->capture_default_str();
-  transfer->add_option("--seed", a->seed, "Random seed")->capture_default_str();
-  transfer->add_option("--blocks", a->blocks, "FlashTrans grid sizes to sweep, comma-separated (e.g. 8,16,32,64,132,1056)")
-      ->delimiter(',')
-      ->check(CLI::Range(1, 65535));
+  transfer->add_option("--seed", a->seed, "Random seed")->capture_default_str()->check(unsigned_integer());
+  add_list_option(*transfer, "--blocks", a->blocks, "FlashTrans grid sizes to sweep, comma-separated (e.g. 8,16,32,64,132,1056)");
   transfer->add_flag("--concurrent", a->concurrent, "Sweep also beside a sparse MLA decode (copy bandwidth, attention slowdown)");
   transfer->add_option("--attention-batch", a->attention_batch, "Batch of that decode (T 2, 128 heads, top-k 2048)")
       ->capture_default_str()
@@ -64,6 +63,7 @@ void add_bench(CLI::App& app, int& exit_code) {
     c.repeats = a->repeats;
     c.device = a->device;
     c.seed = a->seed;
+    for (int b : a->blocks) ESS_CHECK(b >= 1 && b <= 65535, "--blocks: {} must be in [1, 65535]", b);
     c.blocks = a->blocks;
     c.concurrent = a->concurrent;
     c.attention_batch = a->attention_batch;
@@ -90,7 +90,7 @@ void add_bench(CLI::App& app, int& exit_code) {
   swap->add_option("--fresh", sa->fresh, "Ids replaced per query per step (sets the miss rate)")->capture_default_str();
   swap->add_option("--repeats,-r", sa->repeats, "Timed launches")->capture_default_str();
   swap->add_option("--device", sa->device, "CUDA device")->capture_default_str();
-  swap->add_option("--seed", sa->seed, "Random seed")->capture_default_str();
+  swap->add_option("--seed", sa->seed, "Random seed")->capture_default_str()->check(unsigned_integer());
   add_format_option(*swap, sa->format);
   swap->callback([sa] {
     cuda::SwapBenchConfig c;

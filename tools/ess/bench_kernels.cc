@@ -33,14 +33,14 @@ void add_bench_attention(CLI::App& bench, int& exit_code) {
   cmd->add_option("--heads", a->heads, "Attention heads (64 or 128)")->capture_default_str();
   cmd->add_option("--topk,-k", a->topk, "Slot ids per query token")->capture_default_str();
   cmd->add_option("--slots", a->slots, "Slots per request (ids are distinct, so at least --topk)")->capture_default_str();
-  cmd->add_option("--batches", a->batches, "Batch sizes to time, comma-separated (default: --batch)")->delimiter(',');
+  add_list_option(*cmd, "--batches", a->batches, "Batch sizes to time, comma-separated (default: --batch)");
   cmd->add_flag("--batch-sweep", a->sweep, "Time batch sizes 1, 8, 32, 64 and 128");
   cmd->add_option("--softmax-scale", a->softmax_scale, "Softmax scale (0: 1/sqrt(192), DeepSeek-V3.2's)")
       ->capture_default_str();
   cmd->add_option("--repeats,-r", a->repeats, "Timed launches per batch size")->capture_default_str();
   cmd->add_option("--warmup", a->warmup, "Untimed launches first, per batch size")->capture_default_str();
   cmd->add_option("--device", a->device, "CUDA device")->capture_default_str();
-  cmd->add_option("--seed", a->seed, "Random seed")->capture_default_str();
+  cmd->add_option("--seed", a->seed, "Random seed")->capture_default_str()->check(unsigned_integer());
   add_format_option(*cmd, a->format);
   cmd->callback([a, &exit_code] {
     cuda::AttentionBenchConfig c;
@@ -86,7 +86,7 @@ void add_bench_indexer(CLI::App& bench, int& exit_code) {
   cmd->add_option("--repeats,-r", a->repeats, "Timed steps")->capture_default_str();
   cmd->add_option("--warmup", a->warmup, "Untimed steps first")->capture_default_str();
   cmd->add_option("--device", a->device, "CUDA device")->capture_default_str();
-  cmd->add_option("--seed", a->seed, "Random seed")->capture_default_str();
+  cmd->add_option("--seed", a->seed, "Random seed")->capture_default_str()->check(unsigned_integer());
   add_format_option(*cmd, a->format);
   cmd->callback([a, &exit_code] {
     cuda::IndexerBenchConfig c;

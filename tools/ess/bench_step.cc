@@ -7,6 +7,7 @@
 
 #include "commands.h"
 #include "ess/core/error.h"
+#include "ess/core/files.h"
 #include "ess/core/lists.h"
 #include "harness/gpu_benchmarks.h"
 #include "harness/report/report.h"
@@ -34,7 +35,7 @@ struct ExecutorArgs {
     cmd.add_option("--ep", c.expert_parallel, "Expert parallelism emulated: the routed experts one GPU owns")
         ->capture_default_str();
     cmd.add_option("--trace", c.trace, "Top-k trace (default: synthetic, the shipped generator profile)");
-    cmd.add_option("--seed", c.seed, "Random seed")->capture_default_str();
+    cmd.add_option("--seed", c.seed, "Random seed")->capture_default_str()->check(unsigned_integer());
     cmd.add_option("--device", c.device, "CUDA device")->capture_default_str();
     cmd.add_option("--copy-blocks", c.copy_blocks, "FlashTrans grid of the step's copies (0 = its default)")
         ->capture_default_str();
@@ -98,13 +99,14 @@ void add_bench_step(CLI::App& bench, int& exit_code) {
     sc.profile_table = sa->profile_table;
     sc.hardware = sa->hardware;
     sc.deployment = sa->deployment;
-    std::ofstream points;
-    if (!sa->points_file.empty()) {
-      points.open(sa->points_file, std::ios::app);
-      ESS_CHECK(points.good(), "bench step: cannot append to --points {}", sa->points_file);
-    }
+    if (!sa->points_file.empty()) check_output_file(sa->points_file, "--points");
+    std::ofstream points;  // opened at the first point: a refused run creates nothing
     const auto on_point = [&](const pipeline::StepPoint& p) {
-      if (!points.is_open()) return;
+      if (sa->points_file.empty()) return;
+      if (!points.is_open()) {
+        points.open(sa->points_file, std::ios::app);
+        ESS_CHECK(points.good(), "bench step: cannot append to --points {}", sa->points_file);
+      }
       points << p.to_json().dump() << '\n' << std::flush;
       ESS_CHECK(points.good(), "bench step: writing --points {} failed", sa->points_file);
     };
@@ -135,17 +137,14 @@ void add_bench_step(CLI::App& bench, int& exit_code) {
   profile->add_option("--out,-o", pa->out, "Output prefix: writes PREFIX-ops.csv, PREFIX-hardware.json, PREFIX.json")
       ->required();
   profile->callback([pa] {
+    for (const char* suffix : {"-ops.csv", "-hardware.json", ".json"}) check_output_file(pa->out + suffix, "--out");
     pipeline::ProfileConfig pc;
     pc.base = pa->ex.config();
     pc.requests = parse_positive_ints(pa->requests, "--requests");
     pc.repeats = pa->repeats;
     pc.base_hardware = pa->base;
     const pipeline::ProfileResult r = harness::gpu_benchmarks("bench profile").profile(pc);
-    auto write = [](const std::string& path, const std::string& text) {
-      std::ofstream f(path);
-      f << text;
-      ESS_CHECK(f.good(), "bench profile: cannot write {}", path);
-    };
+    auto write = [](const std::string& path, const std::string& text) { write_text_file(path, text, "--out"); };
     write(pa->out + "-ops.csv", r.csv);
     write(pa->out + "-hardware.json", r.hardware.dump(2) + "\n");
     write(pa->out + ".json", r.report.dump(2) + "\n");

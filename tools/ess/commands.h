@@ -4,11 +4,24 @@
 
 #include <CLI/CLI.hpp>
 
+#include <cstdint>
+#include <string>
+#include <vector>
+
 namespace ess::cli {
 
 // Shared by every subcommand that prints results.
 enum class Format { kTable, kJson, kCsv };
 void add_format_option(CLI::App& cmd, Format& format);
+
+// A check for unsigned options (seeds): CLI11 would wrap "-1" to 2^64 - 1.
+CLI::Validator unsigned_integer();
+
+// A list option: items as separate arguments and/or comma-separated ("1,2 3"); an empty item
+// ("1,,2", a trailing comma) or one that is not a T is refused by name (CLI11's own splitting
+// would drop the empty item silently). T: std::string, int or std::int64_t.
+template <typename T>
+CLI::Option* add_list_option(CLI::App& cmd, const std::string& name, std::vector<T>& out, const std::string& help);
 
 void add_sim(CLI::App& app, int& exit_code);    // sim.cc
 void add_plan(CLI::App& app, int& exit_code);   // plan.cc

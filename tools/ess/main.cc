@@ -4,12 +4,17 @@
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
+#include <charconv>
 #include <exception>
+#include <type_traits>
 #include <map>
+#include <new>
 #include <string>
+#include <system_error>
 
 #include "commands.h"
 #include "ess/core/error.h"
+#include "ess/core/lists.h"
 #include "ess/runtime/backend.h"
 #include "ess/version.h"
 
@@ -25,8 +30,85 @@ void add_format_option(CLI::App& cmd, Format& format) {
       ->default_str("table");
 }
 
+namespace {
+
+template <typename T>
+T list_item(const std::string& item, const std::string& option) {
+  if constexpr (std::is_same_v<T, std::string>) {
+    return item;
+  } else {
+    T v{};
+    const auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), v);
+    ESS_CHECK(ec == std::errc{} && end == item.data() + item.size(), "{}: '{}' is not an integer", option, item);
+    return v;
+  }
+}
+
+}  // namespace
+
+CLI::Validator unsigned_integer() {
+  return CLI::Validator(
+      [](std::string& s) {
+        const bool digits = !s.empty() && s.find_first_not_of("0123456789") == std::string::npos;
+        return digits ? std::string() : "'" + s + "' is not a non-negative integer";
+      },
+      "UINT");
+}
+
+template <typename T>
+CLI::Option* add_list_option(CLI::App& cmd, const std::string& name, std::vector<T>& out, const std::string& help) {
+  const std::string option = name.substr(0, name.find(','));
+  return cmd.add_option_function<std::vector<std::string>>(
+      name,
+      [&out, option](const std::vector<std::string>& args) {
+        std::vector<T> items;
+        for (const std::string& arg : args) {
+          for (const std::string& item : split_list(arg)) {
+            ESS_CHECK(!item.empty(), "{}: an empty item in '{}'", option, arg);
+            items.push_back(list_item<T>(item, option));
+          }
+        }
+        out = std::move(items);
+      },
+      help);
+}
+
+template CLI::Option* add_list_option(CLI::App&, const std::string&, std::vector<std::string>&, const std::string&);
+template CLI::Option* add_list_option(CLI::App&, const std::string&, std::vector<int>&, const std::string&);
+template CLI::Option* add_list_option(CLI::App&, const std::string&, std::vector<std::int64_t>&, const std::string&);
+
 }  // namespace ess::cli
 
+namespace {
+
+// A word where a subcommand must stand that names none: CLI11 would say only that one is
+// required (or that the word was not expected).
+void check_subcommands(const CLI::App& app, int argc, char** argv) {
+  const CLI::App* at = &app;
+  for (int i = 1; i < argc; ++i) {
+    const std::string word = argv[i];
+    if (word.empty() || word[0] == '-') return;  // options (and their values) from here on
+    const auto subs = at->get_subcommands([](const CLI::App*) { return true; });
+    if (subs.empty()) return;
+    const CLI::App* next = nullptr;
+    std::string names;
+    for (const CLI::App* s : subs) {
+      if (s->check_name(word)) next = s;
+      names += (names.empty() ? "" : ", ") + s->get_name();
+    }
+    if (next == nullptr) {
+      const std::string where = at == &app ? "ess" : "ess ... " + at->get_name();
+      ESS_THROW("{}: unknown subcommand '{}' (one of: {})", where, word, names);
+    }
+    at = next;
+  }
+}
+
+}  // namespace
+
+// Exit status: 0 done; 1 a check failed (ess verify found a difference, ess plan no
+// configuration); 2 bad input (a flag, value or file refused; the message names it); 3 the
+// run could not complete (memory, disk, device); 4 an internal error (a bug in ESS).
 int main(int argc, char** argv) {
   CLI::App app{"ESS: offloaded latent cache for DeepSeek-V3.2-style sparse attention"};
   app.set_version_flag("--version", fmt::format("ess {} (CUDA target: {})", ESS_VERSION,
@@ -39,14 +121,39 @@ int main(int argc, char** argv) {
   ess::cli::add_verify(app, exit_code);
   ess::cli::add_bench(app, exit_code);
   try {
+    check_subcommands(app, argc, argv);
     app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
+  } catch (const CLI::CallForHelp& e) {
     return app.exit(e);
-  } catch (const ess::Error& e) {
-    fmt::print(stderr, "ess: error: {}\n", e.what());
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForVersion& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    fmt::print(stderr, "ess: error: {} (see --help)\n", e.what());
     return 2;
+  } catch (const ess::OutOfMemory& e) {
+    fmt::print(stderr, "ess: cannot complete: {}\n", e.what());
+    return 3;
+  } catch (const ess::DeviceError& e) {
+    fmt::print(stderr, "ess: cannot complete: {}\n", e.what());
+    return 3;
+  } catch (const ess::Error& e) {
+    const std::string what = e.what();
+    fmt::print(stderr, "ess: error: {}\n", what);
+    return what.rfind("internal error", 0) == 0 ? 4 : 2;
+  } catch (const std::bad_alloc&) {
+    fmt::print(stderr, "ess: cannot complete: out of memory\n");
+    return 3;
+  } catch (const std::system_error& e) {
+    fmt::print(stderr, "ess: cannot complete: {}\n", e.what());
+    return 3;
   } catch (const std::exception& e) {
-    fmt::print(stderr, "ess: unexpected error: {}\n", e.what());
+    fmt::print(stderr, "ess: internal error: {}\n", e.what());
+    return 4;
+  }
+  if (std::fflush(stdout) != 0 || std::ferror(stdout)) {
+    fmt::print(stderr, "ess: cannot complete: writing the output failed\n");
     return 3;
   }
   return exit_code;

@@ -28,9 +28,9 @@ void add_plan(CLI::App& app, int& exit_code) {
       "throughput that meets --min-otps, why the alternatives lose, and what host DRAM capacity or bandwidth "
       "refuses. Exit status 1 when some context has no configuration.");
   args->inputs.add_to(*cmd);
-  cmd->add_option("--context,-c", args->options.contexts, "Context length(s)")->delimiter(',')->default_str("32768");
+  add_list_option(*cmd, "--context,-c", args->options.contexts, "Context length(s)")->default_str("32768");
   cmd->add_option("--min-otps", args->options.min_otps, "Minimum output tokens/s per request")->capture_default_str();
-  cmd->add_option("--modes", args->options.modes, "Overlap modes to try (none, da, dba, layerwise)")->delimiter(',');
+  add_list_option(*cmd, "--modes", args->options.modes, "Overlap modes to try (none, da, dba, layerwise)");
   cmd->add_option("--batch-step", args->options.batch_step, "Batch sizes tried: 1, 1 + step, ...")
       ->capture_default_str();
   add_format_option(*cmd, args->format);

@@ -13,6 +13,7 @@
 
 #include "commands.h"
 #include "ess/core/error.h"
+#include "ess/core/files.h"
 #include "ess/core/json.h"
 #include "ess/sim/report.h"
 #include "sim_inputs.h"
@@ -44,9 +45,9 @@ void add_sim(CLI::App& app, int& exit_code) {
       "MTP 2, accept 1.7, batches 52,64,96,128,160.");
   args->inputs.add_to(*cmd);
   cmd->add_option("--context,-c", args->context, "Context length (tokens per request)")->capture_default_str();
-  cmd->add_option("--batch,-b", args->batches, "Requests per GPU: list, ranges A-B, or max (the largest that fits the given --ratio / --slots; "
+  add_list_option(*cmd, "--batch,-b", args->batches,
+                  "Requests per GPU: list, ranges A-B, or max (the largest that fits the given --ratio / --slots; "
                   "ratio 1 when neither is given)")
-      ->delimiter(',')
       ->default_str("52,64,96,128,160");
   auto* slots = cmd->add_option("--slots", args->slots, "Sparse Memory Pool slots per request-layer (fixed)");
   cmd->add_option("--ratio", args->ratio, "Sparse Memory Ratio (fixed; default: the most that fits each batch)")
@@ -62,6 +63,11 @@ void add_sim(CLI::App& app, int& exit_code) {
   add_format_option(*cmd, args->format);
   cmd->callback([args, cmd, &exit_code] {
     const SimArgs& a = *args;
+    if (!a.timeline.empty()) {
+      check_output_file(a.timeline, "--timeline",
+                        {a.inputs.model, a.inputs.hardware, a.inputs.deployment, a.inputs.miss_profile,
+                         a.inputs.op_table, a.workload});
+    }
     const ModelSpec model = a.inputs.load_model();
     const sim::HardwareProfile hw = a.inputs.load_hardware();
     const sim::Deployment dep = a.inputs.load_deployment();
@@ -87,6 +93,8 @@ void add_sim(CLI::App& app, int& exit_code) {
     if (given("--slots") && a.slots > 0) base.ratio = 0;
     if (given("--overlap")) base.overlap = parse_overlap_mode(a.overlap);
     if (given("--miss-threshold")) base.layerwise_threshold = a.threshold;
+    ESS_CHECK(cmd->count("--miss-threshold") == 0 || base.overlap == OverlapMode::kLayerWise,
+              "--miss-threshold applies to the layer-wise overlap only (--overlap {})", to_string(base.overlap));
     if (given("--misses") || given("--miss-exponent") || given("--miss-profile")) {
       base.misses = a.inputs.load_misses(base.context);
     }

@@ -2,14 +2,15 @@
 #include <fmt/format.h>
 
 #include <chrono>
-#include <fstream>
 #include <memory>
+#include <optional>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
 #include "commands.h"
 #include "ess/core/error.h"
+#include "ess/core/files.h"
 #include "ess/core/lists.h"
 #include "ess/trace/analyzer.h"
 #include "ess/trace/format.h"
@@ -22,7 +23,7 @@ struct GenArgs {
   std::string output;
   std::string profile;
   trace::GenerateConfig config;
-  int layers = 0;
+  std::optional<int> layers;  // the profile's unless given
   std::uint64_t seed = 1;
   Format format = Format::kTable;
 };
@@ -40,14 +41,6 @@ struct AnalyzeArgs {
   Format format = Format::kTable;
 };
 
-void write_text(const std::string& path, const std::string& text) {
-  std::ofstream out(path);
-  ESS_CHECK(out.good(), "{}: cannot create file", path);
-  out << text;
-  out.close();
-  ESS_CHECK(out.good(), "{}: write failed", path);
-}
-
 void add_gen(CLI::App& parent) {
   auto a = std::make_shared<GenArgs>();
   CLI::App* cmd = parent.add_subcommand(
@@ -62,13 +55,14 @@ void add_gen(CLI::App& parent) {
   cmd->add_option("--requests,-b", a->config.requests, "Requests")->capture_default_str();
   cmd->add_option("--steps,-s", a->config.steps, "Decode steps per request")->capture_default_str();
   cmd->add_option("--layers,-l", a->layers, "Override the profile's layer count (the drift curve is resampled)");
-  cmd->add_option("--seed", a->config.seed, "Random seed")->capture_default_str();
+  cmd->add_option("--seed", a->config.seed, "Random seed")->capture_default_str()->check(unsigned_integer());
   add_format_option(*cmd, a->format);
   cmd->callback([a] {
+    check_output_file(a->output, "--output", {a->profile});
     trace::GeneratorProfile p =
         a->profile.empty() ? trace::GeneratorProfile::shipped_default() : trace::GeneratorProfile::from_file(a->profile);
-    if (a->layers > 0) {
-      p.layers = a->layers;
+    if (a->layers) {
+      p.layers = *a->layers;
       p.validate("--layers");
     }
     const auto t0 = std::chrono::steady_clock::now();
@@ -134,6 +128,11 @@ void add_analyze(CLI::App& parent) {
     cfg.recommend = !a->no_recommend;
     cfg.prefetch = !a->no_prefetch;
     cfg.similarity = !a->no_similarity;
+    // Outputs are checked before the work: never the input, never a directory, never one another.
+    if (!a->output.empty()) check_output_file(a->output, "--output", {a->input});
+    ESS_CHECK(a->output.empty() || a->miss_profile.empty() || !same_file(a->output, a->miss_profile),
+              "--output '{}' and --miss-profile '{}' name the same file", a->output, a->miss_profile);
+    if (!a->miss_profile.empty()) check_output_file(a->miss_profile, "--miss-profile", {a->input});
     const trace::TraceReader reader(a->input);
     const trace::AnalysisResult r = trace::analyze(reader, cfg);
     std::string text;
@@ -147,11 +146,13 @@ void add_analyze(CLI::App& parent) {
     if (a->output.empty()) {
       fmt::print("{}", text);
     } else {
-      write_text(a->output, text);
+      write_text_file(a->output, text, "--output");
     }
     if (!a->miss_profile.empty()) {
       const bool has = std::find(cfg.policies.begin(), cfg.policies.end(), "lru_warmup") != cfg.policies.end();
-      write_text(a->miss_profile, trace::miss_profile_json(r, has ? "lru_warmup" : cfg.policies.front()).dump(2) + "\n");
+      write_text_file(a->miss_profile,
+                      trace::miss_profile_json(r, has ? "lru_warmup" : cfg.policies.front()).dump(2) + "\n",
+                      "--miss-profile");
     }
   });
 }

@@ -12,6 +12,9 @@
 
 namespace ess {
 
+// A JSON document; refused by name (`source`) when malformed or when an object gives a key twice.
+nlohmann::json parse_json(const std::string& text, const std::string& source);
+// The same from a file (refused unless a readable regular file).
 nlohmann::json read_json_file(const std::string& path, const char* what);
 // A required number (throws when missing or not a number).
 double json_number(const nlohmann::json& j, const char* field, const std::string& source);

@@ -3,6 +3,7 @@
 // measures feeds the simulator table for table.
 #pragma once
 
+#include <string>
 #include <string_view>
 
 namespace ess {
@@ -35,6 +36,10 @@ inline constexpr std::string_view kDispatch = "moe.dispatch";
 inline constexpr std::string_view kCombine = "moe.combine";
 
 }  // namespace op
+
+// Every op name above (what an op table may name).
+bool is_op_name(std::string_view name);
+std::string op_names_list();  // comma-separated, for messages
 
 // The GEMMs of a layer, as the rig's stand-ins run them.
 enum class GemmOp {

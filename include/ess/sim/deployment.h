@@ -14,11 +14,13 @@
 namespace ess::sim {
 
 struct Deployment {
+  static constexpr int kMaxNodes = 4096;
+  static constexpr int kMaxGpusPerNode = 64;
   std::string name = "custom";
   int nodes = 4;
   int gpus_per_node = 8;
   int expert_parallel = 32;          // EP degree (GPUs the routed experts are spread over)
-  int attention_data_parallel = 32;  // DP degree of attention (TP 1: every GPU its own batch)
+  int attention_data_parallel = 32;  // DP degree of attention: every GPU its own batch (TP 1), the only one modelled
   int mtp_tokens = 2;                // T: query tokens per request per step (1 = no MTP)
   double accept_ratio = 1.7;         // tokens kept per request per step, in [1, T]
   bool two_batch_overlap = true;     // TBO: two micro-batches, compute of one over comm of other
@@ -55,6 +57,7 @@ struct MissModel {
   int reference_tokens = 2;
   double exponent = 1.0;
   std::vector<double> layer_shape;    // empty: uniform
+  int profile_topk = 0;               // top-k the profile was measured at (0: not said)
 
   double misses(int layer, double slots, double context, int tokens) const;
   // Reads {"per_layer_misses": [...]} (the key `ess verify --format json` writes) or a

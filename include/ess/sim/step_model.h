@@ -40,6 +40,9 @@ struct StepResult {
   double comm_us = 0;               // busy time of the comm stream
   double h2d_us = 0;                // busy time of the H2D stream
   double misses_per_request_layer = 0;   // mean
+  // Layers whose miss model gave more than T x K (every selected entry missing): those are
+  // taken as T x K, here as in the step time.
+  int miss_capped_layers = 0;
   double h2d_bytes = 0;             // per step per GPU
   double d2h_bytes = 0;
   int layers_da = 0;                // layer-wise choices (per micro-batch layer)
@@ -65,6 +68,8 @@ class StepModel {
   // Resolves the batch (0: largest that fits) and the slots (ratio / slots / the most that
   // fit the batch), checks the memory, and times one step. Records the events when
   // `timeline` is given.
+  // Throws ess::Error unless the miss model fits this model (layers, top-k, at most T x K).
+  void check_misses(const MissModel& misses) const;
   StepResult run(const Workload& workload, Timeline* timeline = nullptr) const;
 
   const ModelSpec& model() const { return model_; }

@@ -32,6 +32,8 @@
 #include <string>
 #include <vector>
 
+#include "ess/core/files.h"
+
 namespace ess::trace {
 
 inline constexpr int kFormatVersion = 1;
@@ -144,7 +146,7 @@ class TraceWriter {
   TraceMeta meta_;
   std::vector<RequestShape> shapes_;
   std::size_t next_ = 0;
-  std::FILE* file_ = nullptr;
+  std::unique_ptr<AtomicFile> file_;  // written beside the target, renamed into place by close()
 };
 
 // Writes a whole trace held in memory (tests, small traces).

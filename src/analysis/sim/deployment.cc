@@ -50,14 +50,20 @@ Deployment Deployment::from_json(const json& j, const std::string& source) {
 }
 
 void Deployment::validate(const std::string& source) const {
-  ESS_CHECK(nodes >= 1, "{}: nodes = {} must be at least 1", source, nodes);
-  ESS_CHECK(gpus_per_node >= 1, "{}: gpus_per_node = {} must be at least 1", source, gpus_per_node);
+  ESS_CHECK(nodes >= 1 && nodes <= kMaxNodes, "{}: nodes = {} must be in [1, {}]", source, nodes, kMaxNodes);
+  ESS_CHECK(gpus_per_node >= 1 && gpus_per_node <= kMaxGpusPerNode, "{}: gpus_per_node = {} must be in [1, {}]", source,
+            gpus_per_node, kMaxGpusPerNode);
   ESS_CHECK(rig_layers >= 0 && rig_layers <= 1024, "{}: rig_layers = {} must be in [0, 1024]", source, rig_layers);
   ESS_CHECK(expert_parallel >= 1 && (rig_layers > 0 || expert_parallel <= gpus()),
             "{}: expert_parallel = {} must be in [1, nodes x gpus_per_node = {}]", source,
             expert_parallel, gpus());
-  ESS_CHECK(attention_data_parallel >= 1 && attention_data_parallel <= gpus(),
-            "{}: attention_data_parallel = {} must be in [1, {}]", source, attention_data_parallel, gpus());
+  ESS_CHECK(rig_layers > 0 || gpus() % expert_parallel == 0,
+            "{}: expert_parallel = {} does not divide the {} GPUs (each EP group spans whole GPUs)", source,
+            expert_parallel, gpus());
+  // The simulator models DP attention on every GPU (TP 1): another degree would be ignored.
+  ESS_CHECK(attention_data_parallel == gpus(),
+            "{}: attention_data_parallel = {}: only data-parallel attention on every GPU ({}) is modelled", source,
+            attention_data_parallel, gpus());
   ESS_CHECK(mtp_tokens >= 1 && mtp_tokens <= 16, "{}: mtp_tokens = {} must be in [1, 16]", source,
             mtp_tokens);
   ESS_CHECK(std::isfinite(accept_ratio) && accept_ratio >= 1.0 && accept_ratio <= mtp_tokens,
@@ -197,7 +203,12 @@ MissModel MissModel::load_profile(const std::string& path, std::int64_t context,
   m.reference_misses = mean;
   m.reference_slots = slots;
   m.reference_context = ctx;
-  m.reference_tokens = static_cast<int>(json_int_or(j, "mtp", path, base.reference_tokens));
+  const std::int64_t mtp = json_int_or(j, "mtp", path, base.reference_tokens);
+  ESS_CHECK(mtp >= 1 && mtp <= 16, "{}: mtp = {} must be in [1, 16]", path, mtp);
+  m.reference_tokens = static_cast<int>(mtp);
+  const std::int64_t topk = json_int_or(j, "topk", path, 0);
+  ESS_CHECK(topk >= 0 && topk <= 65536, "{}: topk = {} is out of range", path, topk);
+  m.profile_topk = static_cast<int>(topk);
   m.layer_shape.clear();
   if (mean > 0) {
     for (double x : means) m.layer_shape.push_back(x / mean);

@@ -1,6 +1,7 @@
 #include "ess/sim/inputs.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include "ess/core/error.h"
 #include "ess/core/json.h"
@@ -22,7 +23,6 @@ Deployment Inputs::load_deployment() const {
   if (gpus_per_node) d.gpus_per_node = *gpus_per_node;
   if (ep) d.expert_parallel = *ep;
   if ((nodes || gpus_per_node) && !ep) d.expert_parallel = d.gpus();
-  d.attention_data_parallel = std::min(d.attention_data_parallel, d.gpus());
   if (nodes || gpus_per_node) d.attention_data_parallel = d.gpus();
   if (mem_fraction) d.mem_fraction_static = *mem_fraction;
   if (no_tbo) d.two_batch_overlap = false;
@@ -35,7 +35,12 @@ MissModel Inputs::load_misses(std::int64_t context) const {
   MissModel m;
   if (reference_misses) m.reference_misses = *reference_misses;
   if (miss_exponent) m.exponent = *miss_exponent;
-  if (!miss_profile.empty()) m = MissModel::load_profile(miss_profile, context, m);
+  if (!miss_profile.empty()) {
+    m = MissModel::load_profile(miss_profile, context, m);
+    // A trace's profile sets its own reference point: a --misses beside it would be dropped.
+    ESS_CHECK(!reference_misses || m.reference_misses == *reference_misses,
+              "--misses {} and --miss-profile {} both set the mean misses; pass one", *reference_misses, miss_profile);
+  }
   m.validate("--misses / --miss-exponent / --miss-profile");
   return m;
 }
@@ -55,13 +60,16 @@ Plans plan_contexts(const Inputs& inputs, const PlanOptions& options) {
   base.min_otps = options.min_otps;
   base.batch_step = options.batch_step;
   ESS_CHECK(options.batch_step >= 1, "plan: batch_step = {} must be >= 1", options.batch_step);
+  ESS_CHECK(std::isfinite(options.min_otps) && options.min_otps >= 0, "plan: min_otps = {} must be a finite number >= 0",
+            options.min_otps);
+  ESS_CHECK(!inputs.rig_layers, "plan: --rig-layers models the single-GPU rig of `ess bench step`; plan a deployment");
   ESS_CHECK(!options.modes.empty(), "plan: no overlap mode to try");
   base.modes.clear();
   for (const auto& m : options.modes) base.modes.push_back(parse_overlap_mode(m));
   ESS_CHECK(!options.contexts.empty(), "plan: no context length given");
   Plans plans{model, hw, dep, options.min_otps, {}};
   for (std::int64_t ctx : options.contexts) {
-    ESS_CHECK(ctx >= 1, "plan: context {} must be positive", ctx);
+    ESS_CHECK(ctx >= 1 && ctx <= (std::int64_t{1} << 24), "plan: context {} must be in [1, 2^24]", ctx);
     PlanRequest r = base;
     r.context = ctx;
     r.misses = inputs.load_misses(ctx);

@@ -6,6 +6,8 @@
 #include <sstream>
 
 #include "ess/core/error.h"
+#include "ess/core/files.h"
+#include "ess/core/op_names.h"
 #include "ess/core/lists.h"
 
 namespace ess::sim {
@@ -30,11 +32,7 @@ std::optional<double> interpolate(std::span<const Point> p, double x) {
 }
 
 MeasuredTables MeasuredTables::from_csv(const std::string& path) {
-  std::ifstream in(path);
-  ESS_CHECK(in.good(), "cannot open op table '{}'", path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return from_csv_text(ss.str(), path);
+  return from_csv_text(read_text_file(path, "op table"), path);
 }
 
 MeasuredTables MeasuredTables::from_csv_text(std::string_view text, const std::string& source) {
@@ -56,6 +54,7 @@ MeasuredTables MeasuredTables::from_csv_text(std::string_view text, const std::s
       continue;
     }
     ESS_CHECK(cells.size() == 4, "{}:{}: expected 4 cells, got {} in '{}'", source, line_no, cells.size(), line);
+    ESS_CHECK(is_op_name(cells[0]), "{}:{}: unknown op '{}' (the ops: {})", source, line_no, cells[0], op_names_list());
     double v[3];
     for (int i = 0; i < 3; ++i) {
       std::size_t used = 0;
@@ -70,7 +69,9 @@ MeasuredTables MeasuredTables::from_csv_text(std::string_view text, const std::s
     ESS_CHECK(v[0] >= 0 && v[0] == std::floor(v[0]), "{}:{}: context = {} must be a non-negative integer",
               source, line_no, v[0]);
     ESS_CHECK(v[1] >= 0, "{}:{}: tokens = {} must be >= 0", source, line_no, v[1]);
-    ESS_CHECK(v[2] >= 0, "{}:{}: time_us = {} must be >= 0", source, line_no, v[2]);
+    ESS_CHECK(v[2] >= 0 && v[2] <= 1e9, "{}:{}: time_us = {} must be in [0, 1e9] (1000 s)", source, line_no, v[2]);
+    ESS_CHECK(v[0] <= (1LL << 30), "{}:{}: context = {} exceeds 2^30 tokens", source, line_no, v[0]);
+    ESS_CHECK(v[1] <= 1e9, "{}:{}: tokens = {} exceeds 1e9", source, line_no, v[1]);
     auto& pts = t.tables_[{cells[0], static_cast<std::int64_t>(v[0])}];
     for (const Point& p : pts) {
       ESS_CHECK(p.x != v[1], "{}:{}: op '{}' context {} has tokens = {} twice", source, line_no, cells[0], v[0], v[1]);
@@ -78,6 +79,7 @@ MeasuredTables MeasuredTables::from_csv_text(std::string_view text, const std::s
     pts.push_back({v[1], v[2]});
   }
   ESS_CHECK(header, "{}: empty op table (no header)", source);
+  ESS_CHECK(!t.tables_.empty(), "{}: the op table has a header but no rows", source);
   for (auto& [k, pts] : t.tables_) {
     std::sort(pts.begin(), pts.end(), [](const Point& a, const Point& b) { return a.x < b.x; });
   }

@@ -34,6 +34,7 @@ nlohmann::json row_json(const StepResult& r) {
             {"comm_stream_busy", ms(r.comm_us)},
             {"h2d_stream_busy", ms(r.h2d_us)}}},
           {"misses_per_request_layer", r.misses_per_request_layer},
+          {"miss_capped_layers", r.miss_capped_layers},
           {"h2d_mb_per_step", r.h2d_bytes / 1e6},
           {"d2h_mb_per_step", r.d2h_bytes / 1e6},
           {"layers_da", r.layers_da},
@@ -111,16 +112,17 @@ Simulation simulate(const StepModel& sm, const Workload& base_in, const std::vec
   const bool paper_setup = s.hardware.name == "paper-table1" &&
                            s.deployment.to_json() == Deployment::shipped("paper-table1").to_json() && context == 32768 &&
                            base.ratio == 0 && base.slots == 0;
+  Timeline timeline;  // of the first row, written once every row has run
+  std::string timeline_title;
   for (std::size_t i = 0; i < batches.size(); ++i) {
     SimulationRow row;
     Workload w = base;
     w.batch = batches[i];
-    Timeline timeline;
     const bool record = i == 0 && !options.timeline.empty();
     row.ess = sm.run(w, record ? &timeline : nullptr);
     if (record) {
-      timeline.write(options.timeline, fmt::format("ess sim: {} on {}, batch {}, ratio {:.3f}, {}", s.model.name,
-                                                   s.hardware.name, row.ess.batch, row.ess.ratio, to_string(row.ess.overlap)));
+      timeline_title = fmt::format("ess sim: {} on {}, batch {}, ratio {:.3f}, {}", s.model.name, s.hardware.name,
+                                   row.ess.batch, row.ess.ratio, to_string(row.ess.overlap));
     }
     if (s.rig || (s.wall_fits && row.ess.batch <= wall_batch)) {
       Workload b = wall;
@@ -135,7 +137,8 @@ Simulation simulate(const StepModel& sm, const Workload& base_in, const std::vec
     }
     s.rows.push_back(row);
     if (options.progress) options.progress(i + 1, batches.size());
-  }
+  }  if (!options.timeline.empty() && !batches.empty()) timeline.write(options.timeline, timeline_title);
+
   return s;
 }
 
@@ -262,6 +265,10 @@ std::string to_table(const Simulation& s) {
     if (e.host_pool_gb_per_node > hw.host_dram_gb) {
       add("\nwarning: batch {}: the node's Total Memory Pool ({:.0f} GB) exceeds host DRAM ({} GB)", e.batch,
           e.host_pool_gb_per_node, hw.host_dram_gb);
+    }
+    if (e.miss_capped_layers > 0) {
+      add("\nnote: batch {}: at {} slots the miss model exceeds T x top-k in {} layers; taken as T x top-k (every "
+          "selected entry missing)", e.batch, e.slots, e.miss_capped_layers);
     }
     if (e.h2d_gbps_per_node > hw.host_dram_bandwidth_gbps) {
       add("\nwarning: batch {}: H2D traffic ({:.0f} GB/s per node) exceeds host-memory bandwidth ({} GB/s)", e.batch,

@@ -235,10 +235,33 @@ StepModel::StepModel(const ModelSpec& model, const HardwareProfile& hw, const De
                      const MeasuredTables* tables)
     : model_(model), hw_(hw), dep_(dep), cost_(hw_, tables) {
   dep_.validate(dep.name);
+  // Experts spread unevenly are modelled (the busiest GPU holds the rounded-up share); more
+  // GPUs in an EP group than experts are not.
+  ESS_CHECK(dep_.expert_parallel <= model_.n_routed_experts,
+            "{}: expert_parallel = {} exceeds the model's {} routed experts", dep.name, dep_.expert_parallel,
+            model_.n_routed_experts);
+}
+
+void StepModel::check_misses(const MissModel& m) const {
+  const double most = static_cast<double>(m.reference_tokens) * model_.index_topk;
+  ESS_CHECK(m.reference_misses <= most,
+            "miss model: {} misses per request-layer-step at the reference pool exceed what {} query tokens x top-{} "
+            "can select ({})",
+            m.reference_misses, m.reference_tokens, model_.index_topk, most);
+  const int layers = dep_.rig_layers > 0 ? dep_.rig_layers : model_.num_hidden_layers;
+  ESS_CHECK(m.layer_shape.empty() || static_cast<int>(m.layer_shape.size()) == model_.num_hidden_layers ||
+                (dep_.rig_layers > 0 && static_cast<int>(m.layer_shape.size()) >= layers),
+            "miss profile: {} per-layer values for a model of {} layers{}", m.layer_shape.size(),
+            model_.num_hidden_layers, dep_.rig_layers > 0 ? fmt::format(" (the rig runs {})", layers) : "");
+  ESS_CHECK(m.profile_topk == 0 || m.profile_topk == model_.index_topk,
+            "miss profile: measured at top-{}, the model selects top-{}", m.profile_topk, model_.index_topk);
 }
 
 StepResult StepModel::run(const Workload& wl, Timeline* timeline) const {
   wl.validate();
+  ESS_CHECK(model_.max_position_embeddings <= 0 || wl.context <= model_.max_position_embeddings,
+            "context {} exceeds the model's max_position_embeddings ({})", wl.context, model_.max_position_embeddings);
+  check_misses(wl.misses);
   const MemoryModel mem(model_, hw_, dep_, wl.context);
   StepResult r;
   r.offload = wl.offload;
@@ -362,8 +385,16 @@ StepResult StepModel::run(const Workload& wl, Timeline* timeline) const {
   };
 
   const int n_layers = rig ? dep_.rig_layers : model_.num_hidden_layers;
+  // A request cannot miss more entries than its query tokens select: the model's value is
+  // capped there, for the reported misses as for the step time, and the cap is reported.
+  const auto capped = [&](double m, int tokens) {
+    const double cap = tokens * topk_eff;
+    if (m <= cap) return m;
+    ++r.miss_capped_layers;
+    return cap;
+  };
   for (int layer = 0; layer < n_layers; ++layer) {
-    const double m = offload ? wl.misses.misses(layer, slots, double(wl.context), T) : 0.0;
+    const double m = offload ? capped(wl.misses.misses(layer, slots, double(wl.context), T), T) : 0.0;
     miss_sum += m;
     ++miss_layers;
     s.set_category(Category::kAttention);
@@ -390,7 +421,7 @@ StepResult StepModel::run(const Workload& wl, Timeline* timeline) const {
   // own projection and LM head.
   if (T > 1 && model_.num_nextn_predict_layers > 0) {
     const int layer = model_.num_hidden_layers;
-    const double m = offload ? wl.misses.misses(layer, slots, double(wl.context), 1) : 0.0;
+    const double m = offload ? capped(wl.misses.misses(layer, slots, double(wl.context), 1), 1) : 0.0;
     for (int d = 0; d < T - 1; ++d) {
       s.set_label(layer, 'D');
       s.set_category(Category::kMtpDraft);
@@ -417,7 +448,7 @@ StepResult StepModel::run(const Workload& wl, Timeline* timeline) const {
   const double layers_with_cache = model_.num_hidden_layers + (T > 1 ? model_.num_nextn_predict_layers : 0);
   if (offload) {
     r.h2d_bytes = batch * miss_sum * double(model_.latent_entry_bytes()) +
-                  (T > 1 ? (T - 1) * batch * wl.misses.misses(model_.num_hidden_layers, slots, double(wl.context), 1) *
+                  (T > 1 ? (T - 1) * batch * std::min(wl.misses.misses(model_.num_hidden_layers, slots, double(wl.context), 1), topk_eff) *
                                model_.num_nextn_predict_layers * double(model_.latent_entry_bytes())
                          : 0.0);
   }

@@ -5,6 +5,7 @@
 #include <fstream>
 
 #include "ess/core/error.h"
+#include "ess/core/files.h"
 
 namespace ess::sim {
 
@@ -41,10 +42,7 @@ nlohmann::json Timeline::to_chrome_trace(const std::string& title) const {
 }
 
 void Timeline::write(const std::string& path, const std::string& title) const {
-  std::ofstream out(path);
-  ESS_CHECK(out.good(), "cannot write timeline '{}'", path);
-  out << to_chrome_trace(title).dump() << '\n';
-  ESS_CHECK(out.good(), "error writing timeline '{}'", path);
+  write_text_file(path, to_chrome_trace(title).dump() + "\n", "timeline");
 }
 
 }  // namespace ess::sim

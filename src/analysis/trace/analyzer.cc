@@ -77,8 +77,27 @@ void check_config(const TraceReader& trace, const AnalyzeConfig& cfg) {
   ESS_CHECK(cfg.ratios.empty() || cfg.slots.empty(), "trace analyze: give pool sizes as ratios or as slots, not both");
   for (double x : cfg.ratios) ESS_CHECK(x > 0 && x <= 1, "trace analyze: ratio {} is outside (0, 1]", x);
   for (auto x : cfg.slots) ESS_CHECK(x > 0, "trace analyze: slots {} must be positive", x);
+  std::int64_t longest = 0;  // tokens of the longest request at its last step
+  for (std::size_t i = 0; i < trace.requests(); ++i) {
+    const RequestView r = trace.request(i);
+    longest = std::max({longest, r.context, r.lengths.empty() ? 0 : r.lengths.back()});
+  }
+  for (auto x : cfg.slots) {
+    // More slots than any request has tokens only cost memory: every pool holds all its slots.
+    ESS_CHECK(x <= longest, "trace analyze: slots {} exceed the longest request ({} tokens); --ratio 1 holds everything",
+              x, longest);
+  }
+  ESS_CHECK(std::isfinite(cfg.target_misses) && cfg.target_misses >= 0,
+            "trace analyze: --target {} must be a finite number >= 0", cfg.target_misses);
+  ESS_CHECK(cfg.recommend_granularity >= 1, "trace analyze: --granularity {} must be >= 1", cfg.recommend_granularity);
+  ESS_CHECK(cfg.steady_from >= -1, "trace analyze: --steady-from {} must be >= 0", cfg.steady_from);
+  ESS_CHECK(cfg.threads >= 0, "trace analyze: --threads {} must be >= 0 (0 = all cores)", cfg.threads);
   static const std::vector<std::string> known{"lru", "lru_warmup", "fifo", "clock", "lfu", "s3fifo", "belady"};
-  for (const auto& p : cfg.policies) {
+  for (std::size_t i = 0; i < cfg.policies.size(); ++i) {
+    const std::string& p = cfg.policies[i];
+    ESS_CHECK(std::find(cfg.policies.begin(), cfg.policies.begin() + static_cast<std::ptrdiff_t>(i), p) ==
+                  cfg.policies.begin() + static_cast<std::ptrdiff_t>(i),
+              "trace analyze: policy '{}' is named twice", p);
     ESS_CHECK(std::find(known.begin(), known.end(), p) != known.end(),
               "trace analyze: unknown policy '{}' (known: lru, lru_warmup, fifo, clock, lfu, s3fifo, belady)", p);
   }

@@ -14,6 +14,7 @@
 #include <optional>
 
 #include "ess/core/error.h"
+#include "ess/core/files.h"
 
 static_assert(std::endian::native == std::endian::little, "the trace reader assumes a little-endian host");
 
@@ -67,6 +68,7 @@ TraceReader& TraceReader::operator=(TraceReader&&) noexcept = default;
 TraceReader::~TraceReader() = default;
 
 TraceReader::TraceReader(const std::string& path) : path_(path), map_(std::make_unique<Mapping>()) {
+  check_input_file(path, "trace");
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   ESS_CHECK(fd >= 0, "{}: cannot open trace: {}", path, std::strerror(errno));
   struct stat st {};
@@ -537,19 +539,13 @@ TraceWriter::TraceWriter(const std::string& path, const TraceMeta& meta, std::ve
   header["__metadata__"] = md;
   std::string text = header.dump();
   while ((8 + text.size()) % 8 != 0) text.push_back(' ');  // 8-aligned data section
-  file_ = std::fopen(path.c_str(), "wb");
-  ESS_CHECK(file_ != nullptr, "{}: cannot create trace: {}", path, std::strerror(errno));
+  file_ = std::make_unique<AtomicFile>(path, "trace");  // the target is replaced only by close()
   const std::uint64_t n = text.size();
-  if (std::fwrite(&n, 8, 1, file_) != 1 || std::fwrite(text.data(), 1, text.size(), file_) != text.size()) {
-    std::fclose(file_);
-    file_ = nullptr;
-    ESS_THROW("{}: write failed: {}", path, std::strerror(errno));
-  }
+  file_->write(&n, 8);
+  file_->write(text);
 }
 
-TraceWriter::~TraceWriter() {
-  if (file_ != nullptr) std::fclose(file_);
-}
+TraceWriter::~TraceWriter() = default;
 
 void TraceWriter::write_request(std::size_t i, std::span<const std::int32_t> topk, std::span<const std::int64_t> lengths,
                                 std::span<const std::int32_t> prefill) {
@@ -563,19 +559,17 @@ void TraceWriter::write_request(std::size_t i, std::span<const std::int32_t> top
             path_, i, lengths.size(), s.steps);
   ESS_CHECK(prefill.size() == prefill_elems(meta_, s), "{}: trace writer: request {} prefill has {} ids, expected {}",
             path_, i, prefill.size(), prefill_elems(meta_, s));
-  bool ok = std::fwrite(topk.data(), 4, topk.size(), file_) == topk.size();
-  ok = ok && std::fwrite(lengths.data(), 8, lengths.size(), file_) == lengths.size();
-  if (!prefill.empty()) ok = ok && std::fwrite(prefill.data(), 4, prefill.size(), file_) == prefill.size();
-  ESS_CHECK(ok, "{}: write of request {} failed: {}", path_, i, std::strerror(errno));
+  file_->write(topk.data(), topk.size() * 4);
+  file_->write(lengths.data(), lengths.size() * 8);
+  file_->write(prefill.data(), prefill.size() * 4);
   ++next_;
 }
 
 void TraceWriter::close() {
   ESS_CHECK(file_ != nullptr, "{}: trace writer already closed", path_);
   ESS_CHECK(next_ == shapes_.size(), "{}: trace writer closed after {} of {} requests", path_, next_, shapes_.size());
-  const int rc = std::fclose(file_);
-  file_ = nullptr;
-  ESS_CHECK(rc == 0, "{}: closing the trace failed: {}", path_, std::strerror(errno));
+  file_->commit();
+  file_.reset();
 }
 
 void write_trace(const std::string& path, const TraceMeta& meta, const std::vector<RequestData>& requests) {

@@ -10,6 +10,7 @@
 
 #include "analysis/trace/shipped_profiles.h"
 #include "ess/core/error.h"
+#include "ess/core/files.h"
 #include "ess/core/json.h"
 #include "ess/version.h"
 
@@ -59,19 +60,7 @@ GeneratorProfile GeneratorProfile::from_json(const nlohmann::json& j, const std:
 }
 
 GeneratorProfile GeneratorProfile::from_file(const std::string& path) {
-  std::ifstream in(path);
-  ESS_CHECK(in.good(), "{}: cannot open generator profile", path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(ss.str());
-  } catch (const nlohmann::json::parse_error& e) {
-    ESS_THROW("{}: malformed JSON at byte {}: {}", path, e.byte, e.what());
-  } catch (const nlohmann::json::exception& e) {
-    ESS_THROW("{}: malformed JSON: {}", path, e.what());
-  }
-  return from_json(j, path);
+  return from_json(read_json_file(path, "generator profile"), path);
 }
 
 GeneratorProfile GeneratorProfile::shipped_default() {
@@ -581,8 +570,29 @@ TraceMeta synthetic_meta(const GeneratorProfile& p, const GenerateConfig& c) {
 }
 
 void generate_trace(const GeneratorProfile& p, const GenerateConfig& c, const std::string& path) {
+  // Every argument before any file: a refused one leaves the target as it was.
   ESS_CHECK(!c.contexts.empty(), "trace gen: no context length given");
-  ESS_CHECK(c.requests >= 1, "trace gen: requests {} must be positive", c.requests);
+  ESS_CHECK(c.requests >= 1 && c.requests <= (1 << 20), "trace gen: requests {} must be in [1, 2^20]", c.requests);
+  ESS_CHECK(c.steps >= 1 && c.steps <= (1LL << 24), "trace gen: steps {} is outside [1, 2^24]", c.steps);
+  for (const std::int64_t ctx : c.contexts) {
+    ESS_CHECK(ctx >= 1 && ctx <= (1LL << 30), "trace gen: context {} is outside [1, 2^30]", ctx);
+  }
+  // The file's size, against the room its folder has (a run killed for want of it leaves nothing).
+  const double ids = static_cast<double>(c.requests) * static_cast<double>(c.steps) * p.layers * p.mtp * p.topk;
+  const double bytes = 4.0 * ids + 8.0 * c.requests * static_cast<double>(c.steps) +
+                       4.0 * c.requests * static_cast<double>(p.prefill_windows) * p.layers * p.topk;
+  check_output_file(path, "trace");
+  std::error_code ec;
+  const auto dir = std::filesystem::path(path).parent_path();
+  const auto room = std::filesystem::space(dir.empty() ? std::filesystem::path(".") : dir, ec);
+  ESS_CHECK(ec || bytes <= static_cast<double>(room.available),
+            "trace gen: the trace would take {:.1f} GB ({} requests x {} steps x {} layers x MTP {} x top-{}); '{}' "
+            "has {:.1f} GB free",
+            bytes / 1e9, c.requests, c.steps, p.layers, p.mtp, p.topk, path, static_cast<double>(room.available) / 1e9);
+  // One request is generated in memory at a time.
+  const double request_bytes = 4.0 * static_cast<double>(c.steps) * p.layers * p.mtp * p.topk;
+  ESS_CHECK(request_bytes <= 16e9, "trace gen: one request's top-k would take {:.1f} GB in memory (limit 16 GB): fewer "
+            "--steps", request_bytes / 1e9);
   std::vector<RequestShape> shapes;
   for (int i = 0; i < c.requests; ++i) {
     const auto ctx = c.contexts[static_cast<std::size_t>(i) % c.contexts.size()];

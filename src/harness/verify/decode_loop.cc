@@ -7,6 +7,7 @@
 
 #include "ess/cache/sparse_pool.h"
 #include "ess/core/error.h"
+#include "ess/core/files.h"
 #include "ess/model/entry_layout.h"
 #include "ess/model/numerics.h"
 #include "ess/ops/reference.h"
@@ -20,12 +21,26 @@ void VerifyConfig::validate(const ModelSpec& model) const {
             "verify: --layers = {} must be in [1, {}] (the model's num_hidden_layers)", layers,
             model.num_hidden_layers);
   ESS_CHECK(context > 0 && context <= (std::int64_t{1} << 24), "verify: --context = {} must be in [1, 2^24]", context);
-  ESS_CHECK(steps >= 0 && steps <= 100000, "verify: --steps = {} must be in [0, 100000]", steps);
+  ESS_CHECK(steps >= 1 && steps <= 4096, "verify: --steps = {} must be in [1, 4096] (at least one step is checked)",
+            steps);
+  ESS_CHECK(model.max_position_embeddings <= 0 || context + static_cast<std::int64_t>(steps) * mtp <= model.max_position_embeddings,
+            "verify: --context {} + {} steps x {} tokens exceeds the model's max_position_embeddings ({})", context,
+            steps, mtp, model.max_position_embeddings);
   ESS_CHECK(mtp > 0 && mtp <= 16, "verify: --mtp = {} must be in [1, 16]", mtp);
   ESS_CHECK(topk > 0, "verify: --topk = {} must be positive", topk);
   ESS_CHECK(slots >= 0, "verify: --slots = {} must be >= 0 (0 = use --ratio)", slots);
   ESS_CHECK(warmup_windows >= 0, "verify: --warmup = {} must be >= 0", warmup_windows);
   ESS_CHECK(query_drift >= 0.0 && query_drift <= 1.0, "verify: query drift = {} must be in [0, 1]", query_drift);
+  ESS_CHECK(warmup_windows <= context, "verify: --warmup = {} exceeds the prefill's {} query positions", warmup_windows,
+            context);
+  // Per request-layer: the full latent cache and the host pool (an entry each per token), the
+  // indexer's keys, and the device rows.
+  const double tokens = static_cast<double>(context) + static_cast<double>(steps) * mtp;
+  const double entry = static_cast<double>(LatentLayout::for_model(model).bytes());
+  const double per_layer = tokens * (2 * entry + model.index_head_dim + 4) +
+                           (slots > 0 ? slots : ratio * tokens + mtp) * entry;
+  check_host_memory(per_layer * requests * layers,
+                    fmt::format("verify ({} requests x {} layers x {:.0f} tokens)", requests, layers, tokens));
 }
 
 namespace {

@@ -1,23 +1,42 @@
 #include "ess/core/json.h"
 
-#include <fstream>
 #include <limits>
+#include <set>
+#include <vector>
 
 #include "ess/core/error.h"
+#include "ess/core/files.h"
 
 namespace ess {
 
 using nlohmann::json;
 
-json read_json_file(const std::string& path, const char* what) {
-  std::ifstream in(path);
-  ESS_CHECK(in.good(), "cannot open {} '{}'", what, path);
+json parse_json(const std::string& text, const std::string& source) {
+  // Keys seen in each open object: a key given twice is refused (the parser would keep the last).
+  std::vector<std::set<std::string>> open;
+  std::string twice;
+  const json::parser_callback_t note = [&](int, json::parse_event_t event, json& parsed) {
+    if (event == json::parse_event_t::object_start) {
+      open.emplace_back();
+    } else if (event == json::parse_event_t::object_end) {
+      if (!open.empty()) open.pop_back();
+    } else if (event == json::parse_event_t::key && !open.empty()) {
+      const auto& key = parsed.get_ref<const std::string&>();
+      if (!open.back().insert(key).second && twice.empty()) twice = key;
+    }
+    return true;
+  };
+  json j;
   try {
-    return json::parse(in);
-  } catch (const json::parse_error& e) {
-    ESS_THROW("{}: malformed JSON: {}", path, e.what());
+    j = json::parse(text, note);
+  } catch (const json::exception& e) {
+    ESS_THROW("{}: malformed JSON: {}", source, e.what());
   }
+  ESS_CHECK(twice.empty(), "{}: key '{}' is given twice in one object (which value is meant?)", source, twice);
+  return j;
 }
+
+json read_json_file(const std::string& path, const char* what) { return parse_json(read_text_file(path, what), path); }
 
 double json_number(const json& j, const char* field, const std::string& source) {
   const auto it = j.find(field);

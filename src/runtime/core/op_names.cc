@@ -1,6 +1,32 @@
 #include "ess/core/op_names.h"
 
 namespace ess {
+namespace {
+
+constexpr std::string_view kAll[] = {
+    op::kProj0,       op::kIndexerWqB,    op::kQbProj,         op::kAbsorbBmm,      op::kOutBmm,
+    op::kOProj,       op::kGate,          op::kSharedExpert,   op::kRoutedExperts,  op::kIndexerLogits,
+    op::kIndexerTopk, op::kSwap,          op::kSparseMla,      op::kAttn0,          op::kAttn1,
+    op::kMerge,       op::kD2HNewEntries, op::kH2DMisses,      op::kH2DMissesHalf0, op::kH2DMissesHalf1,
+    op::kDispatch,    op::kCombine};
+
+}  // namespace
+
+bool is_op_name(std::string_view name) {
+  for (std::string_view n : kAll) {
+    if (n == name) return true;
+  }
+  return false;
+}
+
+std::string op_names_list() {
+  std::string out;
+  for (std::string_view n : kAll) {
+    if (!out.empty()) out += ", ";
+    out += n;
+  }
+  return out;
+}
 
 std::string_view op_name(GemmOp g) {
   switch (g) {

@@ -1,0 +1,152 @@
+#include "ess/core/files.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <system_error>
+
+#include "ess/core/error.h"
+
+namespace ess {
+
+namespace fs = std::filesystem;
+
+void check_input_file(const std::string& path, const char* what) {
+  ESS_CHECK(!path.empty(), "{}: no file name given", what);
+  std::error_code ec;
+  const auto st = fs::status(path, ec);
+  ESS_CHECK(fs::exists(st), "{} '{}' does not exist", what, path);
+  ESS_CHECK(!fs::is_directory(st), "{} '{}' is a directory, not a file", what, path);
+  ESS_CHECK(fs::is_regular_file(st), "{} '{}' is not a regular file", what, path);
+}
+
+std::string read_text_file(const std::string& path, const char* what) {
+  check_input_file(path, what);
+  std::ifstream in(path, std::ios::binary);
+  ESS_CHECK(in.good(), "{} '{}': cannot open: {}", what, path, std::strerror(errno));
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  ESS_CHECK(!in.bad(), "{} '{}': read failed", what, path);
+  return ss.str();
+}
+
+bool same_file(const std::string& a, const std::string& b) {
+  std::error_code ec;
+  if (fs::exists(a, ec) && fs::exists(b, ec)) return fs::equivalent(a, b, ec);
+  const auto ca = fs::weakly_canonical(a, ec);
+  const auto cb = fs::weakly_canonical(b, ec);
+  return !ec && ca == cb;
+}
+
+void check_output_file(const std::string& output, const char* what, const std::vector<std::string>& inputs) {
+  ESS_CHECK(!output.empty(), "{}: no file name given", what);
+  std::error_code ec;
+  ESS_CHECK(!fs::is_directory(output, ec), "{} '{}' is a directory, not a file", what, output);
+  const fs::path parent = fs::path(output).parent_path();
+  ESS_CHECK(parent.empty() || fs::is_directory(parent, ec), "{} '{}': its folder '{}' does not exist", what, output,
+            parent.string());
+  for (const auto& in : inputs) {
+    if (in.empty()) continue;
+    ESS_CHECK(!same_file(output, in),
+              "{} '{}' is also an input ('{}'): it would be overwritten; write elsewhere", what, output, in);
+  }
+}
+
+AtomicFile::AtomicFile(const std::string& path, const char* what) : path_(path), what_(what) {
+  check_output_file(path, what);
+  std::error_code ec;
+  // A link is followed: the file it names is replaced, the link stays.
+  fs::path target = fs::is_symlink(fs::symlink_status(path, ec)) ? fs::weakly_canonical(path, ec) : fs::path(path);
+  const auto st = fs::status(target, ec);
+  if (fs::exists(st) && !fs::is_regular_file(st)) {
+    // A device or a pipe (/dev/null, /dev/stdout): written in place, never replaced.
+    file_ = std::fopen(target.c_str(), "wb");
+    ESS_CHECK(file_ != nullptr, "{} '{}': cannot open: {}", what, path, std::strerror(errno));
+    return;
+  }
+  target_ = target.string();
+  const fs::path dir = target.parent_path().empty() ? fs::path(".") : target.parent_path();
+  std::string pattern = (dir / fmt::format(".{}.tmp.XXXXXX", target.filename().string())).string();
+  const int fd = ::mkstemp(pattern.data());
+  ESS_CHECK(fd >= 0, "{} '{}': cannot create a file in '{}': {}", what, path, dir.string(), std::strerror(errno));
+  temp_ = pattern;
+  file_ = ::fdopen(fd, "wb");
+  if (file_ == nullptr) {
+    ::close(fd);
+    ::unlink(temp_.c_str());
+    ESS_THROW("{} '{}': cannot open: {}", what, path, std::strerror(errno));
+  }
+}
+
+AtomicFile::~AtomicFile() {
+  if (file_ != nullptr) {
+    std::fclose(file_);
+    if (!temp_.empty()) ::unlink(temp_.c_str());
+  }
+}
+
+void AtomicFile::write(const void* data, std::size_t bytes) {
+  ESS_CHECK(file_ != nullptr, "{} '{}': already closed", what_, path_);
+  ESS_CHECK(bytes == 0 || std::fwrite(data, 1, bytes, file_) == bytes, "{} '{}': write failed: {}", what_, path_,
+            std::strerror(errno));
+}
+
+void AtomicFile::commit() {
+  ESS_CHECK(file_ != nullptr, "{} '{}': already closed", what_, path_);
+  if (temp_.empty()) {  // written in place
+    const bool flushed = std::fflush(file_) == 0;
+    const int err = errno;
+    const int rc = std::fclose(file_);
+    file_ = nullptr;
+    ESS_CHECK(flushed && rc == 0, "{} '{}': write failed: {}", what_, path_, std::strerror(flushed ? errno : err));
+    return;
+  }
+  const bool flushed = std::fflush(file_) == 0 && ::fsync(::fileno(file_)) == 0;
+  const int err = errno;
+  const int rc = std::fclose(file_);
+  file_ = nullptr;
+  if (!flushed || rc != 0) {
+    ::unlink(temp_.c_str());
+    ESS_THROW("{} '{}': write failed: {}", what_, path_, std::strerror(flushed ? errno : err));
+  }
+  // mkstemp creates 0600; an output gets the usual permissions.
+  const mode_t mask = ::umask(0);
+  ::umask(mask);
+  ::chmod(temp_.c_str(), 0666 & ~mask);
+  if (std::rename(temp_.c_str(), target_.c_str()) != 0) {
+    const int e = errno;
+    ::unlink(temp_.c_str());
+    ESS_THROW("{} '{}': cannot move the finished file into place: {}", what_, path_, std::strerror(e));
+  }
+}
+
+std::uint64_t available_host_memory() {
+  std::ifstream in("/proc/meminfo");
+  std::string key, unit;
+  std::uint64_t kb = 0;
+  while (in >> key >> kb >> unit) {
+    if (key == "MemAvailable:") return kb * 1024;
+  }
+  const long pages = ::sysconf(_SC_AVPHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+  return pages > 0 && page > 0 ? static_cast<std::uint64_t>(pages) * static_cast<std::uint64_t>(page) : 0;
+}
+
+void check_host_memory(double bytes, const std::string& what) {
+  const std::uint64_t room = available_host_memory();
+  ESS_CHECK(room == 0 || bytes <= static_cast<double>(room),
+            "{} needs about {:.1f} GB of host memory; {:.1f} GB are available", what, bytes / 1e9,
+            static_cast<double>(room) / 1e9);
+}
+
+void write_text_file(const std::string& path, const std::string& text, const char* what) {
+  AtomicFile f(path, what);
+  f.write(text);
+  f.commit();
+}
+
+}  // namespace ess

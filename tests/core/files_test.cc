@@ -1,0 +1,97 @@
+// Inputs refused by name, outputs written atomically: a refused or failed write leaves the
+// target as it was, a link keeps pointing at the file it names, a device is written in place.
+#include <gtest/gtest.h>
+
+#include <sys/stat.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include "ess/core/error.h"
+#include "ess/core/files.h"
+#include "ess/core/json.h"
+#include "harness/support/testing.h"
+
+namespace ess {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string slurp(const fs::path& p) {
+  std::ifstream in(p);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+class Files : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::path(::testing::TempDir()) / ("ess_files_" + std::to_string(::getpid()));
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  std::size_t entries() const { return static_cast<std::size_t>(std::distance(fs::directory_iterator(dir_), {})); }
+  fs::path dir_;
+};
+
+TEST_F(Files, AnUncommittedWriteLeavesTheTargetAndNoTemporary) {
+  const auto target = dir_ / "out.txt";
+  std::ofstream(target) << "old";
+  {
+    AtomicFile f(target.string(), "out");
+    f.write(std::string("new, half"));
+  }  // no commit: an error happened
+  EXPECT_EQ(slurp(target), "old");
+  EXPECT_EQ(entries(), 1u);
+  write_text_file(target.string(), "new", "out");
+  EXPECT_EQ(slurp(target), "new");
+  EXPECT_EQ(entries(), 1u);
+}
+
+TEST_F(Files, ALinkKeepsPointingAtTheFileItNames) {
+  const auto real = dir_ / "real.txt", link = dir_ / "link.txt";
+  std::ofstream(real) << "old";
+  fs::create_symlink(real, link);
+  write_text_file(link.string(), "new", "out");
+  EXPECT_TRUE(fs::is_symlink(link));
+  EXPECT_EQ(slurp(real), "new");
+}
+
+TEST_F(Files, ADeviceIsWrittenInPlace) {
+  write_text_file("/dev/null", "discarded", "out");
+  struct stat st {};
+  ASSERT_EQ(::stat("/dev/null", &st), 0);
+  EXPECT_TRUE(S_ISCHR(st.st_mode));
+}
+
+TEST_F(Files, BadPathsAreRefusedByName) {
+  EXPECT_NE(test::error_of([&] { check_input_file((dir_ / "none").string(), "model config"); }).find("does not exist"),
+            std::string::npos);
+  EXPECT_NE(test::error_of([&] { check_input_file(dir_.string(), "model config"); }).find("is a directory"),
+            std::string::npos);
+  EXPECT_NE(test::error_of([&] { check_output_file(dir_.string(), "--output"); }).find("is a directory"),
+            std::string::npos);
+  EXPECT_NE(test::error_of([&] { check_output_file((dir_ / "no" / "x").string(), "--output"); }).find("does not exist"),
+            std::string::npos);
+  const auto in = dir_ / "in.json";
+  std::ofstream(in) << "{}";
+  const std::string same = (dir_ / "." / "in.json").string();
+  EXPECT_NE(test::error_of([&] { check_output_file(same, "--output", {in.string()}); }).find("also an input"),
+            std::string::npos);
+  EXPECT_TRUE(same_file((dir_ / "new.txt").string(), (dir_ / "." / "new.txt").string()));
+}
+
+TEST(Json, AKeyGivenTwiceInOneObjectIsRefused) {
+  EXPECT_NE(test::error_of([] { parse_json(R"({"a": 1, "b": {"c": 2, "c": 3}})", "x.json"); }).find("key 'c' is given twice"),
+            std::string::npos);
+  const auto j = parse_json(R"({"a": {"k": 1}, "b": {"k": 2}, "c": [{"k": 3}, {"k": 4}]})", "x.json");
+  EXPECT_EQ(j["b"]["k"], 2);
+  EXPECT_NE(test::error_of([] { parse_json("{", "x.json"); }).find("x.json: malformed JSON"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace ess
