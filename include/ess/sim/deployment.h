@@ -35,7 +35,9 @@ struct Deployment {
   int rig_layers = 0;
   std::string sources;  // where the numbers come from
 
-  int gpus() const { return nodes * gpus_per_node; }
+  int gpus() const { return nodes * gpus_per_node; }  // after check_counts: at most 4096 x 64
+  // Throws ess::Error unless nodes and gpus_per_node are in range (gpus() cannot overflow).
+  void check_counts(const std::string& source) const;
   static Deployment from_json(const nlohmann::json& j, const std::string& source);
   static Deployment shipped(const std::string& name);  // configs/deployments/<name>.json
   static Deployment load(const std::string& name_or_path);

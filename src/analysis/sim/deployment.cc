@@ -49,10 +49,14 @@ Deployment Deployment::from_json(const json& j, const std::string& source) {
   return d;
 }
 
-void Deployment::validate(const std::string& source) const {
+void Deployment::check_counts(const std::string& source) const {
   ESS_CHECK(nodes >= 1 && nodes <= kMaxNodes, "{}: nodes = {} must be in [1, {}]", source, nodes, kMaxNodes);
   ESS_CHECK(gpus_per_node >= 1 && gpus_per_node <= kMaxGpusPerNode, "{}: gpus_per_node = {} must be in [1, {}]", source,
             gpus_per_node, kMaxGpusPerNode);
+}
+
+void Deployment::validate(const std::string& source) const {
+  check_counts(source);
   ESS_CHECK(rig_layers >= 0 && rig_layers <= 1024, "{}: rig_layers = {} must be in [0, 1024]", source, rig_layers);
   ESS_CHECK(expert_parallel >= 1 && (rig_layers > 0 || expert_parallel <= gpus()),
             "{}: expert_parallel = {} must be in [1, nodes x gpus_per_node = {}]", source,

@@ -21,6 +21,7 @@ Deployment Inputs::load_deployment() const {
   if (mtp && !accept) d.accept_ratio = std::min(d.accept_ratio, static_cast<double>(*mtp));
   if (nodes) d.nodes = *nodes;
   if (gpus_per_node) d.gpus_per_node = *gpus_per_node;
+  d.check_counts("deployment (after command-line overrides)");
   if (ep) d.expert_parallel = *ep;
   if ((nodes || gpus_per_node) && !ep) d.expert_parallel = d.gpus();
   if (nodes || gpus_per_node) d.attention_data_parallel = d.gpus();
