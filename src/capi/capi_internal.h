@@ -79,6 +79,11 @@ struct Placement {
   int device = 0;
 };
 
+inline Placement placement_of(const OffloadConfig& c) { return {c.backend, c.device}; }
+
+// The engine behind a handle (refused when NULL).
+ess_engine& engine_ref(const ess_engine* e);
+
 // A checked view of a DLTensor: its first byte, its shape, its element size.
 struct Tensor {
   std::uint8_t* data = nullptr;
@@ -101,6 +106,9 @@ struct LayerTensor {
   RowLayout rows;
   std::int64_t capacity = 0;  // rows it holds
 };
+// The step's or write-back's `rows` ([B], B at most the engine's rows): returns B.
+std::int64_t bound_positions(const DLTensor* rows, const Offload& o);
+
 LayerTensor layer_tensor(const DLTensor* t, int layer, std::uint64_t entry_bytes, const Placement& placement);
 
 }  // namespace ess::capi

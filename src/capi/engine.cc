@@ -39,8 +39,6 @@ ModelSpec model_of(const ess_config& c) {
   return ModelSpec::deepseek_v32_exp();
 }
 
-Placement placement_of(const OffloadConfig& c) { return {c.backend, c.device}; }
-
 OffloadConfig offload_config(const ess_config& c) {
   const ModelSpec model = model_of(c);
   ESS_CHECK(c.policy == ESS_POLICY_LRU,
@@ -88,14 +86,15 @@ OffloadConfig offload_config(const ess_config& c) {
   return o;
 }
 
-ess_engine& engine_ref(const ess_engine* e) {
-  ESS_CHECK(e != nullptr, "engine is NULL");
-  return const_cast<ess_engine&>(*e);
-}
 
 }  // namespace
 
 void set_last_error(const std::string& message) { g_last_error = message; }
+
+ess_engine& engine_ref(const ess_engine* e) {
+  ESS_CHECK(e != nullptr, "engine is NULL");
+  return const_cast<ess_engine&>(*e);
+}
 
 }  // namespace ess::capi
 

@@ -5,13 +5,6 @@
 namespace ess::capi {
 namespace {
 
-ess_engine& engine_ref(ess_engine* e) {
-  ESS_CHECK(e != nullptr, "engine is NULL");
-  return *e;
-}
-
-Placement placement_of(const Offload& o) { return {o.config().backend, o.config().device}; }
-
 // The batch of one call: -1 = the bound B.
 int call_batch(int bound, std::int32_t batch, const char* what) {
   if (batch == -1) return bound;
@@ -21,6 +14,15 @@ int call_batch(int bound, std::int32_t batch, const char* what) {
 }
 
 }  // namespace
+
+std::int64_t bound_positions(const DLTensor* rows, const Offload& o) {
+  const Tensor v = checked(rows, "rows", placement_of(o.config()));
+  ESS_CHECK(v.shape.size() == 1, "rows has shape {}; expected [B]", shape_string(v.shape));
+  ESS_CHECK(v.shape[0] <= o.config().max_requests, "rows has {} positions; the engine has {} rows (max_requests)",
+            v.shape[0], o.config().max_requests);
+  return v.shape[0];
+}
+
 }  // namespace ess::capi
 
 using ess::capi::guard;
@@ -42,12 +44,8 @@ ess_status ess_step_bind(ess_engine* engine, const ess_step_tensors* t, ess_step
               "ess_step_tensors is NULL or its struct_size is not {}: call ess_step_tensors_init",
               sizeof(ess_step_tensors));
     const ess::Offload& o = *e.offload;
-    const ess::capi::Placement p = ess::capi::placement_of(o);
-    const ess::capi::Tensor rows_view = ess::capi::checked(t->rows, "rows", p);
-    ESS_CHECK(rows_view.shape.size() == 1, "rows has shape {}; expected [B]", ess::capi::shape_string(rows_view.shape));
-    const std::int64_t B = rows_view.shape[0], T = o.config().query_tokens, K = o.config().topk;
-    ESS_CHECK(B <= o.config().max_requests, "rows has {} positions; the engine has {} rows (max_requests)", B,
-              o.config().max_requests);
+    const ess::capi::Placement p = ess::capi::placement_of(o.config());
+    const std::int64_t B = ess::capi::bound_positions(t->rows, o), T = o.config().query_tokens, K = o.config().topk;
     const std::vector<std::vector<std::int64_t>> per_id = {{B, T, K}, {B * T, K}};
     const std::vector<std::vector<std::int64_t>> per_query = {{B, T}, {B * T}};
     auto binding = std::make_unique<ess_step_binding>();
@@ -107,12 +105,8 @@ ess_status ess_write_back_bind(ess_engine* engine, const DLTensor* rows, const D
     ess_engine& e = ess::capi::engine_ref(engine);
     ESS_CHECK(out != nullptr, "the binding out-pointer is NULL");
     const ess::Offload& o = *e.offload;
-    const ess::capi::Placement p = ess::capi::placement_of(o);
-    const ess::capi::Tensor rows_view = ess::capi::checked(rows, "rows", p);
-    ESS_CHECK(rows_view.shape.size() == 1, "rows has shape {}; expected [B]", ess::capi::shape_string(rows_view.shape));
-    const std::int64_t B = rows_view.shape[0], T = o.config().query_tokens;
-    ESS_CHECK(B <= o.config().max_requests, "rows has {} positions; the engine has {} rows (max_requests)", B,
-              o.config().max_requests);
+    const ess::capi::Placement p = ess::capi::placement_of(o.config());
+    const std::int64_t B = ess::capi::bound_positions(rows, o), T = o.config().query_tokens;
     ESS_CHECK(source_rows != nullptr || o.config().reserve_newest,
               "source_rows is required: the engine has no reserved rows (reserve_newest is off)");
     auto binding = std::make_unique<ess_write_back_binding>();
