@@ -33,12 +33,23 @@ using StepOut = ess::harness::OffloadStepOut;
 struct OffloadHarness {
   test::BackendInfo info;
   Backend backend;
-  // An engine-owned buffer for `layers` layers of `rows` rows with the given strides (kept
-  // alive by the harness until the program ends).
-  LatentBuffer (*engine_buffer)(int layers, std::int64_t rows, std::uint64_t row_stride, std::int64_t block_rows,
-                                std::uint64_t block_stride);
+  // `bytes` of the backend's memory, zeroed or not, 16-byte aligned, kept alive by the harness
+  // until the program ends: an engine's own layer buffers.
+  std::uint8_t* (*allocate)(std::size_t bytes);
 };
 const OffloadHarness& harness();  // defined by the including binary
+
+// An engine-owned buffer for `layers` layers of `rows` rows in blocks of `block_rows`.
+inline LatentBuffer engine_buffer(int layers, std::int64_t rows, std::uint64_t row_stride, std::int64_t block_rows,
+                                  std::uint64_t block_stride) {
+  LatentBuffer b;
+  b.rows.row_stride = row_stride;
+  b.rows.block_rows = block_rows;
+  b.rows.block_stride = block_stride;
+  const std::uint64_t bytes = static_cast<std::uint64_t>((rows + block_rows - 1) / block_rows) * block_stride;
+  for (int l = 0; l < layers; ++l) b.layer_base.push_back(harness().allocate(bytes));
+  return b;
+}
 // Host arrays in and out, on the harness's backend (harness/support/offload_io.h).
 inline const ess::harness::OffloadIo& io() { return ess::harness::offload_io(harness().backend); }
 
@@ -298,7 +309,7 @@ TEST(OffloadEngineBuffer, RowsLandWhereTheEnginesStridesPutThem) {
   c.max_context = 1000;
   c.backend = harness().backend;
   const std::uint64_t row_stride = c.layout.bytes() + 48, block_stride = 64 * row_stride + 4096;
-  Offload o(c, harness().engine_buffer(c.layers, c.max_requests * c.rows_per_request(), row_stride, 64, block_stride));
+  Offload o(c, engine_buffer(c.layers, c.max_requests * c.rows_per_request(), row_stride, 64, block_stride));
   const std::size_t E = c.layout.bytes();
   std::mt19937 rng(3);
   std::vector<std::int32_t> prev;

@@ -13,20 +13,11 @@
 namespace ess::offload_test {
 namespace {
 
-LatentBuffer cpu_engine_buffer(int layers, std::int64_t rows, std::uint64_t row_stride, std::int64_t block_rows,
-                               std::uint64_t block_stride) {
+std::uint8_t* cpu_allocate(std::size_t bytes) {
   static std::deque<std::vector<std::uint8_t>> keep;
-  LatentBuffer b;
-  b.rows.row_stride = row_stride;
-  b.rows.block_rows = block_rows;
-  b.rows.block_stride = block_stride;
-  const std::uint64_t bytes = static_cast<std::uint64_t>((rows + block_rows - 1) / block_rows) * block_stride;
-  for (int l = 0; l < layers; ++l) {
-    keep.emplace_back(bytes + 16, std::uint8_t{0});
-    auto* p = keep.back().data();
-    b.layer_base.push_back(p + (16 - reinterpret_cast<std::uintptr_t>(p) % 16) % 16);
-  }
-  return b;
+  keep.emplace_back(bytes + 16, std::uint8_t{0});
+  auto* p = keep.back().data();
+  return p + (16 - reinterpret_cast<std::uintptr_t>(p) % 16) % 16;
 }
 
 bool always() { return true; }
@@ -226,7 +217,7 @@ TEST(OffloadCpu, ConfigurationErrorsNameTheField) {
 }  // namespace
 
 const OffloadHarness& harness() {
-  static const OffloadHarness h{{"cpu", always}, Backend::kCpu, cpu_engine_buffer};
+  static const OffloadHarness h{{"cpu", always}, Backend::kCpu, cpu_allocate};
   return h;
 }
 

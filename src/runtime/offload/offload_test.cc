@@ -13,19 +13,10 @@
 namespace ess::offload_test {
 namespace {
 
-LatentBuffer cuda_engine_buffer(int layers, std::int64_t rows, std::uint64_t row_stride, std::int64_t block_rows,
-                                std::uint64_t block_stride) {
+std::uint8_t* cuda_allocate(std::size_t bytes) {  // cudaMalloc: 256-byte aligned
   static std::deque<cuda::DeviceBuffer<std::uint8_t>> keep;
-  LatentBuffer b;
-  b.rows.row_stride = row_stride;
-  b.rows.block_rows = block_rows;
-  b.rows.block_stride = block_stride;
-  const std::uint64_t bytes = static_cast<std::uint64_t>((rows + block_rows - 1) / block_rows) * block_stride;
-  for (int l = 0; l < layers; ++l) {
-    keep.emplace_back(bytes);
-    b.layer_base.push_back(keep.back().get());
-  }
-  return b;
+  keep.emplace_back(bytes);
+  return keep.back().get();
 }
 
 bool device_present() { return cuda_device_present(); }
@@ -33,7 +24,7 @@ bool device_present() { return cuda_device_present(); }
 }  // namespace
 
 const OffloadHarness& harness() {
-  static const OffloadHarness h{{"cuda", device_present}, Backend::kCuda, cuda_engine_buffer};
+  static const OffloadHarness h{{"cuda", device_present}, Backend::kCuda, cuda_allocate};
   return h;
 }
 
