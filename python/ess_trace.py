@@ -18,7 +18,9 @@ Recording from a deployment (see docs/trace-format.md for where the indexer's to
 from __future__ import annotations
 
 import json
+import os
 import struct
+import tempfile
 
 import numpy as np
 
@@ -26,29 +28,75 @@ FORMAT = "ess-topk-trace"
 VERSION = 1
 
 
+INT32_MAX = 2**31 - 1
+
+
+def _int_array(values, what: str, dtype: str, lo: int, hi: int):
+    """values as a contiguous array of `dtype`: integers only (a float, NaN or bool is refused, not
+    truncated), each in [lo, hi] (refused, never wrapped)."""
+    a = np.asarray(values)
+    if a.dtype.kind not in "iu":
+        raise ValueError(f"{what}: dtype {a.dtype} is not an integer type (ids and lengths are integers)")
+    if a.size:
+        mn, mx = int(a.min()), int(a.max())
+        if mn < lo or mx > hi:
+            bad = mn if mn < lo else mx
+            where = np.argwhere(a == bad)[0].tolist()
+            raise ValueError(f"{what}: value {bad} at {where} is outside [{lo}, {hi}]")
+    return np.ascontiguousarray(a, dtype=dtype)
+
+
+def _check_rows(rows, lengths, what: str, unit: str):
+    """rows [n, queries, K]: each id in [0, lengths[n]) or -1 (padding), none twice in a query."""
+    for n in range(rows.shape[0]):
+        r = rows[n]
+        length = int(lengths[n])
+        if (r >= length).any():
+            q, k = np.argwhere(r >= length)[0].tolist()
+            raise ValueError(f"{what}: {unit} {n}, query {q}, position {k}: id {int(r[q, k])} is outside [0, {length})")
+        s = np.sort(r, axis=1)
+        dup = (s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)
+        if dup.any():
+            q, k = np.argwhere(dup)[0].tolist()
+            raise ValueError(f"{what}: {unit} {n}, query {q}: id {int(s[q, k])} is selected twice")
+
+
 class TraceWriter:
     def __init__(self, *, model: str, layers: int, mtp: int, topk: int, provenance: str, synthetic: bool,
                  note: str = "", extra: dict | None = None):
-        if layers < 1 or mtp < 1 or topk < 1:
-            raise ValueError(f"layers {layers}, mtp {mtp}, topk {topk} must be positive")
+        for name, v in (("layers", layers), ("mtp", mtp), ("topk", topk)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 1 <= v <= 1 << 16:
+                raise ValueError(f"{name} {v!r} must be an integer in [1, 65536]")
         self.model, self.layers, self.mtp, self.topk = model, layers, mtp, topk
         self.provenance, self.synthetic, self.note = provenance, synthetic, note
         self.extra = dict(extra or {})
         self.requests = []
 
     def add_request(self, *, topk, lengths, prefill_topk=None, context: int | None = None, id: str | None = None):
-        ids = np.ascontiguousarray(topk, dtype="<i4")
-        lengths = np.ascontiguousarray(lengths, dtype="<i8")
+        """Checks the request as the C++ reader will (ValueError naming the request, the tensor and
+        the value) and keeps it; a refused request leaves the writer as it was."""
         i = len(self.requests)
+        ids = _int_array(topk, f"request {i}: topk", "<i4", -1, INT32_MAX)
+        lengths = _int_array(lengths, f"request {i}: lengths", "<i8", 1, INT32_MAX)
         if ids.ndim != 4 or ids.shape[1:] != (self.layers, self.mtp, self.topk):
             raise ValueError(f"request {i}: topk shape {ids.shape} is not [steps, {self.layers}, {self.mtp}, {self.topk}]")
+        if ids.shape[0] < 1:
+            raise ValueError(f"request {i}: topk has no step; a request needs at least one")
         if lengths.shape != (ids.shape[0],):
             raise ValueError(f"request {i}: lengths shape {lengths.shape} is not [{ids.shape[0]}]")
+        _check_rows(ids.reshape(ids.shape[0], -1, self.topk), lengths, f"request {i}: topk", "step")
         pf = None
         if prefill_topk is not None:
-            pf = np.ascontiguousarray(prefill_topk, dtype="<i4")
-            if pf.ndim != 3 or pf.shape[0] != self.layers or pf.shape[2] != self.topk:
-                raise ValueError(f"request {i}: prefill_topk shape {pf.shape} is not [{self.layers}, windows, {self.topk}]")
+            pf = _int_array(prefill_topk, f"request {i}: prefill_topk", "<i4", -1, INT32_MAX)
+            if pf.ndim != 3 or pf.shape[0] != self.layers or pf.shape[2] != self.topk or not 1 <= pf.shape[1] <= 1 << 16:
+                raise ValueError(f"request {i}: prefill_topk shape {pf.shape} is not [{self.layers}, windows in "
+                                 f"[1, 65536], {self.topk}]")
+            rows = pf.reshape(1, -1, self.topk)
+            _check_rows(rows, lengths[:1], f"request {i}: prefill_topk", "prompt")
+        if context is not None:
+            if isinstance(context, bool) or not isinstance(context, (int, np.integer)) or not 1 <= context <= INT32_MAX:
+                raise ValueError(f"request {i}: context {context!r} must be an integer in [1, 2^31-1]")
+            context = int(context)
         self.requests.append((ids, lengths, pf, context, id))
 
     def write(self, path: str):
@@ -82,11 +130,28 @@ class TraceWriter:
         header["__metadata__"] = md
         text = json.dumps(header, separators=(",", ":")).encode()
         text += b" " * ((8 - (8 + len(text)) % 8) % 8)  # 8-aligned data section
-        with open(path, "wb") as f:
-            f.write(struct.pack("<Q", len(text)))
-            f.write(text)
-            for b in blobs:
-                f.write(b)
+        if not self.requests:
+            raise ValueError(f"{path}: a trace needs at least one request")
+        # Beside the target, renamed into place when complete: a failed write leaves it as it was.
+        folder = os.path.dirname(os.path.abspath(path))
+        fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".tmp.", dir=folder)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(struct.pack("<Q", len(text)))
+                f.write(text)
+                for b in blobs:
+                    f.write(b)
+            os.chmod(tmp, 0o666 & ~_umask())
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def read_trace(path: str):

@@ -1,9 +1,12 @@
-// Inputs refused by name, outputs written atomically: a refused or failed write leaves the
-// target as it was, a link keeps pointing at the file it names, a device is written in place.
+// Inputs refused by name, outputs written atomically: a refused, failed or interrupted write
+// leaves the target as it was, a link keeps pointing at the file it names, a device is written in place.
 #include <gtest/gtest.h>
 
 #include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
+#include <csignal>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -50,6 +53,30 @@ TEST_F(Files, AnUncommittedWriteLeavesTheTargetAndNoTemporary) {
   write_text_file(target.string(), "new", "out");
   EXPECT_EQ(slurp(target), "new");
   EXPECT_EQ(entries(), 1u);
+}
+
+TEST_F(Files, AnInterruptedWriteLeavesTheTargetAndNoTemporary) {
+  const auto target = dir_ / "out.txt";
+  std::ofstream(target) << "old";
+  for (const int sig : {SIGTERM, SIGINT, SIGHUP}) {
+    struct sigaction now {};
+    ASSERT_EQ(::sigaction(sig, nullptr, &now), 0);
+    if (now.sa_handler == SIG_IGN) continue;  // ignored by whoever started the test (nohup, a background job)
+    const pid_t child = ::fork();
+    ASSERT_GE(child, 0);
+    if (child == 0) {  // the child is killed half-way through its write
+      AtomicFile f(target.string(), "out");
+      f.write(std::string("new, half"));
+      ::raise(sig);
+      ::_exit(0);  // not reached
+    }
+    int status = 0;
+    ASSERT_EQ(::waitpid(child, &status, 0), child);
+    ASSERT_TRUE(WIFSIGNALED(status)) << "signal " << sig;
+    EXPECT_EQ(WTERMSIG(status), sig);
+    EXPECT_EQ(slurp(target), "old");
+    EXPECT_EQ(entries(), 1u) << "a temporary is left after signal " << sig;
+  }
 }
 
 TEST_F(Files, ALinkKeepsPointingAtTheFileItNames) {

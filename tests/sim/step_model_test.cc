@@ -288,11 +288,14 @@ TEST(sim_rig, StepIsItsLayersWithoutCommunicationOrLmHead) {
   // Compute is attention + MoE only (no dense layers, no LM head).
   EXPECT_NEAR(a.compute_us, a.attention_us + a.moe_us, 1e-9 * a.compute_us);
   EXPECT_EQ(a.other_us, 0.0);
-  // No memory model on the rig: a batch the whole model could never hold still runs.
-  w.batch = 2000;
+  // The rig holds only its own layers: a batch the whole model could never hold still runs,
+  // up to what its layers' caches take on the one GPU.
+  w.batch = 500;
   w.offload = false;
   w.slots = 0;
   EXPECT_GT(four.run(w).step_us, 0.0);
+  w.batch = 2000;
+  EXPECT_NE(test::error_of([&] { four.run(w); }).find("cannot hold batch 2000"), std::string::npos);
   w.batch = 0;
   EXPECT_NE(test::error_of([&] { four.run(w); }).find("explicit batch"), std::string::npos);
 }

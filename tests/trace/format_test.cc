@@ -257,6 +257,20 @@ TEST(TraceFormatBadInput, MetadataErrors) {
   expect_error([&] { parse(h, good_data({3, 4}, {10})); }, {"'ess.layers'", "not a string"});
 }
 
+TEST(TraceFormatBadInput, StringsFromTheFilePrintWithoutTheirControlCharacters) {
+  auto h = good_header();
+  h["__metadata__"]["ess.model"] = "m\x1b[2Jx";
+  h["__metadata__"]["ess.provenance"] = "line\nnext\\";
+  h["__metadata__"]["requests.0.id"] = "\x07" "bell";
+  const TraceReader r = parse(h, good_data({3, 4}, {10}));
+  EXPECT_EQ(r.meta().model, "m\\x1b[2Jx");
+  EXPECT_EQ(r.meta().provenance, "line\\x0anext\\\\");
+  EXPECT_EQ(r.request(0).id, "\\x07bell");
+  h = good_header();
+  h["__metadata__"]["ess.format"] = "\x1b]0;title\x07";
+  expect_error([&] { parse(h, good_data({3, 4}, {10})); }, {"'\\x1b]0;title\\x07'"});
+}
+
 TEST(TraceFormatBadInput, BadLengths) {
   const auto data_start = 8 + good_header().dump().size();
   expect_error([&] { parse(good_header(), good_data({3, 4}, {0})); },

@@ -1,6 +1,7 @@
 // ess: the command-line program. Subcommands: sim and plan (simulator, capacity planner),
 // trace (record / generate / analyze top-k traces), verify (the lossless offloaded decode
 // loop on the CPU), bench (GPU benchmarks).
+#include <algorithm>
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
@@ -50,7 +51,12 @@ CLI::Validator unsigned_integer() {
   return CLI::Validator(
       [](std::string& s) {
         const bool digits = !s.empty() && s.find_first_not_of("0123456789") == std::string::npos;
-        return digits ? std::string() : "'" + s + "' is not a non-negative integer";
+        if (!digits) return "'" + s + "' is not a non-negative integer";
+        // At most 2^64 - 1 = 18446744073709551615 (20 digits): CLI11's conversion would wrap.
+        const std::string max = "18446744073709551615";
+        const std::string d = s.substr(std::min(s.find_first_not_of('0'), s.size()));
+        const bool fits = d.size() < max.size() || (d.size() == max.size() && d <= max);
+        return fits ? std::string() : "'" + s + "' exceeds 2^64 - 1";
       },
       "UINT");
 }

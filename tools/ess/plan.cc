@@ -7,6 +7,7 @@
 
 #include "commands.h"
 #include "ess/sim/report.h"
+#include "progress.h"
 #include "sim_inputs.h"
 
 namespace ess::cli {
@@ -35,8 +36,11 @@ void add_plan(CLI::App& app, int& exit_code) {
       ->capture_default_str();
   add_format_option(*cmd, args->format);
   cmd->callback([args, &exit_code] {
-    const PlanArgs& a = *args;
+    PlanArgs& a = *args;
+    Progress progress("contexts planned");
+    a.options.progress = [&](std::size_t done, std::size_t total) { progress(done, total); };
     const sim::Plans plans = sim::plan_contexts(a.inputs, a.options);
+    a.options.progress = nullptr;
     if (a.format == Format::kJson) {
       fmt::print("{}\n", sim::to_json(plans).dump(2));
     } else if (a.format == Format::kCsv) {

@@ -1,10 +1,8 @@
 // ess sim: predicted max batch, Sparse Memory Ratio, step time, throughput and OTPS of ESS
 // beside the all-on-GPU baseline, for a model, hardware, deployment and context length.
 #include <fmt/format.h>
-#include <unistd.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -16,6 +14,7 @@
 #include "ess/core/files.h"
 #include "ess/core/json.h"
 #include "ess/sim/report.h"
+#include "progress.h"
 #include "sim_inputs.h"
 
 namespace ess::cli {
@@ -98,16 +97,10 @@ void add_sim(CLI::App& app, int& exit_code) {
     if (given("--misses") || given("--miss-exponent") || given("--miss-profile")) {
       base.misses = a.inputs.load_misses(base.context);
     }
-    const bool tty = isatty(fileno(stderr)) != 0;
-    const auto t0 = std::chrono::steady_clock::now();
+    Progress progress("configurations");
     sim::SimulateOptions options;
     options.timeline = a.timeline;
-    options.progress = [&](std::size_t done, std::size_t total) {
-      if (!tty || total < 2000 || (done % 1000 != 0 && done != total)) return;
-      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      fmt::print(stderr, "\r  {}/{} configurations, {:.0f}/s", done, total, static_cast<double>(done) / std::max(s, 1e-9));
-      if (done == total) fmt::print(stderr, "\n");
-    };
+    options.progress = [&](std::size_t done, std::size_t total) { progress(done, total); };
     const sim::Simulation result = sim::simulate(sm, base, sim::parse_batches(batch_items), options);
     if (a.format == Format::kJson) {
       fmt::print("{}\n", sim::to_json(result).dump(2));

@@ -15,6 +15,7 @@
 #include "ess/trace/analyzer.h"
 #include "ess/trace/format.h"
 #include "ess/trace/generator.h"
+#include "progress.h"
 
 namespace ess::cli {
 namespace {
@@ -116,14 +117,25 @@ void add_analyze(CLI::App& parent) {
   cmd->add_option("--miss-profile", a->miss_profile, "Also write the miss profile JSON (per layer mean/p50/p90/p99)");
   cmd->add_option("--output,-o", a->output, "Write the report to this file instead of stdout");
   add_format_option(*cmd, a->format);
-  cmd->callback([a] {
+  cmd->callback([a, cmd] {
     auto& cfg = a->config;
+    ESS_CHECK(cmd->count("--policies") == 0 || !a->policies.empty(), "--policies is empty: name one or more of {}",
+              "lru,lru_warmup,fifo,clock,lfu,s3fifo,belady");
+    ESS_CHECK(cmd->count("--steady-from") == 0 || cfg.steady_from >= 0, "--steady-from {} must be >= 0",
+              cfg.steady_from);
     if (!a->policies.empty()) {
       cfg.policies = split_list(a->policies);
       for (const std::string& name : cfg.policies) {
         ESS_CHECK(!name.empty(), "--policies: an empty policy name in '{}'", a->policies);
       }
     }
+    const auto runs = [&](const char* policy) {
+      return a->policies.empty() || std::find(cfg.policies.begin(), cfg.policies.end(), policy) != cfg.policies.end();
+    };
+    ESS_CHECK(cmd->count("--lfu-aging") == 0 || runs("lfu"), "--lfu-aging applies to the lfu policy, which --policies {} "
+              "leaves out", a->policies);
+    ESS_CHECK(!a->no_warmup || a->policies.empty() || !runs("lru_warmup"),
+              "--no-warmup contradicts --policies {}: lru_warmup is LRU with the warm-up", a->policies);
     cfg.warmup = !a->no_warmup;
     cfg.recommend = !a->no_recommend;
     cfg.prefetch = !a->no_prefetch;
@@ -134,7 +146,10 @@ void add_analyze(CLI::App& parent) {
               "--output '{}' and --miss-profile '{}' name the same file", a->output, a->miss_profile);
     if (!a->miss_profile.empty()) check_output_file(a->miss_profile, "--miss-profile", {a->input});
     const trace::TraceReader reader(a->input);
+    Progress progress("policy replays (request-layers)");
+    cfg.progress = [&](std::size_t done, std::size_t total) { progress(done, total); };
     const trace::AnalysisResult r = trace::analyze(reader, cfg);
+    cfg.progress = nullptr;
     std::string text;
     if (a->format == Format::kJson) {
       text = trace::to_json(r).dump(2) + "\n";

@@ -7,6 +7,7 @@
 #include "commands.h"
 #include "harness/report/report.h"
 #include "harness/verify/decode_loop.h"
+#include "progress.h"
 
 namespace ess::cli {
 namespace {
@@ -52,7 +53,10 @@ void add_verify(CLI::App& app, int& exit_code) {
   cmd->callback([args, &exit_code] {
     args->config.backend = args->backend == "cuda" ? Backend::kCuda : Backend::kCpu;
     const ModelSpec model = args->model.empty() ? ModelSpec::deepseek_v32_exp() : ModelSpec::from_file(args->model);
+    Progress progress("verify: requests warmed + steps");
+    args->config.progress = [&](std::size_t done, std::size_t total) { progress(done, total); };
     const VerifyReport r = run_verify(model, args->config);
+    args->config.progress = nullptr;
     if (args->format == Format::kJson) {
       fmt::print("{}\n", harness::to_json(model, args->config, r).dump(2));
     } else if (args->format == Format::kCsv) {

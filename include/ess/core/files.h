@@ -26,8 +26,9 @@ void check_output_file(const std::string& output, const char* what, const std::v
 
 // An output file written atomically: the bytes go to a temporary file in the target's folder;
 // commit() renames it over the target (the file a link names, the link kept). Without commit
-// (an error, an exception) the temporary is removed and the target stays as it was. A device
-// or pipe (/dev/null, /dev/stdout) is written in place.
+// (an error, an exception, SIGINT / SIGTERM / SIGHUP where the program installed no handler of
+// its own) the temporary is removed and the target stays as it was. A device or pipe
+// (/dev/null, /dev/stdout) is written in place.
 class AtomicFile {
  public:
   AtomicFile(const std::string& path, const char* what);
@@ -46,6 +47,7 @@ class AtomicFile {
  private:
   std::string path_, target_, temp_, what_;  // temp_ empty: a device or pipe written in place
   std::FILE* file_ = nullptr;
+  int temp_slot_ = -1;  // where the interrupt handler finds temp_ (-1: not registered)
 };
 
 // Host memory a new allocation can have now (MemAvailable), bytes; 0 when unknown.

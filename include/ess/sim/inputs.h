@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -50,6 +51,7 @@ struct PlanOptions {
   double min_otps = 0;
   std::vector<std::string> modes = {"none", "da", "dba", "layerwise"};
   int batch_step = 1;
+  std::function<void(std::size_t done, std::size_t total)> progress;  // after each context, when set
 };
 
 Plans plan_contexts(const Inputs& inputs, const PlanOptions& options);

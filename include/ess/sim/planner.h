@@ -19,7 +19,8 @@ struct PlanRequest {
   std::vector<OverlapMode> modes = {OverlapMode::kNone, OverlapMode::kDualAttention,
                                     OverlapMode::kDualBatchAttention, OverlapMode::kLayerWise};
   MissModel misses;
-  int batch_step = 1;   // batches tried: 1, 1 + step, ... up to the largest that fits
+  int batch_step = 1;   // batches tried: 1, 1 + step, ... and the largest that fits (at most 4096
+                        // per kind: a wider step when more would fit, said in PlanResult::notes)
 };
 
 struct PlanOption {
@@ -36,6 +37,7 @@ struct PlanResult {
   PlanOption chosen;
   std::vector<PlanOption> alternatives;  // one per kind, best first
   std::vector<std::string> refusals;     // host-side limits that cut the search
+  std::vector<std::string> notes;        // how the search was bounded (a widened batch step)
   std::size_t evaluated = 0;
 };
 

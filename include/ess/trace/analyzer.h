@@ -21,6 +21,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
@@ -44,6 +45,9 @@ struct AnalyzeConfig {
   std::int32_t recommend_granularity = 64;  // slots
   int threads = 0;                    // 0 = all cores
   PolicyOptions policy_options;
+  // Called now and then while the policies replay (done, total request-layer replays), from
+  // one thread at a time, when set.
+  std::function<void(std::size_t done, std::size_t total)> progress;
 };
 
 struct GroupStats {               // one policy, one pool size, one group of requests

@@ -198,6 +198,11 @@ MissModel MissModel::load_profile(const std::string& path, std::int64_t context,
   for (const json& l : *layers) {
     ESS_CHECK(l.is_object() && l.contains("mean") && l["mean"].is_number() && l["mean"].get<double>() >= 0,
               "{}: every layers[] entry needs a 'mean' >= 0", path);
+    // Layers are listed in order, one entry each: an id elsewhere means another layout.
+    const std::int64_t id = json_int_or(l, "layer", path, static_cast<std::int64_t>(means.size()));
+    ESS_CHECK(id == static_cast<std::int64_t>(means.size()),
+              "{}: context {} layers[{}] has layer = {}; entries must list layers 0, 1, ... in order", path, ctx,
+              means.size(), id);
     means.push_back(l["mean"].get<double>());
   }
   double sum = 0;
@@ -230,7 +235,9 @@ void Workload::validate() const {
   ESS_CHECK(std::isfinite(ratio) && ratio >= 0 && ratio <= 1,
             "workload: sparse memory ratio = {} must be in (0, 1] (0 = derive from the batch)", ratio);
   ESS_CHECK(slots >= 0, "workload: slots = {} must be >= 0", slots);
-  ESS_CHECK(std::isfinite(layerwise_threshold), "workload: layer-wise threshold must be finite");
+  ESS_CHECK(layerwise_threshold == -1 || (std::isfinite(layerwise_threshold) && layerwise_threshold >= 0),
+            "workload: layer-wise threshold = {} must be a number of misses >= 0 (or -1: pick the faster mode per "
+            "layer)", layerwise_threshold);
   misses.validate("workload miss model");
 }
 
@@ -286,7 +293,9 @@ Workload Workload::from_json(const json& j, const std::string& source) {
     m.reference_misses = json_number_or(*it, "reference_misses", where, m.reference_misses);
     m.reference_slots = json_number_or(*it, "reference_slots", where, m.reference_slots);
     m.reference_context = json_number_or(*it, "reference_context", where, m.reference_context);
-    m.reference_tokens = static_cast<int>(json_int_or(*it, "reference_tokens", where, m.reference_tokens));
+    const std::int64_t tokens = json_int_or(*it, "reference_tokens", where, m.reference_tokens);
+    ESS_CHECK(tokens >= 1 && tokens <= 16, "{}: field 'reference_tokens' = {} must be in [1, 16]", where, tokens);
+    m.reference_tokens = static_cast<int>(tokens);
     m.exponent = json_number_or(*it, "exponent", where, m.exponent);
     const std::string profile = json_string(*it, "profile", where, false);
     if (!profile.empty()) m = MissModel::load_profile(profile, w.context, m);

@@ -75,6 +75,7 @@ Plans plan_contexts(const Inputs& inputs, const PlanOptions& options) {
     r.context = ctx;
     r.misses = inputs.load_misses(ctx);
     plans.results.push_back(plan(sm, r));
+    if (options.progress) options.progress(plans.results.size(), options.contexts.size());
   }
   return plans;
 }

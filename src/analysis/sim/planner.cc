@@ -8,6 +8,8 @@
 namespace ess::sim {
 namespace {
 
+constexpr int kMaxBatchesPerKind = 4096;
+
 struct Search {
   PlanOption option;
   int too_slow = 0;          // feasible in memory, below the OTPS target
@@ -34,7 +36,15 @@ PlanResult plan(const StepModel& model, const PlanRequest& req) {
     s.option.label = label;
     const double slots = offload ? mem.min_slots() : double(req.context);
     const int max_b = mem.max_batch(slots);
-    for (int b = 1; b <= max_b; b += req.batch_step) {
+    // Short contexts fit batches in the hundreds of thousands: the search is bounded by
+    // widening the step (said in the result), the largest batch always tried.
+    int step = req.batch_step;
+    if ((max_b - 1) / step + 1 > kMaxBatchesPerKind) {
+      step = (max_b + kMaxBatchesPerKind - 1) / kMaxBatchesPerKind;
+      out.notes.push_back(fmt::format("{}: up to batch {} fits; batches tried every {} (not every {}) to bound the search "
+                                      "at {} per kind", label, max_b, step, req.batch_step, kMaxBatchesPerKind));
+    }
+    for (int b = 1; b <= max_b; b = (b < max_b && b + step > max_b) ? max_b : b + step) {
       Workload w;
       w.context = req.context;
       w.batch = b;

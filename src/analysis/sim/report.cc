@@ -297,6 +297,7 @@ nlohmann::json to_json(const Plans& p) {
                    {"chosen", r.found ? option_json(r.chosen) : nlohmann::json(nullptr)},
                    {"alternatives", alts},
                    {"refusals", r.refusals},
+                   {"notes", r.notes},
                    {"evaluated", r.evaluated}});
   }
   return {{"model", p.model.name}, {"hardware", p.hardware.name}, {"deployment", p.deployment.to_json()}, {"plans", arr}};
@@ -342,6 +343,7 @@ std::string to_table(const Plans& p) {
     }
     for (const auto& o : r.alternatives) add("  {}\n      {}\n", option_line(o), o.why);
     for (const auto& s : r.refusals) add("  refused: {}\n", s);
+    for (const auto& s : r.notes) add("  note: {}\n", s);
   }
   return out;
 }

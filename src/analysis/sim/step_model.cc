@@ -286,6 +286,13 @@ StepResult StepModel::run(const Workload& wl, Timeline* timeline) const {
     ESS_CHECK(batch > 0, "deployment {}: the executor rig (rig_layers = {}) needs an explicit batch", dep_.name,
               dep_.rig_layers);
     if (slots == 0) slots = ctx32;
+    // The rig holds its layers' whole indexer cache and a latent pool (the context when resident)
+    // for every request on its one GPU.
+    const double rig_bytes = double(batch) * dep_.rig_layers *
+                             (double(wl.context) * double(model_.indexer_entry_bytes()) + double(slots) * double(model_.latent_entry_bytes()));
+    ESS_CHECK(rig_bytes <= mem.hbm_bytes(),
+              "the executor rig cannot hold batch {}: {} layers x {} requests of cache take {:.1f} GB, more than the "
+              "GPU's {:.1f} GB of HBM", batch, dep_.rig_layers, batch, rig_bytes / 1e9, mem.hbm_bytes() / 1e9);
   } else if (batch == 0) {
     if (slots == 0) slots = ctx32;
     batch = mem.max_batch(slots);

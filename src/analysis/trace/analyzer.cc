@@ -7,10 +7,12 @@
 #include <tbb/parallel_for.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <limits>
 #include <memory>
+#include <mutex>
 #include <numeric>
 
 #include "ess/core/error.h"
@@ -91,7 +93,8 @@ void check_config(const TraceReader& trace, const AnalyzeConfig& cfg) {
             "trace analyze: --target {} must be a finite number >= 0", cfg.target_misses);
   ESS_CHECK(cfg.recommend_granularity >= 1, "trace analyze: --granularity {} must be >= 1", cfg.recommend_granularity);
   ESS_CHECK(cfg.steady_from >= -1, "trace analyze: --steady-from {} must be >= 0", cfg.steady_from);
-  ESS_CHECK(cfg.threads >= 0, "trace analyze: --threads {} must be >= 0 (0 = all cores)", cfg.threads);
+  ESS_CHECK(cfg.threads >= 0 && cfg.threads <= 1024, "trace analyze: --threads {} must be in [0, 1024] (0 = all cores)",
+            cfg.threads);
   static const std::vector<std::string> known{"lru", "lru_warmup", "fifo", "clock", "lfu", "s3fifo", "belady"};
   for (std::size_t i = 0; i < cfg.policies.size(); ++i) {
     const std::string& p = cfg.policies[i];
@@ -192,8 +195,15 @@ Replays replay_all(const TraceReader& trace, const AnalyzeConfig& cfg, const std
                                          : make_policy_factory(name == "lru_warmup" ? "lru" : name, cfg.policy_options));
   }
   const auto t_replay = Clock::now();
+  std::atomic<std::size_t> done{0};
+  std::mutex progress_mutex;
   tbb::parallel_for(tbb::blocked_range<std::size_t>(0, ntasks, 1), [&](const tbb::blocked_range<std::size_t>& range) {
     for (std::size_t task = range.begin(); task != range.end(); ++task) {
+      const std::size_t finished = done.fetch_add(1) + 1;
+      if (cfg.progress) {
+        const std::unique_lock lock(progress_mutex, std::try_to_lock);
+        if (lock.owns_lock() && finished < ntasks) cfg.progress(finished, ntasks);
+      }
       const std::size_t pool = task / (policies.size() * rp.per_policy);
       const std::size_t q = task / rp.per_policy % policies.size();
       const std::size_t i = task % rp.per_policy / L;
@@ -208,6 +218,7 @@ Replays replay_all(const TraceReader& trace, const AnalyzeConfig& cfg, const std
       }
     }
   });
+  if (cfg.progress) cfg.progress(ntasks, ntasks);
   rp.seconds = seconds_since(t_replay);
   return rp;
 }

@@ -15,6 +15,7 @@
 
 #include "ess/core/error.h"
 #include "ess/core/files.h"
+#include "ess/core/text.h"
 
 static_assert(std::endian::native == std::endian::little, "the trace reader assumes a little-endian host");
 
@@ -161,7 +162,7 @@ std::int64_t read_meta(const std::string& path, const std::map<std::string, std:
     return it->second;
   };
   ESS_CHECK(need("ess.format") == kFormatName, "{}: metadata 'ess.format' = '{}', expected '{}'", path,
-            md.at("ess.format"), kFormatName);
+            printable(md.at("ess.format")), kFormatName);
   const auto version = parse_int(path, "ess.version", need("ess.version"), 1, std::numeric_limits<int>::max());
   ESS_CHECK(version == kFormatVersion, "{}: trace format version {} is not supported (this reader reads version {})",
             path, version, kFormatVersion);
@@ -171,14 +172,14 @@ std::int64_t read_meta(const std::string& path, const std::map<std::string, std:
   meta.topk = static_cast<int>(parse_int(path, "ess.topk", need("ess.topk"), 1, 1 << 20));
   for (const auto& [k, v] : md) {
     if (k == "ess.model") {
-      meta.model = v;
+      meta.model = printable(v);
     } else if (k == "ess.provenance") {
-      meta.provenance = v;
+      meta.provenance = printable(v);
     } else if (k == "ess.synthetic") {
       ESS_CHECK(v == "true" || v == "false", "{}: metadata 'ess.synthetic' = '{}', expected 'true' or 'false'", path, v);
       meta.synthetic = v == "true";
     } else if (k == "ess.note") {
-      meta.note = v;
+      meta.note = printable(v);
     } else if (k == "ess.generator") {
       meta.generator = v;
     } else if (k != "ess.format" && k != "ess.version" && k != "ess.requests" && k != "ess.layers" &&
@@ -198,7 +199,7 @@ TensorInfo read_tensor(const std::string& path, std::size_t size, const Header& 
   ESS_CHECK(d != t.end() && d->is_string(), "{}: tensor '{}': 'dtype' missing or not a string", path, name);
   info.dtype = d->get<std::string>();
   const auto dsize = dtype_size(info.dtype);
-  ESS_CHECK(dsize.has_value(), "{}: tensor '{}': unknown dtype '{}'", path, name, info.dtype);
+  ESS_CHECK(dsize.has_value(), "{}: tensor '{}': unknown dtype '{}'", path, name, printable(info.dtype));
   const auto sh = t.find("shape");
   ESS_CHECK(sh != t.end() && sh->is_array(), "{}: tensor '{}': 'shape' missing or not an array", path, name);
   std::uint64_t numel = 1;
@@ -233,7 +234,7 @@ std::map<std::string, TensorInfo> read_tensors(const std::string& path, std::siz
   std::map<std::string, TensorInfo> tensors;
   for (const auto& [name, t] : h.json.items()) {
     if (name == "__metadata__") continue;
-    tensors.emplace(name, read_tensor(path, size, h, name, t));
+    tensors.emplace(name, read_tensor(path, size, h, printable(name), t));
   }
   return tensors;
 }
@@ -347,7 +348,7 @@ RequestView read_request(const RequestSource& src, std::int64_t i) {
   r.topk = src.meta.topk;
   const std::string prefix = fmt::format("requests.{}.", i);
   if (auto it = src.md.find(prefix + "id"); it != src.md.end()) {
-    r.id = it->second;
+    r.id = printable(it->second);
   } else {
     r.id = std::to_string(i);
   }
@@ -374,7 +375,7 @@ void check_no_stray_tensors(const std::string& path, const Header& h, const std:
     const bool known = ec == std::errc() && idx >= 0 && idx < nreq && dot != std::string::npos &&
                        (rest.substr(dot + 1) == "topk" || rest.substr(dot + 1) == "lengths" ||
                         rest.substr(dot + 1) == "prefill_topk");
-    ESS_CHECK(known, "{}: tensor '{}' at file offset {} is not part of the format ({} requests declared)", path, name,
+    ESS_CHECK(known, "{}: tensor '{}' at file offset {} is not part of the format ({} requests declared)", path, printable(name),
               h.data_start + t.begin, nreq);
   }
 }
@@ -474,9 +475,10 @@ std::int64_t TraceReader::validate_request(std::size_t i) const {
         const std::int32_t* row = ids.data() + static_cast<std::size_t>(w) * K;
         const auto off = r.prefill_offset + static_cast<std::uint64_t>(row - r.prefill_ids) * 4;
         check_row(row, length, "prefill_topk", off, [&] { return fmt::format("layer {}, window {}", l, w); });
+        // A warm-up window loads one row: its distinct ids (checked above) are its non-padding ones.
+        max_ws = std::max<std::int64_t>(max_ws, std::count_if(row, row + K, [](std::int32_t v) { return v >= 0; }));
       }
     }
-    max_ws = std::max<std::int64_t>(max_ws, r.topk);
   }
   return max_ws;
 }

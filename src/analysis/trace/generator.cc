@@ -593,6 +593,10 @@ void generate_trace(const GeneratorProfile& p, const GenerateConfig& c, const st
   const double request_bytes = 4.0 * static_cast<double>(c.steps) * p.layers * p.mtp * p.topk;
   ESS_CHECK(request_bytes <= 16e9, "trace gen: one request's top-k would take {:.1f} GB in memory (limit 16 GB): fewer "
             "--steps", request_bytes / 1e9);
+  // Its candidate process keeps about 5 bytes per token of the longest context.
+  const std::int64_t longest = *std::max_element(c.contexts.begin(), c.contexts.end());
+  check_host_memory(request_bytes + 5.0 * static_cast<double>(longest + c.steps * p.mtp),
+                    fmt::format("trace gen: one request at context {} ({} steps)", longest, c.steps));
   std::vector<RequestShape> shapes;
   for (int i = 0; i < c.requests; ++i) {
     const auto ctx = c.contexts[static_cast<std::size_t>(i) % c.contexts.size()];

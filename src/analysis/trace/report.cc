@@ -184,7 +184,7 @@ std::string to_table(const AnalysisResult& r) {
     fmt::format_to(it, "\n");
     for (int l = 0; l < r.meta.layers; ++l) {
       const auto k = static_cast<std::size_t>(l);
-      fmt::format_to(it, "{:>6} {:>7.3f} {:>7}", l, r.intra.empty() ? 0.0 : r.intra[k],
+      fmt::format_to(it, "{:>6} {:>7} {:>7}", l, r.intra.empty() ? std::string("-") : fmt::format("{:.3f}", r.intra[k]),
           r.inter.empty() || !std::isfinite(r.inter[k]) ? std::string("-") : fmt::format("{:.3f}", r.inter[k]));
       for (const auto& q : p.policies) fmt::format_to(it, " {:>10.1f}", q.overall.per_layer[k]);
       fmt::format_to(it, "\n");

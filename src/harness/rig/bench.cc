@@ -51,6 +51,7 @@ ProfileResult run_profile(const ProfileConfig& pc) {
   const ModelSpec model = ModelSpec::deepseek_v32_exp();
   const int max_req = *std::max_element(pc.requests.begin(), pc.requests.end());
   ESS_CHECK(*std::min_element(pc.requests.begin(), pc.requests.end()) >= 1, "bench profile: request counts must be >= 1");
+  pc.base.validate(model);  // the flags as given, although each op is then timed on one layer
   nlohmann::json ops = nlohmann::json::array();
   std::string csv = "op,context,tokens,time_us\n";
   const std::int64_t ctx = pc.base.context;

@@ -11,6 +11,7 @@
 #include "ess/cache/policy.h"
 #include "ess/cache/sparse_pool.h"
 #include "ess/core/error.h"
+#include "ess/core/files.h"
 #include "ess/trace/analyzer.h"
 #include "ess/trace/format.h"
 #include "ess/trace/generator.h"
@@ -52,6 +53,7 @@ void ExecutorConfig::validate(const ModelSpec& model) const {
   ESS_CHECK(std::isfinite(layerwise_threshold) && layerwise_threshold >= 0,
             "executor: layerwise_threshold = {} must be a non-negative number of misses", layerwise_threshold);
   ESS_CHECK(device >= 0, "executor: device = {} must be >= 0", device);
+  if (!trace.empty()) check_input_file(trace, "--trace");
   ESS_CHECK(copy_blocks >= 0 && copy_blocks <= 65535, "executor: copy_blocks = {} must be in [0, 65535] (0 = default)",
             copy_blocks);
   if (offload) {

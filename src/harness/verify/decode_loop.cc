@@ -28,7 +28,9 @@ void VerifyConfig::validate(const ModelSpec& model) const {
             steps, mtp, model.max_position_embeddings);
   ESS_CHECK(mtp > 0 && mtp <= 16, "verify: --mtp = {} must be in [1, 16]", mtp);
   ESS_CHECK(topk > 0, "verify: --topk = {} must be positive", topk);
-  ESS_CHECK(slots >= 0, "verify: --slots = {} must be >= 0 (0 = use --ratio)", slots);
+  ESS_CHECK(slots >= 0 && slots <= context + static_cast<std::int64_t>(steps) * mtp,
+            "verify: --slots = {} must be in [0, {}] (0 = use --ratio; at most the context + steps x T tokens there "
+            "will be)", slots, context + static_cast<std::int64_t>(steps) * mtp);
   ESS_CHECK(warmup_windows >= 0, "verify: --warmup = {} must be >= 0", warmup_windows);
   ESS_CHECK(query_drift >= 0.0 && query_drift <= 1.0, "verify: query drift = {} must be in [0, 1]", query_drift);
   ESS_CHECK(warmup_windows <= context, "verify: --warmup = {} exceeds the prefill's {} query positions", warmup_windows,
@@ -60,11 +62,15 @@ class Loop {
         latent_(LatentLayout::for_model(model)),
         index_(IndexerLayout::for_model(model)),
         rng_(cfg.seed),
-        max_len_(cfg.context + static_cast<std::int64_t>(cfg.steps) * cfg.mtp) {}
+        max_len_(cfg.context + static_cast<std::int64_t>(cfg.steps) * cfg.mtp),
+        warmed_(cfg.warmup_windows > 0 ? static_cast<std::size_t>(cfg.requests) : 0) {}
 
   VerifyReport run();
 
  private:
+  void report_progress(std::size_t done) const {
+    if (cfg_.progress) cfg_.progress(done, warmed_ + static_cast<std::size_t>(cfg_.steps));
+  }
   float normal() { return normal_(rng_); }
   // Generates the entries of `token` for every layer into the full cache (and the indexer's);
   // returns them, [layer][entry].
@@ -82,6 +88,7 @@ class Loop {
   std::mt19937_64 rng_;
   std::normal_distribution<float> normal_{0.0f, 1.0f};
   std::int64_t max_len_;
+  std::size_t warmed_;  // progress units before the decode steps: one per warmed request
   std::unique_ptr<Offload> offload_;
   const harness::OffloadIo* io_ = nullptr;
   std::vector<std::uint8_t> device_rows_;        // kCuda: the layer's buffer read back once per step
@@ -233,6 +240,7 @@ VerifyReport Loop::run() {
       const std::int64_t before = o.stats().warmup_fills;
       o.warmup(id, windows, W);
       report_.warmup_fills += o.stats().warmup_fills - before;
+      report_progress(static_cast<std::size_t>(id) + 1);
     }
   }
 
@@ -294,6 +302,7 @@ VerifyReport Loop::run() {
       }
     }
     report_.misses_per_step.push_back(step_misses);
+    report_progress(warmed_ + static_cast<std::size_t>(s) + 1);
   }
   // Every entry the loop generated is in the host pool, bit for bit (the write-back included).
   for (RequestId id = 0; id < B; ++id) {

@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -39,6 +40,8 @@ struct VerifyConfig {
   // The Offload's backend: kCuda checks the device path (swap kernels, split, FlashTrans) end to end.
   Backend backend = Backend::kCpu;
   int device = 0;
+  // Called after each request's warm-up and each decode step, when set (done, total).
+  std::function<void(std::size_t done, std::size_t total)> progress;
 
   void validate(const ModelSpec& model) const;
 };

@@ -1,12 +1,18 @@
 #include "ess/core/files.h"
 
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cerrno>
+#include <csignal>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <mutex>
 #include <sstream>
 #include <system_error>
 
@@ -57,6 +63,61 @@ void check_output_file(const std::string& output, const char* what, const std::v
   }
 }
 
+namespace {
+
+// The temporaries of the AtomicFiles alive now, for the signal handler: an interrupted command
+// (Ctrl-C, kill) leaves no partial file behind. Fixed storage, as a handler may only call
+// async-signal-safe functions (unlink, raise).
+constexpr int kMaxTemps = 16;
+char g_temp_paths[kMaxTemps][4096];
+std::atomic<bool> g_temp_live[kMaxTemps];
+
+extern "C" void remove_temps_and_reraise(int sig) {
+  for (int i = 0; i < kMaxTemps; ++i) {
+    if (g_temp_live[i].load()) ::unlink(g_temp_paths[i]);
+  }
+  ::signal(sig, SIG_DFL);
+  ::raise(sig);
+}
+
+// Installs the handler for SIGINT, SIGTERM and SIGHUP where the program has none of its own.
+void install_temp_cleanup() {
+  static const bool installed = [] {
+    for (const int sig : {SIGINT, SIGTERM, SIGHUP}) {
+      struct sigaction old {};
+      if (::sigaction(sig, nullptr, &old) != 0 || old.sa_handler != SIG_DFL) continue;
+      struct sigaction sa {};
+      sa.sa_handler = remove_temps_and_reraise;
+      sigemptyset(&sa.sa_mask);
+      ::sigaction(sig, &sa, nullptr);
+    }
+    return true;
+  }();
+  (void)installed;
+}
+
+// A slot for `path` (-1 when every slot is taken or the path is too long: then only the
+// destructor removes it).
+int register_temp(const std::string& path) {
+  static std::mutex m;
+  const std::lock_guard lock(m);
+  if (path.size() >= sizeof(g_temp_paths[0])) return -1;
+  for (int i = 0; i < kMaxTemps; ++i) {
+    if (!g_temp_live[i].load()) {
+      std::memcpy(g_temp_paths[i], path.c_str(), path.size() + 1);
+      g_temp_live[i].store(true);
+      return i;
+    }
+  }
+  return -1;
+}
+
+void unregister_temp(int slot) {
+  if (slot >= 0) g_temp_live[slot].store(false);
+}
+
+}  // namespace
+
 AtomicFile::AtomicFile(const std::string& path, const char* what) : path_(path), what_(what) {
   check_output_file(path, what);
   std::error_code ec;
@@ -75,9 +136,12 @@ AtomicFile::AtomicFile(const std::string& path, const char* what) : path_(path),
   const int fd = ::mkstemp(pattern.data());
   ESS_CHECK(fd >= 0, "{} '{}': cannot create a file in '{}': {}", what, path, dir.string(), std::strerror(errno));
   temp_ = pattern;
+  install_temp_cleanup();
+  temp_slot_ = register_temp(temp_);
   file_ = ::fdopen(fd, "wb");
   if (file_ == nullptr) {
     ::close(fd);
+    unregister_temp(temp_slot_);
     ::unlink(temp_.c_str());
     ESS_THROW("{} '{}': cannot open: {}", what, path, std::strerror(errno));
   }
@@ -88,6 +152,7 @@ AtomicFile::~AtomicFile() {
     std::fclose(file_);
     if (!temp_.empty()) ::unlink(temp_.c_str());
   }
+  unregister_temp(temp_slot_);
 }
 
 void AtomicFile::write(const void* data, std::size_t bytes) {
@@ -118,6 +183,8 @@ void AtomicFile::commit() {
   const mode_t mask = ::umask(0);
   ::umask(mask);
   ::chmod(temp_.c_str(), 0666 & ~mask);
+  unregister_temp(temp_slot_);  // from here the temporary is the target, or is removed below
+  temp_slot_ = -1;
   if (std::rename(temp_.c_str(), target_.c_str()) != 0) {
     const int e = errno;
     ::unlink(temp_.c_str());
@@ -125,15 +192,34 @@ void AtomicFile::commit() {
   }
 }
 
-std::uint64_t available_host_memory() {
-  std::ifstream in("/proc/meminfo");
-  std::string key, unit;
-  std::uint64_t kb = 0;
-  while (in >> key >> kb >> unit) {
-    if (key == "MemAvailable:") return kb * 1024;
+namespace {
+
+// A /proc "Key: N kB" field in bytes; 0 when absent.
+std::uint64_t proc_kb_field(const char* file, const std::string& field) {
+  std::ifstream in(file);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind(field, 0) == 0) return std::strtoull(line.c_str() + field.size(), nullptr, 10) * 1024;
   }
-  const long pages = ::sysconf(_SC_AVPHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
-  return pages > 0 && page > 0 ? static_cast<std::uint64_t>(pages) * static_cast<std::uint64_t>(page) : 0;
+  return 0;
+}
+
+}  // namespace
+
+std::uint64_t available_host_memory() {
+  std::uint64_t room = proc_kb_field("/proc/meminfo", "MemAvailable:");
+  if (room == 0) {
+    const long pages = ::sysconf(_SC_AVPHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+    room = pages > 0 && page > 0 ? static_cast<std::uint64_t>(pages) * static_cast<std::uint64_t>(page) : 0;
+  }
+  // An address-space limit (ulimit -v) binds before physical memory does.
+  rlimit as{};
+  if (::getrlimit(RLIMIT_AS, &as) == 0 && as.rlim_cur != RLIM_INFINITY) {
+    const std::uint64_t used = proc_kb_field("/proc/self/status", "VmSize:");
+    const std::uint64_t left = as.rlim_cur > used ? as.rlim_cur - used : 1;
+    room = room == 0 ? left : std::min(room, left);
+  }
+  return room;
 }
 
 void check_host_memory(double bytes, const std::string& what) {

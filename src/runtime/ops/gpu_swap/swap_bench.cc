@@ -20,6 +20,9 @@ SwapBenchResult run_swap_bench(const SwapBenchConfig& c) {
             c.requests, c.query_tokens, c.topk, c.steps, c.repeats, c.context);
   ESS_CHECK(c.fresh_per_query >= 0 && c.fresh_per_query <= c.topk, "bench swap: fresh ids per query {} out of [0, {}]",
             c.fresh_per_query, c.topk);
+  // Each step's T rows are orderings of one set of K ids, so the pool must hold K of them.
+  ESS_CHECK(c.slots >= c.topk && c.slots <= c.context, "bench swap: --slots {} must be in [top-k {}, context {}]", c.slots,
+            c.topk, c.context);
   SwapBenchResult res;
   res.device = use_device(c.device, "bench swap");
   res.date = utc_now();

@@ -46,15 +46,20 @@ void random_entry(std::mt19937_64& rng, std::span<std::uint8_t> out) {
   quantize_latent(layout, nope, rope, out);
 }
 
-}  // namespace
-
-AttentionWorkload::AttentionWorkload(const AttentionBenchConfig& c, int max_batch) : config_(c), max_batch_(max_batch) {
-  ESS_CHECK(max_batch > 0 && c.query_tokens > 0 && c.topk > 0,
-            "attention workload: batch {}, T {}, top-k {} must be positive", max_batch, c.query_tokens, c.topk);
+void check_workload(const AttentionBenchConfig& c) {
+  ESS_CHECK(c.query_tokens > 0 && c.topk > 0, "attention workload: T {}, top-k {} must be positive", c.query_tokens,
+            c.topk);
   ESS_CHECK(c.heads == 64 || c.heads == 128, "attention workload: heads = {} (the kernel takes 64 or 128)", c.heads);
   ESS_CHECK(c.slots >= c.topk, "attention workload: {} slots per request cannot hold {} distinct ids", c.slots, c.topk);
   ESS_CHECK(c.softmax_scale >= 0.0f && std::isfinite(c.softmax_scale), "attention workload: softmax scale {} must be >= 0",
             c.softmax_scale);
+}
+
+}  // namespace
+
+AttentionWorkload::AttentionWorkload(const AttentionBenchConfig& c, int max_batch) : config_(c), max_batch_(max_batch) {
+  ESS_CHECK(max_batch > 0, "attention workload: batch {} must be positive", max_batch);
+  check_workload(c);
   const LatentLayout layout{};
   const std::size_t E = layout.bytes();
   const int T = c.query_tokens, H = c.heads, K = c.topk;
@@ -135,6 +140,7 @@ AttentionBenchResult run_attention_bench(const AttentionBenchConfig& c, const st
   for (int b : batches) ESS_CHECK(b > 0, "bench attention: batch size {} must be positive", b);
   const int max_b = std::max(c.batch, *std::max_element(batches.begin(), batches.end()));
 
+  check_workload(c);  // before the device: a bad flag costs no device time
   AttentionBenchResult res;
   res.device = use_device(c.device, "bench attention");
   res.date = utc_now();
