@@ -51,8 +51,8 @@ void add_gen(CLI::App& parent) {
       "paper reports for DeepSeek-V3.2-Exp; the traces are not real model selections, and their metadata says so.");
   cmd->add_option("--output,-o", a->output, "Trace file to write (.safetensors)")->required();
   cmd->add_option("--profile", a->profile, "Generator profile JSON (default: configs/trace-profiles/default.json, built in)");
-  cmd->add_option("--context,-c", a->config.contexts, "Prompt length(s); request i uses the (i mod n)-th")
-      ->capture_default_str();
+  add_list_option(*cmd, "--context,-c", a->config.contexts, "Prompt length(s); request i uses the (i mod n)-th")
+      ->default_str("32768");
   cmd->add_option("--requests,-b", a->config.requests, "Requests")->capture_default_str();
   cmd->add_option("--steps,-s", a->config.steps, "Decode steps per request")->capture_default_str();
   cmd->add_option("--layers,-l", a->layers, "Override the profile's layer count (the drift curve is resampled)");
