@@ -17,7 +17,7 @@ struct SimInputs : sim::Inputs {
         ->capture_default_str();
     cmd.add_option("--deployment", deployment, "Deployment: a shipped name (paper-table1) or a JSON file")
         ->capture_default_str();
-    cmd.add_option("--mtp", mtp, "Override: MTP query tokens per request per step (1 = no MTP)");
+    cmd.add_option("--mtp", mtp, "Override: MTP query tokens per request per step (1 = no MTP); without --accept, the accept ratio becomes min(the deployment's, MTP)");
     cmd.add_option("--accept", accept, "Override: MTP accept ratio (tokens kept per step, in [1, T])");
     cmd.add_option("--nodes", nodes, "Override: nodes");
     cmd.add_option("--gpus-per-node", gpus_per_node, "Override: GPUs per node");
