@@ -87,6 +87,45 @@ TEST(Analyzer, HandComputedMissesAndSimilarity) {
   EXPECT_DOUBLE_EQ(r.prefetch->max_wasted, 1);
 }
 
+// The MTP working set is the union of the T query tokens' top-k, padding left out:
+// 1 request, 1 layer, MTP 2, top-k 3, length 10:
+//   step 0: {0,1,2} {1,2,3} -> 4;  step 1: {0,1,2} {2,1,0} -> 3;  step 2: {4,5,-1} {6,-1,-1} -> 3.
+TEST(Analyzer, MtpWorkingSetIsTheUnionOfTheQueryTokensTopk) {
+  const auto path = temp_path("union.safetensors");
+  TraceMeta m;
+  m.layers = 1;
+  m.mtp = 2;
+  m.topk = 3;
+  m.model = "union";
+  m.provenance = "analyzer_test";
+  RequestData rd;
+  rd.id = "u";
+  rd.lengths = {10, 10, 10};
+  rd.topk = {0, 1, 2, 1, 2, 3, /**/ 0, 1, 2, 2, 1, 0, /**/ 4, 5, -1, 6, -1, -1};
+  write_trace(path, m, {rd});
+  const TraceReader trace(path);
+  AnalyzeConfig c;
+  c.slots = {4};
+  c.steady_from = 0;
+  c.recommend = false;
+  c.policies = {"lru"};
+  const auto r = analyze(trace, c);
+  ASSERT_EQ(r.working_sets.size(), 1u);
+  const WorkingSetStats& w = r.working_sets.front();
+  EXPECT_DOUBLE_EQ(w.mean, 10.0 / 3);
+  EXPECT_EQ(w.max, 4);
+  EXPECT_DOUBLE_EQ(w.p99, 4);
+  EXPECT_EQ(w.max_per_layer, std::vector<std::int32_t>{4});
+  const auto j = to_json(r);
+  EXPECT_EQ(j["working_set"]["bound"], 6);
+  EXPECT_EQ(j["working_set"]["groups"][0]["max"], 4);
+  EXPECT_EQ(miss_profile_json(r, "lru")["contexts"][0]["working_set"]["max"], 4);
+  EXPECT_NE(to_table(r).find("mean 3.3, p99 4, max 4"), std::string::npos) << to_table(r);
+  // A pool below the largest working set cannot serve the step, and says so.
+  c.slots = {3};
+  expect_error([&] { analyze(trace, c); }, {"3 slots", "4 distinct ids"});
+}
+
 TEST(Analyzer, JsonHasTheDocumentedFields) {
   const TraceReader trace(hand_trace());
   const auto j = to_json(analyze(trace, hand_config()));

@@ -88,6 +88,16 @@ struct Recommendation {
   double mean_misses = 0;
 };
 
+// The MTP working set: the distinct ids one request-layer-step reads, i.e. the union of its T
+// query tokens' top-k sets (at most T x K), over every decode step. A pool must hold it.
+struct WorkingSetStats {
+  std::int64_t context = 0;  // 0 = all requests
+  double mean = 0, p99 = 0;
+  std::int32_t max = 0;
+  std::vector<double> mean_per_layer, p99_per_layer;
+  std::vector<std::int32_t> max_per_layer;
+};
+
 struct AnalysisResult {
   std::string path;
   TraceMeta meta;
@@ -98,6 +108,7 @@ struct AnalysisResult {
   std::vector<double> intra, inter;    // per layer (inter[0] = NaN, reported as null)
   double intra_mean = 0, inter_mean = 0;
   std::vector<PoolResult> pools;
+  std::vector<WorkingSetStats> working_sets;  // [0] all requests, then one per context (ascending)
   std::optional<PrefetchStats> prefetch;
   std::vector<Recommendation> recommended;
   double target_misses = 0;

@@ -306,6 +306,41 @@ std::vector<PoolResult> aggregate(const TraceReader& trace, const AnalyzeConfig&
   return out;
 }
 
+// The MTP working set per request-layer-step, from the first replay's per-step counts (every
+// policy sees the same ids): all requests, then each context.
+std::vector<WorkingSetStats> working_set_stats(const TraceReader& trace, const Replays& rp,
+                                               const std::vector<std::int64_t>& contexts) {
+  const std::size_t L = rp.layers;
+  std::vector<std::int64_t> groups = {0};
+  if (contexts.size() > 1) groups.insert(groups.end(), contexts.begin(), contexts.end());
+  std::vector<WorkingSetStats> out;
+  for (const std::int64_t context : groups) {
+    WorkingSetStats w;
+    w.context = context;
+    std::vector<std::int32_t> all;
+    for (std::size_t l = 0; l < L; ++l) {
+      std::vector<std::int32_t> v;
+      for (std::size_t i = 0; i < trace.requests(); ++i) {
+        if (context != 0 && trace.request(i).context != context) continue;
+        const auto& ws = rp.runs[i * L + l].working_set;
+        v.insert(v.end(), ws.begin(), ws.end());
+      }
+      const double sum = std::accumulate(v.begin(), v.end(), 0.0);
+      w.mean_per_layer.push_back(v.empty() ? 0.0 : sum / static_cast<double>(v.size()));
+      w.max_per_layer.push_back(v.empty() ? 0 : *std::max_element(v.begin(), v.end()));
+      all.insert(all.end(), v.begin(), v.end());
+      w.p99_per_layer.push_back(v.empty() ? 0.0 : percentile(v, 0.99));
+    }
+    if (!all.empty()) {
+      w.mean = std::accumulate(all.begin(), all.end(), 0.0) / static_cast<double>(all.size());
+      w.max = *std::max_element(all.begin(), all.end());
+      w.p99 = percentile(all, 0.99);
+    }
+    out.push_back(std::move(w));
+  }
+  return out;
+}
+
 // The policy replays and their statistics (res.pools, lookups, replay time). The replays are
 // freed on return, before the later stages run.
 void replay_policies(const TraceReader& trace, const AnalyzeConfig& cfg, const std::vector<Pool>& pools,
@@ -315,6 +350,7 @@ void replay_policies(const TraceReader& trace, const AnalyzeConfig& cfg, const s
   res.replay_seconds = rp.seconds;
   for (const auto& x : rp.runs) res.lookups += x.lookups;
   res.pools = aggregate(trace, cfg, pools, order, rp, reqs);
+  res.working_sets = working_set_stats(trace, rp, reqs.contexts);
 }
 
 double ratio_of(std::int64_t overlap, std::int64_t total) {

@@ -55,6 +55,21 @@ std::string pool_label(const PoolResult& p) {
   return p.ratio ? fmt::format("ratio {}", *p.ratio) : fmt::format("{} slots", *p.slots);
 }
 
+nlohmann::json working_set_json(const WorkingSetStats& w) {
+  return {{"context", w.context == 0 ? nlohmann::json("all") : nlohmann::json(w.context)},
+          {"mean", w.mean},
+          {"p99", w.p99},
+          {"max", w.max},
+          {"per_layer", {{"mean", w.mean_per_layer}, {"p99", w.p99_per_layer}, {"max", w.max_per_layer}}}};
+}
+
+const WorkingSetStats* working_set_of(const AnalysisResult& r, std::int64_t context) {
+  for (const auto& w : r.working_sets) {
+    if (w.context == context || (r.working_sets.size() == 1 && w.context == 0)) return &w;
+  }
+  return nullptr;
+}
+
 }  // namespace
 
 nlohmann::json to_json(const AnalysisResult& r) {
@@ -79,6 +94,12 @@ nlohmann::json to_json(const AnalysisResult& r) {
     j["pool"] = pool_json(r.pools.front());
     j["policies"] = policies_json(r.pools.front());
   }
+  nlohmann::json ws = nlohmann::json::array();
+  for (const auto& w : r.working_sets) ws.push_back(working_set_json(w));
+  j["working_set"] = {{"unit", "distinct ids per request-layer-step: the union of its T query tokens' top-k sets, "
+                                "every decode step"},
+                      {"bound", static_cast<std::int64_t>(r.meta.mtp) * r.meta.topk},
+                      {"groups", std::move(ws)}};
   j["sweep"] = nlohmann::json::array();
   for (const auto& p : r.pools) {
     nlohmann::json e = pool_json(p);
@@ -128,11 +149,15 @@ nlohmann::json miss_profile_json(const AnalysisResult& r, const std::string& pol
       layers.push_back({{"layer", l}, {"mean", g.per_layer[l]}, {"p50", g.p50[l]}, {"p90", g.p90[l]}, {"p99", g.p99[l]},
                         {"max", g.max[l]}});
     }
-    contexts.push_back({{"context", g.context},
-                        {"slots", g.slots < 0 ? nlohmann::json(nullptr) : nlohmann::json(g.slots)},
-                        {"ratio", pool.ratio ? nlohmann::json(*pool.ratio) : nlohmann::json(nullptr)},
-                        {"mean_misses", g.mean_misses},
-                        {"layers", std::move(layers)}});
+    nlohmann::json entry = {{"context", g.context},
+                            {"slots", g.slots < 0 ? nlohmann::json(nullptr) : nlohmann::json(g.slots)},
+                            {"ratio", pool.ratio ? nlohmann::json(*pool.ratio) : nlohmann::json(nullptr)},
+                            {"mean_misses", g.mean_misses},
+                            {"layers", std::move(layers)}};
+    if (const WorkingSetStats* w = working_set_of(r, g.context)) {
+      entry["working_set"] = {{"mean", w->mean}, {"p99", w->p99}, {"max", w->max}};
+    }
+    contexts.push_back(std::move(entry));
   }
   return {{"format", "ess-miss-profile"},
           {"version", 1},
@@ -157,6 +182,15 @@ std::string to_table(const AnalysisResult& r) {
   fmt::format_to(it, "provenance: {}\n\n", r.meta.provenance);
   if (!r.intra.empty()) {
     fmt::format_to(it, "similarity: intra-layer {:.3f}, inter-layer {:.3f} (mean over layers and steps)\n\n", r.intra_mean, r.inter_mean);
+  }
+  if (!r.working_sets.empty()) {
+    fmt::format_to(it, "MTP working set (distinct ids per request-layer-step: the union of its {} query tokens' top-k, at "
+        "most T x K = {}; a pool must hold it):\n", r.meta.mtp, static_cast<std::int64_t>(r.meta.mtp) * r.meta.topk);
+    for (const auto& w : r.working_sets) {
+      fmt::format_to(it, "  {:<16} mean {:.1f}, p99 {:.0f}, max {}\n",
+          w.context == 0 ? std::string("all requests:") : fmt::format("context {}:", w.context), w.mean, w.p99, w.max);
+    }
+    fmt::format_to(it, "\n");
   }
   for (const auto& p : r.pools) {
     fmt::format_to(it, "pool: {}\n{:>12} {:>14} {:>14} {:>9} {:>10} {:>10}\n", pool_label(p), "policy", "mean misses", "all steps",
@@ -219,6 +253,8 @@ std::string to_csv(const AnalysisResult& r) {
     out += q.name;
   }
   if (r.prefetch) out += ",prefetch_useful,prefetch_wasted,prefetch_misses_left";
+  const bool ws = !r.working_sets.empty();
+  if (ws) out += ",working_set_mean,working_set_p99,working_set_max";
   out += "\n";
   for (const auto& p : r.pools) {
     for (int l = 0; l < r.meta.layers; ++l) {
@@ -230,6 +266,10 @@ std::string to_csv(const AnalysisResult& r) {
       for (const auto& q : p.policies) out += fmt::format(",{:.3f}", q.overall.per_layer[k]);
       if (r.prefetch) {
         out += fmt::format(",{:.3f},{:.3f},{:.3f}", r.prefetch->useful[k], r.prefetch->wasted[k], r.prefetch->misses_left[k]);
+      }
+      if (ws) {
+        const auto& w = r.working_sets.front();
+        out += fmt::format(",{:.3f},{:.0f},{}", w.mean_per_layer[k], w.p99_per_layer[k], w.max_per_layer[k]);
       }
       out += "\n";
     }
