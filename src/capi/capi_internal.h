@@ -41,6 +41,24 @@ struct StatusError : Error {
 
 void set_last_error(const std::string& message);
 
+// The versioned structs (struct_size first): init_struct zeroes one and stamps its size;
+// check_struct refuses a NULL one or one of another size (another header's layout), naming
+// `what` and the init function to call.
+template <typename S>
+void init_struct(S* s) {
+  if (s == nullptr) return;
+  *s = S{};
+  s->struct_size = sizeof(S);
+}
+
+template <typename S>
+void check_struct(const S* s, const char* what, const char* init) {
+  ESS_CHECK(s != nullptr, "{} is required (got NULL)", what);
+  ESS_CHECK(s->struct_size == sizeof(S),
+            "{}.struct_size = {}, this library's {} has {} bytes: call {} (a header of another ABI version?)", what,
+            s->struct_size, what, sizeof(S), init);
+}
+
 // Runs f; maps what it throws to a status and this thread's message (prefixed with `where`).
 template <typename F>
 ess_status guard(const char* where, F&& f) noexcept {

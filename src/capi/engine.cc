@@ -15,14 +15,6 @@ namespace {
 
 thread_local std::string g_last_error;
 
-template <typename S>
-void check_struct(const S* s, const char* what, const char* init) {
-  ESS_CHECK(s != nullptr, "{} is required (got NULL)", what);
-  ESS_CHECK(s->struct_size == sizeof(S),
-            "{}.struct_size = {}, this library's {} has {} bytes: call {} (a header of another ABI version?)", what,
-            s->struct_size, what, sizeof(S), init);
-}
-
 ModelSpec model_of(const ess_config& c) {
   ESS_CHECK(c.model_path == nullptr || c.model_json == nullptr,
             "config: model_path and model_json are both given; pass one");
@@ -122,8 +114,7 @@ const char* ess_status_name(ess_status status) {
 
 void ess_config_init(ess_config* c) {
   if (c == nullptr) return;
-  std::memset(c, 0, sizeof(*c));
-  c->struct_size = sizeof(*c);
+  ess::capi::init_struct(c);
   c->query_tokens = 1;
   c->warmup_windows = 32;
   c->policy = ESS_POLICY_LRU;
@@ -169,11 +160,7 @@ void ess_engine_destroy(ess_engine* engine) {
   delete engine;
 }
 
-void ess_engine_info_init(ess_engine_info* info) {
-  if (info == nullptr) return;
-  std::memset(info, 0, sizeof(*info));
-  info->struct_size = sizeof(*info);
-}
+void ess_engine_info_init(ess_engine_info* info) { ess::capi::init_struct(info); }
 
 ess_status ess_engine_get_info(const ess_engine* engine, ess_engine_info* info) {
   return guard("ess_engine_get_info", [&] {
@@ -217,11 +204,7 @@ ess_status ess_engine_read_row(const ess_engine* engine, int32_t layer, int32_t 
   });
 }
 
-void ess_stats_init(ess_stats* stats) {
-  if (stats == nullptr) return;
-  std::memset(stats, 0, sizeof(*stats));
-  stats->struct_size = sizeof(*stats);
-}
+void ess_stats_init(ess_stats* stats) { ess::capi::init_struct(stats); }
 
 ess_status ess_engine_get_stats(const ess_engine* engine, ess_stats* stats) {
   return guard("ess_engine_get_stats", [&] {

@@ -29,20 +29,14 @@ using ess::capi::guard;
 
 extern "C" {
 
-void ess_step_tensors_init(ess_step_tensors* t) {
-  if (t == nullptr) return;
-  *t = ess_step_tensors{};
-  t->struct_size = sizeof(*t);
-}
+void ess_step_tensors_init(ess_step_tensors* t) { ess::capi::init_struct(t); }
 
 ess_status ess_step_bind(ess_engine* engine, const ess_step_tensors* t, ess_step_binding** out) {
   if (out != nullptr) *out = nullptr;
   return guard("ess_step_bind", [&] {
     ess_engine& e = ess::capi::engine_ref(engine);
     ESS_CHECK(out != nullptr, "the binding out-pointer is NULL");
-    ESS_CHECK(t != nullptr && t->struct_size == sizeof(ess_step_tensors),
-              "ess_step_tensors is NULL or its struct_size is not {}: call ess_step_tensors_init",
-              sizeof(ess_step_tensors));
+    ess::capi::check_struct(t, "ess_step_tensors", "ess_step_tensors_init");
     const ess::Offload& o = *e.offload;
     const ess::capi::Placement p = ess::capi::placement_of(o.config());
     const std::int64_t B = ess::capi::bound_positions(t->rows, o), T = o.config().query_tokens, K = o.config().topk;

@@ -14,17 +14,23 @@ namespace {
 using testing::expect_error;
 using testing::temp_path;
 
+// Writes a trace of one request `r` with the given shape; returns its path.
+std::string one_request_trace(const std::string& name, int layers, int mtp, int topk, const RequestData& r) {
+  const auto path = temp_path(name);
+  TraceMeta m;
+  m.layers = layers;
+  m.mtp = mtp;
+  m.topk = topk;
+  m.model = name;
+  m.provenance = "analyzer_test";
+  write_trace(path, m, {r});
+  return path;
+}
+
 // 1 request, 2 layers, MTP 1, top-k 2, 4 steps, every length 10.
 //   layer 0: {0,1} {1,2} {2,3} {0,1}
 //   layer 1: {0,1} {0,1} {0,2} {0,2}
 std::string hand_trace() {
-  const auto path = temp_path("hand.safetensors");
-  TraceMeta m;
-  m.layers = 2;
-  m.mtp = 1;
-  m.topk = 2;
-  m.model = "hand";
-  m.provenance = "analyzer_test";
   RequestData r;
   r.id = "hand";
   const int l0[4][2] = {{0, 1}, {1, 2}, {2, 3}, {0, 1}};
@@ -34,8 +40,7 @@ std::string hand_trace() {
     for (int k = 0; k < 2; ++k) r.topk.push_back(l0[s][k]);
     for (int k = 0; k < 2; ++k) r.topk.push_back(l1[s][k]);
   }
-  write_trace(path, m, {r});
-  return path;
+  return one_request_trace("hand.safetensors", 2, 1, 2, r);
 }
 
 AnalyzeConfig hand_config() {
@@ -91,19 +96,11 @@ TEST(Analyzer, HandComputedMissesAndSimilarity) {
 // 1 request, 1 layer, MTP 2, top-k 3, length 10:
 //   step 0: {0,1,2} {1,2,3} -> 4;  step 1: {0,1,2} {2,1,0} -> 3;  step 2: {4,5,-1} {6,-1,-1} -> 3.
 TEST(Analyzer, MtpWorkingSetIsTheUnionOfTheQueryTokensTopk) {
-  const auto path = temp_path("union.safetensors");
-  TraceMeta m;
-  m.layers = 1;
-  m.mtp = 2;
-  m.topk = 3;
-  m.model = "union";
-  m.provenance = "analyzer_test";
   RequestData rd;
   rd.id = "u";
   rd.lengths = {10, 10, 10};
   rd.topk = {0, 1, 2, 1, 2, 3, /**/ 0, 1, 2, 2, 1, 0, /**/ 4, 5, -1, 6, -1, -1};
-  write_trace(path, m, {rd});
-  const TraceReader trace(path);
+  const TraceReader trace(one_request_trace("union.safetensors", 1, 2, 3, rd));
   AnalyzeConfig c;
   c.slots = {4};
   c.steady_from = 0;
@@ -162,15 +159,10 @@ TEST(Analyzer, BadConfigurationsAreErrors) {
 }
 
 TEST(Analyzer, InvalidIdsAreFoundBeforeAnyReplay) {
-  const auto path = temp_path("bad.safetensors");
-  TraceMeta m;
-  m.layers = 1;
-  m.mtp = 1;
-  m.topk = 2;
   RequestData r;
   r.lengths = {5, 5};
   r.topk = {0, 1, 4, 5};
-  write_trace(path, m, {r});
+  const auto path = one_request_trace("bad.safetensors", 1, 1, 2, r);
   const TraceReader trace(path);
   expect_error([&] { analyze(trace, hand_config()); }, {path, "request 0", "step 1", "id 5 is out of range [0, 5)"});
 }

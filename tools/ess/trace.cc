@@ -120,7 +120,7 @@ void add_analyze(CLI::App& parent) {
   cmd->callback([a, cmd] {
     auto& cfg = a->config;
     ESS_CHECK(cmd->count("--policies") == 0 || !a->policies.empty(), "--policies is empty: name one or more of {}",
-              "lru,lru_warmup,fifo,clock,lfu,s3fifo,belady");
+              fmt::join(trace::AnalyzeConfig{}.policies, ","));
     ESS_CHECK(cmd->count("--steady-from") == 0 || cfg.steady_from >= 0, "--steady-from {} must be >= 0",
               cfg.steady_from);
     if (!a->policies.empty()) {
@@ -130,7 +130,7 @@ void add_analyze(CLI::App& parent) {
       }
     }
     const auto runs = [&](const char* policy) {
-      return a->policies.empty() || std::find(cfg.policies.begin(), cfg.policies.end(), policy) != cfg.policies.end();
+      return std::find(cfg.policies.begin(), cfg.policies.end(), policy) != cfg.policies.end();
     };
     ESS_CHECK(cmd->count("--lfu-aging") == 0 || runs("lfu"), "--lfu-aging applies to the lfu policy, which --policies {} "
               "leaves out", a->policies);
@@ -164,9 +164,8 @@ void add_analyze(CLI::App& parent) {
       write_text_file(a->output, text, "--output");
     }
     if (!a->miss_profile.empty()) {
-      const bool has = std::find(cfg.policies.begin(), cfg.policies.end(), "lru_warmup") != cfg.policies.end();
       write_text_file(a->miss_profile,
-                      trace::miss_profile_json(r, has ? "lru_warmup" : cfg.policies.front()).dump(2) + "\n",
+                      trace::miss_profile_json(r, runs("lru_warmup") ? "lru_warmup" : cfg.policies.front()).dump(2) + "\n",
                       "--miss-profile");
     }
   });

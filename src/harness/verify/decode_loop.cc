@@ -62,14 +62,15 @@ class Loop {
         latent_(LatentLayout::for_model(model)),
         index_(IndexerLayout::for_model(model)),
         rng_(cfg.seed),
-        max_len_(cfg.context + static_cast<std::int64_t>(cfg.steps) * cfg.mtp),
-        warmed_(cfg.warmup_windows > 0 ? static_cast<std::size_t>(cfg.requests) : 0) {}
+        max_len_(cfg.context + static_cast<std::int64_t>(cfg.steps) * cfg.mtp) {}
 
   VerifyReport run();
 
  private:
+  // Progress units: one per warmed request, then one per decode step.
+  std::size_t warmed() const { return cfg_.warmup_windows > 0 ? static_cast<std::size_t>(cfg_.requests) : 0; }
   void report_progress(std::size_t done) const {
-    if (cfg_.progress) cfg_.progress(done, warmed_ + static_cast<std::size_t>(cfg_.steps));
+    if (cfg_.progress) cfg_.progress(done, warmed() + static_cast<std::size_t>(cfg_.steps));
   }
   float normal() { return normal_(rng_); }
   // Generates the entries of `token` for every layer into the full cache (and the indexer's);
@@ -88,7 +89,6 @@ class Loop {
   std::mt19937_64 rng_;
   std::normal_distribution<float> normal_{0.0f, 1.0f};
   std::int64_t max_len_;
-  std::size_t warmed_;  // progress units before the decode steps: one per warmed request
   std::unique_ptr<Offload> offload_;
   const harness::OffloadIo* io_ = nullptr;
   std::vector<std::uint8_t> device_rows_;        // kCuda: the layer's buffer read back once per step
@@ -302,7 +302,7 @@ VerifyReport Loop::run() {
       }
     }
     report_.misses_per_step.push_back(step_misses);
-    report_progress(warmed_ + static_cast<std::size_t>(s) + 1);
+    report_progress(warmed() + static_cast<std::size_t>(s) + 1);
   }
   // Every entry the loop generated is in the host pool, bit for bit (the write-back included).
   for (RequestId id = 0; id < B; ++id) {
