@@ -39,11 +39,12 @@ TEST(SparseMemoryRatio, SlotsAreTheCeilingOfRatioTimesContext) {
   EXPECT_THROW(slots_for_ratio(0.5, 0), Error);
 }
 
-TEST(SparsePool, APoolSmallerThanOneWorkingSetIsAConfigurationError) {
-  const std::string msg = error_of([] { SparsePool p(config(4095, 2, 2048)); });
-  EXPECT_NE(msg.find("4095 slots"), std::string::npos) << msg;
-  EXPECT_NE(msg.find("4096"), std::string::npos) << msg;
-  EXPECT_NO_THROW(SparsePool p(config(4096, 2, 2048)));
+TEST(SparsePool, APoolSmallerThanOneQueryTokensTopkIsAConfigurationError) {
+  const std::string msg = error_of([] { SparsePool p(config(2047, 2, 2048)); });
+  EXPECT_NE(msg.find("2047 slots"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("use at least 2048 slots"), std::string::npos) << msg;
+  // Below T x K: a step that selects more runs in query groups.
+  EXPECT_NO_THROW(SparsePool p(config(2048, 2, 2048)));
   // Requests never longer than 1000 tokens cannot select more than 1000 entries.
   EXPECT_NO_THROW(SparsePool p(config(1000, 2, 2048, 1000)));
   EXPECT_THROW(SparsePool p(config(999, 2, 2048, 1000)), Error);

@@ -27,14 +27,16 @@ struct SparsePoolConfig {
   std::int32_t slots = 0;         // per request-layer
   int query_tokens = 1;           // T: query tokens per request per step (MTP)
   int topk = 2048;                // K: entries each query token selects
-  // Longest request the pool will serve (0 = unbounded). A step's working set never exceeds
-  // the request's length, so with a bound the pool needs min(T x K, max_context) slots.
+  // Longest request the pool will serve (0 = unbounded). A query token never selects more
+  // ids than the request's length, so with a bound the pool needs min(K, max_context) slots.
   std::int64_t max_context = 0;
 
-  // The largest working set one step can have: min(T x K, max_context or unbounded).
-  std::int64_t max_working_set() const;
+  // The smallest usable pool: one query token's top-k, min(K, max_context or unbounded). A
+  // step whose T query tokens select more distinct ids than the pool holds is served in query
+  // groups (ess/cache/query_groups.h).
+  std::int64_t min_slots() const;
   // Throws ess::Error naming the field unless the configuration is usable; in particular a
-  // pool with fewer slots than max_working_set() is refused.
+  // pool with fewer slots than min_slots() is refused.
   void validate() const;
 };
 

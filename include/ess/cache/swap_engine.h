@@ -13,6 +13,7 @@
 
 #include "ess/cache/layer_cache.h"
 #include "ess/cache/policy.h"
+#include "ess/cache/query_groups.h"
 #include "ess/cache/sparse_pool.h"
 #include "ess/cache/total_pool.h"
 #include "ess/cache/types.h"
@@ -56,7 +57,8 @@ class SwapEngine {
   bool contains(RequestId id) const { return requests_.contains(id); }
 
   // One step of one layer. The returned slot ids are valid once result.plan has been copied
-  // (SlotStorage::fill).
+  // (SlotStorage::fill). Each request's step must select at most `slots` distinct ids (its
+  // working set); a larger step is refused, to be served in query groups (query_groups.h).
   SwapResult step(const SwapStep& in);
   // The same, reusing `out`'s buffers (no allocation in steady state).
   void step(const SwapStep& in, SwapResult& out);
@@ -96,6 +98,7 @@ class SwapEngine {
   std::vector<Request*> batch_;        // scratch
   std::vector<std::uint32_t> seen_;    // scratch: token -> epoch, duplicate detection
   std::uint32_t seen_epoch_ = 0;
+  QueryGrouper grouper_;               // scratch: a step's working set
 };
 
 }  // namespace ess

@@ -76,7 +76,7 @@ struct OffloadConfig {
   std::int32_t max_requests = 0;   // pool rows
   int query_tokens = 1;            // T: query tokens per request per step (MTP)
   int topk = 2048;                 // K: ids per query token
-  std::int32_t slots = 0;          // LRU-managed slots per request-layer; must hold a step's working set
+  std::int32_t slots = 0;          // LRU-managed slots per request-layer: at least min(K, max_context)
   bool reserve_newest = false;     // T more rows per request-layer for each step's newest tokens
   std::int64_t max_context = 0;    // longest request, tokens
   std::uint64_t host_bytes = 0;    // Total Memory Pool capacity (0: max_requests x max_context x layers)
@@ -88,7 +88,7 @@ struct OffloadConfig {
   // Layers and entry layout of a model; the rest as given.
   static OffloadConfig for_model(const ModelSpec& model, std::int32_t max_requests, std::int32_t slots,
                                  std::int64_t max_context, int query_tokens = 1);
-  // Throws ess::Error naming the field unless usable (slots below min(T x K, max_context) are refused).
+  // Throws ess::Error naming the field unless usable (slots below min(K, max_context) are refused).
   void validate() const;
   std::int32_t rows_per_request() const { return slots + (reserve_newest ? query_tokens : 0); }
 };
@@ -124,6 +124,13 @@ struct LayerStep {
   // false: decide and fill every output but copy nothing (the fetched rows keep stale bytes:
   // NOT lossless; for benchmarks that take the copy's share out of a step).
   bool fetch = true;
+  // The query group this call serves: query tokens [query_begin, query_end) of the T (0, 0 =
+  // all T). The other query tokens are padding for this call: their outputs are -1 and the
+  // LRU does not see them. A step whose working set exceeds the slots is served one group
+  // after another (Offload::query_groups), the group's attention run before the next group's
+  // step, since that step may evict what the previous group read.
+  int query_begin = 0;
+  int query_end = 0;
 };
 
 // The D2H write-back of the entries the model wrote this step: positions [length - T, length)
@@ -184,6 +191,15 @@ class Offload {
 
   // ---- the per-layer step ----
   void step(const LayerStep& step);
+  // The query groups of a step (ess/cache/query_groups.h): boundaries [0, ..., T] of the
+  // fewest consecutive ranges of the T query tokens whose working sets (distinct ids, the
+  // reserved newest tokens left out) fit the slots at every real position; {0, T} when the
+  // whole step fits. rows [batch], topk [batch][T][K] and lengths [batch] as for step, in host
+  // memory on either backend (kCuda: a copy of the ids; a pool of min(T x K, max_context)
+  // slots never needs more than one group). Throws ess::Error naming a position whose id is
+  // outside [-1, length).
+  std::vector<int> query_groups(int batch, const std::int32_t* rows, const std::int32_t* topk,
+                                const std::int32_t* lengths) const;
   void write_back(const WriteBack& write_back);
 
   // ---- what is where ----

@@ -24,8 +24,8 @@ std::int32_t ExecutorConfig::resolved_slots() const {
 
 namespace {
 
-// The Sparse Memory Pool's own check: the pool must hold one step's working set, min(T x
-// top-k, context) ids, for the swap engine to place every id.
+// The Sparse Memory Pool's own checks, and the rig's: it runs every step whole (no query
+// groups), so the pool must hold a step's largest working set, min(T x top-k, context) ids.
 void check_pool(const ExecutorConfig& c, int topk, int query_tokens) {
   SparsePoolConfig pc;
   pc.num_layers = c.layers;
@@ -35,6 +35,11 @@ void check_pool(const ExecutorConfig& c, int topk, int query_tokens) {
   pc.topk = topk;
   pc.max_context = c.context;
   pc.validate();
+  const std::int64_t whole = std::min<std::int64_t>(std::int64_t{query_tokens} * topk, c.context);
+  ESS_CHECK(pc.slots >= whole,
+            "executor: {} slots per request-layer cannot hold a whole step's working set of up to {} ids "
+            "(T {} x top-k {}, capped by the context); the rig runs steps whole, without query groups",
+            pc.slots, whole, query_tokens, topk);
 }
 
 }  // namespace

@@ -23,6 +23,8 @@ OffloadStepOut cpu_step(Offload& o, const OffloadStepIn& in) {
   s.lengths = in.lengths.data();
   s.physical = out.physical.data();
   s.counts = out.counts.data();
+  s.query_begin = in.query_begin;
+  s.query_end = in.query_end;
   if (in.split) {
     out.resident.assign(n, -7);
     out.fetched.assign(n, -7);

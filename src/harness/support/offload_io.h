@@ -17,6 +17,7 @@ struct OffloadStepIn {
   int batch = 0;
   std::vector<std::int32_t> rows, topk, lengths;
   bool split = false;                             // ask for the DA split
+  int query_begin = 0, query_end = 0;             // LayerStep's query group (0, 0 = all T)
 };
 
 struct OffloadStepOut {

@@ -40,6 +40,8 @@ OffloadStepOut cuda_step(Offload& o, const OffloadStepIn& in) {
   s.lengths = d_len.get();
   s.physical = d_phys.get();
   s.counts = d_counts.get();
+  s.query_begin = in.query_begin;
+  s.query_end = in.query_end;
   if (in.split) {
     s.resident = d_res.get();
     s.fetched = d_fet.get();

@@ -5,31 +5,31 @@
 #include <cstring>
 #include <limits>
 
+#include "ess/cache/query_groups.h"
 #include "ess/cache/total_pool.h"
 #include "ess/core/digest.h"
 #include "ess/core/error.h"
 
 namespace ess {
 
-std::int64_t SparsePoolConfig::max_working_set() const {
-  const std::int64_t tk = static_cast<std::int64_t>(query_tokens) * topk;
-  return max_context > 0 ? std::min(tk, max_context) : tk;
+std::int64_t SparsePoolConfig::min_slots() const {
+  return max_context > 0 ? std::min<std::int64_t>(topk, max_context) : topk;
 }
 
 void SparsePoolConfig::validate() const {
   ESS_CHECK(num_layers > 0, "sparse pool: num_layers = {} must be positive", num_layers);
   layout.validate();
   ESS_CHECK(max_requests > 0, "sparse pool: max_requests = {} must be positive", max_requests);
-  ESS_CHECK(query_tokens > 0, "sparse pool: query_tokens (MTP T) = {} must be positive", query_tokens);
+  ESS_CHECK(query_tokens > 0 && query_tokens <= kMaxQueryTokens, "sparse pool: query_tokens (MTP T) = {} must be in [1, {}]",
+            query_tokens, kMaxQueryTokens);
   ESS_CHECK(topk > 0, "sparse pool: topk = {} must be positive", topk);
   ESS_CHECK(max_context >= 0, "sparse pool: max_context = {} must be >= 0 (0 = unbounded)", max_context);
   ESS_CHECK(slots > 0, "sparse pool: slots = {} must be positive", slots);
-  ESS_CHECK(slots >= max_working_set(),
-            "sparse pool too small: {} slots per request-layer cannot hold one step's working set "
-            "of up to {} entries (T = {} query tokens x top-k {}{}); use at least {} slots",
-            slots, max_working_set(), query_tokens, topk,
-            max_context > 0 ? fmt::format(", capped by max_context {}", max_context) : std::string(),
-            max_working_set());
+  ESS_CHECK(slots >= min_slots(),
+            "sparse pool too small: {} slots per request-layer cannot hold one query token's top-k "
+            "{}{}; use at least {} slots",
+            slots, topk, max_context > 0 ? fmt::format(" (capped by max_context {})", max_context) : std::string(),
+            min_slots());
 }
 
 std::int32_t slots_for_ratio(double ratio, std::int64_t context_length) {

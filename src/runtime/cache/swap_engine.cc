@@ -134,7 +134,15 @@ void SwapEngine::step(const SwapStep& in, SwapResult& out) {
     ESS_CHECK(max_ctx == 0 || len <= max_ctx,
               "swap engine: layer {}: request {} length {} exceeds the sparse pool's max_context {}",
               in.layer, id, len, max_ctx);
-    validate_ids(id, in.layer, in.topk.subspan(b * per_request, per_request), T, K, len, "step");
+    const auto ids = in.topk.subspan(b * per_request, per_request);
+    validate_ids(id, in.layer, ids, T, K, len, "step");
+    if (T > 1) {
+      const std::int64_t distinct = grouper_.union_size(ids, K, 0, T);
+      ESS_CHECK(distinct <= sparse_.slots(),
+                "swap engine: layer {}: request {} (batch position {}): its {} query tokens select {} distinct ids, "
+                "more than its {} slots; serve the step in query groups (ess/cache/query_groups.h)",
+                in.layer, id, b, T, distinct, sparse_.slots());
+    }
   }
   for (std::size_t b = 0; b < B; ++b) {
     reqs[b]->layers[static_cast<std::size_t>(in.layer)].reserve_tokens(in.lengths[b]);  // unobservable

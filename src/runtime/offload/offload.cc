@@ -4,6 +4,7 @@
 
 #include <algorithm>
 
+#include "ess/cache/query_groups.h"
 #include "ess/core/error.h"
 #include "ess/runtime/backend.h"
 #include "runtime/backend/cuda_backend.h"
@@ -32,11 +33,11 @@ void OffloadConfig::validate() const {
   ESS_CHECK(topk >= 1 && topk <= 65536, "offload: topk = {} must be in [1, 65536]", topk);
   ESS_CHECK(max_context >= 1, "offload: max_context = {} must be >= 1", max_context);
   ESS_CHECK(warmup_windows >= 0, "offload: warmup_windows = {} is negative", warmup_windows);
-  const std::int64_t working_set = std::min<std::int64_t>(static_cast<std::int64_t>(query_tokens) * topk, max_context);
-  ESS_CHECK(slots >= working_set && slots >= 1,
-            "offload: {} slots per request-layer cannot hold one step's working set of up to {} entries "
-            "(query_tokens {} x topk {}, max_context {})",
-            slots, working_set, query_tokens, topk, max_context);
+  const std::int64_t floor = std::min<std::int64_t>(topk, max_context);
+  ESS_CHECK(slots >= floor && slots >= 1,
+            "offload: {} slots per request-layer cannot hold one query token's top-k (min(topk {}, max_context {}) "
+            "= {}); a step whose query tokens select more runs in query groups",
+            slots, topk, max_context, floor);
   ESS_CHECK(static_cast<std::int64_t>(max_requests) * rows_per_request() <= std::int64_t{1} << 31,
             "offload: {} requests x {} rows per request exceed the int32 rows of a layer's buffer", max_requests,
             rows_per_request());
@@ -218,7 +219,46 @@ void Offload::step(const LayerStep& s) {
             "offload: step of layer {}: copy_stream and copy_done go together (attention must wait for the copy)",
             s.layer);
   ESS_CHECK(s.part >= 0 && s.part < kParts, "offload: step of layer {}: part {} outside [0, {})", s.layer, s.part, kParts);
-  impl_->backend->step(s);
+  ESS_CHECK((s.query_begin == 0 && s.query_end == 0) ||
+                (s.query_begin >= 0 && s.query_begin < s.query_end && s.query_end <= x.config.query_tokens),
+            "offload: step of layer {}: query group [{}, {}) is not a non-empty range of the {} query tokens "
+            "(0, 0 = all)",
+            s.layer, s.query_begin, s.query_end, x.config.query_tokens);
+  if (s.query_end == 0) {
+    LayerStep all = s;
+    all.query_end = x.config.query_tokens;
+    impl_->backend->step(all);
+  } else {
+    impl_->backend->step(s);
+  }
+}
+
+std::vector<int> Offload::query_groups(int batch, const std::int32_t* rows, const std::int32_t* topk,
+                                       const std::int32_t* lengths) const {
+  const Impl& x = *impl_;
+  const int T = x.config.query_tokens, K = x.config.topk;
+  ESS_CHECK(batch >= 0 && batch <= x.config.max_requests, "offload: query_groups: batch {} outside [0, {}]", batch,
+            x.config.max_requests);
+  ESS_CHECK(batch == 0 || (rows != nullptr && topk != nullptr && lengths != nullptr),
+            "offload: query_groups: rows, topk and lengths are required");
+  const std::size_t P = static_cast<std::size_t>(T) * K;
+  std::vector<std::int32_t> ids(P);
+  QueryGrouper grouper;
+  GroupStarts starts = 0;
+  for (int b = 0; b < batch && T > 1; ++b) {
+    if (rows[b] < 0) continue;
+    const std::int32_t len = lengths[b];
+    for (std::size_t i = 0; i < P; ++i) {
+      const std::int32_t id = topk[static_cast<std::size_t>(b) * P + i];
+      ESS_CHECK(id >= -1 && id < len, "offload: query_groups: position {} query token {} selects token {}, outside [0, {})",
+                b, i / static_cast<std::size_t>(K), id, len);
+      ids[i] = x.config.reserve_newest && id >= len - T ? -1 : id;
+    }
+    // Sub-ranges of a position's groups fit it too, so the union of every position's group
+    // starts serves the whole batch.
+    starts |= grouper.split(ids, T, K, x.config.slots);
+  }
+  return group_bounds(starts, T);
 }
 
 void Offload::write_back(const WriteBack& w) {

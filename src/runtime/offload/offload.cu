@@ -18,6 +18,12 @@ __device__ inline int newest_index(const StepShape& s, std::int32_t id, std::int
 
 __device__ inline bool valid_id(std::int32_t id, std::int32_t len) { return id >= -1 && id < len; }
 
+// Whether position i of a [T][K] row block belongs to the query group.
+__device__ inline bool in_group(const StepShape& s, std::int64_t i) {
+  const auto t = static_cast<int>(i / s.topk);
+  return t >= s.query_begin && t < s.query_end;
+}
+
 __global__ void __launch_bounds__(kThreads) mask_kernel(StepShape s, std::int32_t* masked) {
   const int b = static_cast<int>(blockIdx.x);
   const std::int64_t P = static_cast<std::int64_t>(s.query_tokens) * s.topk;
@@ -25,7 +31,7 @@ __global__ void __launch_bounds__(kThreads) mask_kernel(StepShape s, std::int32_
   const std::int32_t len = s.lengths[b];
   for (std::int64_t i = threadIdx.x; i < P; i += kThreads) {
     const std::int32_t id = s.topk_ids[b * P + i];
-    const bool keep = row >= 0 && valid_id(id, len) && newest_index(s, id, len) < 0;
+    const bool keep = row >= 0 && in_group(s, i) && valid_id(id, len) && newest_index(s, id, len) < 0;
     masked[b * P + i] = keep ? id : -1;
   }
 }
@@ -39,7 +45,7 @@ __global__ void __launch_bounds__(kThreads) finalize_kernel(StepShape s, const s
   for (std::int64_t i = threadIdx.x; i < P; i += kThreads) {
     const std::int32_t id = s.topk_ids[b * P + i];
     std::int32_t slot = -1;
-    if (row >= 0 && id >= 0 && valid_id(id, len)) {
+    if (row >= 0 && id >= 0 && in_group(s, i) && valid_id(id, len)) {
       const int newest = newest_index(s, id, len);
       slot = newest >= 0 ? s.slots + newest : lru_slots[b * P + i];
     }

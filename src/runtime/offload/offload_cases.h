@@ -246,6 +246,157 @@ INSTANTIATE_TEST_SUITE_P(Random, OffloadShapes,
                                          Shape{4, 1, 3, 128, 50, true}, Shape{6, 2, 2, 2048, 2458, true},
                                          Shape{2, 5, 1, 256, 0, false}));
 
+// MTP query rows that overlap by `keep` of K ids with the previous row (the rest fresh, each
+// row's ids distinct, some -1), over [0, limit).
+inline std::vector<std::int32_t> overlapping_rows(int T, int K, std::int64_t limit, int keep, std::mt19937& rng) {
+  std::vector<std::int32_t> out;
+  std::vector<std::int32_t> prev;
+  for (int t = 0; t < T; ++t) {
+    std::set<std::int32_t> row;
+    std::shuffle(prev.begin(), prev.end(), rng);
+    for (std::size_t i = 0; i < prev.size() && static_cast<int>(row.size()) < keep; ++i) row.insert(prev[i]);
+    while (static_cast<std::int64_t>(row.size()) < std::min<std::int64_t>(K, limit)) {
+      row.insert(static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(limit)));
+    }
+    prev.assign(row.begin(), row.end());
+    std::vector<std::int32_t> r(prev);
+    std::shuffle(r.begin(), r.end(), rng);
+    r.resize(static_cast<std::size_t>(K), -1);
+    if (rng() % 3 == 0) r[static_cast<std::size_t>(rng() % static_cast<std::uint64_t>(K))] = -1;
+    out.insert(out.end(), r.begin(), r.end());
+  }
+  return out;
+}
+
+// A pool of fewer than T x K slots: a step whose query tokens select more distinct ids than it
+// holds runs in the groups Offload::query_groups gives (greedy: each fits every position, and
+// would not fit with the next query token at some position), each group one LRU step that
+// matches the model bit for bit, its rows lossless, the other query tokens padding.
+TEST(OffloadQueryGroups, AStepLargerThanThePoolRunsGroupByGroupLosslessly) {
+  ESS_REQUIRE_BACKEND(harness().info);
+  for (const bool reserve : {false, true}) {
+    SCOPED_TRACE(fmt::format("reserve_newest {}", reserve));
+    const int T = 4, K = 48, R = 3, steps = 8;
+    const std::int32_t S = K + 20;  // far below T x K
+    const std::int64_t prompt = 500;
+    OffloadConfig c;
+    c.layers = 1;
+    c.layout = test::small_layout();
+    c.max_requests = R + 1;
+    c.query_tokens = T;
+    c.topk = K;
+    c.slots = S;
+    c.reserve_newest = reserve;
+    c.max_context = prompt + steps * T;
+    c.backend = harness().backend;
+    Offload o(c);
+    const std::size_t E = c.layout.bytes();
+    const std::int32_t rpr = c.rows_per_request();
+    std::mt19937 rng(reserve ? 11u : 5u);
+    std::vector<ModelRequest> reqs(static_cast<std::size_t>(R));
+    for (int i = 0; i < R; ++i) {
+      ModelRequest& m = reqs[static_cast<std::size_t>(i)];
+      m.id = 40 + i;
+      m.length = prompt;
+      m.row = o.admit(m.id, prompt);
+      for (std::int64_t t = 0; t < prompt; ++t) {
+        const auto e = entry_of(m.id, 0, t, E);
+        std::memcpy(o.host_entry(m.id, 0, t).data(), e.data(), E);
+      }
+      m.lru.emplace_back(S);
+    }
+    int split_steps = 0, whole_steps = 0;
+    for (int step = 0; step < steps; ++step) {
+      SCOPED_TRACE(fmt::format("step {}", step));
+      StepIn in;
+      in.batch = R + 1;
+      in.split = true;
+      const std::size_t P = static_cast<std::size_t>(T) * K;
+      for (ModelRequest& m : reqs) {
+        o.extend(m.id, T);
+        for (int t = 0; t < T; ++t) {
+          const auto e = entry_of(m.id, 0, m.length + t, E);
+          std::memcpy(o.host_entry(m.id, 0, m.length + t).data(), e.data(), E);
+          if (reserve) io().write_row(o, 0, m.row * rpr + S + t, e);
+        }
+        m.length += T;
+        // Mostly overlapping rows on even steps (the step fits whole), little overlap on odd ones.
+        auto ids = overlapping_rows(T, K, reserve ? m.length - T : m.length, step % 2 == 0 ? K - 4 : K / 4, rng);
+        if (reserve) ids[1] = static_cast<std::int32_t>(m.length - 1);  // a newest token, outside the LRU
+        in.rows.push_back(m.row);
+        in.lengths.push_back(static_cast<std::int32_t>(m.length));
+        in.topk.insert(in.topk.end(), ids.begin(), ids.end());
+      }
+      in.rows.insert(in.rows.begin() + 1, -1);  // a padded position
+      in.lengths.insert(in.lengths.begin() + 1, 0);
+      in.topk.insert(in.topk.begin() + static_cast<std::ptrdiff_t>(P), P, 3);
+      const std::vector<int> bounds = o.query_groups(in.batch, in.rows.data(), in.topk.data(), in.lengths.data());
+      ASSERT_GE(bounds.size(), 2u);
+      ASSERT_EQ(bounds.front(), 0);
+      ASSERT_EQ(bounds.back(), T);
+      (bounds.size() > 2 ? split_steps : whole_steps) += 1;
+      // Each position's ids the LRU sees in query rows [first, last).
+      auto lru_ids = [&](int b, int first, int last) {
+        std::vector<std::int32_t> v(P, -1);
+        const std::int64_t newest = in.lengths[static_cast<std::size_t>(b)] - T;
+        for (std::size_t i = static_cast<std::size_t>(first) * K; i < static_cast<std::size_t>(last) * K; ++i) {
+          const std::int32_t id = in.topk[static_cast<std::size_t>(b) * P + i];
+          v[i] = reserve && id >= newest ? -1 : id;
+        }
+        return v;
+      };
+      auto distinct = [](const std::vector<std::int32_t>& v) {
+        std::set<std::int32_t> d(v.begin(), v.end());
+        d.erase(-1);
+        return d.size();
+      };
+      for (std::size_t g = 0; g + 1 < bounds.size(); ++g) {
+        const int first = bounds[g], last = bounds[g + 1];
+        SCOPED_TRACE(fmt::format("query group [{}, {})", first, last));
+        bool next_fits_everywhere = true;
+        for (int b = 0; b < in.batch; ++b) {
+          if (in.rows[static_cast<std::size_t>(b)] < 0) continue;
+          EXPECT_LE(distinct(lru_ids(b, first, last)), static_cast<std::size_t>(S)) << "position " << b;
+          if (last < T && distinct(lru_ids(b, first, last + 1)) > static_cast<std::size_t>(S)) next_fits_everywhere = false;
+        }
+        EXPECT_FALSE(last < T && next_fits_everywhere) << "the group could have taken query token " << last;
+        in.query_begin = first;
+        in.query_end = last;
+        const StepOut got = io().step(o, in);
+        const std::vector<std::uint8_t> buf = io().dump(o, 0);
+        for (int b = 0; b < in.batch; ++b) {
+          const auto bz = static_cast<std::size_t>(b);
+          const std::span<const std::int32_t> phys(got.physical.data() + bz * P, P);
+          if (in.rows[bz] < 0) {
+            EXPECT_TRUE(std::all_of(phys.begin(), phys.end(), [](std::int32_t p) { return p == -1; }));
+            continue;
+          }
+          ModelRequest& m = *std::find_if(reqs.begin(), reqs.end(), [&](const ModelRequest& r) { return r.row == in.rows[bz]; });
+          const std::vector<std::int32_t> masked = lru_ids(b, first, last);
+          std::vector<std::pair<std::int32_t, std::int32_t>> fills;
+          const std::vector<std::int32_t> slots = m.lru[0].step(masked, fills);
+          for (std::size_t i = 0; i < P; ++i) {
+            const std::int32_t id = in.topk[bz * P + i];
+            const bool mine = i >= static_cast<std::size_t>(first) * K && i < static_cast<std::size_t>(last) * K;
+            std::int32_t want = -1;
+            if (mine && masked[i] >= 0) want = m.row * rpr + slots[i];
+            if (mine && id >= 0 && masked[i] < 0) want = m.row * rpr + S + static_cast<std::int32_t>(id - (m.length - T));  // reserved newest
+            ASSERT_EQ(phys[i], want) << "position " << b << " index " << i << " token " << id;
+            if (want < 0) continue;
+            const auto e = entry_of(m.id, 0, id, E);
+            ASSERT_EQ(0, std::memcmp(buf.data() + o.buffer().rows.offset(want), e.data(), E))
+                << "position " << b << " token " << id << " row " << want;
+          }
+          EXPECT_EQ(got.counts[2 * bz + 1], static_cast<std::int32_t>(fills.size())) << "position " << b;
+          EXPECT_EQ(got.counts[2 * bz], static_cast<std::int32_t>(distinct(masked) - fills.size())) << "position " << b;
+        }
+      }
+    }
+    EXPECT_GT(split_steps, 0);
+    EXPECT_GT(whole_steps, 0);
+  }
+}
+
 // The write-back copies each position's T newest entries from the reserved rows (or from the
 // rows the engine names) into the host pool; padded positions are skipped.
 TEST(OffloadWriteBack, CopiesTheNewestEntriesToTheHostPool) {

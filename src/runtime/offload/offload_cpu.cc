@@ -64,7 +64,8 @@ class CpuOffload final : public OffloadBackend {
     const int T = c.query_tokens, K = c.topk;
     const std::size_t P = static_cast<std::size_t>(T) * K;
     // Validate and gather the real positions, every id masked where it is a reserved newest
-    // token; nothing changes until the swap engine has accepted the whole batch.
+    // token or outside the query group; nothing changes until the swap engine has accepted
+    // the whole batch.
     requests_.clear();
     positions_.clear();
     lengths_.clear();
@@ -81,6 +82,10 @@ class CpuOffload final : public OffloadBackend {
                 s.layer, b, id, s.lengths[b], len);
       const std::int32_t* ids = s.topk + static_cast<std::size_t>(b) * P;
       for (int t = 0; t < T; ++t) {
+        if (t < s.query_begin || t >= s.query_end) {  // outside this call's query group: padding
+          ids_.insert(ids_.end(), static_cast<std::size_t>(K), -1);
+          continue;
+        }
         std::unordered_set<std::int64_t> newest_seen;
         for (int k = 0; k < K; ++k) {
           const std::size_t i = static_cast<std::size_t>(t) * K + k;

@@ -149,6 +149,8 @@ class CudaOffload final : public OffloadBackend {
     shape.slots = c.slots;
     shape.rows_per_request = rpr_;
     shape.reserve_newest = c.reserve_newest;
+    shape.query_begin = s.query_begin;
+    shape.query_end = s.query_end;
     shape.rows = s.rows;
     shape.topk_ids = s.topk;
     shape.lengths = s.lengths;

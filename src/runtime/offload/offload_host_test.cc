@@ -111,6 +111,24 @@ TEST(OffloadCpu, BadInputIsRefusedByNameAndChangesNothing) {
         o.step(s);
       },
       "copy_stream and copy_done go together");
+  refused(
+      [&] {
+        std::vector<std::int32_t> rows = {o.row(5)}, topk = good, lengths = {100};
+        LayerStep s;
+        s.batch = 1;
+        s.rows = rows.data();
+        s.topk = topk.data();
+        s.lengths = lengths.data();
+        s.physical = phys.data();
+        s.query_begin = 1;
+        s.query_end = 1;
+        o.step(s);
+      },
+      "query group [1, 1) is not a non-empty range of the 2 query tokens");
+  refused([&] {
+    const std::vector<std::int32_t> rows = {o.row(5)}, topk = {1, 2, 3, 4, 5, 6, 7, 100}, lengths = {100};
+    (void)o.query_groups(1, rows.data(), topk.data(), lengths.data());
+  }, "position 0 query token 1 selects token 100, outside [0, 100)");
   refused([&] { o.admit(5, 10); }, "already admitted");
   refused([&] { o.admit(8, 301); }, "prompt length 301");
   refused([&] { o.admit(8, 10, o.row(5)); }, "holds request 5");                                 // a taken row
@@ -133,6 +151,45 @@ TEST(OffloadCpu, BadInputIsRefusedByNameAndChangesNothing) {
   o.release(9);
   EXPECT_EQ(o.admit(10, 10, freed), freed);
   EXPECT_EQ(o.row(10), freed);
+}
+
+// A step whose query tokens select more distinct ids than the slots is refused whole, changing
+// nothing; its query groups run.
+TEST(OffloadCpu, AWholeStepLargerThanThePoolIsRefusedItsGroupsRun) {
+  OffloadConfig c;
+  c.layers = 1;
+  c.layout = test::small_layout();
+  c.max_requests = 2;
+  c.query_tokens = 2;
+  c.topk = 4;
+  c.slots = 5;
+  c.max_context = 100;
+  Offload o(c);
+  o.admit(3, 50);
+  const std::vector<std::int32_t> rows = {o.row(3)}, lengths = {50};
+  const std::vector<std::int32_t> topk = {0, 1, 2, 3, 3, 4, 5, 6};  // 7 distinct ids
+  std::vector<std::int32_t> phys(8, -7);
+  LayerStep s;
+  s.batch = 1;
+  s.rows = rows.data();
+  s.topk = topk.data();
+  s.lengths = lengths.data();
+  s.physical = phys.data();
+  const std::uint64_t before = digest(o, {3});
+  const std::string e = test::error_of([&] { o.step(s); });
+  EXPECT_NE(e.find("its 2 query tokens select 7 distinct ids, more than its 5 slots"), std::string::npos) << e;
+  EXPECT_EQ(digest(o, {3}), before);
+  EXPECT_EQ(o.query_groups(1, rows.data(), topk.data(), lengths.data()), (std::vector<int>{0, 1, 2}));
+  s.query_begin = 0;
+  s.query_end = 1;
+  o.step(s);
+  EXPECT_EQ(phys[4], -1);  // outside the group: padding
+  s.query_begin = 1;
+  s.query_end = 2;
+  o.step(s);
+  EXPECT_EQ(phys[0], -1);
+  for (int k = 4; k < 8; ++k) EXPECT_GE(phys[static_cast<std::size_t>(k)], 0);
+  EXPECT_EQ(o.stats().misses, 4 + 3);  // token 3 stayed resident across the groups
 }
 
 // An engine's own host memory: the allocator hands out one region of a buffer the engine
@@ -197,10 +254,11 @@ TEST(OffloadCpu, ConfigurationErrorsNameTheField) {
   c.max_requests = 2;
   c.query_tokens = 2;
   c.topk = 2048;
-  c.slots = 4000;
+  c.slots = 2000;
   c.max_context = 32768;
-  EXPECT_NE(test::error_of([&] { Offload o(c); }).find("4000 slots per request-layer cannot hold"), std::string::npos);
-  c.slots = 4096;
+  EXPECT_NE(test::error_of([&] { Offload o(c); }).find("2000 slots per request-layer cannot hold one query token's top-k"),
+            std::string::npos);
+  c.slots = 2048;  // below T x K: steps that select more run in query groups
   c.backend = Backend::kCuda;
   if (!cuda_backend_built()) {
     EXPECT_NE(test::error_of([&] { Offload o(c); }).find("CUDA backend is not part of this build"), std::string::npos);

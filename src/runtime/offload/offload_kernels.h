@@ -14,13 +14,14 @@ struct StepShape {
   int batch = 0, query_tokens = 1, topk = 0;
   std::int32_t slots = 0, rows_per_request = 0;
   bool reserve_newest = false;
+  int query_begin = 0, query_end = 1;     // the query group served; other query tokens are padding
   const std::int32_t* rows = nullptr;     // [B], -1 = padded
   const std::int32_t* topk_ids = nullptr; // [B][T][K]
   const std::int32_t* lengths = nullptr;  // [B]
 };
 
-// The ids the LRU sees: padding, invalid ids (outside [-1, length)) and, with
-// reserve_newest, a position's T newest tokens become -1.
+// The ids the LRU sees: padding, invalid ids (outside [-1, length)), query tokens outside the
+// group and, with reserve_newest, a position's T newest tokens become -1.
 int launch_mask_ids(const StepShape& s, std::int32_t* masked, Stream stream);
 // Each id's slot among its request's rows (the LRU's slot, or slots + t for the t-th newest
 // token) and its physical row (row x rows_per_request + slot); -1 where there is none.

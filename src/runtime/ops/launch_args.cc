@@ -141,8 +141,6 @@ std::string check_args(const GpuSwapConfig& c) {
   k.require(c.rows > 0 && c.layers > 0 && c.slots > 0 && c.max_positions > 0,
             "rows {}, layers {}, slots {}, max_positions {} must be positive", c.rows, c.layers, c.slots,
             c.max_positions)
-      .require(c.slots >= c.max_positions, "{} slots cannot hold a working set of up to {} entries", c.slots,
-               c.max_positions)
       .require(c.device >= 0, "device = {} is negative", c.device);
   return k.error();
 }

@@ -158,11 +158,15 @@ __global__ void __launch_bounds__(kThreads, 1) swap_step_kernel(GpuSwapStep p, i
         }
       });
   const int hits = S - non_hits;
-  for (int m = tid; m < n_miss; m += kThreads) sh.flag[sh.victim[m]] = 1;
+  // A working set larger than the pool (a step not split into query groups) is a caller
+  // error the host cannot see: the misses past the free slots get no slot (their rows read
+  // as padding, -1) rather than a slot another miss holds.
+  const int n_fill = min(n_miss, non_hits);
+  for (int m = tid; m < n_fill; m += kThreads) sh.flag[sh.victim[m]] = 1;
   __syncthreads();
 
   // 5. Fill: miss m takes victim m.
-  for (int m = tid; m < n_miss; m += kThreads) {
+  for (int m = tid; m < n_fill; m += kThreads) {
     const std::int32_t v = sh.victim[m];
     const std::int32_t tok = sh.miss_tok[m];
     token_of_slot[v] = tok;
@@ -180,11 +184,12 @@ __global__ void __launch_bounds__(kThreads, 1) swap_step_kernel(GpuSwapStep p, i
   // 6. Slot ids for every position.
   for (int i = tid; i < P; i += kThreads) {
     const std::int32_t tok = ids[i];
-    p.slot_ids[static_cast<std::int64_t>(b) * P + i] = tok < 0 ? -1 : sh.slot[hash_find(sh.key, tok, mask)];
+    const std::int32_t slot = tok < 0 ? -1 : sh.slot[hash_find(sh.key, tok, mask)];
+    p.slot_ids[static_cast<std::int64_t>(b) * P + i] = slot < 0 ? -1 : slot;
   }
 
   // 7. The working set becomes the most recent, in ascending slot order.
-  const int ws = hits + n_miss;
+  const int ws = hits + n_fill;
   const std::int32_t clock = clock_all[state];
   scan_tiles(
       scan_tmp, S, [&](int s, int&) { return sh.flag[s] != 0; },
@@ -195,7 +200,7 @@ __global__ void __launch_bounds__(kThreads, 1) swap_step_kernel(GpuSwapStep p, i
   if (tid == 0) {
     clock_all[state] = clock + 1;
     p.counts[2 * b] = hits;
-    p.counts[2 * b + 1] = n_miss;
+    p.counts[2 * b + 1] = n_fill;
   }
 }
 

@@ -28,7 +28,10 @@ struct GpuSwapConfig {
   int rows = 0;              // Sparse Memory Pool rows (requests)
   int layers = 0;
   std::int32_t slots = 0;    // per request-layer
-  int max_positions = 4096;  // largest T x K per launch (shared-memory hash is sized for it)
+  // Largest T x K per launch (the shared-memory hash is sized for it). It may exceed `slots`:
+  // a request's step then selects at most `slots` distinct ids (query groups); past them,
+  // misses get no slot.
+  int max_positions = 4096;
   int device = 0;
 };
 
