@@ -274,6 +274,7 @@ stage_kernels() {
   ess_run kernels indexer-128k bench indexer --format json --requests 16 --context 131072
   ess_run kernels verify-cuda verify --backend cuda --format json
   ess_run kernels verify-cuda-reserved verify --backend cuda --reserve-newest --mtp 3 --format json
+  ess_run kernels verify-cuda-groups verify --backend cuda --mtp 4 --topk 128 --slots 160 --format json
 }
 
 stage_step() {

@@ -52,6 +52,32 @@ TEST(VerifyLoop, ReservedNewestRowsAndTheWriteBackAreLossless) {
   EXPECT_LT(r.misses, plain.misses);  // the newest tokens never miss
 }
 
+// A pool below T x K: steps whose query tokens select more distinct ids than it holds run in
+// query groups, stay bit-identical, and are counted; a pool that holds T x K never splits.
+TEST(VerifyLoop, StepsLargerThanThePoolRunInQueryGroupsLosslessly) {
+  for (const bool reserve : {false, true}) {
+    VerifyConfig c = small();
+    c.mtp = 4;
+    c.slots = 40;  // K 32 <= 40 < T x K 128
+    c.query_drift = 0.4;
+    c.reserve_newest = reserve;
+    const VerifyReport r = run_verify(ModelSpec::deepseek_v32_exp(), c);
+    EXPECT_TRUE(r.bitwise_equal) << r.first_mismatch;
+    EXPECT_EQ(r.compared_outputs, 2 * 2 * 6 * 4);
+    EXPECT_GT(r.split_steps, 0);
+    EXPECT_LE(r.split_steps, 2 * 2 * 6);
+    EXPECT_GE(r.group_calls, 1);
+    c.inject_fault = true;  // the check still sees a flipped bit in a split step
+    EXPECT_FALSE(run_verify(ModelSpec::deepseek_v32_exp(), c).bitwise_equal);
+  }
+  VerifyConfig whole = small();
+  whole.mtp = 4;
+  whole.slots = 128;
+  const VerifyReport r = run_verify(ModelSpec::deepseek_v32_exp(), whole);
+  EXPECT_EQ(r.split_steps, 0);
+  EXPECT_EQ(r.group_calls, 0);
+}
+
 TEST(VerifyLoop, TheCheckCanFail) {
   VerifyConfig c = small();
   c.inject_fault = true;  // one flipped bit in one slot

@@ -36,7 +36,10 @@ void add_verify(CLI::App& app, int& exit_code) {
   cmd->add_option("--steps,-s", c.steps, "Decode steps")->capture_default_str();
   cmd->add_option("--mtp,-t", c.mtp, "Query tokens per request per step (MTP T)")->capture_default_str();
   cmd->add_option("--topk,-k", c.topk, "Entries each query token selects")->capture_default_str();
-  auto* slots = cmd->add_option("--slots", c.slots, "Sparse Memory Pool slots per request-layer");
+  auto* slots = cmd->add_option(
+      "--slots", c.slots,
+      "Sparse Memory Pool slots per request-layer (at least top-k; below T x top-k, steps whose query tokens select "
+      "more distinct ids run in query groups)");
   cmd->add_option("--ratio", c.ratio, "Sparse Memory Ratio: slots = ceil(ratio x context)")
       ->capture_default_str()
       ->excludes(slots);

@@ -33,6 +33,9 @@ std::string to_table(const ModelSpec& model, const VerifyConfig& c, const Verify
              total > 0 ? 100.0 * static_cast<double>(r.hits) / total : 0.0,
              static_cast<double>(r.misses) / (request_steps * std::max(c.layers, 1)));
   add("misses per step (all requests and layers): {}\n", fmt::join(r.misses_per_step, " "));
+  add("split steps: {} of {} request-layer-steps selected more distinct ids than the {} slots and ran in query "
+      "groups ({} extra step calls)\n",
+      r.split_steps, static_cast<std::int64_t>(c.requests) * c.layers * r.steps, r.slots, r.group_calls);
   if (r.bitwise_equal) {
     add("lossless: all {} attention outputs (bf16 output + fp32 LSE) are bit-identical to the "
                "all-resident cache, and every host pool entry to the generated one  [{:.2f} s]\n",
@@ -62,6 +65,8 @@ nlohmann::json to_json(const ModelSpec& model, const VerifyConfig& c, const Veri
       {"hits", r.hits},
       {"misses", r.misses},
       {"warmup_fills", r.warmup_fills},
+      {"split_steps", r.split_steps},
+      {"group_calls", r.group_calls},
       {"per_layer_misses", per_layer_misses},
       {"per_layer", per_layer},
       {"misses_per_step", r.misses_per_step},

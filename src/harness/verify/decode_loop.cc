@@ -5,6 +5,7 @@
 #include <cstring>
 #include <random>
 
+#include "ess/cache/query_groups.h"
 #include "ess/cache/sparse_pool.h"
 #include "ess/core/error.h"
 #include "ess/core/files.h"
@@ -81,6 +82,8 @@ class Loop {
   const std::uint8_t* row_bytes(int layer, std::int32_t p);
   void compare_attention(RequestId id, int layer, int t, std::span<const std::int32_t> token_ids,
                          std::span<const std::int32_t> rows, std::int64_t step);
+  // Counts the positions whose own working set (reserved newest tokens left out) exceeds the slots.
+  void count_split_steps(const harness::OffloadStepIn& in, std::int32_t slots);
 
   const ModelSpec& model_;
   VerifyConfig cfg_;
@@ -94,8 +97,23 @@ class Loop {
   std::vector<std::uint8_t> device_rows_;        // kCuda: the layer's buffer read back once per step
   int device_rows_layer_ = -1;
   std::vector<std::vector<LayerState>> state_;  // [request][layer]
+  QueryGrouper grouper_;
+  std::vector<std::int32_t> lru_ids_;           // scratch: one position's ids as the LRU sees them
   VerifyReport report_;
 };
+
+void Loop::count_split_steps(const harness::OffloadStepIn& in, std::int32_t slots) {
+  const int T = cfg_.mtp, K = cfg_.topk;
+  const std::size_t P = static_cast<std::size_t>(T) * K;
+  for (int b = 0; b < in.batch; ++b) {
+    const std::int32_t newest = in.lengths[static_cast<std::size_t>(b)] - T;
+    lru_ids_.assign(in.topk.begin() + static_cast<std::ptrdiff_t>(b * P), in.topk.begin() + static_cast<std::ptrdiff_t>((b + 1) * P));
+    if (cfg_.reserve_newest) {
+      for (std::int32_t& id : lru_ids_) id = id >= newest ? -1 : id;
+    }
+    if (grouper_.union_size(lru_ids_, K, 0, T) > slots) ++report_.split_steps;
+  }
+}
 
 std::vector<std::uint8_t> Loop::append_token(RequestId id, std::int64_t token) {
   std::vector<float> nope(static_cast<std::size_t>(latent_.nope_dim));
@@ -278,28 +296,37 @@ VerifyReport Loop::run() {
         }
       }
       in.layer = l;
-      const harness::OffloadStepOut out = io_->step(o, in);
-      if (cfg_.reserve_newest) io_->write_back(o, l, rows, in.lengths, {});
-      device_rows_layer_ = -1;
-      if (cfg_.inject_fault && s == cfg_.steps - 1 && l == L - 1) {
-        // Flip one bit of the first selected row of request 0: the check below must notice.
-        const std::int32_t p = out.physical[0];
-        ESS_ASSERT(p >= 0, "fault injection needs a selected first position");
-        std::vector<std::uint8_t> bytes = o.read_row(l, p);
-        bytes[3] ^= 0x01;
-        io_->write_row(o, l, p, bytes);
-      }
+      count_split_steps(in, slots);
+      // One call per query group (one for a step whose working set fits the pool), each
+      // group's attention before the next group's fetch may evict what it read.
+      const std::vector<int> groups = o.query_groups(B, in.rows.data(), in.topk.data(), in.lengths.data());
+      report_.group_calls += static_cast<std::int64_t>(groups.size()) - 2;
       auto& pl = report_.per_layer[static_cast<std::size_t>(l)];
-      for (int b = 0; b < B; ++b) {
-        pl.hits += out.counts[2 * static_cast<std::size_t>(b)];
-        pl.misses += out.counts[2 * static_cast<std::size_t>(b) + 1];
-        step_misses += out.counts[2 * static_cast<std::size_t>(b) + 1];
-        for (int t = 0; t < T; ++t) {
-          const std::size_t off = (static_cast<std::size_t>(b) * T + t) * K;
-          compare_attention(b, l, t, std::span<const std::int32_t>(in.topk).subspan(off, K),
-                            std::span<const std::int32_t>(out.physical).subspan(off, K), s);
+      for (std::size_t g = 0; g + 1 < groups.size(); ++g) {
+        in.query_begin = groups[g];
+        in.query_end = groups[g + 1];
+        const harness::OffloadStepOut out = io_->step(o, in);
+        device_rows_layer_ = -1;
+        if (cfg_.inject_fault && s == cfg_.steps - 1 && l == L - 1 && g == 0) {
+          // Flip one bit of the first selected row of request 0: the check below must notice.
+          const std::int32_t p = out.physical[0];
+          ESS_ASSERT(p >= 0, "fault injection needs a selected first position");
+          std::vector<std::uint8_t> bytes = o.read_row(l, p);
+          bytes[3] ^= 0x01;
+          io_->write_row(o, l, p, bytes);
+        }
+        for (int b = 0; b < B; ++b) {
+          pl.hits += out.counts[2 * static_cast<std::size_t>(b)];
+          pl.misses += out.counts[2 * static_cast<std::size_t>(b) + 1];
+          step_misses += out.counts[2 * static_cast<std::size_t>(b) + 1];
+          for (int t = groups[g]; t < groups[g + 1]; ++t) {
+            const std::size_t off = (static_cast<std::size_t>(b) * T + t) * K;
+            compare_attention(b, l, t, std::span<const std::int32_t>(in.topk).subspan(off, K),
+                              std::span<const std::int32_t>(out.physical).subspan(off, K), s);
+          }
         }
       }
+      if (cfg_.reserve_newest) io_->write_back(o, l, rows, in.lengths, {});
     }
     report_.misses_per_step.push_back(step_misses);
     report_progress(warmed() + static_cast<std::size_t>(s) + 1);

@@ -3,8 +3,9 @@
 // by side with the all-resident path and checks they agree bit for bit.
 //
 // Per step and layer: indexer (reference kernel) -> top-k -> Offload::step (swap decision,
-// misses fetched from the Total Memory Pool into the layer buffer's rows) -> sparse MLA
-// (reference kernel) over the rows it returns; and, with the same top-k ids, sparse MLA over
+// misses fetched from the Total Memory Pool into the layer buffer's rows; once per query
+// group when the step's working set exceeds the pool) -> sparse MLA (reference kernel) over
+// the rows it returns; and, with the same top-k ids, sparse MLA over
 // the full cache, a copy of every entry the loop generated, kept apart from the Offload. With
 // reserve_newest, each step's new entries are written into the reserved rows and reach the
 // host pool by Offload::write_back, so the write-back is checked too. The inputs are random;
@@ -62,6 +63,11 @@ struct VerifyReport {
   std::int64_t hits = 0;
   std::int64_t misses = 0;
   std::int64_t warmup_fills = 0;
+  // Request-layer-steps whose working set (the union of the T query tokens' top-k) exceeded
+  // the slots, served in query groups; and the step calls beyond one per layer-step that the
+  // batch's query groups took.
+  std::int64_t split_steps = 0;
+  std::int64_t group_calls = 0;
   std::vector<VerifyLayerStats> per_layer;
   std::vector<std::int64_t> misses_per_step;  // summed over requests and layers
   std::string first_mismatch;                 // where, when not bitwise equal
