@@ -118,9 +118,23 @@ TEST(Analyzer, MtpWorkingSetIsTheUnionOfTheQueryTokensTopk) {
   EXPECT_EQ(j["working_set"]["groups"][0]["max"], 4);
   EXPECT_EQ(miss_profile_json(r, "lru")["contexts"][0]["working_set"]["max"], 4);
   EXPECT_NE(to_table(r).find("mean 3.3, p99 4, max 4"), std::string::npos) << to_table(r);
-  // A pool below the largest working set cannot serve the step, and says so.
+  EXPECT_EQ(r.pools[0].policies[0].overall.split_fraction, 0);
+  // A pool of 3 slots serves step 0 (4 distinct ids) in two query groups, as the engine does:
+  // {0,1,2} misses 3, then {1,2,3} misses token 3 (evicting 0); step 1 misses 0 again; step 2 misses
+  // 4, 5, 6. Belady has no better choice here.
   c.slots = {3};
-  expect_error([&] { analyze(trace, c); }, {"3 slots", "4 distinct ids"});
+  c.policies = {"lru", "belady"};
+  const auto split = analyze(trace, c);
+  for (const auto& q : split.pools[0].policies) {
+    EXPECT_DOUBLE_EQ(q.overall.mean_misses, (4 + 1 + 3) / 3.0) << q.name;
+    EXPECT_DOUBLE_EQ(q.overall.split_fraction, 1 / 3.0) << q.name;
+  }
+  EXPECT_EQ(to_json(split)["policies"]["lru"]["split_fraction"], 1 / 3.0);
+  EXPECT_NE(to_table(split).find("33.33% of steady-state request-layer-steps exceed the pool"), std::string::npos)
+      << to_table(split);
+  // A pool below one query token's top-k cannot serve the step, and says so.
+  c.slots = {2};
+  expect_error([&] { analyze(trace, c); }, {"2 slots", "one query token's top-k (3 distinct ids)"});
 }
 
 TEST(Analyzer, JsonHasTheDocumentedFields) {
@@ -145,7 +159,7 @@ TEST(Analyzer, BadConfigurationsAreErrors) {
   const TraceReader trace(hand_trace());
   auto c = hand_config();
   c.slots = {1};
-  expect_error([&] { analyze(trace, c); }, {"pool of 1 slots", "largest step working set (2"});
+  expect_error([&] { analyze(trace, c); }, {"pool of 1 slots", "one query token's top-k (2 distinct ids)"});
   c = hand_config();
   c.slots.clear();
   c.ratios = {1.5};

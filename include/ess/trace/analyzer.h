@@ -9,7 +9,9 @@
 //   * intra-layer similarity: |WS(s) n WS(s-1)| / |WS(s)|, same request-layer, steps s >= 1;
 //   * inter-layer similarity: |WS_l(s) n WS_{l-1}(s)| / |WS_l(s)|, same request-step, l >= 1;
 //   * steady state: decode steps >= steady_from (warm-up windows are never counted as misses);
-//   * slots of a request: given explicitly, or ceil(ratio x context);
+//   * slots of a request: given explicitly, or ceil(ratio x context); at least one query
+//     token's top-k. A step whose working set exceeds them is replayed in query groups
+//     (ess/cache/query_groups.h), each group one policy step, as the engine runs it;
 //   * policies: lru (cold start), lru_warmup (LRU-Warmup with the trace's prefill top-k),
 //     fifo, clock, lfu, s3fifo and belady (the offline optimum); all but `lru` start with the
 //     warm-up windows when the trace has them and warmup is on;
@@ -57,6 +59,9 @@ struct GroupStats {               // one policy, one pool size, one group of req
   double mean_misses = 0;         // steady state, per request-layer-step
   double mean_misses_all = 0;     // all decode steps
   double hit_rate = 0;            // steady state, hits / working set
+  // Steady state: the request-layer-steps whose working set exceeded the slots, served in
+  // query groups (ess/cache/query_groups.h; every policy splits the same steps).
+  double split_fraction = 0;
   std::vector<double> per_layer;  // steady-state mean misses per request-step
   std::vector<double> per_step;   // mean misses per request-layer at each decode step
   // Steady-state distribution per layer over request-steps (the miss profile).
@@ -89,7 +94,8 @@ struct Recommendation {
 };
 
 // The MTP working set: the distinct ids one request-layer-step reads, i.e. the union of its T
-// query tokens' top-k sets (at most T x K), over every decode step. A pool must hold it.
+// query tokens' top-k sets (at most T x K), over every decode step. A pool that holds it
+// never splits a step.
 struct WorkingSetStats {
   std::int64_t context = 0;  // 0 = all requests
   double mean = 0, p99 = 0;

@@ -139,7 +139,8 @@ std::int32_t slots_for(const RequestView& r, double ratio) {
 }
 
 // The pool sizes to replay (the ratios, default 0.2, or the slot counts), each checked to hold
-// every request's largest step working set.
+// one query token's top-k of every request (a step whose working set exceeds the pool is
+// replayed in query groups).
 std::vector<Pool> make_pools(const TraceReader& trace, const AnalyzeConfig& cfg, const std::vector<std::int64_t>& max_ws) {
   const auto R = trace.requests();
   std::vector<Pool> pools;
@@ -159,13 +160,16 @@ std::vector<Pool> make_pools(const TraceReader& trace, const AnalyzeConfig& cfg,
       pools.push_back(std::move(p));
     }
   }
+  const std::int64_t K = trace.meta().topk;
   for (const auto& p : pools) {
     for (std::size_t i = 0; i < R; ++i) {
-      ESS_CHECK(p.per_request[i] >= max_ws[i],
-                "{}: request {} (context {}): a pool of {} slots{} is smaller than its largest step working set ({} "
-                "distinct ids); use a larger pool",
+      // A query row holds at most K ids and at most the step's distinct ids.
+      const std::int64_t floor = std::min(K, max_ws[i]);
+      ESS_CHECK(p.per_request[i] >= floor,
+                "{}: request {} (context {}): a pool of {} slots{} cannot hold one query token's top-k ({} distinct "
+                "ids); use at least {} slots",
                 trace.path(), i, trace.request(i).context, p.per_request[i],
-                p.ratio ? fmt::format(" (ratio {})", *p.ratio) : std::string(), max_ws[i]);
+                p.ratio ? fmt::format(" (ratio {})", *p.ratio) : std::string(), floor, floor);
     }
   }
   return pools;
@@ -247,7 +251,7 @@ GroupStats group_stats(const TraceReader& trace, const Replays& rp, const std::v
   g.per_step.assign(static_cast<std::size_t>(reqs.max_steps), 0);
   std::vector<std::int64_t> step_count(static_cast<std::size_t>(reqs.max_steps), 0);
   double sum = 0, sum_all = 0, ws_sum = 0;
-  std::int64_t n = 0, n_all = 0;
+  std::int64_t n = 0, n_all = 0, split = 0;
   std::int32_t slots = 0;
   std::vector<std::vector<std::int32_t>> samples(L);
   for (std::size_t i = 0; i < trace.requests(); ++i) {
@@ -267,6 +271,7 @@ GroupStats group_stats(const TraceReader& trace, const Replays& rp, const std::v
         if (s >= reqs.steady_from) {
           sum += m;
           ws_sum += x.working_set[static_cast<std::size_t>(s)];
+          split += x.working_set[static_cast<std::size_t>(s)] > s_i ? 1 : 0;
           ++n;
           g.per_layer[l] += m;
           samples[l].push_back(m);
@@ -282,6 +287,7 @@ GroupStats group_stats(const TraceReader& trace, const Replays& rp, const std::v
   g.mean_misses = n > 0 ? sum / static_cast<double>(n) : 0;
   g.mean_misses_all = n_all > 0 ? sum_all / static_cast<double>(n_all) : 0;
   g.hit_rate = ws_sum > 0 ? 1.0 - sum / ws_sum : 0;
+  g.split_fraction = n > 0 ? static_cast<double>(split) / static_cast<double>(n) : 0;
   return g;
 }
 

@@ -6,6 +6,7 @@
 #include <memory>
 
 #include "ess/cache/layer_cache.h"
+#include "ess/cache/query_groups.h"
 #include "ess/trace/analyzer.h"
 
 namespace ess::trace {
@@ -17,6 +18,32 @@ std::int64_t max_length(const RequestView& r) {
   std::int64_t n = 0;
   for (auto l : r.lengths) n = std::max(n, l);
   return n;
+}
+
+struct StepOutcome {
+  std::int64_t misses = 0;
+  std::int64_t working_set = 0;  // the union of the step's query tokens' ids
+};
+
+// One decode step through `cache`: whole when its working set fits the slots, else in query
+// groups (ess/cache/query_groups.h), each group one step of the policy, as the engine runs it.
+StepOutcome step_through(LayerCache& cache, std::span<const std::int32_t> ids, int T, int K, QueryGrouper& grouper,
+                         std::span<std::int32_t> slot_ids, std::vector<Fill>& fills) {
+  const GroupStarts starts = static_cast<std::int64_t>(T) * K > cache.slots() ? grouper.split(ids, T, K, cache.slots()) : 0;
+  if (starts == 0) {
+    const StepCounts c = cache.access(ids, T, K, slot_ids, fills);
+    fills.clear();
+    return {c.misses, c.working_set()};
+  }
+  StepOutcome out;
+  const std::vector<int> b = group_bounds(starts, T);
+  for (std::size_t g = 0; g + 1 < b.size(); ++g) {
+    const auto first = static_cast<std::size_t>(b[g]) * K, n = static_cast<std::size_t>(b[g + 1] - b[g]) * K;
+    out.misses += cache.access(ids.subspan(first, n), b[g + 1] - b[g], K, slot_ids.first(n), fills).misses;
+    fills.clear();
+  }
+  out.working_set = grouper.union_size(ids, K, 0, T);
+  return out;
 }
 
 // Replays request-layer `layer` through `cache`: the warm-up windows first when `warmup`, then
@@ -39,18 +66,19 @@ LayerReplay run(const RequestView& r, int layer, LayerCache& cache, bool warmup)
     }
     out.lookups += static_cast<std::int64_t>(r.prefill_windows) * r.topk;
   }
+  QueryGrouper grouper;
   for (std::int64_t s = 0; s < r.steps; ++s) {
-    const StepCounts c = cache.access(r.step(s, layer), r.mtp, r.topk, slot_ids, fills);
-    fills.clear();
+    const StepOutcome c = step_through(cache, r.step(s, layer), r.mtp, r.topk, grouper, slot_ids, fills);
     out.misses[static_cast<std::size_t>(s)] = static_cast<std::int32_t>(c.misses);
-    out.working_set[static_cast<std::size_t>(s)] = static_cast<std::int32_t>(c.working_set());
+    out.working_set[static_cast<std::size_t>(s)] = static_cast<std::int32_t>(c.working_set);
   }
   out.lookups += r.steps * r.mtp * r.topk;
   return out;
 }
 
-// Distinct ids of each step (warm-up windows first when `warmup`), in canonical order.
-std::vector<std::vector<std::int32_t>> future_of(const RequestView& r, int layer, bool warmup) {
+// Distinct ids of each policy step (warm-up windows first when `warmup`; a decode step whose
+// working set exceeds `slots` is one policy step per query group), in canonical order.
+std::vector<std::vector<std::int32_t>> future_of(const RequestView& r, int layer, bool warmup, std::int32_t slots) {
   std::vector<std::vector<std::int32_t>> f;
   std::vector<std::int32_t> stamp(static_cast<std::size_t>(max_length(r)), -1);
   std::int32_t epoch = 0;
@@ -69,7 +97,16 @@ std::vector<std::vector<std::int32_t>> future_of(const RequestView& r, int layer
     const auto pf = r.prefill(layer);
     for (int w = 0; w < r.prefill_windows; ++w) add(pf.subspan(static_cast<std::size_t>(w) * K, K));
   }
-  for (std::int64_t s = 0; s < r.steps; ++s) add(r.step(s, layer));
+  QueryGrouper grouper;
+  for (std::int64_t s = 0; s < r.steps; ++s) {
+    const auto ids = r.step(s, layer);
+    const GroupStarts starts =
+        static_cast<std::int64_t>(r.mtp) * r.topk > slots ? grouper.split(ids, r.mtp, r.topk, slots) : 0;
+    const std::vector<int> b = group_bounds(starts, r.mtp);
+    for (std::size_t g = 0; g + 1 < b.size(); ++g) {
+      add(ids.subspan(static_cast<std::size_t>(b[g]) * K, static_cast<std::size_t>(b[g + 1] - b[g]) * K));
+    }
+  }
   return f;
 }
 
@@ -130,6 +167,7 @@ PrefetchLayer prefetch_of(const RequestView& r, int layer, std::int32_t slots, b
   out.wasted.resize(S);
   out.misses.resize(S);
   std::vector<std::int32_t> mine(n, -1), theirs(n, -1);
+  QueryGrouper grouper;
   for (std::int64_t s = 0; s < r.steps; ++s) {
     const auto step = static_cast<std::int32_t>(s);
     for (const std::int32_t tok : r.step(s, layer)) {
@@ -143,8 +181,7 @@ PrefetchLayer prefetch_of(const RequestView& r, int layer, std::int32_t slots, b
       ++pre;
       if (mine[static_cast<std::size_t>(tok)] == step) ++use;
     }
-    const StepCounts c = cache.access(r.step(s, layer), r.mtp, r.topk, slot_ids, fills);
-    fills.clear();
+    const StepOutcome c = step_through(cache, r.step(s, layer), r.mtp, r.topk, grouper, slot_ids, fills);
     out.prefetched[static_cast<std::size_t>(s)] = pre;
     out.useful[static_cast<std::size_t>(s)] = use;
     out.wasted[static_cast<std::size_t>(s)] = pre - use;
@@ -163,7 +200,7 @@ LayerReplay replay_layer(const RequestView& request, int layer, std::int32_t slo
 }
 
 LayerReplay replay_layer_belady(const RequestView& request, int layer, std::int32_t slots, bool warmup) {
-  LayerCache cache(slots, std::make_unique<BeladyPolicy>(slots, future_of(request, layer, warmup)));
+  LayerCache cache(slots, std::make_unique<BeladyPolicy>(slots, future_of(request, layer, warmup, slots)));
   return run(request, layer, cache, warmup);
 }
 

@@ -24,6 +24,7 @@ nlohmann::json group_json(const GroupStats& g, bool distribution) {
                       {"mean_misses", g.mean_misses},
                       {"mean_misses_all_steps", g.mean_misses_all},
                       {"hit_rate", g.hit_rate},
+                      {"split_fraction", g.split_fraction},
                       {"per_layer", g.per_layer},
                       {"per_step", g.per_step}};
   if (distribution) {
@@ -153,6 +154,7 @@ nlohmann::json miss_profile_json(const AnalysisResult& r, const std::string& pol
                             {"slots", g.slots < 0 ? nlohmann::json(nullptr) : nlohmann::json(g.slots)},
                             {"ratio", pool.ratio ? nlohmann::json(*pool.ratio) : nlohmann::json(nullptr)},
                             {"mean_misses", g.mean_misses},
+                            {"split_fraction", g.split_fraction},
                             {"layers", std::move(layers)}};
     if (const WorkingSetStats* w = working_set_of(r, g.context)) {
       entry["working_set"] = {{"mean", w->mean}, {"p99", w->p99}, {"max", w->max}};
@@ -185,7 +187,7 @@ std::string to_table(const AnalysisResult& r) {
   }
   if (!r.working_sets.empty()) {
     fmt::format_to(it, "MTP working set (distinct ids per request-layer-step: the union of its {} query tokens' top-k, at "
-        "most T x K = {}; a pool must hold it):\n", r.meta.mtp, static_cast<std::int64_t>(r.meta.mtp) * r.meta.topk);
+        "most T x K = {}; a pool below it serves the larger steps in query groups):\n", r.meta.mtp, static_cast<std::int64_t>(r.meta.mtp) * r.meta.topk);
     for (const auto& w : r.working_sets) {
       fmt::format_to(it, "  {:<16} mean {:.1f}, p99 {:.0f}, max {}\n",
           w.context == 0 ? std::string("all requests:") : fmt::format("context {}:", w.context), w.mean, w.p99, w.max);
@@ -200,6 +202,10 @@ std::string to_table(const AnalysisResult& r) {
       fmt::format_to(it, "{:>12} {:>14.1f} {:>14.1f} {:>8.2f}% {:>10.1f} {:>10.1f}\n", q.name, g.mean_misses, g.mean_misses_all,
           100 * g.hit_rate, *std::min_element(g.per_layer.begin(), g.per_layer.end()),
           *std::max_element(g.per_layer.begin(), g.per_layer.end()));
+    }
+    if (!p.policies.empty() && p.policies.front().overall.split_fraction > 0) {
+      fmt::format_to(it, "{:>12} {:.2f}% of steady-state request-layer-steps exceed the pool and run in query groups\n",
+          "split steps:", 100 * p.policies.front().overall.split_fraction);
     }
     if (r.contexts.size() > 1) {
       for (const auto& q : p.policies) {
