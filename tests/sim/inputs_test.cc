@@ -1,5 +1,7 @@
 #include <gtest/gtest.h>
 
+#include <cmath>
+
 #include <cstdio>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -154,6 +156,48 @@ TEST(sim_inputs, TraceMissProfileBecomesTheReferencePoint) {
   EXPECT_DOUBLE_EQ(MissModel::load_profile(path, 4096, MissModel{}).reference_context, 8192);  // nearest
   std::ofstream(path) << R"({"format": "ess-miss-profile", "contexts": [{"context": 100, "slots": 200, "layers": []}]})";
   EXPECT_THROW(MissModel::load_profile(path, 100, MissModel{}), Error);
+  std::remove(path.c_str());
+}
+
+// The MTP working set a profile measured sets the pool's floor: its max (or p99) x (1 +
+// margin), carried linearly in T past the first query token, within [K, T x K].
+TEST(sim_inputs, MeasuredWorkingSetSetsThePoolFloor) {
+  const std::string path = ::testing::TempDir() + "ess_sim_ws_profile.json";
+  std::ofstream(path) << R"({"format": "ess-miss-profile", "version": 1, "mtp": 2, "topk": 2048, "contexts": [
+      {"context": 32768, "slots": 6554, "layers": [{"layer": 0, "mean": 200}],
+       "working_set": {"mean": 2200, "p99": 2500, "max": 2600}}]})";
+  MissModel m = MissModel::load_profile(path, 32768, MissModel{});
+  EXPECT_DOUBLE_EQ(m.working_set_max, 2600);
+  EXPECT_DOUBLE_EQ(m.working_set_p99, 2500);
+  EXPECT_DOUBLE_EQ(m.working_set(m.working_set_max, 2, 2048), 2600);
+  EXPECT_DOUBLE_EQ(m.working_set(m.working_set_max, 4, 2048), 2048 + 3 * 552);  // 552 new ids per query token
+  EXPECT_DOUBLE_EQ(m.working_set(m.working_set_max, 1, 2048), 2048);
+  EXPECT_DOUBLE_EQ(m.min_slots(2, 2048, 32768), std::ceil(2600 * 1.1));
+  EXPECT_DOUBLE_EQ(m.min_slots(4, 2048, 32768), std::ceil((2048 + 3 * 552) * 1.1));
+  EXPECT_DOUBLE_EQ(m.min_slots(2, 2048, 2500), 2500);  // capped at the context
+  m.floor_margin = 1.0;
+  EXPECT_DOUBLE_EQ(m.min_slots(2, 2048, 32768), 4096);  // capped at T x K
+  m.floor_margin = 0;
+  m.pool_floor = "p99";
+  EXPECT_DOUBLE_EQ(m.min_slots(2, 2048, 32768), 2500);
+  m.pool_floor = "tk";
+  EXPECT_DOUBLE_EQ(m.min_slots(2, 2048, 32768), 4096);
+  EXPECT_NE(m.floor_rule(2, 2048, 32768).find("T x top-k"), std::string::npos);
+  // Splits: none at or above the max, a 1% bound down to the p99, every step below it.
+  EXPECT_EQ(m.split_bound(2600, 2, 2048, 32768), 0);
+  EXPECT_EQ(m.split_bound(2550, 2, 2048, 32768), 0.01);
+  EXPECT_EQ(m.split_bound(2400, 2, 2048, 32768), 1);
+  EXPECT_EQ(m.split_bound(4096, 2, 2048, 32768), 0);
+  // Nothing measured: the floor is T x K and any smaller pool may split.
+  const MissModel none;
+  EXPECT_DOUBLE_EQ(none.min_slots(4, 2048, 32768), 8192);
+  EXPECT_EQ(none.split_bound(8000, 4, 2048, 32768), 1);
+  MissModel bad = m;
+  bad.pool_floor = "p50";
+  EXPECT_THROW(bad.validate("test"), Error);
+  bad = m;
+  bad.floor_margin = -0.1;
+  EXPECT_THROW(bad.validate("test"), Error);
   std::remove(path.c_str());
 }
 

@@ -132,6 +132,36 @@ TEST(sim_step, MissesBeyondTheSelectionAreRefusedOrCapped) {
   EXPECT_NE(test::error_of([&] { (void)sm.run(shaped); }).find("top-1024"), std::string::npos);
 }
 
+// MTP 4 with a measured working set: a pool below T x K (the paper's ratio 0.21 of 32K) is
+// accepted; below the working set's max the query groups are charged, never making a step
+// faster; the floor itself is refused below it.
+TEST(sim_step, PoolsBelowTxKFollowTheMeasuredWorkingSet) {
+  Deployment dep = paper_dep();
+  dep.mtp_tokens = 4;
+  dep.accept_ratio = 1.7;
+  const StepModel sm(dsv32(), paper_hw(), dep);
+  Workload w = at(64, OverlapMode::kLayerWise);
+  w.slots = 6882;  // 0.21 x 32768, below T x K = 8192
+  EXPECT_THROW(sm.run(w), Error);  // nothing measured: the floor is T x K
+  w.misses.reference_tokens = 4;  // the working set measured at T = 4
+  w.misses.working_set_p99 = 3500;
+  w.misses.working_set_max = 3700;
+  const StepResult fits = sm.run(w);
+  EXPECT_EQ(fits.slots, 6882);
+  EXPECT_EQ(fits.split_calls_per_layer, 0);
+  // The same pool against a larger measured working set: steps split and cost more.
+  Workload split = w;
+  split.misses.pool_floor = "p99";
+  split.misses.floor_margin = 0;
+  split.misses.working_set_p99 = 6800;
+  split.misses.working_set_max = 7000;
+  const StepResult r = sm.run(split);
+  EXPECT_GT(r.split_calls_per_layer, 0);
+  EXPECT_GT(r.step_us, fits.step_us);
+  split.slots = 6700;  // below the p99 floor
+  EXPECT_THROW(sm.run(split), Error);
+}
+
 TEST(sim_step, MtpDraftsAreCharged) {
   Deployment d1 = paper_dep();
   d1.mtp_tokens = 1;

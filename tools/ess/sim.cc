@@ -97,6 +97,7 @@ void add_sim(CLI::App& app, int& exit_code) {
     if (given("--misses") || given("--miss-exponent") || given("--miss-profile")) {
       base.misses = a.inputs.load_misses(base.context);
     }
+    a.inputs.apply_pool_floor(base.misses);
     Progress progress("configurations");
     sim::SimulateOptions options;
     options.timeline = a.timeline;

@@ -34,6 +34,12 @@ struct SimInputs : sim::Inputs {
     cmd.add_option("--miss-profile", miss_profile,
                    "Miss profile: `ess trace analyze --miss-profile` output (per-layer means at a pool size), or JSON "
                    "with per_layer_misses (e.g. `ess verify --format json`: per-layer shape only)");
+    cmd.add_option("--pool-floor", pool_floor,
+                   "The smallest pool a request-layer may get: max (the miss profile's max MTP working set x (1 + "
+                   "margin); default), p99 (its p99: the rarer larger steps run in query groups, charged) or tk "
+                   "(T x top-k); max and p99 need a miss profile with a working set, else they mean tk")
+        ->check(CLI::IsMember({"max", "p99", "tk"}));
+    cmd.add_option("--pool-floor-margin", pool_floor_margin, "Margin on the measured working set (default 0.1)");
     cmd.add_option("--op-table", op_table, "Measured op times: CSV op,context,tokens,time_us (see docs/simulator.md)");
   }
 };

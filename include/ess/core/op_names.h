@@ -23,6 +23,7 @@ inline constexpr std::string_view kRoutedExperts = "moe.routed_experts";
 inline constexpr std::string_view kIndexerLogits = "indexer.logits";
 inline constexpr std::string_view kIndexerTopk = "indexer.topk";
 inline constexpr std::string_view kSwap = "swap.lru+split";
+inline constexpr std::string_view kQueryGroups = "swap.query_groups";  // the extra calls of split steps
 inline constexpr std::string_view kSparseMla = "attn.sparse_mla";
 inline constexpr std::string_view kAttn0 = "attn.attn0 (resident)";
 inline constexpr std::string_view kAttn1 = "attn.attn1 (fetched)";

@@ -60,8 +60,33 @@ struct MissModel {
   double exponent = 1.0;
   std::vector<double> layer_shape;    // empty: uniform
   int profile_topk = 0;               // top-k the profile was measured at (0: not said)
+  // The MTP working set a trace's profile measured at reference_tokens (the union of the
+  // query tokens' top-k per request-layer-step; `ess trace analyze`): p99 and max, 0 = not
+  // measured.
+  double working_set_p99 = 0;
+  double working_set_max = 0;
+  // The pool's floor (the fewest slots a plan may give a request-layer): "max" (the default:
+  // the measured max working set x (1 + floor_margin); no step is expected to split), "p99"
+  // (the p99 x (1 + floor_margin): the rarer larger steps run in query groups) or "tk"
+  // (T x K: no step can split; also what "max" and "p99" become without a measurement).
+  std::string pool_floor = "max";
+  double floor_margin = 0.1;
 
   double misses(int layer, double slots, double context, int tokens) const;
+  // The working set statistic (the p99 or max) of `tokens` query tokens of top-`topk`: the
+  // measured one at reference_tokens; at another T, the measured growth per query token past
+  // the first carried over linearly (K + (T - 1) x (ws - K) / (T_ref - 1)). 0: unknown.
+  double working_set(double measured, int tokens, int topk) const;
+  // The smallest pool for a step of `tokens` x top-`topk` at `context`, per pool_floor: never
+  // below min(K, context) (one query token's top-k), never above min(T x K, context).
+  double min_slots(int tokens, int topk, double context) const;
+  // What min_slots() took, in words (e.g. "the MTP working set's max 3686 x 1.1, from the
+  // miss profile at T = 2").
+  std::string floor_rule(int tokens, int topk, double context) const;
+  // An upper bound on the share of request-layer-steps whose working set exceeds `slots`
+  // (served in query groups): 0 at or above the max (or min(T x K, context)), 0.01 at or
+  // above the p99, else 1 (and 1 below T x K when nothing was measured).
+  double split_bound(double slots, int tokens, int topk, double context) const;
   // Reads {"per_layer_misses": [...]} (the key `ess verify --format json` writes) or a
   // plain array of numbers.
   static std::vector<double> load_layer_shape(const std::string& path);

@@ -35,6 +35,8 @@ struct Inputs {
   std::optional<double> reference_misses;
   std::optional<double> miss_exponent;
   std::string miss_profile;
+  std::optional<std::string> pool_floor;   // MissModel::pool_floor
+  std::optional<double> pool_floor_margin;
   std::string op_table;
 
   ModelSpec load_model() const;
@@ -42,6 +44,8 @@ struct Inputs {
   // The deployment with the overrides applied, validated.
   Deployment load_deployment() const;
   MissModel load_misses(std::int64_t context) const;
+  // Sets the pool floor fields that were given on `m` (load_misses does it too), validated.
+  void apply_pool_floor(MissModel& m) const;
   std::unique_ptr<MeasuredTables> load_tables() const;  // nullptr without an op table
 };
 
@@ -58,7 +62,8 @@ Plans plan_contexts(const Inputs& inputs, const PlanOptions& options);
 
 // A plan request as JSON (the C ABI's ess_plan): optional keys named like the fields above
 // (contexts, min_otps, modes, batch_step, model, hardware, deployment, mtp, accept, nodes,
-// gpus_per_node, ep, mem_fraction, no_tbo, misses, miss_exponent, miss_profile, op_table);
+// gpus_per_node, ep, mem_fraction, no_tbo, misses, miss_exponent, miss_profile, pool_floor,
+// pool_floor_margin, op_table);
 // an unknown key or a value of the wrong type is refused by name.
 void read_plan_request(const nlohmann::json& request, Inputs& inputs, PlanOptions& options);
 

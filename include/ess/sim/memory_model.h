@@ -24,8 +24,10 @@ struct WeightBytes {
 
 class MemoryModel {
  public:
+  // `min_slots`: the pool's floor (MissModel::min_slots: from the measured MTP working set);
+  // 0 = min(T x top-k, context), a pool no step can overflow.
   MemoryModel(const ModelSpec& model, const HardwareProfile& hw, const Deployment& dep,
-              std::int64_t context);
+              std::int64_t context, double min_slots = 0);
 
   const WeightBytes& weights() const { return weights_; }
   int cache_layers() const { return cache_layers_; }  // layers holding a cache (+ MTP layer)
@@ -37,8 +39,9 @@ class MemoryModel {
   double indexer_bytes_per_request() const;                  // whole context, every cache layer
   double latent_bytes_per_request(double slots) const;       // slots x cache layers x 656
   double activation_bytes(int batch) const;                  // B x T tokens in flight + workspace
-  // Smallest pool that serves a step: min(T x top-k, context) slots.
-  std::int32_t min_slots() const;
+  // Smallest pool a plan may use: as constructed (at least one query token's top-k; a step
+  // whose working set exceeds the pool runs in query groups).
+  std::int32_t min_slots() const { return min_slots_; }
 
   // Largest batch whose caches fit with `slots` per request-layer (0 when none fits).
   int max_batch(double slots) const;
@@ -59,6 +62,7 @@ class MemoryModel {
   int cache_layers_ = 0;
   WeightBytes weights_;
   double cache_budget_ = 0;
+  std::int32_t min_slots_ = 0;
 };
 
 }  // namespace ess::sim

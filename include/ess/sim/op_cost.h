@@ -43,7 +43,7 @@ struct Op {
   std::int64_t context = 0; // table key
   double rdma_bytes = 0;    // comm ops: bytes leaving the node
   double nvlink_bytes = 0;  // comm ops: bytes to other GPUs of the node
-  int kernels = 1;          // launches the op takes
+  double kernels = 1;       // launches the op takes (an expectation for ops that may not run)
 };
 
 struct OpTime {

@@ -28,6 +28,8 @@ struct Simulation {
   Deployment deployment;
   Workload base;                  // the workload every row shares (its batch aside)
   double cache_budget_gb = 0, weights_gb = 0;
+  double pool_floor = 0;          // the fewest slots per request-layer (MissModel::min_slots)
+  std::string pool_floor_rule;    // and where it comes from
   bool rig = false;               // the executor rig (no memory wall: baseline at every batch)
   bool wall_fits = false;         // the all-on-GPU baseline fits some batch
   StepResult wall;                // its largest batch (the memory wall)

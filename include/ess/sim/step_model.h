@@ -43,6 +43,9 @@ struct StepResult {
   // Layers whose miss model gave more than T x K (every selected entry missing): those are
   // taken as T x K, here as in the step time.
   int miss_capped_layers = 0;
+  // Expected step calls past the first per layer and micro-batch (the most of any layer): a
+  // pool below the MTP working set serves the larger steps in query groups.
+  double split_calls_per_layer = 0;
   double h2d_bytes = 0;             // per step per GPU
   double d2h_bytes = 0;
   int layers_da = 0;                // layer-wise choices (per micro-batch layer)

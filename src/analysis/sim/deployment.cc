@@ -2,6 +2,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <limits>
@@ -123,6 +124,46 @@ double MissModel::misses(int layer, double slots, double context, int tokens) co
   return m;
 }
 
+double MissModel::working_set(double measured, int tokens, int topk) const {
+  if (tokens <= 1) return topk;
+  if (measured <= 0 || reference_tokens < 2) return 0;
+  if (tokens == reference_tokens) return measured;
+  const double per_token = std::max(0.0, measured - topk) / (reference_tokens - 1);
+  return topk + (tokens - 1) * per_token;
+}
+
+double MissModel::min_slots(int tokens, int topk, double context) const {
+  const double whole = std::min(double(tokens) * topk, context);
+  const double floor = std::min(double(topk), context);
+  if (pool_floor == "tk") return whole;
+  const double ws = working_set(pool_floor == "p99" ? working_set_p99 : working_set_max, tokens, topk);
+  if (ws <= 0) return whole;
+  return std::clamp(std::ceil(ws * (1 + floor_margin)), floor, whole);
+}
+
+std::string MissModel::floor_rule(int tokens, int topk, double context) const {
+  const double whole = std::min(double(tokens) * topk, context);
+  const double ws = working_set(pool_floor == "p99" ? working_set_p99 : working_set_max, tokens, topk);
+  if (pool_floor == "tk" || ws <= 0) {
+    return fmt::format("T x top-k = {} x {}, capped at the context{}", tokens, topk,
+                       pool_floor == "tk" ? "" : " (no MTP working set measured: give a miss profile)");
+  }
+  const double got = min_slots(tokens, topk, context);
+  return fmt::format("the MTP working set's {} {:.0f} x {} from the miss profile at T = {}{}{}", pool_floor, ws,
+                     1 + floor_margin, reference_tokens,
+                     tokens != reference_tokens ? fmt::format(", carried to T = {}", tokens) : std::string(),
+                     got >= whole ? ", capped at T x top-k" : "");
+}
+
+double MissModel::split_bound(double slots, int tokens, int topk, double context) const {
+  if (slots >= std::min(double(tokens) * topk, context)) return 0;
+  const double max = working_set(working_set_max, tokens, topk);
+  const double p99 = working_set(working_set_p99, tokens, topk);
+  if (max > 0 && slots >= max) return 0;
+  if (p99 > 0 && slots >= p99) return 0.01;
+  return 1;
+}
+
 void MissModel::validate(const std::string& source) const {
   ESS_CHECK(std::isfinite(reference_misses) && reference_misses >= 0,
             "{}: reference misses = {} must be >= 0", source, reference_misses);
@@ -136,6 +177,13 @@ void MissModel::validate(const std::string& source) const {
     ESS_CHECK(std::isfinite(layer_shape[i]) && layer_shape[i] >= 0,
               "{}: layer {} miss weight = {} must be >= 0", source, i, layer_shape[i]);
   }
+  ESS_CHECK(pool_floor == "max" || pool_floor == "p99" || pool_floor == "tk",
+            "{}: pool floor '{}' must be max, p99 or tk", source, pool_floor);
+  ESS_CHECK(std::isfinite(floor_margin) && floor_margin >= 0 && floor_margin <= 1,
+            "{}: pool floor margin = {} must be in [0, 1]", source, floor_margin);
+  ESS_CHECK(std::isfinite(working_set_p99) && std::isfinite(working_set_max) && working_set_p99 >= 0 &&
+                working_set_max >= working_set_p99,
+            "{}: working set p99 {} and max {} must be >= 0 with p99 <= max", source, working_set_p99, working_set_max);
 }
 
 std::vector<double> MissModel::load_layer_shape(const std::string& path) {
@@ -218,6 +266,13 @@ MissModel MissModel::load_profile(const std::string& path, std::int64_t context,
   const std::int64_t topk = json_int_or(j, "topk", path, 0);
   ESS_CHECK(topk >= 0 && topk <= 65536, "{}: topk = {} is out of range", path, topk);
   m.profile_topk = static_cast<int>(topk);
+  m.working_set_p99 = m.working_set_max = 0;
+  if (const auto ws = c.find("working_set"); ws != c.end()) {
+    const std::string where = fmt::format("{}: context {} working_set", path, ctx);
+    ESS_CHECK(ws->is_object(), "{} must be an object", where);
+    m.working_set_p99 = json_number_or(*ws, "p99", where, 0.0);
+    m.working_set_max = json_number_or(*ws, "max", where, 0.0);
+  }
   m.layer_shape.clear();
   if (mean > 0) {
     for (double x : means) m.layer_shape.push_back(x / mean);
@@ -282,7 +337,8 @@ Workload Workload::from_json(const json& j, const std::string& source) {
     ESS_CHECK(it->is_object(), "{}: field 'misses' must be an object", source);
     const std::string where = source + " misses";
     static constexpr const char* kMissKnown[] = {"reference_misses", "reference_slots", "reference_context",
-                                                 "reference_tokens", "exponent", "profile"};
+                                                 "reference_tokens", "exponent", "profile", "pool_floor",
+                                                 "pool_floor_margin"};
     for (const auto& [k, v] : it->items()) {
       (void)v;
       bool known = false;
@@ -299,6 +355,9 @@ Workload Workload::from_json(const json& j, const std::string& source) {
     m.exponent = json_number_or(*it, "exponent", where, m.exponent);
     const std::string profile = json_string(*it, "profile", where, false);
     if (!profile.empty()) m = MissModel::load_profile(profile, w.context, m);
+    const std::string floor = json_string(*it, "pool_floor", where, false);
+    if (!floor.empty()) m.pool_floor = floor;
+    m.floor_margin = json_number_or(*it, "pool_floor_margin", where, m.floor_margin);
   }
   w.validate();
   return w;

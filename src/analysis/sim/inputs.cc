@@ -42,8 +42,15 @@ MissModel Inputs::load_misses(std::int64_t context) const {
     ESS_CHECK(!reference_misses || m.reference_misses == *reference_misses,
               "--misses {} and --miss-profile {} both set the mean misses; pass one", *reference_misses, miss_profile);
   }
+  apply_pool_floor(m);
   m.validate("--misses / --miss-exponent / --miss-profile");
   return m;
+}
+
+void Inputs::apply_pool_floor(MissModel& m) const {
+  if (pool_floor) m.pool_floor = *pool_floor;
+  if (pool_floor_margin) m.floor_margin = *pool_floor_margin;
+  m.validate("--pool-floor / --pool-floor-margin");
 }
 
 std::unique_ptr<MeasuredTables> Inputs::load_tables() const {
@@ -98,6 +105,7 @@ void read_plan_request(const nlohmann::json& j, Inputs& in, PlanOptions& opt) {
   json_check_keys(j,
                   {"contexts", "min_otps", "modes", "batch_step", "model", "hardware", "deployment", "mtp", "accept",
                    "nodes", "gpus_per_node", "ep", "mem_fraction", "no_tbo", "misses", "miss_exponent", "miss_profile",
+                   "pool_floor", "pool_floor_margin",
                    "op_table"},
                   source, "request");
   json_read(j, "contexts", opt.contexts, source);
@@ -116,6 +124,8 @@ void read_plan_request(const nlohmann::json& j, Inputs& in, PlanOptions& opt) {
   json_read(j, "no_tbo", in.no_tbo, source);
   read_optional(j, "misses", in.reference_misses, source);
   read_optional(j, "miss_exponent", in.miss_exponent, source);
+  read_optional(j, "pool_floor", in.pool_floor, source);
+  read_optional(j, "pool_floor_margin", in.pool_floor_margin, source);
   json_read(j, "miss_profile", in.miss_profile, source);
   json_read(j, "op_table", in.op_table, source);
 }

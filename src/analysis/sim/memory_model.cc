@@ -15,9 +15,14 @@ constexpr double kBf16 = 2.0;
 }  // namespace
 
 MemoryModel::MemoryModel(const ModelSpec& m, const HardwareProfile& hw, const Deployment& dep,
-                         std::int64_t context)
+                         std::int64_t context, double min_slots)
     : model_(m), hw_(hw), dep_(dep), context_(context) {
   ESS_CHECK(context > 0, "memory model: context = {} must be positive", context);
+  const std::int64_t whole = std::min<std::int64_t>(std::int64_t{dep.mtp_tokens} * m.index_topk, context);
+  const std::int64_t one = std::min<std::int64_t>(m.index_topk, context);
+  ESS_CHECK(min_slots == 0 || (min_slots >= double(one) && min_slots <= double(whole)),
+            "memory model: pool floor {} outside [{}, {}] (one query token's top-k, T x top-k)", min_slots, one, whole);
+  min_slots_ = static_cast<std::int32_t>(min_slots > 0 ? std::ceil(min_slots) : double(whole));
   const double h = m.hidden_size;
   const int mtp_layers = dep.mtp_tokens > 1 ? m.num_nextn_predict_layers : 0;
   cache_layers_ = m.num_hidden_layers + mtp_layers;
@@ -66,11 +71,6 @@ double MemoryModel::activation_bytes(int batch) const {
   return tokens * per_token;
 }
 
-std::int32_t MemoryModel::min_slots() const {
-  return static_cast<std::int32_t>(
-      std::min<std::int64_t>(std::int64_t{dep_.mtp_tokens} * model_.index_topk, context_));
-}
-
 int MemoryModel::max_batch(double slots) const {
   const double per_request = indexer_bytes_per_request() + latent_bytes_per_request(slots);
   int b = static_cast<int>(std::floor(cache_budget_ / per_request));
@@ -81,8 +81,10 @@ int MemoryModel::max_batch(double slots) const {
 void MemoryModel::check_fits(int batch, double slots) const {
   ESS_CHECK(batch >= 1, "batch = {} must be at least 1", batch);
   ESS_CHECK(slots >= min_slots(),
-            "{} slots per request-layer is below the smallest pool that serves a step (T x top-k = {})",
-            slots, min_slots());
+            "{} slots per request-layer is below the pool's floor ({} slots: {})", slots, min_slots(),
+            min_slots() < std::min<std::int64_t>(std::int64_t{dep_.mtp_tokens} * model_.index_topk, context_)
+                ? "the MTP working set the miss profile measured, with its margin"
+                : "T x top-k, capped at the context");
   const double need = batch * (indexer_bytes_per_request() + latent_bytes_per_request(slots));
   ESS_CHECK(need <= cache_budget_ * (1 + 1e-12),
             "batch {} cannot fit: its caches need {:.2f} GB per GPU (indexer {:.2f} + latent {:.2f}) but "

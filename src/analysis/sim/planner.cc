@@ -25,7 +25,8 @@ PlanResult plan(const StepModel& model, const PlanRequest& req) {
   ESS_CHECK(req.batch_step >= 1, "plan: batch step = {} must be >= 1", req.batch_step);
   ESS_CHECK(!req.modes.empty(), "plan: no overlap mode to try");
   const HardwareProfile& hw = model.hardware();
-  const MemoryModel mem(model.model(), hw, model.deployment(), req.context);
+  const MemoryModel mem(model.model(), hw, model.deployment(), req.context,
+                        req.misses.min_slots(model.deployment().mtp_tokens, model.model().index_topk, double(req.context)));
   PlanResult out;
   out.context = req.context;
   out.min_otps = req.min_otps;

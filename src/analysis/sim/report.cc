@@ -35,6 +35,7 @@ nlohmann::json row_json(const StepResult& r) {
             {"h2d_stream_busy", ms(r.h2d_us)}}},
           {"misses_per_request_layer", r.misses_per_request_layer},
           {"miss_capped_layers", r.miss_capped_layers},
+          {"split_calls_per_layer", r.split_calls_per_layer},
           {"h2d_mb_per_step", r.h2d_bytes / 1e6},
           {"d2h_mb_per_step", r.d2h_bytes / 1e6},
           {"layers_da", r.layers_da},
@@ -94,6 +95,8 @@ Simulation simulate(const StepModel& sm, const Workload& base_in, const std::vec
   const std::int64_t context = base.context;
   const MemoryModel mem(s.model, s.hardware, s.deployment, context);
   s.cache_budget_gb = mem.cache_budget() / 1e9;
+  s.pool_floor = base.misses.min_slots(s.deployment.mtp_tokens, s.model.index_topk, double(context));
+  s.pool_floor_rule = base.misses.floor_rule(s.deployment.mtp_tokens, s.model.index_topk, double(context));
   s.weights_gb = mem.weights().total() / 1e9;
 
   // The memory wall: the all-on-GPU baseline at its largest batch. The executor rig has no
@@ -182,6 +185,7 @@ nlohmann::json to_json(const Simulation& s) {
   j["context"] = s.base.context;
   j["cache_budget_gb"] = s.cache_budget_gb;
   j["weights_gb"] = s.weights_gb;
+  j["pool_floor"] = {{"slots", s.pool_floor}, {"rule", s.pool_floor_rule}};
   j["baseline"] = s.wall_fits ? row_json(s.wall) : nlohmann::json(nullptr);
   nlohmann::json arr = nlohmann::json::array();
   for (const SimulationRow& r : s.rows) {
@@ -235,6 +239,7 @@ std::string to_table(const Simulation& s) {
         dep.two_batch_overlap ? "on" : "off", context, to_string(s.base.overlap));
     add("per GPU: {:.1f} GB HBM x {} static = {:.1f} GB weights + {:.1f} GB for the caches\n", hw.hbm_capacity_gb,
         dep.mem_fraction_static, s.weights_gb, s.cache_budget_gb);
+    add("pool floor: {:.0f} slots per request-layer ({})\n", s.pool_floor, s.pool_floor_rule);
     if (s.wall_fits) {
       add("all-on-GPU baseline (memory wall): batch {}, step {:.2f} ms, {:.0f} tokens/s per node, {:.2f} tokens/s per "
           "request\n\n",
@@ -269,6 +274,10 @@ std::string to_table(const Simulation& s) {
     if (e.miss_capped_layers > 0) {
       add("\nnote: batch {}: at {} slots the miss model exceeds T x top-k in {} layers; taken as T x top-k (every "
           "selected entry missing)", e.batch, e.slots, e.miss_capped_layers);
+    }
+    if (e.split_calls_per_layer > 0) {
+      add("\nnote: batch {}: {} slots are below the MTP working set's max; steps that exceed them run in query groups, "
+          "charged as up to {:.2f} extra step calls per layer and micro-batch", e.batch, e.slots, e.split_calls_per_layer);
     }
     if (e.h2d_gbps_per_node > hw.host_dram_bandwidth_gbps) {
       add("\nwarning: batch {}: H2D traffic ({:.0f} GB/s per node) exceeds host-memory bandwidth ({} GB/s)", e.batch,

@@ -86,6 +86,9 @@ struct MicroBatch {
   double requests = 0;   // b
   double tokens = 0;     // n = b x query tokens
   double misses = 0;     // entries to fetch in this layer, whole micro-batch
+  // Expected step calls past the first in this layer: query groups of steps whose working
+  // set exceeds the pool (the batch shares one grouping, so one split position splits all).
+  double split_calls = 0;
   double ready = 0;      // when its previous layer finished (combine done)
   char label = 'A';
 };
@@ -133,6 +136,12 @@ class LayerBuilder {
         // table (`ess bench profile`) gives its real time.
         const Op swap{op::kSwap, OpKind::kMemory, 0, nn * topk_ * 4.0 * 4 + bb * slots_ * 12.0, nn, 0, 0, 0, 0};
         t = s.issue(Stream::kCompute, swap, t);
+        if (mb.split_calls > 0) {
+          // Each further query group: the decision again and one more attention launch.
+          const Op groups{op::kQueryGroups, OpKind::kMemory, 0, mb.split_calls * swap.bytes, nn, 0, 0, 0,
+                          2 * mb.split_calls};
+          t = s.issue(Stream::kCompute, groups, t);
+        }
       }
       return t;
     };
@@ -262,7 +271,8 @@ StepResult StepModel::run(const Workload& wl, Timeline* timeline) const {
   ESS_CHECK(model_.max_position_embeddings <= 0 || wl.context <= model_.max_position_embeddings,
             "context {} exceeds the model's max_position_embeddings ({})", wl.context, model_.max_position_embeddings);
   check_misses(wl.misses);
-  const MemoryModel mem(model_, hw_, dep_, wl.context);
+  const MemoryModel mem(model_, hw_, dep_, wl.context,
+                        wl.misses.min_slots(dep_.mtp_tokens, model_.index_topk, double(wl.context)));
   StepResult r;
   r.offload = wl.offload;
   r.overlap = wl.offload ? wl.overlap : OverlapMode::kNone;
@@ -336,9 +346,18 @@ StepResult StepModel::run(const Workload& wl, Timeline* timeline) const {
     if (r.overlap == OverlapMode::kLayerWise && !r.layer_modes.empty()) r.layer_modes += ' ';
     // A request cannot miss more entries than its T query tokens select.
     misses_per_request = std::min(misses_per_request, tokens_per_request * topk_eff);
+    // Steps larger than the pool: at most min(T, ceil(min(T x K, context) / slots)) groups,
+    // with the share of request-layer-steps that split bounded by the measured working set.
+    const double split = offload && tokens_per_request > 1
+                             ? wl.misses.split_bound(double(slots), tokens_per_request, model_.index_topk, double(wl.context))
+                             : 0.0;
+    const double max_groups =
+        std::min(double(tokens_per_request), std::ceil(std::min(tokens_per_request * topk_eff, double(wl.context)) / slots));
     for (int i = 0; i < n_mb; ++i) {
       mbs[i].tokens = mbs[i].requests * tokens_per_request;
       mbs[i].misses = offload ? mbs[i].requests * misses_per_request : 0.0;
+      mbs[i].split_calls = split > 0 ? (1 - std::pow(1 - split, mbs[i].requests)) * (max_groups - 1) : 0.0;
+      r.split_calls_per_layer = std::max(r.split_calls_per_layer, mbs[i].split_calls);
     }
     double attn_end[2] = {0, 0};
     double disp_end[2] = {0, 0};

@@ -6,7 +6,7 @@ namespace {
 constexpr std::string_view kAll[] = {
     op::kProj0,       op::kIndexerWqB,    op::kQbProj,         op::kAbsorbBmm,      op::kOutBmm,
     op::kOProj,       op::kGate,          op::kSharedExpert,   op::kRoutedExperts,  op::kIndexerLogits,
-    op::kIndexerTopk, op::kSwap,          op::kSparseMla,      op::kAttn0,          op::kAttn1,
+    op::kIndexerTopk, op::kSwap,          op::kQueryGroups,    op::kSparseMla,      op::kAttn0,          op::kAttn1,
     op::kMerge,       op::kD2HNewEntries, op::kH2DMisses,      op::kH2DMissesHalf0, op::kH2DMissesHalf1,
     op::kDispatch,    op::kCombine};
 
