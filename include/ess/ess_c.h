@@ -194,6 +194,20 @@ ESS_API ess_status ess_step(ess_step_binding* binding, int32_t layer, int32_t ba
 ESS_API ess_status ess_step_async(ess_step_binding* binding, int32_t layer, int32_t batch, int32_t part, void* stream,
                                   void* copy_stream, void* copy_done);
 
+/* Query groups. A pool of fewer than T x K slots serves a step whose T query tokens select
+ * more distinct ids than it holds in consecutive groups of query tokens whose unions fit:
+ * ess_query_groups gives them, from HOST copies of the step's rows [B], topk [B, T, K] (or
+ * [B x T, K]) and lengths [B] on either backend: bounds[0..*count] (bounds must hold T + 1
+ * values) with bounds[0] = 0, bounds[*count] = T; *count = 1 when the step fits whole. A pool
+ * of min(T x K, max_context) slots never needs more than one group. */
+ESS_API ess_status ess_query_groups(const ess_engine* engine, const DLTensor* rows, const DLTensor* topk,
+                                    const DLTensor* lengths, int32_t* bounds, int32_t* count);
+/* One query group's step: query tokens [query_begin, query_end) of the bound tensors (the
+ * others are padding for this call, their outputs -1), as ess_step otherwise. Run the group's
+ * attention before the next group's step, which may evict what it read. */
+ESS_API ess_status ess_step_group(ess_step_binding* binding, int32_t layer, int32_t batch, int32_t query_begin,
+                                  int32_t query_end, void* stream);
+
 /* The write-back of the entries the model wrote this step (positions [length - T, length) of
  * each position's request) to the host pool: rows [B] and lengths [B] as in the step;
  * source_rows [B, T] rows of the layer's buffer, or NULL: the reserved rows. */

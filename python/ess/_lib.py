@@ -143,6 +143,8 @@ _signatures = {
     "ess_step_binding_destroy": (None, [_P]),
     "ess_step": (_c.c_int, [_P, _c.c_int32, _c.c_int32, _P]),
     "ess_step_async": (_c.c_int, [_P, _c.c_int32, _c.c_int32, _c.c_int32, _P, _P, _P]),
+    "ess_step_group": (_c.c_int, [_P, _c.c_int32, _c.c_int32, _c.c_int32, _c.c_int32, _P]),
+    "ess_query_groups": (_c.c_int, [_P, _P, _P, _P, _c.POINTER(_c.c_int32), _c.POINTER(_c.c_int32)]),
     "ess_write_back_bind": (_c.c_int, [_P, _P, _P, _P, _c.POINTER(_P)]),
     "ess_write_back_binding_destroy": (None, [_P]),
     "ess_write_back": (_c.c_int, [_P, _c.c_int32, _c.c_int32, _P]),

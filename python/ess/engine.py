@@ -209,6 +209,17 @@ class Engine:
         self._bindings.add(b)
         return b
 
+    def query_groups(self, rows, topk, lengths) -> list:
+        """The query groups of a step from host copies of its rows [B], topk [B, T, K] and lengths [B]:
+        boundaries [0, ..., T] of consecutive query-token ranges whose working sets fit the slots
+        ([0, T] when the whole step fits). Serve each with StepBinding.step_group, its attention
+        before the next group's step."""
+        ex = [_dlpack.export(rows, "rows"), _dlpack.export(topk, "topk"), _dlpack.export(lengths, "lengths")]
+        bounds = (ctypes.c_int32 * (self.info.query_tokens + 1))()
+        count = ctypes.c_int32()
+        check(lib.ess_query_groups(self._h(), ex[0].pointer, ex[1].pointer, ex[2].pointer, bounds, ctypes.byref(count)))
+        return list(bounds[: count.value + 1])
+
     def bind_write_back(self, rows, lengths, source_rows=None) -> "WriteBackBinding":
         """The D2H write-back of each step's T newest entries (from the reserved rows, or source_rows [B, T])."""
         exported = {"rows": _dlpack.export(rows, "rows"), "lengths": _dlpack.export(lengths, "lengths"),
@@ -292,6 +303,13 @@ class StepBinding(_Binding):
         """The step with its fetch on `copy_stream`, `copy_done` (a cudaEvent_t as int) recorded when it ends."""
         check(lib.ess_step_async(self._h(), layer, batch, part, stream_handle(stream), stream_handle(copy_stream),
                                  copy_done))
+
+
+    def step_group(self, layer: int, query_begin: int, query_end: int, batch: int = -1, stream=None):
+        """The step of query tokens [query_begin, query_end) only (Engine.query_groups); the others are padding."""
+        code = lib.ess_step_group(self._handle, layer, batch, query_begin, query_end, _stream(stream))
+        if code:
+            self._failed(code)
 
 
 class WriteBackBinding(_Binding):

@@ -119,6 +119,38 @@ def test_steps_match_the_model_and_are_lossless():
     np.testing.assert_array_equal(back, full[1, :n])
 
 
+def test_query_groups_serve_steps_larger_than_the_pool():
+    T, K, slots = 4, 8, 10  # below T x K = 32
+    e = small(query_tokens=T, slots=slots)
+    rng = np.random.default_rng(3)
+    full = rng.integers(0, 256, (2, 100, ENTRY), dtype=np.uint8)
+    row = e.admit(4, 100)
+    for layer in range(2):
+        e.write_entries(4, layer, 0, full[layer])
+    rows, lengths = np.array([row], np.int32), np.array([100], np.int32)
+    topk, phys = np.zeros((1, T, K), np.int32), np.zeros((1, T, K), np.int32)
+    step = e.bind_step(rows, topk, lengths, phys)
+    splits = 0
+    for s in range(6):
+        for t in range(T):
+            topk[0, t] = rng.choice(100 if s % 2 else 12, K, replace=False)  # odd steps rarely overlap
+        bounds = e.query_groups(rows, topk, lengths)
+        assert bounds[0] == 0 and bounds[-1] == T and bounds == sorted(set(bounds))
+        splits += len(bounds) > 2
+        for a, b in zip(bounds, bounds[1:]):
+            assert len(set(topk[0, a:b].ravel().tolist())) <= slots
+            step.step_group(0, a, b)
+            assert (phys[0, :a] == -1).all() and (phys[0, b:] == -1).all()
+            for t in range(a, b):
+                for k in range(K):
+                    assert e.read_row(0, int(phys[0, t, k])) == full[0, topk[0, t, k]].tobytes()
+    assert splits >= 3
+    with pytest.raises(ess.InvalidArgument, match="more than its 10 slots"):
+        step.step(0)
+    with pytest.raises(ess.InvalidArgument, match=r"query group \[2, 2\)"):
+        step.step_group(0, 2, 2)
+
+
 def test_refused_calls_change_nothing():
     e = small()
     e.admit(1, 50)

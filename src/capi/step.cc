@@ -92,6 +92,45 @@ ess_status ess_step(ess_step_binding* binding, int32_t layer, int32_t batch, voi
   return ess_step_async(binding, layer, batch, 0, stream, nullptr, nullptr);
 }
 
+ess_status ess_step_group(ess_step_binding* binding, int32_t layer, int32_t batch, int32_t query_begin,
+                          int32_t query_end, void* stream) {
+  return guard("ess_step_group", [&] {
+    ESS_CHECK(binding != nullptr, "binding is NULL");
+    ESS_CHECK(query_begin >= 0 && query_begin < query_end && query_end <= binding->engine->offload->config().query_tokens,
+              "query group [{}, {}) is not a non-empty range of the {} query tokens", query_begin, query_end,
+              binding->engine->offload->config().query_tokens);
+    ess::LayerStep s = binding->step;
+    s.layer = layer;
+    s.batch = ess::capi::call_batch(binding->batch, batch, "step");
+    s.stream = static_cast<ess::cuda::Stream>(stream);
+    s.query_begin = query_begin;
+    s.query_end = query_end;
+    binding->engine->offload->step(s);
+  });
+}
+
+ess_status ess_query_groups(const ess_engine* engine, const DLTensor* rows, const DLTensor* topk, const DLTensor* lengths,
+                            int32_t* bounds, int32_t* count) {
+  if (count != nullptr) *count = 0;
+  return guard("ess_query_groups", [&] {
+    const ess::Offload& o = *ess::capi::engine_ref(engine).offload;
+    ESS_CHECK(bounds != nullptr && count != nullptr, "bounds and count are required (bounds holds T + 1 = {} values)",
+              o.config().query_tokens + 1);
+    const ess::capi::Placement host{ess::Backend::kCpu, 0};
+    const ess::capi::Tensor r = ess::capi::checked(rows, "rows", host);
+    ESS_CHECK(r.shape.size() == 1 && r.shape[0] <= o.config().max_requests,
+              "rows has shape {}; expected [B] with B at most the engine's {} rows", ess::capi::shape_string(r.shape),
+              o.config().max_requests);
+    const std::int64_t B = r.shape[0], T = o.config().query_tokens, K = o.config().topk;
+    const std::int32_t* rp = ess::capi::int32_tensor(rows, "rows", host, {{B}});
+    const std::int32_t* tp = ess::capi::int32_tensor(topk, "topk", host, {{B, T, K}, {B * T, K}});
+    const std::int32_t* lp = ess::capi::int32_tensor(lengths, "lengths", host, {{B}});
+    const std::vector<int> b = o.query_groups(static_cast<int>(B), rp, tp, lp);
+    for (std::size_t i = 0; i < b.size(); ++i) bounds[i] = b[i];
+    *count = static_cast<std::int32_t>(b.size()) - 1;
+  });
+}
+
 ess_status ess_write_back_bind(ess_engine* engine, const DLTensor* rows, const DLTensor* lengths,
                                const DLTensor* source_rows, ess_write_back_binding** out) {
   if (out != nullptr) *out = nullptr;

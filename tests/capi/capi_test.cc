@@ -143,6 +143,52 @@ TEST(CApi, PagedEngineBuffersAndBindingsThatDieWithTheEngine) {
   EXPECT_NE(last().find("not 16-byte aligned"), std::string::npos) << last();
 }
 
+// MTP 2, top-k 4, 5 slots: a step of 7 distinct ids runs in two query groups.
+TEST(CApi, QueryGroupsServeAStepLargerThanThePool) {
+  ess_config c = small_config();
+  c.query_tokens = 2;
+  c.topk = 4;
+  c.slots = 5;
+  ess_engine* e = nullptr;
+  ASSERT_EQ(ess_engine_create(&c, &e), ESS_OK) << last();
+  std::int32_t row = -1;
+  ASSERT_EQ(ess_request_admit(e, 1, 50, -1, &row), ESS_OK) << last();
+  std::int32_t rows[1] = {row}, lengths[1] = {50}, ids[8] = {0, 1, 2, 3, 3, 4, 5, 6}, phys[8];
+  std::vector<std::int64_t> b = {1}, btk = {1, 2, 4};
+  DLTensor rows_t = tensor(rows, b, kDLInt, 32), len_t = tensor(lengths, b, kDLInt, 32);
+  DLTensor ids_t = tensor(ids, btk, kDLInt, 32), phys_t = tensor(phys, btk, kDLInt, 32);
+  std::int32_t bounds[3] = {-7, -7, -7}, count = -7;
+  ASSERT_EQ(ess_query_groups(e, &rows_t, &ids_t, &len_t, bounds, &count), ESS_OK) << last();
+  EXPECT_EQ(count, 2);
+  EXPECT_EQ(bounds[0], 0);
+  EXPECT_EQ(bounds[1], 1);
+  EXPECT_EQ(bounds[2], 2);
+  ess_step_tensors st;
+  ess_step_tensors_init(&st);
+  st.rows = &rows_t;
+  st.topk = &ids_t;
+  st.lengths = &len_t;
+  st.physical = &phys_t;
+  ess_step_binding* binding = nullptr;
+  ASSERT_EQ(ess_step_bind(e, &st, &binding), ESS_OK) << last();
+  EXPECT_EQ(ess_step(binding, 0, -1, nullptr), ESS_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(last().find("select 7 distinct ids, more than its 5 slots"), std::string::npos) << last();
+  ASSERT_EQ(ess_step_group(binding, 0, -1, 0, 1, nullptr), ESS_OK) << last();
+  EXPECT_GE(phys[0], 0);
+  EXPECT_EQ(phys[4], -1);
+  ASSERT_EQ(ess_step_group(binding, 0, -1, 1, 2, nullptr), ESS_OK) << last();
+  EXPECT_EQ(phys[0], -1);
+  EXPECT_GE(phys[7], 0);
+  EXPECT_EQ(ess_step_group(binding, 0, -1, 1, 3, nullptr), ESS_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(last().find("query group [1, 3)"), std::string::npos) << last();
+  EXPECT_EQ(ess_query_groups(e, &rows_t, &ids_t, &len_t, nullptr, &count), ESS_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(last().find("bounds holds T + 1 = 3 values"), std::string::npos) << last();
+  ids[7] = 50;
+  EXPECT_EQ(ess_query_groups(e, &rows_t, &ids_t, &len_t, bounds, &count), ESS_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(last().find("selects token 50, outside [0, 50)"), std::string::npos) << last();
+  ess_engine_destroy(e);
+}
+
 TEST(CApi, ErrorsAreThreadLocal) {
   ess_engine* e = nullptr;
   ess_config c = small_config();
