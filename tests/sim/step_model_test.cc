@@ -186,6 +186,10 @@ TEST(sim_step, TwoBatchOverlapHidesCommunication) {
   const StepResult off = StepModel(dsv32(), paper_hw(), no_tbo).run(at(128, OverlapMode::kLayerWise));
   EXPECT_LT(on.exposed_comm_us, off.exposed_comm_us);
   EXPECT_GT(off.exposed_comm_us, 0.8 * off.comm_us);  // serial: most of it exposed (shared expert overlaps dispatch)
+  // Both micro-batches' attention is booked as attention: the same work as without TBO (its
+  // ops run at half the tokens, so a little more launch overhead), never half of it.
+  EXPECT_GT(on.attention_us, 0.95 * off.attention_us);
+  EXPECT_LT(on.moe_us, 1.5 * off.moe_us);
 }
 
 TEST(sim_step, LongerContextCostsIndexerTimeAndBatch) {

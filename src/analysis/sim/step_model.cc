@@ -364,6 +364,7 @@ StepResult StepModel::run(const Workload& wl, Timeline* timeline) const {
     for (int i = 0; i < n_mb; ++i) {
       MicroBatch& mb = mbs[i];
       s.set_label(layer, mb.label);
+      s.set_category(Category::kAttention);  // the previous micro-batch left it at MoE / other
       OverlapMode mode = r.overlap;
       if (mode == OverlapMode::kLayerWise) {
         if (wl.layerwise_threshold >= 0) {
