@@ -4,12 +4,24 @@
 // pages of 64 tokens of one layer (64 x 656 B = 41,984 B for DeepSeek-V3.2). Each request has
 // one page table per layer; it grows as decode appends tokens. Admission and growth are
 // all-or-nothing: when the pages do not fit, nothing is allocated and nothing changes.
+//
+// Shared prefixes. Pages are reference-counted. A request admitted on a prefix shares the
+// full pages of that prefix in every layer (of a live request: admit_shared; of the prefix
+// cache: admit_cached) and copies only its partial last page. A shared page is read-only: a
+// page is only ever shared while it is full, so decode appends never reach one, and a write
+// into one is refused by name. The prefix cache indexes full pages by a chain of per-page
+// hashes of the prompt's token ids (prefix_page_hashes, as vLLM hashes its blocks): publish
+// registers a request's written prompt pages; after release they stay retained, found again
+// by admit_cached, and are evicted least recently used first, chain leaves first, when an
+// admission or growth would otherwise not fit. See docs/architecture.md, "Shared prefixes".
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <set>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "ess/cache/host_memory.h"
@@ -23,7 +35,22 @@ struct TotalPoolUsage {
   std::int64_t pages = 0;         // pages over all layers
   std::uint64_t bytes = 0;        // pages * page_bytes (what the request holds)
   std::uint64_t entry_bytes = 0;  // length * layers * entry_bytes (what it uses)
+  std::int64_t shared_pages = 0;  // of `pages`, those another request or the prefix cache holds too
+  std::uint64_t shared_bytes = 0;
 };
+
+// The whole pool's bytes by who holds them; live + retained + free = capacity.
+struct TotalPoolAccount {
+  std::uint64_t live_bytes = 0;      // pages some live request holds
+  std::uint64_t shared_bytes = 0;    // of those, pages more than one holder (requests, the cache) holds
+  std::uint64_t retained_bytes = 0;  // pages only the prefix cache holds (finished requests' prefixes)
+  std::uint64_t free_bytes = 0;
+  std::uint64_t unshared_bytes = 0;  // what the live requests would hold without sharing
+  std::int64_t cached_pages = 0;     // prefix cache entries (one per page index: every layer's page)
+};
+
+// Chained hashes of the full 64-token pages of a prompt: hash i covers token ids [0, 64 (i + 1)).
+std::vector<std::uint64_t> prefix_page_hashes(std::span<const std::int32_t> token_ids);
 
 class TotalPool {
  public:
@@ -38,18 +65,37 @@ class TotalPool {
   // Appends `n` tokens (entries zeroed) to every layer of the request: the D2H write-back
   // target of the tokens a decode step produces. All-or-nothing.
   void extend(RequestId id, std::int64_t n);
-  // Frees the request's pages.
+  // Admits a request of `length` tokens whose first `prefix` tokens are those of the admitted
+  // request `source` (prefix <= both lengths): it shares source's full pages below `prefix`,
+  // gets a copy of the partial page's first prefix % 64 entries, and zeroed pages after.
+  void admit_shared(RequestId id, std::int64_t length, RequestId source, std::int64_t prefix);
+  // Admits a request of `length` tokens on the longest chain of cached pages its prompt's page
+  // hashes (prefix_page_hashes; a hash past the length is ignored) find; returns the tokens
+  // reused (a multiple of 64), whose entries are already there. Evicts retained pages to fit.
+  std::int64_t admit_cached(RequestId id, std::int64_t length, std::span<const std::uint64_t> page_hashes);
+  // Registers the request's first page_hashes.size() full pages (their entries written) in the
+  // prefix cache; pages another request already published under the same hash stay that
+  // request's. Returns the pages added. From then on those pages are read-only.
+  std::int64_t publish(RequestId id, std::span<const std::uint64_t> page_hashes);
+  // Frees the request's pages; the ones the prefix cache holds stay, retained.
   void release(RequestId id);
+  // Evicts retained pages, least recently used chain leaves first, until `pages` are free or
+  // none is left; returns the pages freed.
+  std::int64_t evict(std::int64_t pages);
 
   bool contains(RequestId id) const { return requests_.contains(id); }
   std::int64_t length(RequestId id) const;
   TotalPoolUsage usage(RequestId id) const;
+  TotalPoolAccount account() const;
   std::vector<RequestId> requests() const;  // sorted
 
   // The entry of (request, layer, token): byte offset from base(), and pointers.
   std::uint64_t offset(RequestId id, int layer, std::int64_t token) const;
   std::span<const std::uint8_t> entry(RequestId id, int layer, std::int64_t token) const;
+  // Throws naming the page when the entry lies in a shared (read-only) page.
   void write(RequestId id, int layer, std::int64_t token, std::span<const std::uint8_t> bytes);
+  // The entry for writing, with write()'s check.
+  std::span<std::uint8_t> writable_entry(RequestId id, int layer, std::int64_t token);
 
   const std::uint8_t* base() const { return arena_.data(); }
   HostMemoryKind memory_kind() const { return arena_.kind(); }
@@ -64,18 +110,42 @@ class TotalPool {
 
   // Pages needed to hold `length` tokens of every layer.
   std::int64_t pages_for(std::int64_t length) const;
-  // Digest of the bookkeeping (lengths, page tables, free list) and of every stored entry.
+  // Holders of an arena page: live requests, plus one while the prefix cache indexes it.
+  std::int32_t page_refs(std::int32_t page) const { return refs_[static_cast<std::size_t>(page)]; }
+  // Digest of the bookkeeping (lengths, page tables, free list, references, the prefix cache)
+  // and of every stored entry.
   std::uint64_t digest() const;
+  // Throws (internal error) unless every page's references equal its holders, free pages
+  // have none, and the prefix cache's users and children are consistent.
+  void check_invariants() const;
 
  private:
   struct Request {
     std::int64_t length = 0;
     std::vector<std::vector<std::int32_t>> pages;  // [layer][page index] -> arena page
+    std::vector<std::uint64_t> cached;              // prefix cache entries it uses, in chain order
+  };
+  struct CacheEntry {
+    std::uint64_t parent = 0;          // the previous page's hash (0: the first page)
+    bool has_parent = false;
+    std::vector<std::int32_t> pages;   // [layer]
+    std::int32_t users = 0;            // live requests using it
+    std::int32_t children = 0;         // cached entries chained after it
+    std::uint64_t last_use = 0;
   };
   const Request& find(RequestId id, const char* what) const;
   void check_token(RequestId id, const Request& r, int layer, std::int64_t token,
                    const char* what) const;
   std::int32_t take_page();
+  void drop_page(std::int32_t page);
+  // Pages admissions may free by evicting, keeping the cache entries `keep`.
+  std::int64_t evictable_pages(std::span<const std::uint64_t> keep) const;
+  // Frees pages by eviction so that `need` are free; refuses (changing nothing) when even
+  // evicting every evictable page, `keep` aside, would not be enough.
+  void make_room(std::int64_t need, std::span<const std::uint64_t> keep, const char* what, RequestId id);
+  void use_entry(std::uint64_t hash);
+  void unuse_entry(std::uint64_t hash);
+  void update_evictable(std::uint64_t hash);
 
   int num_layers_;
   LatentLayout layout_;
@@ -84,7 +154,11 @@ class TotalPool {
   std::int64_t capacity_pages_;
   HostBuffer arena_;
   std::vector<std::int32_t> free_;  // stack; back() is handed out next
+  std::vector<std::int32_t> refs_;  // per arena page
   std::unordered_map<RequestId, Request> requests_;
+  std::unordered_map<std::uint64_t, CacheEntry> cache_;
+  std::set<std::pair<std::uint64_t, std::uint64_t>> evictable_;  // (last_use, hash): no users, no children
+  std::uint64_t clock_ = 0;
 };
 
 }  // namespace ess

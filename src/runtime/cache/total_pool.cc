@@ -24,6 +24,7 @@ TotalPool::TotalPool(int num_layers, LatentLayout layout, std::uint64_t capacity
             "total pool: capacity_bytes = {} is {} pages, more than the {} a page id can address",
             capacity_bytes, capacity_pages_, std::numeric_limits<std::int32_t>::max());
   arena_ = HostBuffer::allocate(static_cast<std::size_t>(capacity_pages_) * page_bytes_, prefer, allocator);
+  refs_.assign(static_cast<std::size_t>(capacity_pages_), 0);
   free_.resize(static_cast<std::size_t>(capacity_pages_));
   for (std::int64_t i = 0; i < capacity_pages_; ++i) {
     free_[static_cast<std::size_t>(i)] = static_cast<std::int32_t>(capacity_pages_ - 1 - i);
@@ -38,7 +39,12 @@ std::int32_t TotalPool::take_page() {
   const std::int32_t p = free_.back();
   free_.pop_back();
   std::memset(arena_.data() + static_cast<std::size_t>(p) * page_bytes_, 0, page_bytes_);
+  refs_[static_cast<std::size_t>(p)] = 1;
   return p;
+}
+
+void TotalPool::drop_page(std::int32_t page) {
+  if (--refs_[static_cast<std::size_t>(page)] == 0) free_.push_back(page);
 }
 
 void TotalPool::admit(RequestId id, std::int64_t length) {
@@ -47,11 +53,7 @@ void TotalPool::admit(RequestId id, std::int64_t length) {
             "total pool: request {}: length {} out of range [0, {}]", id, length,
             std::numeric_limits<std::int32_t>::max());
   const std::int64_t need = pages_for(length);
-  ESS_CHECK(need <= free_pages(),
-            "total pool full: request {} with {} tokens needs {} pages ({} B) but only {} of {} "
-            "pages are free",
-            id, length, need, static_cast<std::uint64_t>(need) * page_bytes_, free_pages(),
-            capacity_pages_);
+  make_room(need, {}, "admission", id);
   Request r;
   r.length = length;
   r.pages.resize(static_cast<std::size_t>(num_layers_));
@@ -72,10 +74,7 @@ void TotalPool::extend(RequestId id, std::int64_t n) {
             "total pool: request {}: cannot extend length {} by {} tokens", id, r.length, n);
   const std::int64_t new_length = r.length + n;
   const std::int64_t need = pages_for(new_length) - pages_for(r.length);
-  ESS_CHECK(need <= free_pages(),
-            "total pool full: request {} growing from {} to {} tokens needs {} more pages but only "
-            "{} of {} pages are free",
-            id, r.length, new_length, need, free_pages(), capacity_pages_);
+  make_room(need, {}, "growth", id);
   const std::size_t per_layer = static_cast<std::size_t>(pages_for(new_length) / num_layers_);
   for (auto& table : r.pages) table.reserve(per_layer);  // may throw: nothing changed yet
   for (auto& table : r.pages) {
@@ -89,8 +88,9 @@ void TotalPool::release(RequestId id) {
   ESS_CHECK(it != requests_.end(), "total pool: release of unknown request {}", id);
   free_.reserve(static_cast<std::size_t>(capacity_pages_));
   for (const auto& table : it->second.pages) {
-    for (auto p = table.rbegin(); p != table.rend(); ++p) free_.push_back(*p);
+    for (auto p = table.rbegin(); p != table.rend(); ++p) drop_page(*p);
   }
+  for (auto h = it->second.cached.rbegin(); h != it->second.cached.rend(); ++h) unuse_entry(*h);
   requests_.erase(it);
 }
 
@@ -109,6 +109,10 @@ TotalPoolUsage TotalPool::usage(RequestId id) const {
   u.pages = pages_for(r.length);
   u.bytes = static_cast<std::uint64_t>(u.pages) * page_bytes_;
   u.entry_bytes = static_cast<std::uint64_t>(r.length) * num_layers_ * entry_bytes_;
+  for (const auto& table : r.pages) {
+    for (const std::int32_t p : table) u.shared_pages += page_refs(p) > 1 ? 1 : 0;
+  }
+  u.shared_bytes = static_cast<std::uint64_t>(u.shared_pages) * page_bytes_;
   return u;
 }
 
@@ -144,18 +148,44 @@ std::span<const std::uint8_t> TotalPool::entry(RequestId id, int layer, std::int
 void TotalPool::write(RequestId id, int layer, std::int64_t token, std::span<const std::uint8_t> bytes) {
   ESS_CHECK(bytes.size() == entry_bytes_, "total pool: write of request {} layer {} token {}: {} bytes, expected {}",
             id, layer, token, bytes.size(), entry_bytes_);
+  const auto e = writable_entry(id, layer, token);
+  std::memcpy(e.data(), bytes.data(), entry_bytes_);
+}
+
+std::span<std::uint8_t> TotalPool::writable_entry(RequestId id, int layer, std::int64_t token) {
   const std::uint64_t off = offset(id, layer, token);
-  std::memcpy(arena_.data() + off, bytes.data(), entry_bytes_);
+  const auto page = static_cast<std::int32_t>(off / page_bytes_);
+  ESS_CHECK(page_refs(page) == 1,
+            "total pool: write of request {} layer {} token {}: its page is shared ({} holders: requests on the same "
+            "prefix, or the prefix cache); shared prefix entries are read-only",
+            id, layer, token, page_refs(page));
+  return {arena_.data() + off, entry_bytes_};
 }
 
 std::uint64_t TotalPool::digest() const {
   Digest d;
   d.value(capacity_pages_);
   d.values(std::span<const std::int32_t>(free_));
+  d.values(std::span<const std::int32_t>(refs_));
+  d.value(clock_);
+  std::vector<std::uint64_t> hashes;
+  for (const auto& [h, e] : cache_) hashes.push_back(h);
+  std::sort(hashes.begin(), hashes.end());
+  for (const std::uint64_t h : hashes) {
+    const CacheEntry& e = cache_.at(h);
+    d.value(h);
+    d.value(e.parent);
+    d.value(e.has_parent);
+    d.values(std::span<const std::int32_t>(e.pages));
+    d.value(e.users);
+    d.value(e.children);
+    d.value(e.last_use);
+  }
   for (RequestId id : requests()) {
     const Request& r = requests_.at(id);
     d.value(id);
     d.value(r.length);
+    d.values(std::span<const std::uint64_t>(r.cached));
     for (const auto& table : r.pages) {
       d.values(std::span<const std::int32_t>(table));
       for (std::int32_t p : table) d.bytes(arena_.data() + static_cast<std::size_t>(p) * page_bytes_, page_bytes_);
