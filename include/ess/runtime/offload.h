@@ -151,6 +151,9 @@ struct OffloadStats {
   // kCpu: counted; kCuda: 0 (they stay on the device: LayerStep::counts).
   std::int64_t hits = 0, misses = 0, reserved_hits = 0;
   std::uint64_t host_bytes_used = 0, host_bytes_capacity = 0;
+  // Of the used bytes: pages several requests (or the prefix cache) hold, and pages only the
+  // prefix cache holds (retained); and what the live requests would hold without sharing.
+  std::uint64_t host_bytes_shared = 0, host_bytes_retained = 0, host_bytes_unshared = 0;
   std::int32_t requests = 0;
 };
 
@@ -173,6 +176,25 @@ class Offload {
   // then writes the prompt's entries (host_entry, or write_back from its prefill buffer) and
   // calls warmup.
   std::int32_t admit(RequestId id, std::int64_t prompt_length, std::int32_t row = -1);
+  // The same for a request whose first `prefix` prompt tokens are those of the admitted
+  // request `source`: it shares source's full host pages of that prefix (no copy; read-only,
+  // host_entry refuses them) and gets a copy of the partial page; write the rest as usual.
+  // Its device rows start empty: warm it up as any other request.
+  std::int32_t admit_shared(RequestId id, std::int64_t prompt_length, RequestId source, std::int64_t prefix,
+                            std::int32_t row = -1);
+  // The same on the host prefix cache: the prompt's longest prefix of whole 64-token pages
+  // that a request published (see publish) is reused without a copy. Returns the row and the
+  // tokens reused (a multiple of 64): write the entries from there on.
+  struct Admitted {
+    std::int32_t row = -1;
+    std::int64_t reused_tokens = 0;
+  };
+  Admitted admit_cached(RequestId id, std::span<const std::int32_t> prompt_tokens, std::int32_t row = -1);
+  // Registers the request's prompt in the host prefix cache once its entries are written: its
+  // whole 64-token pages become read-only, shared with later requests on the same prompt
+  // prefix, and stay retained after release until the pool needs their space. Returns the
+  // pages (per layer) registered.
+  std::int64_t publish(RequestId id, std::span<const std::int32_t> prompt_tokens);
   // LRU-Warmup of every layer: `windows` is [layers][W][K] (the prefill's last W query
   // positions' top-k, oldest first, -1 = padding; W <= warmup_windows uses the last W); the
   // resulting residency is loaded into the slots from the host pool.

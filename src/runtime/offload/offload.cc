@@ -110,7 +110,35 @@ Offload::Offload(const OffloadConfig& config, LatentBuffer buffer, HostAllocator
 Offload::~Offload() = default;
 
 std::int32_t Offload::admit(RequestId id, std::int64_t prompt_length, std::int32_t wanted_row) {
+  return impl_->admit(id, prompt_length, wanted_row, [&] { impl_->pool->admit(id, prompt_length); });
+}
+
+std::int32_t Offload::admit_shared(RequestId id, std::int64_t prompt_length, RequestId source, std::int64_t prefix,
+                                   std::int32_t row) {
+  impl_->find_row(source, "shared admission's source");
+  return impl_->admit(id, prompt_length, row, [&] { impl_->pool->admit_shared(id, prompt_length, source, prefix); });
+}
+
+Offload::Admitted Offload::admit_cached(RequestId id, std::span<const std::int32_t> prompt_tokens, std::int32_t row) {
+  const std::vector<std::uint64_t> hashes = prefix_page_hashes(prompt_tokens);
+  Admitted a;
+  a.row = impl_->admit(id, static_cast<std::int64_t>(prompt_tokens.size()), row,
+                       [&] { a.reused_tokens = impl_->pool->admit_cached(id, std::ssize(prompt_tokens), hashes); });
+  return a;
+}
+
+std::int64_t Offload::publish(RequestId id, std::span<const std::int32_t> prompt_tokens) {
   Impl& x = *impl_;
+  x.find_row(id, "publish");
+  const std::int64_t length = x.pool->length(id);
+  ESS_CHECK(std::ssize(prompt_tokens) <= length, "offload: publish of request {}: {} prompt tokens, it holds {}", id,
+            prompt_tokens.size(), length);
+  return x.pool->publish(id, prefix_page_hashes(prompt_tokens));
+}
+
+std::int32_t Offload::Impl::admit(RequestId id, std::int64_t prompt_length, std::int32_t wanted_row,
+                                  const std::function<void()>& pool_admit) {
+  Impl& x = *this;
   ESS_CHECK(id >= 0, "offload: admit: request id {} is negative", id);
   ESS_CHECK(!x.row_of_request.contains(id), "offload: admit: request {} is already admitted", id);
   ESS_CHECK(prompt_length >= 1 && prompt_length <= x.config.max_context,
@@ -130,7 +158,7 @@ std::int32_t Offload::admit(RequestId id, std::int64_t prompt_length, std::int32
     ESS_CHECK(*free == -1, "offload: admit of request {}: row {} holds request {}", id, wanted_row, *free);
   }
   const auto row = static_cast<std::int32_t>(free - x.request_of_row.begin());
-  x.pool->admit(id, prompt_length);  // throws, changing nothing, when the pages do not fit
+  pool_admit();  // throws, changing nothing, when the pages do not fit
   try {
     x.backend->admit(row, id);
     x.backend->pages_added(row, id, 0);
@@ -198,8 +226,7 @@ std::int64_t Offload::length(RequestId id) const {
 
 std::span<std::uint8_t> Offload::host_entry(RequestId id, int layer, std::int64_t token) {
   impl_->find_row(id, "host_entry");
-  const auto e = impl_->pool->entry(id, layer, token);  // checks layer and token
-  return {const_cast<std::uint8_t*>(e.data()), e.size()};
+  return impl_->pool->writable_entry(id, layer, token);  // checks layer and token, refuses shared pages
 }
 
 void Offload::step(const LayerStep& s) {
@@ -291,8 +318,12 @@ std::vector<std::uint8_t> Offload::read_row(int layer, std::int32_t p) const {
 OffloadStats Offload::stats() const {
   const Impl& x = *impl_;
   OffloadStats st;
+  const TotalPoolAccount a = x.pool->account();
   st.host_bytes_used = x.pool->used_bytes();
   st.host_bytes_capacity = x.pool->capacity_bytes();
+  st.host_bytes_shared = a.shared_bytes;
+  st.host_bytes_retained = a.retained_bytes;
+  st.host_bytes_unshared = a.unshared_bytes;
   st.requests = static_cast<std::int32_t>(x.row_of_request.size());
   x.backend->add_stats(st);
   return st;

@@ -24,6 +24,7 @@
 #include "harness/support/backend.h"
 #include "harness/support/cache_fixtures.h"
 #include "harness/support/offload_io.h"
+#include "harness/support/testing.h"
 
 namespace ess::offload_test {
 
@@ -394,6 +395,67 @@ TEST(OffloadQueryGroups, AStepLargerThanThePoolRunsGroupByGroupLosslessly) {
     }
     EXPECT_GT(split_steps, 0);
     EXPECT_GT(whole_steps, 0);
+  }
+}
+
+// Requests on a shared prompt prefix: one admitted on a live request's prefix, one on the
+// prefix cache after the first published its prompt. Their steps fetch the shared host pages'
+// entries (lossless), the shared pages are read-only, the accounting counts them once, and
+// they outlive the request that wrote them.
+TEST(OffloadPrefix, RequestsOnASharedPrefixReadItsEntries) {
+  ESS_REQUIRE_BACKEND(harness().info);
+  OffloadConfig c;
+  c.layers = 2;
+  c.layout = test::small_layout();
+  c.max_requests = 4;
+  c.topk = 16;
+  c.slots = 32;
+  c.max_context = 512;
+  c.backend = harness().backend;
+  Offload o(c);
+  const std::size_t E = c.layout.bytes();
+  std::vector<std::int32_t> prompt(300);
+  for (std::size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<std::int32_t>(i % 97);
+  // The prefix's entries are request 1's (written by it); each request's own tokens its own.
+  auto entry = [&](RequestId id, int layer, std::int64_t t) { return entry_of(t < 256 ? 1 : id, layer, t, E); };
+  auto write = [&](RequestId id, std::int64_t from, std::int64_t to) {
+    for (int l = 0; l < c.layers; ++l) {
+      for (std::int64_t t = from; t < to; ++t) {
+        const auto e = entry(id, l, t);
+        std::memcpy(o.host_entry(id, l, t).data(), e.data(), E);
+      }
+    }
+  };
+  o.admit(1, 300);
+  write(1, 0, 300);
+  EXPECT_EQ(o.publish(1, std::span(prompt).first(256)), 4);  // 4 pages per layer
+  o.admit_shared(2, 300, 1, 256);
+  write(2, 256, 300);
+  const Offload::Admitted a = o.admit_cached(3, prompt);
+  EXPECT_EQ(a.reused_tokens, 256);
+  write(3, 256, 300);
+  EXPECT_NE(test::error_of([&] { (void)o.host_entry(2, 0, 10); }).find("read-only"), std::string::npos);
+  const OffloadStats st = o.stats();
+  EXPECT_EQ(st.host_bytes_unshared, 3ull * 2 * 5 * 64 * E);
+  EXPECT_EQ(st.host_bytes_used, (4 + 3 * 1) * 2ull * 64 * E);  // the shared 4 pages once, 1 own page each
+  EXPECT_EQ(st.host_bytes_shared, 4 * 2ull * 64 * E);
+  o.release(1);  // its published prefix stays for the others
+  for (const RequestId id : {RequestId{2}, RequestId{3}}) {
+    for (int l = 0; l < c.layers; ++l) {
+      StepIn in;
+      in.layer = l;
+      in.batch = 1;
+      in.rows = {o.row(id)};
+      in.lengths = {300};
+      for (int k = 0; k < 16; ++k) in.topk.push_back(static_cast<std::int32_t>(k * 18 + 3));  // shared and own tokens
+      const StepOut got = io().step(o, in);
+      const std::vector<std::uint8_t> buf = io().dump(o, l);
+      for (int k = 0; k < 16; ++k) {
+        const auto want = entry(id, l, in.topk[static_cast<std::size_t>(k)]);
+        ASSERT_EQ(0, std::memcmp(buf.data() + o.buffer().rows.offset(got.physical[static_cast<std::size_t>(k)]), want.data(), E))
+            << "request " << id << " layer " << l << " token " << in.topk[static_cast<std::size_t>(k)];
+      }
+    }
   }
 }
 

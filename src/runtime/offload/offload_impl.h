@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <unordered_map>
@@ -44,6 +45,9 @@ class Offload::Impl {
   std::unordered_map<RequestId, std::int32_t> row_of_request;
   std::unique_ptr<OffloadBackend> backend;
 
+  // Admission with `pool_admit` taking the host pages (all-or-nothing); returns the row.
+  std::int32_t admit(RequestId id, std::int64_t prompt_length, std::int32_t wanted_row,
+                     const std::function<void()>& pool_admit);
   std::int32_t find_row(RequestId id, const char* what) const;
   RequestId request_at(std::int32_t row, const char* what, int position) const;
 };
