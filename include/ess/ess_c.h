@@ -136,6 +136,12 @@ typedef struct ess_stats {
   uint64_t host_bytes_used;
   uint64_t host_bytes_capacity;
   int32_t requests;
+  /* Of host_bytes_used: pages several holders share (requests on one prompt prefix, the
+   * prefix cache); pages only the prefix cache holds (retained). What the live requests would
+   * hold without sharing. */
+  uint64_t host_bytes_shared;
+  uint64_t host_bytes_retained;
+  uint64_t host_bytes_unshared;
 } ess_stats;
 
 ESS_API void ess_stats_init(ess_stats* stats);
@@ -146,6 +152,18 @@ ESS_API ess_status ess_engine_get_stats(const ess_engine* engine, ess_stats* sta
  * tokens into pool row `row` (-1: the lowest free row); *row_out (may be NULL) gets the row. */
 ESS_API ess_status ess_request_admit(ess_engine* engine, int64_t id, int64_t prompt_length, int32_t row,
                                      int32_t* row_out);
+/* Shared prompt prefixes in the host pool. admit_shared: a request whose first `prefix` tokens
+ * are those of the admitted request `source` shares its full host pages (no copy; read-only).
+ * admit_cached: `prompt_tokens` (int32 host [n]) finds the longest prefix of whole 64-token
+ * pages a request published; *reused_out (may be NULL) gets the tokens reused, whose entries
+ * need no writing. publish: registers the request's written prompt in the prefix cache (its
+ * whole pages become read-only and stay retained after release until space is needed);
+ * *pages_out (may be NULL) gets the pages per layer registered. */
+ESS_API ess_status ess_request_admit_shared(ess_engine* engine, int64_t id, int64_t prompt_length, int64_t source,
+                                            int64_t prefix, int32_t row, int32_t* row_out);
+ESS_API ess_status ess_request_admit_cached(ess_engine* engine, int64_t id, const DLTensor* prompt_tokens, int32_t row,
+                                            int32_t* row_out, int64_t* reused_out);
+ESS_API ess_status ess_request_publish(ess_engine* engine, int64_t id, const DLTensor* prompt_tokens, int64_t* pages_out);
 /* Writes entries [first_token, first_token + n) of one layer into the host pool: `entries` is
  * host memory (kDLCPU or kDLCUDAHost), n rows of the entry's bytes (uint8 [n, E], or any
  * dtype whose last dimension spans E bytes), rows contiguous. */

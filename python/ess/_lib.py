@@ -66,6 +66,9 @@ class Stats(ctypes.Structure):
         ("host_bytes_used", ctypes.c_uint64),
         ("host_bytes_capacity", ctypes.c_uint64),
         ("requests", ctypes.c_int32),
+        ("host_bytes_shared", ctypes.c_uint64),
+        ("host_bytes_retained", ctypes.c_uint64),
+        ("host_bytes_unshared", ctypes.c_uint64),
     ]
 
 
@@ -131,6 +134,11 @@ _signatures = {
     "ess_stats_init": (None, [_c.POINTER(Stats)]),
     "ess_engine_get_stats": (_c.c_int, [_P, _c.POINTER(Stats)]),
     "ess_request_admit": (_c.c_int, [_P, _c.c_int64, _c.c_int64, _c.c_int32, _c.POINTER(_c.c_int32)]),
+    "ess_request_admit_shared": (_c.c_int, [_P, _c.c_int64, _c.c_int64, _c.c_int64, _c.c_int64, _c.c_int32,
+                                            _c.POINTER(_c.c_int32)]),
+    "ess_request_admit_cached": (_c.c_int, [_P, _c.c_int64, _P, _c.c_int32, _c.POINTER(_c.c_int32),
+                                            _c.POINTER(_c.c_int64)]),
+    "ess_request_publish": (_c.c_int, [_P, _c.c_int64, _P, _c.POINTER(_c.c_int64)]),
     "ess_request_write_entries": (_c.c_int, [_P, _c.c_int64, _c.c_int32, _c.c_int64, _P]),
     "ess_request_read_entries": (_c.c_int, [_P, _c.c_int64, _c.c_int32, _c.c_int64, _P]),
     "ess_request_warmup": (_c.c_int, [_P, _c.c_int64, _P]),

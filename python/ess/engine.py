@@ -60,6 +60,9 @@ class Stats:
     host_bytes_used: int
     host_bytes_capacity: int
     requests: int
+    host_bytes_shared: int
+    host_bytes_retained: int
+    host_bytes_unshared: int
 
 
 class Engine:
@@ -152,6 +155,27 @@ class Engine:
         out = ctypes.c_int32()
         check(lib.ess_request_admit(self._h(), request_id, prompt_length, row, ctypes.byref(out)))
         return out.value
+
+    def admit_shared(self, request_id: int, prompt_length: int, source: int, prefix: int, row: int = -1) -> int:
+        """Admits a request whose first `prefix` tokens are request `source`'s: their host pages are shared
+        (read-only), not copied. Write its entries from `prefix` on. Returns the row."""
+        out = ctypes.c_int32()
+        check(lib.ess_request_admit_shared(self._h(), request_id, prompt_length, source, prefix, row, ctypes.byref(out)))
+        return out.value
+
+    def admit_cached(self, request_id: int, prompt_tokens, row: int = -1):
+        """Admits a request on the host prefix cache: (row, tokens reused); write its entries from there on."""
+        t = _dlpack.export(prompt_tokens, "prompt_tokens")
+        out, reused = ctypes.c_int32(), ctypes.c_int64()
+        check(lib.ess_request_admit_cached(self._h(), request_id, t.pointer, row, ctypes.byref(out), ctypes.byref(reused)))
+        return out.value, reused.value
+
+    def publish(self, request_id: int, prompt_tokens) -> int:
+        """Registers the request's written prompt in the host prefix cache; returns the pages per layer added."""
+        t = _dlpack.export(prompt_tokens, "prompt_tokens")
+        pages = ctypes.c_int64()
+        check(lib.ess_request_publish(self._h(), request_id, t.pointer, ctypes.byref(pages)))
+        return pages.value
 
     def write_entries(self, request_id: int, layer: int, first_token: int, entries):
         """Copies host entries ([n, E] bytes per entry) into the Total Memory Pool at tokens [first_token, +n)."""

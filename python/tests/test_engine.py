@@ -151,6 +151,38 @@ def test_query_groups_serve_steps_larger_than_the_pool():
         step.step_group(0, 2, 2)
 
 
+def test_shared_prompt_prefixes():
+    e = small(max_requests=3, max_context=400)
+    rng = np.random.default_rng(5)
+    prompt = rng.integers(0, 1000, 300).astype(np.int32)
+    full = rng.integers(0, 256, (2, 300, ENTRY), dtype=np.uint8)
+    e.admit(1, 300)
+    for layer in range(2):
+        e.write_entries(1, layer, 0, full[layer])
+    assert e.publish(1, prompt) == 4  # 4 whole pages of 64 tokens
+    row, reused = e.admit_cached(2, prompt)
+    assert reused == 256
+    e.admit_shared(3, 300, 1, 200)
+    for layer in range(2):
+        e.write_entries(2, layer, 256, full[layer, 256:])
+        e.write_entries(3, layer, 200, full[layer, 200:])
+    for rid in (2, 3):
+        np.testing.assert_array_equal(e.read_entries(rid, 1, 0, np.empty((300, ENTRY), np.uint8)), full[1])
+    with pytest.raises(ess.InvalidArgument, match="read-only"):
+        e.write_entries(2, 0, 0, full[0, :1])
+    st = e.stats()
+    assert st.host_bytes_unshared == 3 * 2 * 5 * 64 * ENTRY
+    assert st.host_bytes_shared == 2 * 4 * 64 * ENTRY
+    assert st.host_bytes_used < st.host_bytes_unshared
+    e.release(1)
+    e.release(2)
+    e.release(3)
+    assert e.stats().host_bytes_retained == 2 * 4 * 64 * ENTRY  # the published prefix, until space is needed
+    with pytest.raises(ess.InvalidArgument, match="prefix 500 tokens must be within"):
+        e.admit(4, 300)
+        e.admit_shared(5, 300, 4, 500)
+
+
 def test_refused_calls_change_nothing():
     e = small()
     e.admit(1, 50)

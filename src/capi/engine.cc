@@ -219,6 +219,47 @@ ess_status ess_engine_get_stats(const ess_engine* engine, ess_stats* stats) {
     stats->host_bytes_used = s.host_bytes_used;
     stats->host_bytes_capacity = s.host_bytes_capacity;
     stats->requests = s.requests;
+    stats->host_bytes_shared = s.host_bytes_shared;
+    stats->host_bytes_retained = s.host_bytes_retained;
+    stats->host_bytes_unshared = s.host_bytes_unshared;
+  });
+}
+
+namespace {
+
+// A prompt's token ids: int32 host memory [n].
+std::span<const std::int32_t> prompt_of(const DLTensor* t) {
+  const ess::capi::Tensor v = ess::capi::checked(t, "prompt_tokens", {ess::Backend::kCpu, 0});
+  ESS_CHECK(t->dtype.code == kDLInt && t->dtype.bits == 32 && v.shape.size() == 1,
+            "prompt_tokens: int32 [n] host memory is needed, got shape {}", ess::capi::shape_string(v.shape));
+  return {reinterpret_cast<const std::int32_t*>(v.data), static_cast<std::size_t>(v.shape[0])};
+}
+
+}  // namespace
+
+ess_status ess_request_admit_shared(ess_engine* engine, int64_t id, int64_t prompt_length, int64_t source,
+                                    int64_t prefix, int32_t row, int32_t* row_out) {
+  return guard("ess_request_admit_shared", [&] {
+    const std::int32_t r = ess::capi::engine_ref(engine).offload->admit_shared(id, prompt_length, source, prefix, row);
+    if (row_out != nullptr) *row_out = r;
+  });
+}
+
+ess_status ess_request_admit_cached(ess_engine* engine, int64_t id, const DLTensor* prompt_tokens, int32_t row,
+                                    int32_t* row_out, int64_t* reused_out) {
+  return guard("ess_request_admit_cached", [&] {
+    ess::Offload& o = *ess::capi::engine_ref(engine).offload;
+    const ess::Offload::Admitted a = o.admit_cached(id, prompt_of(prompt_tokens), row);
+    if (row_out != nullptr) *row_out = a.row;
+    if (reused_out != nullptr) *reused_out = a.reused_tokens;
+  });
+}
+
+ess_status ess_request_publish(ess_engine* engine, int64_t id, const DLTensor* prompt_tokens, int64_t* pages_out) {
+  return guard("ess_request_publish", [&] {
+    ess::Offload& o = *ess::capi::engine_ref(engine).offload;
+    const std::int64_t pages = o.publish(id, prompt_of(prompt_tokens));
+    if (pages_out != nullptr) *pages_out = pages;
   });
 }
 
@@ -276,7 +317,7 @@ ess_status ess_request_read_entries(const ess_engine* engine, int64_t id, int32_
     ess::Offload& o = *ess::capi::engine_ref(engine).offload;
     const EntryRange r = entry_range(o, id, layer, first_token, entries);
     for (std::int64_t i = 0; i < r.n; ++i) {
-      const auto src = o.host_entry(id, layer, first_token + i);
+      const auto src = o.host_pool().entry(id, layer, first_token + i);
       std::memcpy(r.data + static_cast<std::size_t>(i) * r.entry, src.data(), r.entry);
     }
   });

@@ -189,6 +189,40 @@ TEST(CApi, QueryGroupsServeAStepLargerThanThePool) {
   ess_engine_destroy(e);
 }
 
+TEST(CApi, SharedPromptPrefixes) {
+  ess_config c = small_config();
+  c.max_requests = 3;
+  c.max_context = 256;
+  ess_engine* e = nullptr;
+  ASSERT_EQ(ess_engine_create(&c, &e), ESS_OK) << last();
+  std::vector<std::int32_t> prompt(130);
+  for (std::size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<std::int32_t>(i * 3);
+  std::vector<std::int64_t> n = {130};
+  DLTensor prompt_t = tensor(prompt.data(), n, kDLInt, 32);
+  ASSERT_EQ(ess_request_admit(e, 1, 130, -1, nullptr), ESS_OK) << last();
+  std::int64_t pages = -1, reused = -1;
+  ASSERT_EQ(ess_request_publish(e, 1, &prompt_t, &pages), ESS_OK) << last();
+  EXPECT_EQ(pages, 2);
+  std::int32_t row = -1;
+  ASSERT_EQ(ess_request_admit_cached(e, 2, &prompt_t, -1, &row, &reused), ESS_OK) << last();
+  EXPECT_EQ(reused, 128);
+  EXPECT_GE(row, 0);
+  EXPECT_EQ(ess_request_admit_shared(e, 3, 100, 9, 10, -1, nullptr), ESS_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(last().find("request 9: not admitted"), std::string::npos) << last();
+  ASSERT_EQ(ess_request_admit_shared(e, 3, 100, 1, 70, -1, nullptr), ESS_OK) << last();
+  ess_stats st;
+  ess_stats_init(&st);
+  ASSERT_EQ(ess_engine_get_stats(e, &st), ESS_OK) << last();
+  EXPECT_EQ(st.requests, 3);
+  EXPECT_EQ(st.host_bytes_unshared, (3u + 3u + 2u) * 2u * 64u * kEntry);
+  EXPECT_EQ(st.host_bytes_shared, 2u * 2u * 64u * kEntry);  // the published pages (the third shares only the first)
+  std::vector<std::int64_t> bad_shape = {1, 130};
+  DLTensor bad = tensor(prompt.data(), bad_shape, kDLInt, 32);
+  EXPECT_EQ(ess_request_publish(e, 1, &bad, nullptr), ESS_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(last().find("int32 [n]"), std::string::npos) << last();
+  ess_engine_destroy(e);
+}
+
 TEST(CApi, ErrorsAreThreadLocal) {
   ess_engine* e = nullptr;
   ess_config c = small_config();

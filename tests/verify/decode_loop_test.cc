@@ -78,6 +78,25 @@ TEST(VerifyLoop, StepsLargerThanThePoolRunInQueryGroupsLosslessly) {
   EXPECT_EQ(r.group_calls, 0);
 }
 
+// Requests 1.. on request 0's prompt prefix: the host pool holds the shared pages once and
+// every attention output stays bit-identical.
+TEST(VerifyLoop, SharedPromptPrefixesAreLosslessAndSaveHostBytes) {
+  VerifyConfig c = small();
+  c.requests = 3;
+  c.context = 512;
+  const VerifyReport none = run_verify(ModelSpec::deepseek_v32_exp(), c);
+  c.prefix_share = 0.5;  // 256 tokens: 4 pages per layer shared by 3 requests
+  const VerifyReport half = run_verify(ModelSpec::deepseek_v32_exp(), c);
+  EXPECT_TRUE(half.bitwise_equal) << half.first_mismatch;
+  EXPECT_EQ(half.mismatched_host_entries, 0);
+  EXPECT_EQ(half.host_bytes_unshared, none.host_bytes);
+  EXPECT_EQ(none.host_bytes_unshared, none.host_bytes);
+  const std::uint64_t page = 64 * 656;
+  EXPECT_EQ(none.host_bytes - half.host_bytes, 2ull * 4 * 2 * page);  // 2 requests x 4 pages x 2 layers
+  c.prefix_share = 1.5;
+  EXPECT_THROW(run_verify(ModelSpec::deepseek_v32_exp(), c), Error);
+}
+
 TEST(VerifyLoop, TheCheckCanFail) {
   VerifyConfig c = small();
   c.inject_fault = true;  // one flipped bit in one slot

@@ -45,6 +45,10 @@ void add_verify(CLI::App& app, int& exit_code) {
       ->excludes(slots);
   cmd->add_option("--warmup", c.warmup_windows, "LRU-Warmup prefill windows (0 = cold start)")->capture_default_str();
   cmd->add_option("--drift", c.query_drift, "Indexer query drift per step in [0, 1]")->capture_default_str();
+  cmd->add_option("--prefix-share", c.prefix_share,
+                  "Fraction of the prompt requests 1.. share with request 0 (admitted on its prefix: host pages "
+                  "shared, not copied)")
+      ->capture_default_str();
   cmd->add_option("--seed", c.seed, "Random seed")->capture_default_str()->check(unsigned_integer());
   cmd->add_flag("--reserve-newest", c.reserve_newest,
                "Each step's new entries in reserved rows outside the LRU, written back to the host pool");

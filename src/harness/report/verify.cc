@@ -33,6 +33,10 @@ std::string to_table(const ModelSpec& model, const VerifyConfig& c, const Verify
              total > 0 ? 100.0 * static_cast<double>(r.hits) / total : 0.0,
              static_cast<double>(r.misses) / (request_steps * std::max(c.layers, 1)));
   add("misses per step (all requests and layers): {}\n", fmt::join(r.misses_per_step, " "));
+  add("host pool: {:.1f} MB in use for {:.1f} MB of entries without sharing{}\n", static_cast<double>(r.host_bytes) / 1e6,
+      static_cast<double>(r.host_bytes_unshared) / 1e6,
+      c.prefix_share > 0 ? fmt::format(" (requests 1.. share {:.0f}% of request 0's prompt)", 100 * c.prefix_share)
+                         : std::string());
   add("split steps: {} of {} request-layer-steps selected more distinct ids than the {} slots and ran in query "
       "groups ({} extra step calls)\n",
       r.split_steps, static_cast<std::int64_t>(c.requests) * c.layers * r.steps, r.slots, r.group_calls);
@@ -66,6 +70,8 @@ nlohmann::json to_json(const ModelSpec& model, const VerifyConfig& c, const Veri
       {"misses", r.misses},
       {"warmup_fills", r.warmup_fills},
       {"split_steps", r.split_steps},
+      {"host_bytes", r.host_bytes},
+      {"host_bytes_unshared", r.host_bytes_unshared},
       {"group_calls", r.group_calls},
       {"per_layer_misses", per_layer_misses},
       {"per_layer", per_layer},
@@ -81,6 +87,7 @@ nlohmann::json to_json(const ModelSpec& model, const VerifyConfig& c, const Veri
         {"ratio", c.slots > 0 ? nlohmann::json(nullptr) : nlohmann::json(c.ratio)},
         {"warmup_windows", c.warmup_windows},
         {"reserve_newest", c.reserve_newest},
+        {"prefix_share", c.prefix_share},
         {"seed", c.seed}}},
       {"host_memory", r.host_memory},
       {"backend", r.backend},

@@ -34,6 +34,7 @@ void VerifyConfig::validate(const ModelSpec& model) const {
             "will be)", slots, context + static_cast<std::int64_t>(steps) * mtp);
   ESS_CHECK(warmup_windows >= 0, "verify: --warmup = {} must be >= 0", warmup_windows);
   ESS_CHECK(query_drift >= 0.0 && query_drift <= 1.0, "verify: query drift = {} must be in [0, 1]", query_drift);
+  ESS_CHECK(prefix_share >= 0.0 && prefix_share <= 1.0, "verify: --prefix-share = {} must be in [0, 1]", prefix_share);
   ESS_CHECK(warmup_windows <= context, "verify: --warmup = {} exceeds the prefill's {} query positions", warmup_windows,
             context);
   // Per request-layer: the full latent cache and the host pool (an entry each per token), the
@@ -77,6 +78,9 @@ class Loop {
   // Generates the entries of `token` for every layer into the full cache (and the indexer's);
   // returns them, [layer][entry].
   std::vector<std::uint8_t> append_token(RequestId id, std::int64_t token);
+  // Request `id`'s `token` is request 0's (a shared prompt prefix): its latent entries and its
+  // indexer keys are request 0's.
+  void share_token(RequestId id, std::int64_t token);
   std::vector<std::int32_t> select(RequestId id, int layer, std::int64_t position);
   // Row p of the layer's buffer as the attention reads it.
   const std::uint8_t* row_bytes(int layer, std::int32_t p);
@@ -139,6 +143,19 @@ std::vector<std::uint8_t> Loop::append_token(RequestId id, std::int64_t token) {
                          static_cast<int>(token % kPageTokens));
   }
   return entries;
+}
+
+void Loop::share_token(RequestId id, std::int64_t token) {
+  const std::size_t E = latent_.bytes();
+  for (int l = 0; l < cfg_.layers; ++l) {
+    const LayerState& from = state_[0][static_cast<std::size_t>(l)];
+    LayerState& ls = state_[static_cast<std::size_t>(id)][static_cast<std::size_t>(l)];
+    ESS_ASSERT(ls.full.size() == static_cast<std::size_t>(token) * E, "verify: tokens are shared in order");
+    ls.full.insert(ls.full.end(), from.full.begin() + static_cast<std::ptrdiff_t>(token * E),
+                   from.full.begin() + static_cast<std::ptrdiff_t>((token + 1) * E));
+    // Whole indexer pages; the tokens past the prefix overwrite theirs as they are appended.
+    if (token % kPageTokens == 0) ls.index_pages.push_back(from.index_pages[static_cast<std::size_t>(token / kPageTokens)]);
+  }
 }
 
 // Top-k of the query at `position` over its causal prefix [0, position].
@@ -224,7 +241,9 @@ VerifyReport Loop::run() {
   report_.per_layer.resize(static_cast<std::size_t>(L));
   for (int l = 0; l < L; ++l) report_.per_layer[static_cast<std::size_t>(l)].layer = l;
 
-  // Prefill: every request's prompt is in the Total Memory Pool and the indexer cache.
+  // Prefill: every request's prompt is in the Total Memory Pool and the indexer cache; with
+  // a shared prefix, requests 1.. hold request 0's first `prefix` tokens.
+  const auto prefix = static_cast<std::int64_t>(std::floor(cfg_.prefix_share * static_cast<double>(cfg_.context)));
   state_.assign(static_cast<std::size_t>(B), std::vector<LayerState>(static_cast<std::size_t>(L)));
   const std::size_t qn = static_cast<std::size_t>(model_.index_n_heads) * index_.head_dim;
   std::vector<std::int32_t> rows(static_cast<std::size_t>(B));
@@ -235,8 +254,13 @@ VerifyReport Loop::run() {
       ls.w.resize(static_cast<std::size_t>(model_.index_n_heads));
       for (float& v : ls.w) v = normal() / std::sqrt(static_cast<float>(model_.index_n_heads));
     }
-    rows[static_cast<std::size_t>(id)] = o.admit(id, cfg_.context);
+    const bool shares = id > 0 && prefix > 0;
+    rows[static_cast<std::size_t>(id)] = shares ? o.admit_shared(id, cfg_.context, 0, prefix) : o.admit(id, cfg_.context);
     for (std::int64_t tok = 0; tok < cfg_.context; ++tok) {
+      if (shares && tok < prefix) {  // in the host pool already: shared pages, or the copied partial page
+        share_token(id, tok);
+        continue;
+      }
       const std::vector<std::uint8_t> entries = append_token(id, tok);
       for (int l = 0; l < L; ++l) {
         std::memcpy(o.host_entry(id, l, tok).data(), entries.data() + static_cast<std::size_t>(l) * E, E);
@@ -336,7 +360,7 @@ VerifyReport Loop::run() {
     for (int l = 0; l < L; ++l) {
       const LayerState& ls = state_[static_cast<std::size_t>(id)][static_cast<std::size_t>(l)];
       for (std::int64_t tok = 0; tok < o.length(id); ++tok) {
-        const auto e = o.host_entry(id, l, tok);
+        const auto e = o.host_pool().entry(id, l, tok);
         if (std::memcmp(e.data(), ls.full.data() + static_cast<std::size_t>(tok) * E, E) != 0) {
           ++report_.mismatched_host_entries;
           if (report_.bitwise_equal) {
@@ -348,6 +372,9 @@ VerifyReport Loop::run() {
     }
   }
   report_.steps = cfg_.steps;
+  const OffloadStats st = o.stats();
+  report_.host_bytes = st.host_bytes_used;
+  report_.host_bytes_unshared = st.host_bytes_unshared;
   for (const auto& pl : report_.per_layer) {
     report_.hits += pl.hits;
     report_.misses += pl.misses;

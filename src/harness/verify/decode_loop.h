@@ -38,6 +38,10 @@ struct VerifyConfig {
   double query_drift = 0.15;  // 0 = the same indexer query every step, 1 = a fresh one
   bool inject_fault = false;  // tests only: corrupt one row byte to prove the check can fail
   bool reserve_newest = false;  // OffloadConfig::reserve_newest (new entries via write_back)
+  // The fraction of the prompt every request shares with request 0 (a common system prompt):
+  // requests 1.. are admitted on request 0's prefix (Offload::admit_shared), its host pages
+  // shared, not copied.
+  double prefix_share = 0.0;
   // The Offload's backend: kCuda checks the device path (swap kernels, split, FlashTrans) end to end.
   Backend backend = Backend::kCpu;
   int device = 0;
@@ -71,6 +75,8 @@ struct VerifyReport {
   std::vector<VerifyLayerStats> per_layer;
   std::vector<std::int64_t> misses_per_step;  // summed over requests and layers
   std::string first_mismatch;                 // where, when not bitwise equal
+  std::uint64_t host_bytes = 0;           // the host pool's pages in use at the end
+  std::uint64_t host_bytes_unshared = 0;  // what the requests would hold without sharing
   std::string host_memory;                    // "pinned" or "aligned"
   std::string backend;                        // the Offload's backend ("cpu", "cuda")
   double seconds = 0.0;
