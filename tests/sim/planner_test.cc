@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 
 #include "ess/core/error.h"
+#include "ess/sim/memory_model.h"
 #include "ess/sim/planner.h"
 #include "sim/sim_test_util.h"
 
@@ -60,6 +61,28 @@ TEST(sim_plan, HostLimitsRefuseConfigurations) {
   bool bandwidth = false;
   for (const auto& s : q.refusals) bandwidth = bandwidth || s.find("host-memory bandwidth") != std::string::npos;
   EXPECT_TRUE(bandwidth);
+}
+
+// A shared prompt prefix holds its host pages once per GPU: where host DRAM bounds the batch,
+// sharing raises it, and the host pool is what the shares say.
+TEST(sim_plan, SharedPrefixesLowerHostMemoryAndRaiseTheBatch) {
+  HardwareProfile small_host = paper_hw();
+  small_host.host_dram_gb = 600;
+  const StepModel sm(dsv32(), small_host, paper_dep());
+  PlanRequest r = request(0);
+  const PlanResult none = plan(sm, r);
+  r.prefix_share = 0.5;
+  const PlanResult half = plan(sm, r);
+  ASSERT_TRUE(none.found && half.found);
+  EXPECT_GT(half.chosen.best.batch, none.chosen.best.batch);
+  EXPECT_LE(half.chosen.best.host_pool_gb_per_node, 600);
+  EXPECT_GT(half.chosen.best.host_pool_gb_per_node_unshared, 600);
+  const MemoryModel mem(dsv32(), paper_hw(), paper_dep(), 32768);
+  const double per_token = 8.0 * 62 * 656;  // 8 GPUs x 61 layers + the MTP layer x 656 B
+  EXPECT_DOUBLE_EQ(mem.host_pool_bytes_per_node(10), 10 * 32768 * per_token);
+  EXPECT_DOUBLE_EQ(mem.host_pool_bytes_per_node(10, 0.5), (16384 + 10 * 16384.0) * per_token);
+  EXPECT_DOUBLE_EQ(mem.host_pool_bytes_per_node(10, 0.001), (0 + 10 * 32768.0) * per_token);  // no whole page
+  EXPECT_THROW(mem.host_pool_bytes_per_node(10, 1.5), Error);
 }
 
 TEST(sim_plan, InvalidRequests) {

@@ -98,6 +98,7 @@ void add_sim(CLI::App& app, int& exit_code) {
       base.misses = a.inputs.load_misses(base.context);
     }
     a.inputs.apply_pool_floor(base.misses);
+    if (a.inputs.prefix_share) base.prefix_share = *a.inputs.prefix_share;
     Progress progress("configurations");
     sim::SimulateOptions options;
     options.timeline = a.timeline;

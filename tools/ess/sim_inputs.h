@@ -40,6 +40,10 @@ struct SimInputs : sim::Inputs {
                    "(T x top-k); max and p99 need a miss profile with a working set, else they mean tk")
         ->check(CLI::IsMember({"max", "p99", "tk"}));
     cmd.add_option("--pool-floor-margin", pool_floor_margin, "Margin on the measured working set (default 0.1)");
+    cmd.add_option("--prefix-share", prefix_share,
+                   "Fraction of the context every request of a GPU shares (a common prompt prefix): its host "
+                   "pages are held once")
+        ->check(CLI::Range(0.0, 1.0));
     cmd.add_option("--op-table", op_table, "Measured op times: CSV op,context,tokens,time_us (see docs/simulator.md)");
   }
 };

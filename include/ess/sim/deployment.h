@@ -106,10 +106,13 @@ struct Workload {
   bool offload = true;    // false: the all-on-GPU baseline (ratio 1, no transfers)
   OverlapMode overlap = OverlapMode::kLayerWise;
   double layerwise_threshold = -1;  // misses per layer per micro-batch; < 0: pick the faster
+  // The fraction of the context every request of a GPU shares (a common prompt prefix): the
+  // host pool holds its pages once (docs/architecture.md, "Shared prefixes").
+  double prefix_share = 0;
   MissModel misses;
   void validate() const;
   // {"context", "batch" (number or "max"), "ratio", "slots", "offload", "overlap",
-  //  "layerwise_threshold", "misses": {"reference_misses", "reference_slots",
+  //  "layerwise_threshold", "prefix_share", "misses": {"reference_misses", "reference_slots",
   //  "reference_context", "reference_tokens", "exponent", "profile" (a miss-profile file)}};
   // every field optional, unknown fields refused.
   static Workload from_json(const nlohmann::json& j, const std::string& source);

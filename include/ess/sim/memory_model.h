@@ -51,8 +51,10 @@ class MemoryModel {
   // Throws unless `batch` requests with `slots` each fit (message names what overflows).
   void check_fits(int batch, double slots) const;
 
-  // Host: the Total Memory Pool of all GPUs of a node (every token of every layer).
-  double host_pool_bytes_per_node(int batch) const;
+  // Host: the Total Memory Pool of all GPUs of a node (every token of every layer). With a
+  // shared prompt prefix (prefix_share of the context common to every request of a GPU), its
+  // full pages are held once per GPU's pool.
+  double host_pool_bytes_per_node(int batch, double prefix_share = 0) const;
 
  private:
   ModelSpec model_;

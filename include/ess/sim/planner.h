@@ -19,6 +19,7 @@ struct PlanRequest {
   std::vector<OverlapMode> modes = {OverlapMode::kNone, OverlapMode::kDualAttention,
                                     OverlapMode::kDualBatchAttention, OverlapMode::kLayerWise};
   MissModel misses;
+  double prefix_share = 0;  // Workload::prefix_share
   int batch_step = 1;   // batches tried: 1, 1 + step, ... and the largest that fits (at most 4096
                         // per kind: a wider step when more would fit, said in PlanResult::notes)
 };

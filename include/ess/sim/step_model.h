@@ -60,6 +60,7 @@ struct StepResult {
   double otps = 0;                     // per request
   double cache_gb = 0;                 // indexer + latent per GPU
   double host_pool_gb_per_node = 0;
+  double host_pool_gb_per_node_unshared = 0;  // the same without the workload's shared prefix
   double h2d_gbps_per_node = 0;        // aggregate H2D demand over the step
 };
 

@@ -293,6 +293,8 @@ void Workload::validate() const {
   ESS_CHECK(layerwise_threshold == -1 || (std::isfinite(layerwise_threshold) && layerwise_threshold >= 0),
             "workload: layer-wise threshold = {} must be a number of misses >= 0 (or -1: pick the faster mode per "
             "layer)", layerwise_threshold);
+  ESS_CHECK(std::isfinite(prefix_share) && prefix_share >= 0 && prefix_share <= 1,
+            "workload: prefix share = {} must be in [0, 1]", prefix_share);
   misses.validate("workload miss model");
 }
 
@@ -303,7 +305,7 @@ namespace ess::sim {
 Workload Workload::from_json(const json& j, const std::string& source) {
   ESS_CHECK(j.is_object(), "{}: a workload must be a JSON object", source);
   static constexpr const char* kKnown[] = {"context", "batch", "ratio", "slots", "offload", "overlap",
-                                           "layerwise_threshold", "misses", "description"};
+                                           "layerwise_threshold", "prefix_share", "misses", "description"};
   for (const auto& [k, v] : j.items()) {
     (void)v;
     bool known = false;
@@ -333,6 +335,7 @@ Workload Workload::from_json(const json& j, const std::string& source) {
   const std::string overlap = json_string(j, "overlap", source, false);
   if (!overlap.empty()) w.overlap = parse_overlap_mode(overlap);
   w.layerwise_threshold = json_number_or(j, "layerwise_threshold", source, w.layerwise_threshold);
+  w.prefix_share = json_number_or(j, "prefix_share", source, w.prefix_share);
   if (auto it = j.find("misses"); it != j.end() && !it->is_null()) {
     ESS_CHECK(it->is_object(), "{}: field 'misses' must be an object", source);
     const std::string where = source + " misses";

@@ -81,6 +81,7 @@ Plans plan_contexts(const Inputs& inputs, const PlanOptions& options) {
     PlanRequest r = base;
     r.context = ctx;
     r.misses = inputs.load_misses(ctx);
+    r.prefix_share = inputs.prefix_share.value_or(0.0);
     plans.results.push_back(plan(sm, r));
     if (options.progress) options.progress(plans.results.size(), options.contexts.size());
   }
@@ -105,7 +106,7 @@ void read_plan_request(const nlohmann::json& j, Inputs& in, PlanOptions& opt) {
   json_check_keys(j,
                   {"contexts", "min_otps", "modes", "batch_step", "model", "hardware", "deployment", "mtp", "accept",
                    "nodes", "gpus_per_node", "ep", "mem_fraction", "no_tbo", "misses", "miss_exponent", "miss_profile",
-                   "pool_floor", "pool_floor_margin",
+                   "pool_floor", "pool_floor_margin", "prefix_share",
                    "op_table"},
                   source, "request");
   json_read(j, "contexts", opt.contexts, source);
@@ -126,6 +127,7 @@ void read_plan_request(const nlohmann::json& j, Inputs& in, PlanOptions& opt) {
   read_optional(j, "miss_exponent", in.miss_exponent, source);
   read_optional(j, "pool_floor", in.pool_floor, source);
   read_optional(j, "pool_floor_margin", in.pool_floor_margin, source);
+  read_optional(j, "prefix_share", in.prefix_share, source);
   json_read(j, "miss_profile", in.miss_profile, source);
   json_read(j, "op_table", in.op_table, source);
 }

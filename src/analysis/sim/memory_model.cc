@@ -111,9 +111,13 @@ std::int32_t MemoryModel::slots_for_batch(int batch) const {
   return static_cast<std::int32_t>(capped);
 }
 
-double MemoryModel::host_pool_bytes_per_node(int batch) const {
-  return double(dep_.gpus_per_node) * batch * double(context_) * cache_layers_ *
-         double(model_.latent_entry_bytes());
+double MemoryModel::host_pool_bytes_per_node(int batch, double prefix_share) const {
+  ESS_CHECK(std::isfinite(prefix_share) && prefix_share >= 0 && prefix_share <= 1,
+            "prefix share = {} must be in [0, 1]", prefix_share);
+  // Shared: the prefix's whole 64-token pages; every request keeps the rest (its partial page too).
+  const double shared = std::floor(prefix_share * double(context_) / 64) * 64;
+  const double tokens = batch > 0 ? shared + double(batch) * (double(context_) - shared) : 0.0;
+  return double(dep_.gpus_per_node) * tokens * cache_layers_ * double(model_.latent_entry_bytes());
 }
 
 }  // namespace ess::sim

@@ -52,6 +52,7 @@ PlanResult plan(const StepModel& model, const PlanRequest& req) {
       w.offload = offload;
       w.overlap = mode;
       w.misses = req.misses;
+      w.prefix_share = req.prefix_share;
       const StepResult r = model.run(w);
       ++out.evaluated;
       s.best_otps_seen = std::max(s.best_otps_seen, r.otps);

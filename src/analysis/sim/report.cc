@@ -43,6 +43,7 @@ nlohmann::json row_json(const StepResult& r) {
           {"layer_modes", r.layer_modes},
           {"cache_gb", r.cache_gb},
           {"host_pool_gb_per_node", r.host_pool_gb_per_node},
+          {"host_pool_gb_per_node_unshared", r.host_pool_gb_per_node_unshared},
           {"h2d_gbps_per_node", r.h2d_gbps_per_node},
           {"op_sources", {{"analytical", r.ops_analytical}, {"measured", r.ops_measured}, {"outside_grid", r.ops_outside_grid}}}};
 }
@@ -63,6 +64,7 @@ nlohmann::json option_json(const PlanOption& o) {
     j["layers_dba"] = r.layers_dba;
     j["layer_modes"] = r.layer_modes;
     j["host_pool_gb_per_node"] = r.host_pool_gb_per_node;
+    j["host_pool_gb_per_node_unshared"] = r.host_pool_gb_per_node_unshared;
     j["h2d_gbps_per_node"] = r.h2d_gbps_per_node;
   }
   return j;
@@ -346,6 +348,13 @@ std::string to_table(const Plans& p) {
       if (r.chosen.best.offload && r.chosen.best.overlap == OverlapMode::kLayerWise) {
         add("          layer-wise: {} micro-batch layers DA, {} DBA; per layer (micro-batch A B; a = DA, b = DBA): {}\n",
             r.chosen.best.layers_da, r.chosen.best.layers_dba, r.chosen.best.layer_modes);
+      }
+      if (r.chosen.best.offload) {
+        const StepResult& b = r.chosen.best;
+        add("          host pool: {:.0f} GB per node{}\n", b.host_pool_gb_per_node,
+            b.host_pool_gb_per_node < b.host_pool_gb_per_node_unshared
+                ? fmt::format(" ({:.0f} GB without the shared prompt prefix)", b.host_pool_gb_per_node_unshared)
+                : std::string());
       }
     } else {
       add("  no configuration meets {} tokens/s per request\n", r.min_otps);

@@ -318,7 +318,8 @@ StepResult StepModel::run(const Workload& wl, Timeline* timeline) const {
   r.slots = slots;
   r.ratio = double(slots) / double(wl.context);
   r.cache_gb = batch * (mem.indexer_bytes_per_request() + mem.latent_bytes_per_request(slots)) / 1e9;
-  r.host_pool_gb_per_node = wl.offload ? mem.host_pool_bytes_per_node(batch) / 1e9 : 0.0;
+  r.host_pool_gb_per_node = wl.offload ? mem.host_pool_bytes_per_node(batch, wl.prefix_share) / 1e9 : 0.0;
+  r.host_pool_gb_per_node_unshared = wl.offload ? mem.host_pool_bytes_per_node(batch) / 1e9 : 0.0;
 
   // ---- one step ----------------------------------------------------------------------------
   const int T = dep_.mtp_tokens;
