@@ -209,6 +209,30 @@ TEST(TotalPoolPrefix, SharingDividesTheHostBytes) {
   }
 }
 
+// A share limit below the prefix: only the full pages below it are shared; the rest of the
+// prefix is copied, entry for entry.
+TEST(TotalPoolPrefix, AShareLimitCopiesThePrefixPastIt) {
+  TotalPool pool(kLayers, test::small_layout(), 20ull * 64 * 144);
+  pool.admit(1, 300);
+  for (int l = 0; l < kLayers; ++l) {
+    for (std::int64_t t = 0; t < 300; ++t) pool.write(1, l, t, entry_for(static_cast<std::uint64_t>(t * 31 + l), 144));
+  }
+  pool.admit_shared(2, 300, 1, 290, 130);  // pages 0 and 1 shared; tokens 128..289 copied
+  EXPECT_EQ(pool.usage(2).shared_pages, 2 * kLayers);
+  for (int l = 0; l < kLayers; ++l) {
+    for (std::int64_t t = 0; t < 290; ++t) {
+      const auto a = pool.entry(1, l, t), b = pool.entry(2, l, t);
+      ASSERT_EQ(0, std::memcmp(a.data(), b.data(), a.size())) << "layer " << l << " token " << t;
+    }
+    EXPECT_EQ(pool.entry(2, l, 295)[0], 0);  // past the prefix: zeroed
+  }
+  pool.write(2, 0, 200, entry_for(7, 144));  // a copied page is its own
+  EXPECT_NE(pool.entry(1, 0, 200)[0], pool.entry(2, 0, 200)[0]);
+  EXPECT_NE(error_of([&] { pool.evict(-1); }).find("evict -1 pages"), std::string::npos);
+  EXPECT_NE(error_of([&] { pool.evict(21); }).find("must be in [0, 20]"), std::string::npos);
+  pool.check_invariants();
+}
+
 // Bad input: a prefix longer than its source, an unknown source, an id taken, a publish past
 // the length, a capacity that even eviction cannot make: refused by name, nothing changed.
 TEST(TotalPoolPrefix, BadInputIsRefusedByNameAndChangesNothing) {

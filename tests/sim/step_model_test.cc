@@ -2,6 +2,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include <cmath>
+
 #include "ess/core/error.h"
 #include "ess/sim/step_model.h"
 #include "harness/support/testing.h"
@@ -160,6 +162,22 @@ TEST(sim_step, PoolsBelowTxKFollowTheMeasuredWorkingSet) {
   EXPECT_GT(r.step_us, fits.step_us);
   split.slots = 6700;  // below the p99 floor
   EXPECT_THROW(sm.run(split), Error);
+  // One query token per group at 4000 slots (< 2 x 2048): up to 4 groups, 3 extra calls,
+  // for the 1 % of request-layer-steps above the p99, over micro-batches of 32 requests.
+  Workload one = w;
+  one.slots = 4000;
+  one.misses.pool_floor = "p99";
+  one.misses.floor_margin = 0;
+  one.misses.working_set_p99 = 3900;
+  one.misses.working_set_max = 4100;
+  EXPECT_NEAR(sm.run(one).split_calls_per_layer, (1 - std::pow(0.99, 32)) * 3, 1e-12);
+  // The executor rig runs steps whole: a pool below T x K is refused there.
+  Deployment rig = dep;
+  rig.rig_layers = 2;
+  const StepModel rig_sm(dsv32(), paper_hw(), rig);
+  Workload r8 = at(8, OverlapMode::kLayerWise);
+  r8.slots = 6882;
+  EXPECT_NE(test::error_of([&] { (void)rig_sm.run(r8); }).find("the executor rig runs steps whole"), std::string::npos);
 }
 
 TEST(sim_step, MtpDraftsAreCharged) {

@@ -7,13 +7,14 @@
 //
 // Shared prefixes. Pages are reference-counted. A request admitted on a prefix shares the
 // full pages of that prefix in every layer (of a live request: admit_shared; of the prefix
-// cache: admit_cached) and copies only its partial last page. A shared page is read-only: a
+// cache: admit_cached) and copies only the rest of the prefix (its partial last page). A shared page is read-only: a
 // page is only ever shared while it is full, so decode appends never reach one, and a write
 // into one is refused by name. The prefix cache indexes full pages by a chain of per-page
 // hashes of the prompt's token ids (prefix_page_hashes, as vLLM hashes its blocks): publish
 // registers a request's written prompt pages; after release they stay retained, found again
 // by admit_cached, and are evicted least recently used first, chain leaves first, when an
-// admission or growth would otherwise not fit. See docs/architecture.md, "Shared prefixes".
+// admission or growth would otherwise not fit (a refusal evicts nothing; an allocation
+// failure after the eviction may leave it done). See docs/architecture.md, "Shared prefixes".
 #pragma once
 
 #include <cstddef>
@@ -66,21 +67,25 @@ class TotalPool {
   // target of the tokens a decode step produces. All-or-nothing.
   void extend(RequestId id, std::int64_t n);
   // Admits a request of `length` tokens whose first `prefix` tokens are those of the admitted
-  // request `source` (prefix <= both lengths): it shares source's full pages below `prefix`,
-  // gets a copy of the partial page's first prefix % 64 entries, and zeroed pages after.
-  void admit_shared(RequestId id, std::int64_t length, RequestId source, std::int64_t prefix);
+  // request `source` (prefix <= both lengths): it shares source's full pages below
+  // min(prefix, share_limit) (-1: no limit), gets a copy of the prefix's other entries, and
+  // zeroed pages after.
+  void admit_shared(RequestId id, std::int64_t length, RequestId source, std::int64_t prefix,
+                    std::int64_t share_limit = -1);
   // Admits a request of `length` tokens on the longest chain of cached pages its prompt's page
-  // hashes (prefix_page_hashes; a hash past the length is ignored) find; returns the tokens
-  // reused (a multiple of 64), whose entries are already there. Evicts retained pages to fit.
-  std::int64_t admit_cached(RequestId id, std::int64_t length, std::span<const std::uint64_t> page_hashes);
-  // Registers the request's first page_hashes.size() full pages (their entries written) in the
-  // prefix cache; pages another request already published under the same hash stay that
-  // request's. Returns the pages added. From then on those pages are read-only.
+  // hashes (prefix_page_hashes) find, among the pages below min(length, share_limit) (-1: no
+  // limit); returns the tokens reused (a multiple of 64), whose entries are already there.
+  std::int64_t admit_cached(RequestId id, std::int64_t length, std::span<const std::uint64_t> page_hashes,
+                            std::int64_t share_limit = -1);
+  // Registers the request's first full pages (their entries written) in the prefix cache, one
+  // per hash, continuing the chain the request already uses. It stops at the first hash that
+  // is cached already (another request published that content; the pages after it stay
+  // unregistered). Returns the pages added. From then on those pages are read-only.
   std::int64_t publish(RequestId id, std::span<const std::uint64_t> page_hashes);
   // Frees the request's pages; the ones the prefix cache holds stay, retained.
   void release(RequestId id);
-  // Evicts retained pages, least recently used chain leaves first, until `pages` are free or
-  // none is left; returns the pages freed.
+  // Evicts retained pages, least recently used chain leaves first, until `pages` (in [0,
+  // capacity_pages()]) more are free or none is left; returns the pages freed.
   std::int64_t evict(std::int64_t pages);
 
   bool contains(RequestId id) const { return requests_.contains(id); }

@@ -178,8 +178,9 @@ class Offload {
   std::int32_t admit(RequestId id, std::int64_t prompt_length, std::int32_t row = -1);
   // The same for a request whose first `prefix` prompt tokens are those of the admitted
   // request `source`: it shares source's full host pages of that prefix (no copy; read-only,
-  // host_entry refuses them) and gets a copy of the partial page; write the rest as usual.
-  // Its device rows start empty: warm it up as any other request.
+  // host_entry refuses them) and gets a copy of the rest; write its other entries as usual.
+  // Pages holding the request's last T tokens are never shared (write_back may write them),
+  // here, in admit_cached and in publish. Its device rows start empty: warm it up as usual.
   std::int32_t admit_shared(RequestId id, std::int64_t prompt_length, RequestId source, std::int64_t prefix,
                             std::int32_t row = -1);
   // The same on the host prefix cache: the prompt's longest prefix of whole 64-token pages
@@ -218,8 +219,8 @@ class Offload {
   // reserved newest tokens left out) fit the slots at every real position; {0, T} when the
   // whole step fits. rows [batch], topk [batch][T][K] and lengths [batch] as for step, in host
   // memory on either backend (kCuda: a copy of the ids; a pool of min(T x K, max_context)
-  // slots never needs more than one group). Throws ess::Error naming a position whose id is
-  // outside [-1, length).
+  // slots never needs more than one group). Throws ess::Error naming a position whose row
+  // holds no request, whose length is not its request's, or whose id is outside [-1, length).
   std::vector<int> query_groups(int batch, const std::int32_t* rows, const std::int32_t* topk,
                                 const std::int32_t* lengths) const;
   void write_back(const WriteBack& write_back);

@@ -296,6 +296,10 @@ StepResult StepModel::run(const Workload& wl, Timeline* timeline) const {
     ESS_CHECK(batch > 0, "deployment {}: the executor rig (rig_layers = {}) needs an explicit batch", dep_.name,
               dep_.rig_layers);
     if (slots == 0) slots = ctx32;
+    const std::int64_t whole = std::min<std::int64_t>(std::int64_t{dep_.mtp_tokens} * model_.index_topk, wl.context);
+    ESS_CHECK(!wl.offload || slots >= whole,
+              "the executor rig runs steps whole (no query groups): {} slots cannot hold a step's working set of up to "
+              "min(T x top-k, context) = {}", slots, whole);
     // The rig holds its layers' whole indexer cache and a latent pool (the context when resident)
     // for every request on its one GPU.
     const double rig_bytes = double(batch) * dep_.rig_layers *
@@ -347,13 +351,14 @@ StepResult StepModel::run(const Workload& wl, Timeline* timeline) const {
     if (r.overlap == OverlapMode::kLayerWise && !r.layer_modes.empty()) r.layer_modes += ' ';
     // A request cannot miss more entries than its T query tokens select.
     misses_per_request = std::min(misses_per_request, tokens_per_request * topk_eff);
-    // Steps larger than the pool: at most min(T, ceil(min(T x K, context) / slots)) groups,
-    // with the share of request-layer-steps that split bounded by the measured working set.
+    // Steps larger than the pool: any floor(slots / K) query tokens fit together, so greedy
+    // grouping makes at most ceil(T / floor(slots / K)) groups; the share of request-layer-
+    // steps that split is bounded by the measured working set.
     const double split = offload && tokens_per_request > 1
                              ? wl.misses.split_bound(double(slots), tokens_per_request, model_.index_topk, double(wl.context))
                              : 0.0;
-    const double max_groups =
-        std::min(double(tokens_per_request), std::ceil(std::min(tokens_per_request * topk_eff, double(wl.context)) / slots));
+    const double per_group = std::max(1.0, std::floor(double(slots) / topk_eff));
+    const double max_groups = std::ceil(double(tokens_per_request) / per_group);
     for (int i = 0; i < n_mb; ++i) {
       mbs[i].tokens = mbs[i].requests * tokens_per_request;
       mbs[i].misses = offload ? mbs[i].requests * misses_per_request : 0.0;

@@ -76,7 +76,7 @@ void TotalPool::make_room(std::int64_t need, std::span<const std::uint64_t> keep
     ESS_ASSERT(it != evictable_.end(), "total pool: {} evictable pages counted, none left to evict", evictable);
     const std::uint64_t hash = it->second;
     evictable_.erase(it);
-    const CacheEntry e = cache_.at(hash);
+    const CacheEntry e = std::move(cache_.at(hash));  // no allocation between the erases
     cache_.erase(hash);
     for (const std::int32_t p : e.pages) drop_page(p);
     if (e.has_parent) {
@@ -87,13 +87,16 @@ void TotalPool::make_room(std::int64_t need, std::span<const std::uint64_t> keep
 }
 
 std::int64_t TotalPool::evict(std::int64_t pages) {
+  ESS_CHECK(pages >= 0 && pages <= capacity_pages_, "total pool: evict {} pages: must be in [0, {}]", pages,
+            capacity_pages_);
   const std::int64_t before = free_pages();
-  const std::int64_t want = std::min(free_pages() + std::max<std::int64_t>(pages, 0), free_pages() + evictable_pages({}));
+  const std::int64_t want = std::min(free_pages() + pages, free_pages() + evictable_pages({}));
   make_room(want, {}, "eviction", -1);
   return free_pages() - before;
 }
 
-void TotalPool::admit_shared(RequestId id, std::int64_t length, RequestId source, std::int64_t prefix) {
+void TotalPool::admit_shared(RequestId id, std::int64_t length, RequestId source, std::int64_t prefix,
+                             std::int64_t share_limit) {
   ESS_CHECK(!requests_.contains(id), "total pool: request {} is already admitted", id);
   const Request& src = find(source, "shared admission's source");
   ESS_CHECK(length >= 0 && length <= std::numeric_limits<std::int32_t>::max(),
@@ -101,7 +104,7 @@ void TotalPool::admit_shared(RequestId id, std::int64_t length, RequestId source
   ESS_CHECK(prefix >= 0 && prefix <= src.length && prefix <= length,
             "total pool: request {} on the prefix of request {}: prefix {} tokens must be within both lengths ({} and {})",
             id, source, prefix, src.length, length);
-  const std::int64_t full = prefix / kPageTokens;
+  const std::int64_t full = (share_limit < 0 ? prefix : std::min(prefix, share_limit)) / kPageTokens;
   const std::int64_t need = pages_for(length) - full * num_layers_;
   make_room(need, {}, "shared admission", id);
   Request r;
@@ -120,24 +123,26 @@ void TotalPool::admit_shared(RequestId id, std::int64_t length, RequestId source
       table.push_back(from[static_cast<std::size_t>(i)]);
       ++refs_[static_cast<std::size_t>(table.back())];
     }
-    if (prefix % kPageTokens != 0) {  // the partial page: a copy of its prefix entries
+    for (std::int64_t i = full; i * kPageTokens < prefix; ++i) {  // the rest of the prefix: copies
       table.push_back(take_page());
       std::memcpy(arena_.data() + static_cast<std::size_t>(table.back()) * page_bytes_,
-                  arena_.data() + static_cast<std::size_t>(from[static_cast<std::size_t>(full)]) * page_bytes_,
-                  static_cast<std::size_t>(prefix % kPageTokens) * entry_bytes_);
+                  arena_.data() + static_cast<std::size_t>(from[static_cast<std::size_t>(i)]) * page_bytes_,
+                  static_cast<std::size_t>(std::min<std::int64_t>(kPageTokens, prefix - i * kPageTokens)) * entry_bytes_);
     }
     while (table.size() < per_layer) table.push_back(take_page());
   }
   for (const std::uint64_t h : it->second.cached) use_entry(h);
 }
 
-std::int64_t TotalPool::admit_cached(RequestId id, std::int64_t length, std::span<const std::uint64_t> page_hashes) {
+std::int64_t TotalPool::admit_cached(RequestId id, std::int64_t length, std::span<const std::uint64_t> page_hashes,
+                                     std::int64_t share_limit) {
   ESS_CHECK(!requests_.contains(id), "total pool: request {} is already admitted", id);
   ESS_CHECK(length >= 0 && length <= std::numeric_limits<std::int32_t>::max(),
             "total pool: request {}: length {} out of range [0, {}]", id, length, std::numeric_limits<std::int32_t>::max());
   // The longest chain of cached pages, each within the length.
   std::vector<std::uint64_t> chain;
-  const auto usable = std::min<std::int64_t>(std::ssize(page_hashes), length / kPageTokens);
+  const auto usable = std::min<std::int64_t>(std::ssize(page_hashes),
+                                             (share_limit < 0 ? length : std::min(length, share_limit)) / kPageTokens);
   for (std::int64_t i = 0; i < usable; ++i) {
     const auto it = cache_.find(page_hashes[static_cast<std::size_t>(i)]);
     if (it == cache_.end() || it->second.has_parent != (i > 0) || (i > 0 && it->second.parent != chain.back())) break;
@@ -182,22 +187,22 @@ std::int64_t TotalPool::publish(RequestId id, std::span<const std::uint64_t> pag
   for (auto i = have; i < std::ssize(page_hashes); ++i) {
     const std::uint64_t h = page_hashes[static_cast<std::size_t>(i)];
     if (cache_.contains(h)) break;  // another request's pages hold this content: its chain goes on
+    // Everything that allocates first (the entry, its place in the map); then the counts.
     CacheEntry e;
     e.has_parent = i > 0;
     e.parent = i > 0 ? page_hashes[static_cast<std::size_t>(i - 1)] : 0;
-    for (const auto& table : r.pages) {
-      e.pages.push_back(table[static_cast<std::size_t>(i)]);
-      ++refs_[static_cast<std::size_t>(e.pages.back())];
-    }
+    e.pages.reserve(r.pages.size());
+    for (const auto& table : r.pages) e.pages.push_back(table[static_cast<std::size_t>(i)]);
     e.users = 1;
     e.last_use = ++clock_;
-    if (e.has_parent) {
-      CacheEntry& parent = cache_.at(e.parent);
+    const CacheEntry& added_entry = cache_.emplace(h, std::move(e)).first->second;
+    for (const std::int32_t p : added_entry.pages) ++refs_[static_cast<std::size_t>(p)];
+    if (added_entry.has_parent) {
+      CacheEntry& parent = cache_.at(added_entry.parent);
       ++parent.children;
-      update_evictable(e.parent);
+      evictable_.erase({parent.last_use, added_entry.parent});  // it has a child now
     }
-    cache_.emplace(h, std::move(e));
-    r.cached.push_back(h);
+    r.cached.push_back(h);  // capacity reserved above
     ++added;
   }
   return added;

@@ -116,14 +116,19 @@ std::int32_t Offload::admit(RequestId id, std::int64_t prompt_length, std::int32
 std::int32_t Offload::admit_shared(RequestId id, std::int64_t prompt_length, RequestId source, std::int64_t prefix,
                                    std::int32_t row) {
   impl_->find_row(source, "shared admission's source");
-  return impl_->admit(id, prompt_length, row, [&] { impl_->pool->admit_shared(id, prompt_length, source, prefix); });
+  // The last T tokens stay the request's own: a write-back may write them.
+  const std::int64_t limit = std::max<std::int64_t>(0, prompt_length - impl_->config.query_tokens);
+  return impl_->admit(id, prompt_length, row,
+                      [&] { impl_->pool->admit_shared(id, prompt_length, source, prefix, limit); });
 }
 
 Offload::Admitted Offload::admit_cached(RequestId id, std::span<const std::int32_t> prompt_tokens, std::int32_t row) {
   const std::vector<std::uint64_t> hashes = prefix_page_hashes(prompt_tokens);
   Admitted a;
-  a.row = impl_->admit(id, static_cast<std::int64_t>(prompt_tokens.size()), row,
-                       [&] { a.reused_tokens = impl_->pool->admit_cached(id, std::ssize(prompt_tokens), hashes); });
+  const std::int64_t limit = std::max<std::int64_t>(0, std::ssize(prompt_tokens) - impl_->config.query_tokens);
+  a.row = impl_->admit(id, static_cast<std::int64_t>(prompt_tokens.size()), row, [&] {
+    a.reused_tokens = impl_->pool->admit_cached(id, std::ssize(prompt_tokens), hashes, limit);
+  });
   return a;
 }
 
@@ -133,7 +138,11 @@ std::int64_t Offload::publish(RequestId id, std::span<const std::int32_t> prompt
   const std::int64_t length = x.pool->length(id);
   ESS_CHECK(std::ssize(prompt_tokens) <= length, "offload: publish of request {}: {} prompt tokens, it holds {}", id,
             prompt_tokens.size(), length);
-  return x.pool->publish(id, prefix_page_hashes(prompt_tokens));
+  std::vector<std::uint64_t> hashes = prefix_page_hashes(prompt_tokens);
+  // Pages holding any of the request's last T tokens stay its own: a write-back may write them.
+  const auto own = std::max<std::int64_t>(0, length - x.config.query_tokens) / kPageTokens;
+  if (std::ssize(hashes) > own) hashes.resize(static_cast<std::size_t>(own));
+  return x.pool->publish(id, hashes);
 }
 
 std::int32_t Offload::Impl::admit(RequestId id, std::int64_t prompt_length, std::int32_t wanted_row,
@@ -272,9 +281,12 @@ std::vector<int> Offload::query_groups(int batch, const std::int32_t* rows, cons
   std::vector<std::int32_t> ids(P);
   QueryGrouper grouper;
   GroupStarts starts = 0;
-  for (int b = 0; b < batch && T > 1; ++b) {
+  for (int b = 0; b < batch; ++b) {
     if (rows[b] < 0) continue;
+    const RequestId request = x.request_at(rows[b], "query_groups", b);
     const std::int32_t len = lengths[b];
+    ESS_CHECK(len == x.pool->length(request), "offload: query_groups: position {} (request {}) has length {}, the request holds {} tokens",
+              b, request, len, x.pool->length(request));
     for (std::size_t i = 0; i < P; ++i) {
       const std::int32_t id = topk[static_cast<std::size_t>(b) * P + i];
       ESS_CHECK(id >= -1 && id < len, "offload: query_groups: position {} query token {} selects token {}, outside [0, {})",
@@ -283,7 +295,7 @@ std::vector<int> Offload::query_groups(int batch, const std::int32_t* rows, cons
     }
     // Sub-ranges of a position's groups fit it too, so the union of every position's group
     // starts serves the whole batch.
-    starts |= grouper.split(ids, T, K, x.config.slots);
+    if (T > 1) starts |= grouper.split(ids, T, K, x.config.slots);
   }
   return group_bounds(starts, T);
 }

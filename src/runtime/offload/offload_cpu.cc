@@ -158,6 +158,7 @@ class CpuOffload final : public OffloadBackend {
         ESS_CHECK(src >= 0 && src < rows, "offload: write_back of layer {}: position {} token {} names row {}, outside [0, {})",
                   w.layer, b, t, src, rows);
       }
+      for (int t = 0; t < T; ++t) (void)x_.pool->writable_entry(id, w.layer, w.lengths[b] - T + t);  // not shared
     }
     for (int b = 0; b < w.batch; ++b) {
       if (w.rows[b] < 0) continue;

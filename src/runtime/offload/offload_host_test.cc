@@ -24,7 +24,9 @@ bool always() { return true; }
 
 // Every state of an Offload that a refused call must leave alone: the rows of every layer's
 // buffer, the host pool's entries of the admitted requests, lengths and rows.
-std::uint64_t digest(Offload& o, const std::vector<RequestId>& ids) {
+std::uint64_t digest(const Offload& o, const std::vector<RequestId>& ids) {
+  // The host pool digest covers reference counts and the prefix cache.
+  const std::uint64_t pool = o.host_pool().digest();
   Digest d;
   for (int l = 0; l < o.config().layers; ++l) {
     const auto buf = io().dump(o, l);
@@ -35,7 +37,7 @@ std::uint64_t digest(Offload& o, const std::vector<RequestId>& ids) {
     d.value(o.length(id));
     for (int l = 0; l < o.config().layers; ++l) {
       for (std::int64_t t = 0; t < o.length(id); ++t) {
-        const auto e = o.host_entry(id, l, t);
+        const auto e = o.host_pool().entry(id, l, t);
         d.bytes(e.data(), e.size());
       }
     }
@@ -44,6 +46,7 @@ std::uint64_t digest(Offload& o, const std::vector<RequestId>& ids) {
   d.value(st.steps);
   d.value(st.hits);
   d.value(st.misses);
+  d.value(pool);
   return d.get();
 }
 
@@ -190,6 +193,40 @@ TEST(OffloadCpu, AWholeStepLargerThanThePoolIsRefusedItsGroupsRun) {
   EXPECT_EQ(phys[0], -1);
   for (int k = 4; k < 8; ++k) EXPECT_GE(phys[static_cast<std::size_t>(k)], 0);
   EXPECT_EQ(o.stats().misses, 4 + 3);  // token 3 stayed resident across the groups
+}
+
+// The pages holding a request's last T tokens are never shared, so the write-back of a fully
+// shared prompt's last tokens lands in the request's own pages; a stale length is refused.
+TEST(OffloadCpu, TheLastQueryTokensPagesAreNeverShared) {
+  OffloadConfig c;
+  c.layers = 2;
+  c.layout = test::small_layout();
+  c.max_requests = 3;
+  c.query_tokens = 2;
+  c.topk = 4;
+  c.slots = 8;
+  c.reserve_newest = true;
+  c.max_context = 400;
+  Offload o(c);
+  std::vector<std::int32_t> prompt(128);
+  for (std::size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<std::int32_t>(i);
+  o.admit(1, 128);
+  EXPECT_EQ(o.publish(1, prompt), 1);  // page 1 holds tokens 126, 127: not published
+  o.admit_shared(2, 128, 1, 128);
+  EXPECT_EQ(o.host_pool().usage(2).shared_pages, 2);  // page 0 of each layer
+  EXPECT_EQ(o.admit_cached(3, prompt).reused_tokens, 64);
+  const std::vector<std::int32_t> rows = {o.row(2)}, lengths = {128};
+  WriteBack w;
+  w.batch = 1;
+  w.rows = rows.data();
+  w.lengths = lengths.data();
+  o.write_back(w);  // tokens 126, 127 from the reserved rows: the request's own page
+  const std::vector<std::int32_t> ids = {0, 1, 2, 3, 4, 5, 6, 7}, stale = {129};
+  const std::uint64_t before = digest(o, {1, 2, 3});
+  EXPECT_NE(test::error_of([&] { (void)o.query_groups(1, rows.data(), ids.data(), stale.data()); })
+                .find("has length 129, the request holds 128"),
+            std::string::npos);
+  EXPECT_EQ(digest(o, {1, 2, 3}), before);
 }
 
 // An engine's own host memory: the allocator hands out one region of a buffer the engine
