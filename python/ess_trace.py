@@ -72,7 +72,8 @@ class TraceWriter:
         self.extra = dict(extra or {})
         self.requests = []
 
-    def add_request(self, *, topk, lengths, prefill_topk=None, context: int | None = None, id: str | None = None):
+    def add_request(self, *, topk, lengths, prefill_topk=None, context: int | None = None, id: str | None = None,
+                    prefix_group: str | None = None, prefix_tokens: int = 0):
         """Checks the request as the C++ reader will (ValueError naming the request, the tensor and
         the value) and keeps it; a refused request leaves the writer as it was."""
         i = len(self.requests)
@@ -97,7 +98,15 @@ class TraceWriter:
             if isinstance(context, bool) or not isinstance(context, (int, np.integer)) or not 1 <= context <= INT32_MAX:
                 raise ValueError(f"request {i}: context {context!r} must be an integer in [1, 2^31-1]")
             context = int(context)
-        self.requests.append((ids, lengths, pf, context, id))
+        # Requests of one prefix group share their first prefix_tokens prompt tokens.
+        base = context if context is not None else int(lengths[0])
+        if isinstance(prefix_tokens, bool) or not isinstance(prefix_tokens, (int, np.integer)) or not 0 <= prefix_tokens <= base:
+            raise ValueError(f"request {i}: prefix_tokens {prefix_tokens!r} must be an integer in [0, its context {base}]")
+        if prefix_group is None and prefix_tokens:
+            raise ValueError(f"request {i}: prefix_tokens {prefix_tokens} without a prefix_group")
+        if prefix_group is not None and (not isinstance(prefix_group, str) or not prefix_group):
+            raise ValueError(f"request {i}: prefix_group {prefix_group!r} must be a non-empty string")
+        self.requests.append((ids, lengths, pf, context, id, prefix_group, int(prefix_tokens)))
 
     def write(self, path: str):
         md = {k: str(v) for k, v in self.extra.items()}
@@ -118,11 +127,14 @@ class TraceWriter:
             blobs.append(b)
             off += len(b)
 
-        for i, (ids, lengths, pf, context, rid) in enumerate(self.requests):
+        for i, (ids, lengths, pf, context, rid, group, shared) in enumerate(self.requests):
             p = f"requests.{i}."
             md[p + "id"] = str(i if rid is None else rid)
             if context is not None:
                 md[p + "context"] = str(int(context))
+            if group is not None:
+                md[p + "prefix_group"] = group
+                md[p + "prefix_tokens"] = str(shared)
             add(p + "topk", ids, "I32")
             add(p + "lengths", lengths, "I64")
             if pf is not None:

@@ -95,3 +95,19 @@ def test_a_refused_write_leaves_the_target_as_it_was(tmp_path):
         writer().write(str(target))
     assert target.read_bytes() == b"old"
     assert [p.name for p in tmp_path.iterdir()] == ["t.safetensors"]
+
+
+def test_prefix_groups_are_written_and_checked(tmp_path):
+    w = writer()
+    ids, lengths = good()
+    w.add_request(topk=ids, lengths=lengths, context=10, prefix_group="sys", prefix_tokens=8)
+    for kwargs, words in [(dict(prefix_group="sys", prefix_tokens=11), "prefix_tokens 11"),
+                          (dict(prefix_tokens=3), "without a prefix_group"),
+                          (dict(prefix_group="", prefix_tokens=3), "non-empty string")]:
+        with pytest.raises(ValueError, match=words):
+            w.add_request(topk=ids, lengths=lengths, context=10, **kwargs)
+    assert len(w.requests) == 1
+    path = tmp_path / "g.safetensors"
+    w.write(str(path))
+    md, _ = ess_trace.read_trace(str(path))
+    assert md["requests.0.prefix_group"] == "sys" and md["requests.0.prefix_tokens"] == "8"

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <nlohmann/json.hpp>
 
+#include "ess/trace/analyzer.h"
 #include "ess/trace/format.h"
 #include "test_util.h"
 
@@ -55,6 +56,42 @@ std::vector<RequestData> small_requests() {
     }
   }
   return rs;
+}
+
+// Prefix groups: written, read back, and refused when inconsistent; the analyzer counts the
+// host pages the groups share.
+TEST(TraceFormat, PrefixGroupsRoundTripAndAreValidated) {
+  const auto path = temp_path("groups.safetensors");
+  auto rs = small_requests();
+  rs.push_back(rs[1]);
+  rs[2].id = "req-2";
+  for (auto& r : rs) r.context = 200;  // 4 pages
+  for (auto& r : rs) r.lengths.assign(r.lengths.size(), 210);
+  rs[1].prefix_group = rs[2].prefix_group = "system";
+  rs[1].prefix_tokens = 150;  // the group shares min(150, 130) = 130 tokens: 2 full pages
+  rs[2].prefix_tokens = 130;
+  write_trace(path, small_meta(), rs);
+  const TraceReader r(path);
+  EXPECT_EQ(r.request(0).prefix_group, "");
+  EXPECT_EQ(r.request(1).prefix_group, "system");
+  EXPECT_EQ(r.request(1).prefix_tokens, 150);
+  AnalyzeConfig c;
+  c.policies = {"lru"};
+  c.recommend = false;
+  c.prefetch = false;
+  c.slots = {8};
+  const auto a = analyze(r, c);
+  ASSERT_TRUE(a.prefix_sharing.has_value());
+  EXPECT_EQ(a.prefix_sharing->groups, 1);
+  EXPECT_EQ(a.prefix_sharing->requests, 2);
+  EXPECT_EQ(a.prefix_sharing->pages_unshared, 3 * 4);
+  EXPECT_EQ(a.prefix_sharing->pages_shared, 3 * 4 - 2);
+  EXPECT_EQ(to_json(a)["prefix_sharing"]["pages_shared"], 10);
+  rs[2].prefix_tokens = 201;  // past its context
+  testing::expect_error([&] { write_trace(temp_path("bad.safetensors"), small_meta(), rs); }, {"prefix_tokens 201"});
+  rs[2].prefix_tokens = 5;
+  rs[2].prefix_group.clear();
+  testing::expect_error([&] { write_trace(temp_path("bad.safetensors"), small_meta(), rs); }, {"no prefix_group"});
 }
 
 TEST(TraceFormat, RoundTripsThroughTheWriterAndTheMappedReader) {
@@ -317,7 +354,7 @@ TEST(TraceFormatBadInput, MisalignedTensorsAreCopiedNotMisread) {
 
 TEST(TraceFormat, WriterRefusesWrongShapesAndOrder) {
   const auto path = temp_path("w.safetensors");
-  TraceWriter w(path, small_meta(), {{"a", 2, 0, 0}});
+  TraceWriter w(path, small_meta(), {{"a", 2, 0, 0, {}, 0}});
   std::vector<std::int32_t> ids(2 * 2 * 2 * 4, 0);
   std::vector<std::int64_t> lengths{5, 6};
   expect_error([&] { w.write_request(1, ids, lengths, {}); }, {"out of order"});

@@ -104,6 +104,19 @@ struct WorkingSetStats {
   std::vector<std::int32_t> max_per_layer;
 };
 
+// Shared prompt prefixes (requests.<i>.prefix_group / prefix_tokens): the host pool's
+// 64-token pages per layer for every request at its context, without sharing and with each
+// group's common full pages (below its smallest prefix_tokens) held once.
+struct PrefixSharing {
+  int groups = 0;
+  int requests = 0;                 // requests in a group
+  std::int64_t pages_unshared = 0;  // all requests
+  std::int64_t pages_shared = 0;
+  double saved_fraction() const {
+    return pages_unshared > 0 ? 1.0 - static_cast<double>(pages_shared) / static_cast<double>(pages_unshared) : 0.0;
+  }
+};
+
 struct AnalysisResult {
   std::string path;
   TraceMeta meta;
@@ -116,6 +129,7 @@ struct AnalysisResult {
   std::vector<PoolResult> pools;
   std::vector<WorkingSetStats> working_sets;  // [0] all requests, then one per context (ascending)
   std::optional<PrefetchStats> prefetch;
+  std::optional<PrefixSharing> prefix_sharing;  // when the trace has prefix groups
   std::vector<Recommendation> recommended;
   double target_misses = 0;
   std::int64_t lookups = 0;  // ids looked up in all replays

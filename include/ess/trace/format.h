@@ -64,6 +64,10 @@ struct RequestView {
   std::vector<std::int64_t> lengths;        // [steps]
   std::int64_t context = 0;                 // prompt length (metadata requests.<i>.context,
                                             // else lengths[0]): the base of the memory ratio
+  // Optional (metadata requests.<i>.prefix_group / prefix_tokens): the requests of one group
+  // share their first prefix_tokens prompt tokens (a system prompt, a template, a turn).
+  std::string prefix_group;                 // empty: none
+  std::int64_t prefix_tokens = 0;           // in [0, context]; 0 without a group
   std::uint64_t topk_offset = 0;            // byte offset of topk_ids in the file
   std::uint64_t prefill_offset = 0;
 
@@ -125,6 +129,8 @@ struct RequestShape {
   std::int64_t steps = 0;
   int prefill_windows = 0;
   std::int64_t context = 0;  // written as requests.<i>.context when > 0
+  std::string prefix_group;  // written with prefix_tokens when not empty
+  std::int64_t prefix_tokens = 0;
 };
 
 class TraceWriter {
@@ -157,6 +163,8 @@ struct RequestData {
   std::vector<std::int32_t> prefill;  // [layers][windows][K]
   int prefill_windows = 0;
   std::int64_t context = 0;
+  std::string prefix_group;
+  std::int64_t prefix_tokens = 0;
 };
 void write_trace(const std::string& path, const TraceMeta& meta, const std::vector<RequestData>& requests);
 

@@ -7,6 +7,7 @@
 #include <tbb/parallel_for.h>
 
 #include <algorithm>
+#include <map>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -312,6 +313,30 @@ std::vector<PoolResult> aggregate(const TraceReader& trace, const AnalyzeConfig&
   return out;
 }
 
+// Host pages with and without the trace's prefix groups (nullopt without any group).
+std::optional<PrefixSharing> prefix_sharing_of(const TraceReader& trace) {
+  PrefixSharing out;
+  std::map<std::string, std::int64_t> common;  // group -> its smallest prefix_tokens
+  for (std::size_t i = 0; i < trace.requests(); ++i) {
+    const RequestView& r = trace.request(i);
+    const std::int64_t pages = (r.context + 63) / 64;
+    out.pages_unshared += pages;
+    out.pages_shared += pages;
+    if (r.prefix_group.empty()) continue;
+    ++out.requests;
+    auto [it, fresh] = common.emplace(r.prefix_group, r.prefix_tokens);
+    if (!fresh) it->second = std::min(it->second, r.prefix_tokens);
+  }
+  if (common.empty()) return std::nullopt;
+  std::map<std::string, int> members;
+  for (std::size_t i = 0; i < trace.requests(); ++i) {
+    if (!trace.request(i).prefix_group.empty()) ++members[trace.request(i).prefix_group];
+  }
+  for (const auto& [group, tokens] : common) out.pages_shared -= (members[group] - 1) * (tokens / 64);
+  out.groups = static_cast<int>(common.size());
+  return out;
+}
+
 // The MTP working set per request-layer-step, from the first replay's per-step counts (every
 // policy sees the same ids): all requests, then each context.
 std::vector<WorkingSetStats> working_set_stats(const TraceReader& trace, const Replays& rp,
@@ -356,6 +381,7 @@ void replay_policies(const TraceReader& trace, const AnalyzeConfig& cfg, const s
   res.replay_seconds = rp.seconds;
   for (const auto& x : rp.runs) res.lookups += x.lookups;
   res.pools = aggregate(trace, cfg, pools, order, rp, reqs);
+  res.prefix_sharing = prefix_sharing_of(trace);
   res.working_sets = working_set_stats(trace, rp, reqs.contexts);
 }
 

@@ -359,6 +359,15 @@ RequestView read_request(const RequestSource& src, std::int64_t i) {
   if (auto it = src.md.find(prefix + "context"); it != src.md.end()) {
     r.context = parse_int(src.path, prefix + "context", it->second, 1, std::numeric_limits<std::int32_t>::max());
   }
+  const auto group = src.md.find(prefix + "prefix_group");
+  const auto tokens = src.md.find(prefix + "prefix_tokens");
+  ESS_CHECK((group == src.md.end()) == (tokens == src.md.end()),
+            "{}: metadata {}prefix_group and {}prefix_tokens go together (request {})", src.path, prefix, prefix, i);
+  if (group != src.md.end()) {
+    ESS_CHECK(!group->second.empty(), "{}: metadata {}prefix_group is empty", src.path, prefix);
+    r.prefix_group = printable(group->second);
+    r.prefix_tokens = parse_int(src.path, prefix + "prefix_tokens", tokens->second, 0, r.context);
+  }
   return r;
 }
 
@@ -532,6 +541,17 @@ TraceWriter::TraceWriter(const std::string& path, const TraceMeta& meta, std::ve
     const std::string p = fmt::format("requests.{}.", i);
     md[p + "id"] = s.id.empty() ? std::to_string(i) : s.id;
     if (s.context > 0) md[p + "context"] = std::to_string(s.context);
+    if (!s.prefix_group.empty()) {
+      const std::int64_t ctx = s.context > 0 ? s.context : std::numeric_limits<std::int64_t>::max();
+      ESS_CHECK(s.prefix_tokens >= 0 && s.prefix_tokens <= ctx,
+                "{}: trace writer: request {} prefix_tokens {} must be in [0, its context {}]", path, i, s.prefix_tokens,
+                s.context);
+      md[p + "prefix_group"] = s.prefix_group;
+      md[p + "prefix_tokens"] = std::to_string(s.prefix_tokens);
+    } else {
+      ESS_CHECK(s.prefix_tokens == 0, "{}: trace writer: request {} has prefix_tokens {} but no prefix_group", path, i,
+                s.prefix_tokens);
+    }
     add(p + "topk", "I32", {s.steps, meta.layers, meta.mtp, meta.topk}, topk_elems(meta, s) * 4);
     add(p + "lengths", "I64", {s.steps}, static_cast<std::uint64_t>(s.steps) * 8);
     if (s.prefill_windows > 0) {
@@ -577,7 +597,8 @@ void TraceWriter::close() {
 void write_trace(const std::string& path, const TraceMeta& meta, const std::vector<RequestData>& requests) {
   std::vector<RequestShape> shapes;
   for (const auto& r : requests) {
-    shapes.push_back({r.id, static_cast<std::int64_t>(r.lengths.size()), r.prefill_windows, r.context});
+    shapes.push_back({r.id, static_cast<std::int64_t>(r.lengths.size()), r.prefill_windows, r.context, r.prefix_group,
+                      r.prefix_tokens});
   }
   TraceWriter w(path, meta, std::move(shapes));
   for (std::size_t i = 0; i < requests.size(); ++i) {

@@ -600,7 +600,8 @@ void generate_trace(const GeneratorProfile& p, const GenerateConfig& c, const st
   std::vector<RequestShape> shapes;
   for (int i = 0; i < c.requests; ++i) {
     const auto ctx = c.contexts[static_cast<std::size_t>(i) % c.contexts.size()];
-    shapes.push_back({fmt::format("synthetic-{}", i), c.steps, static_cast<int>(std::min<std::int64_t>(p.prefill_windows, ctx)), ctx});
+    shapes.push_back({fmt::format("synthetic-{}", i), c.steps, static_cast<int>(std::min<std::int64_t>(p.prefill_windows, ctx)), ctx,
+                      {}, 0});
   }
   TraceWriter w(path, synthetic_meta(p, c), shapes);
   for (int i = 0; i < c.requests; ++i) {

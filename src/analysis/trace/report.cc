@@ -97,6 +97,15 @@ nlohmann::json to_json(const AnalysisResult& r) {
   }
   nlohmann::json ws = nlohmann::json::array();
   for (const auto& w : r.working_sets) ws.push_back(working_set_json(w));
+  if (r.prefix_sharing) {
+    const PrefixSharing& p = *r.prefix_sharing;
+    j["prefix_sharing"] = {{"unit", "64-token host pages per layer, every request at its context"},
+                           {"groups", p.groups},
+                           {"requests", p.requests},
+                           {"pages_unshared", p.pages_unshared},
+                           {"pages_shared", p.pages_shared},
+                           {"saved_fraction", p.saved_fraction()}};
+  }
   j["working_set"] = {{"unit", "distinct ids per request-layer-step: the union of its T query tokens' top-k sets, "
                                 "every decode step"},
                       {"bound", static_cast<std::int64_t>(r.meta.mtp) * r.meta.topk},
@@ -184,6 +193,11 @@ std::string to_table(const AnalysisResult& r) {
   fmt::format_to(it, "provenance: {}\n\n", r.meta.provenance);
   if (!r.intra.empty()) {
     fmt::format_to(it, "similarity: intra-layer {:.3f}, inter-layer {:.3f} (mean over layers and steps)\n\n", r.intra_mean, r.inter_mean);
+  }
+  if (r.prefix_sharing) {
+    const PrefixSharing& p = *r.prefix_sharing;
+    fmt::format_to(it, "prefix sharing: {} groups, {} requests in them; host pages per layer {} -> {} ({:.1f}% saved)\n\n",
+                   p.groups, p.requests, p.pages_unshared, p.pages_shared, 100 * p.saved_fraction());
   }
   if (!r.working_sets.empty()) {
     fmt::format_to(it, "MTP working set (distinct ids per request-layer-step: the union of its {} query tokens' top-k, at "
