@@ -50,7 +50,8 @@ std::uint64_t digest(const Offload& o, const std::vector<RequestId>& ids) {
   return d.get();
 }
 
-TEST(OffloadCpu, BadInputIsRefusedByNameAndChangesNothing) {
+// Two layers of the small layout, 3 rows, MTP 2 of top-4 into 8 slots and the reserved rows.
+OffloadConfig mtp2_config(std::int64_t max_context) {
   OffloadConfig c;
   c.layers = 2;
   c.layout = test::small_layout();
@@ -59,7 +60,12 @@ TEST(OffloadCpu, BadInputIsRefusedByNameAndChangesNothing) {
   c.topk = 4;
   c.slots = 8;
   c.reserve_newest = true;
-  c.max_context = 300;
+  c.max_context = max_context;
+  return c;
+}
+
+TEST(OffloadCpu, BadInputIsRefusedByNameAndChangesNothing) {
+  const OffloadConfig c = mtp2_config(300);
   Offload o(c);
   const std::vector<RequestId> ids = {5, 6};
   for (const RequestId id : ids) {
@@ -198,15 +204,7 @@ TEST(OffloadCpu, AWholeStepLargerThanThePoolIsRefusedItsGroupsRun) {
 // The pages holding a request's last T tokens are never shared, so the write-back of a fully
 // shared prompt's last tokens lands in the request's own pages; a stale length is refused.
 TEST(OffloadCpu, TheLastQueryTokensPagesAreNeverShared) {
-  OffloadConfig c;
-  c.layers = 2;
-  c.layout = test::small_layout();
-  c.max_requests = 3;
-  c.query_tokens = 2;
-  c.topk = 4;
-  c.slots = 8;
-  c.reserve_newest = true;
-  c.max_context = 400;
+  const OffloadConfig c = mtp2_config(400);
   Offload o(c);
   std::vector<std::int32_t> prompt(128);
   for (std::size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<std::int32_t>(i);
