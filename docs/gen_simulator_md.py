@@ -25,6 +25,7 @@ for key, args in {
     "@OUT_MTP1@": ["sim", "--mtp", "1", "--batch", "52,64,96,128,160"],
     "@OUT_MTP3@": ["sim", "--mtp", "3", "--accept", "2.3", "--batch", "52,64,96,128,160"],
     "@OUT_128K@": ["sim", "--context", "131072", "--batch", "13,16,24,32,48,64"],
+    "@OUT_128K_NO_TBO@": ["sim", "--context", "131072", "--batch", "13,16,24,32,48,64", "--no-tbo"],
     "@OUT_PLAN@": ["plan", "--min-otps", "15", "--context", "32768,131072"],
 }.items():
     out = out.replace(key, run(*args))

@@ -65,7 +65,11 @@ TEST(pipeline_predict, OffloadedStepAddsTheSwapAndTheExposedCopy) {
   // None waits for the whole copy: batch x misses x 656 B at the profile's H2D rate.
   double copy = 0;
   for (const double m_l : r.misses) copy += 32 * m_l * 656 / (hw.h2d_scattered_gbps * 1e3) + hw.transfer_launch_us;
-  EXPECT_NEAR(s.step_us, 2 * 13 * 10.0 + copy, 1e-6);
+  // The new tokens' write-back (analytical) holds FlashTrans's SMs beside the next ops: what
+  // that slows is reported, and it is small.
+  EXPECT_GT(s.transfer_sm_us, 0);
+  EXPECT_LT(s.transfer_sm_us, 0.05 * s.step_us);
+  EXPECT_NEAR(s.step_us, 2 * 13 * 10.0 + copy + s.transfer_sm_us, 1e-6);
   // The measured per-layer misses reach the model layer by layer.
   EXPECT_NEAR(s.misses_per_request_layer, 250, 1e-9);
   // DA: Attn0 / Attn1 are not in the table (they read fewer entries): priced analytically.

@@ -41,6 +41,28 @@ TEST(sim_inputs, UnknownHardwareNamesTheChoices) {
   EXPECT_NE(m.find("h100"), std::string::npos) << m;
 }
 
+// A profile written before the tile model's fields loads: each missing field takes its default
+// and says so in its source; a copy grid of every SM is refused.
+TEST(sim_inputs, OlderProfilesGetTheNewFieldsWithTheirSources) {
+  nlohmann::json j = HardwareProfile::shipped("h200").to_json();
+  for (const char* f : {"sm_count", "gemm_tile_overhead_k", "gemm_memory_efficiency", "step_overhead_us", "transfer_sms"}) {
+    j.erase(f);
+    j["sources"].erase(f);
+  }
+  const HardwareProfile p = HardwareProfile::from_json(j, "old.json");
+  EXPECT_EQ(p.sm_count, 132);
+  EXPECT_EQ(p.gemm_tile_overhead_k, 512);
+  EXPECT_EQ(p.gemm_memory_efficiency, 0.7);
+  EXPECT_EQ(p.step_overhead_us, 0);
+  EXPECT_EQ(p.transfer_sms, 32);
+  EXPECT_NE(p.sources.at("gemm_tile_overhead_k").find("DeepGEMM"), std::string::npos);
+  EXPECT_NE(p.sources.at("step_overhead_us").find("default"), std::string::npos);
+  j = HardwareProfile::shipped("h200").to_json();
+  j["transfer_sms"] = 132;
+  EXPECT_NE(message_of([&] { HardwareProfile::from_json(j, "x.json"); }).find("'transfer_sms' = 132 must be below sm_count"),
+            std::string::npos);
+}
+
 TEST(sim_inputs, BadProfilesAreRefusedNamingTheField) {
   const nlohmann::json good = HardwareProfile::shipped("h200").to_json();
   nlohmann::json j = good;

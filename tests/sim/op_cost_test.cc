@@ -41,6 +41,50 @@ TEST(sim_op_cost, RooflinePerKind) {
   EXPECT_DOUBLE_EQ(c.analytical_us({"m", OpKind::kMemory, 0, 5e5, 0, 0, 0, 0, 3}), 1.0 + 6.0);
 }
 
+// Tiles and waves: 10 SMs at 200 x 0.5 / 10 = 1e7 flop/us each; a 64 x 128 tile of K = 1000
+// takes 2 x 64 x 128 x 1000 / 1e7 = 1.6384 us.
+TEST(sim_op_cost, GemmTilesAndWaves) {
+  HardwareProfile hw = round_hw();
+  hw.sm_count = 10;
+  hw.gemm_tile_overhead_k = 0;
+  hw.gemm_memory_efficiency = 0.5;
+  const OpCostModel c(hw);
+  auto gemm = [&](double m, double n, double k, double groups = 1) {
+    Op op("g", OpKind::kGemmFp8, 2 * m * n * k * groups, 1e3, m, 0, 0, 0, 1);
+    op.gemm = {m, n, k, groups, false};
+    return c.analytical_us(op);
+  };
+  // 64 rows x 2560 columns: 20 tiles, 2 waves, + one launch of 2 us.
+  EXPECT_DOUBLE_EQ(gemm(64, 2560, 1000), 2 * 1.6384 + 2);
+  EXPECT_DOUBLE_EQ(gemm(1, 2560, 1000), 2 * 1.6384 + 2);   // a row costs a whole tile
+  EXPECT_DOUBLE_EQ(gemm(65, 2560, 1000), 4 * 1.6384 + 2);  // a second row tile: 4 waves (or 2 of 128 rows)
+  EXPECT_DOUBLE_EQ(gemm(64, 128, 1000, 10), 1.6384 + 2);   // 10 groups of one tile: one wave
+  // The per-tile overhead counts as more K.
+  hw.gemm_tile_overhead_k = 1000;
+  EXPECT_DOUBLE_EQ(OpCostModel(hw).analytical_us([&] {
+    Op op("g", OpKind::kGemmFp8, 0, 1e3, 64, 0, 0, 0, 1);
+    op.gemm = {64, 128, 1000, 1, false};
+    return op;
+  }()), 2 * 1.6384 + 2);
+  // Bound by its weights: 1e8 bytes at 1000 GB/s x 0.5 = 200 us.
+  Op heavy("g", OpKind::kGemmFp8, 2 * 64.0 * 128 * 1000, 1e8, 64, 0, 0, 0, 1);
+  heavy.gemm = {64, 128, 1000, 1, false};
+  EXPECT_DOUBLE_EQ(c.analytical_us(heavy), 200 + 2);
+}
+
+// Top-k: one CTA per row at its SM's share of 1000 GB/s x 0.5 (5e4 B/us each on 10 SMs).
+TEST(sim_op_cost, TopkRowsRunOnePerSm) {
+  HardwareProfile hw = round_hw();
+  hw.sm_count = 10;
+  const OpCostModel c(hw);
+  Op op("t", OpKind::kTopk, 0, 25 * 1e5, 25, 0, 0, 0, 1);
+  op.rows = 25;
+  EXPECT_DOUBLE_EQ(c.analytical_us(op), 3 * 2.0 + 2);  // 3 waves of 2 us rows
+  op.rows = 5;
+  op.bytes = 5 * 1e5;
+  EXPECT_DOUBLE_EQ(c.analytical_us(op), 2.0 + 2);  // 5 rows use 5 SMs: no faster than one row
+}
+
 TEST(sim_op_cost, CommAndTransfers) {
   const OpCostModel c(round_hw());
   // RDMA 1e5 B at 10 GB/s = 10 us, NVLink 1e5 B at 100 GB/s = 1 us: the slower + RDMA latency.

@@ -24,10 +24,17 @@ Workload at(int batch, OverlapMode mode, double misses = 200) {
   return w;
 }
 
-// DA splits the attention in two (Attn0 + Attn1 + merge: two more kernels). Once the copy
+// DA splits the attention in two (Attn0 + Attn1 + merge: three more kernels). Once the copy
 // is longer than that split costs, DA is never slower than None; with no misses they coincide.
+// (With Two-Batch Overlap the other micro-batch's stages already run under None's copy.)
+Deployment without_tbo() {
+  Deployment d = paper_dep();
+  d.two_batch_overlap = false;
+  return d;
+}
+
 TEST(sim_step, DualAttentionIsNeverSlowerThanNone) {
-  const StepModel sm(dsv32(), paper_hw(), paper_dep());
+  const StepModel sm(dsv32(), paper_hw(), without_tbo());
   for (int b : {32, 64, 128, 160}) {
     for (double m : {0.0, 200.0, 800.0, 3000.0}) {
       Workload none_w = at(b, OverlapMode::kNone, m), da_w = at(b, OverlapMode::kDualAttention, m);
@@ -40,13 +47,16 @@ TEST(sim_step, DualAttentionIsNeverSlowerThanNone) {
   }
 }
 
-TEST(sim_step, DualAttentionSplitCostsTwoLaunchesWhenMissesAreFew) {
+// With almost no misses the split still costs three launches, the merge's pass over the partial
+// outputs and Attn1's query / output traffic (about 16 + 12 us at 160 tokens): bounded per block.
+TEST(sim_step, DualAttentionSplitHasABoundedCostWhenMissesAreFew) {
   const StepModel sm(dsv32(), paper_hw(), paper_dep());
   const StepResult none = sm.run(at(160, OverlapMode::kNone, 1));
   const StepResult da = sm.run(at(160, OverlapMode::kDualAttention, 1));
   EXPECT_DOUBLE_EQ(da.exposed_transfer_us, 0.0);
   EXPECT_GT(da.step_us, none.step_us);  // the split is not free
-  EXPECT_LT(da.step_us, none.step_us + 2 * 124 * (2 * paper_hw().kernel_launch_us + 10));
+  // 120 attention blocks: 3 dense layers (whole batch), 58 MoE layers x 2 micro-batches, the draft.
+  EXPECT_LT(da.step_us, none.step_us + 120 * (3 * paper_hw().kernel_launch_us + 40));
 }
 
 TEST(sim_step, TransferThatFitsUnderAttn0IsFullyHidden) {
@@ -55,7 +65,7 @@ TEST(sim_step, TransferThatFitsUnderAttn0IsFullyHidden) {
   const StepResult da = sm.run(at(128, OverlapMode::kDualAttention, 20));
   EXPECT_GT(da.h2d_bytes, 0);
   EXPECT_DOUBLE_EQ(da.exposed_transfer_us, 0.0);
-  const StepResult none = sm.run(at(128, OverlapMode::kNone, 20));
+  const StepResult none = StepModel(dsv32(), paper_hw(), without_tbo()).run(at(128, OverlapMode::kNone, 20));
   EXPECT_GT(none.exposed_transfer_us, 0.0);  // serial: every copy is exposed
   EXPECT_NEAR(none.exposed_transfer_us, none.h2d_us, 1e-6 * none.h2d_us);
 }
@@ -67,7 +77,8 @@ TEST(sim_step, LayerWiseIsAtLeastAsGoodAsEitherMode) {
     const StepResult dba = sm.run(at(160, OverlapMode::kDualBatchAttention, m));
     const StepResult lw = sm.run(at(160, OverlapMode::kLayerWise, m));
     EXPECT_LE(lw.step_us, std::min(da.step_us, dba.step_us) * 1.005) << m;
-    EXPECT_EQ(lw.layers_da + lw.layers_dba, 2 * 62);  // 61 layers + MTP draft layer, 2 micro-batches
+    // 3 dense layers (the whole batch), 58 MoE layers x 2 micro-batches, the draft-extend pass.
+    EXPECT_EQ(lw.layers_da + lw.layers_dba, 3 + 2 * 58 + 1);
   }
   // An explicit threshold: 0 sends every layer to DBA, a huge one to DA.
   Workload w = at(160, OverlapMode::kLayerWise);
@@ -82,7 +93,10 @@ TEST(sim_step, ThroughputAndOtpsFollowFromTheStep) {
   const StepResult r = sm.run(at(96, OverlapMode::kLayerWise));
   EXPECT_DOUBLE_EQ(r.otps, 1.7 / (r.step_us * 1e-6));
   EXPECT_DOUBLE_EQ(r.throughput_tokens_per_s, 96 * 8 * 1.7 / (r.step_us * 1e-6));
-  EXPECT_NEAR(r.step_us, r.compute_us + r.exposed_comm_us + r.exposed_transfer_us, 1e-6 * r.step_us);
+  EXPECT_NEAR(r.step_us, r.compute_us + r.exposed_comm_us + r.exposed_transfer_us + r.step_overhead_us,
+              1e-6 * r.step_us);
+  EXPECT_DOUBLE_EQ(r.step_overhead_us, paper_hw().step_overhead_us);
+  EXPECT_NEAR(r.launch_us, r.kernels * paper_hw().kernel_launch_us, 1e-9 * r.launch_us);
   EXPECT_NEAR(r.compute_us, r.attention_us + r.moe_us + r.other_us + r.mtp_draft_us, 1e-6 * r.compute_us);
 }
 
@@ -163,14 +177,15 @@ TEST(sim_step, PoolsBelowTxKFollowTheMeasuredWorkingSet) {
   split.slots = 6700;  // below the p99 floor
   EXPECT_THROW(sm.run(split), Error);
   // One query token per group at 4000 slots (< 2 x 2048): up to 4 groups, 3 extra calls,
-  // for the 1 % of request-layer-steps above the p99, over micro-batches of 32 requests.
+  // for the 1 % of request-layer-steps above the p99, at most over the dense layers' whole batch
+  // of 64 requests (the MoE layers run two micro-batches of 32).
   Workload one = w;
   one.slots = 4000;
   one.misses.pool_floor = "p99";
   one.misses.floor_margin = 0;
   one.misses.working_set_p99 = 3900;
   one.misses.working_set_max = 4100;
-  EXPECT_NEAR(sm.run(one).split_calls_per_layer, (1 - std::pow(0.99, 32)) * 3, 1e-12);
+  EXPECT_NEAR(sm.run(one).split_calls_per_layer, (1 - std::pow(0.99, 64)) * 3, 1e-12);
   // The executor rig runs steps whole: a pool below T x K is refused there.
   Deployment rig = dep;
   rig.rig_layers = 2;
@@ -207,7 +222,8 @@ TEST(sim_step, TwoBatchOverlapHidesCommunication) {
   // Both micro-batches' attention is booked as attention: the same work as without TBO (its
   // ops run at half the tokens, so a little more launch overhead), never half of it.
   EXPECT_GT(on.attention_us, 0.95 * off.attention_us);
-  EXPECT_LT(on.moe_us, 1.5 * off.moe_us);
+  // Each micro-batch streams the experts' weights again: at most twice the MoE time.
+  EXPECT_LT(on.moe_us, 2.0 * off.moe_us);
 }
 
 TEST(sim_step, LongerContextCostsIndexerTimeAndBatch) {

@@ -23,16 +23,21 @@ struct HardwareProfile {
   // GPU compute (dense, no sparsity).
   double bf16_tflops = 0;
   double fp8_tflops = 0;
-  double gemm_efficiency = 0;       // achievable fraction of peak for FP8 GEMMs
+  double sm_count = 0;              // streaming multiprocessors (GEMM waves, top-k rows, transfer share)
+  double gemm_efficiency = 0;       // GEMM main loop on a full tile: fraction of the SM's peak
+  double gemm_tile_overhead_k = 0;  // per tile: prologue + epilogue, as this many more K of main loop
+  double gemm_memory_efficiency = 0;  // GEMMs bound by streaming their weights: fraction of HBM peak
   double attention_efficiency = 0;  // sparse MLA decode (FlashMLA), fraction of BF16 peak
   double indexer_efficiency = 0;    // FP8 paged MQA logits (DeepGEMM), fraction of FP8 peak
   double kernel_launch_us = 0;      // per kernel: launch gap inside a CUDA graph
+  double step_overhead_us = 0;      // per step: host scheduling, sampling bookkeeping between steps
   // Host link (PCIe), per GPU, GB/s.
   double h2d_scattered_gbps = 0;    // 656-byte entries, FlashTrans kernel (zero-copy)
   double d2h_scattered_gbps = 0;
   double h2d_bulk_gbps = 0;         // large contiguous copies (copy engine)
   double d2h_bulk_gbps = 0;
   double transfer_launch_us = 0;    // fixed cost of one FlashTrans launch
+  double transfer_sms = 0;          // SMs a FlashTrans copy holds while it runs (its grid)
   // Expert-parallel fabric, per GPU.
   double nvlink_gbps = 0;           // achievable all-to-all bandwidth inside a node
   double nvlink_latency_us = 0;

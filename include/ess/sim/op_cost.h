@@ -1,6 +1,16 @@
-// Op cost model: the time of one operation, from an analytical roofline with achievable
-// efficiencies (HardwareProfile) or from measured tables (CSV, linear interpolation in the
-// token count). Every OpTime records which of the two produced it.
+// Op cost model: the time of one operation, from an analytical model of the GPU
+// (HardwareProfile) or from measured tables (CSV, linear interpolation in the token count).
+// Every OpTime records which of the two produced it.
+//
+// Analytical model. A GEMM with a shape is timed by tiles and waves: its output is cut into
+// tiles of kGemmTileM (64 or 128, the one that wastes least) x kGemmTileN rows x columns, the
+// tiles run in waves over the SMs, and a wave takes one tile's FLOPs at the SM's share of the
+// peak x gemm_efficiency; the kernel is never faster than streaming its bytes from HBM. Grouped
+// GEMMs whose rows per group are random (the routed experts: tokens per expert are Poisson)
+// count the expected tiles. Top-k runs one CTA per row, each at its SM's share of the HBM
+// bandwidth, so few rows cannot use the whole GPU. Everything else is a roofline: the slower
+// of FLOPs at peak x efficiency and bytes at HBM bandwidth x memory_efficiency. Every kernel
+// adds kernel_launch_us (the gap between kernels of a CUDA-graph replay).
 //
 // Measured tables. CSV with a header `op,context,tokens,time_us`; one row per measured point;
 // `context` 0 means "any context". For an op, the points of the same context (else of context
@@ -25,7 +35,8 @@ enum class OpKind {
   kGemmBf16,   // BF16 GEMM / bmm
   kAttention,  // sparse MLA decode (FlashMLA)
   kIndexer,    // FP8 paged MQA logits (DeepGEMM)
-  kMemory,     // bandwidth-bound elementwise / top-k / merge
+  kMemory,     // bandwidth-bound elementwise / merge / sampling
+  kTopk,       // top-k over rows of logits, one CTA per row (`rows`)
   kComm,       // expert-parallel all-to-all
   kH2D,        // FlashTrans host -> device (scattered 656-byte entries)
   kD2H,        // FlashTrans device -> host
@@ -34,7 +45,24 @@ enum class OpKind {
 enum class CostSource { kAnalytical, kMeasured, kAnalyticalOutsideGrid };
 std::string_view to_string(CostSource s);
 
+// One GEMM of an op: `groups` independent problems of m x n x k (m: rows per group, a mean when
+// random_rows). n = 0: no shape (the op is timed by its FLOPs alone).
+struct GemmShape {
+  double m = 0;
+  double n = 0;
+  double k = 0;
+  double groups = 1;
+  bool random_rows = false;  // rows per group ~ Poisson(m) (tokens routed to an expert)
+};
+
+inline constexpr double kGemmTileN = 128;  // output columns per tile (DeepGEMM's usual block_n)
+
 struct Op {
+  Op() = default;
+  Op(std::string_view name_, OpKind kind_, double flops_ = 0, double bytes_ = 0, double tokens_ = 0,
+     std::int64_t context_ = 0, double rdma_bytes_ = 0, double nvlink_bytes_ = 0, double kernels_ = 1)
+      : name(name_), kind(kind_), flops(flops_), bytes(bytes_), tokens(tokens_), context(context_),
+        rdma_bytes(rdma_bytes_), nvlink_bytes(nvlink_bytes_), kernels(kernels_) {}
   std::string_view name;
   OpKind kind = OpKind::kMemory;
   double flops = 0;
@@ -44,7 +72,13 @@ struct Op {
   double rdma_bytes = 0;    // comm ops: bytes leaving the node
   double nvlink_bytes = 0;  // comm ops: bytes to other GPUs of the node
   double kernels = 1;       // launches the op takes (an expectation for ops that may not run)
+  GemmShape gemm;           // GEMM ops: the (first) GEMM's shape
+  GemmShape gemm2;          // a second GEMM in the same op (an MLP's down projection), n = 0: none
+  double rows = 0;          // kTopk: rows, one CTA each
 };
+
+// E[ceil(X / tile)] for X ~ Poisson(mean): the expected row tiles of a group with random rows.
+double expected_row_tiles(double mean, double tile);
 
 struct OpTime {
   double us = 0;
@@ -83,6 +117,8 @@ class OpCostModel {
   OpTime time(const Op& op) const;
   // The roofline alone (what time() falls back to).
   double analytical_us(const Op& op) const;
+  // The tensor-core time of one GEMM shape at `tflops` (peak x efficiency): waves x one tile.
+  double gemm_compute_us(const GemmShape& g, double tflops) const;
   const HardwareProfile& hardware() const { return hw_; }
 
  private:

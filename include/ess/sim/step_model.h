@@ -6,9 +6,13 @@
 //     (wq_b, FP8 logits over the whole context, top-k) -> PreAttn (q_b, absorb bmm) -> sparse
 //     MLA over top-k entries -> PostAttn (output bmm, o_proj); the misses' H2D copy and the new
 //     tokens' D2H write-back on their own streams, placed by the OverlapMode (brief §2.5);
-//   MoE: gate -> dispatch all-to-all -> routed experts + shared expert -> combine;
-//   TBO: micro-batch A's compute runs while B communicates (DeepSeek's two-micro-batch order);
-//   per step: the LM head over B x T tokens and (T - 1) MTP draft passes of the next-n layer.
+//   MoE: gate -> dispatch all-to-all -> shared expert, routed experts -> combine;
+//   TBO: each MoE layer in SGLang's five decode stages, the second micro-batch two stages
+//     behind, so one half's all-to-all is in flight while the other computes;
+//   per step: the LM head over B x T tokens, sampling + verification, the MTP draft-extend
+//     pass and T - 2 draft passes of the next-n layer, the host's per-step time.
+// Fixed costs are kept by cause (launch gaps, all-to-all latency, step overhead) and so is
+// the compute FlashTrans's SMs take.
 #pragma once
 
 #include <cstdint>
@@ -39,6 +43,13 @@ struct StepResult {
   double mtp_draft_us = 0;
   double comm_us = 0;               // busy time of the comm stream
   double h2d_us = 0;                // busy time of the H2D stream
+  // Fixed costs by cause: kernels launched on the compute stream and their launch gaps (inside
+  // compute_us), the all-to-all start-up per call (inside comm_us), the host time per step.
+  double kernels = 0;
+  double launch_us = 0;
+  double comm_latency_us = 0;
+  double step_overhead_us = 0;
+  double transfer_sm_us = 0;        // compute time lost to the SMs FlashTrans copies hold
   double misses_per_request_layer = 0;   // mean
   // Layers whose miss model gave more than T x K (every selected entry missing): those are
   // taken as T x K, here as in the step time.

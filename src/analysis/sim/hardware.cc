@@ -20,7 +20,15 @@ struct Field {
   double HardwareProfile::*member;
   double min;  // inclusive
   double max;  // inclusive
+  // Fields added after profiles were written: the value and source a profile without the field
+  // gets (nullptr: the field is required).
+  double fallback = 0;
+  const char* fallback_source = nullptr;
 };
+
+constexpr const char* kDeepGemmFit =
+    "DeepGEMM README (commit 327ec92), H800 FP8 GEMM table: 18 dense + 10 grouped shapes, least squares "
+    "of the tile/wave model over all 28 (rms error 10 %; tests/sim/data/deepgemm_h800.csv)";
 
 // Every numeric field of a profile, with the range a real machine can have.
 constexpr Field kFields[] = {
@@ -29,15 +37,24 @@ constexpr Field kFields[] = {
     {"memory_efficiency", &HardwareProfile::memory_efficiency, 0.01, 1},
     {"bf16_tflops", &HardwareProfile::bf16_tflops, 1, 1e5},
     {"fp8_tflops", &HardwareProfile::fp8_tflops, 1, 1e5},
+    {"sm_count", &HardwareProfile::sm_count, 1, 1024, 132,
+     "default for profiles without it: H100 / H200 / H800 SXM have 132 SMs"},
     {"gemm_efficiency", &HardwareProfile::gemm_efficiency, 0.01, 1},
+    {"gemm_tile_overhead_k", &HardwareProfile::gemm_tile_overhead_k, 0, 1e5, 512, kDeepGemmFit},
+    {"gemm_memory_efficiency", &HardwareProfile::gemm_memory_efficiency, 0.01, 1, 0.7, kDeepGemmFit},
     {"attention_efficiency", &HardwareProfile::attention_efficiency, 0.01, 1},
     {"indexer_efficiency", &HardwareProfile::indexer_efficiency, 0.01, 1},
     {"kernel_launch_us", &HardwareProfile::kernel_launch_us, 0, 1e3},
+    {"step_overhead_us", &HardwareProfile::step_overhead_us, 0, 1e6, 0,
+     "default for profiles without it: no host time between steps is charged"},
     {"h2d_scattered_gbps", &HardwareProfile::h2d_scattered_gbps, 0.01, 1e4},
     {"d2h_scattered_gbps", &HardwareProfile::d2h_scattered_gbps, 0.01, 1e4},
     {"h2d_bulk_gbps", &HardwareProfile::h2d_bulk_gbps, 0.01, 1e4},
     {"d2h_bulk_gbps", &HardwareProfile::d2h_bulk_gbps, 0.01, 1e4},
     {"transfer_launch_us", &HardwareProfile::transfer_launch_us, 0, 1e3},
+    {"transfer_sms", &HardwareProfile::transfer_sms, 0, 1024, 32,
+     "default for profiles without it: FlashTrans's default grid of 32 blocks (include/ess/ops/flashtrans.h), "
+     "one SM each"},
     {"nvlink_gbps", &HardwareProfile::nvlink_gbps, 0.01, 1e5},
     {"nvlink_latency_us", &HardwareProfile::nvlink_latency_us, 0, 1e4},
     {"rdma_gbps", &HardwareProfile::rdma_gbps, 0.01, 1e5},
@@ -55,7 +72,14 @@ HardwareProfile HardwareProfile::from_json(const json& j, const std::string& sou
   HardwareProfile p;
   p.name = json_string(j, "name", source, true);
   p.description = json_string(j, "description", source, false);
-  for (const Field& f : kFields) p.*(f.member) = json_number(j, f.key, source);
+  for (const Field& f : kFields) {
+    if (f.fallback_source != nullptr && !j.contains(f.key)) {
+      p.*(f.member) = f.fallback;
+      p.sources[f.key] = f.fallback_source;
+      continue;
+    }
+    p.*(f.member) = json_number(j, f.key, source);
+  }
   if (auto it = j.find("sources"); it != j.end()) {
     ESS_CHECK(it->is_object(), "{}: 'sources' must be an object of field -> text", source);
     for (const auto& [k, v] : it->items()) {
@@ -90,6 +114,8 @@ void HardwareProfile::validate(const std::string& source) const {
               "{}: hardware field '{}' = {} has no source (add \"sources\": {{\"{}\": \"...\"}})",
               source, f.key, v, f.key);
   }
+  ESS_CHECK(transfer_sms < sm_count, "{}: hardware field 'transfer_sms' = {} must be below sm_count = {} (a copy "
+            "cannot hold every SM)", source, transfer_sms, sm_count);
 }
 
 json HardwareProfile::to_json() const {

@@ -3,6 +3,9 @@
 #include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <bit>
+#include <cstdint>
+#include <limits>
 #include <sstream>
 
 #include "ess/core/error.h"
@@ -95,16 +98,92 @@ std::optional<double> MeasuredTables::lookup(std::string_view op, std::int64_t c
   return interpolate(it->second, tokens);
 }
 
+double expected_row_tiles(double mean, double tile) {
+  if (!(mean > 0) || !(tile >= 1)) return 0.0;
+  // A standard deviation past the tile: the remainder modulo the tile is uniform (to within
+  // exp(-2 pi^2 var / tile^2) < 1e-8 of a tile), so the expected count is the mean's plus half.
+  if (mean > tile * tile) return mean / tile + 0.5;
+  // A step asks for a few (mean, tile) pairs over and over (every layer, both GEMMs).
+  struct Cached {
+    double mean = -1, tile = -1, value = 0;
+  };
+  thread_local Cached cache[16];
+  thread_local unsigned next = 0;
+  for (const Cached& c : cache) {
+    if (c.mean == mean && c.tile == tile) return c.value;
+  }
+  // E[ceil(X / tile)] = sum over j >= 0 of P(X > j x tile), the Poisson pmf walked in log space
+  // over mean +- 12 standard deviations (below it P(X > x) is 1, above it 0 at double precision).
+  const auto step = static_cast<std::int64_t>(tile);
+  const auto lo = static_cast<std::int64_t>(std::max(0.0, std::floor(mean - 12 * std::sqrt(mean) - 30)));
+  const auto hi = static_cast<std::int64_t>(std::ceil(mean + 12 * std::sqrt(mean) + 30));
+  double value = double((lo + step - 1) / step);  // multiples j x tile < lo: P(X > j x tile) = 1
+  double cdf = 0;
+  double pmf = std::exp(double(lo) * std::log(mean) - mean - std::lgamma(double(lo) + 1));
+  for (std::int64_t x = lo; x <= hi; ++x) {
+    cdf += pmf;
+    if (x % step == 0) value += std::max(0.0, 1 - cdf);
+    pmf *= mean / double(x + 1);
+  }
+  cache[next++ % 16] = {mean, tile, value};
+  return value;
+}
+
+double OpCostModel::gemm_compute_us(const GemmShape& g, double tflops) const {
+  if (g.n <= 0 || g.k <= 0 || g.m <= 0 || g.groups <= 0) return 0.0;
+  // A step prices the same few shapes once per layer and micro-batch: remember them
+  // (direct-mapped; the key holds everything the time depends on).
+  struct Cached {
+    GemmShape g;
+    double tflops = -1, sms = 0, overhead = 0, us = 0;
+  };
+  thread_local Cached cache[256];
+  const std::uint64_t key = std::bit_cast<std::uint64_t>(g.m) * 0x9E3779B97F4A7C15ULL ^
+                            std::bit_cast<std::uint64_t>(g.n) * 0xC2B2AE3D27D4EB4FULL ^
+                            std::bit_cast<std::uint64_t>(g.k) * 0x165667B19E3779F9ULL ^
+                            std::bit_cast<std::uint64_t>(g.groups);
+  const std::size_t slot = static_cast<std::size_t>((key ^ (key >> 29) ^ (key >> 47)) & 255);
+  Cached& c = cache[slot];
+  if (c.tflops == tflops && c.sms == hw_.sm_count && c.overhead == hw_.gemm_tile_overhead_k && c.g.m == g.m &&
+      c.g.n == g.n && c.g.k == g.k && c.g.groups == g.groups && c.g.random_rows == g.random_rows) {
+    return c.us;
+  }
+  const double sms = hw_.sm_count;
+  const double per_sm = tflops * 1e6 / sms;  // flop per us of one SM
+  double best = std::numeric_limits<double>::infinity();
+  for (const double bm : {64.0, 128.0}) {
+    const double row_tiles = g.random_rows ? expected_row_tiles(g.m, bm) : std::ceil(g.m / bm);
+    const double tiles = g.groups * row_tiles * std::ceil(g.n / kGemmTileN);
+    const double waves = std::ceil(tiles / sms - 1e-9);
+    best = std::min(best, waves * 2 * bm * kGemmTileN * (g.k + hw_.gemm_tile_overhead_k) / per_sm);
+  }
+  c = {g, tflops, hw_.sm_count, hw_.gemm_tile_overhead_k, best};
+  return best;
+}
+
 double OpCostModel::analytical_us(const Op& op) const {
   const double hbm = hw_.hbm_bandwidth_gbps * hw_.memory_efficiency * 1e3;  // bytes per us
   const double launch = hw_.kernel_launch_us * op.kernels;
   auto roofline = [&](double tflops) { return std::max(op.flops / (tflops * 1e6), op.bytes / hbm) + launch; };
+  auto gemm = [&](double peak) {
+    if (op.gemm.n <= 0) return roofline(peak * hw_.gemm_efficiency);  // no shape: FLOPs at the efficiency
+    const double tflops = peak * hw_.gemm_efficiency;
+    const double compute = gemm_compute_us(op.gemm, tflops) + gemm_compute_us(op.gemm2, tflops);
+    const double memory = op.bytes / (hw_.hbm_bandwidth_gbps * hw_.gemm_memory_efficiency * 1e3);
+    return std::max(compute, memory) + launch;
+  };
   switch (op.kind) {
-    case OpKind::kGemmFp8: return roofline(hw_.fp8_tflops * hw_.gemm_efficiency);
-    case OpKind::kGemmBf16: return roofline(hw_.bf16_tflops * hw_.gemm_efficiency);
+    case OpKind::kGemmFp8: return gemm(hw_.fp8_tflops);
+    case OpKind::kGemmBf16: return gemm(hw_.bf16_tflops);
     case OpKind::kAttention: return roofline(hw_.bf16_tflops * hw_.attention_efficiency);
     case OpKind::kIndexer: return roofline(hw_.fp8_tflops * hw_.indexer_efficiency);
     case OpKind::kMemory: return op.bytes / hbm + launch;
+    case OpKind::kTopk: {
+      if (op.rows <= 0 || op.bytes <= 0) return launch;
+      // One CTA per row, each streaming its row at its SM's share of the bandwidth.
+      const double waves = std::ceil(op.rows / hw_.sm_count - 1e-9);
+      return waves * (op.bytes / op.rows) / (hbm / hw_.sm_count) + launch;
+    }
     case OpKind::kComm: {
       if (op.rdma_bytes <= 0 && op.nvlink_bytes <= 0) return 0.0;
       const double rdma = op.rdma_bytes / (hw_.rdma_gbps * 1e3);

@@ -33,6 +33,15 @@ nlohmann::json row_json(const StepResult& r) {
             {"mtp_draft", ms(r.mtp_draft_us)},
             {"comm_stream_busy", ms(r.comm_us)},
             {"h2d_stream_busy", ms(r.h2d_us)}}},
+          // Fixed costs by cause: launch gaps of the compute stream's kernels (inside
+          // compute_ms), all-to-all start-up per call (inside the comm stream), host time per
+          // step (after the GPU work), and compute slowed by FlashTrans holding SMs.
+          {"fixed_costs_ms",
+           {{"kernels", r.kernels},
+            {"launch_gaps", ms(r.launch_us)},
+            {"comm_latency", ms(r.comm_latency_us)},
+            {"step_overhead", ms(r.step_overhead_us)},
+            {"transfer_sm_share", ms(r.transfer_sm_us)}}},
           {"misses_per_request_layer", r.misses_per_request_layer},
           {"miss_capped_layers", r.miss_capped_layers},
           {"split_calls_per_layer", r.split_calls_per_layer},

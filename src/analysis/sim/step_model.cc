@@ -16,51 +16,80 @@ enum class Wait { kNone, kComm, kTransfer };
 enum class Category { kAttention, kMoe, kOther, kMtpDraft };
 
 // Four in-order streams; each op starts when its stream is free and its inputs are ready.
-// Idle time of the compute stream is charged to what it waited for.
+// Idle time of the compute stream is charged to what it waited for. While a FlashTrans copy
+// runs (H2D or D2H stream) it holds `transfer_sms` of the SMs, so compute issued beside it
+// runs on the rest.
 class Scheduler {
  public:
   Scheduler(const OpCostModel& cost, StepResult& result, Timeline* timeline)
-      : cost_(&cost), r_(&result), timeline_(timeline) {}
+      : cost_(&cost), r_(&result), timeline_(timeline) {
+    const HardwareProfile& hw = cost.hardware();
+    share_ = hw.sm_count > 0 ? std::clamp(hw.transfer_sms / hw.sm_count, 0.0, 0.95) : 0.0;
+  }
 
   void set_label(int layer, char micro_batch) {
     layer_ = layer;
     mb_ = micro_batch;
   }
   void set_category(Category c) { category_ = c; }
+  // Everything issued while drafting is charged to the MTP draft.
+  void set_drafting(bool on) { drafting_ = on; }
 
   double issue(Stream s, const Op& op, double ready, Wait wait = Wait::kNone) {
     const OpTime t = cost_->time(op);
     double& lane = lanes_[static_cast<int>(s)];
     const double start = std::max(lane, ready);
+    double dur = t.us;
     if (s == Stream::kCompute) {
       const double gap = start - lane;
-      if (gap > 0) {
-        if (wait == Wait::kComm) r_->exposed_comm_us += gap;
-        if (wait == Wait::kTransfer) r_->exposed_transfer_us += gap;
-      }
-      r_->compute_us += t.us;
-      switch (category_) {
-        case Category::kAttention: r_->attention_us += t.us; break;
-        case Category::kMoe: r_->moe_us += t.us; break;
-        case Category::kOther: r_->other_us += t.us; break;
-        case Category::kMtpDraft: r_->mtp_draft_us += t.us; break;
+      if (gap > 0) charge_wait(gap, wait);
+      dur = beside_transfers(start, t.us);
+      r_->compute_us += dur;
+      r_->transfer_sm_us += dur - t.us;
+      r_->kernels += op.kernels;
+      r_->launch_us += op.kernels * cost_->hardware().kernel_launch_us;
+      switch (drafting_ ? Category::kMtpDraft : category_) {
+        case Category::kAttention: r_->attention_us += dur; break;
+        case Category::kMoe: r_->moe_us += dur; break;
+        case Category::kOther: r_->other_us += dur; break;
+        case Category::kMtpDraft: r_->mtp_draft_us += dur; break;
       }
     } else if (s == Stream::kComm) {
-      r_->comm_us += t.us;
-    } else if (s == Stream::kH2D) {
-      r_->h2d_us += t.us;
+      r_->comm_us += dur;
+      if (dur > 0) r_->comm_latency_us += op.rdma_bytes > 0 ? cost_->hardware().rdma_latency_us : cost_->hardware().nvlink_latency_us;
+    } else {
+      if (s == Stream::kH2D) {
+        r_->h2d_us += dur;
+        r_->h2d_bytes += op.bytes;
+      } else {
+        r_->d2h_bytes += op.bytes;
+      }
+      if (dur > 0 && share_ > 0) transfers_.push_back({start, start + dur});
     }
     switch (t.source) {
       case CostSource::kMeasured: ++r_->ops_measured; break;
       case CostSource::kAnalytical: ++r_->ops_analytical; break;
       case CostSource::kAnalyticalOutsideGrid: ++r_->ops_outside_grid; break;
     }
-    lane = start + t.us;
-    if (timeline_ != nullptr && t.us > 0) {
+    lane = start + dur;
+    if (timeline_ != nullptr && dur > 0) {
       timeline_->events.push_back(
-          {s, layer_ < 0 ? std::string(op.name) : fmt::format("L{}{} {}", layer_, mb_, op.name), start, t.us, t.source});
+          {s, layer_ < 0 ? std::string(op.name) : fmt::format("L{}{} {}", layer_, mb_, op.name), start, dur, t.source});
     }
     return lane;
+  }
+  // The compute stream blocks until `t` (a receive kernel spinning on the all-to-all).
+  void block_compute_until(double t, Wait wait) {
+    double& lane = lanes_[0];
+    if (t > lane) {
+      charge_wait(t - lane, wait);
+      lane = t;
+    }
+  }
+  // Host time between steps: nothing runs on the GPU.
+  void host_gap(double us) {
+    const double t = end();
+    for (double& l : lanes_) l = t + us;
   }
   double end() const { return *std::max_element(lanes_, lanes_ + 4); }
   double compute_end() const { return lanes_[0]; }
@@ -73,13 +102,42 @@ class Scheduler {
   }
 
  private:
+  void charge_wait(double gap, Wait wait) {
+    if (wait == Wait::kComm) r_->exposed_comm_us += gap;
+    if (wait == Wait::kTransfer) r_->exposed_transfer_us += gap;
+  }
+  // When a compute op of `work` us (on every SM) that starts at `start` ends, running on
+  // 1 - share of the SMs wherever copies are in flight (two copies hold two grids).
+  double beside_transfers(double start, double work) {
+    std::erase_if(transfers_, [&](const std::pair<double, double>& iv) { return iv.second <= start; });
+    if (transfers_.empty() || work <= 0) return work;
+    double t = start, left = work;
+    for (int guard = 0; guard < 64; ++guard) {
+      int depth = 0;
+      double next = std::numeric_limits<double>::infinity();
+      for (const auto& [b, e] : transfers_) {
+        if (b <= t && t < e) ++depth;
+        if (b > t) next = std::min(next, b);
+        if (e > t) next = std::min(next, e);
+      }
+      const double rate = std::max(0.05, 1 - depth * share_);
+      if (!std::isfinite(next) || (next - t) * rate >= left) return t + left / rate - start;
+      left -= (next - t) * rate;
+      t = next;
+    }
+    return t + left - start;
+  }
+
   const OpCostModel* cost_;
   StepResult* r_;
   Timeline* timeline_;
   double lanes_[4] = {0, 0, 0, 0};
+  double share_ = 0;
+  std::vector<std::pair<double, double>> transfers_;  // FlashTrans copies in flight [start, end)
   int layer_ = -1;
   char mb_ = ' ';
   Category category_ = Category::kOther;
+  bool drafting_ = false;
 };
 
 struct MicroBatch {
@@ -89,119 +147,158 @@ struct MicroBatch {
   // Expected step calls past the first in this layer: query groups of steps whose working
   // set exceeds the pool (the batch shares one grouping, so one split position splits all).
   double split_calls = 0;
-  double ready = 0;      // when its previous layer finished (combine done)
+  OverlapMode mode = OverlapMode::kNone;  // this layer's placement of the copy
+  double ready = 0;          // when its previous layer finished
+  double fetched = 0;        // when this layer's misses are on the GPU
+  double dispatched = 0;     // when the dispatch all-to-all delivered its tokens
+  double combined = 0;       // when the combine all-to-all returned them
   char label = 'A';
 };
 
+// The ops of one layer for one micro-batch, in the stages SGLang's decode runs them
+// (operations_strategy.py, "deepseek blog decode"): prepare | core attention + gate | dispatch
+// send + shared expert | dispatch receive + routed experts + combine send | combine receive.
 class LayerBuilder {
  public:
   LayerBuilder(const ModelSpec& m, const Deployment& d, std::int64_t context, bool offload, double slots)
       : m_(m), d_(d), ctx_(static_cast<double>(context)), slots_(slots), offload_(offload) {
     topk_ = std::min(static_cast<double>(m.index_topk), ctx_);
     ctx64_ = context;
+    random_rows_ = d.rig_layers == 0;  // the rig routes tokens evenly; a deployment at random
   }
 
-  // The attention block of one micro-batch under `mode`; returns when o_proj finished.
-  double attention(Scheduler& s, const MicroBatch& mb, OverlapMode mode) const {
-    const double n = mb.tokens, b = mb.requests, h = m_.hidden_size, heads = m_.num_attention_heads;
+  // Stage 1: projections, the indexer, the swap decision and the misses' copy (placed by the
+  // micro-batch's mode), PreAttn.
+  void prepare(Scheduler& s, MicroBatch& mb) const {
+    s.set_category(Category::kAttention);
+    const double n = mb.tokens, h = m_.hidden_size, heads = m_.num_attention_heads;
     const double ih = m_.index_n_heads, id = m_.index_head_dim;
     const double proj0_out = m_.q_lora_rank + m_.kv_lora_rank + m_.qk_rope_head_dim + id + ih;
-    const Op proj0{op::kProj0, OpKind::kGemmFp8, 2 * n * h * proj0_out,
-                   h * proj0_out + n * h * 2 * 3, n, 0, 0, 0, 3};
+    // Kernels: input norm, the GEMM, q_a / kv_a norms, rope + latent store, indexer key quantise + store.
+    const Op proj0 = gemm_op(op::kProj0, OpKind::kGemmFp8, n, proj0_out, h, h * proj0_out + n * h * 2 * 3, 6);
     double e = s.issue(Stream::kCompute, proj0, mb.ready, Wait::kComm);
     if (offload_) {
       const Op d2h{op::kD2HNewEntries, OpKind::kD2H, 0, n * double(m_.latent_entry_bytes()), n, 0, 0, 0, 1};
       s.issue(Stream::kD2H, d2h, e);
     }
     const double qb_out = heads * (m_.qk_nope_head_dim + m_.qk_rope_head_dim);
-    const Op pre_q{op::kQbProj, OpKind::kGemmFp8, 2 * n * m_.q_lora_rank * qb_out,
-                   m_.q_lora_rank * qb_out + n * qb_out * 2, n, 0, 0, 0, 1};
-    const Op pre_bmm{op::kAbsorbBmm, OpKind::kGemmBf16, 2 * n * heads * m_.qk_nope_head_dim * m_.kv_lora_rank,
-                     heads * m_.qk_nope_head_dim * m_.kv_lora_rank * 2.0 + n * heads * m_.mla_head_dim() * 2.0, n, 0, 0, 0, 2};
-    auto indexer = [&](double e0, double frac) {
-      const double nn = n * frac, bb = b * frac;
-      const Op q{op::kIndexerWqB, OpKind::kGemmFp8, 2 * nn * m_.q_lora_rank * ih * id,
-                 m_.q_lora_rank * ih * id + nn * ih * id, nn, 0, 0, 0, 1};
-      const Op logits{op::kIndexerLogits, OpKind::kIndexer, 2 * nn * ctx_ * ih * id,
-                      bb * ctx_ * double(m_.indexer_entry_bytes()) + nn * ctx_ * 4, nn, ctx64_, 0, 0, 1};
-      const Op topk{op::kIndexerTopk, OpKind::kMemory, 0, 2 * nn * ctx_ * 4, nn, ctx64_, 0, 0, 1};
-      double t = s.issue(Stream::kCompute, q, e0);
-      t = s.issue(Stream::kCompute, logits, t);
-      t = s.issue(Stream::kCompute, topk, t);
-      if (offload_) {
-        // The swap engine's LRU decision and the FlashTrans list for this batch (GPU swap
-        // engine + split kernel). The paper's simulator does not charge it; analytically it is
-        // its memory traffic only (ids in and out, 12 bytes of state per slot), with no
-        // per-kernel overhead (kernels = 0), so the paper calibration is unchanged; a measured
-        // table (`ess bench profile`) gives its real time.
-        const Op swap{op::kSwap, OpKind::kMemory, 0, nn * topk_ * 4.0 * 4 + bb * slots_ * 12.0, nn, 0, 0, 0, 0};
-        t = s.issue(Stream::kCompute, swap, t);
-        if (mb.split_calls > 0) {
-          // Each further query group: the decision again and one more attention launch.
-          const Op groups{op::kQueryGroups, OpKind::kMemory, 0, mb.split_calls * swap.bytes, nn, 0, 0, 0,
-                          2 * mb.split_calls};
-          t = s.issue(Stream::kCompute, groups, t);
-        }
-      }
-      return t;
-    };
+    const Op pre_q = gemm_op(op::kQbProj, OpKind::kGemmFp8, n, qb_out, m_.q_lora_rank,
+                             m_.q_lora_rank * qb_out + n * qb_out * 2, 1);
+    Op pre_bmm = gemm_op(op::kAbsorbBmm, OpKind::kGemmBf16, n, m_.kv_lora_rank, m_.qk_nope_head_dim,
+                         heads * m_.qk_nope_head_dim * m_.kv_lora_rank * 2.0 + n * heads * m_.mla_head_dim() * 2.0, 2);
+    pre_bmm.gemm.groups = heads;
+    pre_bmm.flops *= heads;
+    const double entry = double(m_.latent_entry_bytes());
+    const double misses = offload_ ? mb.misses : 0;
+    const Op h2d_all{op::kH2DMisses, OpKind::kH2D, 0, misses * entry, 0, 0, 0, 0, 1};
+    mb.fetched = 0;
+    if (misses <= 0 || mb.mode == OverlapMode::kNone) {
+      e = s.issue(Stream::kCompute, pre_q, e);
+      e = s.issue(Stream::kCompute, pre_bmm, e);
+      e = indexer(s, mb, e, 1.0);
+      if (misses > 0) mb.fetched = s.issue(Stream::kH2D, h2d_all, e);
+      return;
+    }
+    if (mb.mode == OverlapMode::kDualAttention) {
+      e = indexer(s, mb, e, 1.0);
+      mb.fetched = s.issue(Stream::kH2D, h2d_all, e);
+    } else {  // DBA: two halves of the batch; the first half's copy runs under the second's indexer
+      e = indexer(s, mb, e, 0.5);
+      s.issue(Stream::kH2D, Op{op::kH2DMissesHalf0, OpKind::kH2D, 0, 0.5 * misses * entry, 0, 0, 0, 0, 1}, e);
+      e = indexer(s, mb, e, 0.5);
+      mb.fetched = s.issue(Stream::kH2D, Op{op::kH2DMissesHalf1, OpKind::kH2D, 0, 0.5 * misses * entry, 0, 0, 0, 0, 1}, e);
+    }
+    e = s.issue(Stream::kCompute, pre_q, e);
+    s.issue(Stream::kCompute, pre_bmm, e);
+  }
+
+  // Stage 2: sparse MLA (whole, or Attn0 over the resident entries, Attn1 over the fetched ones
+  // and the merge), PostAttn, then the router (MoE) or the dense FFN.
+  void core(Scheduler& s, MicroBatch& mb, bool moe) const {
+    s.set_category(Category::kAttention);
+    const double n = mb.tokens, h = m_.hidden_size, heads = m_.num_attention_heads;
     const double flop_per_entry = 2 * heads * (m_.mla_head_dim() + m_.kv_lora_rank);
     auto attn = [&](std::string_view name, double entries_per_token) {
       return Op{name, OpKind::kAttention, n * entries_per_token * flop_per_entry,
                 n * entries_per_token * double(m_.latent_entry_bytes()) + n * heads * (m_.mla_head_dim() + m_.kv_lora_rank) * 2.0,
-                n, ctx64_, 0, 0, 1};
+                n, ctx64_, 0, 0, 2};  // scheduling metadata + the kernel
     };
-    const double entry = double(m_.latent_entry_bytes());
     const double misses = offload_ ? mb.misses : 0;
     const double miss_per_token = std::min(topk_, misses / std::max(n, 1.0));
-    const Op h2d_all{op::kH2DMisses, OpKind::kH2D, 0, misses * entry, 0, 0, 0, 0, 1};
-    const Op merge{op::kMerge, OpKind::kMemory, 0, 3 * n * heads * m_.kv_lora_rank * 2.0, n, 0, 0, 0, 1};
-    if (misses <= 0 || mode == OverlapMode::kNone) {
-      e = s.issue(Stream::kCompute, pre_q, e);
-      e = s.issue(Stream::kCompute, pre_bmm, e);
-      e = indexer(e, 1.0);
-      double x = e;
-      if (misses > 0) x = s.issue(Stream::kH2D, h2d_all, e);
-      e = s.issue(Stream::kCompute, attn(op::kSparseMla, topk_), x, Wait::kTransfer);
+    const double now = s.compute_end();
+    double e = 0;
+    if (misses <= 0 || mb.mode == OverlapMode::kNone) {
+      e = s.issue(Stream::kCompute, attn(op::kSparseMla, topk_), std::max(now, mb.fetched), Wait::kTransfer);
     } else {
-      double x = 0;
-      if (mode == OverlapMode::kDualAttention) {
-        e = indexer(e, 1.0);
-        x = s.issue(Stream::kH2D, h2d_all, e);
-      } else {  // DBA: two halves of the batch; the first half's copy runs under the second's indexer
-        e = indexer(e, 0.5);
-        s.issue(Stream::kH2D, Op{op::kH2DMissesHalf0, OpKind::kH2D, 0, 0.5 * misses * entry, 0, 0, 0, 0, 1}, e);
-        e = indexer(e, 0.5);
-        x = s.issue(Stream::kH2D, Op{op::kH2DMissesHalf1, OpKind::kH2D, 0, 0.5 * misses * entry, 0, 0, 0, 0, 1}, e);
-      }
-      e = s.issue(Stream::kCompute, pre_q, e);
-      e = s.issue(Stream::kCompute, pre_bmm, e);
-      e = s.issue(Stream::kCompute, attn(op::kAttn0, topk_ - miss_per_token), e);
-      e = s.issue(Stream::kCompute, attn(op::kAttn1, miss_per_token), x, Wait::kTransfer);
+      e = s.issue(Stream::kCompute, attn(op::kAttn0, topk_ - miss_per_token), now);
+      e = s.issue(Stream::kCompute, attn(op::kAttn1, miss_per_token), mb.fetched, Wait::kTransfer);
+      const Op merge{op::kMerge, OpKind::kMemory, 0, 3 * n * heads * m_.kv_lora_rank * 2.0, n, 0, 0, 0, 1};
       e = s.issue(Stream::kCompute, merge, e);
     }
-    const Op out_bmm{op::kOutBmm, OpKind::kGemmBf16, 2 * n * heads * m_.kv_lora_rank * m_.v_head_dim,
-                     heads * m_.kv_lora_rank * m_.v_head_dim * 2.0, n, 0, 0, 0, 1};
-    const Op o_proj{op::kOProj, OpKind::kGemmFp8, 2 * n * heads * m_.v_head_dim * h,
-                    heads * m_.v_head_dim * h + n * h * 2, n, 0, 0, 0, 1};
+    Op out_bmm = gemm_op(op::kOutBmm, OpKind::kGemmBf16, n, m_.v_head_dim, m_.kv_lora_rank,
+                         heads * m_.kv_lora_rank * m_.v_head_dim * 2.0, 1);
+    out_bmm.gemm.groups = heads;
+    out_bmm.flops *= heads;
+    const Op o_proj = gemm_op(op::kOProj, OpKind::kGemmFp8, n, h, heads * m_.v_head_dim,
+                              heads * m_.v_head_dim * h + n * h * 2, 2);  // activation quantise + GEMM
     e = s.issue(Stream::kCompute, out_bmm, e);
-    return s.issue(Stream::kCompute, o_proj, e);
+    e = s.issue(Stream::kCompute, o_proj, e);
+    if (moe) {
+      s.set_category(Category::kMoe);
+      s.issue(Stream::kCompute, gate(n), e);
+    } else {
+      s.set_category(Category::kOther);
+      mb.ready = s.issue(Stream::kCompute, dense_ffn(n), e);
+    }
+  }
+
+  // Stage 3: the dispatch leaves, the shared expert runs.
+  void dispatch_and_shared(Scheduler& s, MicroBatch& mb, bool comm) const {
+    s.set_category(Category::kMoe);
+    if (comm) mb.dispatched = s.issue(Stream::kComm, dispatch(mb.tokens), s.compute_end());
+    s.issue(Stream::kCompute, shared(mb.tokens), s.compute_end());
+  }
+  // Stage 4: the routed experts on the tokens received, the combine leaves.
+  void experts_and_combine(Scheduler& s, MicroBatch& mb, bool comm) const {
+    s.set_category(Category::kMoe);
+    const double x = s.issue(Stream::kCompute, experts(mb.tokens), comm ? mb.dispatched : 0.0, Wait::kComm);
+    mb.combined = comm ? s.issue(Stream::kComm, combine(mb.tokens), x) : x;
+  }
+  // Stage 5: the combined tokens are received; the layer is done.
+  void combine_receive(Scheduler& s, MicroBatch& mb) const {
+    s.block_compute_until(mb.combined, Wait::kComm);
+    s.set_category(Category::kMoe);
+    // The receive kernel, then the experts' sum added to the residual.
+    const Op add{"moe.combine_recv+residual", OpKind::kMemory, 0, mb.tokens * m_.hidden_size * 2.0 * 3, mb.tokens, 0, 0, 0, 2};
+    mb.ready = s.issue(Stream::kCompute, add, mb.combined, Wait::kComm);
   }
 
   Op gate(double n) const {
     const double h = m_.hidden_size, e = m_.n_routed_experts;
-    return {op::kGate, OpKind::kGemmBf16, 2 * n * h * e, h * e * 2 + n * h * 2 * 2, n, 0, 0, 0, 3};
+    return gemm_op(op::kGate, OpKind::kGemmBf16, n, e, h, h * e * 2 + n * h * 2 * 2, 3);
   }
   Op shared(double n) const {
-    const double w = 3.0 * m_.hidden_size * m_.moe_intermediate_size * m_.n_shared_experts;
-    return {op::kSharedExpert, OpKind::kGemmFp8, 2 * n * w, w, n, 0, 0, 0, 2};
+    const double inter = double(m_.moe_intermediate_size) * m_.n_shared_experts;
+    // Kernels: the dispatch's send, quantise, up GEMM, activation + quantise, down GEMM.
+    Op o = gemm_op(op::kSharedExpert, OpKind::kGemmFp8, n, 2 * inter, m_.hidden_size, 3.0 * m_.hidden_size * inter, 5);
+    o.gemm2 = {n, double(m_.hidden_size), inter, 1, false};
+    o.flops = 2 * n * 3.0 * m_.hidden_size * inter;
+    return o;
   }
   Op experts(double n) const {
     const double w = 3.0 * m_.hidden_size * m_.moe_intermediate_size;
     const double local = std::ceil(double(m_.n_routed_experts) / d_.expert_parallel);
-    // Tokens routed to this GPU = n x top-k on average (every GPU holds n tokens).
+    // Tokens routed to this GPU = n x top-k on average (every GPU holds n tokens), spread over
+    // its local experts: Poisson rows per expert in a deployment; an expert no token chose is
+    // not read.
     const double rows = n * m_.num_experts_per_tok;
-    return {op::kRoutedExperts, OpKind::kGemmFp8, 2 * rows * w, local * w + rows * m_.hidden_size * 3.0, n, 0, 0, 0, 3};
+    const double per_expert = rows / local;
+    const double active = random_rows_ ? local * (1 - std::exp(-per_expert)) : local;
+    // Kernels: the dispatch's receive, up GEMM, activation + quantise, down GEMM, the combine's send.
+    Op o{op::kRoutedExperts, OpKind::kGemmFp8, 2 * rows * w, active * w + rows * m_.hidden_size * 3.0, n, 0, 0, 0, 5};
+    o.gemm = {per_expert, 2.0 * m_.moe_intermediate_size, double(m_.hidden_size), local, random_rows_};
+    o.gemm2 = {per_expert, double(m_.hidden_size), double(m_.moe_intermediate_size), local, random_rows_};
+    return o;
   }
   Op all_to_all(std::string_view name, double n, double bytes_per_token) const {
     const double total = n * m_.num_experts_per_tok * bytes_per_token;
@@ -216,19 +313,63 @@ class LayerBuilder {
   }
   Op combine(double n) const { return all_to_all(op::kCombine, n, m_.hidden_size * 2.0); }
   Op dense_ffn(double n) const {
-    const double w = 3.0 * m_.hidden_size * m_.intermediate_size;
-    return {"dense.norm+ffn", OpKind::kGemmFp8, 2 * n * w, w + n * m_.hidden_size * 4.0, n, 0, 0, 0, 4};
+    const double h = m_.hidden_size, inter = m_.intermediate_size;
+    Op o = gemm_op("dense.norm+ffn", OpKind::kGemmFp8, n, 2 * inter, h, 3.0 * h * inter + n * h * 4.0, 4);
+    o.gemm2 = {n, h, inter, 1, false};
+    o.flops = 2 * n * 3.0 * h * inter;
+    return o;
   }
   Op lm_head(double n) const {
     const double h = m_.hidden_size, v = m_.vocab_size;
-    return {"lm_head", OpKind::kGemmBf16, 2 * n * h * v, h * v * 2 + n * v * 4, n, 0, 0, 0, 2};
+    return gemm_op("lm_head", OpKind::kGemmBf16, n, v, h, h * v * 2 + n * v * 4, 2);
+  }
+  // Sampling and, with MTP, verification: passes over the fp32 logits of `n` positions.
+  Op sample(std::string_view name, double n, double kernels) const {
+    return {name, OpKind::kMemory, 0, 2 * n * double(m_.vocab_size) * 4, n, 0, 0, 0, kernels};
   }
   Op eh_proj(double n) const {
     const double h = m_.hidden_size;
-    return {"mtp.eh_proj", OpKind::kGemmBf16, 2 * n * 2 * h * h, 2 * h * h * 2 + n * h * 6, n, 0, 0, 0, 2};
+    return gemm_op("mtp.eh_proj", OpKind::kGemmBf16, n, h, 2 * h, 2 * h * h * 2 + n * h * 6, 2);
   }
 
  private:
+  static Op gemm_op(std::string_view name, OpKind kind, double m, double n, double k, double bytes, double kernels) {
+    Op o{name, kind, 2 * m * n * k, bytes, m, 0, 0, 0, kernels};
+    o.gemm = {m, n, k, 1, false};
+    return o;
+  }
+  double indexer(Scheduler& s, const MicroBatch& mb, double e0, double frac) const {
+    const double nn = mb.tokens * frac, bb = mb.requests * frac;
+    const double ih = m_.index_n_heads, id = m_.index_head_dim;
+    const Op q = gemm_op(op::kIndexerWqB, OpKind::kGemmFp8, nn, ih * id, m_.q_lora_rank,
+                         m_.q_lora_rank * ih * id + nn * ih * id, 2);  // GEMM + rope / quantise
+    // Paged MQA logits: each request's key cache is read once for its T x 64 heads, the fp32
+    // logits written; the slower of that and the FP8 MMAs.
+    const Op logits{op::kIndexerLogits, OpKind::kIndexer, 2 * nn * ctx_ * ih * id,
+                    bb * ctx_ * double(m_.indexer_entry_bytes()) + nn * ctx_ * 4, nn, ctx64_, 0, 0, 2};  // + metadata
+    // Top-k: one CTA per query token streams its row of logits twice (histogram, select).
+    Op topk{op::kIndexerTopk, OpKind::kTopk, 0, 2 * nn * ctx_ * 4, nn, ctx64_, 0, 0, 2};  // + page -> slot ids
+    topk.rows = nn;
+    double t = s.issue(Stream::kCompute, q, e0);
+    t = s.issue(Stream::kCompute, logits, t);
+    t = s.issue(Stream::kCompute, topk, t);
+    if (offload_) {
+      // The swap engine's LRU decision and the FlashTrans list for this batch (GPU swap
+      // engine + split kernel). Analytically its memory traffic only (ids in and out, 12 bytes
+      // of state per slot), with no per-kernel overhead (kernels = 0); a measured table
+      // (`ess bench profile`) gives its real time.
+      const Op swap{op::kSwap, OpKind::kMemory, 0, nn * topk_ * 4.0 * 4 + bb * slots_ * 12.0, nn, 0, 0, 0, 0};
+      t = s.issue(Stream::kCompute, swap, t);
+      if (mb.split_calls > 0) {
+        // Each further query group: the decision again and one more attention launch.
+        const Op groups{op::kQueryGroups, OpKind::kMemory, 0, mb.split_calls * swap.bytes, nn, 0, 0, 0,
+                        2 * mb.split_calls};
+        t = s.issue(Stream::kCompute, groups, t);
+      }
+    }
+    return t;
+  }
+
   const ModelSpec& m_;
   const Deployment& d_;
   double ctx_;
@@ -236,6 +377,7 @@ class LayerBuilder {
   double topk_;
   std::int64_t ctx64_ = 0;
   bool offload_;
+  bool random_rows_ = true;
 };
 
 }  // namespace
@@ -330,26 +472,27 @@ StepResult StepModel::run(const Workload& wl, Timeline* timeline) const {
   const bool offload = wl.offload && slots < wl.context;
   const LayerBuilder lb(model_, dep_, wl.context, wl.offload, double(slots));
   Scheduler s(cost_, r, timeline);
-  const int n_mb = dep_.two_batch_overlap && batch >= 2 && !rig ? 2 : 1;
-  MicroBatch mbs[2];
-  for (int i = 0; i < n_mb; ++i) {
-    mbs[i].requests = n_mb == 1 ? batch : (i == 0 ? std::ceil(batch / 2.0) : std::floor(batch / 2.0));
-    mbs[i].label = static_cast<char>('A' + i);
-  }
-  double miss_sum = 0;
-  int miss_layers = 0;
   const double topk_eff = static_cast<double>(std::min<std::int64_t>(model_.index_topk, wl.context));
+  // A request cannot miss more entries than its query tokens select: the model's value is
+  // capped there, for the reported misses as for the step time, and the cap is reported.
+  const auto capped = [&](double m, int tokens) {
+    const double cap = tokens * topk_eff;
+    if (m <= cap) return m;
+    ++r.miss_capped_layers;
+    return cap;
+  };
   // Layer-wise without a threshold: the faster of DA and DBA for a layer's miss count, tried
-  // once per distinct (misses, tokens) of each micro-batch.
+  // once per distinct (misses, tokens) of each micro-batch slot.
   struct Choice {
     double misses = -1;
     double tokens = -1;
     OverlapMode mode = OverlapMode::kDualAttention;
   } choice[2];
   if (r.overlap == OverlapMode::kLayerWise) r.layer_modes.reserve(static_cast<std::size_t>(3 * (model_.num_hidden_layers + 1)));
-  auto run_layer = [&](int layer, bool moe, int tokens_per_request, double misses_per_request) {
-    if (r.overlap == OverlapMode::kLayerWise && !r.layer_modes.empty()) r.layer_modes += ' ';
-    // A request cannot miss more entries than its T query tokens select.
+  int modes_in_layer = 0;
+  // Sets a micro-batch's tokens, misses, split calls and overlap mode for a layer.
+  auto enter_layer = [&](MicroBatch& mb, int slot, int tokens_per_request, double misses_per_request, bool moe,
+                         bool first_of_layer) {
     misses_per_request = std::min(misses_per_request, tokens_per_request * topk_eff);
     // Steps larger than the pool: any floor(slots / K) query tokens fit together, so greedy
     // grouping makes at most ceil(T / floor(slots / K)) groups; the share of request-layer-
@@ -359,133 +502,154 @@ StepResult StepModel::run(const Workload& wl, Timeline* timeline) const {
                              : 0.0;
     const double per_group = std::max(1.0, std::floor(double(slots) / topk_eff));
     const double max_groups = std::ceil(double(tokens_per_request) / per_group);
-    for (int i = 0; i < n_mb; ++i) {
-      mbs[i].tokens = mbs[i].requests * tokens_per_request;
-      mbs[i].misses = offload ? mbs[i].requests * misses_per_request : 0.0;
-      mbs[i].split_calls = split > 0 ? (1 - std::pow(1 - split, mbs[i].requests)) * (max_groups - 1) : 0.0;
-      r.split_calls_per_layer = std::max(r.split_calls_per_layer, mbs[i].split_calls);
-    }
-    double attn_end[2] = {0, 0};
-    double disp_end[2] = {0, 0};
-    for (int i = 0; i < n_mb; ++i) {
-      MicroBatch& mb = mbs[i];
-      s.set_label(layer, mb.label);
-      s.set_category(Category::kAttention);  // the previous micro-batch left it at MoE / other
-      OverlapMode mode = r.overlap;
-      if (mode == OverlapMode::kLayerWise) {
-        if (wl.layerwise_threshold >= 0) {
-          mode = mb.misses < wl.layerwise_threshold ? OverlapMode::kDualAttention : OverlapMode::kDualBatchAttention;
-        } else if (choice[i].misses == mb.misses && choice[i].tokens == mb.tokens) {
-          mode = choice[i].mode;  // same layer inputs as the last trial: same choice (decided by misses)
-        } else {
-          StepResult scratch;
-          Scheduler da = s.trial(scratch), dba = s.trial(scratch);
-          const double t_da = lb.attention(da, mb, OverlapMode::kDualAttention);
-          const double t_dba = lb.attention(dba, mb, OverlapMode::kDualBatchAttention);
-          mode = t_dba < t_da ? OverlapMode::kDualBatchAttention : OverlapMode::kDualAttention;
-          choice[i] = {mb.misses, mb.tokens, mode};
-        }
-        (mode == OverlapMode::kDualAttention ? r.layers_da : r.layers_dba) += 1;
-        r.layer_modes += mb.misses <= 0 ? '-' : (mode == OverlapMode::kDualAttention ? 'a' : 'b');
-      }
-      attn_end[i] = lb.attention(s, mb, mode);
-      if (moe) {
-        s.set_category(Category::kMoe);
-        const double g = s.issue(Stream::kCompute, lb.gate(mb.tokens), attn_end[i]);
-        if (rig) {  // no all-to-all: the local experts follow the shared expert
-          s.issue(Stream::kCompute, lb.shared(mb.tokens), g);
-          mb.ready = s.issue(Stream::kCompute, lb.experts(mb.tokens), g);
-          continue;
-        }
-        disp_end[i] = s.issue(Stream::kComm, lb.dispatch(mb.tokens), g);
-        s.issue(Stream::kCompute, lb.shared(mb.tokens), g);
-        if (n_mb == 1) {
-          const double x = s.issue(Stream::kCompute, lb.experts(mb.tokens), disp_end[i], Wait::kComm);
-          mb.ready = s.issue(Stream::kComm, lb.combine(mb.tokens), x);
-        }
+    mb.tokens = mb.requests * tokens_per_request;
+    mb.misses = offload ? mb.requests * misses_per_request : 0.0;
+    mb.split_calls = split > 0 ? (1 - std::pow(1 - split, mb.requests)) * (max_groups - 1) : 0.0;
+    r.split_calls_per_layer = std::max(r.split_calls_per_layer, mb.split_calls);
+    OverlapMode mode = r.overlap;
+    if (mode == OverlapMode::kLayerWise) {
+      if (wl.layerwise_threshold >= 0) {
+        mode = mb.misses < wl.layerwise_threshold ? OverlapMode::kDualAttention : OverlapMode::kDualBatchAttention;
+      } else if (choice[slot].misses == mb.misses && choice[slot].tokens == mb.tokens) {
+        mode = choice[slot].mode;  // same layer inputs as the last trial: same choice (decided by misses)
       } else {
-        s.set_category(Category::kOther);
-        mb.ready = s.issue(Stream::kCompute, lb.dense_ffn(mb.tokens), attn_end[i]);
+        StepResult scratch;
+        MicroBatch a = mb, b = mb;
+        a.mode = OverlapMode::kDualAttention;
+        b.mode = OverlapMode::kDualBatchAttention;
+        Scheduler da = s.trial(scratch), dba = s.trial(scratch);
+        lb.prepare(da, a);
+        lb.core(da, a, moe);
+        lb.prepare(dba, b);
+        lb.core(dba, b, moe);
+        mode = dba.compute_end() < da.compute_end() ? OverlapMode::kDualBatchAttention : OverlapMode::kDualAttention;
+        choice[slot] = {mb.misses, mb.tokens, mode};
       }
+      (mode == OverlapMode::kDualAttention ? r.layers_da : r.layers_dba) += 1;
+      if (first_of_layer && modes_in_layer++ > 0) r.layer_modes += ' ';
+      r.layer_modes += mb.misses <= 0 ? '-' : (mode == OverlapMode::kDualAttention ? 'a' : 'b');
     }
-    if (moe && n_mb == 2) {  // TBO: A's experts run while B dispatches, B's while A combines
-      for (int i = 0; i < 2; ++i) {
-        s.set_label(layer, mbs[i].label);
-        const double x = s.issue(Stream::kCompute, lb.experts(mbs[i].tokens), disp_end[i], Wait::kComm);
-        mbs[i].ready = s.issue(Stream::kComm, lb.combine(mbs[i].tokens), x);
-      }
+    mb.mode = mode;
+  };
+
+  const bool comm = !rig;
+  const int n_layers = rig ? dep_.rig_layers : model_.num_hidden_layers;
+  const int first_moe = rig ? 0 : std::min(model_.first_k_dense_replace, n_layers);
+  std::vector<double> layer_misses(static_cast<std::size_t>(n_layers), 0.0);
+  double miss_sum = 0;
+  for (int layer = 0; layer < n_layers; ++layer) {
+    const double m = offload ? capped(wl.misses.misses(layer, slots, double(wl.context), T), T) : 0.0;
+    layer_misses[static_cast<std::size_t>(layer)] = m;
+    miss_sum += m;
+  }
+  r.misses_per_request_layer = n_layers > 0 ? miss_sum / n_layers : 0.0;
+
+  // One layer for one micro-batch, every stage in order (no overlap with another micro-batch).
+  auto whole_layer = [&](MicroBatch& mb, int layer, bool moe, int tokens_per_request, double misses) {
+    s.set_label(layer, mb.label);
+    enter_layer(mb, 0, tokens_per_request, misses, moe, true);
+    lb.prepare(s, mb);
+    lb.core(s, mb, moe);
+    if (!moe) return;
+    lb.dispatch_and_shared(s, mb, comm);
+    lb.experts_and_combine(s, mb, comm);
+    if (comm) {
+      lb.combine_receive(s, mb);
+    } else {
+      mb.ready = s.compute_end();  // the rig: the experts' output is the layer's
     }
   };
 
-  const int n_layers = rig ? dep_.rig_layers : model_.num_hidden_layers;
-  // A request cannot miss more entries than its query tokens select: the model's value is
-  // capped there, for the reported misses as for the step time, and the cap is reported.
-  const auto capped = [&](double m, int tokens) {
-    const double cap = tokens * topk_eff;
-    if (m <= cap) return m;
-    ++r.miss_capped_layers;
-    return cap;
-  };
-  for (int layer = 0; layer < n_layers; ++layer) {
-    const double m = offload ? capped(wl.misses.misses(layer, slots, double(wl.context), T), T) : 0.0;
-    miss_sum += m;
-    ++miss_layers;
-    s.set_category(Category::kAttention);
-    run_layer(layer, rig || layer >= model_.first_k_dense_replace, T, m);
+  MicroBatch whole;
+  whole.requests = batch;
+  whole.label = 'A';
+  // The dense layers run the whole batch (SGLang overlaps only MoE layers).
+  for (int layer = 0; layer < first_moe; ++layer) {
+    whole_layer(whole, layer, false, T, layer_misses[static_cast<std::size_t>(layer)]);
+  }
+  const bool tbo = dep_.two_batch_overlap && batch >= 2 && !rig;
+  double ready = whole.ready;
+  if (!tbo) {
+    for (int layer = first_moe; layer < n_layers; ++layer) {
+      whole_layer(whole, layer, true, T, layer_misses[static_cast<std::size_t>(layer)]);
+    }
+    ready = whole.ready;
+  } else {
+    // Two-Batch Overlap: the two halves run the five stages of each MoE layer with the second
+    // two stages behind the first (SGLang's execute_overlapped_operations, delta 2): A0 A1 A2
+    // B0 A3 B1 ..., so one half's dispatch and combine are in flight while the other runs its
+    // attention and MoE.
+    MicroBatch mbs[2];
+    mbs[0].requests = std::ceil(batch / 2.0);
+    mbs[1].requests = std::floor(batch / 2.0);
+    mbs[1].label = 'B';
+    for (MicroBatch& mb : mbs) mb.ready = whole.ready;
+    const int stages = 5 * (n_layers - first_moe);
+    auto stage = [&](int i, int k) {
+      MicroBatch& mb = mbs[i];
+      const int layer = first_moe + k / 5;
+      s.set_label(layer, mb.label);
+      switch (k % 5) {
+        case 0:
+          enter_layer(mb, i, T, layer_misses[static_cast<std::size_t>(layer)], true, i == 0);
+          lb.prepare(s, mb);
+          break;
+        case 1: lb.core(s, mb, true); break;
+        case 2: lb.dispatch_and_shared(s, mb, comm); break;
+        case 3: lb.experts_and_combine(s, mb, comm); break;
+        default: lb.combine_receive(s, mb); break;
+      }
+    };
+    constexpr int kDelta = 2;
+    for (int k = 0; k < std::min(kDelta, stages); ++k) stage(0, k);
+    for (int k = kDelta; k < stages; ++k) {
+      stage(0, k);
+      stage(1, k - kDelta);
+    }
+    for (int k = std::max(0, stages - kDelta); k < stages; ++k) stage(1, k);
+    ready = std::max(mbs[0].ready, mbs[1].ready);
   }
   if (rig) {  // the rig's step ends with its last layer
     r.step_us = s.end();
-    r.misses_per_request_layer = miss_layers > 0 ? miss_sum / miss_layers : 0.0;
-    if (offload) r.h2d_bytes = batch * miss_sum * double(model_.latent_entry_bytes());
-    if (wl.offload) r.d2h_bytes = double(batch) * T * n_layers * double(model_.latent_entry_bytes());
     const double step_s = r.step_us * 1e-6;
     r.otps = dep_.accept_ratio / step_s;
     r.throughput_tokens_per_s = r.otps * batch;
     r.h2d_gbps_per_node = r.h2d_bytes / step_s / 1e9;
     return r;
   }
-  // LM head over every verified token.
+  // LM head over every verified position, then sampling and the verification of the drafts.
   s.set_label(-1, ' ');
   s.set_category(Category::kOther);
-  double ready = 0;
-  for (int i = 0; i < n_mb; ++i) ready = std::max(ready, mbs[i].ready);
   double e = s.issue(Stream::kCompute, lb.lm_head(double(batch) * T), ready, Wait::kComm);
-  // MTP drafts: (T - 1) passes of the next-n layer over one token per request, each with its
-  // own projection and LM head.
+  e = s.issue(Stream::kCompute, lb.sample("sample+verify", double(batch) * T, T > 1 ? 4 : 2), e);
+  // MTP drafts as SGLang's EAGLE worker runs them (T - 1 draft tokens, top-1): the draft-
+  // extend pass of the next-n layer over the T verified positions of each request, whose
+  // LM head gives the first draft token, then T - 2 decode passes of one position each. No
+  // Two-Batch Overlap in the draft model.
   if (T > 1 && model_.num_nextn_predict_layers > 0) {
     const int layer = model_.num_hidden_layers;
-    const double m = offload ? capped(wl.misses.misses(layer, slots, double(wl.context), 1), 1) : 0.0;
-    for (int d = 0; d < T - 1; ++d) {
-      s.set_label(layer, 'D');
-      s.set_category(Category::kMtpDraft);
-      e = s.issue(Stream::kCompute, lb.eh_proj(batch), e);
-      for (int i = 0; i < n_mb; ++i) mbs[i].ready = e;
-      // The draft layer's compute is charged to the MTP budget whatever its op.
-      StepResult before = r;
-      run_layer(layer, true, 1, m);
-      const double added = (r.attention_us - before.attention_us) + (r.moe_us - before.moe_us) +
-                           (r.other_us - before.other_us);
-      r.attention_us = before.attention_us;
-      r.moe_us = before.moe_us;
-      r.other_us = before.other_us;
-      r.mtp_draft_us += added;
-      s.set_label(layer, 'D');
-      s.set_category(Category::kMtpDraft);
-      ready = 0;
-      for (int i = 0; i < n_mb; ++i) ready = std::max(ready, mbs[i].ready);
-      e = s.issue(Stream::kCompute, lb.lm_head(batch), ready, Wait::kComm);
+    s.set_drafting(true);
+    for (int pass = 0; pass < T - 1; ++pass) {
+      const int tokens = pass == 0 ? T : 1;
+      const double m = offload ? capped(wl.misses.misses(layer, slots, double(wl.context), tokens), tokens) : 0.0;
+      s.set_label(layer, pass == 0 ? 'X' : 'D');
+      s.set_category(Category::kOther);
+      MicroBatch draft;
+      draft.requests = batch;
+      draft.label = pass == 0 ? 'X' : 'D';
+      draft.ready = s.issue(Stream::kCompute, lb.eh_proj(double(batch) * tokens), e);
+      whole_layer(draft, layer, true, tokens, m);
+      s.set_label(layer, draft.label);
+      s.set_category(Category::kOther);
+      e = s.issue(Stream::kCompute, lb.lm_head(batch), draft.ready, Wait::kComm);
+      e = s.issue(Stream::kCompute, lb.sample("draft sample", batch, 1), e);
     }
+    s.set_drafting(false);
   }
+  // Host time between steps (scheduling the next batch, bookkeeping).
+  r.step_overhead_us = hw_.step_overhead_us;
+  s.host_gap(hw_.step_overhead_us);
   r.step_us = s.end();
-  r.misses_per_request_layer = miss_layers > 0 ? miss_sum / miss_layers : 0.0;
-  const double layers_with_cache = model_.num_hidden_layers + (T > 1 ? model_.num_nextn_predict_layers : 0);
-  if (offload) {
-    r.h2d_bytes = batch * miss_sum * double(model_.latent_entry_bytes()) +
-                  (T > 1 ? (T - 1) * batch * std::min(wl.misses.misses(model_.num_hidden_layers, slots, double(wl.context), 1), topk_eff) *
-                               model_.num_nextn_predict_layers * double(model_.latent_entry_bytes())
-                         : 0.0);
-  }
-  if (wl.offload) r.d2h_bytes = double(batch) * T * layers_with_cache * double(model_.latent_entry_bytes());
   const double step_s = r.step_us * 1e-6;
   r.otps = dep_.accept_ratio / step_s;
   r.throughput_tokens_per_s = r.otps * batch * dep_.gpus_per_node;
