@@ -57,6 +57,11 @@ TEST(sim_inputs, OlderProfilesGetTheNewFieldsWithTheirSources) {
   EXPECT_EQ(p.transfer_sms, 32);
   EXPECT_NE(p.sources.at("gemm_tile_overhead_k").find("DeepGEMM"), std::string::npos);
   EXPECT_NE(p.sources.at("step_overhead_us").find("default"), std::string::npos);
+  // A source for a field the file does not set would label the default: refused.
+  j = HardwareProfile::shipped("h200").to_json();
+  j.erase("sm_count");
+  EXPECT_NE(message_of([&] { HardwareProfile::from_json(j, "x.json"); }).find("sources.sm_count is given but the profile sets no 'sm_count'"),
+            std::string::npos);
   j = HardwareProfile::shipped("h200").to_json();
   j["transfer_sms"] = 132;
   EXPECT_NE(message_of([&] { HardwareProfile::from_json(j, "x.json"); }).find("'transfer_sms' = 132 must be below sm_count"),

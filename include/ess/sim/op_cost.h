@@ -3,7 +3,7 @@
 // Every OpTime records which of the two produced it.
 //
 // Analytical model. A GEMM with a shape is timed by tiles and waves: its output is cut into
-// tiles of kGemmTileM (64 or 128, the one that wastes least) x kGemmTileN rows x columns, the
+// tiles of 64 or 128 rows (the one that wastes less) x kGemmTileN columns, the
 // tiles run in waves over the SMs, and a wave takes one tile's FLOPs at the SM's share of the
 // peak x gemm_efficiency; the kernel is never faster than streaming its bytes from HBM. Grouped
 // GEMMs whose rows per group are random (the routed experts: tokens per expert are Poisson)

@@ -43,8 +43,9 @@ struct StepResult {
   double mtp_draft_us = 0;
   double comm_us = 0;               // busy time of the comm stream
   double h2d_us = 0;                // busy time of the H2D stream
-  // Fixed costs by cause: kernels launched on the compute stream and their launch gaps (inside
-  // compute_us), the all-to-all start-up per call (inside comm_us), the host time per step.
+  // Fixed costs by cause: kernels launched on the compute stream and the launch gaps of those
+  // timed analytically (inside compute_us; a measured time holds its own), the all-to-all
+  // start-up per call (inside comm_us), the host time per step.
   double kernels = 0;
   double launch_us = 0;
   double comm_latency_us = 0;
@@ -62,7 +63,7 @@ struct StepResult {
   int layers_da = 0;                // layer-wise choices (per micro-batch layer)
   int layers_dba = 0;
   // Layer-wise only: the choice per layer, one character per micro-batch ('a' = DA, 'b' =
-  // DBA, '-' = no misses), layers separated by spaces; the MTP draft layer last.
+  // DBA, '-' = no misses), layers separated by spaces; then one group per MTP draft pass.
   std::string layer_modes;
   int ops_measured = 0;             // op times by source
   int ops_analytical = 0;

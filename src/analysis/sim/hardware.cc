@@ -98,6 +98,10 @@ HardwareProfile HardwareProfile::from_json(const json& j, const std::string& sou
     bool known = false;
     for (const Field& f : kFields) known = known || k == f.key;
     ESS_CHECK(known, "{}: sources.{} names no hardware field", source, k);
+    const bool sourced_in_file = j.contains("sources") && j.at("sources").contains(k);
+    ESS_CHECK(j.contains(k) || !sourced_in_file,
+              "{}: sources.{} is given but the profile sets no '{}' (a default would run under that source)", source,
+              k, k);
   }
   p.validate(source);
   return p;

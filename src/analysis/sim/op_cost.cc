@@ -100,9 +100,10 @@ std::optional<double> MeasuredTables::lookup(std::string_view op, std::int64_t c
 
 double expected_row_tiles(double mean, double tile) {
   if (!(mean > 0) || !(tile >= 1)) return 0.0;
-  // A standard deviation past the tile: the remainder modulo the tile is uniform (to within
-  // exp(-2 pi^2 var / tile^2) < 1e-8 of a tile), so the expected count is the mean's plus half.
-  if (mean > tile * tile) return mean / tile + 0.5;
+  // A standard deviation past the tile: the remainder modulo the tile is uniform over its
+  // tile values (to within about exp(-2 pi^2 var / tile^2) < 1e-8), so E[ceil(X / tile)] =
+  // mean / tile + (tile - 1) / (2 tile).
+  if (mean > tile * tile) return mean / tile + 0.5 - 0.5 / tile;
   // A step asks for a few (mean, tile) pairs over and over (every layer, both GEMMs).
   struct Cached {
     double mean = -1, tile = -1, value = 0;

@@ -47,7 +47,8 @@ class Scheduler {
       r_->compute_us += dur;
       r_->transfer_sm_us += dur - t.us;
       r_->kernels += op.kernels;
-      r_->launch_us += op.kernels * cost_->hardware().kernel_launch_us;
+      // A measured time holds its own launch; the analytical one adds it.
+      if (t.source != CostSource::kMeasured) r_->launch_us += op.kernels * cost_->hardware().kernel_launch_us;
       switch (drafting_ ? Category::kMtpDraft : category_) {
         case Category::kAttention: r_->attention_us += dur; break;
         case Category::kMoe: r_->moe_us += dur; break;
@@ -486,6 +487,7 @@ StepResult StepModel::run(const Workload& wl, Timeline* timeline) const {
   struct Choice {
     double misses = -1;
     double tokens = -1;
+    bool moe = false;
     OverlapMode mode = OverlapMode::kDualAttention;
   } choice[2];
   if (r.overlap == OverlapMode::kLayerWise) r.layer_modes.reserve(static_cast<std::size_t>(3 * (model_.num_hidden_layers + 1)));
@@ -510,8 +512,8 @@ StepResult StepModel::run(const Workload& wl, Timeline* timeline) const {
     if (mode == OverlapMode::kLayerWise) {
       if (wl.layerwise_threshold >= 0) {
         mode = mb.misses < wl.layerwise_threshold ? OverlapMode::kDualAttention : OverlapMode::kDualBatchAttention;
-      } else if (choice[slot].misses == mb.misses && choice[slot].tokens == mb.tokens) {
-        mode = choice[slot].mode;  // same layer inputs as the last trial: same choice (decided by misses)
+      } else if (choice[slot].misses == mb.misses && choice[slot].tokens == mb.tokens && choice[slot].moe == moe) {
+        mode = choice[slot].mode;  // same layer inputs as the last trial: same choice
       } else {
         StepResult scratch;
         MicroBatch a = mb, b = mb;
@@ -523,7 +525,7 @@ StepResult StepModel::run(const Workload& wl, Timeline* timeline) const {
         lb.prepare(dba, b);
         lb.core(dba, b, moe);
         mode = dba.compute_end() < da.compute_end() ? OverlapMode::kDualBatchAttention : OverlapMode::kDualAttention;
-        choice[slot] = {mb.misses, mb.tokens, mode};
+        choice[slot] = {mb.misses, mb.tokens, moe, mode};
       }
       (mode == OverlapMode::kDualAttention ? r.layers_da : r.layers_dba) += 1;
       if (first_of_layer && modes_in_layer++ > 0) r.layer_modes += ' ';
@@ -629,9 +631,15 @@ StepResult StepModel::run(const Workload& wl, Timeline* timeline) const {
   if (T > 1 && model_.num_nextn_predict_layers > 0) {
     const int layer = model_.num_hidden_layers;
     s.set_drafting(true);
+    double decode_misses = -1;  // the decode passes' misses: one value, capped (and counted) once
     for (int pass = 0; pass < T - 1; ++pass) {
       const int tokens = pass == 0 ? T : 1;
-      const double m = offload ? capped(wl.misses.misses(layer, slots, double(wl.context), tokens), tokens) : 0.0;
+      double m = 0;
+      if (offload && pass == 0) m = capped(wl.misses.misses(layer, slots, double(wl.context), tokens), tokens);
+      if (offload && pass > 0) {
+        if (decode_misses < 0) decode_misses = capped(wl.misses.misses(layer, slots, double(wl.context), 1), 1);
+        m = decode_misses;
+      }
       s.set_label(layer, pass == 0 ? 'X' : 'D');
       s.set_category(Category::kOther);
       MicroBatch draft;
