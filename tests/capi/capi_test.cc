@@ -38,6 +38,17 @@ ess_config small_config() {
 
 std::string last() { return ess_last_error(); }
 
+// The tensors a step binds: rows, top-k ids, lengths and the physical slots it writes.
+ess_step_tensors step_tensors(DLTensor* rows, DLTensor* topk, DLTensor* lengths, DLTensor* physical) {
+  ess_step_tensors st;
+  ess_step_tensors_init(&st);
+  st.rows = rows;
+  st.topk = topk;
+  st.lengths = lengths;
+  st.physical = physical;
+  return st;
+}
+
 TEST(CApi, StatusesNameTheProblem) {
   ess_config c = small_config();
   ess_engine* e = reinterpret_cast<ess_engine*>(1);
@@ -96,12 +107,7 @@ TEST(CApi, PagedEngineBuffersAndBindingsThatDieWithTheEngine) {
   std::vector<std::int64_t> b = {1}, btk = {1, 8};
   DLTensor rows_t = tensor(rows, b, kDLInt, 32), len_t = tensor(lengths, b, kDLInt, 32);
   DLTensor ids_t = tensor(ids, btk, kDLInt, 32), phys_t = tensor(phys, btk, kDLInt, 32);
-  ess_step_tensors st;
-  ess_step_tensors_init(&st);
-  st.rows = &rows_t;
-  st.topk = &ids_t;
-  st.lengths = &len_t;
-  st.physical = &phys_t;
+  ess_step_tensors st = step_tensors(&rows_t, &ids_t, &len_t, &phys_t);
   ess_step_binding* binding = nullptr;
   ASSERT_EQ(ess_step_bind(e, &st, &binding), ESS_OK) << last();
   ASSERT_EQ(ess_step(binding, 1, -1, nullptr), ESS_OK) << last();
@@ -163,12 +169,7 @@ TEST(CApi, QueryGroupsServeAStepLargerThanThePool) {
   EXPECT_EQ(bounds[0], 0);
   EXPECT_EQ(bounds[1], 1);
   EXPECT_EQ(bounds[2], 2);
-  ess_step_tensors st;
-  ess_step_tensors_init(&st);
-  st.rows = &rows_t;
-  st.topk = &ids_t;
-  st.lengths = &len_t;
-  st.physical = &phys_t;
+  ess_step_tensors st = step_tensors(&rows_t, &ids_t, &len_t, &phys_t);
   ess_step_binding* binding = nullptr;
   ASSERT_EQ(ess_step_bind(e, &st, &binding), ESS_OK) << last();
   EXPECT_EQ(ess_step(binding, 0, -1, nullptr), ESS_ERROR_INVALID_ARGUMENT);
