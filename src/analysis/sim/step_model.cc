@@ -253,6 +253,13 @@ class LayerBuilder {
     }
   }
 
+  // Stages 3-5 of an MoE layer (the stage's index 2, 3 or 4).
+  void moe_stage(Scheduler& s, MicroBatch& mb, int stage, bool comm) const {
+    if (stage == 2) dispatch_and_shared(s, mb, comm);
+    if (stage == 3) experts_and_combine(s, mb, comm);
+    if (stage == 4) combine_receive(s, mb, comm);
+  }
+
   // Stage 3: the dispatch leaves, the shared expert runs.
   void dispatch_and_shared(Scheduler& s, MicroBatch& mb, bool comm) const {
     s.set_category(Category::kMoe);
@@ -266,7 +273,11 @@ class LayerBuilder {
     mb.combined = comm ? s.issue(Stream::kComm, combine(mb.tokens), x) : x;
   }
   // Stage 5: the combined tokens are received; the layer is done.
-  void combine_receive(Scheduler& s, MicroBatch& mb) const {
+  void combine_receive(Scheduler& s, MicroBatch& mb, bool comm) const {
+    if (!comm) {  // the rig: the experts' output is the layer's
+      mb.ready = s.compute_end();
+      return;
+    }
     s.block_compute_until(mb.combined, Wait::kComm);
     s.set_category(Category::kMoe);
     // The receive kernel, then the experts' sum added to the residual.
@@ -553,13 +564,7 @@ StepResult StepModel::run(const Workload& wl, Timeline* timeline) const {
     lb.prepare(s, mb);
     lb.core(s, mb, moe);
     if (!moe) return;
-    lb.dispatch_and_shared(s, mb, comm);
-    lb.experts_and_combine(s, mb, comm);
-    if (comm) {
-      lb.combine_receive(s, mb);
-    } else {
-      mb.ready = s.compute_end();  // the rig: the experts' output is the layer's
-    }
+    for (int stage = 2; stage < 5; ++stage) lb.moe_stage(s, mb, stage, comm);
   };
 
   MicroBatch whole;
@@ -597,9 +602,7 @@ StepResult StepModel::run(const Workload& wl, Timeline* timeline) const {
           lb.prepare(s, mb);
           break;
         case 1: lb.core(s, mb, true); break;
-        case 2: lb.dispatch_and_shared(s, mb, comm); break;
-        case 3: lb.experts_and_combine(s, mb, comm); break;
-        default: lb.combine_receive(s, mb); break;
+        default: lb.moe_stage(s, mb, k % 5, comm); break;
       }
     };
     constexpr int kDelta = 2;
