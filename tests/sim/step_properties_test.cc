@@ -7,11 +7,11 @@
 
 #include <cmath>
 #include <fstream>
-#include <sstream>
 #include <string>
 #include <vector>
 
 #include "ess/core/error.h"
+#include "ess/core/lists.h"
 #include "ess/sim/op_cost.h"
 #include "ess/sim/step_model.h"
 #include "sim/sim_test_util.h"
@@ -164,11 +164,10 @@ std::vector<DeepGemmRow> deepgemm_table() {
       header = true;
       continue;
     }
-    std::istringstream cells(line);
-    DeepGemmRow r{};
-    char comma = 0;
-    cells >> r.groups >> comma >> r.m >> comma >> r.n >> comma >> r.k >> comma >> r.tflops;
-    rows.push_back(r);
+    const std::vector<std::string> cells = split_list(line);
+    EXPECT_EQ(cells.size(), 6u) << line;
+    if (cells.size() != 6) continue;
+    rows.push_back({std::stod(cells[0]), std::stod(cells[1]), std::stod(cells[2]), std::stod(cells[3]), std::stod(cells[4])});
   }
   return rows;
 }
