@@ -5,12 +5,14 @@
 # package (cmake --install, then examples/consumer built against it and run; the Python
 # package installed with pip and run on the installed libess), the GPU
 # bring-up kit (device bundle, its fallback configure check, a dry run of the GPU
-# validation) and a short libFuzzer run of the trace reader.
+# validation) and a short libFuzzer run of the trace reader. The pinned SGLang release is downloaded
+# first (scripts/upstream.sh): the SGLang adapter is tested against its source.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 JOBS=${JOBS:-$(nproc)}
 
 bash scripts/setup.sh
+bash scripts/upstream.sh   # the pinned SGLang release's sources, for the adapter's conformance test
 
 echo "== release build =="
 cmake --preset release >/dev/null

@@ -1,104 +1,509 @@
-"""An ESS coordinator with the methods and tensor shapes of SGLang's HiSparseCoordinator
-(python/sglang/srt/managers/hisparse_coordinator.py), so the NSA/DSA backend's decode path calls
-it where it calls HiSparse:
+"""ESS in the place of SGLang's HiSparseCoordinator (sglang==0.5.23,
+sglang/srt/managers/hisparse_coordinator.py): the same constructor, the same methods, attributes,
+argument lists and return types at every call site of that release, so SGLang's own
+`--enable-hisparse` runs ESS once `install()` has put this class where ModelRunner imports it.
 
-    # ScheduleBatch.prepare_for_decode, after seq_lens += 1:
-    reserved = coordinator.map_last_loc_to_buffer(seq_lens, out_cache_loc, req_pool_indices, seq_lens_cpu)
-    # the new token's KV goes to `reserved` (rows of ESS's layer buffer), not out_cache_loc
-    # forward_decode, per layer, after the indexer:
-    page_table_1 = coordinator.swap_in_selected_pages(req_pool_indices, seq_lens, topk_indices, layer_id)
-    # sparse attention (FlashMLA) over ESS's layer buffer with `page_table_1` as its indices
+Where the bytes live. Every request's ESS rows (its LRU slots plus one reserved row for the newest
+token) lie inside SGLang's HiSparse device pool (`HiSparseDSATokenToKVPool.kv_buffer`), in a region
+this coordinator takes from the top of the pool's allocator at construction: FlashMLA reads the
+rows `swap_in_selected_pages` returns from the same buffer it reads under HiSparse. The model writes
+each decode token with its unchanged `set_mla_kv_buffer(out_cache_loc)`: `map_last_loc_to_buffer`
+points out_cache_loc's entry of the allocator's full-to-device mapping at the request's reserved
+row, as upstream does. The Total Memory Pool (host) is ESS's own.
 
-Differences from HiSparse, by design: pool rows are SGLang's req_pool_indices (max_requests must
-cover the req_to_token pool); -1 ids are padding anywhere (HiSparse's long path reads host slot
--1); T > 1 (MTP) takes topk [bs x T, K]; the slot pool is int32 (no 32K cap); the prompt's entries
-and the prefill's last top-k are handed over at admission (admit_request_direct)."""
+Order, as upstream's. map_last_loc_to_buffer (ScheduleBatch.prepare_for_decode, on the schedule
+stream) backs up the previous step's newest entries on a backup stream that waits for the schedule
+and producer (forward) streams; wait_for_pending_backup (ModelRunner, before the forward) makes the
+forward wait for that backup and nothing else. Prefill KV is staged to the host on a staging
+stream (admit_request_into_staging) and the request joins decode when collect_ready_reqs finds the
+copy done on every TP rank. `num_real_reqs` is an int32 [1] device tensor read when the swap runs.
+
+What differs from upstream is in docs/integration.md; what this build cannot serve (speculative
+decoding, PD direct admission, MiniMax / DeepSeek-V4 pools) is refused by name at construction."""
 from __future__ import annotations
 
-from typing import Optional
+import logging
+from typing import List, NamedTuple, Optional
+
+import torch
 
 from .._errors import InvalidArgument
 from ..engine import Engine
-from ._session import DecodeSession
+from . import _device
+
+logger = logging.getLogger(__name__)
+
+SGLANG_VERSION = "0.5.23"   # the release whose call sites this class is checked against
+ENTRY_BYTES = 656           # DeepSeek-V3.2's FP8 latent entry (FlashMLA's layout)
 
 
-def _pool_index(req) -> int:
-    idx = getattr(req, "req_pool_idx", None)
-    if idx is None:
-        raise InvalidArgument(f"{type(req).__name__} has no req_pool_idx (is it admitted to SGLang's req_to_token pool?)")
-    return int(idx)
+class HiSparseAct(NamedTuple):
+    """A request whose prefill KV is being staged to the host (upstream's HiSparseAct, plus the copy)."""
+    start_event: object
+    finish_event: object
+    req: object
 
 
-def _length(req) -> int:
-    for attr in ("seqlen", "kv_committed_len"):
-        value = getattr(req, attr, None)
-        if value is not None:
-            return int(value)
-    fill = getattr(req, "fill_ids", None)
-    if fill is not None:
-        return len(fill)
-    raise InvalidArgument(f"{type(req).__name__} has neither seqlen nor fill_ids: pass prompt_length")
+class HiSparseTokenStats(NamedTuple):
+    device_tokens: int
+    device_token_usage: float
+    host_tokens: int
+    host_token_usage: float
+
+
+def _token_stats_type():
+    """SGLang's own HiSparseTokenStats where SGLang imports, else ours (the same fields)."""
+    try:
+        from sglang.srt.managers.hisparse_coordinator import HiSparseTokenStats as upstream
+        return upstream
+    except Exception:  # SGLang absent or not importable here: the same NamedTuple
+        return HiSparseTokenStats
+
+
+def _cuda_index(device) -> int:
+    """SGLang passes "cuda" and sets each rank's current device."""
+    index = torch.device(device).index
+    return torch.cuda.current_device() if index is None else index
+
+
+def _keep(tensor, stream):
+    """The caching allocator must not hand `tensor`'s memory out again before `stream`'s work on it ends."""
+    if tensor.is_cuda:
+        tensor.record_stream(stream)
+
+
+def _sglang_setting(bag: str, name: str):
+    """A setting of the running SGLang (sglang.srt.runtime_context), or None outside SGLang."""
+    try:
+        from sglang.srt import runtime_context
+        return getattr(getattr(runtime_context, bag)(), name, None)
+    except Exception:  # not inside SGLang (tests, other engines)
+        return None
+
+
+def _claim_top_rows(allocator, rows: int) -> int:
+    """Takes the top `rows` slots (whole pages) of the HiSparse device allocator for ESS and returns the
+    first one. Only a fresh allocator (nothing allocated) can give them up; its size shrinks so that
+    clear() keeps them out too."""
+    inner = allocator.hisparse_attn_allocator
+    page = inner.page_size
+    pages = -(-rows // page)
+    if getattr(inner, "ess_rows", None) is not None:
+        raise InvalidArgument(f"this HiSparse device allocator already gave ESS its top {inner.ess_rows} slots "
+                              "(one coordinator per pool)")
+    if inner.available_size() != inner.size:
+        raise InvalidArgument(
+            f"ESS takes its rows from the HiSparse device pool at construction, before any allocation; "
+            f"{inner.size - inner.available_size()} of its {inner.size} slots are in use")
+    keep = inner.num_pages - pages
+    if keep < 1:
+        raise InvalidArgument(
+            f"the HiSparse device pool holds {inner.size} slots; ESS needs {pages * page} of them for "
+            f"its rows (req_to_token pool slots x (device_buffer_size + 1), whole pages of {page}) and some "
+            "left for prefill: lower --max-running-requests or the hisparse device_buffer_size, or give the "
+            "pool more memory")
+    inner.num_pages = keep
+    inner.size = keep * page
+    inner.free_pages = inner.free_pages[inner.free_pages <= keep]
+    inner.ess_rows = pages * page
+    if hasattr(allocator, "_size_hisparse"):
+        allocator._size_hisparse = inner.size
+    return (keep + 1) * page  # page 0 is the padding sink; the allocator's pages are 1..num_pages
 
 
 class HiSparseCoordinator:
-    """ESS in HiSparse's place. `engine` must have reserve_newest=True; `max_batch` is the largest decode batch
-    (CUDA-graph padding included); `like` gives the staging tensors' kind and device (a torch CUDA tensor with
-    the CUDA backend; numpy by default)."""
+    def __init__(self, req_to_token_pool, token_to_kv_pool_allocator, top_k: int, device_buffer_size: int,
+                 device: str, tp_group, host_to_device_ratio: int = 2, swap_in_block_size: int = 960,
+                 shared_index_layers: Optional[List[bool]] = None, num_draft_tokens: int = 0):
+        self.req_to_token_pool = req_to_token_pool
+        self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
+        self.top_k = int(top_k)
+        self.device_buffer_size = int(device_buffer_size)
+        self.device = device
+        self.swap_in_block_size = swap_in_block_size   # HiSparse's kernel grid; ESS sizes its own
+        self.tp_group = tp_group
+        self.dev = _device.for_device(device)
+        self.compress_ratio = getattr(token_to_kv_pool_allocator, "compress_ratio", 1)
 
-    def __init__(self, engine: Engine, max_batch: int, like=None):
-        self.session = DecodeSession(engine, max_batch, like)
-        self.engine = engine
-        # As HiSparse's: the batch's real requests (an int, or a one-element tensor); positions past it are padding.
-        self.num_real_reqs: Optional[object] = None
+        if _sglang_setting("get_disagg", "disaggregation_mode") == "decode":
+            raise InvalidArgument(
+                "disaggregation_mode = decode: PD direct admission (the transfer backend writing into the "
+                "coordinator's host pool, admit_request_direct) is not served by ESS yet")
+        if num_draft_tokens:
+            raise InvalidArgument(
+                f"num_draft_tokens = {num_draft_tokens}: ESS under SGLang does not serve speculative decoding yet "
+                "(prepare_spec_verify / commit_spec_accept_tokens); run without --speculative-algorithm")
+        if self.compress_ratio != 1 or not hasattr(token_to_kv_pool_allocator, "hisparse_attn_allocator"):
+            raise InvalidArgument(
+                f"{type(token_to_kv_pool_allocator).__name__}: ESS serves the DSA (DeepSeek-V3.2) HiSparse pool; "
+                "DeepSeek-V4's compressed pool is not supported")
+        kvcache = token_to_kv_pool_allocator.get_kvcache()
+        if not hasattr(kvcache, "full_to_hisparse_device_index_mapping") or not hasattr(kvcache, "kv_cache_dim"):
+            raise InvalidArgument(
+                f"{type(kvcache).__name__}: ESS serves the DSA HiSparse MLA pool (MiniMax's block swap-in, "
+                "swap_in_selected_blocks, is not supported)")
+        self.mem_pool_device = kvcache
+        self.page_size = kvcache.page_size
+        entry = kvcache.kv_cache_dim * kvcache.kv_buffer[0].element_size()
+        if entry != ENTRY_BYTES:
+            raise InvalidArgument(f"the device pool's entries are {entry} bytes; ESS serves DeepSeek-V3.2's "
+                                  f"{ENTRY_BYTES}-byte FP8 latent entries (--kv-cache-dtype fp8_e4m3)")
+        self.layer_num = kvcache.layer_num
+        self.start_layer = getattr(kvcache, "start_layer", 0) or 0
 
-    # ---- admission (scheduler) ----
-    def admit_request_direct(self, req, entries=None, warmup_topk=None, prompt_length: Optional[int] = None):
-        """The request's prompt is in ESS: `entries` (host [layers, n, E] bytes: the prefill's latent cache, e.g.
-        kv_buffer[layer][req_to_token[idx, :n]].cpu()) and `warmup_topk` (int32 [layers, W, K]: the prefill's last
-        W query positions' top-k, for LRU-Warmup) are both optional."""
-        n = _length(req) if prompt_length is None else int(prompt_length)
-        self.session.admit(_pool_index(req), n, entries, warmup_topk)
+        # One decode token per request per step (T = 1): the rows of a request are its slots and one
+        # reserved row.
+        self.T = 1
+        max_reqs = req_to_token_pool.req_to_token.shape[0]
+        max_context = req_to_token_pool.max_context_len
+        self.max_batch = max_reqs
+        rows_per_request = self.device_buffer_size + self.T
+        self.row_base = _claim_top_rows(token_to_kv_pool_allocator, max_reqs * rows_per_request)
+        self.ess_rows = max_reqs * rows_per_request
+        latent = [buf.view(torch.uint8).view(-1, ENTRY_BYTES)[self.row_base:self.row_base + self.ess_rows]
+                  for buf in kvcache.kv_buffer]
+        device_tokens = kvcache.size if getattr(kvcache, "host_capacity_tokens", None) is None \
+            else kvcache.host_capacity_tokens
+        host_tokens = int(device_tokens * host_to_device_ratio)
+        # Whole 64-token pages per request-layer: one partly used page per request-layer at most.
+        host_bytes = (host_tokens + max_reqs * 64) * self.layer_num * ENTRY_BYTES
+        self.engine = Engine(max_requests=max_reqs, max_context=max_context, slots=self.device_buffer_size,
+                             layers=self.layer_num, topk=self.top_k, query_tokens=self.T, reserve_newest=True,
+                             backend="cuda" if self.dev.is_cuda else "cpu",
+                             device=_cuda_index(device) if self.dev.is_cuda else 0,
+                             host_bytes=host_bytes, latent=latent)
+        self.info = self.engine.info
+        if shared_index_layers is not None and any(shared_index_layers):
+            logger.info("ESS: %d shared-index layers swap their own rows (no plan-then-IO prefetch)",
+                        sum(shared_index_layers))
 
-    def admit_request_into_staging(self, req, entries=None, warmup_topk=None, prompt_length: Optional[int] = None):
-        """HiSparse stages the prefill's KV to the host asynchronously; ESS takes it at once (a synchronous copy)."""
-        self.admit_request_direct(req, entries, warmup_topk, prompt_length)
+        # Upstream's attributes that SGLang reads.
+        self.num_real_reqs = torch.zeros(1, dtype=torch.int32, device=device)
+        self.raw_indices_buffer = torch.full((max_reqs, self.top_k), -1, dtype=torch.int32, device=device)
+        self.ack_staging_queue: List[HiSparseAct] = []
+        self.decode_producer_stream = None
 
-    def collect_ready_reqs(self):
-        return []  # nothing is ever staging
+        # The step's tensors, bound once (fixed addresses for CUDA graphs).
+        i32 = dict(dtype=torch.int32, device=device)
+        self._rows = torch.full((max_reqs,), -1, **i32)
+        self._lengths = torch.zeros((max_reqs,), **i32)
+        self._topk = torch.full((max_reqs, self.T, self.top_k), -1, **i32)
+        self._physical = torch.full((max_reqs, self.T, self.top_k), -1, **i32)
+        self._locs = torch.full((max_reqs, self.T, self.top_k), -1, **i32)
+        self._padding = torch.zeros((max_reqs, self.T, self.top_k), dtype=torch.bool, device=device)
+        self._padded_rows = torch.zeros((max_reqs,), dtype=torch.bool, device=device)
+        self._arange = torch.arange(max_reqs, **i32)
+        self._step = self.engine.bind_step(self._rows, self._topk, self._lengths, self._physical)
+        # The backup's own copy of a step's rows and lengths: the next step restages the step's tensors
+        # while the backup may still read these.
+        self._backup_rows = torch.full((max_reqs,), -1, **i32)
+        self._backup_lengths = torch.zeros((max_reqs,), **i32)
+        self._write_back = self.engine.bind_write_back(self._backup_rows, self._backup_lengths)
+
+        self.write_staging_stream = self.dev.Stream()
+        self.decode_backup_stream = self.dev.Stream()
+        self._backup_done_event = self.dev.Event()
+        self._has_pending_backup = False
+        # The last step map_last_loc_to_buffer prepared, whose newest entries the next one backs up:
+        # (req_pool_indices, seq_lens) as SGLang passed them (new tensors every step), or None.
+        self._backup_due = None
+        self._dropped_rows: List[int] = []   # rows finished since that step: not backed up
+        self._length = {}             # req_pool_idx -> tokens ESS holds
+        self._retiring = []           # (req_pool_idx, event): released once the event's work is done
+        self._staging_copy = {}       # id(req) -> host copy of its prefill entries [layers, n, E]
+        self.tp_world_size = 1
+        if tp_group is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
+            self.tp_world_size = torch.distributed.get_world_size(group=tp_group)
+        logger.info("ESS replaces HiSparse: %d requests x (%d slots + %d reserved) rows at device slot %d, "
+                    "host pool %.1f GiB, backend %s", max_reqs, self.device_buffer_size, self.T, self.row_base,
+                    host_bytes / 2**30, self.info.backend)
+
+    @property
+    def mem_pool_host(self):
+        """Upstream's host pool, which PD's transfer backend writes into; refused at construction in PD decode."""
+        raise InvalidArgument("mem_pool_host: ESS's host pool is not exposed to SGLang's transfer backend yet "
+                              "(PD direct admission)")
+
+    # ---- the rows of a request, in SGLang's device pool ----
+    def _reserved_loc(self, req_pool_indices):
+        """SGLang device slot of each request's reserved row (its newest token)."""
+        return req_pool_indices.to(torch.int64) * self.info.rows_per_request + (self.row_base + self.info.slots)
+
+    def _layer(self, layer_id: int) -> int:
+        layer = int(layer_id) - self.start_layer
+        if not 0 <= layer < self.layer_num:
+            raise InvalidArgument(f"layer_id {layer_id} outside this pool's layers "
+                                  f"[{self.start_layer}, {self.start_layer + self.layer_num})")
+        return layer
+
+    # ---- lifecycle (scheduler) ----
+    def set_decode_producer_stream(self, stream) -> None:
+        self.decode_producer_stream = stream
+
+    def allocate_spec_scratch(self, req_pool_indices: List[int]) -> None:
+        """Upstream reserves speculative scratch here; without speculative decoding there is none."""
+
+    def prepare_spec_verify(self, batch) -> None:
+        raise InvalidArgument("ESS under SGLang does not serve speculative decoding yet (prepare_spec_verify)")
+
+    def commit_spec_accept_tokens(self, batch, accept_indices) -> None:
+        raise InvalidArgument("ESS under SGLang does not serve speculative decoding yet (commit_spec_accept_tokens)")
+
+    def swap_in_selected_blocks(self, req_pool_indices, seq_lens, top_k_blocks, layer_id, sparse_block_size):
+        raise InvalidArgument("swap_in_selected_blocks (MiniMax's block swap-in) is not served by ESS")
+
+    def destroy(self) -> None:
+        self.write_staging_stream.synchronize()
+        self.decode_backup_stream.synchronize()
+        self._retire(force=True)
+        self.engine.close()
+
+    def get_token_stats(self):
+        inner = self.token_to_kv_pool_allocator.hisparse_attn_allocator
+        device_capacity = inner.size + self.ess_rows
+        device_tokens = inner.size - inner.available_size() + len(self._length) * self.info.rows_per_request
+        s = self.engine.stats()
+        per_token = self.layer_num * ENTRY_BYTES
+        host_capacity = s.host_bytes_capacity // per_token
+        host_tokens = s.host_bytes_used // per_token
+        return _token_stats_type()(
+            device_tokens=device_tokens,
+            device_token_usage=device_tokens / device_capacity if device_capacity > 0 else 0.0,
+            host_tokens=host_tokens,
+            host_token_usage=host_tokens / host_capacity if host_capacity > 0 else 0.0)
+
+    # ---- admission ----
+    def admit_request_into_staging(self, req) -> None:
+        """After the prefill: the request's prompt KV (SGLang's device slots of req_to_token[idx, :extend_end])
+        is copied to ESS's host pool on the staging stream; collect_ready_reqs hands the request to decode."""
+        idx = int(req.kv.req_pool_idx)
+        n = int(req.extend_end)
+        self._retire(row=idx)
+        self.engine.admit(idx, n, row=idx)   # host pages, all-or-nothing
+        req.hisparse_staging = True
+        full = self.req_to_token_pool.req_to_token[idx, :n].to(dtype=torch.int64, copy=True)
+        device_locs = self.mem_pool_device.translate_loc_from_full_to_hisparse_device(full)
+        start, finish = self.dev.Event(), self.dev.Event()
+        start.record()
+        with self.dev.stream(self.write_staging_stream):
+            start.wait(self.write_staging_stream)
+            self.dev.launch(lambda: self._stage_copy(req, device_locs))
+            _keep(device_locs, self.write_staging_stream)
+            finish.record()
+        self.ack_staging_queue.append(HiSparseAct(start, finish, req))
+
+    def _stage_copy(self, req, device_locs):
+        """The prompt's entries of every layer, gathered from SGLang's pool into host memory."""
+        n = device_locs.shape[0]
+        host = torch.empty((self.layer_num, n, ENTRY_BYTES), dtype=torch.uint8,
+                           pin_memory=self.dev.is_cuda)
+        for layer, buf in enumerate(self.mem_pool_device.kv_buffer):
+            rows = buf.view(buf.shape[0], -1).view(torch.uint8)
+            host[layer].copy_(rows.index_select(0, device_locs), non_blocking=True)
+        self._staging_copy[id(req)] = host
+
+    def _finish_staging(self, req):
+        idx = int(req.kv.req_pool_idx)
+        host = self._staging_copy.pop(id(req))
+        n = host.shape[1]
+        for layer in range(self.layer_num):
+            self.engine.write_entries(idx, layer, 0, host[layer])
+        # The prefill's device slots go back to SGLang's allocator (and its mapping to 0).
+        self.token_to_kv_pool_allocator.free_hisparse(self.req_to_token_pool.req_to_token[idx, :n])
+        self.engine.warmup(idx, self._warmup_windows(n))
+        self._length[idx] = n
+        req.hisparse_staging = False
+
+    def _warmup_windows(self, n: int):
+        """The first residency: the prompt's last min(n, slots) tokens, oldest first (SGLang hands over no
+        prefill top-k to warm up from)."""
+        K = self.top_k
+        keep = min(n, self.info.slots)
+        windows = -(-keep // K)
+        ids = torch.full((windows * K,), -1, dtype=torch.int32)
+        ids[windows * K - keep:] = torch.arange(n - keep, n, dtype=torch.int32)
+        return ids.view(1, windows, K).expand(self.layer_num, windows, K).contiguous()
+
+    def admit_request_direct(self, req) -> None:
+        raise InvalidArgument("admit_request_direct: PD direct admission into ESS's host pool is not served yet")
 
     def has_ongoing_staging(self) -> bool:
-        return False
+        return len(self.ack_staging_queue) > 0
 
-    def request_finished(self, req):
-        self.session.finish(_pool_index(req))
+    def collect_ready_reqs(self):
+        ready = []
+        if not self.ack_staging_queue:
+            return ready
+        finished = 0
+        for act in self.ack_staging_queue:
+            if not act.finish_event.query():
+                break
+            finished += 1
+        count = torch.tensor(finished, dtype=torch.int, device="cpu")
+        if self.tp_world_size > 1:   # every TP rank hands the same requests to decode
+            torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MIN, group=self.tp_group)
+        for _ in range(int(count.item())):
+            act = self.ack_staging_queue.pop(0)
+            act.finish_event.synchronize()
+            self._finish_staging(act.req)
+            ready.append(act.req)
+        return ready
 
-    def retract_req(self, req):
-        self.session.finish(_pool_index(req))
+    def abort_staging_request(self, req) -> None:
+        self.ack_staging_queue = [act for act in self.ack_staging_queue if act.req is not req]
+        self.write_staging_stream.synchronize()
+        self._staging_copy.pop(id(req), None)
+        idx = int(req.kv.req_pool_idx)
+        self.token_to_kv_pool_allocator.free_hisparse(self.req_to_token_pool.req_to_token[idx, :int(req.extend_end)])
+        self.engine.release(idx)
+        req.hisparse_staging = False
+
+    def retract_req(self, req) -> None:
+        if getattr(req, "hisparse_staging", False):
+            self.abort_staging_request(req)
+        else:
+            self.request_finished(req)
+
+    def request_finished(self, req) -> None:
+        if self.decode_producer_stream is not None:
+            self.dev.current_stream().wait_stream(self.decode_producer_stream)
+        self.wait_for_pending_backup()
+        idx = int(req.kv.req_pool_idx)
+        if idx not in self._length:
+            if getattr(req, "hisparse_staging", False):
+                self.abort_staging_request(req)
+            return   # never admitted to ESS (finished during prefill): nothing of ours to release
+        # Decode tokens' logical slots map to the reserved row: unmap them so that SGLang's own free of
+        # the request's KV does not hand ESS's rows to its allocator.
+        allocated = self.req_to_token_pool.req_to_token[idx, :int(req.kv.kv_allocated_len)].to(torch.int64)
+        mapping = self.mem_pool_device.full_to_hisparse_device_index_mapping
+        self.dev.launch(lambda: mapping.index_fill_(0, allocated, 0))
+        del self._length[idx]
+        if self._backup_due is not None:
+            self._dropped_rows.append(idx)
+        done = self.dev.Event()
+        done.record()
+        self._retiring.append((idx, done))
+        self._retire()
+
+    def _retire(self, row: Optional[int] = None, force: bool = False):
+        """Releases finished requests whose last device work is done; `row` (about to be reused) or every
+        one with `force` waits for it."""
+        keep = []
+        for idx, event in self._retiring:
+            if force or idx == row:
+                event.synchronize()
+            if event.query():
+                self.engine.release(idx)
+            else:
+                keep.append((idx, event))
+        self._retiring = keep
 
     # ---- decode ----
     def map_last_loc_to_buffer(self, seq_lens, out_cache_loc, req_pool_indices, seq_lens_cpu,
-                               req_pool_indices_cpu=None):
-        """Before a decode forward (after seq_lens grew by T): writes the previous step's new entries back to the
-        host pool, extends every request, and returns where the model must write this step's new KV: rows of
-        ESS's layer buffer, [bs] (T = 1) or [bs, T]. `out_cache_loc` is unused (the reserved rows replace it)."""
-        del out_cache_loc
-        rows_host = req_pool_indices if req_pool_indices_cpu is None else req_pool_indices_cpu
-        self.session.begin_step(rows_host, seq_lens_cpu, rows_device=req_pool_indices, lengths_device=seq_lens,
-                                num_real=self.num_real_reqs)
-        reserved = self.session.reserved_rows()
-        return reserved.reshape(-1) if self.engine.info.query_tokens == 1 else reserved
+                               req_pool_indices_cpu) -> None:
+        """ScheduleBatch.prepare_for_decode, after seq_lens += 1 and alloc_decode: backs up the previous step's
+        newest entries, extends every request by its new token and points out_cache_loc at the reserved rows."""
+        rows = [int(r) for r in req_pool_indices_cpu.tolist()]
+        lengths = [int(n) for n in seq_lens_cpu.tolist()]
+        if len(rows) != len(lengths) or len(rows) > self.max_batch:
+            raise InvalidArgument(f"map_last_loc_to_buffer: {len(rows)} requests with {len(lengths)} lengths "
+                                  f"(at most {self.max_batch})")
+        for b, (row, n) in enumerate(zip(rows, lengths)):
+            if row not in self._length:
+                raise InvalidArgument(f"map_last_loc_to_buffer: position {b}: request slot {row} is not in ESS "
+                                      "(not staged, or already finished)")
+            if n != self._length[row] + self.T:
+                raise InvalidArgument(f"map_last_loc_to_buffer: position {b} (request slot {row}): seq_len {n} is "
+                                      f"not its {self._length[row]} tokens + {self.T}")
+        if len(set(rows)) != len(rows):
+            raise InvalidArgument(f"map_last_loc_to_buffer: a request slot appears twice in {rows}")
+        self._retire()
+        self._backup_previous_step()
+        for row in rows:
+            self.engine.extend(row, self.T)
+            self._length[row] += self.T
+        mapping = self.mem_pool_device.full_to_hisparse_device_index_mapping
+        locs = self.token_to_kv_pool_allocator.get_last_loc_compressed(out_cache_loc)
+        reserved = self._reserved_loc(req_pool_indices)
+        self.dev.launch(lambda: mapping.index_copy_(0, locs.to(torch.int64), reserved))
+        self._backup_due = (req_pool_indices, seq_lens)
 
-    def swap_in_selected_pages(self, req_pool_indices, seq_lens, top_k_result, layer_id, stream=None):
-        """topk [bs, K] (or [bs x T, K] with MTP), logical token positions, -1 = padding, int32 or int64 ->
-        the rows of ESS's layer buffer `layer_id` that sparse attention reads (int32, same shape): its
-        page_table_1. The rows and lengths are the ones map_last_loc_to_buffer staged for this step."""
-        del req_pool_indices, seq_lens
-        return self.session.step(layer_id, top_k_result, stream)
+    def _backup_previous_step(self):
+        """The previous step's newest entries (written by its forward into the reserved rows) to the host pool,
+        on the backup stream after the schedule and producer streams, as upstream's eager backup."""
+        self.wait_for_pending_backup()   # the backup's own tensors are free again
+        if self._backup_due is None:
+            return
+        (rows, lengths), dropped = self._backup_due, self._dropped_rows
+        self._backup_due, self._dropped_rows = None, []
+        B = int(rows.shape[0])
+        schedule = self.dev.current_stream()
+        with self.dev.stream(self.decode_backup_stream):
+            self.decode_backup_stream.wait_stream(schedule)
+            if self.decode_producer_stream is not None:
+                self.decode_backup_stream.wait_stream(self.decode_producer_stream)
 
-    def wait_for_pending_backup(self):
-        self.session.flush()
+            def backup():
+                self._backup_rows[:B].copy_(rows)
+                self._backup_lengths[:B].copy_(lengths)
+                for row in dropped:
+                    self._backup_rows[:B].masked_fill_(self._backup_rows[:B] == row, -1)
+                stream = self.dev.handle(self.decode_backup_stream)
+                for layer in range(self.layer_num):
+                    self._write_back.write_back(layer, B, stream)
+            self.dev.launch(backup)
+            _keep(rows, self.decode_backup_stream)
+            _keep(lengths, self.decode_backup_stream)
+            self._backup_done_event.record()
+        self._has_pending_backup = True
 
-    def get_token_stats(self):
-        s = self.engine.stats()
-        return {"hits": s.hits, "misses": s.misses, "reserved_hits": s.reserved_hits,
-                "host_bytes_used": s.host_bytes_used}
+    def wait_for_pending_backup(self) -> None:
+        if not self._has_pending_backup:
+            return
+        self._backup_done_event.wait(self.dev.current_stream())
+        self._has_pending_backup = False
+
+    def swap_in_selected_pages(self, req_pool_indices, compressed_seq_lens, top_k_result, layer_id):
+        """The dsa backend's decode, per layer: top_k_result [bs, K] logical token positions (-1 = padding) ->
+        int32 [bs, K] slots of SGLang's device pool (FlashMLA's page_table_1), the misses fetched into them.
+        bs may be a CUDA-graph batch: positions at or past num_real_reqs are padding."""
+        layer = self._layer(layer_id)
+        B = int(req_pool_indices.shape[0])
+        if B > self.max_batch:
+            raise InvalidArgument(f"swap_in_selected_pages: batch {B} exceeds the {self.max_batch} request slots")
+        if top_k_result.ndim != 2 or tuple(top_k_result.shape) != (B * self.T, self.top_k):
+            raise InvalidArgument(f"swap_in_selected_pages: top_k_result has shape {tuple(top_k_result.shape)}; "
+                                  f"expected [{B * self.T}, {self.top_k}]")
+
+        def swap():
+            # Device work only (a CUDA graph replays it without this Python): the step's rows and lengths once
+            # per forward, num_real_reqs read here, when the swap runs.
+            if layer == 0:
+                self._rows[:B].copy_(req_pool_indices)
+                torch.ge(self._arange[:B], self.num_real_reqs, out=self._padded_rows[:B])
+                self._rows[:B].masked_fill_(self._padded_rows[:B], -1)
+                self._lengths[:B].copy_(compressed_seq_lens)
+            self._topk[:B].view(B * self.T, self.top_k).copy_(top_k_result)
+            self._step.step(layer, B, self.dev.handle(self.dev.current_stream()))
+            phys = self._physical[:B]
+            torch.add(phys, self.row_base, out=self._locs[:B])
+            torch.lt(phys, 0, out=self._padding[:B])
+            self._locs[:B].masked_fill_(self._padding[:B], -1)
+        self.dev.launch(swap)
+        return self._locs[:B].view(B * self.T, self.top_k)
+
+
+def install():
+    """Puts this class where SGLang's ModelRunner.maybe_init_hisparse_coordinator imports it from
+    (sglang.srt.managers.hisparse_coordinator.HiSparseCoordinator). Call it in every process that builds a
+    ModelRunner, before the model runner is initialised (e.g. from a sitecustomize or the launcher's
+    entry point); returns the class it replaced."""
+    import sglang
+    from sglang.srt.managers import hisparse_coordinator as upstream
+    if getattr(sglang, "__version__", None) != SGLANG_VERSION:
+        raise InvalidArgument(f"sglang {getattr(sglang, '__version__', '?')}: this adapter is checked against "
+                              f"sglang {SGLANG_VERSION} (re-run the conformance test against the new release)")
+    replaced = upstream.HiSparseCoordinator
+    upstream.HiSparseCoordinator = HiSparseCoordinator
+    return replaced

@@ -1,0 +1,129 @@
+"""ess.integrations.sglang.HiSparseCoordinator against the pinned SGLang release's own source: every
+call and attribute access SGLang makes on its coordinator, found by an AST scan of the release
+(sglang_callsites.py), binds to our class: the name exists, and the call's positional and keyword
+arguments bind to our signature. A use in a configuration ESS refuses at construction (PD decode,
+speculative decoding, MiniMax and DeepSeek-V4 pools) must be one the refusal covers.
+
+The sources come from scripts/upstream.sh (build/upstream/sglang-0.5.23); their absence fails."""
+import ast
+import inspect
+import os
+
+import pytest
+
+import sglang_callsites
+from ess.integrations import sglang as adapter
+
+SOURCE = sglang_callsites.default_source()
+
+# Call sites that only run in a configuration the constructor refuses by name, and that refusal.
+REFUSED = {
+    ("srt/disaggregation/decode.py", "_init_kv_manager"): "PD decode",
+    ("srt/disaggregation/decode.py", "pop_preallocated"): "PD decode",
+    ("srt/disaggregation/decode.py", "_pre_alloc"): "PD decode",
+    ("srt/disaggregation/decode.py", "process_decode_queue"): "PD decode",
+    ("srt/managers/scheduler_pp_mixin.py", "process_decode_transfer_queue"): "PD decode",
+    ("srt/layers/attention/dsv4/indexer.py", "forward_c4_indexer"): "DeepSeek-V4 pool",
+    ("srt/layers/attention/minimax_sparse_backend.py", "__init__"): "MiniMax pool",
+    ("srt/layers/attention/minimax_sparse_backend.py", "_hisparse_swap_in_blocks"): "MiniMax pool",
+    ("srt/speculative/eagle_utils.py", "eagle_prepare_for_verify"): "speculative decoding",
+    ("srt/speculative/eagle_worker_common.py", "run_eagle_verify"): "speculative decoding",
+}
+
+
+@pytest.fixture(scope="module")
+def scanned():
+    if not os.path.isdir(SOURCE):
+        pytest.fail(f"the pinned SGLang sources are not at {SOURCE}: run scripts/upstream.sh")
+    uses, constructions = sglang_callsites.scan(SOURCE)
+    assert uses and constructions, "the scan found nothing: the release's layout changed"
+    return uses, constructions
+
+
+def instance_attributes(cls):
+    """Names __init__ assigns on self (read from our own source)."""
+    tree = ast.parse(inspect.getsource(cls))
+    init = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    return {t.attr for n in ast.walk(init) if isinstance(n, (ast.Assign, ast.AnnAssign))
+            for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+            if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
+
+
+def binds(fn, positional, keywords):
+    try:
+        inspect.signature(fn).bind(object(), *([None] * positional), **{k: None for k in keywords})
+        return True
+    except TypeError:
+        return False
+
+
+def test_the_constructor_call_binds(scanned):
+    _, constructions = scanned
+    for c in constructions:
+        assert binds(adapter.HiSparseCoordinator.__init__, c.positional, c.keywords), \
+            f"{c.path}:{c.line} ({c.function}) constructs HiSparseCoordinator with {c.positional} positional " \
+            f"and {c.keywords}; ours is {inspect.signature(adapter.HiSparseCoordinator.__init__)}"
+
+
+def test_every_use_binds_or_is_refused_at_construction(scanned):
+    uses, _ = scanned
+    cls = adapter.HiSparseCoordinator
+    attributes = instance_attributes(cls)
+    missing = []
+    for u in uses:
+        refused = REFUSED.get((u.path.replace(os.sep, "/"), u.function))
+        member = getattr(cls, u.name, None)
+        exists = member is not None or u.name in attributes
+        if u.call:
+            ok = exists and callable(member) and not u.starred and binds(member, u.positional, u.keywords)
+        else:
+            ok = exists
+        if not ok and refused is None:
+            missing.append(f"{u.where()}: {'call' if u.call else 'attribute'} {u.name}"
+                           + (f"({u.positional} positional, {u.keywords})" if u.call else ""))
+    assert not missing, "SGLang uses what our coordinator lacks:\n" + "\n".join(missing)
+
+
+def test_the_refused_table_names_real_call_sites(scanned):
+    """A stale entry would hide a new call site: each must still be where SGLang uses the coordinator."""
+    uses, _ = scanned
+    found = {(u.path.replace(os.sep, "/"), u.function) for u in uses}
+    stale = sorted(k for k in REFUSED if k not in found)
+    assert not stale, f"REFUSED names call sites the release no longer has: {stale}"
+
+
+def test_results_are_read_as_upstream_reads_them(scanned):
+    """Attributes SGLang reads on what a call returns (e.g. get_token_stats().device_tokens) are fields of
+    our return type."""
+    uses, _ = scanned
+    fields = {"get_token_stats": set(adapter.HiSparseTokenStats._fields)}
+    for u in uses:
+        if u.name in fields:
+            extra = set(u.result_attributes) - fields[u.name]
+            assert not extra, f"{u.where()} reads {sorted(extra)} on {u.name}()'s result"
+    assert any(u.name == "get_token_stats" and u.result_attributes for u in uses)
+
+
+def test_upstream_stats_type_has_our_fields():
+    """Our HiSparseTokenStats (used where SGLang does not import) has upstream's fields, in order."""
+    path = os.path.join(SOURCE, "srt", "managers", "hisparse_coordinator.py")
+    tree = ast.parse(open(path, encoding="utf-8").read())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "HiSparseTokenStats")
+    upstream = [n.target.id for n in cls.body if isinstance(n, ast.AnnAssign)]
+    assert tuple(upstream) == adapter.HiSparseTokenStats._fields
+
+
+def test_the_scan_can_fail():
+    """The scan sees a call our class cannot bind (a made-up module in a scratch tree)."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        os.makedirs(os.path.join(d, "srt"))
+        with open(os.path.join(d, "srt", "made_up.py"), "w") as f:
+            f.write("def f(self, b):\n    c = self.hisparse_coordinator\n"
+                    "    c.swap_in_selected_pages(1, 2, 3, 4, 5)\n    c.not_a_method()\n")
+        uses, _ = sglang_callsites.scan(d)
+    names = {(u.name, u.positional) for u in uses}
+    assert names == {("swap_in_selected_pages", 5), ("not_a_method", 0)}
+    cls = adapter.HiSparseCoordinator
+    assert not binds(cls.swap_in_selected_pages, 5, [])
+    assert getattr(cls, "not_a_method", None) is None

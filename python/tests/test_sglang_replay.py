@@ -1,0 +1,373 @@
+"""SGLang 0.5.23's decode loop replayed through ess.integrations.sglang.HiSparseCoordinator on CPU torch,
+each step in upstream's order and citing the upstream function it stands for (sglang/srt/...):
+
+  prefill      ScheduleBatch.prepare_for_extend -> mem_cache/allocation.py alloc_for_extend
+               (allocate_spec_scratch, HiSparseTokenToKVPoolAllocator.alloc_extend); the model writes the
+               prompt's KV with set_mla_kv_buffer(out_cache_loc)
+  staging      batch_result_processor.process_batch_result_prefill -> admit_request_into_staging
+  ready        scheduler.get_next_batch_to_run -> collect_ready_reqs
+  decode prep  ScheduleBatch.prepare_for_decode: alloc_for_decode, seq_lens += 1, map_last_loc_to_buffer
+               (5 positional)
+  forward      model_runner._forward_raw: wait_for_pending_backup, num_real_reqs.fill_(bs);
+               decode_cuda_graph_runner.load_batch pads to the graph batch and num_real_reqs.fill_(raw_bs);
+               per layer the model's set_mla_kv_buffer(out_cache_loc) then dsa_backend.forward_decode:
+               swap_in_selected_pages(req_pool_indices, seq_lens, topk_indices, layer_id) -> FlashMLA reads
+               kv_buffer[layer][page_table_1]
+  overlap      event_loop_overlap: step N+1 is prepared and launched before step N's result is processed,
+               so a request finished at step N is still in step N+1 and is released after it
+  finish       batch_result_processor._handle_finish_state_updated_req -> request_finished, then
+               release_kv_cache -> allocator.free(req_to_token[idx, :kv_allocated_len])
+  retract      schedule_batch.release_req -> retract_req (mid-decode, and while staging)
+
+Checks: every page table row against the independent LRU model (lru_model.py) and every byte FlashMLA
+would read against the request's full cache (attention over those bytes is then bit-identical to
+attention over the full cache); every host entry at the end; ESS's device rows never handed to
+SGLang's allocator. The mutation tests show the replay fails when the remap is ignored,
+num_real_reqs is read early, or the current step's rows are written back."""
+import types
+
+import numpy as np
+import pytest
+import torch
+
+import ess
+from ess.integrations import sglang as adapter
+from lru_model import EngineModel
+from sglang_pools import ENTRY, HiSparseAllocator, HiSparseDevicePool, ReqToTokenPool
+
+LAYERS, K, SLOTS, PAGE, REQ_SLOTS, CTX = 3, 16, 24, 8, 6, 512
+POOL, RATIO = 1024, 4
+
+
+class Req:
+    def __init__(self, rid, idx, n):
+        self.rid = rid
+        self.kv = types.SimpleNamespace(req_pool_idx=idx, kv_allocated_len=n)
+        self.extend_end = n
+        self.hisparse_staging = False
+
+
+class World:
+    """SGLang's side (pools, requests, the model's bytes) and the checks."""
+
+    def __init__(self, seed, cls=adapter.HiSparseCoordinator, graph_pad=True):
+        self.rng = np.random.default_rng(seed)
+        self.req_to_token_pool = ReqToTokenPool(REQ_SLOTS, CTX)
+        self.device_pool = HiSparseDevicePool(POOL, PAGE, LAYERS)
+        self.allocator = HiSparseAllocator(POOL, PAGE, self.device_pool, RATIO)
+        # model_runner.maybe_init_hisparse_coordinator: the keywords it passes.
+        self.coord = cls(req_to_token_pool=self.req_to_token_pool, token_to_kv_pool_allocator=self.allocator,
+                         top_k=K, device_buffer_size=SLOTS, device="cpu", tp_group=None, host_to_device_ratio=RATIO,
+                         swap_in_block_size=960, shared_index_layers=None, num_draft_tokens=0)
+        # scheduler.init_hisparse_coordinator
+        self.coord.set_decode_producer_stream(self.coord.dev.Stream())
+        self.model = EngineModel(LAYERS, SLOTS, 1, reserve_newest=True, warmup_windows=32)
+        self.full = {}       # rid -> [layers, CTX, E] the bytes every token's KV has
+        self.length = {}     # rid -> tokens (prompt + decoded)
+        self.reqs = {}       # rid -> Req
+        self.running = []    # rids in decode
+        self.graph_pad = graph_pad
+        self.next_rid = 0
+        self.rows_checked = 0
+
+    # ---- prefill and staging ----
+    def prefill(self, n, rid=None, idx=None):
+        if rid is None:
+            rid, self.next_rid = self.next_rid, self.next_rid + 1
+            self.full[rid] = self.rng.integers(0, 256, (LAYERS, CTX, ENTRY), dtype=np.uint8)
+        used = {r.kv.req_pool_idx for r in self.reqs.values()}
+        idx = min(set(range(REQ_SLOTS)) - used) if idx is None else idx
+        req = Req(rid, idx, n)
+        # alloc_for_extend: speculative scratch (none here), then logical ids and device slots.
+        self.coord.allocate_spec_scratch([idx])
+        locs = self.allocator.alloc_extend(n)
+        self.req_to_token_pool.req_to_token[idx, :n] = locs.to(torch.int32)
+        for layer in range(LAYERS):  # the prefill forward's KV write
+            self.device_pool.set_mla_kv_buffer(layer, locs, torch.from_numpy(self.full[rid][layer, :n]))
+        self.reqs[rid], self.length[rid] = req, n
+        # process_batch_result_prefill
+        self.coord.admit_request_into_staging(req)
+        assert req.hisparse_staging
+        return rid
+
+    def collect(self):
+        """get_next_batch_to_run: staged requests join decode (as upstream, after alloc_device_buffer)."""
+        for req in self.coord.collect_ready_reqs():
+            assert not req.hisparse_staging
+            self.model.admit(req.kv.req_pool_idx)
+            n = self.length[req.rid]
+            keep = min(n, SLOTS)
+            ids = list(range(n - keep, n))     # the first residency: the prompt's last `slots` tokens
+            windows = [[-1] * ((-len(ids)) % K) + ids[i:i + K] for i in range(0, len(ids), K)]
+            flat = [-1] * ((-keep) % K) + ids
+            windows = [flat[i:i + K] for i in range(0, len(flat), K)]
+            self.model.warmup(req.kv.req_pool_idx, [windows] * LAYERS)
+            self.running.append(req.rid)
+
+    # ---- one decode step ----
+    def prepare_decode(self):
+        """ScheduleBatch.prepare_for_decode for the running batch."""
+        rids = list(self.running)
+        self.rng.shuffle(rids)
+        bs = len(rids)
+        out_cache_loc = self.allocator.alloc_decode(bs)
+        for rid, loc in zip(rids, out_cache_loc.tolist()):
+            req = self.reqs[rid]
+            self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, self.length[rid]] = loc
+            self.length[rid] += 1
+            req.kv.kv_allocated_len = self.length[rid]
+        idx = torch.tensor([self.reqs[r].kv.req_pool_idx for r in rids], dtype=torch.int64)
+        seq_lens = torch.tensor([self.length[r] for r in rids], dtype=torch.int64)
+        # seq_lens and seq_lens_cpu are new tensors after += 1; the call passes 5 positionals.
+        self.coord.map_last_loc_to_buffer(seq_lens, out_cache_loc, idx, seq_lens.clone(), idx.clone())
+        return types.SimpleNamespace(rids=rids, out_cache_loc=out_cache_loc, idx=idx, seq_lens=seq_lens)
+
+    def forward(self, batch):
+        """model_runner._forward_raw over the batch, padded as the CUDA-graph runner pads it."""
+        coord, bs = self.coord, len(batch.rids)
+        coord.wait_for_pending_backup()
+        coord.num_real_reqs.fill_(bs)
+        pad = int(self.rng.integers(0, 3)) if self.graph_pad else 0
+        pad = min(pad, REQ_SLOTS - bs)
+        idx = torch.cat([batch.idx, torch.zeros(pad, dtype=torch.int64)])
+        seq_lens = torch.cat([batch.seq_lens, torch.ones(pad, dtype=torch.int64)])
+        coord.num_real_reqs.fill_(bs)   # decode_cuda_graph_runner.load_batch: fill_(raw_bs)
+        for layer in range(LAYERS):
+            # The layer's KV write of this step's token, then the indexer's top-k and the swap.
+            new = torch.from_numpy(np.stack([self.full[r][layer, self.length[r] - 1] for r in batch.rids]))
+            self.device_pool.set_mla_kv_buffer(layer, batch.out_cache_loc, new)
+            rows = [self.query(r) for r in batch.rids] + [[0] + [-1] * (K - 1)] * pad
+            dtype = torch.int32 if layer % 2 else torch.int64
+            topk = torch.tensor(rows, dtype=dtype)
+            table = coord.swap_in_selected_pages(idx, seq_lens, topk, layer)
+            assert table.dtype == torch.int32 and tuple(table.shape) == (bs + pad, K)
+            self.check(layer, batch, rows, table)
+
+    def query(self, rid):
+        n = self.length[rid]
+        k = min(K, n)
+        ids = self.rng.choice(n, k, replace=False)
+        if self.rng.random() < 0.5:
+            ids = np.unique(np.concatenate([[n - 1], ids]))[:k]
+        return ids.tolist() + [-1] * (K - k)
+
+    def check(self, layer, batch, rows, table):
+        kv = self.device_pool.kv_buffer[layer][:, 0].numpy()
+        base = self.coord.row_base
+        for b, rid in enumerate(batch.rids):
+            idx = self.reqs[rid].kv.req_pool_idx
+            expected, _, _ = self.model.step(idx, layer, self.length[rid], [rows[b]])
+            got = table[b].tolist()
+            want = [-1 if e < 0 else e + base for e in expected[0]]
+            assert got == want, f"layer {layer} request {rid}: page table {got} vs the model's {want}"
+            for i, slot in zip(rows[b], got):
+                if i >= 0 and not np.array_equal(kv[slot], self.full[rid][layer, i]):
+                    raise AssertionError(f"layer {layer} request {rid} token {i}: slot {slot} holds other bytes "
+                                         "than the full cache")
+            self.rows_checked += 1
+        for b in range(len(batch.rids), table.shape[0]):
+            assert (table[b] == -1).all(), f"padded position {b}: {table[b].tolist()}"
+
+    # ---- results ----
+    def finish(self, rid):
+        """_handle_finish_state_updated_req -> request_finished, then release_kv_cache."""
+        req = self.reqs.pop(rid)
+        self.coord.request_finished(req)
+        self.release_kv(req)
+        if rid in self.running:
+            self.running.remove(rid)
+            self.model.release(req.kv.req_pool_idx)
+        self.length.pop(rid)
+
+    def retract(self, rid):
+        """release_req -> retract_req; the request goes back to the waiting queue and is prefilled again."""
+        req = self.reqs.pop(rid)
+        self.coord.retract_req(req)
+        self.release_kv(req)
+        if rid in self.running:
+            self.running.remove(rid)
+            self.model.release(req.kv.req_pool_idx)
+        return self.length.pop(rid)
+
+    def release_kv(self, req):
+        idx = req.kv.req_pool_idx
+        self.allocator.free(self.req_to_token_pool.req_to_token[idx, :req.kv.kv_allocated_len].to(torch.int64))
+        keep = self.allocator.hisparse_attn_allocator.num_pages
+        assert int(self.allocator.hisparse_attn_allocator.free_pages.max(initial=0) if False else
+                   (self.allocator.hisparse_attn_allocator.free_pages.max() if
+                    len(self.allocator.hisparse_attn_allocator.free_pages) else 0)) <= keep, \
+            "ESS's rows were handed to SGLang's allocator"
+
+    def check_host(self):
+        self.coord.wait_for_pending_backup()
+        self.coord.decode_backup_stream.synchronize()
+        for rid in self.running:
+            idx, n = self.reqs[rid].kv.req_pool_idx, self.length[rid]
+            for layer in range(LAYERS):
+                back = self.coord.engine.read_entries(idx, layer, 0, np.empty((n - 1, ENTRY), np.uint8))
+                np.testing.assert_array_equal(back, self.full[rid][layer, :n - 1],
+                                              err_msg=f"request {rid} layer {layer}: host pool")
+
+
+def replay(cls=adapter.HiSparseCoordinator, seed=0, steps=14, graph_pad=True):
+    """The overlap scheduler's loop over a changing batch; raises AssertionError on any difference."""
+    w = World(seed, cls, graph_pad)
+    for n in (40, 90, 23):
+        w.prefill(n)
+    w.collect()
+    pending_finish = []   # finished at step N, released after step N+1 launched (overlap)
+    for step in range(steps):
+        if step == 3:
+            w.prefill(70)                      # arrives mid-run
+        if step == 5:
+            rid = w.prefill(30)                # retracted while staging
+            w.retract(rid)
+        w.collect()
+        batch = w.prepare_decode()
+        w.forward(batch)
+        for rid in pending_finish:             # process_batch_result of step N after step N+1's launch
+            w.finish(rid)
+        pending_finish = []
+        if step == 4:
+            pending_finish.append(w.running[0])
+        if step == 8:                          # retract mid-decode, then prefill it again at its length
+            rid = w.running[-1]
+            n = w.retract(rid)
+            w.prefill(n, rid=rid)
+    for rid in pending_finish:
+        w.finish(rid)
+    w.check_host()
+    for rid in list(w.reqs):
+        w.finish(rid)
+    assert w.coord.engine.stats().requests == 0 and not w.coord._length
+    assert w.rows_checked > 100
+    w.coord.destroy()
+    return w
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_replay_in_upstream_order(seed):
+    replay(seed=seed)
+
+
+def test_replay_without_graph_padding():
+    replay(seed=5, graph_pad=False)
+
+
+# ---- the replay fails when the adapter does what the old one did ----
+class IgnoresRemap(adapter.HiSparseCoordinator):
+    """map_last_loc_to_buffer leaves out_cache_loc unmapped: the model's write lands in the padding sink."""
+
+    def map_last_loc_to_buffer(self, seq_lens, out_cache_loc, *rest):
+        mapping = self.mem_pool_device.full_to_hisparse_device_index_mapping
+        saved = mapping.clone()
+        super().map_last_loc_to_buffer(seq_lens, out_cache_loc, *rest)
+        mapping.copy_(saved)
+
+
+class ReadsNumRealEarly(adapter.HiSparseCoordinator):
+    """num_real_reqs read when the step is prepared, not when the swap runs (fill_ before a replay is lost)."""
+
+    def map_last_loc_to_buffer(self, seq_lens, out_cache_loc, *rest):
+        super().map_last_loc_to_buffer(seq_lens, out_cache_loc, *rest)
+        self._early = int(self.num_real_reqs.item())
+
+    def swap_in_selected_pages(self, req_pool_indices, seq_lens, top_k_result, layer_id):
+        now = self.num_real_reqs.clone()
+        self.num_real_reqs.fill_(getattr(self, "_early", 0))
+        try:
+            return super().swap_in_selected_pages(req_pool_indices, seq_lens, top_k_result, layer_id)
+        finally:
+            self.num_real_reqs.copy_(now)
+
+
+class WritesBackCurrentStep(adapter.HiSparseCoordinator):
+    """wait_for_pending_backup (before the forward) writes back the step about to run, from reserved rows the
+    model has not written yet, and counts it as done: the old adapter's flush."""
+
+    def map_last_loc_to_buffer(self, seq_lens, out_cache_loc, req_pool_indices, seq_lens_cpu, idx_cpu):
+        super().map_last_loc_to_buffer(seq_lens, out_cache_loc, req_pool_indices, seq_lens_cpu, idx_cpu)
+        self._current = (req_pool_indices.clone(), seq_lens.clone())
+
+    def wait_for_pending_backup(self):
+        super().wait_for_pending_backup()
+        current, self._current = getattr(self, "_current", None), None
+        if current is not None:
+            rows, lengths = current
+            B = rows.shape[0]
+            self._backup_rows[:B].copy_(rows)
+            self._backup_lengths[:B].copy_(lengths)
+            for layer in range(self.layer_num):
+                self._write_back.write_back(layer, B, None)
+            self._flushed = True
+
+    def _backup_previous_step(self):
+        if getattr(self, "_flushed", False):   # already "written back"
+            self._flushed = False
+            self._backup_due = None
+        super()._backup_previous_step()
+
+
+@pytest.mark.parametrize("cls", [IgnoresRemap, ReadsNumRealEarly, WritesBackCurrentStep])
+def test_the_replay_catches(cls):
+    with pytest.raises((AssertionError, ess.InvalidArgument)):
+        replay(cls, seed=0)
+
+
+# ---- refusals at construction ----
+def build(**overrides):
+    req_to_token_pool = ReqToTokenPool(REQ_SLOTS, CTX)
+    pool = HiSparseDevicePool(POOL, PAGE, LAYERS)
+    allocator = HiSparseAllocator(POOL, PAGE, pool, RATIO)
+    kwargs = dict(req_to_token_pool=req_to_token_pool, token_to_kv_pool_allocator=allocator, top_k=K,
+                  device_buffer_size=SLOTS, device="cpu", tp_group=None)
+    kwargs.update(overrides)
+    return adapter.HiSparseCoordinator(**kwargs), allocator
+
+
+def test_refusals_name_what_is_not_served():
+    with pytest.raises(ess.InvalidArgument, match="speculative"):
+        build(num_draft_tokens=3)
+    _, allocator = build()
+    with pytest.raises(ess.InvalidArgument, match="one coordinator per pool"):
+        build(token_to_kv_pool_allocator=allocator)   # its rows are taken: a second coordinator is refused
+    used = HiSparseAllocator(POOL, PAGE, HiSparseDevicePool(POOL, PAGE, LAYERS), RATIO)
+    used.alloc_extend(10)
+    with pytest.raises(ess.InvalidArgument, match="before any allocation; 16 of its 1024 slots are in use"):
+        build(token_to_kv_pool_allocator=used)
+    small = HiSparseDevicePool(64, PAGE, LAYERS)
+    with pytest.raises(ess.InvalidArgument, match="ESS needs 152"):
+        build(token_to_kv_pool_allocator=HiSparseAllocator(64, PAGE, small, RATIO))
+    coord, _ = build()
+    with pytest.raises(ess.InvalidArgument, match="PD direct admission"):
+        coord.admit_request_direct(Req(0, 0, 10))
+    with pytest.raises(ess.InvalidArgument, match="PD direct admission"):
+        coord.mem_pool_host
+
+
+def test_a_bad_step_changes_nothing():
+    w = World(3)
+    w.prefill(40)
+    w.collect()
+    rid = w.running[0]
+    idx = w.reqs[rid].kv.req_pool_idx
+    before = w.coord.engine.request(idx)
+    with pytest.raises(ess.InvalidArgument, match="seq_len 45"):
+        w.coord.map_last_loc_to_buffer(torch.tensor([45]), torch.tensor([8]), torch.tensor([idx]),
+                                       torch.tensor([45]), torch.tensor([idx]))
+    with pytest.raises(ess.InvalidArgument, match="request slot 5 is not in ESS"):
+        w.coord.map_last_loc_to_buffer(torch.tensor([41]), torch.tensor([8]), torch.tensor([5]),
+                                       torch.tensor([41]), torch.tensor([5]))
+    assert w.coord.engine.request(idx) == before
+    with pytest.raises(ess.InvalidArgument, match="layer_id 7"):
+        w.coord.swap_in_selected_pages(torch.tensor([idx]), torch.tensor([41]), torch.zeros((1, K)), 7)
+
+
+def test_token_stats_are_upstreams_type():
+    w = World(4)
+    w.prefill(40)
+    w.collect()
+    s = w.coord.get_token_stats()
+    assert s.device_tokens == SLOTS + 1 and 0 < s.device_token_usage < 1
+    assert s.host_tokens >= 40 and 0 < s.host_token_usage < 1
+    assert type(s).__name__ == "HiSparseTokenStats"

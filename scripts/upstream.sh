@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Downloads the pinned releases of the engines ESS plugs into, checks their digests and unpacks
+# their Python sources under build/upstream/ (the SGLang adapter's conformance test reads them
+# there). Nothing is installed. A failed download or a wrong digest fails: the tests that read
+# upstream's code never skip for want of it.
+#
+#   scripts/upstream.sh            # build/upstream/sglang-0.5.23/sglang/...
+#   ESS_UPSTREAM_DIR=DIR scripts/upstream.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=${ESS_UPSTREAM_DIR:-build/upstream}
+mkdir -p "$out"
+
+# name version wheel sha256
+PINS=(
+  "sglang 0.5.23 sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl 00b3cd5b265ac76c64185fbb6b95424f324ddd9f428d0306b77bc9db9d859937"
+)
+
+for pin in "${PINS[@]}"; do
+  read -r name version wheel digest <<<"$pin"
+  dest="$out/$name-$version"
+  if [[ -f "$dest/.complete" ]]; then
+    echo "upstream: $name $version present ($dest)"
+    continue
+  fi
+  if [[ ! -f "$out/$wheel" ]] || ! echo "$digest  $out/$wheel" | sha256sum -c --status; then
+    rm -f "$out/$wheel"
+    echo "upstream: downloading $name==$version"
+    # The wheel's tag is pinned, so the download does not depend on this machine's Python.
+    /usr/bin/python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.11 \
+      --platform manylinux_2_34_x86_64 --implementation cp --abi cp311 -d "$out" "$name==$version"
+  fi
+  if ! echo "$digest  $out/$wheel" | sha256sum -c --status; then
+    echo "upstream: $out/$wheel does not have the pinned sha256 $digest" >&2
+    exit 1
+  fi
+  rm -rf "$dest.tmp"
+  mkdir -p "$dest.tmp"
+  unzip -q -o "$out/$wheel" "$name/*.py" -d "$dest.tmp"
+  rm -rf "$dest"
+  mv "$dest.tmp" "$dest"
+  touch "$dest/.complete"
+  echo "upstream: $name $version unpacked in $dest"
+done
