@@ -494,16 +494,50 @@ class HiSparseCoordinator:
         return self._locs[:B].view(B * self.T, self.top_k)
 
 
-def install():
-    """Puts this class where SGLang's ModelRunner.maybe_init_hisparse_coordinator imports it from
-    (sglang.srt.managers.hisparse_coordinator.HiSparseCoordinator). Call it in every process that builds a
-    ModelRunner, before the model runner is initialised (e.g. from a sitecustomize or the launcher's
-    entry point); returns the class it replaced."""
+UPSTREAM_MODULE = "sglang.srt.managers.hisparse_coordinator"
+
+
+def _replace(module):
     import sglang
-    from sglang.srt.managers import hisparse_coordinator as upstream
-    if getattr(sglang, "__version__", None) != SGLANG_VERSION:
-        raise InvalidArgument(f"sglang {getattr(sglang, '__version__', '?')}: this adapter is checked against "
-                              f"sglang {SGLANG_VERSION} (re-run the conformance test against the new release)")
-    replaced = upstream.HiSparseCoordinator
-    upstream.HiSparseCoordinator = HiSparseCoordinator
-    return replaced
+    version = getattr(sglang, "__version__", None)
+    if version != SGLANG_VERSION:
+        raise InvalidArgument(f"sglang {version}: this adapter is checked against sglang {SGLANG_VERSION} "
+                              "(re-run its conformance test against the new release first)")
+    if module.HiSparseCoordinator is not HiSparseCoordinator:
+        module.ESS_REPLACED = module.HiSparseCoordinator
+        module.HiSparseCoordinator = HiSparseCoordinator
+        logger.info("ESS: %s.HiSparseCoordinator is ESS's", module.__name__)
+
+
+class _Finder:
+    """Replaces the class as soon as SGLang imports its module (ModelRunner.maybe_init_hisparse_coordinator
+    imports it when it builds the coordinator)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != UPSTREAM_MODULE:
+            return None
+        import importlib.machinery
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return None
+        loader = spec.loader
+
+        def exec_module(module, _exec=loader.exec_module):
+            _exec(module)
+            _replace(module)
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def install():
+    """Puts ESS's coordinator where SGLang's ModelRunner takes HiSparse's from
+    (sglang.srt.managers.hisparse_coordinator.HiSparseCoordinator), in this process: at once if SGLang's module
+    is imported, else when it is. SGLang builds its model runners in spawned processes, which do not inherit
+    this: launch with `python -m ess.integrations.sglang_launch ...` (every process of the server then installs
+    it at start-up), or call install() at the start of each process. Refuses another sglang release."""
+    import sys
+    module = sys.modules.get(UPSTREAM_MODULE)
+    if module is not None:
+        _replace(module)
+    elif not any(isinstance(f, _Finder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _Finder())

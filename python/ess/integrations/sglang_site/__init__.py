@@ -1,0 +1,1 @@
+"""sitecustomize for `python -m ess.integrations.sglang_launch` (see sitecustomize.py)."""
