@@ -111,10 +111,16 @@ class HiSparseAllocator:
         return logical
 
     def alloc_decode(self, n: int):
-        """One logical id per request (one page each here, as a page boundary would)."""
+        """alloc_for_decode: one logical id per request (one page each here, as a page boundary would); with
+        page size 1 it is allocator.alloc, which maps a device slot to each as well."""
         out = self.logical_attn_allocator.alloc(n * self.page_size)
         assert out is not None, "the test's logical pool is too small"
-        return out.view(n, self.page_size)[:, 0].contiguous()
+        out = out.view(n, self.page_size)[:, 0].contiguous()
+        if self.page_size == 1:
+            device = self.hisparse_attn_allocator.alloc(n)
+            assert device is not None, "the test's device pool is too small"
+            self.full_to_hisparse_device_index_mapping[out] = device
+        return out
 
     def get_last_loc_compressed(self, last_locs):
         return last_locs

@@ -50,11 +50,11 @@ class Req:
 class World:
     """SGLang's side (pools, requests, the model's bytes) and the checks."""
 
-    def __init__(self, seed, cls=adapter.HiSparseCoordinator, graph_pad=True):
+    def __init__(self, seed, cls=adapter.HiSparseCoordinator, graph_pad=True, page=PAGE):
         self.rng = np.random.default_rng(seed)
         self.req_to_token_pool = ReqToTokenPool(REQ_SLOTS, CTX)
-        self.device_pool = HiSparseDevicePool(POOL, PAGE, LAYERS)
-        self.allocator = HiSparseAllocator(POOL, PAGE, self.device_pool, RATIO)
+        self.device_pool = HiSparseDevicePool(POOL, page, LAYERS)
+        self.allocator = HiSparseAllocator(POOL, page, self.device_pool, RATIO)
         # model_runner.maybe_init_hisparse_coordinator: the keywords it passes.
         self.coord = cls(req_to_token_pool=self.req_to_token_pool, token_to_kv_pool_allocator=self.allocator,
                          top_k=K, device_buffer_size=SLOTS, device="cpu", tp_group=None, host_to_device_ratio=RATIO,
@@ -209,9 +209,9 @@ class World:
                                               err_msg=f"request {rid} layer {layer}: host pool")
 
 
-def replay(cls=adapter.HiSparseCoordinator, seed=0, steps=14, graph_pad=True):
+def replay(cls=adapter.HiSparseCoordinator, seed=0, steps=14, graph_pad=True, page=PAGE):
     """The overlap scheduler's loop over a changing batch; raises AssertionError on any difference."""
-    w = World(seed, cls, graph_pad)
+    w = World(seed, cls, graph_pad, page)
     for n in (40, 90, 23):
         w.prefill(n)
     w.collect()
@@ -240,6 +240,9 @@ def replay(cls=adapter.HiSparseCoordinator, seed=0, steps=14, graph_pad=True):
     for rid in list(w.reqs):
         w.finish(rid)
     assert w.coord.engine.stats().requests == 0 and not w.coord._length
+    inner = w.allocator.hisparse_attn_allocator
+    assert inner.available_size() == inner.size, \
+        f"SGLang's device allocator has {inner.size - inner.available_size()} slots still in use after every request"
     assert w.rows_checked > 100
     w.coord.destroy()
     return w
@@ -252,6 +255,12 @@ def test_replay_in_upstream_order(seed):
 
 def test_replay_without_graph_padding():
     replay(seed=5, graph_pad=False)
+
+
+def test_replay_with_page_size_one():
+    """alloc_for_decode's page-size-one path maps each new token to a device slot of SGLang's, which the
+    remap must give back (the replay checks the allocator is whole at the end)."""
+    replay(seed=6, page=1)
 
 
 # ---- the replay fails when the adapter does what the old one did ----

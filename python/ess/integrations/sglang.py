@@ -426,6 +426,13 @@ class HiSparseCoordinator:
         mapping = self.mem_pool_device.full_to_hisparse_device_index_mapping
         locs = self.token_to_kv_pool_allocator.get_last_loc_compressed(out_cache_loc)
         reserved = self._reserved_loc(req_pool_indices)
+        if self.page_size == 1:
+            # alloc_for_decode's page-size-one path (allocator.alloc) gave each new token a device slot of
+            # SGLang's too: it goes back, as upstream frees it (this branch synchronizes, as upstream's does).
+            previous = mapping[locs.to(torch.int64)]
+            stale = previous[previous > 0]
+            if stale.numel() > 0:
+                self.token_to_kv_pool_allocator.free_hisparse_indices(stale)
         self.dev.launch(lambda: mapping.index_copy_(0, locs.to(torch.int64), reserved))
         self._backup_due = (req_pool_indices, seq_lens)
 
