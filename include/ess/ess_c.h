@@ -177,6 +177,9 @@ ESS_API ess_status ess_request_read_entries(const ess_engine* engine, int64_t id
  * loaded into the request's rows from the host pool. */
 ESS_API ess_status ess_request_warmup(ess_engine* engine, int64_t id, const DLTensor* windows);
 ESS_API ess_status ess_request_extend(ess_engine* engine, int64_t id, int64_t tokens);
+/* Takes back draft tokens that were not accepted: the length becomes `length`, at least its
+ * length - T (engines with reserve_newest; the entries past it are zeroed). */
+ESS_API ess_status ess_request_truncate(ess_engine* engine, int64_t id, int64_t length);
 ESS_API ess_status ess_request_release(ess_engine* engine, int64_t id);
 /* Forgets the request's device residency (its host entries stay); warm it up again after. */
 ESS_API ess_status ess_request_reset(ess_engine* engine, int64_t id);

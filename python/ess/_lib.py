@@ -143,6 +143,7 @@ _signatures = {
     "ess_request_read_entries": (_c.c_int, [_P, _c.c_int64, _c.c_int32, _c.c_int64, _P]),
     "ess_request_warmup": (_c.c_int, [_P, _c.c_int64, _P]),
     "ess_request_extend": (_c.c_int, [_P, _c.c_int64, _c.c_int64]),
+    "ess_request_truncate": (_c.c_int, [_P, _c.c_int64, _c.c_int64]),
     "ess_request_release": (_c.c_int, [_P, _c.c_int64]),
     "ess_request_reset": (_c.c_int, [_P, _c.c_int64]),
     "ess_request_get": (_c.c_int, [_P, _c.c_int64, _c.POINTER(_c.c_int32), _c.POINTER(_c.c_int64)]),

@@ -196,6 +196,11 @@ class Engine:
     def extend(self, request_id: int, tokens: int = 1):
         check(lib.ess_request_extend(self._h(), request_id, tokens))
 
+    def truncate(self, request_id: int, length: int):
+        """Takes back draft tokens that were not accepted: the request's length becomes `length` (at least its
+        length - T; reserve_newest engines). Write the accepted ones back before the next step reads them."""
+        check(lib.ess_request_truncate(self._h(), request_id, length))
+
     def release(self, request_id: int):
         check(lib.ess_request_release(self._h(), request_id))
 

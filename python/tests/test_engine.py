@@ -203,6 +203,25 @@ def test_refused_calls_change_nothing():
     assert (e.stats(), e.request(1)) == before
 
 
+def test_truncate_takes_back_unaccepted_draft_tokens():
+    e = small(query_tokens=2, reserve_newest=True)
+    e.admit(1, 50)
+    e.extend(1, 2)
+    e.write_entries(1, 0, 50, np.full((2, ENTRY), 7, np.uint8))
+    e.truncate(1, 51)
+    assert e.request(1)[1] == 51
+    with pytest.raises(ess.InvalidArgument, match="outside \[49, 51\]"):
+        e.truncate(1, 48)
+    e.extend(1, 2)   # what comes back after a truncate is zeroed
+    out = e.read_entries(1, 0, 50, np.empty((3, ENTRY), np.uint8))
+    assert (out[0] == 7).all() and (out[1:] == 0).all()
+    with pytest.raises(ess.InvalidArgument, match="needs reserve_newest"):
+        f = small(query_tokens=2, slots=16)
+        f.admit(1, 50)
+        f.extend(1, 2)
+        f.truncate(1, 51)
+
+
 def test_plan_is_ess_plan():
     p = ess.plan(hardware="h200", contexts=[32768], min_otps=15)
     assert p["plans"][0]["context"] == 32768 and "chosen" in p["plans"][0]

@@ -341,6 +341,10 @@ ess_status ess_request_extend(ess_engine* engine, int64_t id, int64_t tokens) {
   return guard("ess_request_extend", [&] { ess::capi::engine_ref(engine).offload->extend(id, tokens); });
 }
 
+ess_status ess_request_truncate(ess_engine* engine, int64_t id, int64_t length) {
+  return guard("ess_request_truncate", [&] { ess::capi::engine_ref(engine).offload->truncate(id, length); });
+}
+
 ess_status ess_request_release(ess_engine* engine, int64_t id) {
   return guard("ess_request_release", [&] { ess::capi::engine_ref(engine).offload->release(id); });
 }

@@ -123,5 +123,50 @@ TEST(TotalPool, BadInputIsRefusedWithContext) {
   EXPECT_THROW(TotalPool(0, test::small_layout(), 1 << 20), Error);
 }
 
+TEST(TotalPool, TruncateZeroesTheTailAndFreesItsPages) {
+  TotalPool pool(2, test::small_layout(), 8 * 64 * 144);
+  pool.admit(1, 60);
+  for (int l = 0; l < 2; ++l) test::write_pattern(pool, 1, l, 0, 60);
+  pool.extend(1, 8);  // 68 tokens: a second page per layer
+  for (int l = 0; l < 2; ++l) test::write_pattern(pool, 1, l, 60, 68);
+  EXPECT_EQ(pool.free_pages(), 4);
+  pool.truncate(1, 62);  // back to one page per layer; tokens 62.. zeroed
+  EXPECT_EQ(pool.length(1), 62);
+  EXPECT_EQ(pool.free_pages(), 6);
+  pool.check_invariants();
+  pool.extend(1, 6);     // what a later extend appends is zeroed, the kept entries are intact
+  for (int l = 0; l < 2; ++l) {
+    for (std::int64_t t = 62; t < 68; ++t) {
+      for (std::uint8_t b : pool.entry(1, l, t)) ASSERT_EQ(b, 0) << "layer " << l << " token " << t;
+    }
+  }
+  TotalPool expect(2, test::small_layout(), 8 * 64 * 144);
+  expect.admit(1, 62);
+  for (int l = 0; l < 2; ++l) test::write_pattern(expect, 1, l, 0, 62);
+  for (int l = 0; l < 2; ++l) {
+    for (std::int64_t t = 0; t < 62; ++t) {
+      const auto a = pool.entry(1, l, t);
+      const auto b = expect.entry(1, l, t);
+      ASSERT_TRUE(std::equal(a.begin(), a.end(), b.begin())) << "layer " << l << " token " << t;
+    }
+  }
+  pool.truncate(1, 68);  // no change
+  EXPECT_EQ(pool.length(1), 68);
+  const std::uint64_t before = pool.digest();
+  EXPECT_NE(error_of([&] { pool.truncate(1, 69); }).find("outside [0, 68]"), std::string::npos);
+  EXPECT_NE(error_of([&] { pool.truncate(1, -1); }).find("outside [0, 68]"), std::string::npos);
+  EXPECT_NE(error_of([&] { pool.truncate(4, 1); }).find("unknown request 4"), std::string::npos);
+  // A page another request shares is never cut.
+  EXPECT_EQ(pool.digest(), before);
+  pool.admit_shared(2, 68, 1, 64);
+  const std::uint64_t shared = pool.digest();
+  EXPECT_NE(error_of([&] { pool.truncate(1, 10); }).find("page 0, which it shares"), std::string::npos);
+  EXPECT_EQ(pool.digest(), shared);
+  pool.release(2);
+  pool.truncate(1, 0);
+  EXPECT_EQ(pool.free_pages(), 8);
+  pool.check_invariants();
+}
+
 }  // namespace
 }  // namespace ess

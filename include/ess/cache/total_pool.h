@@ -66,6 +66,10 @@ class TotalPool {
   // Appends `n` tokens (entries zeroed) to every layer of the request: the D2H write-back
   // target of the tokens a decode step produces. All-or-nothing.
   void extend(RequestId id, std::int64_t n);
+  // Shortens the request to `length` tokens (<= its length): the entries past it are zeroed
+  // and the pages past it freed, so that a later extend appends zeroed entries again. The
+  // tokens removed must lie on pages the request holds alone (not shared, not cached).
+  void truncate(RequestId id, std::int64_t length);
   // Admits a request of `length` tokens whose first `prefix` tokens are those of the admitted
   // request `source` (prefix <= both lengths): it shares source's full pages below
   // min(prefix, share_limit) (-1: no limit), gets a copy of the prefix's other entries, and

@@ -202,6 +202,13 @@ class Offload {
   void warmup(RequestId id, std::span<const std::int32_t> windows, int window_count);
   // Appends n tokens to the request (host pages; their entries arrive by write_back).
   void extend(RequestId id, std::int64_t n);
+  // Takes back the last tokens an extend added that the engine did not keep (speculative
+  // decoding: a step's T draft tokens, of which only some are accepted): the request's length
+  // becomes `length`, at least its length - T. Needs reserve_newest (those tokens were in the
+  // reserved rows, never in the LRU, so the device state stays exact); their host entries are
+  // zeroed, pages past the length freed. Write the kept ones back (write_back with source_rows)
+  // before the step that reads them.
+  void truncate(RequestId id, std::int64_t length);
   void release(RequestId id);
   // Forgets the request's device residency (every layer's LRU empty, as at admit); its host
   // entries stay. Then warmup again, e.g. when the engine resumes a preempted request whose

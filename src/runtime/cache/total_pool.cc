@@ -83,6 +83,34 @@ void TotalPool::extend(RequestId id, std::int64_t n) {
   r.length = new_length;
 }
 
+void TotalPool::truncate(RequestId id, std::int64_t length) {
+  auto it = requests_.find(id);
+  ESS_CHECK(it != requests_.end(), "total pool: truncate of unknown request {}", id);
+  Request& r = it->second;
+  ESS_CHECK(length >= 0 && length <= r.length, "total pool: request {}: truncate to {} tokens, outside [0, {}]", id,
+            length, r.length);
+  if (length == r.length) return;
+  const std::int64_t first_page = length / kPageTokens;
+  for (const auto& table : r.pages) {
+    for (std::size_t p = static_cast<std::size_t>(first_page); p < table.size(); ++p) {
+      ESS_CHECK(refs_[static_cast<std::size_t>(table[p])] == 1,
+                "total pool: request {}: truncate to {} tokens reaches page {}, which it shares", id, length, p);
+    }
+  }
+  const auto keep = static_cast<std::size_t>(pages_for(length) / num_layers_);
+  const std::size_t from = static_cast<std::size_t>(length % kPageTokens) * entry_bytes_;
+  for (auto& table : r.pages) {
+    if (keep > 0 && from > 0) {  // the kept last page: its entries past the length
+      std::memset(arena_.data() + static_cast<std::size_t>(table[keep - 1]) * page_bytes_ + from, 0, page_bytes_ - from);
+    }
+    while (table.size() > keep) {
+      drop_page(table.back());
+      table.pop_back();
+    }
+  }
+  r.length = length;
+}
+
 void TotalPool::release(RequestId id) {
   auto it = requests_.find(id);
   ESS_CHECK(it != requests_.end(), "total pool: release of unknown request {}", id);

@@ -212,6 +212,19 @@ void Offload::extend(RequestId id, std::int64_t n) {
   x.backend->pages_added(row, id, pages_before);
 }
 
+void Offload::truncate(RequestId id, std::int64_t length) {
+  Impl& x = *impl_;
+  x.find_row(id, "truncate");
+  ESS_CHECK(x.config.reserve_newest,
+            "offload: truncate of request {} needs reserve_newest (the tokens taken back must be outside the LRU)", id);
+  const std::int64_t current = x.pool->length(id);
+  const std::int64_t lowest = std::max<std::int64_t>(0, current - x.config.query_tokens);
+  ESS_CHECK(length >= lowest && length <= current,
+            "offload: truncate of request {} to {} tokens: outside [{}, {}] (its length less at most T = {})", id, length,
+            lowest, current, x.config.query_tokens);
+  x.pool->truncate(id, length);
+}
+
 void Offload::release(RequestId id) {
   Impl& x = *impl_;
   const std::int32_t row = x.find_row(id, "release");

@@ -144,6 +144,9 @@ TEST(OffloadCpu, BadInputIsRefusedByNameAndChangesNothing) {
   refused([&] { o.admit(8, 10, 3); }, "row 3 outside [0, 3)");
   refused([&] { o.admit(8, 10, -2); }, "row -2 must be -1");
   refused([&] { o.extend(6, 201); }, "exceeds max_context");
+  refused([&] { o.truncate(6, 97); }, "to 97 tokens: outside [98, 100]");
+  refused([&] { o.truncate(6, 101); }, "outside [98, 100]");
+  refused([&] { o.truncate(42, 1); }, "not admitted");
   refused([&] { o.release(99); }, "not admitted");
   refused([&] { o.warmup(5, std::vector<std::int32_t>(7), 1); }, "7 ids");
   refused([&] { (void)o.read_row(0, 3 * o.rows_per_request()); }, "outside");
@@ -305,6 +308,23 @@ TEST(OffloadCpu, ConfigurationErrorsNameTheField) {
   b.rows.row_stride = 100;
   b.layer_base = {};
   EXPECT_NE(test::error_of([&] { Offload o(c, b); }).find("row_stride = 100"), std::string::npos);
+}
+
+TEST(OffloadCpu, TruncateNeedsTheNewestOutsideTheLru) {
+  OffloadConfig c = mtp2_config(300);
+  c.reserve_newest = false;
+  Offload o(c);
+  o.admit(1, 50);
+  o.extend(1, 2);
+  EXPECT_NE(test::error_of([&] { o.truncate(1, 51); }).find("needs reserve_newest"), std::string::npos);
+  EXPECT_EQ(o.length(1), 52);
+  Offload r(mtp2_config(300));
+  r.admit(1, 50);
+  r.extend(1, 2);
+  r.truncate(1, 51);  // one of the two accepted
+  EXPECT_EQ(r.length(1), 51);
+  r.extend(1, 2);
+  EXPECT_EQ(r.length(1), 53);
 }
 
 }  // namespace
