@@ -210,7 +210,7 @@ def test_truncate_takes_back_unaccepted_draft_tokens():
     e.write_entries(1, 0, 50, np.full((2, ENTRY), 7, np.uint8))
     e.truncate(1, 51)
     assert e.request(1)[1] == 51
-    with pytest.raises(ess.InvalidArgument, match="outside \[49, 51\]"):
+    with pytest.raises(ess.InvalidArgument, match=r"outside \[49, 51\]"):
         e.truncate(1, 48)
     e.extend(1, 2)   # what comes back after a truncate is zeroed
     out = e.read_entries(1, 0, 50, np.empty((3, ENTRY), np.uint8))

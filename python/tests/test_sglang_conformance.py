@@ -2,7 +2,7 @@
 call and attribute access SGLang makes on its coordinator, found by an AST scan of the release
 (sglang_callsites.py), binds to our class: the name exists, and the call's positional and keyword
 arguments bind to our signature. A use in a configuration ESS refuses at construction (PD decode,
-speculative decoding, MiniMax and DeepSeek-V4 pools) must be one the refusal covers.
+MiniMax and DeepSeek-V4 pools) must be one the refusal covers.
 
 The sources come from scripts/upstream.sh (build/upstream/sglang-0.5.23); their absence fails."""
 import ast
@@ -26,8 +26,6 @@ REFUSED = {
     ("srt/layers/attention/dsv4/indexer.py", "forward_c4_indexer"): "DeepSeek-V4 pool",
     ("srt/layers/attention/minimax_sparse_backend.py", "__init__"): "MiniMax pool",
     ("srt/layers/attention/minimax_sparse_backend.py", "_hisparse_swap_in_blocks"): "MiniMax pool",
-    ("srt/speculative/eagle_utils.py", "eagle_prepare_for_verify"): "speculative decoding",
-    ("srt/speculative/eagle_worker_common.py", "run_eagle_verify"): "speculative decoding",
 }
 
 

@@ -50,6 +50,9 @@ class Req:
 class World:
     """SGLang's side (pools, requests, the model's bytes) and the checks."""
 
+    T = 1            # query tokens per request per step (the draft tokens of a verify step)
+    SLOTS = SLOTS
+
     def __init__(self, seed, cls=adapter.HiSparseCoordinator, graph_pad=True, page=PAGE):
         self.rng = np.random.default_rng(seed)
         self.req_to_token_pool = ReqToTokenPool(REQ_SLOTS, CTX)
@@ -57,11 +60,12 @@ class World:
         self.allocator = HiSparseAllocator(POOL, page, self.device_pool, RATIO)
         # model_runner.maybe_init_hisparse_coordinator: the keywords it passes.
         self.coord = cls(req_to_token_pool=self.req_to_token_pool, token_to_kv_pool_allocator=self.allocator,
-                         top_k=K, device_buffer_size=SLOTS, device="cpu", tp_group=None, host_to_device_ratio=RATIO,
-                         swap_in_block_size=960, shared_index_layers=None, num_draft_tokens=0)
+                         top_k=K, device_buffer_size=self.SLOTS, device="cpu", tp_group=None,
+                         host_to_device_ratio=RATIO, swap_in_block_size=960, shared_index_layers=None,
+                         num_draft_tokens=0 if self.T == 1 else self.T)
         # scheduler.init_hisparse_coordinator
         self.coord.set_decode_producer_stream(self.coord.dev.Stream())
-        self.model = EngineModel(LAYERS, SLOTS, 1, reserve_newest=True, warmup_windows=32)
+        self.model = EngineModel(LAYERS, self.SLOTS, self.T, reserve_newest=True, warmup_windows=32)
         self.full = {}       # rid -> [layers, CTX, E] the bytes every token's KV has
         self.length = {}     # rid -> tokens (prompt + decoded)
         self.reqs = {}       # rid -> Req
@@ -96,9 +100,8 @@ class World:
             assert not req.hisparse_staging
             self.model.admit(req.kv.req_pool_idx)
             n = self.length[req.rid]
-            keep = min(n, SLOTS)
+            keep = min(n, self.SLOTS)
             ids = list(range(n - keep, n))     # the first residency: the prompt's last `slots` tokens
-            windows = [[-1] * ((-len(ids)) % K) + ids[i:i + K] for i in range(0, len(ids), K)]
             flat = [-1] * ((-keep) % K) + ids
             windows = [flat[i:i + K] for i in range(0, len(flat), K)]
             self.model.warmup(req.kv.req_pool_idx, [windows] * LAYERS)
@@ -120,7 +123,7 @@ class World:
         seq_lens = torch.tensor([self.length[r] for r in rids], dtype=torch.int64)
         # seq_lens and seq_lens_cpu are new tensors after += 1; the call passes 5 positionals.
         self.coord.map_last_loc_to_buffer(seq_lens, out_cache_loc, idx, seq_lens.clone(), idx.clone())
-        return types.SimpleNamespace(rids=rids, out_cache_loc=out_cache_loc, idx=idx, seq_lens=seq_lens)
+        return types.SimpleNamespace(rids=rids, out_cache_loc=out_cache_loc, idx=idx, seq_lens=seq_lens, grow=0)
 
     def forward(self, batch):
         """model_runner._forward_raw over the batch, padded as the CUDA-graph runner pads it."""
@@ -152,21 +155,27 @@ class World:
         return ids.tolist() + [-1] * (K - k)
 
     def check(self, layer, batch, rows, table):
+        """rows[b]: the T query tokens' ids of position b ([K] when T = 1); table likewise."""
         kv = self.device_pool.kv_buffer[layer][:, 0].numpy()
         base = self.coord.row_base
         for b, rid in enumerate(batch.rids):
             idx = self.reqs[rid].kv.req_pool_idx
-            expected, _, _ = self.model.step(idx, layer, self.length[rid], [rows[b]])
-            got = table[b].tolist()
-            want = [-1 if e < 0 else e + base for e in expected[0]]
-            assert got == want, f"layer {layer} request {rid}: page table {got} vs the model's {want}"
-            for i, slot in zip(rows[b], got):
-                if i >= 0 and not np.array_equal(kv[slot], self.full[rid][layer, i]):
-                    raise AssertionError(f"layer {layer} request {rid} token {i}: slot {slot} holds other bytes "
-                                         "than the full cache")
+            queries = [rows[b]] if self.T == 1 else rows[b]
+            got_rows = [table[b].tolist()] if self.T == 1 else table[b].tolist()
+            expected, _, _ = self.model.step(idx, layer, self.length[rid] + batch.grow, queries)
+            for t, (query, got, exp) in enumerate(zip(queries, got_rows, expected)):
+                want = [-1 if e < 0 else e + base for e in exp]
+                assert got == want, f"layer {layer} request {rid} query {t}: page table {got} vs the model's {want}"
+                for i, slot in zip(query, got):
+                    if i >= 0 and not np.array_equal(kv[slot], self.full[rid][layer, i]):
+                        raise AssertionError(f"layer {layer} request {rid} token {i}: slot {slot} holds other "
+                                             "bytes than the full cache")
             self.rows_checked += 1
         for b in range(len(batch.rids), table.shape[0]):
             assert (table[b] == -1).all(), f"padded position {b}: {table[b].tolist()}"
+
+    def step(self):
+        self.forward(self.prepare_decode())
 
     # ---- results ----
     def finish(self, rid):
@@ -202,16 +211,17 @@ class World:
         self.coord.wait_for_pending_backup()
         self.coord.decode_backup_stream.synchronize()
         for rid in self.running:
-            idx, n = self.reqs[rid].kv.req_pool_idx, self.length[rid]
+            # Decode: the last token's entry is backed up by the next step; a verify step's are all committed.
+            idx, n = self.reqs[rid].kv.req_pool_idx, self.length[rid] - (1 if self.T == 1 else 0)
             for layer in range(LAYERS):
-                back = self.coord.engine.read_entries(idx, layer, 0, np.empty((n - 1, ENTRY), np.uint8))
-                np.testing.assert_array_equal(back, self.full[rid][layer, :n - 1],
+                back = self.coord.engine.read_entries(idx, layer, 0, np.empty((n, ENTRY), np.uint8))
+                np.testing.assert_array_equal(back, self.full[rid][layer, :n],
                                               err_msg=f"request {rid} layer {layer}: host pool")
 
 
-def replay(cls=adapter.HiSparseCoordinator, seed=0, steps=14, graph_pad=True, page=PAGE):
+def replay(cls=adapter.HiSparseCoordinator, seed=0, steps=14, graph_pad=True, page=PAGE, world=World):
     """The overlap scheduler's loop over a changing batch; raises AssertionError on any difference."""
-    w = World(seed, cls, graph_pad, page)
+    w = world(seed, cls, graph_pad, page)
     for n in (40, 90, 23):
         w.prefill(n)
     w.collect()
@@ -223,8 +233,7 @@ def replay(cls=adapter.HiSparseCoordinator, seed=0, steps=14, graph_pad=True, pa
             rid = w.prefill(30)                # retracted while staging
             w.retract(rid)
         w.collect()
-        batch = w.prepare_decode()
-        w.forward(batch)
+        w.step()
         for rid in pending_finish:             # process_batch_result of step N after step N+1's launch
             w.finish(rid)
         pending_finish = []
@@ -335,7 +344,7 @@ def build(**overrides):
 
 
 def test_refusals_name_what_is_not_served():
-    with pytest.raises(ess.InvalidArgument, match="speculative"):
+    with pytest.raises(ess.InvalidArgument, match="device_buffer_size = 24 < num_draft_tokens 3 x top_k 16"):
         build(num_draft_tokens=3)
     _, allocator = build()
     with pytest.raises(ess.InvalidArgument, match="one coordinator per pool"):

@@ -18,8 +18,12 @@ forward wait for that backup and nothing else. Prefill KV is staged to the host 
 stream (admit_request_into_staging) and the request joins decode when collect_ready_reqs finds the
 copy done on every TP rank. `num_real_reqs` is an int32 [1] device tensor read when the swap runs.
 
-What differs from upstream is in docs/integration.md; what this build cannot serve (speculative
-decoding, PD direct admission, MiniMax / DeepSeek-V4 pools) is refused by name at construction."""
+Speculative decoding: prepare_spec_verify extends every request by the T draft tokens and points
+their out_cache_loc at the T reserved rows; the verify forward swaps [bs, T, K]; commit_spec_accept_tokens
+writes the accepted entries back and takes the others back (Offload::truncate).
+
+What differs from upstream is in docs/integration.md; what this build cannot serve (PD direct admission,
+MiniMax / DeepSeek-V4 pools) is refused by name at construction."""
 from __future__ import annotations
 
 import logging
@@ -129,10 +133,16 @@ class HiSparseCoordinator:
             raise InvalidArgument(
                 "disaggregation_mode = decode: PD direct admission (the transfer backend writing into the "
                 "coordinator's host pool, admit_request_direct) is not served by ESS yet")
-        if num_draft_tokens:
+        num_draft_tokens = int(num_draft_tokens or 0)
+        if num_draft_tokens < 0:
+            raise InvalidArgument(f"num_draft_tokens = {num_draft_tokens} is negative")
+        if num_draft_tokens and self.device_buffer_size < num_draft_tokens * self.top_k:
+            # One swap call serves a verify step's T query tokens (FlashMLA runs once after it), so the pool
+            # must hold their union: ESS cannot split the step into query groups there.
             raise InvalidArgument(
-                f"num_draft_tokens = {num_draft_tokens}: ESS under SGLang does not serve speculative decoding yet "
-                "(prepare_spec_verify / commit_spec_accept_tokens); run without --speculative-algorithm")
+                f"device_buffer_size = {self.device_buffer_size} < num_draft_tokens {num_draft_tokens} x top_k "
+                f"{self.top_k}: a verify step's query tokens may select more distinct tokens than the pool holds; "
+                f"set the hisparse device_buffer_size to at least {num_draft_tokens * self.top_k}")
         if self.compress_ratio != 1 or not hasattr(token_to_kv_pool_allocator, "hisparse_attn_allocator"):
             raise InvalidArgument(
                 f"{type(token_to_kv_pool_allocator).__name__}: ESS serves the DSA (DeepSeek-V3.2) HiSparse pool; "
@@ -151,9 +161,10 @@ class HiSparseCoordinator:
         self.layer_num = kvcache.layer_num
         self.start_layer = getattr(kvcache, "start_layer", 0) or 0
 
-        # One decode token per request per step (T = 1): the rows of a request are its slots and one
-        # reserved row.
-        self.T = 1
+        # T query tokens per request per step: 1 in decode, the draft tokens of a verify step with speculative
+        # decoding. A request's rows are its slots and T reserved rows (the step's newest tokens).
+        self.T = max(1, num_draft_tokens)
+        self.num_draft_tokens = num_draft_tokens
         max_reqs = req_to_token_pool.req_to_token.shape[0]
         max_context = req_to_token_pool.max_context_len
         self.max_batch = max_reqs
@@ -199,6 +210,12 @@ class HiSparseCoordinator:
         self._backup_rows = torch.full((max_reqs,), -1, **i32)
         self._backup_lengths = torch.zeros((max_reqs,), **i32)
         self._write_back = self.engine.bind_write_back(self._backup_rows, self._backup_lengths)
+        # A verify step's accepted entries: from the reserved rows their verify slots name.
+        self._commit_rows = torch.full((max_reqs,), -1, **i32)
+        self._commit_lengths = torch.zeros((max_reqs,), **i32)
+        self._commit_source = torch.full((max_reqs, self.T), -1, **i32)
+        self._commit_write_back = self.engine.bind_write_back(self._commit_rows, self._commit_lengths,
+                                                              self._commit_source)
 
         self.write_staging_stream = self.dev.Stream()
         self.decode_backup_stream = self.dev.Stream()
@@ -241,13 +258,95 @@ class HiSparseCoordinator:
         self.decode_producer_stream = stream
 
     def allocate_spec_scratch(self, req_pool_indices: List[int]) -> None:
-        """Upstream reserves speculative scratch here; without speculative decoding there is none."""
+        """Upstream reserves speculative scratch here; ESS's rows (slots >= T x K, T reserved) are fixed."""
 
+    # ---- speculative decoding (EAGLE / MTP): a verify step of T tokens, some accepted ----
     def prepare_spec_verify(self, batch) -> None:
-        raise InvalidArgument("ESS under SGLang does not serve speculative decoding yet (prepare_spec_verify)")
+        """eagle_prepare_for_verify, before the verify forward: every request grows by the T draft tokens, whose
+        KV the model writes at batch.out_cache_loc ([bs x T], token t of request b at b x T + t): pointed at the
+        request's T reserved rows."""
+        if not self.num_draft_tokens:
+            raise InvalidArgument("prepare_spec_verify: this coordinator was built with num_draft_tokens = 0")
+        rows = [int(req.kv.req_pool_idx) for req in batch.reqs]
+        T = self.T
+        if batch.out_cache_loc.numel() != len(rows) * T:
+            raise InvalidArgument(f"prepare_spec_verify: {batch.out_cache_loc.numel()} verify slots for {len(rows)} "
+                                  f"requests x {T} draft tokens")
+        seq_lens_cpu = getattr(batch, "seq_lens_cpu", None)
+        lengths = None if seq_lens_cpu is None else [int(n) for n in seq_lens_cpu.tolist()]
+        self._check_batch("prepare_spec_verify", rows, lengths, grow=0)
+        self._retire()
+        for row in rows:
+            self.engine.extend(row, T)
+            self._length[row] += T
+        mapping = self.mem_pool_device.full_to_hisparse_device_index_mapping
+        reserved = (self._reserved_loc(batch.req_pool_indices).view(-1, 1)
+                    + torch.arange(T, dtype=torch.int64, device=batch.req_pool_indices.device).view(1, -1))
+        locs = batch.out_cache_loc.to(torch.int64)
+        self.dev.launch(lambda: mapping.index_copy_(0, locs, reserved.view(-1)))
 
     def commit_spec_accept_tokens(self, batch, accept_indices) -> None:
-        raise InvalidArgument("ESS under SGLang does not serve speculative decoding yet (commit_spec_accept_tokens)")
+        """run_eagle_verify, after the verify forward: accept_indices [bs, T] (int, -1 = rejected) names for each
+        kept position L + s the verify slot b x T + j whose KV it keeps. Those entries go to the host pool (from
+        the reserved rows) and each request keeps L + (accepted) tokens. The accepted counts are read on the host
+        (a synchronization with the verify forward)."""
+        mode = getattr(batch, "forward_mode", None)
+        if mode is not None and mode.is_idle():
+            return
+        rows = [int(req.kv.req_pool_idx) for req in batch.reqs]
+        B, T = len(rows), self.T
+        if B == 0:
+            return
+        accept = accept_indices.to("cpu", torch.int64)
+        if tuple(accept.shape) != (B, T):
+            raise InvalidArgument(f"commit_spec_accept_tokens: accept_indices has shape {tuple(accept.shape)}; "
+                                  f"expected [{B}, {T}]")
+        self._check_batch("commit_spec_accept_tokens", rows, None, grow=0)
+        base = torch.arange(B, dtype=torch.int64).view(-1, 1) * T
+        valid = accept >= 0
+        kept = valid.sum(dim=1)
+        slot = torch.where(valid, accept - base, torch.arange(T, dtype=torch.int64).view(1, -1))
+        if bool(((slot < 0) | (slot >= T)).any()) or bool((valid[:, 1:] & ~valid[:, :-1]).any()) or \
+                bool((kept < 1).any()):
+            raise InvalidArgument(f"commit_spec_accept_tokens: accept_indices {accept.tolist()} are not each request's "
+                                  f"own verify slots, kept from the first (at least the root)")
+        rows_t = torch.tensor(rows, dtype=torch.int64)
+        source = rows_t.view(-1, 1) * self.info.rows_per_request + self.info.slots + slot
+        lengths = torch.tensor([self._length[r] for r in rows], dtype=torch.int64)
+        self.wait_for_pending_backup()
+        current = self.dev.current_stream()
+        with self.dev.stream(self.decode_backup_stream):
+            self.decode_backup_stream.wait_stream(current)
+
+            def write_back():
+                self._commit_rows[:B].copy_(rows_t)
+                self._commit_lengths[:B].copy_(lengths)
+                self._commit_source[:B].copy_(source)
+                stream = self.dev.handle(self.decode_backup_stream)
+                for layer in range(self.layer_num):
+                    self._commit_write_back.write_back(layer, B, stream)
+            self.dev.launch(write_back)
+            self._backup_done_event.record()
+        # The entries past each kept length are taken back once the write-back, which writes all T, is done.
+        self._backup_done_event.synchronize()
+        for row, n in zip(rows, kept.tolist()):
+            self.engine.truncate(row, self._length[row] - T + n)
+            self._length[row] += n - T
+        self._backup_done_event.wait(current)
+
+    def _check_batch(self, where, rows, lengths, grow):
+        """Every request in ESS, once, with its length (+ grow) when the caller knows it: before anything changes."""
+        for b, row in enumerate(rows):
+            if row not in self._length:
+                raise InvalidArgument(f"{where}: position {b}: request slot {row} is not in ESS (not staged, or "
+                                      "already finished)")
+            if lengths is not None and lengths[b] != self._length[row] + grow:
+                raise InvalidArgument(f"{where}: position {b} (request slot {row}): seq_len {lengths[b]} is not its "
+                                      f"{self._length[row]} tokens" + (f" + {grow}" if grow else ""))
+        if len(set(rows)) != len(rows):
+            raise InvalidArgument(f"{where}: a request slot appears twice in {rows}")
+        if len(rows) > self.max_batch:
+            raise InvalidArgument(f"{where}: {len(rows)} requests, at most {self.max_batch}")
 
     def swap_in_selected_blocks(self, req_pool_indices, seq_lens, top_k_blocks, layer_id, sparse_block_size):
         raise InvalidArgument("swap_in_selected_blocks (MiniMax's block swap-in) is not served by ESS")
@@ -406,18 +505,12 @@ class HiSparseCoordinator:
         newest entries, extends every request by its new token and points out_cache_loc at the reserved rows."""
         rows = [int(r) for r in req_pool_indices_cpu.tolist()]
         lengths = [int(n) for n in seq_lens_cpu.tolist()]
-        if len(rows) != len(lengths) or len(rows) > self.max_batch:
-            raise InvalidArgument(f"map_last_loc_to_buffer: {len(rows)} requests with {len(lengths)} lengths "
-                                  f"(at most {self.max_batch})")
-        for b, (row, n) in enumerate(zip(rows, lengths)):
-            if row not in self._length:
-                raise InvalidArgument(f"map_last_loc_to_buffer: position {b}: request slot {row} is not in ESS "
-                                      "(not staged, or already finished)")
-            if n != self._length[row] + self.T:
-                raise InvalidArgument(f"map_last_loc_to_buffer: position {b} (request slot {row}): seq_len {n} is "
-                                      f"not its {self._length[row]} tokens + {self.T}")
-        if len(set(rows)) != len(rows):
-            raise InvalidArgument(f"map_last_loc_to_buffer: a request slot appears twice in {rows}")
+        if len(rows) != len(lengths):
+            raise InvalidArgument(f"map_last_loc_to_buffer: {len(rows)} requests with {len(lengths)} lengths")
+        if self.num_draft_tokens:
+            raise InvalidArgument("map_last_loc_to_buffer: with speculative decoding every step is a verify step "
+                                  "(prepare_spec_verify)")
+        self._check_batch("map_last_loc_to_buffer", rows, lengths, grow=self.T)
         self._retire()
         self._backup_previous_step()
         for row in rows:
@@ -479,9 +572,14 @@ class HiSparseCoordinator:
         B = int(req_pool_indices.shape[0])
         if B > self.max_batch:
             raise InvalidArgument(f"swap_in_selected_pages: batch {B} exceeds the {self.max_batch} request slots")
-        if top_k_result.ndim != 2 or tuple(top_k_result.shape) != (B * self.T, self.top_k):
+        T = self.T
+        expected = (B, self.top_k) if T == 1 else (B, T, self.top_k)
+        if tuple(top_k_result.shape) != expected:
             raise InvalidArgument(f"swap_in_selected_pages: top_k_result has shape {tuple(top_k_result.shape)}; "
-                                  f"expected [{B * self.T}, {self.top_k}]")
+                                  f"expected {list(expected)}")
+        if compressed_seq_lens.numel() != B * T:
+            raise InvalidArgument(f"swap_in_selected_pages: {compressed_seq_lens.numel()} seq_lens for {B} requests x "
+                                  f"{T} query tokens")
 
         def swap():
             # Device work only (a CUDA graph replays it without this Python): the step's rows and lengths once
@@ -490,15 +588,16 @@ class HiSparseCoordinator:
                 self._rows[:B].copy_(req_pool_indices)
                 torch.ge(self._arange[:B], self.num_real_reqs, out=self._padded_rows[:B])
                 self._rows[:B].masked_fill_(self._padded_rows[:B], -1)
-                self._lengths[:B].copy_(compressed_seq_lens)
-            self._topk[:B].view(B * self.T, self.top_k).copy_(top_k_result)
+                # A verify step's seq_lens are per query token (L + t + 1): ESS takes each request's last, L + T.
+                self._lengths[:B].copy_(compressed_seq_lens.view(B, T)[:, T - 1])
+            self._topk[:B].view(top_k_result.shape).copy_(top_k_result)
             self._step.step(layer, B, self.dev.handle(self.dev.current_stream()))
             phys = self._physical[:B]
             torch.add(phys, self.row_base, out=self._locs[:B])
             torch.lt(phys, 0, out=self._padding[:B])
             self._locs[:B].masked_fill_(self._padding[:B], -1)
         self.dev.launch(swap)
-        return self._locs[:B].view(B * self.T, self.top_k)
+        return self._locs[:B].view(expected)
 
 
 UPSTREAM_MODULE = "sglang.srt.managers.hisparse_coordinator"
