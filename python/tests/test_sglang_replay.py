@@ -180,23 +180,30 @@ class World:
     # ---- results ----
     def finish(self, rid):
         """_handle_finish_state_updated_req -> request_finished, then release_kv_cache."""
-        req = self.reqs.pop(rid)
-        self.coord.request_finished(req)
-        self.release_kv(req)
-        if rid in self.running:
-            self.running.remove(rid)
-            self.model.release(req.kv.req_pool_idx)
-        self.length.pop(rid)
+        self._drop(rid, self.coord.request_finished)
 
     def retract(self, rid):
-        """release_req -> retract_req; the request goes back to the waiting queue and is prefilled again."""
+        """release_req -> retract_req; the request goes back to the waiting queue and is prefilled again.
+        Returns its length."""
+        return self._drop(rid, self.coord.retract_req)
+
+    def _drop(self, rid, coordinator_call):
         req = self.reqs.pop(rid)
-        self.coord.retract_req(req)
+        coordinator_call(req)
         self.release_kv(req)
         if rid in self.running:
             self.running.remove(rid)
             self.model.release(req.kv.req_pool_idx)
         return self.length.pop(rid)
+
+    @classmethod
+    def one_running(cls, seed, n=40):
+        """A world with one request of n tokens in decode: (world, its req_pool_idx, ESS's (row, length))."""
+        w = cls(seed)
+        w.prefill(n)
+        w.collect()
+        idx = w.reqs[w.running[0]].kv.req_pool_idx
+        return w, idx, w.coord.engine.request(idx)
 
     def release_kv(self, req):
         idx = req.kv.req_pool_idx
@@ -364,12 +371,7 @@ def test_refusals_name_what_is_not_served():
 
 
 def test_a_bad_step_changes_nothing():
-    w = World(3)
-    w.prefill(40)
-    w.collect()
-    rid = w.running[0]
-    idx = w.reqs[rid].kv.req_pool_idx
-    before = w.coord.engine.request(idx)
+    w, idx, before = World.one_running(3)
     with pytest.raises(ess.InvalidArgument, match="seq_len 45"):
         w.coord.map_last_loc_to_buffer(torch.tensor([45]), torch.tensor([8]), torch.tensor([idx]),
                                        torch.tensor([45]), torch.tensor([idx]))
@@ -382,9 +384,7 @@ def test_a_bad_step_changes_nothing():
 
 
 def test_token_stats_are_upstreams_type():
-    w = World(4)
-    w.prefill(40)
-    w.collect()
+    w, _, _ = World.one_running(4)
     s = w.coord.get_token_stats()
     assert s.device_tokens == SLOTS + 1 and 0 < s.device_token_usage < 1
     assert s.host_tokens >= 40 and 0 < s.host_token_usage < 1

@@ -128,13 +128,8 @@ def test_the_speculative_replay_catches(cls):
 
 
 def test_verify_refusals_change_nothing():
-    w = SpecWorld(7)
-    w.prefill(40)
-    w.collect()
-    rid = w.running[0]
-    idx = w.reqs[rid].kv.req_pool_idx
-    before = w.coord.engine.request(idx)
-    bad = types.SimpleNamespace(reqs=[w.reqs[rid]], req_pool_indices=torch.tensor([idx]),
+    w, idx, before = SpecWorld.one_running(7)
+    bad = types.SimpleNamespace(reqs=[w.reqs[w.running[0]]], req_pool_indices=torch.tensor([idx]),
                                 out_cache_loc=torch.zeros(2, dtype=torch.int64), seq_lens_cpu=None)
     with pytest.raises(ess.InvalidArgument, match="2 verify slots for 1 requests x 3 draft tokens"):
         w.coord.prepare_spec_verify(bad)
