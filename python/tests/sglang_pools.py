@@ -16,9 +16,12 @@ ENTRY = 656
 
 
 class ReqToTokenPool:
+    """size request slots 1..size; row 0 is the padding row CUDA-graph and DP padding point at."""
+
     def __init__(self, size: int, max_context_len: int):
-        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32)
+        self.req_to_token = torch.zeros((size + 1, max_context_len), dtype=torch.int32)
         self.max_context_len = max_context_len
+        self.free_slots = list(range(1, size + 1))
 
 
 class PagedAllocator:

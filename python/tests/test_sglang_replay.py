@@ -80,7 +80,7 @@ class World:
             rid, self.next_rid = self.next_rid, self.next_rid + 1
             self.full[rid] = self.rng.integers(0, 256, (LAYERS, CTX, ENTRY), dtype=np.uint8)
         used = {r.kv.req_pool_idx for r in self.reqs.values()}
-        idx = min(set(range(REQ_SLOTS)) - used) if idx is None else idx
+        idx = min(set(self.req_to_token_pool.free_slots) - used) if idx is None else idx
         req = Req(rid, idx, n)
         # alloc_for_extend: speculative scratch (none here), then logical ids and device slots.
         self.coord.allocate_spec_scratch([idx])
@@ -131,10 +131,13 @@ class World:
         coord.wait_for_pending_backup()
         coord.num_real_reqs.fill_(bs)
         pad = int(self.rng.integers(0, 3)) if self.graph_pad else 0
-        pad = min(pad, REQ_SLOTS - bs)
+        pad = min(pad, REQ_SLOTS + 1 - bs)
+        # Padded positions point at SGLang's padding row 0. The CUDA-graph runner's load_batch then fills
+        # num_real_reqs with the real batch; eager DP padding (_prepare_eager_forward_batch) with the padded
+        # one, so that only row 0 says a position is padding.
         idx = torch.cat([batch.idx, torch.zeros(pad, dtype=torch.int64)])
         seq_lens = torch.cat([batch.seq_lens, torch.ones(pad, dtype=torch.int64)])
-        coord.num_real_reqs.fill_(bs)   # decode_cuda_graph_runner.load_batch: fill_(raw_bs)
+        coord.num_real_reqs.fill_(bs if self.rng.random() < 0.5 else bs + pad)
         for layer in range(LAYERS):
             # The layer's KV write of this step's token, then the indexer's top-k and the swap.
             new = torch.from_numpy(np.stack([self.full[r][layer, self.length[r] - 1] for r in batch.rids]))
@@ -208,10 +211,8 @@ class World:
     def release_kv(self, req):
         idx = req.kv.req_pool_idx
         self.allocator.free(self.req_to_token_pool.req_to_token[idx, :req.kv.kv_allocated_len].to(torch.int64))
-        keep = self.allocator.hisparse_attn_allocator.num_pages
-        assert int(self.allocator.hisparse_attn_allocator.free_pages.max(initial=0) if False else
-                   (self.allocator.hisparse_attn_allocator.free_pages.max() if
-                    len(self.allocator.hisparse_attn_allocator.free_pages) else 0)) <= keep, \
+        inner = self.allocator.hisparse_attn_allocator
+        assert len(inner.free_pages) == 0 or int(inner.free_pages.max()) <= inner.num_pages, \
             "ESS's rows were handed to SGLang's allocator"
 
     def check_host(self):
@@ -361,8 +362,12 @@ def test_refusals_name_what_is_not_served():
     with pytest.raises(ess.InvalidArgument, match="before any allocation; 16 of its 1024 slots are in use"):
         build(token_to_kv_pool_allocator=used)
     small = HiSparseDevicePool(64, PAGE, LAYERS)
-    with pytest.raises(ess.InvalidArgument, match="ESS needs 152"):
+    with pytest.raises(ess.InvalidArgument, match="ESS needs 176 of them"):
         build(token_to_kv_pool_allocator=HiSparseAllocator(64, PAGE, small, RATIO))
+    # What is left must hold a prompt of the context length: else SGLang could accept one it never schedules.
+    tight = HiSparseDevicePool(600, PAGE, LAYERS)
+    with pytest.raises(ess.InvalidArgument, match="SGLang needs 512 \\(the context length\\) left"):
+        build(token_to_kv_pool_allocator=HiSparseAllocator(600, PAGE, tight, RATIO))
     coord, _ = build()
     with pytest.raises(ess.InvalidArgument, match="PD direct admission"):
         coord.admit_request_direct(Req(0, 0, 10))
@@ -388,4 +393,4 @@ def test_token_stats_are_upstreams_type():
     s = w.coord.get_token_stats()
     assert s.device_tokens == SLOTS + 1 and 0 < s.device_token_usage < 1
     assert s.host_tokens >= 40 and 0 < s.host_token_usage < 1
-    assert type(s).__name__ == "HiSparseTokenStats"
+    assert type(s) is adapter._token_stats_type()   # SGLang's own type where SGLang imports

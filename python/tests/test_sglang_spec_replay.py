@@ -30,20 +30,27 @@ class SpecWorld(World):
     SLOTS = 3 * K     # the pool holds a verify step's union (T x K)
 
     def prepare_decode(self):
-        """prepare_spec_verify's batch: T logical slots per request (positions L .. L + T - 1)."""
+        """prepare_spec_verify's batch: the logical slots of positions L .. L + T - 1. As upstream, a request
+        keeps its slots past L (rejected positions' slots serve the same positions next time) and reserves up
+        to L + 2T; under the overlap scheduler seq_lens_cpu is None at verify time."""
         rids = list(self.running)
         self.rng.shuffle(rids)
         bs, T = len(rids), self.T
-        out_cache_loc = self.allocator.alloc_decode(bs * T)
-        for b, rid in enumerate(rids):
+        locs = []
+        for rid in rids:
             req, L = self.reqs[rid], self.length[rid]
-            self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, L:L + T] = \
-                out_cache_loc[b * T:(b + 1) * T].to(torch.int32)
-            req.kv.kv_allocated_len = max(req.kv.kv_allocated_len, L + T)
+            idx, have = req.kv.req_pool_idx, req.kv.kv_allocated_len
+            if have < L + 2 * T:
+                new = self.allocator.alloc_decode(L + 2 * T - have)
+                self.req_to_token_pool.req_to_token[idx, have:L + 2 * T] = new.to(torch.int32)
+                req.kv.kv_allocated_len = L + 2 * T
+            locs.append(self.req_to_token_pool.req_to_token[idx, L:L + T].to(torch.int64))
+        out_cache_loc = torch.cat(locs)
         idx = torch.tensor([self.reqs[r].kv.req_pool_idx for r in rids], dtype=torch.int64)
         seq_lens = torch.tensor([self.length[r] for r in rids], dtype=torch.int64)
         batch = types.SimpleNamespace(rids=rids, reqs=[self.reqs[r] for r in rids], req_pool_indices=idx,
-                                      out_cache_loc=out_cache_loc, seq_lens=seq_lens, seq_lens_cpu=seq_lens.clone(),
+                                      out_cache_loc=out_cache_loc, seq_lens=seq_lens,
+                                      seq_lens_cpu=seq_lens.clone() if self.rng.random() < 0.5 else None,
                                       forward_mode=types.SimpleNamespace(is_idle=lambda: False),
                                       idx=idx, grow=T)
         self.coord.prepare_spec_verify(batch)
@@ -51,8 +58,8 @@ class SpecWorld(World):
 
     def forward(self, batch):
         coord, bs, T = self.coord, len(batch.rids), self.T
-        pad = min(int(self.rng.integers(0, 3)) if self.graph_pad else 0, 6 - bs)
-        coord.num_real_reqs.fill_(bs)    # decode_cuda_graph_runner.load_batch: fill_(raw_bs)
+        pad = int(self.rng.integers(0, 3)) if self.graph_pad else 0
+        coord.num_real_reqs.fill_(bs if self.rng.random() < 0.5 else bs + pad)   # as in World.forward
         idx = torch.cat([batch.idx, torch.zeros(pad, dtype=torch.int64)])
         expanded = torch.cat([(batch.seq_lens.view(-1, 1) + torch.arange(1, T + 1)).view(-1),
                               torch.ones(pad * T, dtype=torch.int64)]).to(torch.int32)

@@ -2,9 +2,9 @@
 host (CPU: work runs when it is launched, streams and events are orderless stand-ins).
 
 The adapter launches its device work through `launch(fn)`: on CUDA `fn` runs at once and its torch
-ops and ESS calls enqueue on the current stream; on the host it simply runs. A test may hand the
-adapter a device whose streams defer the work (tests/sim_device.py) to check the order of streams
-without a GPU: everything the adapter orders, it orders through these objects."""
+ops and ESS calls enqueue on the current stream; on the host it simply runs. Everything the
+adapter orders, it orders through these objects, so a test can hand it a device that records
+the order (python/tests/test_sglang_streams.py) and check it without a GPU."""
 from __future__ import annotations
 
 import contextlib

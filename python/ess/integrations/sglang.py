@@ -85,10 +85,11 @@ def _sglang_setting(bag: str, name: str):
         return None
 
 
-def _claim_top_rows(allocator, rows: int) -> int:
+def _claim_top_rows(allocator, rows: int, prefill: int) -> int:
     """Takes the top `rows` slots (whole pages) of the HiSparse device allocator for ESS and returns the
     first one. Only a fresh allocator (nothing allocated) can give them up; its size shrinks so that
-    clear() keeps them out too."""
+    clear() keeps them out too. What stays SGLang's must hold a `prefill`-token prompt (its prefill
+    lives in the device pool until staged), or a prompt SGLang accepts could never be scheduled."""
     inner = allocator.hisparse_attn_allocator
     page = inner.page_size
     pages = -(-rows // page)
@@ -100,12 +101,12 @@ def _claim_top_rows(allocator, rows: int) -> int:
             f"ESS takes its rows from the HiSparse device pool at construction, before any allocation; "
             f"{inner.size - inner.available_size()} of its {inner.size} slots are in use")
     keep = inner.num_pages - pages
-    if keep < 1:
+    if keep * page < prefill:
         raise InvalidArgument(
-            f"the HiSparse device pool holds {inner.size} slots; ESS needs {pages * page} of them for "
-            f"its rows (req_to_token pool slots x (device_buffer_size + 1), whole pages of {page}) and some "
-            "left for prefill: lower --max-running-requests or the hisparse device_buffer_size, or give the "
-            "pool more memory")
+            f"the HiSparse device pool holds {inner.size} slots; ESS needs {pages * page} of them for its rows "
+            f"(req_to_token pool slots x (device_buffer_size + T), whole pages of {page}) and SGLang needs "
+            f"{prefill} (the context length) left for a prefill: lower --max-running-requests or the hisparse "
+            "device_buffer_size, or give the pool more memory")
     inner.num_pages = keep
     inner.size = keep * page
     inner.free_pages = inner.free_pages[inner.free_pages <= keep]
@@ -136,6 +137,10 @@ class HiSparseCoordinator:
         num_draft_tokens = int(num_draft_tokens or 0)
         if num_draft_tokens < 0:
             raise InvalidArgument(f"num_draft_tokens = {num_draft_tokens} is negative")
+        if _sglang_setting("get_exec", "enable_two_batch_overlap"):
+            raise InvalidArgument(
+                "enable_two_batch_overlap: ESS stages a step's rows once per forward, at its first layer; two "
+                "micro-batches interleaved layer by layer are not served yet")
         if num_draft_tokens and self.device_buffer_size < num_draft_tokens * self.top_k:
             # One swap call serves a verify step's T query tokens (FlashMLA runs once after it), so the pool
             # must hold their union: ESS cannot split the step into query groups there.
@@ -169,7 +174,7 @@ class HiSparseCoordinator:
         max_context = req_to_token_pool.max_context_len
         self.max_batch = max_reqs
         rows_per_request = self.device_buffer_size + self.T
-        self.row_base = _claim_top_rows(token_to_kv_pool_allocator, max_reqs * rows_per_request)
+        self.row_base = _claim_top_rows(token_to_kv_pool_allocator, max_reqs * rows_per_request, max_context)
         self.ess_rows = max_reqs * rows_per_request
         latent = [buf.view(torch.uint8).view(-1, ENTRY_BYTES)[self.row_base:self.row_base + self.ess_rows]
                   for buf in kvcache.kv_buffer]
@@ -203,6 +208,7 @@ class HiSparseCoordinator:
         self._locs = torch.full((max_reqs, self.T, self.top_k), -1, **i32)
         self._padding = torch.zeros((max_reqs, self.T, self.top_k), dtype=torch.bool, device=device)
         self._padded_rows = torch.zeros((max_reqs,), dtype=torch.bool, device=device)
+        self._row_zero = torch.zeros((max_reqs,), dtype=torch.bool, device=device)
         self._arange = torch.arange(max_reqs, **i32)
         self._step = self.engine.bind_step(self._rows, self._topk, self._lengths, self._physical)
         # The backup's own copy of a step's rows and lengths: the next step restages the step's tensors
@@ -585,8 +591,12 @@ class HiSparseCoordinator:
             # Device work only (a CUDA graph replays it without this Python): the step's rows and lengths once
             # per forward, num_real_reqs read here, when the swap runs.
             if layer == 0:
+                # Padding: positions at or past num_real_reqs, and SGLang's padding row 0 (req_to_token_pool
+                # never gives it to a request; graph capture and DP padding point positions at it).
                 self._rows[:B].copy_(req_pool_indices)
                 torch.ge(self._arange[:B], self.num_real_reqs, out=self._padded_rows[:B])
+                torch.eq(self._rows[:B], 0, out=self._row_zero[:B])
+                self._padded_rows[:B].logical_or_(self._row_zero[:B])
                 self._rows[:B].masked_fill_(self._padded_rows[:B], -1)
                 # A verify step's seq_lens are per query token (L + t + 1): ESS takes each request's last, L + T.
                 self._lengths[:B].copy_(compressed_seq_lens.view(B, T)[:, T - 1])

@@ -1,0 +1,162 @@
+"""The coordinator's stream order, recorded on a device whose streams and events log what is asked of them
+(work still runs at once, on the CPU): the order upstream's HiSparseCoordinator keeps, which the CUDA
+backend relies on and the CPU replay cannot see.
+
+- the backup of a step's newest entries runs on decode_backup_stream after it waited for the schedule
+  stream and for the producer (forward) stream, and records the backup event after the write-back;
+- the forward (model_runner._forward_raw, on the forward stream) waits for that event before its KV write;
+- request_finished makes the schedule stream wait for the producer stream and the pending backup before
+  the retire event it releases the request's host pages after;
+- the staging copy runs on write_staging_stream after waiting for an event recorded on the schedule stream."""
+import pytest
+
+from ess.integrations import _device
+from ess.integrations import sglang as adapter
+from test_sglang_replay import World
+
+
+class Log:
+    def __init__(self):
+        self.entries = []
+
+    def add(self, *entry):
+        self.entries.append(entry)
+
+
+class RecStream:
+    def __init__(self, log, name):
+        self.log, self.name = log, name
+
+    def wait_stream(self, other):
+        self.log.add("wait_stream", self, other)
+
+    def synchronize(self):
+        self.log.add("sync_stream", self)
+
+    def __repr__(self):
+        return self.name
+
+
+class RecEvent:
+    def __init__(self, device):
+        self.device = device
+
+    def record(self, stream=None):
+        self.device.log.add("record", self, stream or self.device.current_stream())
+
+    def wait(self, stream=None):
+        self.device.log.add("wait_event", stream or self.device.current_stream(), self)
+
+    def query(self):
+        return True
+
+    def synchronize(self):
+        self.device.log.add("sync_event", self)
+
+
+class RecordingDevice(_device.HostDevice):
+    def __init__(self, device="cpu"):
+        super().__init__(device)
+        self.log = Log()
+        self.streams = 0
+        self._current = RecStream(self.log, "schedule")
+
+    def Stream(self):
+        self.streams += 1
+        return RecStream(self.log, f"stream{self.streams}")
+
+    def Event(self):
+        return RecEvent(self)
+
+    def stream(self, s):
+        device = self
+
+        class Ctx:
+            def __enter__(self):
+                self.previous, device._current = device._current, s
+
+            def __exit__(self, *exc):
+                device._current = self.previous
+        return Ctx()
+
+    def launch(self, fn):
+        self.log.add("launch", self._current, fn.__name__)
+        fn()
+
+
+class StreamWorld(World):
+    """The forward runs on the producer stream the scheduler handed the coordinator."""
+
+    def forward(self, batch):
+        with self.coord.dev.stream(self.coord.decode_producer_stream):
+            super().forward(batch)
+
+
+@pytest.fixture
+def world(monkeypatch):
+    monkeypatch.setattr(_device, "for_device", lambda device: RecordingDevice(device))
+    w = StreamWorld(11)
+    for n in (40, 70):
+        w.prefill(n)
+    w.collect()
+    return w
+
+
+def preceding(entries, i, stream):
+    """The waits on `stream` between its previous launch and entry i."""
+    waits = []
+    for e in reversed(entries[:i]):
+        if e[0] == "launch" and e[1] is stream:
+            break
+        if e[0] in ("wait_stream", "wait_event") and e[1] is stream:
+            waits.append(e)
+    return waits
+
+
+def test_backups_wait_for_schedule_and_producer_and_the_forward_waits_for_them(world):
+    coord, log = world.coord, world.coord.dev.log
+    producer, backup = coord.decode_producer_stream, coord.decode_backup_stream
+    for _ in range(3):
+        world.step()
+    entries = log.entries
+    launches = [i for i, e in enumerate(entries) if e[0] == "launch" and e[1] is backup]
+    assert len(launches) == 2, "steps 1 and 2's newest entries are backed up by the next step"
+    for i in launches:
+        waits = preceding(entries, i, backup)
+        assert ("wait_stream", backup, producer) in waits
+        assert any(w[0] == "wait_stream" and w[2].name == "schedule" for w in waits), waits
+        # the backup event is recorded on the backup stream after the write-back ...
+        j = next(k for k in range(i + 1, len(entries)) if entries[k][0] == "record")
+        event = entries[j][1]
+        assert event is coord._backup_done_event and entries[j][2] is backup
+        # ... and the next forward's KV write (a swap launch on the producer stream) waits for it first.
+        k = next(k for k in range(j + 1, len(entries)) if entries[k][0] == "launch" and entries[k][1] is producer)
+        assert ("wait_event", producer, event) in entries[j + 1:k]
+
+
+def test_request_finished_waits_before_it_releases(world):
+    coord, log = world.coord, world.coord.dev.log
+    world.step()
+    world.step()
+    world.prepare_decode()            # a backup in flight (a request finished or aborted before the forward)
+    start = len(log.entries)
+    world.finish(world.running[0])
+    entries = log.entries[start:]
+    kinds = [(e[0], getattr(e[1], "name", None)) for e in entries]
+    schedule = coord.dev.current_stream()
+    i_producer = entries.index(("wait_stream", schedule, coord.decode_producer_stream))
+    i_backup = entries.index(("wait_event", schedule, coord._backup_done_event))
+    i_retire = next(i for i, e in enumerate(entries) if e[0] == "record" and e[1] is not coord._backup_done_event)
+    assert i_producer < i_backup < i_retire, kinds
+
+
+def test_staging_copies_after_the_schedule_streams_event(world):
+    log = world.coord.dev.log
+    start = len(log.entries)
+    world.prefill(30)
+    entries = log.entries[start:]
+    staging = world.coord.write_staging_stream
+    i_copy = next(i for i, e in enumerate(entries) if e[0] == "launch" and e[1] is staging)
+    start_event = next(e[1] for e in entries if e[0] == "record" and e[2].name == "schedule")
+    assert ("wait_event", staging, start_event) in entries[:i_copy]
+    assert any(e[0] == "record" and e[2] is staging for e in entries[i_copy:])
