@@ -3,8 +3,8 @@ sglang/srt/managers/hisparse_coordinator.py): the same constructor, the same met
 argument lists and return types at every call site of that release, so SGLang's own
 `--enable-hisparse` runs ESS once `install()` has put this class where ModelRunner imports it.
 
-Where the bytes live. Every request's ESS rows (its LRU slots plus one reserved row for the newest
-token) lie inside SGLang's HiSparse device pool (`HiSparseDSATokenToKVPool.kv_buffer`), in a region
+Where the bytes live. Every request's ESS rows (its LRU slots plus T reserved rows for the step's
+newest tokens: T = 1, or the draft tokens of a verify step) lie inside SGLang's HiSparse device pool (`HiSparseDSATokenToKVPool.kv_buffer`), in a region
 this coordinator takes from the top of the pool's allocator at construction: FlashMLA reads the
 rows `swap_in_selected_pages` returns from the same buffer it reads under HiSparse. The model writes
 each decode token with its unchanged `set_mla_kv_buffer(out_cache_loc)`: `map_last_loc_to_buffer`
