@@ -70,6 +70,11 @@ def _cuda_index(device) -> int:
     return torch.cuda.current_device() if index is None else index
 
 
+def _entry_rows(buf):
+    """A layer's kv_buffer ([slots, 1, kv_cache_dim] of the pool's store dtype) as [slots, 656] bytes."""
+    return buf.view(torch.uint8).view(-1, ENTRY_BYTES)
+
+
 def _keep(tensor, stream):
     """The caching allocator must not hand `tensor`'s memory out again before `stream`'s work on it ends."""
     if tensor.is_cuda:
@@ -176,8 +181,7 @@ class HiSparseCoordinator:
         rows_per_request = self.device_buffer_size + self.T
         self.row_base = _claim_top_rows(token_to_kv_pool_allocator, max_reqs * rows_per_request, max_context)
         self.ess_rows = max_reqs * rows_per_request
-        latent = [buf.view(torch.uint8).view(-1, ENTRY_BYTES)[self.row_base:self.row_base + self.ess_rows]
-                  for buf in kvcache.kv_buffer]
+        latent = [_entry_rows(buf)[self.row_base:self.row_base + self.ess_rows] for buf in kvcache.kv_buffer]
         device_tokens = kvcache.size if getattr(kvcache, "host_capacity_tokens", None) is None \
             else kvcache.host_capacity_tokens
         host_tokens = int(device_tokens * host_to_device_ratio)
@@ -321,18 +325,12 @@ class HiSparseCoordinator:
         lengths = torch.tensor([self._length[r] for r in rows], dtype=torch.int64)
         self.wait_for_pending_backup()
         current = self.dev.current_stream()
-        with self.dev.stream(self.decode_backup_stream):
-            self.decode_backup_stream.wait_stream(current)
 
-            def write_back():
-                self._commit_rows[:B].copy_(rows_t)
-                self._commit_lengths[:B].copy_(lengths)
-                self._commit_source[:B].copy_(source)
-                stream = self.dev.handle(self.decode_backup_stream)
-                for layer in range(self.layer_num):
-                    self._commit_write_back.write_back(layer, B, stream)
-            self.dev.launch(write_back)
-            self._backup_done_event.record()
+        def stage():
+            self._commit_rows[:B].copy_(rows_t)
+            self._commit_lengths[:B].copy_(lengths)
+            self._commit_source[:B].copy_(source)
+        self._launch_backup(self._commit_write_back, B, stage)
         # The entries past each kept length are taken back once the write-back, which writes all T, is done.
         self._backup_done_event.synchronize()
         for row, n in zip(rows, kept.tolist()):
@@ -403,8 +401,7 @@ class HiSparseCoordinator:
         host = torch.empty((self.layer_num, n, ENTRY_BYTES), dtype=torch.uint8,
                            pin_memory=self.dev.is_cuda)
         for layer, buf in enumerate(self.mem_pool_device.kv_buffer):
-            rows = buf.view(buf.shape[0], -1).view(torch.uint8)
-            host[layer].copy_(rows.index_select(0, device_locs), non_blocking=True)
+            host[layer].copy_(_entry_rows(buf).index_select(0, device_locs), non_blocking=True)
         self._staging_copy[id(req)] = host
 
     def _finish_staging(self, req):
@@ -544,25 +541,33 @@ class HiSparseCoordinator:
         (rows, lengths), dropped = self._backup_due, self._dropped_rows
         self._backup_due, self._dropped_rows = None, []
         B = int(rows.shape[0])
-        schedule = self.dev.current_stream()
+
+        def stage():
+            self._backup_rows[:B].copy_(rows)
+            self._backup_lengths[:B].copy_(lengths)
+            for row in dropped:
+                self._backup_rows[:B].masked_fill_(self._backup_rows[:B] == row, -1)
+        self._launch_backup(self._write_back, B, stage, self.decode_producer_stream)
+        _keep(rows, self.decode_backup_stream)
+        _keep(lengths, self.decode_backup_stream)
+        self._has_pending_backup = True
+
+    def _launch_backup(self, binding, B, stage, producer=None):
+        """On decode_backup_stream, after the current stream (and `producer`): `stage` fills the binding's
+        tensors, then every layer's write-back; the backup event is recorded when it ends."""
+        current = self.dev.current_stream()
         with self.dev.stream(self.decode_backup_stream):
-            self.decode_backup_stream.wait_stream(schedule)
-            if self.decode_producer_stream is not None:
-                self.decode_backup_stream.wait_stream(self.decode_producer_stream)
+            self.decode_backup_stream.wait_stream(current)
+            if producer is not None:
+                self.decode_backup_stream.wait_stream(producer)
 
             def backup():
-                self._backup_rows[:B].copy_(rows)
-                self._backup_lengths[:B].copy_(lengths)
-                for row in dropped:
-                    self._backup_rows[:B].masked_fill_(self._backup_rows[:B] == row, -1)
+                stage()
                 stream = self.dev.handle(self.decode_backup_stream)
                 for layer in range(self.layer_num):
-                    self._write_back.write_back(layer, B, stream)
+                    binding.write_back(layer, B, stream)
             self.dev.launch(backup)
-            _keep(rows, self.decode_backup_stream)
-            _keep(lengths, self.decode_backup_stream)
             self._backup_done_event.record()
-        self._has_pending_backup = True
 
     def wait_for_pending_backup(self) -> None:
         if not self._has_pending_backup:
