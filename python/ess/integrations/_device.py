@@ -57,9 +57,6 @@ class _HostStream:
     def wait_stream(self, other):
         pass
 
-    def wait_event(self, event):
-        pass
-
     def synchronize(self):
         pass
 

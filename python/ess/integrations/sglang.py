@@ -252,9 +252,19 @@ class HiSparseCoordinator:
                               "(PD direct admission)")
 
     # ---- the rows of a request, in SGLang's device pool ----
-    def _reserved_loc(self, req_pool_indices):
-        """SGLang device slot of each request's reserved row (its newest token)."""
-        return req_pool_indices.to(torch.int64) * self.info.rows_per_request + (self.row_base + self.info.slots)
+    def _extend_into_reserved(self, rows, req_pool_indices, locs):
+        """Every request (`rows`, host ints, in req_pool_indices' order) grows by the step's T tokens, and their
+        logical slots `locs` ([bs x T], token t of position b at b x T + t) map to the request's T reserved rows,
+        where the model's unchanged set_mla_kv_buffer then writes them."""
+        T = self.T
+        for row in rows:
+            self.engine.extend(row, T)
+            self._length[row] += T
+        reserved = (req_pool_indices.to(torch.int64).view(-1, 1) * self.info.rows_per_request
+                    + (self.row_base + self.info.slots)
+                    + torch.arange(T, dtype=torch.int64, device=req_pool_indices.device).view(1, -1))
+        mapping = self.mem_pool_device.full_to_hisparse_device_index_mapping
+        self.dev.launch(lambda: mapping.index_copy_(0, locs, reserved.view(-1)))
 
     def _layer(self, layer_id: int) -> int:
         layer = int(layer_id) - self.start_layer
@@ -286,14 +296,7 @@ class HiSparseCoordinator:
         lengths = None if seq_lens_cpu is None else [int(n) for n in seq_lens_cpu.tolist()]
         self._check_batch("prepare_spec_verify", rows, lengths, grow=0)
         self._retire()
-        for row in rows:
-            self.engine.extend(row, T)
-            self._length[row] += T
-        mapping = self.mem_pool_device.full_to_hisparse_device_index_mapping
-        reserved = (self._reserved_loc(batch.req_pool_indices).view(-1, 1)
-                    + torch.arange(T, dtype=torch.int64, device=batch.req_pool_indices.device).view(1, -1))
-        locs = batch.out_cache_loc.to(torch.int64)
-        self.dev.launch(lambda: mapping.index_copy_(0, locs, reserved.view(-1)))
+        self._extend_into_reserved(rows, batch.req_pool_indices, batch.out_cache_loc.to(torch.int64))
 
     def commit_spec_accept_tokens(self, batch, accept_indices) -> None:
         """run_eagle_verify, after the verify forward: accept_indices [bs, T] (int, -1 = rejected) names for each
@@ -516,20 +519,15 @@ class HiSparseCoordinator:
         self._check_batch("map_last_loc_to_buffer", rows, lengths, grow=self.T)
         self._retire()
         self._backup_previous_step()
-        for row in rows:
-            self.engine.extend(row, self.T)
-            self._length[row] += self.T
-        mapping = self.mem_pool_device.full_to_hisparse_device_index_mapping
-        locs = self.token_to_kv_pool_allocator.get_last_loc_compressed(out_cache_loc)
-        reserved = self._reserved_loc(req_pool_indices)
+        locs = self.token_to_kv_pool_allocator.get_last_loc_compressed(out_cache_loc).to(torch.int64)
         if self.page_size == 1:
             # alloc_for_decode's page-size-one path (allocator.alloc) gave each new token a device slot of
             # SGLang's too: it goes back, as upstream frees it (this branch synchronizes, as upstream's does).
-            previous = mapping[locs.to(torch.int64)]
+            previous = self.mem_pool_device.full_to_hisparse_device_index_mapping[locs]
             stale = previous[previous > 0]
             if stale.numel() > 0:
                 self.token_to_kv_pool_allocator.free_hisparse_indices(stale)
-        self.dev.launch(lambda: mapping.index_copy_(0, locs.to(torch.int64), reserved))
+        self._extend_into_reserved(rows, req_pool_indices, locs)
         self._backup_due = (req_pool_indices, seq_lens)
 
     def _backup_previous_step(self):
