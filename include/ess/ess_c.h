@@ -127,6 +127,33 @@ ESS_API ess_status ess_engine_layer_data(const ess_engine* engine, int32_t layer
 /* A copy of physical row `row` of a layer: `bytes` must be the entry size. */
 ESS_API ess_status ess_engine_read_row(const ess_engine* engine, int32_t layer, int32_t row, void* out, size_t bytes);
 
+/* The Total Memory Pool (host) as another engine's transfer backend addresses it: one region per
+ * layer, `pages_per_layer` pages of `page_tokens` entries each; page g of layer l starts at
+ * ess_engine_host_layer(l) + g x page_bytes, and a request's page i is the same g in every layer
+ * (ess_request_host_pages). Token t of a request is entry t % page_tokens of its page t / page_tokens.
+ * A transfer may write the pages of a request admitted with ess_request_admit (its own pages) before
+ * the first step or warmup reads them; pages shared through a prefix are read-only. */
+typedef struct ess_host_layout {
+  uint32_t struct_size;
+  int32_t layers;
+  int32_t page_tokens;       /* 64 */
+  int32_t pinned;            /* 1: page-locked (registered with CUDA), 0: pageable */
+  uint64_t entry_bytes;
+  uint64_t page_bytes;       /* page_tokens x entry_bytes */
+  int64_t pages_per_layer;
+  uint64_t layer_bytes;      /* pages_per_layer x page_bytes: each region's size */
+} ess_host_layout;
+
+ESS_API void ess_host_layout_init(ess_host_layout* layout);
+ESS_API ess_status ess_engine_host_layout(const ess_engine* engine, ess_host_layout* layout);
+/* The start of a layer's region of the host pool. */
+ESS_API ess_status ess_engine_host_layer(const ess_engine* engine, int32_t layer, void** data);
+/* The request's page indices, one per page_tokens tokens (rounded up), into `pages` (room for
+ * `capacity`); *count is set to how many there are, also when `capacity` is too small (then
+ * ESS_INVALID_ARGUMENT and nothing is written). pages may be NULL with capacity 0 to ask the count. */
+ESS_API ess_status ess_request_host_pages(const ess_engine* engine, int64_t id, int32_t* pages, int64_t capacity,
+                                          int64_t* count);
+
 typedef struct ess_stats {
   uint32_t struct_size;
   int64_t steps;             /* layer steps run */

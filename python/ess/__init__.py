@@ -12,12 +12,12 @@ from typing import Iterable, Optional
 
 from ._errors import DeviceError, EssError, InternalError, InvalidArgument, OutOfMemory, Unavailable, check
 from ._lib import ABI_VERSION, lib, path as library_path
-from .engine import Engine, Info, Stats, StepBinding, WriteBackBinding, stream_handle
+from .engine import Engine, HostLayout, Info, Stats, StepBinding, WriteBackBinding, stream_handle
 
 __version__ = lib.ess_version().decode()
 
 __all__ = [
-    "ABI_VERSION", "DeviceError", "Engine", "EssError", "Info", "InternalError", "InvalidArgument", "OutOfMemory",
+    "ABI_VERSION", "DeviceError", "Engine", "EssError", "HostLayout", "Info", "InternalError", "InvalidArgument", "OutOfMemory",
     "Stats", "StepBinding", "Unavailable", "WriteBackBinding", "cuda_built", "cuda_device_count", "library_path",
     "plan", "stream_handle",
 ]

@@ -72,6 +72,19 @@ class Stats(ctypes.Structure):
     ]
 
 
+class HostLayout(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("layers", ctypes.c_int32),
+        ("page_tokens", ctypes.c_int32),
+        ("pinned", ctypes.c_int32),
+        ("entry_bytes", ctypes.c_uint64),
+        ("page_bytes", ctypes.c_uint64),
+        ("pages_per_layer", ctypes.c_int64),
+        ("layer_bytes", ctypes.c_uint64),
+    ]
+
+
 class StepTensors(ctypes.Structure):
     _fields_ = [("struct_size", ctypes.c_uint32)] + [
         (name, ctypes.c_void_p)
@@ -131,6 +144,10 @@ _signatures = {
     "ess_engine_get_info": (_c.c_int, [_P, _c.POINTER(EngineInfo)]),
     "ess_engine_layer_data": (_c.c_int, [_P, _c.c_int32, _c.POINTER(_P)]),
     "ess_engine_read_row": (_c.c_int, [_P, _c.c_int32, _c.c_int32, _P, _c.c_size_t]),
+    "ess_host_layout_init": (None, [_c.POINTER(HostLayout)]),
+    "ess_engine_host_layout": (_c.c_int, [_P, _c.POINTER(HostLayout)]),
+    "ess_engine_host_layer": (_c.c_int, [_P, _c.c_int32, _c.POINTER(_P)]),
+    "ess_request_host_pages": (_c.c_int, [_P, _c.c_int64, _P, _c.c_int64, _c.POINTER(_c.c_int64)]),
     "ess_stats_init": (None, [_c.POINTER(Stats)]),
     "ess_engine_get_stats": (_c.c_int, [_P, _c.POINTER(Stats)]),
     "ess_request_admit": (_c.c_int, [_P, _c.c_int64, _c.c_int64, _c.c_int32, _c.POINTER(_c.c_int32)]),

@@ -10,7 +10,7 @@ from typing import Mapping, Optional, Sequence, Union
 
 from . import _dlpack
 from ._errors import InvalidArgument, check
-from ._lib import Config, EngineInfo, StepTensors, Stats as _Stats, lib
+from ._lib import Config, EngineInfo, HostLayout as _HostLayout, StepTensors, Stats as _Stats, lib
 
 _BACKENDS = {"cpu": 0, "cuda": 1}
 _POLICIES = {"lru": 0}
@@ -25,6 +25,12 @@ def stream_handle(stream) -> Optional[int]:
         if isinstance(value, int):
             return value or None
     raise InvalidArgument(f"stream: {type(stream).__name__} is not a stream (an int, torch.cuda.Stream or CuPy stream)")
+
+
+def _check_range(name: str, value, lo: int, hi: int):
+    """ctypes would cut a Python int down to the C type's width: refuse what does not fit instead."""
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise InvalidArgument(f"{name} = {value!r}: an integer in [{lo}, {hi}] is expected")
 
 
 @dataclass(frozen=True)
@@ -48,6 +54,19 @@ class Info:
     def reserved_row(self, row: int, t: int = 0) -> int:
         """The physical row holding the t-th of a step's T newest tokens of pool row `row` (reserve_newest)."""
         return row * self.rows_per_request + self.slots + t
+
+
+@dataclass(frozen=True)
+class HostLayout:
+    """The host pool as a transfer backend addresses it (ess_c.h, ess_host_layout): one region per layer,
+    page g of layer l at host_layer(l) + g x page_bytes; a request's page i is the same g in every layer."""
+    layers: int
+    page_tokens: int
+    pinned: bool
+    entry_bytes: int
+    page_bytes: int
+    pages_per_layer: int
+    layer_bytes: int
 
 
 @dataclass(frozen=True)
@@ -273,6 +292,33 @@ class Engine:
         out = ctypes.c_void_p()
         check(lib.ess_engine_layer_data(self._h(), layer, ctypes.byref(out)))
         return out.value
+
+    def host_layout(self) -> HostLayout:
+        raw = _HostLayout()
+        lib.ess_host_layout_init(ctypes.byref(raw))
+        check(lib.ess_engine_host_layout(self._h(), ctypes.byref(raw)))
+        values = {name: getattr(raw, name) for name, _ in _HostLayout._fields_ if name != "struct_size"}
+        values["pinned"] = bool(values["pinned"])
+        return HostLayout(**values)
+
+    def host_layer(self, layer: int) -> int:
+        """The address of a layer's region of the host pool."""
+        _check_range("layer", layer, -2**31, 2**31 - 1)
+        out = ctypes.c_void_p()
+        check(lib.ess_engine_host_layer(self._h(), layer, ctypes.byref(out)))
+        return out.value
+
+    def host_pages(self, request_id: int) -> list:
+        """The request's page indices (one per page_tokens tokens): page i of every layer's region."""
+        _check_range("request_id", request_id, -2**63, 2**63 - 1)
+        count = ctypes.c_int64()
+        status = lib.ess_request_host_pages(self._h(), request_id, None, 0, ctypes.byref(count))
+        if count.value == 0 or status == 0:
+            check(status)
+            return []
+        out = (ctypes.c_int32 * count.value)()
+        check(lib.ess_request_host_pages(self._h(), request_id, out, count.value, ctypes.byref(count)))
+        return list(out)
 
     def read_row(self, layer: int, row: int) -> bytes:
         """A copy of physical row `row` of a layer's buffer."""

@@ -27,6 +27,9 @@ class Use:
     keywords: List[str] = field(default_factory=list)
     starred: bool = False     # *args / **kwargs: the binding cannot be checked from the source
     result_attributes: List[str] = field(default_factory=list)  # read on the call's result
+    # Members used on an attribute (coordinator.mem_pool_host.alloc_paged_token_slots(...)): Uses whose name is
+    # the member.
+    members: List["Use"] = field(default_factory=list)
 
     def where(self) -> str:
         return f"{self.path}:{self.line} ({self.function})"
@@ -76,6 +79,16 @@ class _FunctionScan(ast.NodeVisitor):
             self._visit(node)
         self._result_attributes(body)
 
+    def _call_shape(self, node, use):
+        parent = self.parents.get(node)
+        if isinstance(parent, ast.Call) and parent.func is node:
+            use.call = True
+            use.positional = sum(1 for a in parent.args if not isinstance(a, ast.Starred))
+            use.keywords = [k.arg for k in parent.keywords if k.arg is not None]
+            use.starred = any(isinstance(a, ast.Starred) for a in parent.args) or \
+                any(k.arg is None for k in parent.keywords)
+        return parent
+
     def _visit(self, node):
         if isinstance(node, ast.Call):
             f = node.func
@@ -85,14 +98,13 @@ class _FunctionScan(ast.NodeVisitor):
                     self.path, node.lineno, self.function, len(node.args),
                     [k.arg for k in node.keywords if k.arg is not None]))
         if isinstance(node, ast.Attribute) and _is_coordinator(node.value, self.aliases):
-            parent = self.parents.get(node)
             use = Use(self.path, node.lineno, self.function, node.attr)
-            if isinstance(parent, ast.Call) and parent.func is node:
-                use.call = True
-                use.positional = sum(1 for a in parent.args if not isinstance(a, ast.Starred))
-                use.keywords = [k.arg for k in parent.keywords if k.arg is not None]
-                use.starred = any(isinstance(a, ast.Starred) for a in parent.args) or \
-                    any(k.arg is None for k in parent.keywords)
+            parent = self._call_shape(node, use)
+            if isinstance(parent, ast.Attribute) and parent.value is node and isinstance(parent.ctx, ast.Load):
+                member = Use(self.path, parent.lineno, self.function, parent.attr)
+                self._call_shape(parent, member)
+                use.members.append(member)
+            if use.call:
                 assign = self.parents.get(parent)
                 if isinstance(assign, ast.Assign) and len(assign.targets) == 1 and \
                         isinstance(assign.targets[0], ast.Name):

@@ -222,6 +222,35 @@ def test_truncate_takes_back_unaccepted_draft_tokens():
         f.truncate(1, 51)
 
 
+def test_host_pages_are_where_the_layout_says():
+    """A transfer backend writes a request's pages of every layer at host_layer(l) + page x page_bytes (one page
+    list for all layers); the engine reads those bytes, and a step serves them."""
+    import ctypes
+    e = small()
+    h = e.host_layout()
+    assert (h.layers, h.page_tokens, h.entry_bytes, h.page_bytes) == (2, 64, ENTRY, 64 * ENTRY)
+    assert h.layer_bytes == h.pages_per_layer * h.page_bytes
+    e.admit(4, 30)             # holds a page below request 5's
+    e.admit(5, 100)
+    pages = e.host_pages(5)
+    assert len(pages) == 2 and len(set(pages)) == 2
+    rng = np.random.default_rng(3)
+    want = rng.integers(0, 256, (2, 100, ENTRY), dtype=np.uint8)
+    for layer in range(2):
+        base = e.host_layer(layer)
+        for t in range(100):
+            ctypes.memmove(base + pages[t // 64] * h.page_bytes + (t % 64) * ENTRY, want[layer, t].ctypes.data, ENTRY)
+    for layer in range(2):
+        assert (e.read_entries(5, layer, 0, np.empty((100, ENTRY), np.uint8)) == want[layer]).all()
+        assert (e.read_entries(4, layer, 0, np.empty((30, ENTRY), np.uint8)) == 0).all()
+    with pytest.raises(ess.InvalidArgument, match="unknown request 9"):
+        e.host_pages(9)
+    with pytest.raises(ess.InvalidArgument, match=r"layer 2 out of \[0, 2\)"):
+        e.host_layer(2)
+    with pytest.raises(ess.InvalidArgument, match="request_id = 18446744073709551621"):
+        e.host_pages(2**64 + 5)
+
+
 def test_plan_is_ess_plan():
     p = ess.plan(hardware="h200", contexts=[32768], min_otps=15)
     assert p["plans"][0]["context"] == 32768 and "chosen" in p["plans"][0]

@@ -1,8 +1,10 @@
 """ess.integrations.sglang.HiSparseCoordinator against the pinned SGLang release's own source: every
 call and attribute access SGLang makes on its coordinator, found by an AST scan of the release
 (sglang_callsites.py), binds to our class: the name exists, and the call's positional and keyword
-arguments bind to our signature. A use in a configuration ESS refuses at construction (PD decode,
-MiniMax and DeepSeek-V4 pools) must be one the refusal covers.
+arguments bind to our signature; what SGLang uses on the coordinator's attributes (mem_pool_host.
+alloc_paged_token_slots(...), spec_swap.scratch_capacity, num_real_reqs.fill_(...)) exists on, and binds
+to, what a built coordinator holds there. A use in a configuration ESS refuses at construction (MiniMax
+and DeepSeek-V4 pools) must be one the refusal covers.
 
 The sources come from scripts/upstream.sh (build/upstream/sglang-0.5.23); their absence fails."""
 import ast
@@ -18,11 +20,6 @@ SOURCE = sglang_callsites.default_source()
 
 # Call sites that only run in a configuration the constructor refuses by name, and that refusal.
 REFUSED = {
-    ("srt/disaggregation/decode.py", "_init_kv_manager"): "PD decode",
-    ("srt/disaggregation/decode.py", "pop_preallocated"): "PD decode",
-    ("srt/disaggregation/decode.py", "_pre_alloc"): "PD decode",
-    ("srt/disaggregation/decode.py", "process_decode_queue"): "PD decode",
-    ("srt/managers/scheduler_pp_mixin.py", "process_decode_transfer_queue"): "PD decode",
     ("srt/layers/attention/dsv4/indexer.py", "forward_c4_indexer"): "DeepSeek-V4 pool",
     ("srt/layers/attention/minimax_sparse_backend.py", "__init__"): "MiniMax pool",
     ("srt/layers/attention/minimax_sparse_backend.py", "_hisparse_swap_in_blocks"): "MiniMax pool",
@@ -80,6 +77,46 @@ def test_every_use_binds_or_is_refused_at_construction(scanned):
             missing.append(f"{u.where()}: {'call' if u.call else 'attribute'} {u.name}"
                            + (f"({u.positional} positional, {u.keywords})" if u.call else ""))
     assert not missing, "SGLang uses what our coordinator lacks:\n" + "\n".join(missing)
+
+
+def test_members_of_attributes_bind(scanned):
+    """coordinator.X.Y as SGLang uses it, on a coordinator built on the replay's stand-in pools."""
+    from test_sglang_replay import build
+    uses, _ = scanned
+    coordinator, _ = build()
+    missing, seen = [], 0
+    for u in uses:
+        if (u.path.replace(os.sep, "/"), u.function) in REFUSED:
+            continue
+        for m in u.members:
+            seen += 1
+            member = getattr(getattr(coordinator, u.name), m.name, None)
+            ok = member is not None
+            if ok and m.call:
+                ok = callable(member) and not m.starred and (
+                    not _has_signature(member) or binds_bound(member, m.positional, m.keywords))
+            if not ok:
+                missing.append(f"{m.where()}: {u.name}.{m.name}" + (f"({m.positional} positional, {m.keywords})"
+                                                                   if m.call else ""))
+    coordinator.destroy()
+    assert seen >= 4, "the scan found none of the attribute members SGLang uses: the release's layout changed"
+    assert not missing, "SGLang uses what our coordinator's attributes lack:\n" + "\n".join(missing)
+
+
+def binds_bound(method, positional, keywords):
+    try:
+        inspect.signature(method).bind(*([None] * positional), **{k: None for k in keywords})
+        return True
+    except TypeError:
+        return False
+
+
+def _has_signature(fn):
+    try:
+        inspect.signature(fn)
+        return True
+    except (TypeError, ValueError):   # a builtin (torch's Tensor.fill_)
+        return False
 
 
 def test_the_refused_table_names_real_call_sites(scanned):

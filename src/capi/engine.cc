@@ -204,6 +204,45 @@ ess_status ess_engine_read_row(const ess_engine* engine, int32_t layer, int32_t 
   });
 }
 
+void ess_host_layout_init(ess_host_layout* layout) { ess::capi::init_struct(layout); }
+
+ess_status ess_engine_host_layout(const ess_engine* engine, ess_host_layout* layout) {
+  return guard("ess_engine_host_layout", [&] {
+    const ess::TotalPool& pool = ess::capi::engine_ref(engine).offload->host_pool();
+    ess::capi::check_struct(layout, "ess_host_layout", "ess_host_layout_init");
+    layout->layers = pool.num_layers();
+    layout->page_tokens = static_cast<std::int32_t>(ess::kPageTokens);
+    layout->pinned = pool.memory_kind() == ess::HostMemoryKind::kPinned ? 1 : 0;
+    layout->entry_bytes = pool.entry_bytes();
+    layout->page_bytes = pool.page_bytes();
+    layout->pages_per_layer = pool.pages_per_layer();
+    layout->layer_bytes = static_cast<std::uint64_t>(pool.pages_per_layer()) * pool.page_bytes();
+  });
+}
+
+ess_status ess_engine_host_layer(const ess_engine* engine, int32_t layer, void** data) {
+  return guard("ess_engine_host_layer", [&] {
+    const ess::TotalPool& pool = ess::capi::engine_ref(engine).offload->host_pool();
+    ESS_CHECK(data != nullptr, "the data out-pointer is NULL");
+    *data = const_cast<std::uint8_t*>(pool.layer_base(layer));  // the arena is writable; the pool hands out its address
+  });
+}
+
+ess_status ess_request_host_pages(const ess_engine* engine, int64_t id, int32_t* pages, int64_t capacity,
+                                  int64_t* count) {
+  return guard("ess_request_host_pages", [&] {
+    const ess::TotalPool& pool = ess::capi::engine_ref(engine).offload->host_pool();
+    ESS_CHECK(count != nullptr, "the count out-pointer is NULL");
+    ESS_CHECK(capacity >= 0, "capacity = {} is negative", capacity);
+    const std::vector<std::int32_t> idx = pool.page_indices(id);
+    *count = static_cast<std::int64_t>(idx.size());
+    ESS_CHECK(capacity >= std::ssize(idx), "request {} has {} pages; the output has room for {}", id, idx.size(),
+              capacity);
+    ESS_CHECK(pages != nullptr || idx.empty(), "the pages output is NULL");
+    if (!idx.empty()) std::memcpy(pages, idx.data(), idx.size() * sizeof(std::int32_t));
+  });
+}
+
 void ess_stats_init(ess_stats* stats) { ess::capi::init_struct(stats); }
 
 ess_status ess_engine_get_stats(const ess_engine* engine, ess_stats* stats) {

@@ -19,11 +19,12 @@ using test::error_of;
 TEST(TotalPool, PagesAndAccounting) {
   const LatentLayout layout;  // 656 B
   const std::uint64_t page = 64 * 656;
-  TotalPool pool(3, layout, 10 * page + 100);
+  TotalPool pool(3, layout, 10 * page + 100);  // whole pages of every layer: 9
   EXPECT_EQ(pool.page_bytes(), page);
-  EXPECT_EQ(pool.capacity_pages(), 10);
-  EXPECT_EQ(pool.capacity_bytes(), 10 * page);
-  EXPECT_EQ(pool.free_pages(), 10);
+  EXPECT_EQ(pool.capacity_pages(), 9);
+  EXPECT_EQ(pool.pages_per_layer(), 3);
+  EXPECT_EQ(pool.capacity_bytes(), 9 * page);
+  EXPECT_EQ(pool.free_pages(), 9);
   EXPECT_EQ(pool.memory_kind() == HostMemoryKind::kPinned, cuda_device_present());
 
   pool.admit(7, 65);  // 2 pages per layer
@@ -32,16 +33,16 @@ TEST(TotalPool, PagesAndAccounting) {
   EXPECT_EQ(u.pages, 6);
   EXPECT_EQ(u.bytes, 6 * page);
   EXPECT_EQ(u.entry_bytes, 65u * 3u * 656u);
-  EXPECT_EQ(pool.free_pages(), 4);
+  EXPECT_EQ(pool.free_pages(), 3);
   EXPECT_EQ(pool.used_bytes(), 6 * page);
 
   pool.extend(7, 63);  // 128 tokens: still 2 pages per layer
-  EXPECT_EQ(pool.free_pages(), 4);
+  EXPECT_EQ(pool.free_pages(), 3);
   EXPECT_EQ(pool.length(7), 128);
   pool.extend(7, 1);  // 129: a third page per layer
-  EXPECT_EQ(pool.free_pages(), 1);
+  EXPECT_EQ(pool.free_pages(), 0);
   pool.release(7);
-  EXPECT_EQ(pool.free_pages(), 10);
+  EXPECT_EQ(pool.free_pages(), 9);
   EXPECT_FALSE(pool.contains(7));
 }
 
@@ -83,20 +84,20 @@ TEST(TotalPool, EntriesLiveInTheirPagesAndStartZeroed) {
 }
 
 TEST(TotalPool, AdmissionThatDoesNotFitChangesNothing) {
-  TotalPool pool(4, test::small_layout(), 10 * 64 * 144);  // 10 pages
+  TotalPool pool(4, test::small_layout(), 10 * 64 * 144);  // 8 pages: 2 per layer
   pool.admit(1, 64);                                       // 4 pages
   test::write_pattern(pool, 1, 2, 0, 64);
   const std::uint64_t before = pool.digest();
-  const std::string msg = error_of([&] { pool.admit(2, 65); });  // needs 8 pages, 6 free
+  const std::string msg = error_of([&] { pool.admit(2, 65); });  // needs 8 pages, 4 free
   EXPECT_NE(msg.find("total pool full"), std::string::npos) << msg;
   EXPECT_NE(msg.find("request 2"), std::string::npos) << msg;
   EXPECT_NE(msg.find("8 pages"), std::string::npos) << msg;
   EXPECT_EQ(pool.digest(), before);
   EXPECT_FALSE(pool.contains(2));
-  EXPECT_EQ(pool.free_pages(), 6);
+  EXPECT_EQ(pool.free_pages(), 4);
 
   // Growth that does not fit is all-or-nothing too.
-  pool.admit(3, 64);  // 4 more pages: 2 free
+  pool.admit(3, 64);  // 4 more pages: none free
   const std::uint64_t before_grow = pool.digest();
   EXPECT_THROW(pool.extend(3, 1), Error);  // needs 4
   EXPECT_EQ(pool.digest(), before_grow);
@@ -120,6 +121,8 @@ TEST(TotalPool, BadInputIsRefusedWithContext) {
   EXPECT_NE(error_of([&] { pool.write(5, 0, 0, short_entry); }).find("10 bytes"), std::string::npos);
   EXPECT_EQ(pool.digest(), before);
   EXPECT_THROW(TotalPool(2, test::small_layout(), 100), Error);  // smaller than a page
+  const std::string one_layer = error_of([] { TotalPool(2, test::small_layout(), 64 * 144 + 10); });
+  EXPECT_NE(one_layer.find("one page of each of the 2 layers"), std::string::npos) << one_layer;
   EXPECT_THROW(TotalPool(0, test::small_layout(), 1 << 20), Error);
 }
 
@@ -165,6 +168,35 @@ TEST(TotalPool, TruncateZeroesTheTailAndFreesItsPages) {
   pool.release(2);
   pool.truncate(1, 0);
   EXPECT_EQ(pool.free_pages(), 8);
+  pool.check_invariants();
+}
+
+// Layer-major lockstep: page i of a request lies at the same index of every layer's region, so
+// one list of page indices addresses the request in every layer (what a PD transfer writes).
+TEST(TotalPool, APageIndexAddressesTheRequestInEveryLayer) {
+  TotalPool pool(3, test::small_layout(), 15 * 64 * 144 + 100);  // 5 pages per layer
+  EXPECT_EQ(pool.pages_per_layer(), 5);
+  for (int l = 0; l < 3; ++l) {
+    EXPECT_EQ(pool.layer_base(l), pool.base() + static_cast<std::size_t>(l) * 5 * pool.page_bytes());
+  }
+  EXPECT_NE(error_of([&] { (void)pool.layer_base(3); }).find("layer 3 out of [0, 3)"), std::string::npos);
+  pool.admit(1, 70);
+  pool.admit(2, 10);
+  pool.release(1);      // a hole below request 2's page
+  pool.admit(3, 130);   // 3 pages: the hole and above
+  pool.admit_shared(4, 64, 2, 0);
+  for (const RequestId id : {2, 3, 4}) {
+    const auto idx = pool.page_indices(id);
+    ASSERT_EQ(std::ssize(idx), (pool.length(id) + 63) / 64);
+    for (int l = 0; l < 3; ++l) {
+      for (std::int64_t t = 0; t < pool.length(id); ++t) {
+        const auto at = pool.layer_base(l) + static_cast<std::size_t>(idx[static_cast<std::size_t>(t / 64)]) *
+                                                 pool.page_bytes() + static_cast<std::size_t>(t % 64) * pool.entry_bytes();
+        ASSERT_EQ(pool.entry(id, l, t).data(), at) << "request " << id << " layer " << l << " token " << t;
+      }
+    }
+  }
+  EXPECT_NE(error_of([&] { (void)pool.page_indices(9); }).find("unknown request 9"), std::string::npos);
   pool.check_invariants();
 }
 

@@ -224,6 +224,55 @@ TEST(CApi, SharedPromptPrefixes) {
   ess_engine_destroy(e);
 }
 
+// A transfer backend writes a request's pages of every layer through the host layout (one page
+// index list for all layers); the engine reads exactly those bytes.
+TEST(CApi, HostPagesAreWhereTheLayoutSays) {
+  ess_config c = small_config();
+  ess_engine* e = nullptr;
+  ASSERT_EQ(ess_engine_create(&c, &e), ESS_OK) << last();
+  ess_host_layout h;
+  ess_host_layout_init(&h);
+  ASSERT_EQ(ess_engine_host_layout(e, &h), ESS_OK) << last();
+  EXPECT_EQ(h.layers, 2);
+  EXPECT_EQ(h.page_tokens, 64);
+  EXPECT_EQ(h.entry_bytes, static_cast<std::uint64_t>(kEntry));
+  EXPECT_EQ(h.page_bytes, 64u * kEntry);
+  EXPECT_EQ(h.layer_bytes, static_cast<std::uint64_t>(h.pages_per_layer) * h.page_bytes);
+  ASSERT_EQ(ess_request_admit(e, 5, 10, -1, nullptr), ESS_OK) << last();   // a page below request 6's
+  ASSERT_EQ(ess_request_admit(e, 6, 100, -1, nullptr), ESS_OK) << last();
+  std::int64_t count = -1;
+  ASSERT_EQ(ess_request_host_pages(e, 6, nullptr, 0, &count), ESS_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(count, 2);
+  EXPECT_NE(last().find("request 6 has 2 pages; the output has room for 0"), std::string::npos) << last();
+  std::vector<std::int32_t> pages(2, -1);
+  ASSERT_EQ(ess_request_host_pages(e, 6, pages.data(), 2, &count), ESS_OK) << last();
+  for (std::int32_t l = 0; l < 2; ++l) {
+    void* base = nullptr;
+    ASSERT_EQ(ess_engine_host_layer(e, l, &base), ESS_OK) << last();
+    for (std::int64_t t = 0; t < 100; ++t) {
+      auto* at = static_cast<std::uint8_t*>(base) + static_cast<std::size_t>(pages[static_cast<std::size_t>(t / 64)]) *
+                                                       h.page_bytes + static_cast<std::size_t>(t % 64) * kEntry;
+      std::memset(at, static_cast<int>((t * 7 + l * 3) & 0xff), kEntry);
+    }
+  }
+  std::vector<std::uint8_t> out(100u * kEntry);
+  for (std::int32_t l = 0; l < 2; ++l) {
+    std::vector<std::int64_t> shape = {100, kEntry};
+    DLTensor o = tensor(out.data(), shape, kDLUInt, 8);
+    ASSERT_EQ(ess_request_read_entries(e, 6, l, 0, &o), ESS_OK) << last();
+    for (std::int64_t t = 0; t < 100; ++t) {
+      ASSERT_EQ(out[static_cast<std::size_t>(t) * kEntry + 17], static_cast<std::uint8_t>((t * 7 + l * 3) & 0xff))
+          << "layer " << l << " token " << t;
+    }
+  }
+  void* base = nullptr;
+  EXPECT_EQ(ess_engine_host_layer(e, 2, &base), ESS_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(last().find("layer 2 out of [0, 2)"), std::string::npos) << last();
+  EXPECT_EQ(ess_request_host_pages(e, 9, pages.data(), 2, &count), ESS_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(last().find("unknown request 9"), std::string::npos) << last();
+  ess_engine_destroy(e);
+}
+
 TEST(CApi, ErrorsAreThreadLocal) {
   ess_engine* e = nullptr;
   ess_config c = small_config();

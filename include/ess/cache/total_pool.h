@@ -5,6 +5,11 @@
 // one page table per layer; it grows as decode appends tokens. Admission and growth are
 // all-or-nothing: when the pages do not fit, nothing is allocated and nothing changes.
 //
+// Layer-major, in lockstep: the arena is one region per layer, G pages each, and a request's
+// page i is the same index g in every layer's region (layer_base(l) + g x page_bytes). Another
+// engine's transfer backend can therefore write a request's pages of every layer from one list
+// of page indices (page_indices), as SGLang's PD transfer addresses its host pool.
+//
 // Shared prefixes. Pages are reference-counted. A request admitted on a prefix shares the
 // full pages of that prefix in every layer (of a live request: admit_shared; of the prefix
 // cache: admit_cached) and copies only the rest of the prefix (its partial last page). A shared page is read-only: a
@@ -55,7 +60,8 @@ std::vector<std::uint64_t> prefix_page_hashes(std::span<const std::int32_t> toke
 
 class TotalPool {
  public:
-  // capacity_bytes is rounded down to whole pages; it must hold at least one page. The arena
+  // capacity_bytes is rounded down to whole pages of every layer (a multiple of num_layers
+  // pages); it must hold at least one page of each layer. The arena
   // comes from `allocator` (an engine's own pinned buffer, say); it must outlive the pool.
   TotalPool(int num_layers, LatentLayout layout, std::uint64_t capacity_bytes,
             HostMemoryKind prefer = HostMemoryKind::kPinned, HostAllocator& allocator = default_host_allocator());
@@ -107,13 +113,18 @@ class TotalPool {
   std::span<std::uint8_t> writable_entry(RequestId id, int layer, std::int64_t token);
 
   const std::uint8_t* base() const { return arena_.data(); }
+  // Layer `layer`'s region: pages_per_layer() pages from layer_base(layer).
+  const std::uint8_t* layer_base(int layer) const;
+  std::int64_t pages_per_layer() const { return groups_; }
+  // Page i of the request, in every layer, is page page_indices(id)[i] of that layer's region.
+  std::vector<std::int32_t> page_indices(RequestId id) const;
   HostMemoryKind memory_kind() const { return arena_.kind(); }
   int num_layers() const { return num_layers_; }
   const LatentLayout& layout() const { return layout_; }
   std::size_t entry_bytes() const { return entry_bytes_; }
   std::size_t page_bytes() const { return page_bytes_; }
   std::int64_t capacity_pages() const { return capacity_pages_; }
-  std::int64_t free_pages() const { return static_cast<std::int64_t>(free_.size()); }
+  std::int64_t free_pages() const { return static_cast<std::int64_t>(free_.size()) * num_layers_; }
   std::uint64_t capacity_bytes() const { return capacity_pages_ * page_bytes_; }
   std::uint64_t used_bytes() const { return (capacity_pages_ - free_pages()) * page_bytes_; }
 
@@ -145,7 +156,14 @@ class TotalPool {
   const Request& find(RequestId id, const char* what) const;
   void check_token(RequestId id, const Request& r, int layer, std::int64_t token,
                    const char* what) const;
-  std::int32_t take_page();
+  std::int32_t page_of(int layer, std::int32_t group) const {
+    return static_cast<std::int32_t>(layer * groups_ + group);
+  }
+  // A free group: one zeroed page in every layer's region, each with one reference.
+  std::int32_t take_group();
+  // Appends fresh groups to every layer's table until each has `per_layer` pages (capacity
+  // reserved by the caller: no throw).
+  void grow_tables(Request& r, std::size_t per_layer);
   void drop_page(std::int32_t page);
   // Pages admissions may free by evicting, keeping the cache entries `keep`.
   std::int64_t evictable_pages(std::span<const std::uint64_t> keep) const;
@@ -161,8 +179,9 @@ class TotalPool {
   std::size_t entry_bytes_;
   std::size_t page_bytes_;
   std::int64_t capacity_pages_;
+  std::int64_t groups_;  // pages per layer
   HostBuffer arena_;
-  std::vector<std::int32_t> free_;  // stack; back() is handed out next
+  std::vector<std::int32_t> free_;  // free groups, a stack; back() is handed out next
   std::vector<std::int32_t> refs_;  // per arena page
   std::unordered_map<RequestId, Request> requests_;
   std::unordered_map<std::uint64_t, CacheEntry> cache_;

@@ -22,10 +22,16 @@ Speculative decoding: prepare_spec_verify extends every request by the T draft t
 their out_cache_loc at the T reserved rows; the verify forward swaps [bs, T, K]; commit_spec_accept_tokens
 writes the accepted entries back and takes the others back (Offload::truncate).
 
-What differs from upstream is in docs/integration.md; what this build cannot serve (PD direct admission,
-MiniMax / DeepSeek-V4 pools) is refused by name at construction."""
+PD decode (direct admission): `mem_pool_host` is ESS's Total Memory Pool, laid out as upstream's "layer_first"
+host pool (one region per layer, a request's page at the same index in every layer), so SGLang's transfer backend
+registers it and writes the prefill's KV straight into ESS's pages; admit_request_direct then only warms the
+request's rows up from them.
+
+What differs from upstream is in docs/integration.md; what this build cannot serve (two-batch overlap, MiniMax /
+DeepSeek-V4 pools) is refused by name at construction."""
 from __future__ import annotations
 
+import ctypes
 import logging
 from typing import List, NamedTuple, Optional
 
@@ -53,6 +59,76 @@ class HiSparseTokenStats(NamedTuple):
     device_token_usage: float
     host_tokens: int
     host_token_usage: float
+
+
+class SpecScratch(NamedTuple):
+    """What SGLang reads of upstream's HiSparseSpecSwapManager: the speculative scratch slots a request takes from the
+    device allocator (ESS's verify rows are among the rows claimed at construction: none)."""
+    scratch_capacity: int
+
+
+class HostPool:
+    """ESS's Total Memory Pool where SGLang's PD decode side uses upstream's host pool (MLATokenToKVPoolHost, layout
+    "layer_first", with pool_host/hisparse.py's alloc_paged_token_slots). get_contiguous_buf_infos gives the transfer
+    backend one region per layer; SGLang page p (page_size tokens) of every layer lies at base[l] + p x item_len,
+    i.e. host token slot s at base[l] + s x 656, and a request's slots are g x 64 + t % 64 for its ESS page g of
+    token t: the transfer writes the prompt into ESS's own pages, with no copy after it."""
+    layout = "layer_first"
+
+    def __init__(self, coordinator):
+        self._coordinator = coordinator
+        engine = coordinator.engine
+        h = engine.host_layout()
+        self.layer_num = h.layers
+        self.page_size = coordinator.page_size
+        self.token_stride_size = h.entry_bytes
+        self.size = h.pages_per_layer * h.page_tokens   # token slots of each layer
+        self._per_token = h.layers * h.entry_bytes
+        self._ptrs = [engine.host_layer(layer) for layer in range(h.layers)]
+        self._layer_bytes = h.layer_bytes
+        self._views = None
+
+    def layer_view(self, layer: int):
+        """Layer `layer`'s region as a uint8 [pages_per_layer x 64, 656] CPU tensor over ESS's memory (pinned when
+        the engine is built for CUDA: device-to-host copies into it run asynchronously)."""
+        if self._views is None:
+            self._views = [torch.frombuffer((ctypes.c_uint8 * self._layer_bytes).from_address(ptr), dtype=torch.uint8)
+                           .view(-1, self.token_stride_size) for ptr in self._ptrs]
+        return self._views[layer]
+
+    def runs(self, req_pool_idx: int, n: int):
+        """The request's first n tokens in its pages as (host slot, first token, count) runs of consecutive slots."""
+        pages = self._coordinator.engine.host_pages(int(req_pool_idx))
+        out = []
+        for i, g in enumerate(pages):
+            first, count = i * 64, min(64, n - i * 64)
+            if count <= 0:
+                break
+            if out and out[-1][0] + out[-1][2] == g * 64:
+                at, start, c = out[-1]
+                out[-1] = (at, start, c + count)
+            else:
+                out.append((g * 64, first, count))
+        return out
+
+    def available_size(self) -> int:
+        s = self._coordinator.engine.stats()
+        return (s.host_bytes_capacity - s.host_bytes_used) // self._per_token
+
+    def get_contiguous_buf_infos(self):
+        """(data_ptrs, data_lens, item_lens) per layer, as upstream's, for the transfer engine to register."""
+        n = self.layer_num
+        return list(self._ptrs), [self._layer_bytes] * n, [self.token_stride_size * self.page_size] * n
+
+    def alloc_paged_token_slots(self, req_to_host_pool, req_to_host_pool_allocated_len, req_pool_idx: int,
+                                start_pos: int, num_tokens: int):
+        return self._coordinator._alloc_direct(req_to_host_pool, req_to_host_pool_allocated_len, req_pool_idx,
+                                               start_pos, num_tokens)
+
+    def allocated_host_indices(self, req_to_host_pool, req_pool_idx: int, allocated_len: int):
+        length = min(-(-int(allocated_len) // self.page_size) * self.page_size, req_to_host_pool.shape[1])
+        indices = req_to_host_pool[req_pool_idx, :length]
+        return indices[indices >= 0]
 
 
 def _token_stats_type():
@@ -90,11 +166,12 @@ def _sglang_setting(bag: str, name: str):
         return None
 
 
-def _claim_top_rows(allocator, rows: int, prefill: int) -> int:
+def _claim_top_rows(allocator, rows: int, keep_min: int, why: str) -> int:
     """Takes the top `rows` slots (whole pages) of the HiSparse device allocator for ESS and returns the
     first one. Only a fresh allocator (nothing allocated) can give them up; its size shrinks so that
-    clear() keeps them out too. What stays SGLang's must hold a `prefill`-token prompt (its prefill
-    lives in the device pool until staged), or a prompt SGLang accepts could never be scheduled."""
+    clear() keeps them out too. What stays SGLang's must hold `keep_min` slots (`why`: a context-length
+    prefill, which lives in the device pool until staged; on a PD decode side, where no prefill runs,
+    one slot per request for the transfer budget SGLang computes from it)."""
     inner = allocator.hisparse_attn_allocator
     page = inner.page_size
     pages = -(-rows // page)
@@ -106,12 +183,12 @@ def _claim_top_rows(allocator, rows: int, prefill: int) -> int:
             f"ESS takes its rows from the HiSparse device pool at construction, before any allocation; "
             f"{inner.size - inner.available_size()} of its {inner.size} slots are in use")
     keep = inner.num_pages - pages
-    if keep * page < prefill:
+    if keep * page < keep_min:
         raise InvalidArgument(
             f"the HiSparse device pool holds {inner.size} slots; ESS needs {pages * page} of them for its rows "
             f"(req_to_token pool slots x (device_buffer_size + T), whole pages of {page}) and SGLang needs "
-            f"{prefill} (the context length) left for a prefill: lower --max-running-requests or the hisparse "
-            "device_buffer_size, or give the pool more memory")
+            f"{keep_min} ({why}) left: lower --max-running-requests or the hisparse device_buffer_size, or give "
+            "the pool more memory")
     inner.num_pages = keep
     inner.size = keep * page
     inner.free_pages = inner.free_pages[inner.free_pages <= keep]
@@ -135,10 +212,7 @@ class HiSparseCoordinator:
         self.dev = _device.for_device(device)
         self.compress_ratio = getattr(token_to_kv_pool_allocator, "compress_ratio", 1)
 
-        if _sglang_setting("get_disagg", "disaggregation_mode") == "decode":
-            raise InvalidArgument(
-                "disaggregation_mode = decode: PD direct admission (the transfer backend writing into the "
-                "coordinator's host pool, admit_request_direct) is not served by ESS yet")
+        self.pd_decode = _sglang_setting("get_disagg", "disaggregation_mode") == "decode"
         num_draft_tokens = int(num_draft_tokens or 0)
         if num_draft_tokens < 0:
             raise InvalidArgument(f"num_draft_tokens = {num_draft_tokens} is negative")
@@ -170,6 +244,10 @@ class HiSparseCoordinator:
                                   f"{ENTRY_BYTES}-byte FP8 latent entries (--kv-cache-dtype fp8_e4m3)")
         self.layer_num = kvcache.layer_num
         self.start_layer = getattr(kvcache, "start_layer", 0) or 0
+        if self.pd_decode and 64 % self.page_size != 0:
+            raise InvalidArgument(
+                f"disaggregation_mode = decode with page size {self.page_size}: the transfer writes each SGLang page "
+                "into one ESS host page of 64 tokens, so the page size must divide 64")
 
         # T query tokens per request per step: 1 in decode, the draft tokens of a verify step with speculative
         # decoding. A request's rows are its slots and T reserved rows (the step's newest tokens).
@@ -179,7 +257,11 @@ class HiSparseCoordinator:
         max_context = req_to_token_pool.max_context_len
         self.max_batch = max_reqs
         rows_per_request = self.device_buffer_size + self.T
-        self.row_base = _claim_top_rows(token_to_kv_pool_allocator, max_reqs * rows_per_request, max_context)
+        if self.pd_decode:
+            keep_min, why = max_reqs, "one slot per request: SGLang's PD transfer budget"
+        else:
+            keep_min, why = max_context, "the context length, for a prefill"
+        self.row_base = _claim_top_rows(token_to_kv_pool_allocator, max_reqs * rows_per_request, keep_min, why)
         self.ess_rows = max_reqs * rows_per_request
         latent = [_entry_rows(buf)[self.row_base:self.row_base + self.ess_rows] for buf in kvcache.kv_buffer]
         device_tokens = kvcache.size if getattr(kvcache, "host_capacity_tokens", None) is None \
@@ -202,6 +284,15 @@ class HiSparseCoordinator:
         self.raw_indices_buffer = torch.full((max_reqs, self.top_k), -1, dtype=torch.int32, device=device)
         self.ack_staging_queue: List[HiSparseAct] = []
         self.decode_producer_stream = None
+        # PD decode (direct admission). The transfer budget SGLang computes from the HiSparse device allocator
+        # counts padded_buffer_size + spec_swap.scratch_capacity slots per request; ESS takes none per request
+        # (its rows were claimed above), so one slot: the budget is then the slots construction left SGLang.
+        self.padded_buffer_size = 1
+        self.spec_swap = SpecScratch(scratch_capacity=0)
+        self.mem_pool_host = HostPool(self)
+        self.req_to_host_pool_allocated_len = torch.zeros(max_reqs, dtype=torch.int64, device="cpu")
+        self._req_to_host_pool = None
+        self._direct = {}             # req_pool_idx -> tokens received by transfer, not yet admitted
 
         # The step's tensors, bound once (fixed addresses for CUDA graphs).
         i32 = dict(dtype=torch.int32, device=device)
@@ -237,7 +328,6 @@ class HiSparseCoordinator:
         self._dropped_rows: List[int] = []   # rows finished since that step: not backed up
         self._length = {}             # req_pool_idx -> tokens ESS holds
         self._retiring = []           # (req_pool_idx, event): released once the event's work is done
-        self._staging_copy = {}       # id(req) -> host copy of its prefill entries [layers, n, E]
         self.tp_world_size = 1
         if tp_group is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
             self.tp_world_size = torch.distributed.get_world_size(group=tp_group)
@@ -246,10 +336,41 @@ class HiSparseCoordinator:
                     host_bytes / 2**30, self.info.backend)
 
     @property
-    def mem_pool_host(self):
-        """Upstream's host pool, which PD's transfer backend writes into; refused at construction in PD decode."""
-        raise InvalidArgument("mem_pool_host: ESS's host pool is not exposed to SGLang's transfer backend yet "
-                              "(PD direct admission)")
+    def req_to_host_pool(self):
+        """[request slots, context + page] int64 host token slots (-1: none), on the device, as upstream's; made when
+        first read (PD decode's _pre_alloc), since only direct admission uses it."""
+        if self._req_to_host_pool is None:
+            self._req_to_host_pool = torch.full(
+                (self.max_batch, self.req_to_token_pool.max_context_len + self.page_size), -1,
+                dtype=torch.int64, device=self.device)
+        return self._req_to_host_pool
+
+    def host_token_len(self, kv_allocated_len: int) -> int:
+        return int(kv_allocated_len)
+
+    def _alloc_direct(self, req_to_host_pool, allocated_len, req_pool_idx, start_pos, num_tokens):
+        """HostPool.alloc_paged_token_slots: the request enters ESS (host pages, all-or-nothing) and its token slots
+        in the host pool's layer regions go to req_to_host_pool; the transfer then writes the prompt there."""
+        idx, start, n = int(req_pool_idx), int(start_pos), int(num_tokens)
+        if req_to_host_pool is not self._req_to_host_pool or allocated_len is not self.req_to_host_pool_allocated_len:
+            raise InvalidArgument("alloc_paged_token_slots: pass the coordinator's own req_to_host_pool and "
+                                  "req_to_host_pool_allocated_len")
+        if start != 0 or int(allocated_len[idx]) != 0 or idx in self._length or idx in self._direct:
+            raise InvalidArgument(
+                f"alloc_paged_token_slots: request slot {idx}, start_pos {start}, {int(allocated_len[idx])} tokens "
+                "allocated: ESS's host pool receives a whole prompt into a request slot that holds nothing")
+        if not 0 < n <= self.req_to_token_pool.max_context_len:
+            raise InvalidArgument(f"alloc_paged_token_slots: num_tokens = {n} outside [1, "
+                                  f"{self.req_to_token_pool.max_context_len}]")
+        self._retire(row=idx)
+        self.engine.admit(idx, n, row=idx)   # host pages, zeroed; all-or-nothing
+        pages = torch.tensor(self.engine.host_pages(idx), dtype=torch.int64)
+        end = -(-n // self.page_size) * self.page_size
+        slots = (pages.view(-1, 1) * 64 + torch.arange(64, dtype=torch.int64).view(1, -1)).view(-1)[:end]
+        req_to_host_pool[idx, :end] = slots.to(req_to_host_pool.device, non_blocking=True)
+        allocated_len[idx] = end
+        self._direct[idx] = n
+        return req_to_host_pool[idx, :n]
 
     # ---- the rows of a request, in SGLang's device pool ----
     def _extend_into_reserved(self, rows, req_pool_indices, locs):
@@ -362,6 +483,7 @@ class HiSparseCoordinator:
         self.write_staging_stream.synchronize()
         self.decode_backup_stream.synchronize()
         self._retire(force=True)
+        self.mem_pool_host._views = None   # they point into the engine's memory
         self.engine.close()
 
     def get_token_stats(self):
@@ -381,7 +503,8 @@ class HiSparseCoordinator:
     # ---- admission ----
     def admit_request_into_staging(self, req) -> None:
         """After the prefill: the request's prompt KV (SGLang's device slots of req_to_token[idx, :extend_end])
-        is copied to ESS's host pool on the staging stream; collect_ready_reqs hands the request to decode."""
+        is copied into its ESS host pages on the staging stream (one device-to-host copy per run of consecutive
+        pages and layer); collect_ready_reqs hands the request to decode."""
         idx = int(req.kv.req_pool_idx)
         n = int(req.extend_end)
         self._retire(row=idx)
@@ -389,30 +512,28 @@ class HiSparseCoordinator:
         req.hisparse_staging = True
         full = self.req_to_token_pool.req_to_token[idx, :n].to(dtype=torch.int64, copy=True)
         device_locs = self.mem_pool_device.translate_loc_from_full_to_hisparse_device(full)
+        runs = self.mem_pool_host.runs(idx, n)
         start, finish = self.dev.Event(), self.dev.Event()
         start.record()
         with self.dev.stream(self.write_staging_stream):
             start.wait(self.write_staging_stream)
-            self.dev.launch(lambda: self._stage_copy(req, device_locs))
+            self.dev.launch(lambda: self._stage_copy(runs, device_locs))
             _keep(device_locs, self.write_staging_stream)
             finish.record()
         self.ack_staging_queue.append(HiSparseAct(start, finish, req))
 
-    def _stage_copy(self, req, device_locs):
-        """The prompt's entries of every layer, gathered from SGLang's pool into host memory."""
-        n = device_locs.shape[0]
-        host = torch.empty((self.layer_num, n, ENTRY_BYTES), dtype=torch.uint8,
-                           pin_memory=self.dev.is_cuda)
+    def _stage_copy(self, runs, device_locs):
+        """The prompt's entries of every layer, gathered from SGLang's pool and copied once, straight into the
+        request's ESS host pages (`runs`: HostPool.runs)."""
         for layer, buf in enumerate(self.mem_pool_device.kv_buffer):
-            host[layer].copy_(_entry_rows(buf).index_select(0, device_locs), non_blocking=True)
-        self._staging_copy[id(req)] = host
+            rows = _entry_rows(buf).index_select(0, device_locs)
+            host = self.mem_pool_host.layer_view(layer)
+            for at, start, count in runs:
+                host[at:at + count].copy_(rows[start:start + count], non_blocking=True)
 
     def _finish_staging(self, req):
         idx = int(req.kv.req_pool_idx)
-        host = self._staging_copy.pop(id(req))
-        n = host.shape[1]
-        for layer in range(self.layer_num):
-            self.engine.write_entries(idx, layer, 0, host[layer])
+        n = int(req.extend_end)
         # The prefill's device slots go back to SGLang's allocator (and its mapping to 0).
         self.token_to_kv_pool_allocator.free_hisparse(self.req_to_token_pool.req_to_token[idx, :n])
         self.engine.warmup(idx, self._warmup_windows(n))
@@ -430,7 +551,19 @@ class HiSparseCoordinator:
         return ids.view(1, windows, K).expand(self.layer_num, windows, K).contiguous()
 
     def admit_request_direct(self, req) -> None:
-        raise InvalidArgument("admit_request_direct: PD direct admission into ESS's host pool is not served yet")
+        """The transfer is done (the prompt's KV is in ESS's host pages): the request's first residency is warmed up
+        from them and it joins decode. Nothing of SGLang's device pool is taken."""
+        idx = int(req.kv.req_pool_idx)
+        n = self.host_token_len(req.kv.kv_allocated_len)
+        if self._direct.get(idx) != n:
+            raise InvalidArgument(
+                f"admit_request_direct: request slot {idx} with {n} tokens was not received through "
+                f"mem_pool_host.alloc_paged_token_slots" + (f" (it received {self._direct[idx]})" if idx in self._direct
+                                                            else ""))
+        self.engine.warmup(idx, self._warmup_windows(n))
+        del self._direct[idx]
+        self._length[idx] = n
+        req.hisparse_staging = False
 
     def has_ongoing_staging(self) -> bool:
         return len(self.ack_staging_queue) > 0
@@ -457,7 +590,6 @@ class HiSparseCoordinator:
     def abort_staging_request(self, req) -> None:
         self.ack_staging_queue = [act for act in self.ack_staging_queue if act.req is not req]
         self.write_staging_stream.synchronize()
-        self._staging_copy.pop(id(req), None)
         idx = int(req.kv.req_pool_idx)
         self.token_to_kv_pool_allocator.free_hisparse(self.req_to_token_pool.req_to_token[idx, :int(req.extend_end)])
         self.engine.release(idx)
@@ -474,6 +606,11 @@ class HiSparseCoordinator:
             self.dev.current_stream().wait_stream(self.decode_producer_stream)
         self.wait_for_pending_backup()
         idx = int(req.kv.req_pool_idx)
+        if idx in self._direct:   # PD: received (or receiving failed) but never admitted; no device work of ours
+            del self._direct[idx]
+            self._forget_host_slots(idx)
+            self.engine.release(idx)
+            return
         if idx not in self._length:
             if getattr(req, "hisparse_staging", False):
                 self.abort_staging_request(req)
@@ -484,12 +621,18 @@ class HiSparseCoordinator:
         mapping = self.mem_pool_device.full_to_hisparse_device_index_mapping
         self.dev.launch(lambda: mapping.index_fill_(0, allocated, 0))
         del self._length[idx]
+        self._forget_host_slots(idx)
         if self._backup_due is not None:
             self._dropped_rows.append(idx)
         done = self.dev.Event()
         done.record()
         self._retiring.append((idx, done))
         self._retire()
+
+    def _forget_host_slots(self, idx: int):
+        if self._req_to_host_pool is not None and int(self.req_to_host_pool_allocated_len[idx]) > 0:
+            self._req_to_host_pool[idx].fill_(-1)
+        self.req_to_host_pool_allocated_len[idx] = 0
 
     def _retire(self, row: Optional[int] = None, force: bool = False):
         """Releases finished requests whose last device work is done; `row` (about to be reused) or every

@@ -16,18 +16,23 @@ TotalPool::TotalPool(int num_layers, LatentLayout layout, std::uint64_t capacity
   layout_.validate();
   entry_bytes_ = layout_.bytes();
   page_bytes_ = entry_bytes_ * kPageTokens;
-  capacity_pages_ = static_cast<std::int64_t>(capacity_bytes / page_bytes_);
-  ESS_CHECK(capacity_pages_ >= 1,
-            "total pool: capacity_bytes = {} is smaller than one page ({} tokens x {} B = {} B)",
-            capacity_bytes, kPageTokens, entry_bytes_, page_bytes_);
-  ESS_CHECK(capacity_pages_ <= std::numeric_limits<std::int32_t>::max(),
-            "total pool: capacity_bytes = {} is {} pages, more than the {} a page id can address",
-            capacity_bytes, capacity_pages_, std::numeric_limits<std::int32_t>::max());
+  // Layer-major: layer l's pages are arena pages [l x G, (l + 1) x G), and page i of a request
+  // is the same index g in every layer's region (taken and freed for all layers at once).
+  groups_ = static_cast<std::int64_t>(capacity_bytes / (page_bytes_ * static_cast<std::uint64_t>(num_layers)));
+  ESS_CHECK(groups_ >= 1,
+            "total pool: capacity_bytes = {} is smaller than one page of each of the {} layers ({} tokens x {} B x {} "
+            "= {} B)",
+            capacity_bytes, num_layers, kPageTokens, entry_bytes_, num_layers,
+            page_bytes_ * static_cast<std::uint64_t>(num_layers));
+  ESS_CHECK(groups_ <= std::numeric_limits<std::int32_t>::max() / num_layers,
+            "total pool: capacity_bytes = {} is {} pages, more than the {} a page id can address", capacity_bytes,
+            groups_ * num_layers, std::numeric_limits<std::int32_t>::max());
+  capacity_pages_ = groups_ * num_layers;
   arena_ = HostBuffer::allocate(static_cast<std::size_t>(capacity_pages_) * page_bytes_, prefer, allocator);
   refs_.assign(static_cast<std::size_t>(capacity_pages_), 0);
-  free_.resize(static_cast<std::size_t>(capacity_pages_));
-  for (std::int64_t i = 0; i < capacity_pages_; ++i) {
-    free_[static_cast<std::size_t>(i)] = static_cast<std::int32_t>(capacity_pages_ - 1 - i);
+  free_.resize(static_cast<std::size_t>(groups_));
+  for (std::int64_t i = 0; i < groups_; ++i) {
+    free_[static_cast<std::size_t>(i)] = static_cast<std::int32_t>(groups_ - 1 - i);
   }
 }
 
@@ -35,16 +40,30 @@ std::int64_t TotalPool::pages_for(std::int64_t length) const {
   return (length + kPageTokens - 1) / kPageTokens * num_layers_;
 }
 
-std::int32_t TotalPool::take_page() {
-  const std::int32_t p = free_.back();
+std::int32_t TotalPool::take_group() {
+  const std::int32_t g = free_.back();
   free_.pop_back();
-  std::memset(arena_.data() + static_cast<std::size_t>(p) * page_bytes_, 0, page_bytes_);
-  refs_[static_cast<std::size_t>(p)] = 1;
-  return p;
+  for (int l = 0; l < num_layers_; ++l) {
+    const std::int32_t p = page_of(l, g);
+    std::memset(arena_.data() + static_cast<std::size_t>(p) * page_bytes_, 0, page_bytes_);
+    refs_[static_cast<std::size_t>(p)] = 1;
+  }
+  return g;
+}
+
+void TotalPool::grow_tables(Request& r, std::size_t per_layer) {
+  while (r.pages.front().size() < per_layer) {
+    const std::int32_t g = take_group();
+    for (int l = 0; l < num_layers_; ++l) r.pages[static_cast<std::size_t>(l)].push_back(page_of(l, g));
+  }
 }
 
 void TotalPool::drop_page(std::int32_t page) {
-  if (--refs_[static_cast<std::size_t>(page)] == 0) free_.push_back(page);
+  // Every layer's page of a group has the same holders (check_invariants); the group is free
+  // once its last layer's page is dropped, which every caller drops last.
+  if (--refs_[static_cast<std::size_t>(page)] == 0 && page / groups_ == num_layers_ - 1) {
+    free_.push_back(static_cast<std::int32_t>(page % groups_));
+  }
 }
 
 void TotalPool::admit(RequestId id, std::int64_t length) {
@@ -61,9 +80,7 @@ void TotalPool::admit(RequestId id, std::int64_t length) {
   for (auto& table : r.pages) table.reserve(static_cast<std::size_t>(per_layer));
   auto [it, inserted] = requests_.emplace(id, std::move(r));  // may throw: nothing taken yet
   (void)inserted;
-  for (auto& table : it->second.pages) {
-    for (std::int64_t i = 0; i < per_layer; ++i) table.push_back(take_page());  // reserved: no throw
-  }
+  grow_tables(it->second, static_cast<std::size_t>(per_layer));  // reserved: no throw
 }
 
 void TotalPool::extend(RequestId id, std::int64_t n) {
@@ -77,9 +94,7 @@ void TotalPool::extend(RequestId id, std::int64_t n) {
   make_room(need, {}, "growth", id);
   const std::size_t per_layer = static_cast<std::size_t>(pages_for(new_length) / num_layers_);
   for (auto& table : r.pages) table.reserve(per_layer);  // may throw: nothing changed yet
-  for (auto& table : r.pages) {
-    while (table.size() < per_layer) table.push_back(take_page());
-  }
+  grow_tables(r, per_layer);
   r.length = new_length;
 }
 
@@ -114,7 +129,7 @@ void TotalPool::truncate(RequestId id, std::int64_t length) {
 void TotalPool::release(RequestId id) {
   auto it = requests_.find(id);
   ESS_CHECK(it != requests_.end(), "total pool: release of unknown request {}", id);
-  free_.reserve(static_cast<std::size_t>(capacity_pages_));
+  free_.reserve(static_cast<std::size_t>(groups_));
   for (const auto& table : it->second.pages) {
     for (auto p = table.rbegin(); p != table.rend(); ++p) drop_page(*p);
   }
@@ -167,6 +182,18 @@ std::uint64_t TotalPool::offset(RequestId id, int layer, std::int64_t token) con
   const auto page = r.pages[static_cast<std::size_t>(layer)][static_cast<std::size_t>(token / kPageTokens)];
   return static_cast<std::uint64_t>(page) * page_bytes_ +
          static_cast<std::uint64_t>(token % kPageTokens) * entry_bytes_;
+}
+
+const std::uint8_t* TotalPool::layer_base(int layer) const {
+  ESS_CHECK(layer >= 0 && layer < num_layers_, "total pool: layer {} out of [0, {})", layer, num_layers_);
+  return arena_.data() + static_cast<std::size_t>(page_of(layer, 0)) * page_bytes_;
+}
+
+std::vector<std::int32_t> TotalPool::page_indices(RequestId id) const {
+  const auto& first = find(id, "page indices").pages.front();
+  std::vector<std::int32_t> out(first.size());
+  for (std::size_t i = 0; i < first.size(); ++i) out[i] = static_cast<std::int32_t>(first[i] % groups_);
+  return out;
 }
 
 std::span<const std::uint8_t> TotalPool::entry(RequestId id, int layer, std::int64_t token) const {

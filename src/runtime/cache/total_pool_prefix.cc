@@ -116,21 +116,25 @@ void TotalPool::admit_shared(RequestId id, std::int64_t length, RequestId source
   auto [it, inserted] = requests_.emplace(id, std::move(r));  // may throw: nothing taken yet
   (void)inserted;
   const Request& s = requests_.at(source);
+  Request& r_new = it->second;
   for (int l = 0; l < num_layers_; ++l) {
-    auto& table = it->second.pages[static_cast<std::size_t>(l)];
+    auto& table = r_new.pages[static_cast<std::size_t>(l)];
     const auto& from = s.pages[static_cast<std::size_t>(l)];
     for (std::int64_t i = 0; i < full; ++i) {
       table.push_back(from[static_cast<std::size_t>(i)]);
       ++refs_[static_cast<std::size_t>(table.back())];
     }
-    for (std::int64_t i = full; i * kPageTokens < prefix; ++i) {  // the rest of the prefix: copies
-      table.push_back(take_page());
-      std::memcpy(arena_.data() + static_cast<std::size_t>(table.back()) * page_bytes_,
-                  arena_.data() + static_cast<std::size_t>(from[static_cast<std::size_t>(i)]) * page_bytes_,
-                  static_cast<std::size_t>(std::min<std::int64_t>(kPageTokens, prefix - i * kPageTokens)) * entry_bytes_);
-    }
-    while (table.size() < per_layer) table.push_back(take_page());
   }
+  for (std::int64_t i = full; i * kPageTokens < prefix; ++i) {  // the rest of the prefix: copies
+    grow_tables(r_new, static_cast<std::size_t>(i + 1));
+    const auto bytes = static_cast<std::size_t>(std::min<std::int64_t>(kPageTokens, prefix - i * kPageTokens)) * entry_bytes_;
+    for (int l = 0; l < num_layers_; ++l) {
+      std::memcpy(arena_.data() + static_cast<std::size_t>(r_new.pages[static_cast<std::size_t>(l)].back()) * page_bytes_,
+                  arena_.data() + static_cast<std::size_t>(s.pages[static_cast<std::size_t>(l)][static_cast<std::size_t>(i)]) * page_bytes_,
+                  bytes);
+    }
+  }
+  grow_tables(r_new, per_layer);
   for (const std::uint64_t h : it->second.cached) use_entry(h);
 }
 
@@ -164,8 +168,8 @@ std::int64_t TotalPool::admit_cached(RequestId id, std::int64_t length, std::spa
       table.push_back(cache_.at(h).pages[static_cast<std::size_t>(l)]);
       ++refs_[static_cast<std::size_t>(table.back())];
     }
-    while (table.size() < per_layer) table.push_back(take_page());
   }
+  grow_tables(it->second, per_layer);
   for (const std::uint64_t h : chain) use_entry(h);
   return m * kPageTokens;
 }
@@ -266,15 +270,26 @@ void TotalPool::check_invariants() const {
                "cache entry {}: evictable set out of date", h);
   }
   ESS_ASSERT(evictable_.size() <= cache_.size(), "evictable set holds entries that are gone");
-  std::vector<std::uint8_t> is_free(refs_.size(), 0);
-  for (const std::int32_t p : free_) {
-    ESS_ASSERT(is_free[static_cast<std::size_t>(p)] == 0, "page {} is free twice", p);
-    is_free[static_cast<std::size_t>(p)] = 1;
+  std::vector<std::uint8_t> is_free(static_cast<std::size_t>(groups_), 0);
+  for (const std::int32_t g : free_) {
+    ESS_ASSERT(g >= 0 && g < groups_ && is_free[static_cast<std::size_t>(g)] == 0, "page group {} is free twice", g);
+    is_free[static_cast<std::size_t>(g)] = 1;
   }
   for (std::size_t p = 0; p < refs_.size(); ++p) {
+    const std::size_t g = p % static_cast<std::size_t>(groups_);
     ESS_ASSERT(refs_[p] == holders[p], "page {}: {} references, {} holders", p, refs_[p], holders[p]);
-    ESS_ASSERT((refs_[p] == 0) == (is_free[p] != 0), "page {}: {} references but {}free", p, refs_[p],
-               is_free[p] != 0 ? "" : "not ");
+    ESS_ASSERT((refs_[p] == 0) == (is_free[g] != 0), "page {}: {} references but its group is {}free", p, refs_[p],
+               is_free[g] != 0 ? "" : "not ");
+    ESS_ASSERT(refs_[p] == refs_[g], "page {} (layer {}): {} references; its group's layer-0 page has {}", p,
+               p / static_cast<std::size_t>(groups_), refs_[p], refs_[g]);
+  }
+  for (const auto& [id, r] : requests_) {
+    for (std::size_t i = 0; i < r.pages.front().size(); ++i) {
+      for (int l = 0; l < num_layers_; ++l) {
+        ESS_ASSERT(r.pages[static_cast<std::size_t>(l)][i] == page_of(l, r.pages.front()[i]),
+                   "request {}: page {} of layer {} is not in its group {}", id, i, l, r.pages.front()[i]);
+      }
+    }
   }
 }
 
