@@ -42,3 +42,25 @@ function(ess_add_kernel_test op)
     target_link_libraries(cuda_${op}_test PRIVATE ess_harness ${K_DEVICE})
   endif()
 endfunction()
+
+# ess_add_emulation_test(<name> <sources...> [PREFIX <prefix>])
+# A kernel's own device code (its CTA program, written against a primitives policy) run on
+# the CPU by the CTA emulator (src/runtime/ops/cta_emulator.h), label emulation. Its fibers
+# are Boost.Context's (libboost-context-dev), which AddressSanitizer does not follow: not in
+# the sanitizer build.
+find_package(Boost 1.74 CONFIG QUIET COMPONENTS context)
+if(NOT Boost_context_FOUND)
+  message(STATUS "ESS: Boost.Context not found (libboost-context-dev): the emulation tests are not built")
+endif()
+function(ess_add_emulation_test name)
+  if(ESS_SANITIZE OR NOT Boost_context_FOUND)
+    return()
+  endif()
+  cmake_parse_arguments(E "" "PREFIX" "" ${ARGN})
+  if(E_PREFIX)
+    ess_add_test(${name} ${E_UNPARSED_ARGUMENTS} LABELS emulation PREFIX ${E_PREFIX})
+  else()
+    ess_add_test(${name} ${E_UNPARSED_ARGUMENTS} LABELS emulation)
+  endif()
+  target_link_libraries(${name} PRIVATE ess_harness Boost::context)
+endfunction()

@@ -10,6 +10,7 @@ PACKAGES=(
   nlohmann-json3-dev                  # model / profile / trace metadata JSON
   libcli11-dev                        # the `ess` command line
   libgtest-dev libgmock-dev           # unit, property and soak tests
+  libboost-context-dev                # Boost.Context fibers: the CTA emulator runs kernels' device code on the CPU
   libbenchmark-dev                    # CPU benchmarks
   libtbb-dev                          # oneTBB: parallel trace replay (ess trace analyze)
   python3-numpy                       # python/ess_trace.py writer; Python -> C++ trace round-trip test

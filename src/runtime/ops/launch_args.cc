@@ -186,7 +186,7 @@ int swap_hash_capacity(int positions) {
 }
 
 std::size_t swap_step_smem_bytes(int positions, std::int32_t slots) {
-  return (3 * static_cast<std::size_t>(swap_hash_capacity(positions)) + 2 * static_cast<std::size_t>(positions)) * 4 +
+  return (2 * static_cast<std::size_t>(swap_hash_capacity(positions)) + static_cast<std::size_t>(positions)) * 4 +
          static_cast<std::size_t>(slots);
 }
 

@@ -172,6 +172,16 @@ TEST(LaunchArgs, SwapEngineStepsFitTheEngine) {
   EXPECT_LE(swap_step_smem_bytes(4096, 6554) + kSwapStepStaticSmemBound, kHopperSmemOptin);
   EXPECT_EQ(swap_hash_capacity(4096), 8192);
   EXPECT_EQ(swap_hash_capacity(41), 128);
+  // MTP: T up to 4 at K up to 2048 with pools up to 32K slots fits, with the static part.
+  for (int T = 1; T <= 4; ++T) {
+    for (const int K : {64, 512, 2048}) {
+      for (const std::int32_t S : {T * K, 6554, 16384, 32768}) {
+        EXPECT_LE(swap_step_smem_bytes(T * K, S) + kSwapStepStaticSmemBound, kHopperSmemOptin)
+            << "T " << T << " K " << K << " slots " << S;
+      }
+    }
+  }
+  EXPECT_EQ(swap_step_smem_bytes(8192, 6554), (2u * 16384 + 8192) * 4 + 6554);  // (2 H + P) x 4 + S
 }
 
 TEST(LaunchArgs, Split) {

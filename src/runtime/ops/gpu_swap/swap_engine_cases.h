@@ -138,7 +138,9 @@ TEST_P(GpuSwapShapes, MatchesTheCpuEngineBitForBit) {
 
 INSTANTIATE_TEST_SUITE_P(Awkward, GpuSwapShapes,
                          testing::Values(std::make_tuple(1, 1, 1, 0), std::make_tuple(3, 2, 41, 7), std::make_tuple(127, 1, 41, 0),
-                                         std::make_tuple(3, 2, 256, 300), std::make_tuple(127, 2, 2048, 2458)));
+                                         std::make_tuple(3, 2, 256, 300), std::make_tuple(127, 2, 2048, 2458),
+                                         // MTP 3 and 4 at K = 2048 (the paper's MTP-4 deployment)
+                                         std::make_tuple(2, 3, 2048, 0), std::make_tuple(3, 4, 2048, 1000)));
 
 TEST(GpuSwapEngine, WarmupMatchesTheCpuEngine) {
   ESS_REQUIRE_BACKEND(swap_backend().info);

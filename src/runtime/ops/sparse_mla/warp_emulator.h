@@ -1,8 +1,6 @@
-// A CPU emulator of one CUDA thread block, for running device code written against a
-// primitives policy (sparse_mla_kernel.h) without a GPU.
-//
-// Every CUDA thread is a fiber (ucontext) on the calling OS thread; fibers run one at a time
-// until they block on a barrier, in a seeded random order. Barriers: __syncthreads (all
+// The warp-level part of the CPU emulator of one CUDA thread block (the fibers and barriers
+// are cta_emulator.h's), for running device code written against a primitives policy
+// (sparse_mla_kernel.h) without a GPU. Barriers: __syncthreads (all
 // threads), named barriers (bar.sync id, count) and an internal per-warp barrier behind every
 // warp collective (shuffle, vote, ldmatrix, mma), which the emulator implements as
 //   deposit inputs -> warp barrier -> lane 0 computes every lane's result -> warp barrier
@@ -24,7 +22,6 @@
 #pragma once
 
 #include <gtest/gtest.h>
-#include <ucontext.h>
 
 #include <algorithm>
 #include <array>
@@ -39,110 +36,9 @@
 #include <vector>
 
 #include "ess/model/numerics.h"
+#include "runtime/ops/cta_emulator.h"
 
 namespace ess::emu {
-
-// ---- fibers ------------------------------------------------------------------------------------
-class Fibers {
- public:
-  Fibers(int n, std::function<void(int)> body, std::uint64_t seed) : body_(std::move(body)), rng_(seed) {
-    fibers_.resize(static_cast<std::size_t>(n));
-    for (auto& f : fibers_) {
-      f.stack = std::make_unique<char[]>(kStack);
-      getcontext(&f.ctx);
-      f.ctx.uc_stack.ss_sp = f.stack.get();
-      f.ctx.uc_stack.ss_size = kStack;
-      f.ctx.uc_link = &main_;
-      makecontext(&f.ctx, &Fibers::entry, 0);
-    }
-  }
-
-  // Runs every fiber to completion; false (with a test failure) on a deadlock.
-  bool run() {
-    Fibers* const outer = self_;
-    self_ = this;
-    std::vector<int> order(fibers_.size());
-    bool ok = true;
-    while (true) {
-      order.clear();
-      for (std::size_t i = 0; i < fibers_.size(); ++i) {
-        if (!fibers_[i].done && !fibers_[i].blocked) order.push_back(static_cast<int>(i));
-      }
-      if (order.empty()) {
-        for (const auto& f : fibers_) {
-          if (!f.done) {
-            ADD_FAILURE() << "emulated block deadlocked: a barrier or warp collective was not reached by every thread";
-            ok = false;
-            break;
-          }
-        }
-        break;
-      }
-      std::shuffle(order.begin(), order.end(), rng_);
-      for (int i : order) {
-        if (fibers_[static_cast<std::size_t>(i)].done || fibers_[static_cast<std::size_t>(i)].blocked) continue;
-        current_ = i;
-        swapcontext(&main_, &fibers_[static_cast<std::size_t>(i)].ctx);
-      }
-    }
-    self_ = outer;
-    return ok;
-  }
-
-  int current() const { return current_; }
-  // Called by the current fiber: sleep until woken.
-  void block() {
-    auto& f = fibers_[static_cast<std::size_t>(current_)];
-    f.blocked = true;
-    swapcontext(&f.ctx, &main_);
-  }
-  void wake(int i) { fibers_[static_cast<std::size_t>(i)].blocked = false; }
-
- private:
-  static constexpr std::size_t kStack = 256 * 1024;
-  struct Fiber {
-    ucontext_t ctx{};
-    std::unique_ptr<char[]> stack;
-    bool done = false;
-    bool blocked = false;
-  };
-  static void entry() {
-    Fibers* s = self_;
-    const int i = s->current_;
-    try {
-      s->body_(i);
-    } catch (const std::exception& e) {  // never unwind across a context switch
-      ADD_FAILURE() << "emulated thread " << i << " threw: " << e.what();
-    }
-    s->fibers_[static_cast<std::size_t>(i)].done = true;
-  }
-  static inline thread_local Fibers* self_ = nullptr;
-  std::function<void(int)> body_;
-  std::mt19937_64 rng_;
-  std::vector<Fiber> fibers_;
-  ucontext_t main_{};
-  int current_ = -1;
-};
-
-class Barrier {
- public:
-  explicit Barrier(int expected) : expected_(expected) {}
-  void arrive_and_wait(Fibers& f) {
-    if (++arrived_ == expected_) {
-      arrived_ = 0;
-      for (int w : waiting_) f.wake(w);
-      waiting_.clear();
-      return;
-    }
-    waiting_.push_back(f.current());
-    f.block();
-  }
-
- private:
-  int expected_;
-  int arrived_ = 0;
-  std::vector<int> waiting_;
-};
 
 // ---- one thread block ----------------------------------------------------------------------------
 struct Range {

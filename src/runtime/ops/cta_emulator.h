@@ -1,0 +1,348 @@
+// A CPU emulator of CUDA thread blocks, for running a kernel's own device code (a CTA program
+// written against a primitives policy) without a GPU.
+//
+// Every CUDA thread is a fiber (Boost.Context) on the calling OS thread; fibers run one at a time
+// until they block on a barrier, in a seeded random order, so each barrier phase runs its
+// threads in a different order per seed. A deadlock (a barrier not every thread reaches) fails
+// the test. Shared memory is poisoned (0xa5 bytes) and framed by guard bytes that must be
+// intact after the block; global buffers given to a launch can be framed the same way
+// (Guarded), so a write out of range fails the test.
+//
+// Policies built here:
+//   Cta          __syncthreads, a block-wide exclusive sum (cub::BlockScan's ExclusiveSum,
+//                whose storage may not be reused before a __syncthreads: checked), shared
+//                atomics (fibers never run concurrently, so they are plain operations);
+// warp_emulator.h adds the warp collectives, cp.async, ldmatrix and mma of the sparse MLA
+// kernel on the same fibers.
+//
+// Coverage: each emulated launch records its kernel's name (Coverage); a test asserts that
+// every kernel of a source ran.
+#pragma once
+
+#include <gtest/gtest.h>
+#include <boost/context/fiber.hpp>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace ess::emu {
+
+// ---- fibers ----------------------------------------------------------------------------------
+// Boost.Context fibers: a switch saves a few registers (no signal-mask system call, as
+// swapcontext makes); stacks come from a per-OS-thread pool, reused block after block.
+class StackPool {
+ public:
+  explicit StackPool(std::size_t bytes) : bytes_(bytes) {}
+  boost::context::stack_context allocate() {
+    if (free_.empty()) {
+      blocks_.push_back(std::unique_ptr<char[]>(new char[bytes_]));  // not zeroed: a fiber touches a few pages
+      free_.push_back(blocks_.back().get());
+    }
+    char* base = free_.back();
+    free_.pop_back();
+    boost::context::stack_context sc;
+    sc.size = bytes_;
+    sc.sp = base + bytes_;
+    return sc;
+  }
+  void deallocate(boost::context::stack_context& sc) noexcept {
+    free_.push_back(static_cast<char*>(sc.sp) - bytes_);
+  }
+  static StackPool& of(std::size_t bytes) {
+    thread_local std::vector<std::unique_ptr<StackPool>> pools;
+    for (auto& p : pools) {
+      if (p->bytes_ == bytes) return *p;
+    }
+    pools.push_back(std::make_unique<StackPool>(bytes));
+    return *pools.back();
+  }
+
+ private:
+  std::size_t bytes_;
+  std::vector<std::unique_ptr<char[]>> blocks_;
+  std::vector<char*> free_;
+};
+
+// The allocator Boost.Context asks for each fiber's stack.
+class PooledStack {
+ public:
+  explicit PooledStack(StackPool& pool) : pool_(&pool) {}
+  boost::context::stack_context allocate() { return pool_->allocate(); }
+  void deallocate(boost::context::stack_context& sc) noexcept { pool_->deallocate(sc); }
+
+ private:
+  StackPool* pool_;
+};
+
+class Fibers {
+ public:
+  Fibers(int n, std::function<void(int)> body, std::uint64_t seed, std::size_t stack_bytes = 256 * 1024)
+      : body_(std::move(body)), rng_(seed), pool_(StackPool::of(stack_bytes)) {
+    fibers_.resize(static_cast<std::size_t>(n));
+    for (std::size_t i = 0; i < fibers_.size(); ++i) {
+      fibers_[i].ctx = boost::context::fiber(std::allocator_arg, PooledStack(pool_),
+                                             [this, i](boost::context::fiber&& main) { return entry(static_cast<int>(i), std::move(main)); });
+    }
+  }
+
+  // Runs every fiber to completion; false (with a test failure) on a deadlock.
+  bool run() {
+    std::vector<int> order(fibers_.size());
+    bool ok = true;
+    while (true) {
+      order.clear();
+      for (std::size_t i = 0; i < fibers_.size(); ++i) {
+        if (!fibers_[i].done && !fibers_[i].blocked) order.push_back(static_cast<int>(i));
+      }
+      if (order.empty()) {
+        for (const auto& f : fibers_) {
+          if (!f.done) {
+            ADD_FAILURE() << "emulated block deadlocked: a barrier or warp collective was not reached by every thread";
+            ok = false;
+            break;
+          }
+        }
+        break;
+      }
+      std::shuffle(order.begin(), order.end(), rng_);
+      for (int i : order) {
+        Fiber& f = fibers_[static_cast<std::size_t>(i)];
+        if (f.done || f.blocked) continue;
+        current_ = i;
+        f.ctx = std::move(f.ctx).resume();  // back when it blocks or ends
+      }
+    }
+    if (!ok) {
+      // Unwind the fibers still blocked (Boost.Context forces their stacks to unwind).
+      for (auto& f : fibers_) f.ctx = {};
+    }
+    return ok;
+  }
+
+  int current() const { return current_; }
+  // Called by the current fiber: sleep until woken.
+  void block() {
+    Fiber& f = fibers_[static_cast<std::size_t>(current_)];
+    f.blocked = true;
+    f.main = std::move(f.main).resume();
+  }
+  void wake(int i) { fibers_[static_cast<std::size_t>(i)].blocked = false; }
+
+ private:
+  struct Fiber {
+    boost::context::fiber ctx;   // the thread (while the scheduler holds it)
+    boost::context::fiber main;  // the scheduler (while the thread runs)
+    bool done = false;
+    bool blocked = false;
+  };
+  boost::context::fiber entry(int i, boost::context::fiber&& main) {
+    Fiber& f = fibers_[static_cast<std::size_t>(i)];
+    f.main = std::move(main);
+    try {
+      body_(i);
+    } catch (const boost::context::detail::forced_unwind&) {
+      throw;  // a deadlocked block being torn down
+    } catch (const std::exception& e) {  // never unwind across a context switch
+      ADD_FAILURE() << "emulated thread " << i << " threw: " << e.what();
+    }
+    f.done = true;
+    return std::move(f.main);
+  }
+  std::function<void(int)> body_;
+  std::mt19937_64 rng_;
+  StackPool& pool_;
+  std::vector<Fiber> fibers_;
+  int current_ = -1;
+};
+
+class Barrier {
+ public:
+  explicit Barrier(int expected) : expected_(expected) {}
+  void arrive_and_wait(Fibers& f) {
+    if (++arrived_ == expected_) {
+      arrived_ = 0;
+      for (int w : waiting_) f.wake(w);
+      waiting_.clear();
+      return;
+    }
+    waiting_.push_back(f.current());
+    f.block();
+  }
+
+ private:
+  int expected_;
+  int arrived_ = 0;
+  std::vector<int> waiting_;
+};
+
+// ---- guards --------------------------------------------------------------------------------------
+inline constexpr std::uint8_t kGuardByte = 0x5c;
+inline constexpr std::uint8_t kPoisonByte = 0xa5;
+
+// A buffer of `n` values framed by guard bytes; intact() says whether anything wrote outside it.
+template <typename T>
+class Guarded {
+ public:
+  static constexpr std::size_t kGuard = 4096;
+  explicit Guarded(std::size_t n = 0, std::uint8_t fill = kPoisonByte) { resize(n, fill); }
+  void resize(std::size_t n, std::uint8_t fill = kPoisonByte) {
+    n_ = n;
+    bytes_.assign(2 * kGuard + n * sizeof(T) + alignof(std::max_align_t), kGuardByte);
+    std::fill_n(data_bytes(), n * sizeof(T), fill);
+  }
+  T* data() { return reinterpret_cast<T*>(data_bytes()); }
+  const T* data() const { return reinterpret_cast<const T*>(const_cast<Guarded*>(this)->data_bytes()); }
+  std::size_t size() const { return n_; }
+  T& operator[](std::size_t i) { return data()[i]; }
+  const T& operator[](std::size_t i) const { return data()[i]; }
+  std::vector<T> values() const { return std::vector<T>(data(), data() + n_); }
+  void assign(const std::vector<T>& v) {
+    resize(v.size());
+    std::copy(v.begin(), v.end(), data());
+  }
+  // Empty when both guards are intact; else where the first damaged byte lies.
+  std::string damage() const {
+    const std::uint8_t* d = const_cast<Guarded*>(this)->data_bytes();
+    for (std::size_t i = 0; i < kGuard; ++i) {
+      if (d[-1 - static_cast<std::ptrdiff_t>(i)] != kGuardByte) return "written " + std::to_string(i + 1) + " bytes before it";
+      if (d[n_ * sizeof(T) + i] != kGuardByte) return "written " + std::to_string(i) + " bytes past its end";
+    }
+    return {};
+  }
+
+ private:
+  std::uint8_t* data_bytes() {
+    auto p = reinterpret_cast<std::uintptr_t>(bytes_.data()) + kGuard;
+    p = (p + alignof(std::max_align_t) - 1) / alignof(std::max_align_t) * alignof(std::max_align_t);
+    return reinterpret_cast<std::uint8_t*>(p);
+  }
+  std::size_t n_ = 0;
+  std::vector<std::uint8_t> bytes_;
+};
+
+// ---- coverage ------------------------------------------------------------------------------------
+class Coverage {
+ public:
+  static void ran(const std::string& kernel) {
+    std::lock_guard<std::mutex> lock(mutex());
+    names().insert(kernel);
+  }
+  static bool has(const std::string& kernel) {
+    std::lock_guard<std::mutex> lock(mutex());
+    return names().contains(kernel);
+  }
+  static std::set<std::string> all() {
+    std::lock_guard<std::mutex> lock(mutex());
+    return names();
+  }
+
+ private:
+  static std::mutex& mutex() {
+    static std::mutex m;
+    return m;
+  }
+  static std::set<std::string>& names() {
+    static std::set<std::string> s;
+    return s;
+  }
+};
+
+// ---- one thread block: barriers, block scan, shared atomics --------------------------------------
+struct CtaState {
+  CtaState(int n_threads, std::size_t smem_bytes, Fibers& f)
+      : fibers(f), threads(n_threads), all(n_threads), smem(smem_bytes, kPoisonByte),
+        scan_in(static_cast<std::size_t>(n_threads)), scan_out(static_cast<std::size_t>(n_threads)),
+        scan_pending(static_cast<std::size_t>(n_threads), 0) {}
+  Fibers& fibers;
+  int threads;
+  Barrier all;
+  Guarded<std::uint8_t> smem;
+  std::vector<int> scan_in, scan_out;
+  int scan_total = 0;
+  std::vector<std::uint8_t> scan_pending;  // per thread: a scan since its last __syncthreads
+  bool scan_reuse_reported = false;
+};
+
+// The policy of a CTA program on the emulator (one object per thread).
+class Cta {
+ public:
+  Cta(CtaState& s, int tid, unsigned block, unsigned blocks) : s_(s), tid_(tid), block_(block), blocks_(blocks) {}
+  int tid() const { return tid_; }
+  int threads() const { return s_.threads; }
+  unsigned block() const { return block_; }
+  unsigned blocks() const { return blocks_; }
+  void sync() const {
+    s_.scan_pending[static_cast<std::size_t>(tid_)] = 0;
+    s_.all.arrive_and_wait(s_.fibers);
+  }
+  // cub::BlockScan<int>::ExclusiveSum(flag, rank, total): deposit, barrier, thread 0 sums,
+  // barrier, read. Its storage is reused only after a __syncthreads, as cub requires.
+  void exclusive_sum(int value, int& rank, int& total) const {
+    auto& pending = s_.scan_pending[static_cast<std::size_t>(tid_)];
+    if (pending != 0 && !s_.scan_reuse_reported) {  // once per block
+      s_.scan_reuse_reported = true;
+      ADD_FAILURE() << "thread " << tid_ << ": a block scan reused its storage without a __syncthreads after the last one";
+    }
+    pending = 1;
+    s_.scan_in[static_cast<std::size_t>(tid_)] = value;
+    s_.all.arrive_and_wait(s_.fibers);
+    if (tid_ == 0) {
+      int run = 0;
+      for (int t = 0; t < s_.threads; ++t) {
+        s_.scan_out[static_cast<std::size_t>(t)] = run;
+        run += s_.scan_in[static_cast<std::size_t>(t)];
+      }
+      s_.scan_total = run;
+    }
+    s_.all.arrive_and_wait(s_.fibers);
+    rank = s_.scan_out[static_cast<std::size_t>(tid_)];
+    total = s_.scan_total;
+  }
+  std::int32_t atomic_cas(std::int32_t* p, std::int32_t compare, std::int32_t value) const {
+    const std::int32_t old = *p;
+    if (old == compare) *p = value;
+    return old;
+  }
+  void atomic_min(std::int32_t* p, std::int32_t value) const { *p = std::min(*p, value); }
+
+ private:
+  CtaState& s_;
+  int tid_;
+  unsigned block_, blocks_;
+};
+
+// Runs `program(cta, smem)` as `blocks` blocks of `threads` threads, one block after another,
+// each with its own seeded order; records `kernel` as run. Fails the test on a deadlock or a
+// write outside the block's shared memory.
+template <typename Program>
+void launch(const std::string& kernel, unsigned blocks, int threads, std::size_t smem_bytes, std::uint64_t seed,
+            Program&& program) {
+  Coverage::ran(kernel);
+  for (unsigned b = 0; b < blocks; ++b) {
+    std::unique_ptr<CtaState> state;
+    Fibers fibers(
+        threads,
+        [&](int tid) {
+          Cta cta(*state, tid, b, blocks);
+          program(cta, state->smem.data());
+        },
+        seed * 0x9E3779B97F4A7C15ull + b, 64 * 1024);
+    state = std::make_unique<CtaState>(threads, smem_bytes, fibers);
+    fibers.run();
+    const std::string damage = state->smem.damage();
+    EXPECT_TRUE(damage.empty()) << kernel << " block " << b << ": shared memory " << damage;
+  }
+}
+
+}  // namespace ess::emu
