@@ -231,6 +231,40 @@ class Guarded {
   std::vector<std::uint8_t> bytes_;
 };
 
+// ---- global memory ranges -------------------------------------------------------------------------
+// The buffers a launch may read and write; a policy checks every global access against them
+// (once per launch a failure names the first access out of range).
+class GlobalRanges {
+ public:
+  void readable(const void* p, std::size_t bytes, std::string name) { read_.push_back({static_cast<const std::uint8_t*>(p), bytes, std::move(name)}); }
+  void writable(const void* p, std::size_t bytes, std::string name) {
+    readable(p, bytes, name);
+    write_.push_back({static_cast<const std::uint8_t*>(p), bytes, std::move(name)});
+  }
+  void check_read(const void* p, std::size_t bytes, const char* kernel) const { check(read_, p, bytes, kernel, "read"); }
+  void check_write(const void* p, std::size_t bytes, const char* kernel) const { check(write_, p, bytes, kernel, "write"); }
+
+ private:
+  struct R {
+    const std::uint8_t* begin;
+    std::size_t bytes;
+    std::string name;
+  };
+  void check(const std::vector<R>& rs, const void* p, std::size_t bytes, const char* kernel, const char* what) const {
+    const auto* a = static_cast<const std::uint8_t*>(p);
+    for (const R& r : rs) {
+      if (a >= r.begin && a + bytes <= r.begin + r.bytes) return;
+    }
+    if (!reported_) {
+      reported_ = true;
+      ADD_FAILURE() << kernel << ": a " << bytes << "-byte global " << what << " at " << p
+                    << " lies outside every buffer of the launch it may " << what;
+    }
+  }
+  std::vector<R> read_, write_;
+  mutable bool reported_ = false;
+};
+
 // ---- coverage ------------------------------------------------------------------------------------
 class Coverage {
  public:

@@ -49,6 +49,12 @@ std::string check_args(const EntryCopy& c) {
       .not_null(c.dst_offsets, "dst_offsets")
       .aligned_to(c.src_base, 16, "src_base")
       .aligned_to(c.dst_base, 16, "dst_base");
+  if (c.entry_bytes > 0) {  // the kernel splits a chunk index into (entry, chunk) in 32 bits
+    const std::int64_t chunks = c.entry_bytes / 16;
+    k.require(c.count <= static_cast<std::int64_t>(UINT32_MAX) / chunks,
+              "count = {} entries of {} bytes is {} 16-byte chunks, more than the {} one launch addresses", c.count,
+              c.entry_bytes, c.count > INT64_MAX / chunks ? INT64_MAX : c.count * chunks, UINT32_MAX);
+  }
   return k.error();
 }
 

@@ -4,48 +4,35 @@
 
 #include "ess/ops/flashtrans.h"
 #include "runtime/cuda/backend_impl.h"
+#include "runtime/ops/flashtrans/flashtrans_kernel.h"
 #include "runtime/ops/launch_args.h"
 
 namespace ess::cuda {
 namespace {
 
-constexpr int kChunks = kFlashTransChunksPerThread;
+// The CUDA primitives of the block program (flashtrans_kernel.h).
+struct DevicePrims {
+  __device__ int tid() const { return static_cast<int>(threadIdx.x); }
+  __device__ int threads() const { return static_cast<int>(blockDim.x); }
+  __device__ unsigned block() const { return blockIdx.x; }
+  __device__ unsigned blocks() const { return gridDim.x; }
+  __device__ flashtrans::Chunk load(const flashtrans::Chunk* p) const {
+    const uint4 v = __ldcs(reinterpret_cast<const uint4*>(p));  // streamed: read once
+    return {v.x, v.y, v.z, v.w};
+  }
+  __device__ void store(flashtrans::Chunk* p, const flashtrans::Chunk& v) const {
+    __stcs(reinterpret_cast<uint4*>(p), make_uint4(v.x, v.y, v.z, v.w));
+  }
+};
 
-// Thread i of the grid copies chunks i, i + stride, ... of the flattened (entry, chunk)
-// space; consecutive threads copy consecutive 16-byte chunks of one entry, so each warp's
-// reads and writes are contiguous runs. Loads are issued before stores to keep kChunks
-// PCIe reads in flight per thread.
-__global__ void __launch_bounds__(kFlashTransDefaultThreads) copy_entries(const uint4* __restrict__ src_base,
-                                                                          uint4* __restrict__ dst_base,
+__global__ void __launch_bounds__(kFlashTransDefaultThreads) copy_entries(const flashtrans::Chunk* __restrict__ src_base,
+                                                                          flashtrans::Chunk* __restrict__ dst_base,
                                                                           const std::uint64_t* __restrict__ src_off,
                                                                           const std::uint64_t* __restrict__ dst_off,
                                                                           std::int64_t total_chunks, int chunks_per_entry,
                                                                           const std::int64_t* __restrict__ device_count) {
-  if (device_count != nullptr) {
-    const std::int64_t n = *device_count * chunks_per_entry;
-    total_chunks = n < total_chunks ? (n > 0 ? n : 0) : total_chunks;
-  }
-  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
-  std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  for (; i < total_chunks; i += stride * kChunks) {
-    uint4 v[kChunks];
-    std::int64_t dst[kChunks];
-#pragma unroll
-    for (int u = 0; u < kChunks; ++u) {
-      const std::int64_t c = i + u * stride;
-      dst[u] = -1;
-      if (c < total_chunks) {
-        const std::int64_t e = c / chunks_per_entry;
-        const std::int64_t k = c - e * chunks_per_entry;
-        v[u] = __ldcs(src_base + src_off[e] / 16 + k);  // streamed: read once
-        dst[u] = static_cast<std::int64_t>(dst_off[e] / 16) + k;
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kChunks; ++u) {
-      if (dst[u] >= 0) __stcs(dst_base + dst[u], v[u]);
-    }
-  }
+  DevicePrims prims;
+  flashtrans::copy_entries_cta(src_base, dst_base, src_off, dst_off, total_chunks, chunks_per_entry, device_count, prims);
 }
 
 int launch(const EntryCopy& c, Stream stream) {
@@ -53,7 +40,8 @@ int launch(const EntryCopy& c, Stream stream) {
   if (c.count <= 0) return cudaSuccess;
   const FlashTransGrid g = flashtrans_grid(c);
   copy_entries<<<g.blocks, g.threads, 0, static_cast<cudaStream_t>(stream)>>>(
-      reinterpret_cast<const uint4*>(c.src_base), reinterpret_cast<uint4*>(c.dst_base), c.src_offsets, c.dst_offsets,
+      reinterpret_cast<const flashtrans::Chunk*>(c.src_base), reinterpret_cast<flashtrans::Chunk*>(c.dst_base), c.src_offsets,
+      c.dst_offsets,
       c.count * (c.entry_bytes / 16), c.entry_bytes / 16, c.device_count);
   return cudaGetLastError();
 }
