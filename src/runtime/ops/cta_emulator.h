@@ -296,14 +296,13 @@ class Coverage {
 struct CtaState {
   CtaState(int n_threads, std::size_t smem_bytes, Fibers& f)
       : fibers(f), threads(n_threads), all(n_threads), smem(smem_bytes, kPoisonByte),
-        scan_in(static_cast<std::size_t>(n_threads)), scan_out(static_cast<std::size_t>(n_threads)),
         scan_pending(static_cast<std::size_t>(n_threads), 0) {}
   Fibers& fibers;
   int threads;
   Barrier all;
   Guarded<std::uint8_t> smem;
-  std::vector<int> scan_in, scan_out;
-  int scan_total = 0;
+  std::vector<std::int64_t> scan;  // the items of a block scan, then their exclusive sums
+  std::int64_t scan_total = 0;
   std::vector<std::uint8_t> scan_pending;  // per thread: a scan since its last __syncthreads
   bool scan_reuse_reported = false;
 };
@@ -320,28 +319,39 @@ class Cta {
     s_.scan_pending[static_cast<std::size_t>(tid_)] = 0;
     s_.all.arrive_and_wait(s_.fibers);
   }
-  // cub::BlockScan<int>::ExclusiveSum(flag, rank, total): deposit, barrier, thread 0 sums,
+  // cub::BlockScan<T>::ExclusiveSum(value, rank, total): deposit, barrier, thread 0 sums,
   // barrier, read. Its storage is reused only after a __syncthreads, as cub requires.
-  void exclusive_sum(int value, int& rank, int& total) const {
+  template <typename T>
+  void exclusive_sum(T value, T& rank, T& total) const {
+    T in[1] = {value}, out[1] = {};
+    exclusive_sum(in, out, total);
+    rank = out[0];
+  }
+  // The blocked-arrangement form: thread t holds items [t x N, t x N + N) of the sequence.
+  template <typename T, int N>
+  void exclusive_sum(const T (&in)[N], T (&out)[N], T& total) const {
     auto& pending = s_.scan_pending[static_cast<std::size_t>(tid_)];
     if (pending != 0 && !s_.scan_reuse_reported) {  // once per block
       s_.scan_reuse_reported = true;
       ADD_FAILURE() << "thread " << tid_ << ": a block scan reused its storage without a __syncthreads after the last one";
     }
     pending = 1;
-    s_.scan_in[static_cast<std::size_t>(tid_)] = value;
+    const auto n = static_cast<std::size_t>(N);
+    s_.scan.resize(static_cast<std::size_t>(s_.threads) * n);
+    for (std::size_t u = 0; u < n; ++u) s_.scan[static_cast<std::size_t>(tid_) * n + u] = static_cast<std::int64_t>(in[u]);
     s_.all.arrive_and_wait(s_.fibers);
     if (tid_ == 0) {
-      int run = 0;
-      for (int t = 0; t < s_.threads; ++t) {
-        s_.scan_out[static_cast<std::size_t>(t)] = run;
-        run += s_.scan_in[static_cast<std::size_t>(t)];
+      std::int64_t run = 0;
+      for (auto& v : s_.scan) {
+        const std::int64_t x = v;
+        v = run;
+        run += x;
       }
       s_.scan_total = run;
     }
     s_.all.arrive_and_wait(s_.fibers);
-    rank = s_.scan_out[static_cast<std::size_t>(tid_)];
-    total = s_.scan_total;
+    for (std::size_t u = 0; u < n; ++u) out[u] = static_cast<T>(s_.scan[static_cast<std::size_t>(tid_) * n + u]);
+    total = static_cast<T>(s_.scan_total);
   }
   std::int32_t atomic_cas(std::int32_t* p, std::int32_t compare, std::int32_t value) const {
     const std::int32_t old = *p;

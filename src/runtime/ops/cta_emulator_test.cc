@@ -31,6 +31,24 @@ TEST(CtaEmulator, BlockScanIsAnExclusiveSum) {
   EXPECT_TRUE(Coverage::has("test_scan"));
 }
 
+TEST(CtaEmulator, TheBlockedScanRanksThreadContiguousItems) {
+  std::vector<std::int64_t> out(256 * 4, -1);
+  std::int64_t total = -1;
+  launch("test_blocked_scan", 1, 256, 0, 5, [&](Cta& p, std::uint8_t*) {
+    std::int64_t in[4], o[4], t = 0;
+    for (int u = 0; u < 4; ++u) in[u] = (p.tid() * 4 + u) % 3;
+    p.exclusive_sum(in, o, t);
+    for (int u = 0; u < 4; ++u) out[static_cast<std::size_t>(p.tid() * 4 + u)] = o[u];
+    if (p.tid() == 0) total = t;
+  });
+  std::int64_t run = 0;
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    ASSERT_EQ(out[i], run) << "item " << i;
+    run += static_cast<std::int64_t>(i % 3);
+  }
+  EXPECT_EQ(total, run);
+}
+
 TEST(CtaEmulator, AScanReusedWithoutABarrierFails) {
   EXPECT_NONFATAL_FAILURE(launch("test_reuse", 1, 64, 0, 1,
                                  [](Cta& p, std::uint8_t*) {
