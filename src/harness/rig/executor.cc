@@ -513,7 +513,8 @@ ExecutorReport StepExecutor::run(const std::function<void(int)>& after_step) {
         throw;
       }
       ESS_CUDA_CHECK(cudaStreamEndCapture(x.cs, &g), "executor: capturing step {}", s);
-      const cudaError_t e = cudaGraphInstantiate(&x.graphs[sz], g, 0);
+      // Node priorities (FlashTrans's stream priority) hold in a graph only with this flag.
+      const cudaError_t e = cudaGraphInstantiateWithFlags(&x.graphs[sz], g, cudaGraphInstantiateFlagUseNodePriority);
       cudaGraphDestroy(g);
       ESS_CUDA_CHECK(e, "executor: instantiating the graph of step {}", s);
     }

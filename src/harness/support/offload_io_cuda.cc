@@ -82,6 +82,9 @@ void cuda_write_row(Offload& o, int layer, std::int32_t p, std::span<const std::
   ESS_CUDA_CHECK(cudaMemcpy(o.buffer().layer_base[static_cast<std::size_t>(layer)] + o.buffer().rows.offset(p), bytes.data(),
                             bytes.size(), cudaMemcpyHostToDevice),
                  "offload io: writing row {} of layer {}", p, layer);
+  // The pageable copy's DMA may land after cudaMemcpy returns (legacy stream; non-blocking
+  // streams do not wait for it).
+  ESS_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy), "offload io: writing row {} of layer {}", p, layer);
 }
 
 std::vector<std::uint8_t> cuda_dump(const Offload& o, int layer) {

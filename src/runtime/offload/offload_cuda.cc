@@ -114,6 +114,9 @@ class CudaOffload final : public OffloadBackend {
                            static_cast<std::size_t>(L);
     ESS_CUDA_CHECK(cudaMemcpy(page_table_.get() + at, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice),
                    "offload: page table of row {}", row);
+    // A pageable cudaMemcpy may return before its DMA lands, on the legacy stream, which the
+    // steps' non-blocking streams do not wait for: the entries are in place once it drains.
+    ESS_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy), "offload: page table of row {}", row);
   }
 
   void warmup(std::int32_t row, RequestId id, std::span<const std::int32_t> windows, int W) override {
