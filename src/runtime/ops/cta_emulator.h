@@ -9,7 +9,7 @@
 // (Guarded), so a write out of range fails the test.
 //
 // Policies built here:
-//   Cta          __syncthreads, a block-wide exclusive sum (cub::BlockScan's ExclusiveSum,
+//   Cta          __syncthreads, __syncwarp, a block-wide exclusive sum (cub::BlockScan's ExclusiveSum,
 //                whose storage may not be reused before a __syncthreads: checked), shared
 //                atomics (fibers never run concurrently, so they are plain operations);
 // warp_emulator.h adds the warp collectives, cp.async, ldmatrix and mma of the sparse MLA
@@ -296,10 +296,13 @@ class Coverage {
 struct CtaState {
   CtaState(int n_threads, std::size_t smem_bytes, Fibers& f)
       : fibers(f), threads(n_threads), all(n_threads), smem(smem_bytes, kPoisonByte),
-        scan_pending(static_cast<std::size_t>(n_threads), 0) {}
+        scan_pending(static_cast<std::size_t>(n_threads), 0) {
+    for (int w = 0; w * 32 < n_threads; ++w) warp.push_back(std::make_unique<Barrier>(std::min(32, n_threads - 32 * w)));
+  }
   Fibers& fibers;
   int threads;
   Barrier all;
+  std::vector<std::unique_ptr<Barrier>> warp;  // __syncwarp of each warp
   Guarded<std::uint8_t> smem;
   std::vector<std::int64_t> scan;  // the items of a block scan, then their exclusive sums
   std::int64_t scan_total = 0;
@@ -319,6 +322,7 @@ class Cta {
     s_.scan_pending[static_cast<std::size_t>(tid_)] = 0;
     s_.all.arrive_and_wait(s_.fibers);
   }
+  void sync_warp() const { s_.warp[static_cast<std::size_t>(tid_ / 32)]->arrive_and_wait(s_.fibers); }
   // cub::BlockScan<T>::ExclusiveSum(value, rank, total): deposit, barrier, thread 0 sums,
   // barrier, read. Its storage is reused only after a __syncthreads, as cub requires.
   template <typename T>

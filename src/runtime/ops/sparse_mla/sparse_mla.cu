@@ -77,6 +77,7 @@
 #include "runtime/cuda/backend_impl.h"
 #include "runtime/cuda/smem_limit.h"
 #include "runtime/ops/launch_args.h"
+#include "runtime/ops/sparse_mla/merge_kernel.h"
 #include "runtime/ops/sparse_mla/mma_layout.h"
 #include "runtime/ops/sparse_mla/sparse_mla_kernel.h"
 
@@ -164,53 +165,20 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_kernel(SparseMlaArgs a
 }
 
 // ---- merge ---------------------------------------------------------------------------------------
-constexpr int kMergeThreads = 256;
+struct MergePrims {
+  __device__ int tid() const { return static_cast<int>(threadIdx.x); }
+  __device__ int threads() const { return static_cast<int>(blockDim.x); }
+  __device__ unsigned block() const { return blockIdx.x; }
+  __device__ unsigned blocks() const { return gridDim.x; }
+  __device__ void sync_warp() const { __syncwarp(); }
+  __device__ float exp(float x) const { return expf(x); }
+  __device__ float log1p(float x) const { return log1pf(x); }
+  __device__ std::uint32_t pack_bf16(float lo, float hi) const { return pack_bf16x2(lo, hi); }
+};
 
-__global__ void __launch_bounds__(kMergeThreads) merge_kernel(MergeArgs a) {
-  const int lane = static_cast<int>(threadIdx.x) & 31;
-  const long long warps = static_cast<long long>(gridDim.x) * (kMergeThreads / 32);
-  const int n4 = a.dim / 4;
-  for (long long r = static_cast<long long>(blockIdx.x) * (kMergeThreads / 32) + (threadIdx.x >> 5); r < a.rows;
-       r += warps) {
-    const float la = a.lse_a[r];
-    const float lb = a.lse_b[r];
-    const bool ea = isinf(la);
-    const bool eb = isinf(lb);
-    float wa = 0.0f, wb = 0.0f, l = -INFINITY;
-    if (isnan(la) || isnan(lb)) {  // invalid input (the reference rejects it): a NaN row
-      wa = wb = l = NAN;
-    } else if (!ea && !eb) {
-      const float m = fmaxf(la, lb);
-      l = m + log1pf(expf(-fabsf(la - lb)));
-      wa = expf(la - l);
-      wb = expf(lb - l);
-    } else if (!ea) {
-      l = la;
-      wa = 1.0f;
-    } else if (!eb) {
-      l = lb;
-      wb = 1.0f;
-    }
-    const float4* oa = reinterpret_cast<const float4*>(a.o_a) + r * n4;
-    const float4* ob = reinterpret_cast<const float4*>(a.o_b) + r * n4;
-    for (int j = lane; j < n4; j += 32) {
-      float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      if (wa != 0.0f) {
-        const float4 x = oa[j];
-        v = make_float4(wa * x.x, wa * x.y, wa * x.z, wa * x.w);
-      }
-      if (wb != 0.0f) {
-        const float4 x = ob[j];
-        v = make_float4(v.x + wb * x.x, v.y + wb * x.y, v.z + wb * x.z, v.w + wb * x.w);
-      }
-      if (a.out_f32 != nullptr) reinterpret_cast<float4*>(a.out_f32)[r * n4 + j] = v;
-      if (a.out != nullptr) {
-        reinterpret_cast<uint2*>(a.out)[r * n4 + j] = make_uint2(pack_bf16x2(v.x, v.y), pack_bf16x2(v.z, v.w));
-      }
-    }
-    __syncwarp();  // every lane has read lse_a[r] / lse_b[r] before it may be overwritten
-    if (lane == 0 && a.lse != nullptr) a.lse[r] = l;
-  }
+__global__ void __launch_bounds__(merge::kThreads) merge_kernel(MergeArgs a) {
+  MergePrims prims;
+  merge::merge_cta(a, prims);
 }
 
 }  // namespace
@@ -236,10 +204,10 @@ int merge_states_cuda(const MergeArgs& a, Stream stream) {
   int sms = 0;
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  const long long rows_per_block = kMergeThreads / 32;
+  const long long rows_per_block = merge::kThreads / 32;
   const long long want = (a.rows + rows_per_block - 1) / rows_per_block;
   const long long cap = static_cast<long long>(sms > 0 ? sms : 1) * 16;
-  merge_kernel<<<static_cast<unsigned>(want < cap ? want : cap), kMergeThreads, 0, static_cast<cudaStream_t>(stream)>>>(a);
+  merge_kernel<<<static_cast<unsigned>(want < cap ? want : cap), merge::kThreads, 0, static_cast<cudaStream_t>(stream)>>>(a);
   return cudaGetLastError();
 }
 

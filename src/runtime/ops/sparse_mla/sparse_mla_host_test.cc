@@ -93,7 +93,12 @@ bool always() { return true; }
 }  // namespace
 
 const MlaBackend& mla_backend() {
-  static const MlaBackend b{{"cpu-reference", always}, reference_decode, reference_merge};
+  static const MlaBackend b{{"cpu-reference", always}, reference_decode};
+  return b;
+}
+
+const MergeBackend& merge_backend() {
+  static const MergeBackend b{{"cpu-reference", always}, reference_merge};
   return b;
 }
 

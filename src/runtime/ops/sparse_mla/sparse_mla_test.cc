@@ -135,7 +135,12 @@ TEST(SparseMlaLauncher, RefusesWhatCheckArgsRefuses) {
 }  // namespace
 
 const MlaBackend& mla_backend() {
-  static const MlaBackend b{{"cuda", device_present}, run_decode, run_merge};
+  static const MlaBackend b{{"cuda", device_present}, run_decode};
+  return b;
+}
+
+const MergeBackend& merge_backend() {
+  static const MergeBackend b{{"cuda", device_present}, run_merge};
   return b;
 }
 
