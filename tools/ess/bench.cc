@@ -75,7 +75,7 @@ void add_bench(CLI::App& app, int& exit_code) {
   CLI::App* swap = bench->add_subcommand(
       "swap", "Time the GPU swap engine: one launch decides hits, misses and victims for a whole batch");
   struct SwapArgs {
-    int requests = 128, mtp = 2, topk = 2048, fresh = 100, repeats = 50, device = 0;
+    int requests = 128, mtp = 2, topk = 2048, fresh = 100, repeats = 50, device = 0, layers = 61;
     int slots = 6554;
     long long context = 32768;
     std::uint64_t seed = 1;
@@ -88,7 +88,8 @@ void add_bench(CLI::App& app, int& exit_code) {
   swap->add_option("--slots", sa->slots, "Slots per request")->capture_default_str();
   swap->add_option("--context,-c", sa->context, "Tokens per request")->capture_default_str();
   swap->add_option("--fresh", sa->fresh, "Ids replaced per query per step (sets the miss rate)")->capture_default_str();
-  swap->add_option("--repeats,-r", sa->repeats, "Timed launches")->capture_default_str();
+  swap->add_option("--repeats,-r", sa->repeats, "Timed steps (each launches every layer)")->capture_default_str();
+  swap->add_option("--layers", sa->layers, "Layers whose state the launches walk")->capture_default_str();
   swap->add_option("--device", sa->device, "CUDA device")->capture_default_str();
   swap->add_option("--seed", sa->seed, "Random seed")->capture_default_str()->check(unsigned_integer());
   add_format_option(*swap, sa->format);
@@ -101,6 +102,7 @@ void add_bench(CLI::App& app, int& exit_code) {
     c.context = sa->context;
     c.fresh_per_query = sa->fresh;
     c.repeats = sa->repeats;
+    c.layers = sa->layers;
     c.device = sa->device;
     c.seed = sa->seed;
     print_report(c, harness::gpu_benchmarks("bench swap").swap(c), sa->format);

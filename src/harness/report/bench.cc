@@ -112,18 +112,22 @@ nlohmann::json to_json(const cuda::SwapBenchConfig& c, const cuda::SwapBenchResu
       {"benchmark", "swap"},
       {"device", r.device},
       {"date", r.date},
-      {"statistic", fmt::format("median (min, max) of {} launches after {} warm-up launches, CUDA events", c.repeats, c.steps)},
+      {"statistic", fmt::format("median (min, max) over {} steps (after {} warm-up steps) of one CUDA-event span over {} "
+                                "back-to-back layer launches, divided by the layers",
+                                c.repeats, c.steps, c.layers)},
       {"params",
        {{"requests", c.requests},
         {"query_tokens", c.query_tokens},
         {"topk", c.topk},
         {"slots", c.slots},
         {"context", c.context},
-        {"fresh_per_query", c.fresh_per_query}}},
+        {"fresh_per_query", c.fresh_per_query},
+        {"layers", c.layers}}},
       {"us_per_layer", {{"median", r.us_per_layer.median}, {"min", r.us_per_layer.min}, {"max", r.us_per_layer.max}}},
       {"target_us_per_layer", 20},
       {"hits_per_request_step", r.hits_per_request_step},
-      {"misses_per_request_step", r.misses_per_request_step}};
+      {"misses_per_request_step", r.misses_per_request_step},
+      {"checked_requests", r.checked_requests}};
   return j;
 }
 
@@ -134,9 +138,9 @@ std::string to_table(const cuda::SwapBenchConfig& c, const cuda::SwapBenchResult
   };
   add("ess bench swap on {} ({}): batch {} x T {} x top-k {}, {} slots, {:.1f} misses per request-step\n", r.device,
              r.date, c.requests, c.query_tokens, c.topk, c.slots, r.misses_per_request_step);
-  add("us per layer (one launch for the batch): median {:.2f}, min {:.2f}, max {:.2f} over {} launches "
-             "(target <= 20)\n",
-             r.us_per_layer.median, r.us_per_layer.min, r.us_per_layer.max, c.repeats);
+  add("us per layer (one launch for the batch; {} layers back to back per timed step): median {:.2f}, min {:.2f}, "
+      "max {:.2f} over {} steps (target <= 20); outputs of {} requests checked against the LRU model\n",
+      c.layers, r.us_per_layer.median, r.us_per_layer.min, r.us_per_layer.max, c.repeats, r.checked_requests);
   return out;
 }
 

@@ -2,11 +2,14 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <memory>
+#include <span>
 #include <random>
 #include <set>
 #include <vector>
 
+#include "harness/support/cache_fixtures.h"
 #include "harness/support/device.h"
 #include "runtime/cuda/check.h"
 #include "runtime/cuda/device_buffer.h"
@@ -15,9 +18,11 @@
 namespace ess::cuda {
 
 SwapBenchResult run_swap_bench(const SwapBenchConfig& c) {
-  ESS_CHECK(c.requests > 0 && c.query_tokens > 0 && c.topk > 0 && c.steps > 0 && c.repeats > 0 && c.context >= c.topk,
-            "bench swap: requests {}, T {}, top-k {}, steps {}, repeats {} must be positive and context {} >= top-k",
-            c.requests, c.query_tokens, c.topk, c.steps, c.repeats, c.context);
+  ESS_CHECK(c.requests > 0 && c.query_tokens > 0 && c.topk > 0 && c.steps > 0 && c.repeats > 0 && c.layers > 0 &&
+                c.context >= c.topk,
+            "bench swap: requests {}, T {}, top-k {}, steps {}, repeats {}, layers {} must be positive and context {} >= "
+            "top-k",
+            c.requests, c.query_tokens, c.topk, c.steps, c.repeats, c.layers, c.context);
   ESS_CHECK(c.fresh_per_query >= 0 && c.fresh_per_query <= c.topk, "bench swap: fresh ids per query {} out of [0, {}]",
             c.fresh_per_query, c.topk);
   // Each step's T rows are orderings of one set of K ids, so the pool must hold K of them.
@@ -50,9 +55,11 @@ SwapBenchResult run_swap_bench(const SwapBenchConfig& c) {
     }
   }
 
+  // Every layer's state (61 for DeepSeek-V3.2: far more than L2 holds at production shapes),
+  // each layer stepped with the same ids (its own LRU state, in its own memory).
   GpuSwapConfig gc;
   gc.rows = B;
-  gc.layers = 1;
+  gc.layers = c.layers;
   gc.slots = c.slots;
   gc.max_positions = T * K;
   gc.device = c.device;
@@ -67,10 +74,10 @@ SwapBenchResult run_swap_bench(const SwapBenchConfig& c) {
   std::int32_t* d_counts = counts_buf.get();
   std::vector<std::int32_t> rows(static_cast<std::size_t>(B));
   for (int b = 0; b < B; ++b) rows[static_cast<std::size_t>(b)] = b;
-  ESS_CUDA_CHECK(cudaMemcpy(d_ids, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice), "upload ids");
-  ESS_CUDA_CHECK(cudaMemcpy(rows_buf.get(), rows.data(), rows.size() * 4, cudaMemcpyHostToDevice), "upload rows");
+  ESS_CUDA_CHECK(cudaMemcpyAsync(d_ids, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice, stream), "upload ids");
+  ESS_CUDA_CHECK(cudaMemcpyAsync(rows_buf.get(), rows.data(), rows.size() * 4, cudaMemcpyHostToDevice, stream), "upload rows");
+  ESS_CUDA_CHECK(cudaStreamSynchronize(stream), "upload");
   GpuSwapStep s;
-  s.layer = 0;
   s.batch = B;
   s.query_tokens = T;
   s.topk = K;
@@ -84,20 +91,41 @@ SwapBenchResult run_swap_bench(const SwapBenchConfig& c) {
   const std::unique_ptr<CUevent_st, decltype(&cudaEventDestroy)> e0_owner(e0, &cudaEventDestroy);
   ESS_CUDA_CHECK(cudaEventCreate(&e1), "event");
   const std::unique_ptr<CUevent_st, decltype(&cudaEventDestroy)> e1_owner(e1, &cudaEventDestroy);
-  // One pass to reach steady state, then timed steps; misses counted over the timed steps.
+  // The independent LRU model of the first requests (every layer sees the same ids, so
+  // layer 0's model stands for all): the outputs of the last launch are checked against it.
+  const int checked = std::min(B, 2);
+  std::vector<test::NaiveLru> model;
+  for (int b = 0; b < checked; ++b) model.emplace_back(c.slots);
+  std::vector<std::int32_t> want_slots;
+  std::vector<std::int64_t> want_misses(static_cast<std::size_t>(checked));
+  // One pass over the steps to reach steady state, then `repeats` timed steps: each is every
+  // layer's launch back to back between one pair of events (the device never idles between
+  // them, as in a decode step), and the time per layer is that span over the layers.
   std::vector<double> us;
   std::vector<std::int32_t> counts(static_cast<std::size_t>(B) * 2);
   std::int64_t hits = 0, misses = 0, request_steps = 0;
   for (int it = 0; it < c.steps + c.repeats; ++it) {
-    s.ids = d_ids + static_cast<std::size_t>(it % c.steps) * B * P;
+    const std::size_t step_ids = static_cast<std::size_t>(it % c.steps) * static_cast<std::size_t>(B) * P;
+    s.ids = d_ids + step_ids;
     ESS_CUDA_CHECK(cudaEventRecord(e0, stream), "event");
-    engine.step_async(s);
+    for (int l = 0; l < c.layers; ++l) {
+      s.layer = l;
+      engine.step_async(s);
+    }
     ESS_CUDA_CHECK(cudaEventRecord(e1, stream), "event");
+    want_slots.clear();
+    for (int b = 0; b < checked; ++b) {
+      std::vector<std::pair<std::int32_t, std::int32_t>> fills;
+      const auto got = model[static_cast<std::size_t>(b)].step(
+          std::span<const std::int32_t>(ids.data() + step_ids + static_cast<std::size_t>(b) * P, P), fills);
+      want_slots.insert(want_slots.end(), got.begin(), got.end());
+      want_misses[static_cast<std::size_t>(b)] = static_cast<std::int64_t>(fills.size());
+    }
     ESS_CUDA_CHECK(cudaEventSynchronize(e1), "swap step");
     if (it < c.steps) continue;
     float ms = 0;
     ESS_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1), "event time");
-    us.push_back(1000.0 * ms);
+    us.push_back(1000.0 * ms / c.layers);
     ESS_CUDA_CHECK(cudaMemcpy(counts.data(), d_counts, counts.size() * 4, cudaMemcpyDeviceToHost), "counts");
     for (int b = 0; b < B; ++b) {
       hits += counts[2 * static_cast<std::size_t>(b)];
@@ -105,6 +133,19 @@ SwapBenchResult run_swap_bench(const SwapBenchConfig& c) {
     }
     request_steps += B;
   }
+  // The last layer's launch of the last step, against the model.
+  std::vector<std::int32_t> got_slots(want_slots.size());
+  ESS_CUDA_CHECK(cudaMemcpy(got_slots.data(), slots_buf.get(), got_slots.size() * 4, cudaMemcpyDeviceToHost), "slot ids");
+  for (std::size_t i = 0; i < got_slots.size(); ++i) {
+    ESS_CHECK(got_slots[i] == want_slots[i], "bench swap: request {} position {}: the GPU gave slot {}, the LRU model {}",
+              i / P, i % P, got_slots[i], want_slots[i]);
+  }
+  for (int b = 0; b < checked; ++b) {
+    ESS_CHECK(counts[2 * static_cast<std::size_t>(b) + 1] == want_misses[static_cast<std::size_t>(b)],
+              "bench swap: request {}: the GPU counted {} misses, the LRU model {}", b, counts[2 * static_cast<std::size_t>(b) + 1],
+              want_misses[static_cast<std::size_t>(b)]);
+  }
+  res.checked_requests = checked;
   res.us_per_layer = summarize(us);
   res.hits_per_request_step = static_cast<double>(hits) / static_cast<double>(request_steps);
   res.misses_per_request_step = static_cast<double>(misses) / static_cast<double>(request_steps);
