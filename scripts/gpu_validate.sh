@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # GPU validation on a bare H100 / H200 (docs/gpu-validation.md): what the GPU must show, in
-# three commands of well under 10 minutes each on 16 cores, with the device bundle
+# four commands of well under 10 minutes each on 16 cores, with the device bundle
 # (scripts/device_bundle.sh) carried along as build/device-bundle:
 #
 #   1. scripts/gpu_validate.sh $OUT probe tests      the machine, then every kernel test binary
 #   2. scripts/gpu_validate.sh $OUT sanitize kernels compute-sanitizer; the kernel benchmarks
-#   3. scripts/gpu_validate.sh $OUT step python      the op profile; the decode step per schedule;
-#                                                    the Python package on torch CUDA tensors
+#   3. scripts/gpu_validate.sh $OUT profile python   the op profile (kept in build/gpu-validate for
+#                                                    command 4); the Python package on torch CUDA
+#                                                    tensors and the engine loop on the CUDA backend
+#   4. scripts/gpu_validate.sh $OUT step             the decode step per schedule, with the
+#                                                    simulator's prediction from command 3's profile
 #
 # Every stage writes as it goes into OUT (at most two files per stage, so that a command's
 # files all come back): STAGE.jsonl, one JSON record per binary / run, appended when it ends,
@@ -15,12 +18,15 @@
 # them from source against the bundle's prefix (build/device; kept between warm calls).
 #
 # Usage: scripts/gpu_validate.sh [--dry-run] [--bundle DIR] OUT STAGE...
-#   stages: probe tests sanitize kernels step python
+#   stages: probe tests sanitize kernels profile step python
 #   --dry-run  everything but the device work, on any machine (CI runs it): the probe, every
 #              test binary (the device cases skip themselves), the planned sanitizer and
 #              benchmark command lines (each benchmark's flags are parsed by ess itself: it
 #              must fail only for want of a device), and the records they would write.
-set -euo pipefail
+set -eEuo pipefail
+# No step dies silently: a failing command names itself and its line.
+# (Only where errexit holds: a command run under `set +e` may fail, its status is recorded.)
+trap 'rc=$?; [[ $- == *e* ]] && echo "gpu_validate: line $LINENO: \"$BASH_COMMAND\" failed (exit $rc)" >&2' ERR
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 
@@ -40,7 +46,7 @@ done
 OUT=${ARGS[0]}
 STAGES=("${ARGS[@]:1}")
 for s in "${STAGES[@]}"; do
-  case $s in probe|tests|sanitize|kernels|step|python) ;; *) echo "gpu_validate: unknown stage '$s'" >&2; exit 2 ;; esac
+  case $s in probe|tests|sanitize|kernels|profile|step|python) ;; *) echo "gpu_validate: unknown stage '$s'" >&2; exit 2 ;; esac
 done
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
@@ -49,6 +55,12 @@ TEST_TIMEOUT=${TEST_TIMEOUT:-420}
 SAN_TIMEOUT=${SAN_TIMEOUT:-240}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-300}
 
+# Scratch files live outside OUT, whose files all come back (at most 8).
+SCRATCH=$(mktemp -d)
+trap 'rm -rf "$SCRATCH"' EXIT
+# What one command leaves for a later one on the same (warm) machine: the op profile.
+KEEP=$ROOT/build/gpu-validate
+mkdir -p "$KEEP"
 log() { echo "[$(date -u +%H:%M:%S)] $*"; }
 # record STAGE JSON: appends one line to OUT/STAGE.jsonl.
 record() { printf '%s\n' "$2" >> "$OUT/$1.jsonl"; }
@@ -64,19 +76,34 @@ if [[ -f $ROOT/$BUNDLE/bin.tar.xz ]]; then
   tar -C "$UNPACKED" -xJf "$ROOT/$BUNDLE/bin.tar.xz" 2>/dev/null ||
     python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' "$ROOT/$BUNDLE/bin.tar.xz" "$UNPACKED"
 fi
-CUDA_LIB=""
-for d in /usr/local/cuda/lib64 /usr/local/cuda/lib /usr/local/cuda/targets/x86_64-linux/lib; do
-  [[ -e $d/libcudart.so.13 || -e $d/libcublas.so.13 ]] && { CUDA_LIB=$d; break; }
+# The CUDA runtime and cuBLAS, each wherever this machine keeps it: the toolkit, the loader's
+# cache, or the CUDA wheels of its Python (nvidia/cu13/lib in CUDA 13's layout, nvidia/<lib>/lib
+# before). Only ess and the executor's tests need cuBLAS.
+find_cuda_lib() {
+  local name=$1 d p cache
+  for d in /usr/local/cuda/lib64 /usr/local/cuda/lib /usr/local/cuda/targets/x86_64-linux/lib; do
+    [[ -e $d/$name ]] && { echo "$d"; return 0; }
+  done
+  cache=$(ldconfig -p 2>/dev/null || true)
+  p=$(awk -v n="$name" '!found && $1 == n {print $NF; found = 1}' <<< "$cache")  # reads to the end: no SIGPIPE
+  [[ -n $p ]] && { dirname "$p"; return 0; }
+  python3 - "$name" 2>/dev/null <<'PY' || true
+import glob, importlib.util, os, sys
+spec = importlib.util.find_spec("nvidia")
+for root in (spec.submodule_search_locations if spec else []):
+    hits = sorted(glob.glob(os.path.join(root, "*", "lib", sys.argv[1])))
+    if hits:
+        print(os.path.dirname(hits[0]))
+        break
+PY
+}
+CUDART_DIR=$(find_cuda_lib libcudart.so.13)
+CUBLAS_DIR=$(find_cuda_lib libcublas.so.13)
+CUDA_LIB_PATH=""
+for d in "$CUDART_DIR" "$CUBLAS_DIR"; do
+  [[ -n $d && ":$CUDA_LIB_PATH:" != *":$d:"* ]] && CUDA_LIB_PATH=${CUDA_LIB_PATH:+$CUDA_LIB_PATH:}$d
 done
-if [[ -z $CUDA_LIB ]]; then
-  p=$(ldconfig -p 2>/dev/null | awk '/libcublas\.so\.13 /{print $NF; exit}')
-  [[ -n $p ]] && CUDA_LIB=$(dirname "$p")
-fi
-if [[ -z $CUDA_LIB ]]; then  # PyTorch's wheels carry the CUDA 13 libraries
-  p=$(python3 -c 'import nvidia.cublas, os; print(os.path.join(list(nvidia.cublas.__path__)[0], "lib"))' 2>/dev/null || true)
-  [[ -n $p && -d $p ]] && CUDA_LIB=$p
-fi
-export LD_LIBRARY_PATH="$ROOT/$BUNDLE/lib${CUDA_LIB:+:$CUDA_LIB}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export LD_LIBRARY_PATH="$ROOT/$BUNDLE/lib${CUDA_LIB_PATH:+:$CUDA_LIB_PATH}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
 starts() { "$@" >/dev/null 2>&1; }
 BIN=$UNPACKED/bin
@@ -91,9 +118,17 @@ if ((!carried_ok)); then
     log "carried binaries do not start here: building from source with $BUNDLE/prefix"
     prefix=$ROOT/$BUNDLE/prefix/usr
     [[ -d $prefix ]] || { echo "gpu_validate: no $prefix (scripts/device_bundle.sh without --no-prefix)" >&2; exit 1; }
-    cmake -S "$ROOT" -B "$FB" -G Ninja -DCMAKE_BUILD_TYPE=Release -DESS_BUILD_BENCHMARKS=OFF \
-      -DCMAKE_PREFIX_PATH="$prefix" >"$OUT/build.log" 2>&1
-    cmake --build "$FB" -j "$(nproc)" >>"$OUT/build.log" 2>&1 || { tail -n 30 "$OUT/build.log"; exit 1; }
+    if ! cmake -S "$ROOT" -B "$FB" -G Ninja -DCMAKE_BUILD_TYPE=Release -DESS_BUILD_BENCHMARKS=OFF \
+      -DCMAKE_PREFIX_PATH="$prefix" >"$OUT/build.log" 2>&1; then
+      tail -n 30 "$OUT/build.log" >&2
+      echo "gpu_validate: configuring the build from source failed (build.log)" >&2
+      exit 1
+    fi
+    if ! cmake --build "$FB" -j "$(nproc)" >>"$OUT/build.log" 2>&1; then
+      tail -n 30 "$OUT/build.log" >&2
+      echo "gpu_validate: the build from source failed (build.log)" >&2
+      exit 1
+    fi
   fi
   BIN=$FB/bin-view
   mkdir -p "$BIN"
@@ -104,23 +139,27 @@ fi
 ESS=$BIN/ess
 SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 NVCC=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
-log "binaries: $BIN ($( ((carried_ok)) && echo carried || echo built here)); CUDA libraries: ${CUDA_LIB:-not found}"
+log "binaries: $BIN ($( ((carried_ok)) && echo carried || echo built here)); CUDA runtime: ${CUDART_DIR:-not found}; cuBLAS: ${CUBLAS_DIR:-not found, and ess and cuda_executor_test need it}"
 
 # ---- stages -------------------------------------------------------------------------------------
 stage_probe() {
   local smi="" bins=()
   command -v nvidia-smi >/dev/null && smi=$(nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap,pcie.link.gen.max,pcie.link.width.max,clocks.max.sm --format=csv,noheader 2>&1 || true)
   for b in "$BIN"/*; do
-    local ok=false missing
-    if [[ $(basename "$b") == ess ]]; then starts "$b" --version && ok=true; else starts "$b" --gtest_list_tests && ok=true; fi
-    missing=$(ldd "$b" 2>/dev/null | awk '/not found/{print $1}' | tr '\n' ' ')
-    bins+=("{\"binary\": \"$(basename "$b")\", \"starts\": $ok, \"missing_libraries\": $(json "$missing")}")
+    local ok=false missing kind=program
+    missing=$(ldd "$b" 2>/dev/null | awk '/not found/{print $1}' | tr '\n' ' ' || true)
+    case $(basename "$b") in
+      *.so|*.so.*) kind=library; [[ -z $missing ]] && ok=true ;;  # a library loads; it is not run
+      ess) starts "$b" --version && ok=true ;;
+      *) starts "$b" --gtest_list_tests && ok=true ;;
+    esac
+    bins+=("{\"binary\": \"$(basename "$b")\", \"kind\": \"$kind\", \"starts\": $ok, \"missing_libraries\": $(json "$missing")}")
   done
   local IFS=,
   record probe "{\"stage\": \"probe\", \"date\": \"$STAMP\", \"dry_run\": $( ((DRY)) && echo true || echo false), \
 \"gpu\": $(json "${smi:-none}"), \"nvcc\": $(json "$("$NVCC" --version 2>/dev/null | tail -n 1 || echo none)"), \
 \"compute_sanitizer\": $(json "$("$SAN" --version 2>/dev/null | tail -n 1 || echo none)"), \
-\"cuda_libraries\": $(json "${CUDA_LIB:-not found}"), \"glibc\": $(json "$(ldd --version 2>&1 | head -n 1)"), \
+\"cudart\": $(json "${CUDART_DIR:-not found}"), \"cublas\": $(json "${CUBLAS_DIR:-not found}"), \"glibc\": $(json "$(ldd --version 2>&1 | head -n 1)"), \
 \"os\": $(json "$(. /etc/os-release 2>/dev/null && echo "$PRETTY_NAME")"), \"cores\": $(nproc), \
 \"binaries_from\": \"$( ((carried_ok)) && echo bundle || echo source)\", \"binaries\": [${bins[*]}]}"
   { echo "== probe"; echo "$smi"; ldd "$ESS"; } >> "$OUT/probe.log" 2>&1
@@ -218,12 +257,11 @@ stage_sanitize() {
     fi
     start=$(date +%s)
     set +e
-    timeout --kill-after=10 "$SAN_TIMEOUT" "${cmd[@]}" > "$OUT/.san.out" 2>&1
+    timeout --kill-after=10 "$SAN_TIMEOUT" "${cmd[@]}" > "$SCRATCH/san.out" 2>&1
     rc=$?
     set -e
-    cat "$OUT/.san.out" >> "$OUT/sanitize.log"
-    summary=$(grep -o 'ERROR SUMMARY: [0-9]* error[s]*' "$OUT/.san.out" | tail -n 1 || true)
-    rm -f "$OUT/.san.out"
+    cat "$SCRATCH/san.out" >> "$OUT/sanitize.log"
+    summary=$(grep -o 'ERROR SUMMARY: [0-9]* error[s]*' "$SCRATCH/san.out" | tail -n 1 || true)
     record sanitize "{\"stage\": \"sanitize\", \"tool\": \"$tool\", \"binary\": \"$bin\", \"filter\": $(json "$filter"), \"run\": true, \"exit\": $rc, \"seconds\": $(( $(date +%s) - start )), \"summary\": $(json "$summary")}"
     log "sanitize: $tool $bin exit $rc ${summary}"
   done
@@ -238,20 +276,20 @@ ess_run() {
   echo "== ess $*" >> "$OUT/$stage.log"
   start=$(date +%s)
   set +e
-  timeout --kill-after=10 "$BENCH_TIMEOUT" "$ESS" "$@" > "$OUT/.out" 2> "$OUT/.err"
+  timeout --kill-after=10 "$BENCH_TIMEOUT" "$ESS" "$@" > "$SCRATCH/out" 2> "$SCRATCH/err"
   rc=$?
   set -e
-  cat "$OUT/.out" "$OUT/.err" >> "$OUT/$stage.log"
+  cat "$SCRATCH/out" "$SCRATCH/err" >> "$OUT/$stage.log"
   if ((DRY)); then
-    if grep -q "no CUDA device" "$OUT/.err" || { [[ $rc == 0 ]] && [[ $name == verify-cpu ]]; }; then
+    if grep -q "no CUDA device" "$SCRATCH/err" || { [[ $rc == 0 ]] && [[ $name == verify-cpu ]]; }; then
       record "$stage" "{\"stage\": \"$stage\", \"name\": \"$name\", \"command\": $(json "ess $*"), \"run\": false, \"why\": \"dry run: flags and configuration accepted, no device\"}"
     else
       echo "gpu_validate: dry run: 'ess $*' failed other than for want of a device (exit $rc):" >&2
-      cat "$OUT/.err" >&2
+      cat "$SCRATCH/err" >&2
       exit 1
     fi
   else
-    python3 - "$OUT/.out" "$name" "$rc" "$(( $(date +%s) - start ))" "ess $*" "$stage" >> "$OUT/$stage.jsonl" <<'PY'
+    python3 - "$SCRATCH/out" "$name" "$rc" "$(( $(date +%s) - start ))" "ess $*" "$stage" >> "$OUT/$stage.jsonl" <<'PY'
 import json, sys
 path, name, rc, secs, cmd, stage = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6]
 text = open(path).read()
@@ -263,7 +301,7 @@ print(json.dumps({"stage": stage, "name": name, "command": cmd, "exit": rc, "sec
 PY
     log "$stage: $name exit $rc ($(( $(date +%s) - start )) s)"
   fi
-  rm -f "$OUT/.out" "$OUT/.err"
+  rm -f "$SCRATCH/out" "$SCRATCH/err"
 }
 
 stage_kernels() {
@@ -277,10 +315,24 @@ stage_kernels() {
   ess_run kernels verify-cuda-groups verify --backend cuda --mtp 4 --topk 128 --slots 160 --format json
 }
 
+# The op table `ess sim --rig-layers` reads; a copy stays on this machine for the step stage
+# of a later command.
+stage_profile() {
+  ess_run profile profile bench profile --out "$OUT/profile"
+  local f
+  for f in "$OUT"/profile-*.csv "$OUT"/profile-*.json "$OUT"/profile.json; do
+    [[ -f $f ]] && cp "$f" "$KEEP/"
+  done
+  return 0
+}
+
 stage_step() {
-  ess_run step profile bench profile --out "$OUT/profile"
-  local hw="$OUT/profile-hardware.json" table="$OUT/profile-ops.csv" pred=()
-  [[ -f $hw && -f $table ]] && pred=(--profile-hardware "$hw" --profile-table "$table")
+  local hw="$KEEP/profile-hardware.json" table="$KEEP/profile-ops.csv" pred=()
+  if [[ -f $hw && -f $table ]]; then
+    pred=(--profile-hardware "$hw" --profile-table "$table")
+  else
+    record step "{\"stage\": \"step\", \"note\": \"no op profile in $KEEP (run the profile stage first on this machine): no predictions\"}"
+  fi
   # Each point is appended to step.jsonl as soon as it is measured (--points).
   ess_run step step bench step --format json --batch 1,2,16,64,128 --points "$OUT/step.jsonl" "${pred[@]}"
 }
@@ -302,15 +354,15 @@ stage_python() {
     set +e
     if [[ $item == pytest ]]; then
       ESS_LIBRARY=$lib timeout --kill-after=10 "$TEST_TIMEOUT" "$py" -m pytest -q -rs -p no:cacheprovider \
-        "$ROOT/python/tests" > "$OUT/.out" 2>&1
+        "$ROOT/python/tests" > "$SCRATCH/py.out" 2>&1
     else
       ESS_LIBRARY=$lib timeout --kill-after=10 "$TEST_TIMEOUT" "$py" "$ROOT/examples/engine_loop.py" --format json \
-        > "$OUT/.out" 2>&1
+        > "$SCRATCH/py.out" 2>&1
     fi
     rc=$?
     set -e
-    cat "$OUT/.out" >> "$OUT/python.log"
-    record python "{\"stage\": \"python\", \"name\": \"$item\", \"exit\": $rc, \"seconds\": $(( $(date +%s) - start )), \"python\": $(json "$("$py" --version 2>&1)"), \"tail\": $(json "$(tail -n 15 "$OUT/.out")")}"
+    cat "$SCRATCH/py.out" >> "$OUT/python.log"
+    record python "{\"stage\": \"python\", \"name\": \"$item\", \"exit\": $rc, \"seconds\": $(( $(date +%s) - start )), \"python\": $(json "$("$py" --version 2>&1)"), \"tail\": $(json "$(tail -n 15 "$SCRATCH/py.out")")}"
     log "python: $item exit $rc"
   done
 }

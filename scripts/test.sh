@@ -37,7 +37,7 @@ echo "== Python package: pip install ./python, then the example on the installed
 echo "== GPU bring-up kit: device bundle, fallback configure check, validation dry run =="
 if ./build/release/tools/ess/ess --version | grep -q "CUDA target: built"; then
   bash scripts/device_bundle.sh --no-build --check-fallback=configure
-  bash scripts/gpu_validate.sh --dry-run build/gpu-validate-dry-run probe tests sanitize kernels step python
+  bash scripts/gpu_validate.sh --dry-run build/gpu-validate-dry-run probe tests sanitize kernels profile step python
 else
   echo "skipped: this build has no CUDA target (nvcc not found)"
 fi

@@ -24,9 +24,12 @@ struct GpuBenchmarks {
   pipeline::ProfileResult (*profile)(const pipeline::ProfileConfig& config);
 };
 
-// The registered benchmarks; throws ess::Error naming `command` when this build has none.
-const GpuBenchmarks& gpu_benchmarks(const char* command);
-// Called once by the harness's CUDA part, before main.
-void register_gpu_benchmarks(const GpuBenchmarks* benchmarks);
+// The registered benchmarks; throws ess::Error naming `command` when this build has none, or
+// when it asks for the rig's (step, profile: `rig` true) and the program does not link the rig.
+const GpuBenchmarks& gpu_benchmarks(const char* command, bool rig = false);
+// Called once before main: the ops' benchmarks by the harness's CUDA part, the rig's (step,
+// profile) by the rig's CUDA part (ess_rig, which alone links cuBLAS).
+void register_gpu_benchmarks(const GpuBenchmarks& ops);
+void register_rig_benchmarks(decltype(GpuBenchmarks::step) step, decltype(GpuBenchmarks::profile) profile);
 
 }  // namespace ess::harness

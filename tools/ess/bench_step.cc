@@ -110,7 +110,7 @@ void add_bench_step(CLI::App& bench, int& exit_code) {
       points << p.to_json().dump() << '\n' << std::flush;
       ESS_CHECK(points.good(), "bench step: writing --points {} failed", sa->points_file);
     };
-    const pipeline::StepBenchResult r = harness::gpu_benchmarks("bench step").step(sc, on_point);
+    const pipeline::StepBenchResult r = harness::gpu_benchmarks("bench step", true).step(sc, on_point);
     if (sa->format == Format::kJson) {
       fmt::print("{}\n", r.to_json(sc).dump(2));
     } else {
@@ -143,7 +143,7 @@ void add_bench_step(CLI::App& bench, int& exit_code) {
     pc.requests = parse_positive_ints(pa->requests, "--requests");
     pc.repeats = pa->repeats;
     pc.base_hardware = pa->base;
-    const pipeline::ProfileResult r = harness::gpu_benchmarks("bench profile").profile(pc);
+    const pipeline::ProfileResult r = harness::gpu_benchmarks("bench profile", true).profile(pc);
     auto write = [](const std::string& path, const std::string& text) { write_text_file(path, text, "--out"); };
     write(pa->out + "-ops.csv", r.csv);
     write(pa->out + "-hardware.json", r.hardware.dump(2) + "\n");
