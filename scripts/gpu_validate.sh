@@ -26,7 +26,9 @@
 set -eEuo pipefail
 # No step dies silently: a failing command names itself and its line.
 # (Only where errexit holds: a command run under `set +e` may fail, its status is recorded.)
-trap 'rc=$?; [[ $- == *e* ]] && echo "gpu_validate: line $LINENO: \"$BASH_COMMAND\" failed (exit $rc)" >&2' ERR
+# It writes to the script's own stderr (fd 3), whatever the failing command's redirections.
+exec 3>&2
+trap 'rc=$?; [[ $- == *e* ]] && echo "gpu_validate: line $LINENO: \"$BASH_COMMAND\" failed (exit $rc)" >&3' ERR
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 
@@ -79,14 +81,16 @@ fi
 # The CUDA runtime and cuBLAS, each wherever this machine keeps it: the toolkit, the loader's
 # cache, or the CUDA wheels of its Python (nvidia/cu13/lib in CUDA 13's layout, nvidia/<lib>/lib
 # before). Only ess and the executor's tests need cuBLAS.
+# Whether a shared library exists and loads (an empty or foreign file does not).
+loads() { [[ -e $1 ]] && python3 -c 'import ctypes, sys; ctypes.CDLL(sys.argv[1])' "$1" >/dev/null 2>&1; }
 find_cuda_lib() {
   local name=$1 d p cache
   for d in /usr/local/cuda/lib64 /usr/local/cuda/lib /usr/local/cuda/targets/x86_64-linux/lib; do
-    [[ -e $d/$name ]] && { echo "$d"; return 0; }
+    loads "$d/$name" && { echo "$d"; return 0; }
   done
   cache=$(ldconfig -p 2>/dev/null || true)
   p=$(awk -v n="$name" '!found && $1 == n {print $NF; found = 1}' <<< "$cache")  # reads to the end: no SIGPIPE
-  [[ -n $p ]] && { dirname "$p"; return 0; }
+  [[ -n $p ]] && loads "$p" && { dirname "$p"; return 0; }
   python3 - "$name" 2>/dev/null <<'PY' || true
 import glob, importlib.util, os, sys
 spec = importlib.util.find_spec("nvidia")
@@ -106,11 +110,22 @@ done
 export LD_LIBRARY_PATH="$ROOT/$BUNDLE/lib${CUDA_LIB_PATH:+:$CUDA_LIB_PATH}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
 starts() { "$@" >/dev/null 2>&1; }
+needs_cublas() { [[ $(ldd "$1" 2>/dev/null || true) == *libcublas* ]]; }  # no pipe: grep -q would cut ldd off
 BIN=$UNPACKED/bin
 carried_ok=0
-if [[ -x $BIN/ess ]] && starts "$BIN/ess" --version; then
+# Programs that cannot start here for want of cuBLAS alone (ess, the executor's tests): the
+# stages that need them record why they did not run; everything else goes on.
+NO_CUBLAS=()
+if [[ -x $BIN/ess ]]; then
   carried_ok=1
-  for t in "$BIN"/cuda_*_test; do starts "$t" --gtest_list_tests || carried_ok=0; done
+  for t in "$BIN/ess" "$BIN"/cuda_*_test; do
+    if [[ $t == "$BIN/ess" ]]; then starts "$t" --version && continue; else starts "$t" --gtest_list_tests && continue; fi
+    if [[ -z $CUBLAS_DIR ]] && needs_cublas "$t"; then NO_CUBLAS+=("$(basename "$t")"); else carried_ok=0; fi
+  done
+fi
+lacks_cublas() { [[ " ${NO_CUBLAS[*]} " == *" $1 "* ]]; }
+if ((${#NO_CUBLAS[@]})); then
+  log "cuBLAS (libcublas.so.13) is not on this machine: ${NO_CUBLAS[*]} cannot start; their stages record that they did not run"
 fi
 if ((!carried_ok)); then
   FB=$ROOT/build/device
@@ -162,7 +177,7 @@ stage_probe() {
 \"cudart\": $(json "${CUDART_DIR:-not found}"), \"cublas\": $(json "${CUBLAS_DIR:-not found}"), \"glibc\": $(json "$(ldd --version 2>&1 | head -n 1)"), \
 \"os\": $(json "$(. /etc/os-release 2>/dev/null && echo "$PRETTY_NAME")"), \"cores\": $(nproc), \
 \"binaries_from\": \"$( ((carried_ok)) && echo bundle || echo source)\", \"binaries\": [${bins[*]}]}"
-  { echo "== probe"; echo "$smi"; ldd "$ESS"; } >> "$OUT/probe.log" 2>&1
+  { echo "== probe"; echo "$smi"; ldd "$ESS" || true; } >> "$OUT/probe.log" 2>&1
   log "probe: ${smi:-no GPU}"
 }
 
@@ -183,6 +198,11 @@ stage_tests() {
   for t in "${list[@]}"; do
     name=$(basename "$t")
     [[ -x $t ]] || { echo "gpu_validate: $name missing from $BIN" >&2; exit 1; }
+    if lacks_cublas "$name"; then
+      record tests "{\"stage\": \"tests\", \"binary\": \"$name\", \"run\": false, \"why\": \"needs libcublas.so.13, which this machine lacks\"}"
+      log "tests: $name not run (no cuBLAS here)"
+      continue
+    fi
     start=$(date +%s)
     set +e
     timeout --kill-after=10 "$TEST_TIMEOUT" "$t" --gtest_output="json:$tmp/$name.json" >> "$OUT/tests.log" 2>&1
@@ -212,8 +232,10 @@ PY
   python3 - "$OUT/tests.jsonl" "$DRY" >> "$OUT/tests.jsonl" <<'PY'
 import json, sys
 recs = [json.loads(l) for l in open(sys.argv[1]) if '"binary"' in l]
+not_run = [r["binary"] for r in recs if r.get("run") is False]
+recs = [r for r in recs if r.get("run") is not False]
 device = [r for r in recs if not r["binary"].endswith("_host_test") and r["binary"].startswith("cuda_")]
-summary = {"binaries": len(recs), "failed_binaries": [r["binary"] for r in recs if r["exit"] != 0],
+summary = {"binaries": len(recs), "not_run": not_run, "failed_binaries": [r["binary"] for r in recs if r["exit"] != 0],
            "failures": sum(r.get("failures") or 0 for r in recs),
            "skipped_in_device_binaries": sum(r.get("skipped") or 0 for r in device)}
 summary["ok"] = not summary["failed_binaries"] and (sys.argv[2] == "1" or summary["skipped_in_device_binaries"] == 0)
@@ -248,6 +270,10 @@ stage_sanitize() {
   local san=$SAN
   for run in "${SAN_RUNS[@]}"; do
     read -r tool bin filter <<< "$run"
+    if lacks_cublas "$bin"; then
+      record sanitize "{\"stage\": \"sanitize\", \"tool\": \"$tool\", \"binary\": \"$bin\", \"run\": false, \"why\": \"needs libcublas.so.13, which this machine lacks\"}"
+      continue
+    fi
     local cmd=("$san" --tool "$tool" --error-exitcode 99 --print-limit 50 "$BIN/$bin" "--gtest_filter=$filter" --gtest_brief=1)
     echo "== ${cmd[*]}" >> "$OUT/sanitize.log"
     if ((DRY)) || [[ ! -x $san ]]; then
@@ -274,6 +300,11 @@ ess_run() {
   shift 2
   local start rc
   echo "== ess $*" >> "$OUT/$stage.log"
+  if lacks_cublas ess; then
+    record "$stage" "{\"stage\": \"$stage\", \"name\": \"$name\", \"command\": $(json "ess $*"), \"run\": false, \"why\": \"ess needs libcublas.so.13, which this machine lacks\"}"
+    log "$stage: $name not run (no cuBLAS here)"
+    return 0
+  fi
   start=$(date +%s)
   set +e
   timeout --kill-after=10 "$BENCH_TIMEOUT" "$ESS" "$@" > "$SCRATCH/out" 2> "$SCRATCH/err"

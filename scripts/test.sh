@@ -5,7 +5,7 @@
 # package (cmake --install, then examples/consumer built against it and run; the Python
 # package installed with pip and run on the installed libess), the GPU
 # bring-up kit (device bundle, its fallback configure check, a dry run of the GPU
-# validation) and a short libFuzzer run of the trace reader. The pinned SGLang release is downloaded
+# validation, and that dry run again where cuBLAS is hidden) and a short libFuzzer run of the trace reader. The pinned SGLang release is downloaded
 # first (scripts/upstream.sh): the SGLang adapter is tested against its source.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -38,6 +38,7 @@ echo "== GPU bring-up kit: device bundle, fallback configure check, validation d
 if ./build/release/tools/ess/ess --version | grep -q "CUDA target: built"; then
   bash scripts/device_bundle.sh --no-build --check-fallback=configure
   bash scripts/gpu_validate.sh --dry-run build/gpu-validate-dry-run probe tests sanitize kernels profile step python
+  bash scripts/check_kit_without_cublas.sh build/gpu-validate-no-cublas
 else
   echo "skipped: this build has no CUDA target (nvcc not found)"
 fi
