@@ -9,7 +9,7 @@
 // (Guarded), so a write out of range fails the test.
 //
 // Policies built here:
-//   Cta          __syncthreads, __syncwarp, a block-wide exclusive sum (cub::BlockScan's ExclusiveSum,
+//   Cta          __syncthreads, __syncwarp, __ballot_sync, __match_any_sync, a block-wide exclusive sum (cub::BlockScan's ExclusiveSum,
 //                whose storage may not be reused before a __syncthreads: checked), shared
 //                atomics (fibers never run concurrently, so they are plain operations);
 // warp_emulator.h adds the warp collectives, cp.async, ldmatrix and mma of the sparse MLA
@@ -23,11 +23,13 @@
 #include <boost/context/fiber.hpp>
 
 #include <algorithm>
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <exception>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <random>
@@ -298,11 +300,18 @@ struct CtaState {
       : fibers(f), threads(n_threads), all(n_threads), smem(smem_bytes, kPoisonByte),
         scan_pending(static_cast<std::size_t>(n_threads), 0) {
     for (int w = 0; w * 32 < n_threads; ++w) warp.push_back(std::make_unique<Barrier>(std::min(32, n_threads - 32 * w)));
+    exchange.resize(warp.size());
   }
   Fibers& fibers;
   int threads;
   Barrier all;
   std::vector<std::unique_ptr<Barrier>> warp;  // __syncwarp of each warp
+  // Warp collectives: each lane's value, and barriers of the lane subsets that take part.
+  struct WarpExchange {
+    std::array<std::uint32_t, 32> value{};
+    std::map<unsigned, std::unique_ptr<Barrier>> subset;
+  };
+  std::vector<WarpExchange> exchange;
   Guarded<std::uint8_t> smem;
   std::vector<std::int64_t> scan;  // the items of a block scan, then their exclusive sums
   std::int64_t scan_total = 0;
@@ -323,6 +332,33 @@ class Cta {
     s_.all.arrive_and_wait(s_.fibers);
   }
   void sync_warp() const { s_.warp[static_cast<std::size_t>(tid_ / 32)]->arrive_and_wait(s_.fibers); }
+  // __ballot_sync(full mask, v): every lane of the warp takes part.
+  unsigned ballot(bool v) const {
+    auto& x = s_.exchange[static_cast<std::size_t>(tid_ / 32)];
+    x.value[static_cast<std::size_t>(tid_ & 31)] = v ? 1u : 0u;
+    sync_warp();
+    unsigned m = 0;
+    for (std::size_t l = 0; l < 32; ++l) m |= (x.value[l] & 1u) << l;
+    sync_warp();  // every lane has read before a lane's next collective overwrites its value
+    return m;
+  }
+  // __match_any_sync(mask, v): the lanes of `mask` (this one among them) take part; the result
+  // is those of them holding v.
+  unsigned match_any(unsigned mask, std::uint32_t v) const {
+    const auto lane = static_cast<unsigned>(tid_ & 31);
+    EXPECT_NE(mask & (1u << lane), 0u) << "thread " << tid_ << ": __match_any_sync with a mask without its own lane";
+    auto& x = s_.exchange[static_cast<std::size_t>(tid_ / 32)];
+    auto& bar = x.subset[mask];
+    if (!bar) bar = std::make_unique<Barrier>(__builtin_popcount(mask));
+    x.value[lane] = v;
+    bar->arrive_and_wait(s_.fibers);
+    unsigned m = 0;
+    for (unsigned l = 0; l < 32; ++l) {
+      if ((mask & (1u << l)) != 0u && x.value[l] == v) m |= 1u << l;
+    }
+    bar->arrive_and_wait(s_.fibers);
+    return m;
+  }
   // cub::BlockScan<T>::ExclusiveSum(value, rank, total): deposit, barrier, thread 0 sums,
   // barrier, read. Its storage is reused only after a __syncthreads, as cub requires.
   template <typename T>
