@@ -39,214 +39,57 @@
 #include "ess/ops/indexer.h"
 #include "runtime/cuda/backend_impl.h"
 #include "runtime/cuda/smem_limit.h"
+#include "runtime/ops/indexer/indexer_kernel.h"
 #include "runtime/ops/launch_args.h"
 
 namespace ess::cuda {
 namespace {
 
-constexpr int kWarps = 4;
-constexpr int kThreads = 32 * kWarps;
-constexpr int kDim = 128;                           // index_head_dim
-constexpr int kPageKeys = 64;                       // tokens per indexer page
-constexpr int kKeyBytes = kPageKeys * kDim;         // 8,192: the FP8 keys of a page
-constexpr int kPageBytes = kKeyBytes + 4 * kPageKeys;  // 8,448: then 64 fp32 scales
-constexpr int kPageChunks = kPageBytes / 16;        // 528 16-byte chunks
-constexpr int kKeyChunks = kKeyBytes / 16;          // 512
-constexpr int kMaxPagesPerWarp = 16;                // pages of one warp in one CTA, at most
+using indexer::kThreads;
+using indexer::kMaxPagesPerWarp;
+using indexer::kWarps;
+using indexer::Params;
+using indexer::smem_bytes;
 
-static_assert(kPageBytes % 16 == 0, "pages move in 16-byte chunks");
-
-__device__ __forceinline__ std::uint32_t smem_u32(const void* p) {
-  return static_cast<std::uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void cp_async16(std::uint32_t dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
-// Four 8 x 16-byte matrices; lane l supplies the row address of matrix l / 8, row l % 8, and
-// receives 4 bytes (bytes 4 * (l % 4) ..) of row l / 4 of each matrix.
-__device__ __forceinline__ void ldmatrix_x4(std::uint32_t addr, std::uint32_t (&r)[4]) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr)
-               : "memory");
-}
-
-// c += A (16 x 32, e4m3, row) * B (32 x 8, e4m3, col), fp32 accumulators.
-__device__ __forceinline__ void mma_e4m3(float (&c)[4], const std::uint32_t (&a)[4], std::uint32_t b0,
-                                         std::uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// Byte offset of 16-byte chunk c (0..7) of 128-byte row r in a swizzled tile.
-__device__ __forceinline__ std::uint32_t swz(int r, int c) {
-  return static_cast<std::uint32_t>(r * kDim + ((c ^ (r & 7)) << 4));
-}
-
-// ReLU that keeps NaN (std::max(x, 0.0) of the reference: x < 0 ? 0 : x).
-__device__ __forceinline__ float relu_keep_nan(float x) { return x < 0.0f ? 0.0f : x; }
-
-struct Params {
-  int T;
-  int heads;
-  const std::uint8_t* q;
-  const float* weights;
-  const std::uint8_t* pages;
-  const std::int32_t* page_table;
-  int max_pages;
-  const std::int32_t* lengths;
-  float* logits;
-  std::int64_t stride;
-  int pages_per_cta;
-};
-
-// One warp copies one page into its stage: keys swizzled, the 64 scales as they are.
-__device__ __forceinline__ void load_page(std::uint32_t stage, const std::uint8_t* src, int lane) {
-  for (int c = lane; c < kPageChunks; c += 32) {
-    const std::uint32_t off = c < kKeyChunks ? swz(c >> 3, c & 7) : static_cast<std::uint32_t>(c * 16);
-    cp_async16(stage + off, src + static_cast<std::size_t>(c) * 16);
+// The PTX primitives of the CTA program (indexer_kernel.h).
+struct DevicePrims {
+  __device__ __forceinline__ int tid() const { return static_cast<int>(threadIdx.x); }
+  __device__ __forceinline__ void sync_cta() const { __syncthreads(); }
+  __device__ __forceinline__ void sync_warp() const { __syncwarp(); }
+  __device__ __forceinline__ std::uint32_t smem_u32(const void* ptr) const {
+    return static_cast<std::uint32_t>(__cvta_generic_to_shared(ptr));
   }
-}
+  __device__ __forceinline__ void cp_async_16(std::uint32_t dst, const void* src, bool) const {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+  }
+  __device__ __forceinline__ void cp_async_commit() const { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+  __device__ __forceinline__ void cp_async_wait_all_but_one() const {
+    asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+  }
+  // Four 8 x 16-byte matrices; lane l supplies the row address of matrix l / 8, row l % 8, and
+  // receives 4 bytes (bytes 4 * (l % 4) ..) of row l / 4 of each matrix.
+  __device__ __forceinline__ void ldsm_x4(std::uint32_t (&r)[4], std::uint32_t addr) const {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
+  }
+  // c += A (16 x 32, e4m3, row) * B (32 x 8, e4m3, col), fp32 accumulators.
+  __device__ __forceinline__ void mma_e4m3(float (&c)[4], const std::uint32_t (&a)[4], std::uint32_t b0,
+                                           std::uint32_t b1) const {
+    asm("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  __device__ __forceinline__ float shfl_xor(float v, int m) const { return __shfl_xor_sync(0xffffffffu, v, m); }
+  __device__ __forceinline__ float fma(float x, float y, float z) const { return fmaf(x, y, z); }
+};
 
 __global__ void __launch_bounds__(kThreads) indexer_logits_kernel(const Params p) {
   extern __shared__ __align__(128) std::uint8_t smem[];
-  const int T = p.T;
-  const int H = p.heads;
-  const int rows = T * H;  // query rows of the request: (t, h)
-  const int b = static_cast<int>(blockIdx.y);
-  const int tid = static_cast<int>(threadIdx.x);
-  const int lane = tid & 31;
-  const int warp = tid >> 5;
-
-  // Pages this request needs: enough for its longest query token.
-  const std::int64_t cap = static_cast<std::int64_t>(p.max_pages) * kPageKeys;
-  std::int64_t max_len = 0;
-  for (int t = 0; t < T; ++t) {
-    const std::int64_t len = p.lengths[static_cast<std::int64_t>(b) * T + t];
-    max_len = len > max_len ? len : max_len;
-  }
-  max_len = max_len < cap ? max_len : cap;
-  const int n_pages = static_cast<int>((max_len + kPageKeys - 1) / kPageKeys);
-  const int first = static_cast<int>(blockIdx.x) * p.pages_per_cta;
-  const int end = n_pages < first + p.pages_per_cta ? n_pages : first + p.pages_per_cta;
-  if (first >= end) return;  // uniform over the CTA
-
-  std::uint8_t* q_s = smem;                                           // [rows][128], swizzled
-  float* w_s = reinterpret_cast<float*>(smem + rows * kDim);          // [rows]
-  std::uint8_t* ring = smem + rows * kDim + ((rows * 4 + 127) & ~127);  // [warps][2][kPageBytes]
-  std::uint8_t* my_ring = ring + warp * 2 * kPageBytes;
-  const std::uint32_t q_addr = smem_u32(q_s);
-  const std::uint32_t stage0 = smem_u32(my_ring);
-
-  // Prologue: q and w of request b; the first page of each warp.
-  const std::uint8_t* q_g = p.q + static_cast<std::size_t>(b) * rows * kDim;
-  for (int c = tid; c < rows * 8; c += kThreads) {
-    cp_async16(q_addr + swz(c >> 3, c & 7), q_g + static_cast<std::size_t>(c) * 16);
-  }
-  cp_async_commit();
-  for (int i = tid; i < rows; i += kThreads) w_s[i] = p.weights[static_cast<std::size_t>(b) * rows + i];
-  const std::int32_t* table = p.page_table + static_cast<std::size_t>(b) * p.max_pages;
-  const auto page_src = [&](int page) {
-    return p.pages + static_cast<std::size_t>(table[page]) * kPageBytes;
-  };
-  int page = first + warp;
-  if (page < end) load_page(stage0, page_src(page), lane);
-  cp_async_commit();
-  cp_async_wait<1>();  // q and w have landed (the page group may still be in flight)
-  __syncthreads();
-
-  // Fragment coordinates: C/A/B row group g and quad index t4; ldmatrix matrix mi, row r8.
-  const int g = lane >> 2;
-  const int t4 = lane & 3;
-  const int mi = lane >> 3;
-  const int r8 = lane & 7;
-  const std::int64_t out_row0 = static_cast<std::int64_t>(b) * T;
-
-  for (int it = 0; page < end; page += kWarps, ++it) {
-    const int cur = (it & 1) * kPageBytes;
-    const std::uint32_t stage = stage0 + static_cast<std::uint32_t>(cur);
-    const float* scale_s = reinterpret_cast<const float*>(my_ring + cur + kKeyBytes);
-    const int next = page + kWarps;
-    if (next < end) load_page(stage0 + static_cast<std::uint32_t>(kPageBytes - cur), page_src(next), lane);
-    cp_async_commit();
-    cp_async_wait<1>();  // this page's group is complete
-    __syncwarp();
-
-    // A fragments of the page: m-tile m = keys 16m .. 16m + 15, k-step s = dims 32s .. 32s + 31.
-    std::uint32_t a[4][4][4];
-#pragma unroll
-    for (int m = 0; m < 4; ++m) {
-#pragma unroll
-      for (int s = 0; s < 4; ++s) {
-        ldmatrix_x4(stage + swz(16 * m + 8 * (mi & 1) + r8, 2 * s + (mi >> 1)), a[m][s]);
-      }
-    }
-
-    for (int t = 0; t < T; ++t) {
-      float part[4][2] = {};
-#pragma unroll 2
-      for (int n = 0; n < H / 8; ++n) {
-        // B fragments of heads 8n .. 8n + 7 of token t, all four k-steps.
-        std::uint32_t bq[2][4];
-        const int qrow = t * H + 8 * n + r8;
-        ldmatrix_x4(q_addr + swz(qrow, mi), bq[0]);      // k-steps 0, 1
-        ldmatrix_x4(q_addr + swz(qrow, 4 + mi), bq[1]);  // k-steps 2, 3
-        const float2 w = *reinterpret_cast<const float2*>(w_s + t * H + 8 * n + 2 * t4);
-#pragma unroll
-        for (int m = 0; m < 4; ++m) {
-          float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-          for (int s = 0; s < 4; ++s) mma_e4m3(c, a[m][s], bq[s >> 1][2 * (s & 1)], bq[s >> 1][2 * (s & 1) + 1]);
-          // c0, c1: key 16m + g, heads 8n + 2 t4 (+1); c2, c3: key 16m + g + 8.
-          part[m][0] = fmaf(w.x, relu_keep_nan(c[0]), part[m][0]);
-          part[m][0] = fmaf(w.y, relu_keep_nan(c[1]), part[m][0]);
-          part[m][1] = fmaf(w.x, relu_keep_nan(c[2]), part[m][1]);
-          part[m][1] = fmaf(w.y, relu_keep_nan(c[3]), part[m][1]);
-        }
-      }
-      // Sum over the quad (the other heads of each n-tile).
-#pragma unroll
-      for (int m = 0; m < 4; ++m) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          part[m][h] += __shfl_xor_sync(0xffffffffu, part[m][h], 1);
-          part[m][h] += __shfl_xor_sync(0xffffffffu, part[m][h], 2);
-        }
-      }
-      // Lane (g, t4) writes keys 16 t4 + g and 16 t4 + g + 8 of the page.
-      float v0 = 0.0f;
-      float v1 = 0.0f;
-#pragma unroll
-      for (int m = 0; m < 4; ++m) {
-        if (m == t4) {
-          v0 = part[m][0];
-          v1 = part[m][1];
-        }
-      }
-      const int key0 = 16 * t4 + g;
-      const std::int64_t len = p.lengths[out_row0 + t];
-      const std::int64_t j0 = static_cast<std::int64_t>(page) * kPageKeys + key0;
-      float* out = p.logits + (out_row0 + t) * p.stride;
-      if (j0 < len) out[j0] = v0 * scale_s[key0];
-      if (j0 + 8 < len) out[j0 + 8] = v1 * scale_s[key0 + 8];
-    }
-    __syncwarp();  // every lane is done with this stage before the next iteration refills it
-  }
-}
-
-std::size_t smem_bytes(int T, int heads) {
-  const std::size_t rows = static_cast<std::size_t>(T) * heads;
-  return rows * kDim + ((rows * 4 + 127) & ~static_cast<std::size_t>(127)) +
-         static_cast<std::size_t>(kWarps) * 2 * kPageBytes;
+  DevicePrims prims;
+  indexer::indexer_cta(p, blockIdx.x, blockIdx.y, smem, prims);
 }
 
 }  // namespace

@@ -200,6 +200,62 @@ class Prims {
     }
   }
 
+  // mma.m16n8k32.row.col.f32.e4m3.e4m3.f32 (the indexer's): lane (g = lane / 4, t = lane % 4)
+  // holds A bytes a_i (byte i % 4 of reg i / 4) at row g (+8 for regs 1, 3), col 4t + i % 4 (+16
+  // for regs 2, 3), B bytes b_i at row 4t + i % 4 (+16 for reg b1), col g, and C as the bf16
+  // form's. The products are exact; the emulator sums them in double (the tensor core truncates
+  // to about 13 bits: within the tests' bound, which is derived from that).
+  void mma_e4m3(float (&d)[4], const std::uint32_t (&a)[4], std::uint32_t b0, std::uint32_t b1) const {
+    Block::Warp& w = warp();
+    const auto l = static_cast<std::size_t>(lane());
+    w.in_b[l] = {b0, b1};
+    for (std::size_t i = 0; i < 4; ++i) w.in_c[l][i] = d[i];
+    const auto r = collective(7, {a[0], a[1], a[2], a[3]}, [](Block::Warp& ww) {
+      double A[16][32], B[32][8];
+      for (int ln = 0; ln < 32; ++ln) {
+        const auto L = static_cast<std::size_t>(ln);
+        const int g = ln >> 2, t = ln & 3;
+        for (int reg = 0; reg < 4; ++reg) {
+          const auto v = static_cast<std::uint32_t>(ww.in[L][static_cast<std::size_t>(reg)]);
+          for (int byte = 0; byte < 4; ++byte) {
+            const int row = g + ((reg & 1) != 0 ? 8 : 0);
+            const int col = 4 * t + byte + (reg >= 2 ? 16 : 0);
+            A[row][col] = fp8_e4m3_to_float(static_cast<std::uint8_t>((v >> (8 * byte)) & 0xffu));
+          }
+        }
+        for (int reg = 0; reg < 2; ++reg) {
+          const std::uint32_t v = ww.in_b[L][static_cast<std::size_t>(reg)];
+          for (int byte = 0; byte < 4; ++byte) {
+            B[4 * t + byte + (reg == 1 ? 16 : 0)][g] = fp8_e4m3_to_float(static_cast<std::uint8_t>((v >> (8 * byte)) & 0xffu));
+          }
+        }
+      }
+      for (int ln = 0; ln < 32; ++ln) {
+        const auto L = static_cast<std::size_t>(ln);
+        const int g = ln >> 2, t = ln & 3;
+        for (int i = 0; i < 4; ++i) {
+          const int row = g + (i >= 2 ? 8 : 0);
+          const int col = 2 * t + (i & 1);
+          double acc = 0.0;
+          for (int k = 0; k < 32; ++k) acc += A[row][k] * B[k][col];
+          const float v = static_cast<float>(acc + ww.in_c[L][static_cast<std::size_t>(i)]);
+          std::uint32_t bits = 0;
+          std::memcpy(&bits, &v, 4);
+          ww.out[L][static_cast<std::size_t>(i)] = bits;
+        }
+      }
+    });
+    for (std::size_t i = 0; i < 4; ++i) {
+      const auto u = static_cast<std::uint32_t>(r[i]);
+      std::memcpy(&d[i], &u, 4);
+    }
+  }
+  // __syncwarp: a warp-wide collective with nothing to exchange.
+  void sync_warp() const {
+    (void)collective(8, {}, [](Block::Warp&) {});
+  }
+  float fma(float x, float y, float z) const { return std::fma(x, y, z); }
+
   std::uint32_t pack_bf16(float lo, float hi) const {
     return static_cast<std::uint32_t>(bf16_from_float(lo)) | (static_cast<std::uint32_t>(bf16_from_float(hi)) << 16);
   }

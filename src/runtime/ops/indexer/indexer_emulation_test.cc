@@ -1,21 +1,28 @@
-// The top-k kernel's own row program (topk_kernel.h) run on the CPU by the CTA emulator
-// (cta_emulator.h: ballots and __match_any_sync as warp collectives, cub's block scan, and
-// cub's BlockRadixSort::SortDescending as a stable block-wide sort of the blocked items), on
-// the cases of indexer_cases.h, with the launch topk.cu makes (one 1,024-thread block per
-// row, the key cache of min(stride, 32,768) keys after the program's shared state). The
-// logits kernel is not emulated yet (docs/gpu-validation.md): the logits these cases feed the
-// top-k come from the CPU reference, so the end-to-end cases check the top-k half only. Every
-// buffer is guarded. Runs without a device; label emulation.
+// The indexer's two kernels, their own device code, run on the CPU on the cases of
+// indexer_cases.h, end to end:
+//   - the logits' CTA program (indexer_kernel.h) on the warp emulator (warp_emulator.h:
+//     cp.async completed as late as allowed, ldmatrix, the FP8 mma.m16n8k32 with exact
+//     products, shared memory poisoned), with the grid indexer.cu takes (its pages per CTA for
+//     a 132-SM device); cp.async may read only q and the page arena;
+//   - the top-k's row program (topk_kernel.h) on the CTA emulator (cta_emulator.h: ballots and
+//     __match_any_sync as warp collectives, cub's block scan, and cub's
+//     BlockRadixSort::SortDescending as a stable block-wide sort of the blocked items), with
+//     the launch topk.cu makes (one 1,024-thread block per row, the key cache of
+//     min(stride, 32,768) keys after the program's shared state).
+// Every output buffer is guarded. Runs without a device; label emulation.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <bit>
+#include <memory>
 #include <numeric>
 #include <vector>
 
 #include "indexer_cases.h"
 #include "runtime/ops/cta_emulator.h"
+#include "runtime/ops/indexer/indexer_kernel.h"
 #include "runtime/ops/indexer/topk_kernel.h"
+#include "runtime/ops/sparse_mla/warp_emulator.h"
 #include "runtime/ops/launch_args.h"
 
 namespace ess::indexer_test {
@@ -98,16 +105,63 @@ TopkRun emulated_topk(const std::vector<float>& logits, std::int64_t stride, con
   return run;
 }
 
-// The logits the end-to-end cases hand to the top-k: the CPU reference's (the logits kernel is
-// not emulated), written only below each query token's length, as the kernel writes them.
-std::vector<float> reference_logits(const Problem& p) {
-  const Reference r = reference(p);
-  std::vector<float> out(r.logits.size(), std::bit_cast<float>(kSentinel));
-  for (std::size_t row = 0; row < p.lengths.size(); ++row) {
-    const std::size_t at = row * static_cast<std::size_t>(p.stride);
-    for (std::int32_t j = 0; j < p.lengths[row]; ++j) out[at + static_cast<std::size_t>(j)] = r.logits[at + static_cast<std::size_t>(j)];
+// indexer_logits_cuda's launch: pages per warp for about eight CTAs per SM of a 132-SM device
+// over the batch, at most kMaxPagesPerWarp; grid (page chunks, B).
+std::vector<float> emulated_logits(const Problem& pr) {
+  namespace ix = cuda::indexer;
+  emu::Guarded<float> logits(pr.lengths.size() * static_cast<std::size_t>(pr.stride));
+  std::fill_n(logits.data(), logits.size(), std::bit_cast<float>(kSentinel));
+  ix::Params a{};
+  a.T = pr.T;
+  a.heads = pr.H;
+  a.q = pr.q.data();
+  a.weights = pr.w.data();
+  a.pages = pr.arena.data();
+  a.page_table = pr.table.data();
+  a.max_pages = pr.max_pages;
+  a.lengths = pr.lengths.data();
+  a.logits = logits.data();
+  a.stride = pr.stride;
+  cuda::IndexerArgs args;
+  args.batch = pr.B;
+  args.query_tokens = pr.T;
+  args.heads = pr.H;
+  args.head_dim = kDim;
+  args.q = a.q;
+  args.weights = a.weights;
+  args.pages = a.pages;
+  args.page_table = a.page_table;
+  args.max_pages = a.max_pages;
+  args.lengths = a.lengths;
+  args.logits = a.logits;
+  args.logits_stride = a.stride;
+  EXPECT_EQ(cuda::check_args(args), "");
+  if (pr.B == 0 || pr.max_pages == 0) return logits.values();
+  const std::int64_t total_pages = static_cast<std::int64_t>(pr.B) * pr.max_pages;
+  const std::int64_t target_ctas = 132 * 8;
+  std::int64_t per_warp = (total_pages + target_ctas * ix::kWarps - 1) / (target_ctas * ix::kWarps);
+  per_warp = std::clamp<std::int64_t>(per_warp, 1, ix::kMaxPagesPerWarp);
+  a.pages_per_cta = static_cast<int>(per_warp) * ix::kWarps;
+  const int grid_x = (pr.max_pages + a.pages_per_cta - 1) / a.pages_per_cta;
+  const std::size_t smem = ix::smem_bytes(pr.T, pr.H);
+  emu::Coverage::ran("indexer_logits");
+  for (int by = 0; by < pr.B; ++by) {
+    for (int bx = 0; bx < grid_x; ++bx) {
+      std::unique_ptr<emu::Block> blk;
+      emu::Fibers fibers(
+          ix::kThreads,
+          [&](int tid) {
+            emu::Prims prims(*blk, tid);
+            ix::indexer_cta(a, static_cast<unsigned>(bx), static_cast<unsigned>(by), blk->smem.data(), prims);
+          },
+          seed++);
+      blk = std::make_unique<emu::Block>(ix::kThreads, smem, fibers);
+      blk->global = {{pr.q.data(), pr.q.size()}, {pr.arena.data(), pr.arena.size()}};
+      fibers.run();
+    }
   }
-  return out;
+  EXPECT_TRUE(logits.damage().empty()) << "indexer logits: the output " << logits.damage();
+  return logits.values();
 }
 
 bool always() { return true; }
@@ -115,7 +169,7 @@ bool always() { return true; }
 }  // namespace
 
 const IndexerBackend& indexer_backend() {
-  static const IndexerBackend b{{"emulator (top-k; logits from the reference)", always}, reference_logits, emulated_topk};
+  static const IndexerBackend b{{"emulator", always}, emulated_logits, emulated_topk};
   return b;
 }
 
