@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""An engine-like decode loop through ESS's Python API, on a synthetic top-k trace (CPU backend).
+"""An engine-like decode loop through ESS's Python API, on a synthetic top-k trace (CPU or CUDA backend).
 
 Each step every request grows by T tokens (MTP); the model writes their latent entries into
 ESS's reserved rows; per layer the "indexer" picks K ids per query token (mostly last step's,
@@ -10,6 +10,11 @@ by logical id) must give the same bits. Prints hits and misses per layer.
 
     /usr/bin/python3 examples/engine_loop.py                    # a table
     /usr/bin/python3 examples/engine_loop.py --format json      # {"bitwise_equal": ..., "hits": ..., ...}
+    python3 examples/engine_loop.py --backend cuda               # ESS's CUDA backend, torch CUDA tensors
+
+With --backend cuda the step's tensors are torch CUDA tensors, the layer buffers ESS's device
+memory (seen by torch through __cuda_array_interface__), the step and the write-back run on
+torch's current stream, and attention reads the rows the step named back to the host.
 """
 from __future__ import annotations
 
@@ -69,6 +74,13 @@ def attention(q: np.ndarray, entries: np.ndarray) -> np.ndarray:
     return p @ kv[:, :NOPE]
 
 
+class _DeviceBytes:
+    """A device buffer ESS allocated, for torch.as_tensor (zero-copy)."""
+
+    def __init__(self, pointer: int, size: int):
+        self.__cuda_array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (pointer, False), "version": 3}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=4)
@@ -81,6 +93,7 @@ def main() -> int:
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--format", choices=["table", "json"], default="table")
+    ap.add_argument("--backend", choices=["cpu", "cuda"], default="cpu")
     a = ap.parse_args()
     for name in ("requests", "layers", "context", "steps", "mtp", "topk", "heads"):
         if getattr(a, name) < 1:
@@ -92,8 +105,14 @@ def main() -> int:
     rng = np.random.default_rng(a.seed)
     B, L, T, K = a.requests, a.layers, a.mtp, a.topk
     max_context = a.context + a.steps * T
+    cuda = a.backend == "cuda"
+    if cuda:
+        import torch  # the CUDA backend's tensors
+        if not torch.cuda.is_available():
+            print("engine_loop: --backend cuda needs a CUDA device that torch sees", file=sys.stderr)
+            return 2
     engine = ess.Engine(layers=L, max_requests=B, max_context=max_context, query_tokens=T, topk=K,
-                        ratio=a.ratio, reserve_newest=True)
+                        ratio=a.ratio, reserve_newest=True, backend=a.backend)
     info = engine.info
     # The full cache: what attention reads with everything on the GPU.
     full = [[random_entries(rng, max_context) for _ in range(L)] for _ in range(B)]
@@ -101,8 +120,12 @@ def main() -> int:
     for layer in range(L):  # ESS's layer buffers, as the engine hands them to attention
         base = engine.layer_data(layer)
         size = B * info.rows_per_request * info.row_stride
-        layer_buffers.append(np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * size).from_address(base))
-                             .reshape(-1, info.row_stride)[:, :ENTRY])
+        if cuda:
+            layer_buffers.append(torch.as_tensor(_DeviceBytes(base, size), device="cuda")
+                                 .view(-1, info.row_stride)[:, :ENTRY])
+        else:
+            layer_buffers.append(np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * size).from_address(base))
+                                 .reshape(-1, info.row_stride)[:, :ENTRY])
     rows = np.empty(B, np.int32)
     lengths = np.empty(B, np.int32)
     for r in range(B):
@@ -118,23 +141,37 @@ def main() -> int:
     topk = np.empty((B, T, K), np.int32)
     physical = np.empty((B, T, K), np.int32)
     counts = np.empty((B, 2), np.int32)
-    step = engine.bind_step(rows, topk, lengths, physical, counts=counts)
-    write_back = engine.bind_write_back(rows, lengths)
+    if cuda:  # the step's tensors on the device; the loop fills the host arrays and copies them over
+        d = {name: torch.from_numpy(v).cuda() for name, v in
+             (("rows", rows), ("lengths", lengths), ("topk", topk), ("physical", physical), ("counts", counts))}
+        stream = torch.cuda.current_stream()
+        step = engine.bind_step(d["rows"], d["topk"], d["lengths"], d["physical"], counts=d["counts"])
+        write_back = engine.bind_write_back(d["rows"], d["lengths"])
+    else:
+        stream = None
+        step = engine.bind_step(rows, topk, lengths, physical, counts=counts)
+        write_back = engine.bind_write_back(rows, lengths)
     hits, misses = np.zeros(L, np.int64), np.zeros(L, np.int64)
     equal = True
     compared = 0
     for s in range(a.steps):
         if s > 0:
             for layer in range(L):
-                write_back.write_back(layer)  # last step's new entries to the host pool
+                write_back.write_back(layer, stream=stream)  # last step's new entries to the host pool
+            if cuda:
+                stream.synchronize()  # the host lengths change next
         for r in range(B):
             engine.extend(r, T)
             lengths[r] += T
+        if cuda:
+            d["lengths"].copy_(torch.from_numpy(lengths))
         for r in range(B):
             n = int(lengths[r])
             for layer in range(L):
                 for t in range(T):  # the model writes the step's new entries into the reserved rows
-                    layer_buffers[layer][info.reserved_row(int(rows[r]), t)] = full[r][layer][n - T + t]
+                    entry = full[r][layer][n - T + t]
+                    layer_buffers[layer][info.reserved_row(int(rows[r]), t)] = torch.from_numpy(entry).cuda() if cuda \
+                        else entry
         for layer in range(L):
             for r in range(B):
                 n = int(lengths[r])
@@ -147,13 +184,21 @@ def main() -> int:
                     _, first = np.unique(candidates, return_index=True)
                     topk[r, t] = rng.permutation(candidates[np.sort(first)][:K])
                 selection[(r, layer)] = topk[r, 0].copy()
-            step.step(layer)
+            if cuda:
+                d["topk"].copy_(torch.from_numpy(topk))
+                step.step(layer, stream=stream)
+                physical[...] = d["physical"].cpu().numpy()
+                counts[...] = d["counts"].cpu().numpy()
+                rows_read = layer_buffers[layer].cpu().numpy()  # attention's view of the layer's rows
+            else:
+                step.step(layer)
+                rows_read = layer_buffers[layer]
             hits[layer] += counts[:, 0].sum()
             misses[layer] += counts[:, 1].sum()
             for r in range(B):
                 for t in range(T):
                     q = rng.standard_normal((a.heads, 576)).astype(np.float32)
-                    offloaded = attention(q, layer_buffers[layer][physical[r, t]])
+                    offloaded = attention(q, rows_read[physical[r, t]])
                     resident = attention(q, full[r][layer][topk[r, t]])
                     equal = equal and np.array_equal(offloaded.view(np.uint32), resident.view(np.uint32))
                     compared += 1

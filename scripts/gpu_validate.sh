@@ -380,16 +380,24 @@ stage_python() {
     record python "{\"stage\": \"python\", \"run\": false, \"why\": $(json "$([[ -z $py ]] && echo 'no python3 with numpy and pytest' || echo "no $lib")")}"
     return
   fi
-  for item in pytest example; do
+  for item in pytest example example-cuda; do
+    if [[ $item == example-cuda ]] && ((DRY)); then
+      record python "{\"stage\": \"python\", \"name\": \"$item\", \"run\": false, \"why\": \"dry run: no device\"}"
+      continue
+    fi
     start=$(date +%s)
     set +e
-    if [[ $item == pytest ]]; then
-      ESS_LIBRARY=$lib timeout --kill-after=10 "$TEST_TIMEOUT" "$py" -m pytest -q -rs -p no:cacheprovider \
-        "$ROOT/python/tests" > "$SCRATCH/py.out" 2>&1
-    else
-      ESS_LIBRARY=$lib timeout --kill-after=10 "$TEST_TIMEOUT" "$py" "$ROOT/examples/engine_loop.py" --format json \
-        > "$SCRATCH/py.out" 2>&1
-    fi
+    case $item in
+      pytest)
+        ESS_LIBRARY=$lib timeout --kill-after=10 "$TEST_TIMEOUT" "$py" -m pytest -q -rs -p no:cacheprovider \
+          "$ROOT/python/tests" > "$SCRATCH/py.out" 2>&1 ;;
+      example)
+        ESS_LIBRARY=$lib timeout --kill-after=10 "$TEST_TIMEOUT" "$py" "$ROOT/examples/engine_loop.py" --format json \
+          > "$SCRATCH/py.out" 2>&1 ;;
+      example-cuda)  # the CUDA backend, torch CUDA tensors: bit-identical to attention over the full cache
+        ESS_LIBRARY=$lib timeout --kill-after=10 "$TEST_TIMEOUT" "$py" "$ROOT/examples/engine_loop.py" --backend cuda \
+          --format json > "$SCRATCH/py.out" 2>&1 ;;
+    esac
     rc=$?
     set -e
     cat "$SCRATCH/py.out" >> "$OUT/python.log"
