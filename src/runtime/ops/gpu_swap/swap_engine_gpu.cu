@@ -23,7 +23,9 @@ struct DevicePrims {
   __device__ unsigned block() const { return blockIdx.x; }
   __device__ unsigned blocks() const { return gridDim.x; }
   __device__ void sync() const { __syncthreads(); }
-  __device__ void exclusive_sum(int value, int& rank, int& total) const { BlockScan(*scan).ExclusiveSum(value, rank, total); }
+  __device__ void exclusive_sum(int (&items)[swap::kScanItems], int (&ranks)[swap::kScanItems], int& total) const {
+    BlockScan(*scan).ExclusiveSum(items, ranks, total);
+  }
   __device__ std::int32_t atomic_cas(std::int32_t* p, std::int32_t compare, std::int32_t value) const {
     return atomicCAS(p, compare, value);
   }
