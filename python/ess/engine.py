@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import operator
 import weakref
 from dataclasses import dataclass
 from os import PathLike
@@ -28,9 +29,29 @@ def stream_handle(stream) -> Optional[int]:
 
 
 def _check_range(name: str, value, lo: int, hi: int):
-    """ctypes would cut a Python int down to the C type's width: refuse what does not fit instead."""
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+    """ctypes would cut a Python int down to the C type's width: refuse what does not fit instead (numpy's
+    integers are integers too; bools and floats are not)."""
+    try:
+        v = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        v = None
+    if v is None or not lo <= v <= hi:
         raise InvalidArgument(f"{name} = {value!r}: an integer in [{lo}, {hi}] is expected")
+
+
+_I32 = (-2**31, 2**31 - 1)
+_I64 = (-2**63, 2**63 - 1)
+_U64 = (0, 2**64 - 1)
+
+
+def _i32(**values):
+    for name, value in values.items():
+        _check_range(name, value, *_I32)
+
+
+def _i64(**values):
+    for name, value in values.items():
+        _check_range(name, value, *_I64)
 
 
 @dataclass(frozen=True)
@@ -118,6 +139,8 @@ class Engine:
                             ("host_bytes", host_bytes)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise InvalidArgument(f"{name} = {value!r} is not an integer")
+            field = dict(Config._fields_)[name]
+            _check_range(name, value, *(_I32 if field is ctypes.c_int32 else _I64 if field is ctypes.c_int64 else _U64))
             setattr(c, name, value)
         c.ratio = float(ratio)
         c.reserve_newest = 1 if reserve_newest else 0
@@ -171,6 +194,8 @@ class Engine:
     # ---- requests ----
     def admit(self, request_id: int, prompt_length: int, row: int = -1) -> int:
         """Admits a request of `prompt_length` tokens (entries zeroed) into pool row `row` (-1: any free); returns the row."""
+        _i64(request_id=request_id, prompt_length=prompt_length)
+        _i32(row=row)
         out = ctypes.c_int32()
         check(lib.ess_request_admit(self._h(), request_id, prompt_length, row, ctypes.byref(out)))
         return out.value
@@ -178,12 +203,16 @@ class Engine:
     def admit_shared(self, request_id: int, prompt_length: int, source: int, prefix: int, row: int = -1) -> int:
         """Admits a request whose first `prefix` tokens are request `source`'s: their host pages are shared
         (read-only), not copied. Write its entries from `prefix` on. Returns the row."""
+        _i64(request_id=request_id, prompt_length=prompt_length, source=source, prefix=prefix)
+        _i32(row=row)
         out = ctypes.c_int32()
         check(lib.ess_request_admit_shared(self._h(), request_id, prompt_length, source, prefix, row, ctypes.byref(out)))
         return out.value
 
     def admit_cached(self, request_id: int, prompt_tokens, row: int = -1):
         """Admits a request on the host prefix cache: (row, tokens reused); write its entries from there on."""
+        _i64(request_id=request_id)
+        _i32(row=row)
         t = _dlpack.export(prompt_tokens, "prompt_tokens")
         out, reused = ctypes.c_int32(), ctypes.c_int64()
         check(lib.ess_request_admit_cached(self._h(), request_id, t.pointer, row, ctypes.byref(out), ctypes.byref(reused)))
@@ -191,6 +220,7 @@ class Engine:
 
     def publish(self, request_id: int, prompt_tokens) -> int:
         """Registers the request's written prompt in the host prefix cache; returns the pages per layer added."""
+        _i64(request_id=request_id)
         t = _dlpack.export(prompt_tokens, "prompt_tokens")
         pages = ctypes.c_int64()
         check(lib.ess_request_publish(self._h(), request_id, t.pointer, ctypes.byref(pages)))
@@ -198,36 +228,46 @@ class Engine:
 
     def write_entries(self, request_id: int, layer: int, first_token: int, entries):
         """Copies host entries ([n, E] bytes per entry) into the Total Memory Pool at tokens [first_token, +n)."""
+        _i64(request_id=request_id, first_token=first_token)
+        _i32(layer=layer)
         e = _dlpack.export(entries, "entries")
         check(lib.ess_request_write_entries(self._h(), request_id, layer, first_token, e.pointer))
 
     def read_entries(self, request_id: int, layer: int, first_token: int, out):
         """Fills `out` ([n, E] host bytes) from the Total Memory Pool; returns it."""
+        _i64(request_id=request_id, first_token=first_token)
+        _i32(layer=layer)
         e = _dlpack.export(out, "out")
         check(lib.ess_request_read_entries(self._h(), request_id, layer, first_token, e.pointer))
         return out
 
     def warmup(self, request_id: int, windows):
         """LRU-Warmup of every layer from the prefill's top-k: int32 host [layers, W, K], oldest first."""
+        _i64(request_id=request_id)
         e = _dlpack.export(windows, "windows")
         check(lib.ess_request_warmup(self._h(), request_id, e.pointer))
 
     def extend(self, request_id: int, tokens: int = 1):
+        _i64(request_id=request_id, tokens=tokens)
         check(lib.ess_request_extend(self._h(), request_id, tokens))
 
     def truncate(self, request_id: int, length: int):
         """Takes back draft tokens that were not accepted: the request's length becomes `length` (at least its
         length - T; reserve_newest engines). Write the accepted ones back before the next step reads them."""
+        _i64(request_id=request_id, length=length)
         check(lib.ess_request_truncate(self._h(), request_id, length))
 
     def release(self, request_id: int):
+        _i64(request_id=request_id)
         check(lib.ess_request_release(self._h(), request_id))
 
     def reset(self, request_id: int):
+        _i64(request_id=request_id)
         check(lib.ess_request_reset(self._h(), request_id))
 
     def request(self, request_id: int):
         """(pool row, length) of an admitted request."""
+        _i64(request_id=request_id)
         row, length = ctypes.c_int32(), ctypes.c_int64()
         check(lib.ess_request_get(self._h(), request_id, ctypes.byref(row), ctypes.byref(length)))
         return row.value, length.value
@@ -289,6 +329,7 @@ class Engine:
 
     def layer_data(self, layer: int) -> int:
         """The address of a layer's buffer (the engine's own, or the one ESS allocated)."""
+        _i32(layer=layer)
         out = ctypes.c_void_p()
         check(lib.ess_engine_layer_data(self._h(), layer, ctypes.byref(out)))
         return out.value
@@ -322,6 +363,7 @@ class Engine:
 
     def read_row(self, layer: int, row: int) -> bytes:
         """A copy of physical row `row` of a layer's buffer."""
+        _i32(layer=layer, row=row)
         buf = ctypes.create_string_buffer(self.info.entry_bytes)
         check(lib.ess_engine_read_row(self._h(), layer, row, buf, self.info.entry_bytes))
         return buf.raw
@@ -368,6 +410,7 @@ class StepBinding(_Binding):
 
     def step(self, layer: int, batch: int = -1, stream=None):
         """The step of `layer` over the first `batch` positions (-1: all), enqueued on `stream` (CUDA backend)."""
+        _i32(layer=layer, batch=batch)
         code = lib.ess_step(self._handle, layer, batch, _stream(stream))
         if code:
             self._failed(code)
@@ -376,12 +419,14 @@ class StepBinding(_Binding):
 
     def step_async(self, layer: int, batch: int = -1, part: int = 0, stream=None, copy_stream=None, copy_done=None):
         """The step with its fetch on `copy_stream`, `copy_done` (a cudaEvent_t as int) recorded when it ends."""
+        _i32(layer=layer, batch=batch, part=part)
         check(lib.ess_step_async(self._h(), layer, batch, part, stream_handle(stream), stream_handle(copy_stream),
                                  copy_done))
 
 
     def step_group(self, layer: int, query_begin: int, query_end: int, batch: int = -1, stream=None):
         """The step of query tokens [query_begin, query_end) only (Engine.query_groups); the others are padding."""
+        _i32(layer=layer, query_begin=query_begin, query_end=query_end, batch=batch)
         code = lib.ess_step_group(self._handle, layer, batch, query_begin, query_end, _stream(stream))
         if code:
             self._failed(code)
@@ -392,6 +437,7 @@ class WriteBackBinding(_Binding):
 
     def write_back(self, layer: int, batch: int = -1, stream=None):
         """The write-back of `layer`'s newest entries over the first `batch` positions (-1: all)."""
+        _i32(layer=layer, batch=batch)
         code = lib.ess_write_back(self._handle, layer, batch, _stream(stream))
         if code:
             self._failed(code)

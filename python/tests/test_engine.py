@@ -251,6 +251,40 @@ def test_host_pages_are_where_the_layout_says():
         e.host_pages(2**64 + 5)
 
 
+@pytest.mark.parametrize("call,message", [
+    (lambda e: e.write_entries(1, 2**32, 0, np.zeros((1, ENTRY), np.uint8)), "layer = 4294967296"),
+    (lambda e: e.release(2**64 + 1), "request_id = 18446744073709551617"),
+    (lambda e: e.extend(1, 2**63), "tokens = 9223372036854775808"),
+    (lambda e: e.truncate(1, -2**63 - 1), "length = -9223372036854775809"),
+    (lambda e: e.admit(2, 10, row=2**31), "row = 2147483648"),
+    (lambda e: e.admit(2, 2.0), "prompt_length = 2.0"),
+    (lambda e: e.request(True), "request_id = True"),
+    (lambda e: e.read_row(0, 2**32), "row = 4294967296"),
+    (lambda e: e.layer_data(-2**31 - 1), "layer = -2147483649"),
+])
+def test_integers_ctypes_would_cut_are_refused_by_name(call, message):
+    """A Python int past the C type's width would be cut down by ctypes (2**32 + 1 becoming 1): refused, naming
+    the argument, and nothing changes."""
+    e = small()
+    e.admit(1, 50)
+    before = (e.request(1), e.stats())
+    with pytest.raises(ess.InvalidArgument, match=message.replace("+", r"\+").replace(".", r"\.")):
+        call(e)
+    assert (e.request(1), e.stats()) == before
+    e.extend(np.int64(1), np.int32(2))  # numpy's integers are integers
+    assert e.request(1)[1] == 52
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(max_requests=2**32 + 3), "max_requests = 4294967299"),
+    (dict(max_context=2**63), "max_context = 9223372036854775808"),
+    (dict(host_bytes=-1), "host_bytes = -1"),
+])
+def test_configuration_integers_ctypes_would_cut_are_refused(kw, message):
+    with pytest.raises(ess.InvalidArgument, match=message):
+        small(**kw)
+
+
 def test_plan_is_ess_plan():
     p = ess.plan(hardware="h200", contexts=[32768], min_otps=15)
     assert p["plans"][0]["context"] == 32768 and "chosen" in p["plans"][0]
