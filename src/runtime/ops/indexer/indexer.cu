@@ -38,6 +38,7 @@
 
 #include "ess/ops/indexer.h"
 #include "runtime/cuda/backend_impl.h"
+#include "runtime/cuda/ptx.cuh"
 #include "runtime/cuda/smem_limit.h"
 #include "runtime/ops/indexer/indexer_kernel.h"
 #include "runtime/ops/launch_args.h"
@@ -46,8 +47,6 @@ namespace ess::cuda {
 namespace {
 
 using indexer::kThreads;
-using indexer::kMaxPagesPerWarp;
-using indexer::kWarps;
 using indexer::Params;
 using indexer::smem_bytes;
 
@@ -56,24 +55,11 @@ struct DevicePrims {
   __device__ __forceinline__ int tid() const { return static_cast<int>(threadIdx.x); }
   __device__ __forceinline__ void sync_cta() const { __syncthreads(); }
   __device__ __forceinline__ void sync_warp() const { __syncwarp(); }
-  __device__ __forceinline__ std::uint32_t smem_u32(const void* ptr) const {
-    return static_cast<std::uint32_t>(__cvta_generic_to_shared(ptr));
-  }
-  __device__ __forceinline__ void cp_async_16(std::uint32_t dst, const void* src, bool) const {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
-  }
-  __device__ __forceinline__ void cp_async_commit() const { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-  __device__ __forceinline__ void cp_async_wait_all_but_one() const {
-    asm volatile("cp.async.wait_group 1;\n" ::: "memory");
-  }
-  // Four 8 x 16-byte matrices; lane l supplies the row address of matrix l / 8, row l % 8, and
-  // receives 4 bytes (bytes 4 * (l % 4) ..) of row l / 4 of each matrix.
-  __device__ __forceinline__ void ldsm_x4(std::uint32_t (&r)[4], std::uint32_t addr) const {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr)
-                 : "memory");
-  }
+  __device__ __forceinline__ std::uint32_t smem_u32(const void* ptr) const { return ptx::smem_u32(ptr); }
+  __device__ __forceinline__ void cp_async_16(std::uint32_t dst, const void* src, bool) const { ptx::cp_async_16(dst, src); }
+  __device__ __forceinline__ void cp_async_commit() const { ptx::cp_async_commit(); }
+  __device__ __forceinline__ void cp_async_wait_all_but_one() const { ptx::cp_async_wait<1>(); }
+  __device__ __forceinline__ void ldsm_x4(std::uint32_t (&r)[4], std::uint32_t addr) const { ptx::ldmatrix_x4(r, addr); }
   // c += A (16 x 32, e4m3, row) * B (32 x 8, e4m3, col), fp32 accumulators.
   __device__ __forceinline__ void mma_e4m3(float (&c)[4], const std::uint32_t (&a)[4], std::uint32_t b0,
                                            std::uint32_t b1) const {
@@ -112,28 +98,8 @@ int indexer_logits_cuda(const IndexerArgs& a, Stream stream) {
   e = limit.raise(indexer_logits_kernel);
   if (e != cudaSuccess) return e;
 
-  // Pages per warp: enough CTAs for about eight per SM over the batch (several waves, to
-  // balance requests of different lengths), but at most kMaxPagesPerWarp, so that a CTA's
-  // one-off load of q amortizes over up to 64 pages (540 KB) of keys.
-  const std::int64_t total_pages = static_cast<std::int64_t>(a.batch) * a.max_pages;
-  const std::int64_t target_ctas = static_cast<std::int64_t>(sms > 0 ? sms : 1) * 8;
-  std::int64_t per_warp = (total_pages + target_ctas * kWarps - 1) / (target_ctas * kWarps);
-  per_warp = per_warp < 1 ? 1 : (per_warp > kMaxPagesPerWarp ? kMaxPagesPerWarp : per_warp);
-  Params p{};
-  p.T = a.query_tokens;
-  p.heads = a.heads;
-  p.q = a.q;
-  p.weights = a.weights;
-  p.pages = a.pages;
-  p.page_table = a.page_table;
-  p.max_pages = a.max_pages;
-  p.lengths = a.lengths;
-  p.logits = a.logits;
-  p.stride = a.logits_stride;
-  p.pages_per_cta = static_cast<int>(per_warp) * kWarps;
-  const dim3 grid(static_cast<unsigned>((a.max_pages + p.pages_per_cta - 1) / p.pages_per_cta),
-                  static_cast<unsigned>(a.batch));
-  indexer_logits_kernel<<<grid, kThreads, smem, static_cast<cudaStream_t>(stream)>>>(p);
+  const indexer::Launch l = indexer::launch_params(a, sms);
+  indexer_logits_kernel<<<dim3(l.grid_x, l.grid_y), kThreads, smem, static_cast<cudaStream_t>(stream)>>>(l.params);
   return cudaGetLastError();
 }
 

@@ -15,7 +15,6 @@
 #include <algorithm>
 #include <bit>
 #include <memory>
-#include <numeric>
 #include <vector>
 
 #include "indexer_cases.h"
@@ -85,7 +84,7 @@ TopkRun emulated_topk(const std::vector<float>& logits, std::int64_t stride, con
   ta.out = out.data();
   ta.nan_row = report_nan ? nan_row.data() : nullptr;
   EXPECT_EQ(cuda::check_args(ta), "");
-  const int cache_n = static_cast<int>(stride < tk::kCacheKeys ? stride : tk::kCacheKeys);
+  const int cache_n = tk::cache_keys(stride);
   const std::size_t fixed = (sizeof(tk::Shared) + 15) / 16 * 16;
   std::vector<std::pair<std::uint32_t, std::int32_t>> sort(static_cast<std::size_t>(tk::kThreads * tk::kItems));
   if (ta.rows > 0) {
@@ -105,54 +104,38 @@ TopkRun emulated_topk(const std::vector<float>& logits, std::int64_t stride, con
   return run;
 }
 
-// indexer_logits_cuda's launch: pages per warp for about eight CTAs per SM of a 132-SM device
-// over the batch, at most kMaxPagesPerWarp; grid (page chunks, B).
+// indexer_logits_cuda's launch (indexer::launch_params) for a 132-SM device.
 std::vector<float> emulated_logits(const Problem& pr) {
   namespace ix = cuda::indexer;
   emu::Guarded<float> logits(pr.lengths.size() * static_cast<std::size_t>(pr.stride));
   std::fill_n(logits.data(), logits.size(), std::bit_cast<float>(kSentinel));
-  ix::Params a{};
-  a.T = pr.T;
-  a.heads = pr.H;
-  a.q = pr.q.data();
-  a.weights = pr.w.data();
-  a.pages = pr.arena.data();
-  a.page_table = pr.table.data();
-  a.max_pages = pr.max_pages;
-  a.lengths = pr.lengths.data();
-  a.logits = logits.data();
-  a.stride = pr.stride;
   cuda::IndexerArgs args;
   args.batch = pr.B;
   args.query_tokens = pr.T;
   args.heads = pr.H;
   args.head_dim = kDim;
-  args.q = a.q;
-  args.weights = a.weights;
-  args.pages = a.pages;
-  args.page_table = a.page_table;
-  args.max_pages = a.max_pages;
-  args.lengths = a.lengths;
-  args.logits = a.logits;
-  args.logits_stride = a.stride;
+  args.q = pr.q.data();
+  args.weights = pr.w.data();
+  args.pages = pr.arena.data();
+  args.page_table = pr.table.data();
+  args.max_pages = pr.max_pages;
+  args.lengths = pr.lengths.data();
+  args.logits = logits.data();
+  args.logits_stride = pr.stride;
   EXPECT_EQ(cuda::check_args(args), "");
   if (pr.B == 0 || pr.max_pages == 0) return logits.values();
-  const std::int64_t total_pages = static_cast<std::int64_t>(pr.B) * pr.max_pages;
-  const std::int64_t target_ctas = 132 * 8;
-  std::int64_t per_warp = (total_pages + target_ctas * ix::kWarps - 1) / (target_ctas * ix::kWarps);
-  per_warp = std::clamp<std::int64_t>(per_warp, 1, ix::kMaxPagesPerWarp);
-  a.pages_per_cta = static_cast<int>(per_warp) * ix::kWarps;
-  const int grid_x = (pr.max_pages + a.pages_per_cta - 1) / a.pages_per_cta;
+  const ix::Launch launch = ix::launch_params(args, 132);
+  const ix::Params& a = launch.params;
   const std::size_t smem = ix::smem_bytes(pr.T, pr.H);
   emu::Coverage::ran("indexer_logits");
-  for (int by = 0; by < pr.B; ++by) {
-    for (int bx = 0; bx < grid_x; ++bx) {
+  for (unsigned by = 0; by < launch.grid_y; ++by) {
+    for (unsigned bx = 0; bx < launch.grid_x; ++bx) {
       std::unique_ptr<emu::Block> blk;
       emu::Fibers fibers(
           ix::kThreads,
           [&](int tid) {
             emu::Prims prims(*blk, tid);
-            ix::indexer_cta(a, static_cast<unsigned>(bx), static_cast<unsigned>(by), blk->smem.data(), prims);
+            ix::indexer_cta(a, bx, by, blk->smem.data(), prims);
           },
           seed++);
       blk = std::make_unique<emu::Block>(ix::kThreads, smem, fibers);

@@ -11,6 +11,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "ess/ops/indexer.h"
+
 #if defined(__CUDACC__)
 #define ESS_IDX_INLINE __device__ __forceinline__
 #define ESS_IDX_UNROLL _Pragma("unroll")
@@ -58,6 +60,29 @@ struct Params {
 inline std::size_t smem_bytes(int T, int heads) {
   const std::size_t rows = static_cast<std::size_t>(T) * heads;
   return rows * kDim + ((rows * 4 + 127) & ~static_cast<std::size_t>(127)) + static_cast<std::size_t>(kWarps) * 2 * kPageBytes;
+}
+
+// The launch of `args` on a device of `sms` multiprocessors (indexer_logits_cuda's, and the
+// emulation test's): pages per warp for about eight CTAs per SM over the batch (several waves,
+// to balance requests of different lengths), but at most kMaxPagesPerWarp, so that a CTA's
+// one-off load of q amortizes over up to 64 pages (540 KB) of keys; the grid is (page chunks,
+// batch). For a batch with pages.
+struct Launch {
+  Params params;
+  unsigned grid_x, grid_y;
+};
+inline Launch launch_params(const IndexerArgs& args, int sms) {
+  const std::int64_t total_pages = static_cast<std::int64_t>(args.batch) * args.max_pages;
+  const std::int64_t target_ctas = static_cast<std::int64_t>(sms > 0 ? sms : 1) * 8;
+  std::int64_t per_warp = (total_pages + target_ctas * kWarps - 1) / (target_ctas * kWarps);
+  per_warp = per_warp < 1 ? 1 : (per_warp > kMaxPagesPerWarp ? kMaxPagesPerWarp : per_warp);
+  Launch l{};
+  l.params = Params{args.query_tokens, args.heads,    args.q,      args.weights,      args.pages,
+                    args.page_table,   args.max_pages, args.lengths, args.logits,       args.logits_stride,
+                    static_cast<int>(per_warp) * kWarps};
+  l.grid_x = static_cast<unsigned>((args.max_pages + l.params.pages_per_cta - 1) / l.params.pages_per_cta);
+  l.grid_y = static_cast<unsigned>(args.batch);
+  return l;
 }
 
 // Byte offset of 16-byte chunk c (0..7) of 128-byte row r in a swizzled tile.

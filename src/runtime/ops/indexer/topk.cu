@@ -87,7 +87,7 @@ static_assert(kFixedBytes + static_cast<std::size_t>(kCacheKeys) * 4 <= kHopperS
 int topk_cuda(const TopkArgs& a, Stream stream) {
   if (!check_args(a).empty()) return cudaErrorInvalidValue;
   if (a.rows == 0) return cudaSuccess;
-  const int cache_n = static_cast<int>(a.stride < kCacheKeys ? a.stride : kCacheKeys);
+  const int cache_n = topk_row::cache_keys(a.stride);
   const std::size_t smem = kFixedBytes + static_cast<std::size_t>(cache_n) * 4;
   static DynamicSmemLimit limit;
   const cudaError_t e = limit.raise(topk_kernel);

@@ -45,6 +45,9 @@ struct Shared {
   int nan;
 };
 
+// Keys of a row of `stride` logits cached in shared memory (the launch's dynamic part).
+inline int cache_keys(std::int64_t stride) { return static_cast<int>(stride < kCacheKeys ? stride : kCacheKeys); }
+
 // Counts of one chunk, packed into an int for one block scan: the elements above the
 // threshold number < k <= 2048 in the whole row (11 bits), those equal to it at most
 // kChunkTiles * kThreads = 32,768 in a chunk (16 bits), so sums never carry across.

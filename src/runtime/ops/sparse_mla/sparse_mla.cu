@@ -75,6 +75,7 @@
 
 #include "ess/ops/sparse_mla.h"
 #include "runtime/cuda/backend_impl.h"
+#include "runtime/cuda/ptx.cuh"
 #include "runtime/cuda/smem_limit.h"
 #include "runtime/ops/launch_args.h"
 #include "runtime/ops/sparse_mla/merge_kernel.h"
@@ -113,31 +114,18 @@ struct DevicePrims {
   __device__ __forceinline__ void atomic_min_u32(unsigned* ptr, unsigned v) const { atomicMin(ptr, v); }
   __device__ __forceinline__ float exp2(float x) const { return exp2f(x); }
   __device__ __forceinline__ float log(float x) const { return logf(x); }
-  __device__ __forceinline__ std::uint32_t smem_u32(const void* ptr) const {
-    return static_cast<std::uint32_t>(__cvta_generic_to_shared(ptr));
-  }
+  __device__ __forceinline__ std::uint32_t smem_u32(const void* ptr) const { return ptx::smem_u32(ptr); }
   // 16-byte global -> shared copy; with fill = false the 16 bytes are zero-filled and nothing
   // is read (src must still be a valid address).
   __device__ __forceinline__ void cp_async_16(std::uint32_t dst, const void* src, bool fill) const {
-    const int src_bytes = fill ? 16 : 0;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+    ptx::cp_async_16_zfill(dst, src, fill ? 16 : 0);
   }
-  __device__ __forceinline__ void cp_async_commit() const { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-  __device__ __forceinline__ void cp_async_wait_all() const { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
-  __device__ __forceinline__ void cp_async_wait_all_but_one() const {
-    asm volatile("cp.async.wait_group 1;\n" ::: "memory");
-  }
-  __device__ __forceinline__ void ldsm_x4(std::uint32_t (&r)[4], std::uint32_t addr) const {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr)
-                 : "memory");
-  }
+  __device__ __forceinline__ void cp_async_commit() const { ptx::cp_async_commit(); }
+  __device__ __forceinline__ void cp_async_wait_all() const { ptx::cp_async_wait<0>(); }
+  __device__ __forceinline__ void cp_async_wait_all_but_one() const { ptx::cp_async_wait<1>(); }
+  __device__ __forceinline__ void ldsm_x4(std::uint32_t (&r)[4], std::uint32_t addr) const { ptx::ldmatrix_x4(r, addr); }
   __device__ __forceinline__ void ldsm_x4_trans(std::uint32_t (&r)[4], std::uint32_t addr) const {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr)
-                 : "memory");
+    ptx::ldmatrix_x4_trans(r, addr);
   }
   // d += A (16x16 bf16) * B (16x8 bf16), fp32 accumulators.
   __device__ __forceinline__ void mma(float (&d)[4], const std::uint32_t (&a)[4], std::uint32_t b0, std::uint32_t b1) const {

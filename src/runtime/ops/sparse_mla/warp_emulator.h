@@ -158,12 +158,7 @@ class Prims {
   void ldsm_x4_trans(std::uint32_t (&r)[4], std::uint32_t addr) const { ldmatrix(r, addr, true); }
 
   void mma(float (&d)[4], const std::uint32_t (&a)[4], std::uint32_t b0, std::uint32_t b1) const {
-    Block::Warp& w = warp();
-    const auto l = static_cast<std::size_t>(lane());
-    w.in_b[l] = {b0, b1};
-    for (std::size_t i = 0; i < 4; ++i) w.in_c[l][i] = d[i];
-    const auto r = collective(6, {a[0], a[1], a[2], a[3]}, [](Block::Warp& ww) {
-      double A[16][16], B[16][8];
+    mma_k<16>(6, d, a, b0, b1, [](const Block::Warp& ww, double (&A)[16][16], double (&B)[16][8]) {
       for (int ln = 0; ln < 32; ++ln) {
         const auto L = static_cast<std::size_t>(ln);
         const int g = ln >> 2, t = ln & 3;
@@ -179,25 +174,7 @@ class Prims {
           B[row][g] = bf16_to_float(static_cast<std::uint16_t>(i % 2 == 0 ? reg & 0xffffu : reg >> 16));
         }
       }
-      for (int ln = 0; ln < 32; ++ln) {
-        const auto L = static_cast<std::size_t>(ln);
-        const int g = ln >> 2, t = ln & 3;
-        for (int i = 0; i < 4; ++i) {
-          const int row = g + (i >= 2 ? 8 : 0);
-          const int col = 2 * t + (i & 1);
-          double acc = 0.0;
-          for (int k = 0; k < 16; ++k) acc += A[row][k] * B[k][col];
-          const float v = static_cast<float>(acc + ww.in_c[L][static_cast<std::size_t>(i)]);
-          std::uint32_t bits = 0;
-          std::memcpy(&bits, &v, 4);
-          ww.out[L][static_cast<std::size_t>(i)] = bits;
-        }
-      }
     });
-    for (std::size_t i = 0; i < 4; ++i) {
-      const auto u = static_cast<std::uint32_t>(r[i]);
-      std::memcpy(&d[i], &u, 4);
-    }
   }
 
   // mma.m16n8k32.row.col.f32.e4m3.e4m3.f32 (the indexer's): lane (g = lane / 4, t = lane % 4)
@@ -206,12 +183,7 @@ class Prims {
   // form's. The products are exact; the emulator sums them in double (the tensor core truncates
   // to about 13 bits: within the tests' bound, which is derived from that).
   void mma_e4m3(float (&d)[4], const std::uint32_t (&a)[4], std::uint32_t b0, std::uint32_t b1) const {
-    Block::Warp& w = warp();
-    const auto l = static_cast<std::size_t>(lane());
-    w.in_b[l] = {b0, b1};
-    for (std::size_t i = 0; i < 4; ++i) w.in_c[l][i] = d[i];
-    const auto r = collective(7, {a[0], a[1], a[2], a[3]}, [](Block::Warp& ww) {
-      double A[16][32], B[32][8];
+    mma_k<32>(7, d, a, b0, b1, [](const Block::Warp& ww, double (&A)[16][32], double (&B)[32][8]) {
       for (int ln = 0; ln < 32; ++ln) {
         const auto L = static_cast<std::size_t>(ln);
         const int g = ln >> 2, t = ln & 3;
@@ -230,25 +202,7 @@ class Prims {
           }
         }
       }
-      for (int ln = 0; ln < 32; ++ln) {
-        const auto L = static_cast<std::size_t>(ln);
-        const int g = ln >> 2, t = ln & 3;
-        for (int i = 0; i < 4; ++i) {
-          const int row = g + (i >= 2 ? 8 : 0);
-          const int col = 2 * t + (i & 1);
-          double acc = 0.0;
-          for (int k = 0; k < 32; ++k) acc += A[row][k] * B[k][col];
-          const float v = static_cast<float>(acc + ww.in_c[L][static_cast<std::size_t>(i)]);
-          std::uint32_t bits = 0;
-          std::memcpy(&bits, &v, 4);
-          ww.out[L][static_cast<std::size_t>(i)] = bits;
-        }
-      }
     });
-    for (std::size_t i = 0; i < 4; ++i) {
-      const auto u = static_cast<std::uint32_t>(r[i]);
-      std::memcpy(&d[i], &u, 4);
-    }
   }
   // __syncwarp: a warp-wide collective with nothing to exchange.
   void sync_warp() const {
@@ -268,6 +222,40 @@ class Prims {
  private:
   int lane() const { return tid_ & 31; }
   Block::Warp& warp() const { return *b_.warps[static_cast<std::size_t>(tid_ >> 5)]; }
+
+  // An m16n8kK MMA as a warp collective: every lane deposits its A, B and C fragments; lane 0
+  // decodes A [16][K] and B [K][8] from all of them (`decode`, the type's fragment layout) and
+  // computes each lane's D = A B + C (C/D: row g (+8 for d2, d3), col 2t + i % 2) in double.
+  template <int K, typename Decode>
+  void mma_k(int tag, float (&d)[4], const std::uint32_t (&a)[4], std::uint32_t b0, std::uint32_t b1,
+             Decode decode) const {
+    Block::Warp& w = warp();
+    const auto l = static_cast<std::size_t>(lane());
+    w.in_b[l] = {b0, b1};
+    for (std::size_t i = 0; i < 4; ++i) w.in_c[l][i] = d[i];
+    const auto r = collective(tag, {a[0], a[1], a[2], a[3]}, [&decode](Block::Warp& ww) {
+      double A[16][K], B[K][8];
+      decode(ww, A, B);
+      for (int ln = 0; ln < 32; ++ln) {
+        const auto L = static_cast<std::size_t>(ln);
+        const int g = ln >> 2, t = ln & 3;
+        for (int i = 0; i < 4; ++i) {
+          const int row = g + (i >= 2 ? 8 : 0);
+          const int col = 2 * t + (i & 1);
+          double acc = 0.0;
+          for (int k = 0; k < K; ++k) acc += A[row][k] * B[k][col];
+          const float v = static_cast<float>(acc + ww.in_c[L][static_cast<std::size_t>(i)]);
+          std::uint32_t bits = 0;
+          std::memcpy(&bits, &v, 4);
+          ww.out[L][static_cast<std::size_t>(i)] = bits;
+        }
+      }
+    });
+    for (std::size_t i = 0; i < 4; ++i) {
+      const auto u = static_cast<std::uint32_t>(r[i]);
+      std::memcpy(&d[i], &u, 4);
+    }
+  }
 
   // deposit -> barrier -> lane 0 computes all results -> barrier -> read mine
   template <typename F>
