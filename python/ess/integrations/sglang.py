@@ -111,6 +111,10 @@ class HostPool:
                 out.append((g * 64, first, count))
         return out
 
+    def close(self):
+        """Drops the tensor views: they point into the engine's memory, which closes next."""
+        self._views = None
+
     def available_size(self) -> int:
         s = self._coordinator.engine.stats()
         return (s.host_bytes_capacity - s.host_bytes_used) // self._per_token
@@ -483,7 +487,7 @@ class HiSparseCoordinator:
         self.write_staging_stream.synchronize()
         self.decode_backup_stream.synchronize()
         self._retire(force=True)
-        self.mem_pool_host._views = None   # they point into the engine's memory
+        self.mem_pool_host.close()
         self.engine.close()
 
     def get_token_stats(self):

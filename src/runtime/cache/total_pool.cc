@@ -190,10 +190,7 @@ const std::uint8_t* TotalPool::layer_base(int layer) const {
 }
 
 std::vector<std::int32_t> TotalPool::page_indices(RequestId id) const {
-  const auto& first = find(id, "page indices").pages.front();
-  std::vector<std::int32_t> out(first.size());
-  for (std::size_t i = 0; i < first.size(); ++i) out[i] = static_cast<std::int32_t>(first[i] % groups_);
-  return out;
+  return find(id, "page indices").pages.front();  // layer 0's region starts the arena: its pages are the indices
 }
 
 std::span<const std::uint8_t> TotalPool::entry(RequestId id, int layer, std::int64_t token) const {
