@@ -64,3 +64,18 @@ function(ess_add_emulation_test name)
   endif()
   target_link_libraries(${name} PRIVATE ess_harness Boost::context)
 endfunction()
+
+# ess_add_emulated_cuda_test(<name> <sources...>)
+# A GPU test's own source (cuda_<op>_test's) built against the emulated CUDA target
+# (src/harness/emulated_cuda): the backend's host code and launches run on the CPU, each kernel's
+# CTA program on the CTA emulator. Label emulation; test names prefixed "emulated_cuda.".
+function(ess_add_emulated_cuda_test name)
+  if(ESS_SANITIZE OR NOT Boost_context_FOUND)
+    return()
+  endif()
+  add_executable(${name} ${ARGN})
+  target_link_libraries(${name} PRIVATE ess_cuda_emulated ess_runtime_host GTest::gtest GTest::gtest_main ess_flags)
+  target_include_directories(${name} PRIVATE ${PROJECT_SOURCE_DIR}/src ${PROJECT_SOURCE_DIR}/tests)
+  target_compile_definitions(${name} PRIVATE ESS_SOURCE_DIR="${PROJECT_SOURCE_DIR}")
+  gtest_discover_tests(${name} TEST_PREFIX "emulated_cuda." PROPERTIES LABELS emulation DISCOVERY_TIMEOUT 60)
+endfunction()

@@ -272,14 +272,22 @@ inline std::vector<std::int32_t> overlapping_rows(int T, int K, std::int64_t lim
 // A pool of fewer than T x K slots: a step whose query tokens select more distinct ids than it
 // holds runs in the groups Offload::query_groups gives (greedy: each fits every position, and
 // would not fit with the next query token at some position), each group one LRU step that
-// matches the model bit for bit, its rows lossless, the other query tokens padding.
-TEST(OffloadQueryGroups, AStepLargerThanThePoolRunsGroupByGroupLosslessly) {
+// matches the model bit for bit, its rows lossless, the other query tokens padding. Small
+// pools, and MTP 3 and 4 at production size (top-2048, 15 % and 20 % of a 32K context).
+struct GroupShape {
+  int T, K;
+  std::int32_t S;
+  int steps;
+};
+class OffloadQueryGroups : public testing::TestWithParam<GroupShape> {};
+
+TEST_P(OffloadQueryGroups, AStepLargerThanThePoolRunsGroupByGroupLosslessly) {
   ESS_REQUIRE_BACKEND(harness().info);
   for (const bool reserve : {false, true}) {
     SCOPED_TRACE(fmt::format("reserve_newest {}", reserve));
-    const int T = 4, K = 48, R = 3, steps = 8;
-    const std::int32_t S = K + 20;  // far below T x K
-    const std::int64_t prompt = 500;
+    const auto [T, K, S, steps] = GetParam();
+    const int R = 3;
+    const std::int64_t prompt = std::max<std::int64_t>(500, 16 * K);  // 32K at top-2048
     OffloadConfig c;
     c.layers = 1;
     c.layout = test::small_layout();
@@ -322,7 +330,7 @@ TEST(OffloadQueryGroups, AStepLargerThanThePoolRunsGroupByGroupLosslessly) {
         }
         m.length += T;
         // Mostly overlapping rows on even steps (the step fits whole), little overlap on odd ones.
-        auto ids = overlapping_rows(T, K, reserve ? m.length - T : m.length, step % 2 == 0 ? K - 4 : K / 4, rng);
+        auto ids = overlapping_rows(T, K, reserve ? m.length - T : m.length, step % 2 == 0 ? K - 4 : K / 8, rng);
         if (reserve) ids[1] = static_cast<std::int32_t>(m.length - 1);  // a newest token, outside the LRU
         in.rows.push_back(m.row);
         in.lengths.push_back(static_cast<std::int32_t>(m.length));
@@ -396,6 +404,139 @@ TEST(OffloadQueryGroups, AStepLargerThanThePoolRunsGroupByGroupLosslessly) {
     EXPECT_GT(split_steps, 0);
     EXPECT_GT(whole_steps, 0);
   }
+}
+
+INSTANTIATE_TEST_SUITE_P(Pools, OffloadQueryGroups,
+                         testing::Values(GroupShape{4, 48, 48 + 20, 8}, GroupShape{3, 2048, 4915, 2},
+                                         GroupShape{4, 2048, 6554, 2}),
+                         [](const testing::TestParamInfo<GroupShape>& i) {
+                           return fmt::format("T{}_K{}_S{}", i.param.T, i.param.K, i.param.S);
+                         });
+
+// The harness's backend beside the CPU backend on the same requests and steps, at production
+// size: MTP 4 at top-2048 over 6,554 slots per request-layer (20 % of a 32K context), reserved
+// newest rows, LRU-Warmup, steps larger than the pool run in query groups with the DA split,
+// the write-back. Every output of every call and every byte of every layer buffer identical.
+struct BackendRun {
+  std::vector<StepOut> steps;
+  std::vector<std::vector<std::uint8_t>> buffers;
+  std::vector<std::uint8_t> host;
+  std::int64_t warmup_fills = 0;
+  int groups = 0;
+};
+
+inline BackendRun run_production_mtp(Backend backend) {
+  const int L = 2, T = 4, K = 2048, R = 2, steps = 3, W = 2;
+  const std::int64_t prompt = 32768;
+  OffloadConfig c;
+  c.layers = L;
+  c.layout = test::small_layout();
+  c.max_requests = R + 1;
+  c.query_tokens = T;
+  c.topk = K;
+  c.slots = 6554;
+  c.reserve_newest = true;
+  c.max_context = prompt + steps * T;
+  c.backend = backend;
+  Offload o(c);
+  const auto& io = ess::harness::offload_io(backend);
+  const std::size_t E = c.layout.bytes();
+  const std::int32_t rpr = c.rows_per_request();
+  std::mt19937 rng(2048);
+  std::vector<RequestId> ids;
+  std::vector<std::vector<std::int32_t>> prev(static_cast<std::size_t>(R * L));
+  for (int i = 0; i < R; ++i) {
+    const RequestId id = 7 + i;
+    ids.push_back(id);
+    o.admit(id, prompt);
+    std::vector<std::int32_t> windows;
+    for (int l = 0; l < L; ++l) {
+      for (std::int64_t t = 0; t < prompt; ++t) {
+        const auto e = entry_of(id, l, t, E);
+        std::memcpy(o.host_entry(id, l, t).data(), e.data(), E);
+      }
+      for (int w = 0; w < W; ++w) {
+        const auto v = test::decode_like_ids(prev[static_cast<std::size_t>(i * L + l)], 1, K, prompt, K / 4, rng);
+        windows.insert(windows.end(), v.begin(), v.end());
+      }
+    }
+    o.warmup(id, windows, W);
+  }
+  BackendRun run;
+  for (int step = 0; step < steps; ++step) {
+    std::vector<std::int32_t> rows, lengths;
+    for (const RequestId id : ids) {
+      o.extend(id, T);
+      rows.push_back(o.row(id));
+      lengths.push_back(static_cast<std::int32_t>(o.length(id)));
+    }
+    rows.insert(rows.begin() + 1, -1);  // a padded position
+    lengths.insert(lengths.begin() + 1, 0);
+    for (int l = 0; l < L; ++l) {
+      StepIn in;
+      in.layer = l;
+      in.batch = R + 1;
+      in.rows = rows;
+      in.lengths = lengths;
+      in.split = true;
+      for (int b = 0; b < in.batch; ++b) {
+        if (rows[static_cast<std::size_t>(b)] < 0) {
+          in.topk.insert(in.topk.end(), static_cast<std::size_t>(T) * K, -1);
+          continue;
+        }
+        const int i = b == 0 ? 0 : b - 1;
+        const RequestId id = ids[static_cast<std::size_t>(i)];
+        const std::int64_t len = o.length(id);
+        for (int t = 0; t < T; ++t) {  // the model's KV write of this step's tokens
+          io.write_row(o, l, rows[static_cast<std::size_t>(b)] * rpr + c.slots + t, entry_of(id, l, len - T + t, E));
+        }
+        // The first step's query rows each draw their own ids (about 7,400 distinct: it runs in
+        // query groups); later steps have decode-like locality.
+        auto& p = prev[static_cast<std::size_t>(i * L + l)];
+        const auto v = step == 0 ? overlapping_rows(T, K, len, 0, rng) : test::decode_like_ids(p, T, K, len, K / 8, rng);
+        in.topk.insert(in.topk.end(), v.begin(), v.end());
+      }
+      const std::vector<int> bounds = o.query_groups(in.batch, in.rows.data(), in.topk.data(), in.lengths.data());
+      for (std::size_t g = 0; g + 1 < bounds.size(); ++g) {
+        in.query_begin = bounds[g];
+        in.query_end = bounds[g + 1];
+        run.steps.push_back(io.step(o, in));
+        run.buffers.push_back(io.dump(o, l));
+        ++run.groups;
+      }
+      io.write_back(o, l, rows, lengths, {});
+    }
+  }
+  for (const RequestId id : ids) {
+    for (int l = 0; l < L; ++l) {
+      for (std::int64_t t = 0; t < o.length(id); t += 97) {
+        const auto e = o.host_entry(id, l, t);
+        run.host.insert(run.host.end(), e.begin(), e.end());
+      }
+    }
+  }
+  run.warmup_fills = o.stats().warmup_fills;
+  return run;
+}
+
+TEST(OffloadBackends, MtpFourAtTopk2048MatchesTheCpuBackendByteForByte) {
+  ESS_REQUIRE_BACKEND(harness().info);
+  const BackendRun want = run_production_mtp(Backend::kCpu);
+  const BackendRun got = run_production_mtp(harness().backend);
+  EXPECT_GT(want.groups, 2 * 3) << "no step ran in query groups";
+  ASSERT_EQ(got.steps.size(), want.steps.size());
+  for (std::size_t i = 0; i < want.steps.size(); ++i) {
+    SCOPED_TRACE(fmt::format("call {}", i));
+    EXPECT_EQ(got.steps[i].physical, want.steps[i].physical);
+    EXPECT_EQ(got.steps[i].counts, want.steps[i].counts);
+    EXPECT_EQ(got.steps[i].resident, want.steps[i].resident);
+    EXPECT_EQ(got.steps[i].fetched, want.steps[i].fetched);
+    EXPECT_EQ(got.steps[i].resident_count, want.steps[i].resident_count);
+    EXPECT_EQ(got.steps[i].fetched_count, want.steps[i].fetched_count);
+    EXPECT_TRUE(got.buffers[i] == want.buffers[i]) << "the layer buffer differs";
+  }
+  EXPECT_TRUE(got.host == want.host) << "the host pool differs after the write-backs";
+  EXPECT_EQ(got.warmup_fills, want.warmup_fills);
 }
 
 // Requests on a shared prompt prefix: one admitted on a live request's prefix, one on the

@@ -18,8 +18,9 @@
 namespace ess::swap_test {
 namespace {
 
-constexpr int kStepThreads = 1024;  // swap_engine_gpu.cu's kThreads
-constexpr int kResetThreads = 256;
+using cuda::swap::kResetBlocks;
+using cuda::swap::kResetThreads;
+using cuda::swap::kStepThreads;
 
 class EmulatedEngine final : public EngineUnderTest {
  public:
@@ -35,7 +36,7 @@ class EmulatedEngine final : public EngineUnderTest {
   ~EmulatedEngine() override { check_guards("the engine's state"); }
 
   void reset_row(int row) {
-    emu::launch("swap_reset", 2, kResetThreads, 0, seed_++, [&](emu::Cta& p, std::uint8_t*) {
+    emu::launch("swap_reset", kResetBlocks, kResetThreads, 0, seed_++, [&](emu::Cta& p, std::uint8_t*) {
       cuda::swap::swap_reset_cta(order_.data(), stamp_.data(), token_.data(), clock_.data(), config_.slots, config_.layers,
                                  row, p);
     });

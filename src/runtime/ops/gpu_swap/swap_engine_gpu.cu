@@ -11,7 +11,7 @@
 namespace ess::cuda {
 namespace {
 
-constexpr int kThreads = 1024;
+constexpr int kThreads = swap::kStepThreads;
 using BlockScan = cub::BlockScan<int, kThreads>;
 static_assert(sizeof(BlockScan::TempStorage) <= kSwapStepStaticSmemBound, "launch_args.h bounds the static shared memory");
 
@@ -70,7 +70,7 @@ int launch_swap_step(const GpuSwapStep& step, const SwapState& state, Stream str
 }
 
 int launch_swap_reset(const SwapState& state, int row, Stream stream) {
-  reset_kernel<<<64, 256, 0, static_cast<cudaStream_t>(stream)>>>(state.order, state.stamp, state.token, state.clock,
+  reset_kernel<<<swap::kResetBlocks, swap::kResetThreads, 0, static_cast<cudaStream_t>(stream)>>>(state.order, state.stamp, state.token, state.clock,
                                                                    state.slots, state.layers, row);
   return cudaGetLastError();
 }

@@ -22,6 +22,12 @@
 
 namespace ess::cuda::swap {
 
+// The launch shapes (swap_engine_gpu.cu; the emulated launchers use the same): the step and
+// the diff one block of kStepThreads, the reset kResetBlocks of kResetThreads.
+inline constexpr int kStepThreads = 1024;
+inline constexpr int kResetBlocks = 64;
+inline constexpr int kResetThreads = 256;
+
 ESS_SWAP_INLINE int hash_home(std::int32_t tok, int mask) {
   return static_cast<int>((static_cast<std::uint32_t>(tok) * 0x9E3779B1u) >> 7) & mask;
 }

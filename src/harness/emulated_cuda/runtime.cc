@@ -1,0 +1,214 @@
+// The emulated CUDA runtime API (include/cuda_runtime.h) over the CPU device (device.h).
+#include <cuda_runtime.h>
+
+#include <cstring>
+#include <string>
+
+#include "device.h"
+
+using ess::emu::Device;
+
+namespace {
+
+Device& dev() { return Device::get(); }
+
+cudaError_t bad(const std::string& what, bool bug = true) { return dev().fail(cudaErrorInvalidValue, what, bug); }
+
+// A copy's device side must lie inside one allocation; its host side is the caller's.
+cudaError_t copy(void* dst, const void* src, std::size_t bytes, cudaMemcpyKind kind, const char* call) {
+  if (bytes == 0) return cudaSuccess;
+  if (dst == nullptr || src == nullptr) return bad(std::string(call) + ": a null pointer");
+  const bool dst_dev = kind == cudaMemcpyHostToDevice || kind == cudaMemcpyDeviceToDevice;
+  const bool src_dev = kind == cudaMemcpyDeviceToHost || kind == cudaMemcpyDeviceToDevice;
+  if (kind == cudaMemcpyDefault) {
+    // Unified addressing: whichever side is an allocation is checked as one.
+  } else if (kind != cudaMemcpyHostToHost && !dst_dev && !src_dev) {
+    return bad(std::string(call) + ": unknown copy kind " + std::to_string(static_cast<int>(kind)));
+  }
+  if (dst_dev && dev().find(dst, bytes) == nullptr) {
+    return bad(std::string(call) + ": destination [" + std::to_string(reinterpret_cast<std::uintptr_t>(dst)) + ", +" +
+               std::to_string(bytes) + ") is not inside one device allocation");
+  }
+  if (src_dev && dev().find(src, bytes) == nullptr) {
+    return bad(std::string(call) + ": source [" + std::to_string(reinterpret_cast<std::uintptr_t>(src)) + ", +" +
+               std::to_string(bytes) + ") is not inside one device allocation");
+  }
+  std::memmove(dst, src, bytes);
+  return cudaSuccess;
+}
+
+cudaError_t sync(const std::string& when) {
+  return dev().check_guards(when) ? cudaSuccess : dev().fail(cudaErrorIllegalAddress, when + ": out-of-range write", false);
+}
+
+cudaError_t check_stream(cudaStream_t s, const char* call) {
+  return dev().valid_stream(s) ? cudaSuccess
+                               : dev().fail(cudaErrorInvalidResourceHandle, std::string(call) + ": not a live stream", true);
+}
+
+}  // namespace
+
+cudaError_t cudaGetDeviceCount(int* count) {
+  if (count == nullptr) return bad("cudaGetDeviceCount: null");
+  *count = 1;
+  return cudaSuccess;
+}
+
+cudaError_t cudaGetDevice(int* device) {
+  if (device == nullptr) return bad("cudaGetDevice: null");
+  *device = dev().current_device();
+  return cudaSuccess;
+}
+
+cudaError_t cudaSetDevice(int device) {
+  if (device != 0) return dev().fail(cudaErrorInvalidDevice, "cudaSetDevice: the emulated target has device 0 only", false);
+  dev().set_current_device(device);
+  return cudaSuccess;
+}
+
+cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device) {
+  if (prop == nullptr) return bad("cudaGetDeviceProperties: null");
+  if (device != 0) return dev().fail(cudaErrorInvalidDevice, "cudaGetDeviceProperties: no such device", false);
+  *prop = cudaDeviceProp{};
+  std::strncpy(prop->name, "ESS emulated CUDA device (CPU)", sizeof prop->name - 1);
+  prop->multiProcessorCount = Device::kMultiprocessors;
+  prop->sharedMemPerBlockOptin = Device::kSharedMemoryOptin;
+  prop->major = 9;
+  prop->minor = 0;
+  return cudaSuccess;
+}
+
+cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) {
+  if (value == nullptr) return bad("cudaDeviceGetAttribute: null");
+  if (device != 0) return dev().fail(cudaErrorInvalidDevice, "cudaDeviceGetAttribute: no such device", false);
+  switch (attr) {
+    case cudaDevAttrMaxSharedMemoryPerBlockOptin: *value = Device::kSharedMemoryOptin; return cudaSuccess;
+    case cudaDevAttrMaxSharedMemoryPerBlock: *value = Device::kSharedMemoryDefault; return cudaSuccess;
+    case cudaDevAttrMultiProcessorCount: *value = Device::kMultiprocessors; return cudaSuccess;
+  }
+  return bad("cudaDeviceGetAttribute: attribute " + std::to_string(static_cast<int>(attr)) + " is not emulated");
+}
+
+cudaError_t cudaDeviceSynchronize() { return sync("cudaDeviceSynchronize"); }
+cudaError_t cudaGetLastError() { return dev().take_last_error(); }
+cudaError_t cudaPeekAtLastError() { return dev().peek_last_error(); }
+
+const char* cudaGetErrorString(cudaError_t error) {
+  switch (error) {
+    case cudaSuccess: return "no error";
+    case cudaErrorInvalidValue: return "invalid argument";
+    case cudaErrorMemoryAllocation: return "out of memory";
+    case cudaErrorInvalidDevice: return "invalid device ordinal";
+    case cudaErrorInvalidResourceHandle: return "invalid resource handle";
+    case cudaErrorIllegalAddress: return "an illegal memory access was encountered";
+    case cudaErrorNotSupported: return "operation not supported";
+  }
+  return "unrecognized error code";
+}
+
+cudaError_t cudaMalloc(void** p, std::size_t bytes) {
+  if (p == nullptr) return bad("cudaMalloc: null");
+  *p = dev().allocate(bytes, Device::Kind::kDevice);
+  return *p != nullptr ? cudaSuccess : dev().fail(cudaErrorMemoryAllocation, "cudaMalloc", false);
+}
+
+cudaError_t cudaFree(void* p) {
+  return dev().release(p, Device::Kind::kDevice, "cudaFree") ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+cudaError_t cudaHostAlloc(void** p, std::size_t bytes, unsigned) {
+  if (p == nullptr) return bad("cudaHostAlloc: null");
+  *p = dev().allocate(bytes, Device::Kind::kPinnedHost);
+  return *p != nullptr ? cudaSuccess : dev().fail(cudaErrorMemoryAllocation, "cudaHostAlloc", false);
+}
+
+cudaError_t cudaMallocHost(void** p, std::size_t bytes) { return cudaHostAlloc(p, bytes, cudaHostAllocDefault); }
+
+cudaError_t cudaFreeHost(void* p) {
+  return dev().release(p, Device::Kind::kPinnedHost, "cudaFreeHost") ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+// Mapped pinned memory is addressed by the device at the host's own address (unified
+// addressing, as on every 64-bit CUDA platform); anything else has no device view.
+cudaError_t cudaHostGetDevicePointer(void** device, void* host, unsigned) {
+  if (device == nullptr) return bad("cudaHostGetDevicePointer: null");
+  const Device::Allocation* a = dev().find(host, 1);
+  if (a == nullptr || a->kind != Device::Kind::kPinnedHost) {
+    return dev().fail(cudaErrorInvalidValue, "cudaHostGetDevicePointer: not pinned host memory", false);
+  }
+  *device = host;
+  return cudaSuccess;
+}
+
+cudaError_t cudaMemset(void* p, int value, std::size_t bytes) {
+  if (bytes == 0) return cudaSuccess;
+  if (dev().find(p, bytes) == nullptr) return bad("cudaMemset: the range is not inside one allocation");
+  std::memset(p, value, bytes);
+  return cudaSuccess;
+}
+
+cudaError_t cudaMemsetAsync(void* p, int value, std::size_t bytes, cudaStream_t stream) {
+  if (const cudaError_t e = check_stream(stream, "cudaMemsetAsync"); e != cudaSuccess) return e;
+  return cudaMemset(p, value, bytes);
+}
+
+cudaError_t cudaMemcpy(void* dst, const void* src, std::size_t bytes, cudaMemcpyKind kind) {
+  return copy(dst, src, bytes, kind, "cudaMemcpy");
+}
+
+cudaError_t cudaMemcpyAsync(void* dst, const void* src, std::size_t bytes, cudaMemcpyKind kind, cudaStream_t stream) {
+  if (const cudaError_t e = check_stream(stream, "cudaMemcpyAsync"); e != cudaSuccess) return e;
+  return copy(dst, src, bytes, kind, "cudaMemcpyAsync");
+}
+
+cudaError_t cudaStreamCreate(cudaStream_t* stream) { return cudaStreamCreateWithFlags(stream, cudaStreamDefault); }
+
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned) {
+  if (stream == nullptr) return bad("cudaStreamCreate: null");
+  *stream = dev().create_stream();
+  return cudaSuccess;
+}
+
+cudaError_t cudaStreamCreateWithPriority(cudaStream_t* stream, unsigned flags, int) {
+  return cudaStreamCreateWithFlags(stream, flags);
+}
+
+cudaError_t cudaStreamDestroy(cudaStream_t stream) {
+  return dev().destroy_stream(stream) ? cudaSuccess
+                                      : dev().fail(cudaErrorInvalidResourceHandle, "cudaStreamDestroy: not a live stream", true);
+}
+
+cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
+  if (const cudaError_t e = check_stream(stream, "cudaStreamSynchronize"); e != cudaSuccess) return e;
+  return sync("cudaStreamSynchronize");
+}
+
+cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned) {
+  if (const cudaError_t e = check_stream(stream, "cudaStreamWaitEvent"); e != cudaSuccess) return e;
+  return dev().valid_event(event) ? cudaSuccess
+                                  : dev().fail(cudaErrorInvalidResourceHandle, "cudaStreamWaitEvent: not a live event", true);
+}
+
+cudaError_t cudaEventCreate(cudaEvent_t* event) { return cudaEventCreateWithFlags(event, cudaEventDefault); }
+
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event, unsigned) {
+  if (event == nullptr) return bad("cudaEventCreate: null");
+  *event = dev().create_event();
+  return cudaSuccess;
+}
+
+cudaError_t cudaEventDestroy(cudaEvent_t event) {
+  return dev().destroy_event(event) ? cudaSuccess
+                                    : dev().fail(cudaErrorInvalidResourceHandle, "cudaEventDestroy: not a live event", true);
+}
+
+cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
+  if (const cudaError_t e = check_stream(stream, "cudaEventRecord"); e != cudaSuccess) return e;
+  return dev().valid_event(event) ? cudaSuccess
+                                  : dev().fail(cudaErrorInvalidResourceHandle, "cudaEventRecord: not a live event", true);
+}
+
+cudaError_t cudaEventSynchronize(cudaEvent_t event) {
+  if (!dev().valid_event(event)) return dev().fail(cudaErrorInvalidResourceHandle, "cudaEventSynchronize: not a live event", true);
+  return sync("cudaEventSynchronize");
+}
