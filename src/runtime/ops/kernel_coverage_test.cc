@@ -1,7 +1,8 @@
 // The emulation coverage report (docs/gpu-validation.md, "Device code that has run before the
 // GPU") against the sources: every __global__ kernel of src/ has a row, every row names a
 // kernel of its source, and each is run by an emulation test that the build defines
-// (ess_add_emulation_test in a CMakeLists.txt) or carries a reason it is not.
+// (ess_add_emulation_test or ess_add_emulated_cuda_test in a CMakeLists.txt) or carries a
+// reason it is not.
 #include <gtest/gtest.h>
 
 #include <cctype>
@@ -76,10 +77,11 @@ TEST(KernelCoverage, TheReportListsEveryKernelAndHowItRunsWithoutAGpu) {
     }
     if (e.path().filename() == "CMakeLists.txt") {
       const std::string text = slurp(e.path());
-      const std::string call = "ess_add_emulation_test(";
-      for (std::size_t at = text.find(call); at != std::string::npos; at = text.find(call, at)) {
-        at += call.size();
-        emulation_tests.insert(identifier(text, at));
+      for (const std::string call : {"ess_add_emulation_test(", "ess_add_emulated_cuda_test("}) {
+        for (std::size_t at = text.find(call); at != std::string::npos; at = text.find(call, at)) {
+          at += call.size();
+          emulation_tests.insert(identifier(text, at));
+        }
       }
     }
   }

@@ -4,7 +4,7 @@
 // exclusive sum over each thread's items: cub's BlockScan; its storage is reused only after a
 // p.sync()), p.atomic_cas and p.atomic_min on
 // shared int32. swap_engine_gpu.cu instantiates them with CUDA's primitives;
-// swap_engine_emulation_test.cc runs the same code on the CPU (cta_emulator.h).
+// the emulated CUDA target runs the same code on the CPU (cta_emulator.h; cuda_swap_engine_emulated_test).
 #pragma once
 
 #include <climits>
