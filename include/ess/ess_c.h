@@ -14,7 +14,14 @@
  * Structs passed in begin with struct_size: set it with the matching ess_*_init (or to
  * sizeof), so a library built against a later header can tell which fields a caller knows.
  *
- * Thread safety: one thread at a time per engine and its bindings. */
+ * Handles are not addresses: each is a number given out once in the process's life. A call
+ * with NULL, a handle of another kind, or one that was destroyed (a binding also when its
+ * engine was) returns ESS_ERROR_INVALID_ARGUMENT naming it, and so does a second destroy.
+ *
+ * Threads: calls on one engine and its bindings may come from several threads. Each call holds
+ * the engine's lock, so they run one at a time, each as a whole; which runs first is the
+ * callers' to order. A destroy waits for a call in flight, after which calls are refused.
+ * Separate engines do not share a lock. ess_last_error is per thread. */
 #ifndef ESS_ESS_C_H_
 #define ESS_ESS_C_H_
 
@@ -97,7 +104,7 @@ typedef struct ess_config {
 ESS_API void ess_config_init(ess_config* config);
 /* On success *engine is a new engine; on failure it is NULL. */
 ESS_API ess_status ess_engine_create(const ess_config* config, ess_engine** engine);
-ESS_API void ess_engine_destroy(ess_engine* engine); /* also destroys its bindings; NULL is a no-op */
+ESS_API ess_status ess_engine_destroy(ess_engine* engine); /* also destroys its bindings; NULL is a no-op (ESS_OK) */
 
 typedef struct ess_engine_info {
   uint32_t struct_size;
@@ -232,7 +239,7 @@ typedef struct ess_step_tensors {
 
 ESS_API void ess_step_tensors_init(ess_step_tensors* tensors);
 ESS_API ess_status ess_step_bind(ess_engine* engine, const ess_step_tensors* tensors, ess_step_binding** binding);
-ESS_API void ess_step_binding_destroy(ess_step_binding* binding);
+ESS_API ess_status ess_step_binding_destroy(ess_step_binding* binding);
 /* One layer's step over the first `batch` positions of the binding (-1: all B): the misses
  * are fetched and `physical` filled, enqueued on `stream` (CUDA backend; graph-capturable). */
 ESS_API ess_status ess_step(ess_step_binding* binding, int32_t layer, int32_t batch, void* stream);
@@ -261,7 +268,7 @@ ESS_API ess_status ess_step_group(ess_step_binding* binding, int32_t layer, int3
  * source_rows [B, T] rows of the layer's buffer, or NULL: the reserved rows. */
 ESS_API ess_status ess_write_back_bind(ess_engine* engine, const DLTensor* rows, const DLTensor* lengths,
                                        const DLTensor* source_rows, ess_write_back_binding** binding);
-ESS_API void ess_write_back_binding_destroy(ess_write_back_binding* binding);
+ESS_API ess_status ess_write_back_binding_destroy(ess_write_back_binding* binding);
 ESS_API ess_status ess_write_back(ess_write_back_binding* binding, int32_t layer, int32_t batch, void* stream);
 
 /* ---- capacity planning ------------------------------------------------------------------ */

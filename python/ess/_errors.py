@@ -14,6 +14,11 @@ class InvalidArgument(EssError, ValueError):
     status = "ESS_ERROR_INVALID_ARGUMENT"
 
 
+class InvalidType(InvalidArgument, TypeError):
+    """An argument of the wrong type (a float, bool or string where an integer is meant, ...): an InvalidArgument
+    that is also a TypeError."""
+
+
 class OutOfMemory(EssError, MemoryError):
     status = "ESS_ERROR_OUT_OF_MEMORY"
 

@@ -2,15 +2,17 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
-import operator
+import threading
 import weakref
 from dataclasses import dataclass
 from os import PathLike
 from typing import Mapping, Optional, Sequence, Union
 
-from . import _dlpack
-from ._errors import InvalidArgument, check
+from . import _args, _dlpack
+from ._args import i32 as _i32, i64 as _i64
+from ._errors import InvalidArgument, InvalidType, check
 from ._lib import Config, EngineInfo, HostLayout as _HostLayout, StepTensors, Stats as _Stats, lib
 
 _BACKENDS = {"cpu": 0, "cuda": 1}
@@ -19,39 +21,16 @@ _POLICIES = {"lru": 0}
 
 def stream_handle(stream) -> Optional[int]:
     """A cudaStream_t as an integer: an int, a torch.cuda.Stream (.cuda_stream), a CuPy stream (.ptr) or None."""
-    if stream is None or isinstance(stream, int):
-        return stream or None
-    for attr in ("cuda_stream", "ptr", "handle"):
-        value = getattr(stream, attr, None)
-        if isinstance(value, int):
-            return value or None
-    raise InvalidArgument(f"stream: {type(stream).__name__} is not a stream (an int, torch.cuda.Stream or CuPy stream)")
+    return _args.handle("stream", stream)
 
 
-def _check_range(name: str, value, lo: int, hi: int):
-    """ctypes would cut a Python int down to the C type's width: refuse what does not fit instead (numpy's
-    integers are integers too; bools and floats are not)."""
-    try:
-        v = None if isinstance(value, bool) else operator.index(value)
-    except TypeError:
-        v = None
-    if v is None or not lo <= v <= hi:
-        raise InvalidArgument(f"{name} = {value!r}: an integer in [{lo}, {hi}] is expected")
-
-
-_I32 = (-2**31, 2**31 - 1)
-_I64 = (-2**63, 2**63 - 1)
-_U64 = (0, 2**64 - 1)
-
-
-def _i32(**values):
-    for name, value in values.items():
-        _check_range(name, value, *_I32)
-
-
-def _i64(**values):
-    for name, value in values.items():
-        _check_range(name, value, *_I64)
+def _locked(method):
+    """Runs the method under the engine's lock: calls from several threads run one at a time, each whole."""
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return call
 
 
 @dataclass(frozen=True)
@@ -111,8 +90,15 @@ class Engine:
     model: None (the shipped DeepSeek-V3.2-Exp), a config.json path, or its fields as a dict.
     slots or ratio: the LRU slots per request-layer (ratio x max_context, rounded up).
     latent: the engine's own layer buffers (one tensor per layer, [rows, E] or [blocks,
-    block_rows, E]); None: ESS allocates them. Every value is checked by the library; a
-    refused one raises InvalidArgument naming it, and nothing is created."""
+    block_rows, E]); None: ESS allocates them. Every value is checked; a refused one raises
+    InvalidArgument naming it (InvalidType, also a TypeError, for a wrong type: a float, bool or
+    string where an integer is meant, anything but a bool for reserve_newest), and nothing is
+    created. A refused call on an engine changes nothing.
+
+    Threads: an engine and its bindings may be called from several threads. Each call holds
+    the engine's lock (one threading.RLock, shared with its bindings), so calls run one at a
+    time, each whole; the order among threads is the caller's to choose. close() waits for a
+    call in flight; calls after it raise InvalidArgument."""
 
     def __init__(self, *, max_requests: int, max_context: int, slots: int = 0, ratio: float = 0.0,
                  model: Union[None, str, PathLike, Mapping] = None, layers: int = 0, query_tokens: int = 1,
@@ -120,32 +106,33 @@ class Engine:
                  backend: str = "cpu", device: int = 0, copy_blocks: int = 0, host_bytes: int = 0,
                  latent: Optional[Sequence] = None):
         self._handle = None
-        if backend not in _BACKENDS:
-            raise InvalidArgument(f"backend = {backend!r}: one of {sorted(_BACKENDS)}")
-        if policy not in _POLICIES:
-            raise InvalidArgument(f"policy = {policy!r}: the per-layer step runs {sorted(_POLICIES)} "
-                                  "(`ess trace analyze` compares the others on traces)")
+        self._lock = threading.RLock()
+        _args.choice("backend", backend, _BACKENDS)
+        _args.choice("policy", policy, _POLICIES)
         c = Config()
         lib.ess_config_init(ctypes.byref(c))
         if model is None:
             pass
         elif isinstance(model, Mapping):
-            c.model_json = json.dumps(dict(model)).encode()
+            try:
+                c.model_json = json.dumps(dict(model), allow_nan=False).encode()
+            except (TypeError, ValueError) as e:
+                raise InvalidArgument(f"model: its fields are not JSON: {e}") from None
         else:
-            c.model_path = str(model).encode()
+            c.model_path = _args.text("model", model, path=True).encode()
         for name, value in (("layers", layers), ("max_requests", max_requests), ("max_context", max_context),
                             ("query_tokens", query_tokens), ("topk", topk), ("slots", slots),
                             ("warmup_windows", warmup_windows), ("device", device), ("copy_blocks", copy_blocks),
                             ("host_bytes", host_bytes)):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise InvalidArgument(f"{name} = {value!r} is not an integer")
             field = dict(Config._fields_)[name]
-            _check_range(name, value, *(_I32 if field is ctypes.c_int32 else _I64 if field is ctypes.c_int64 else _U64))
-            setattr(c, name, value)
-        c.ratio = float(ratio)
-        c.reserve_newest = 1 if reserve_newest else 0
+            bounds = _args.I32 if field is ctypes.c_int32 else _args.I64 if field is ctypes.c_int64 else _args.U64
+            setattr(c, name, _args.integer(name, value, *bounds))
+        c.ratio = _args.real("ratio", ratio)
+        c.reserve_newest = 1 if _args.flag("reserve_newest", reserve_newest) else 0
         c.policy = _POLICIES[policy]
         c.backend = _BACKENDS[backend]
+        if latent is not None and (isinstance(latent, (str, bytes)) or not isinstance(latent, Sequence)):
+            raise InvalidType(f"latent: a sequence of tensors (one per layer) is expected, not {type(latent).__name__}")
         self._latent = None
         if latent is not None:
             exported = [_dlpack.export(t, f"latent[{i}]") for i, t in enumerate(latent)]
@@ -166,13 +153,14 @@ class Engine:
         self.info = Info(**values)
 
     # ---- lifetime ----
+    @_locked
     def close(self):
         """Frees the engine and its bindings (they refuse calls afterwards)."""
         if self._handle is not None:
             for b in list(self._bindings):
                 b._handle = None
-            lib.ess_engine_destroy(self._handle)
-            self._handle = None
+            handle, self._handle = self._handle, None
+            check(lib.ess_engine_destroy(handle))
 
     def __enter__(self):
         return self
@@ -192,6 +180,7 @@ class Engine:
         return self._handle
 
     # ---- requests ----
+    @_locked
     def admit(self, request_id: int, prompt_length: int, row: int = -1) -> int:
         """Admits a request of `prompt_length` tokens (entries zeroed) into pool row `row` (-1: any free); returns the row."""
         _i64(request_id=request_id, prompt_length=prompt_length)
@@ -200,6 +189,7 @@ class Engine:
         check(lib.ess_request_admit(self._h(), request_id, prompt_length, row, ctypes.byref(out)))
         return out.value
 
+    @_locked
     def admit_shared(self, request_id: int, prompt_length: int, source: int, prefix: int, row: int = -1) -> int:
         """Admits a request whose first `prefix` tokens are request `source`'s: their host pages are shared
         (read-only), not copied. Write its entries from `prefix` on. Returns the row."""
@@ -209,6 +199,7 @@ class Engine:
         check(lib.ess_request_admit_shared(self._h(), request_id, prompt_length, source, prefix, row, ctypes.byref(out)))
         return out.value
 
+    @_locked
     def admit_cached(self, request_id: int, prompt_tokens, row: int = -1):
         """Admits a request on the host prefix cache: (row, tokens reused); write its entries from there on."""
         _i64(request_id=request_id)
@@ -218,6 +209,7 @@ class Engine:
         check(lib.ess_request_admit_cached(self._h(), request_id, t.pointer, row, ctypes.byref(out), ctypes.byref(reused)))
         return out.value, reused.value
 
+    @_locked
     def publish(self, request_id: int, prompt_tokens) -> int:
         """Registers the request's written prompt in the host prefix cache; returns the pages per layer added."""
         _i64(request_id=request_id)
@@ -226,6 +218,7 @@ class Engine:
         check(lib.ess_request_publish(self._h(), request_id, t.pointer, ctypes.byref(pages)))
         return pages.value
 
+    @_locked
     def write_entries(self, request_id: int, layer: int, first_token: int, entries):
         """Copies host entries ([n, E] bytes per entry) into the Total Memory Pool at tokens [first_token, +n)."""
         _i64(request_id=request_id, first_token=first_token)
@@ -233,6 +226,7 @@ class Engine:
         e = _dlpack.export(entries, "entries")
         check(lib.ess_request_write_entries(self._h(), request_id, layer, first_token, e.pointer))
 
+    @_locked
     def read_entries(self, request_id: int, layer: int, first_token: int, out):
         """Fills `out` ([n, E] host bytes) from the Total Memory Pool; returns it."""
         _i64(request_id=request_id, first_token=first_token)
@@ -241,30 +235,36 @@ class Engine:
         check(lib.ess_request_read_entries(self._h(), request_id, layer, first_token, e.pointer))
         return out
 
+    @_locked
     def warmup(self, request_id: int, windows):
         """LRU-Warmup of every layer from the prefill's top-k: int32 host [layers, W, K], oldest first."""
         _i64(request_id=request_id)
         e = _dlpack.export(windows, "windows")
         check(lib.ess_request_warmup(self._h(), request_id, e.pointer))
 
+    @_locked
     def extend(self, request_id: int, tokens: int = 1):
         _i64(request_id=request_id, tokens=tokens)
         check(lib.ess_request_extend(self._h(), request_id, tokens))
 
+    @_locked
     def truncate(self, request_id: int, length: int):
         """Takes back draft tokens that were not accepted: the request's length becomes `length` (at least its
         length - T; reserve_newest engines). Write the accepted ones back before the next step reads them."""
         _i64(request_id=request_id, length=length)
         check(lib.ess_request_truncate(self._h(), request_id, length))
 
+    @_locked
     def release(self, request_id: int):
         _i64(request_id=request_id)
         check(lib.ess_request_release(self._h(), request_id))
 
+    @_locked
     def reset(self, request_id: int):
         _i64(request_id=request_id)
         check(lib.ess_request_reset(self._h(), request_id))
 
+    @_locked
     def request(self, request_id: int):
         """(pool row, length) of an admitted request."""
         _i64(request_id=request_id)
@@ -273,6 +273,7 @@ class Engine:
         return row.value, length.value
 
     # ---- the per-layer step ----
+    @_locked
     def bind_step(self, rows, topk, lengths, physical, *, counts=None, resident=None, fetched=None,
                   resident_count=None, fetched_count=None) -> "StepBinding":
         """Checks the step's tensors once; the returned binding's step(layer) passes only integers."""
@@ -297,6 +298,7 @@ class Engine:
         self._bindings.add(b)
         return b
 
+    @_locked
     def query_groups(self, rows, topk, lengths) -> list:
         """The query groups of a step from host copies of its rows [B], topk [B, T, K] and lengths [B]:
         boundaries [0, ..., T] of consecutive query-token ranges whose working sets fit the slots
@@ -308,6 +310,7 @@ class Engine:
         check(lib.ess_query_groups(self._h(), ex[0].pointer, ex[1].pointer, ex[2].pointer, bounds, ctypes.byref(count)))
         return list(bounds[: count.value + 1])
 
+    @_locked
     def bind_write_back(self, rows, lengths, source_rows=None) -> "WriteBackBinding":
         """The D2H write-back of each step's T newest entries (from the reserved rows, or source_rows [B, T])."""
         exported = {"rows": _dlpack.export(rows, "rows"), "lengths": _dlpack.export(lengths, "lengths"),
@@ -321,12 +324,14 @@ class Engine:
         return b
 
     # ---- what is where ----
+    @_locked
     def stats(self) -> Stats:
         raw = _Stats()
         lib.ess_stats_init(ctypes.byref(raw))
         check(lib.ess_engine_get_stats(self._h(), ctypes.byref(raw)))
         return Stats(**{name: getattr(raw, name) for name, _ in _Stats._fields_ if name != "struct_size"})
 
+    @_locked
     def layer_data(self, layer: int) -> int:
         """The address of a layer's buffer (the engine's own, or the one ESS allocated)."""
         _i32(layer=layer)
@@ -334,6 +339,7 @@ class Engine:
         check(lib.ess_engine_layer_data(self._h(), layer, ctypes.byref(out)))
         return out.value
 
+    @_locked
     def host_layout(self) -> HostLayout:
         raw = _HostLayout()
         lib.ess_host_layout_init(ctypes.byref(raw))
@@ -342,16 +348,18 @@ class Engine:
         values["pinned"] = bool(values["pinned"])
         return HostLayout(**values)
 
+    @_locked
     def host_layer(self, layer: int) -> int:
         """The address of a layer's region of the host pool."""
-        _check_range("layer", layer, -2**31, 2**31 - 1)
+        _i32(layer=layer)
         out = ctypes.c_void_p()
         check(lib.ess_engine_host_layer(self._h(), layer, ctypes.byref(out)))
         return out.value
 
+    @_locked
     def host_pages(self, request_id: int) -> list:
         """The request's page indices (one per page_tokens tokens): page i of every layer's region."""
-        _check_range("request_id", request_id, -2**63, 2**63 - 1)
+        _i64(request_id=request_id)
         count = ctypes.c_int64()
         status = lib.ess_request_host_pages(self._h(), request_id, None, 0, ctypes.byref(count))
         if count.value == 0 or status == 0:
@@ -361,6 +369,7 @@ class Engine:
         check(lib.ess_request_host_pages(self._h(), request_id, out, count.value, ctypes.byref(count)))
         return list(out)
 
+    @_locked
     def read_row(self, layer: int, row: int) -> bytes:
         """A copy of physical row `row` of a layer's buffer."""
         _i32(layer=layer, row=row)
@@ -370,17 +379,20 @@ class Engine:
 
 
 class _Binding:
+    """A binding shares its engine's lock: its calls and the engine's run one at a time."""
     _destroy = None
 
     def __init__(self, engine: Engine, handle: int, exported):
         self._engine = engine
+        self._lock = engine._lock
         self._handle = handle
         self._exported = exported  # keeps every bound tensor alive while the C side points at it
 
     def close(self):
-        if self._handle is not None:
-            type(self)._destroy(self._handle)
-            self._handle = None
+        with self._lock:
+            if self._handle is not None:
+                handle, self._handle = self._handle, None
+                check(type(self)._destroy(handle))
 
     def __del__(self):
         try:
@@ -395,12 +407,12 @@ class _Binding:
         return self._handle
 
     def _failed(self, code):
-        self._h()  # a closed binding says so rather than the library's "binding is NULL"
+        self._h()  # a closed binding says so rather than the library's "step binding is NULL"
         check(code)
 
 
 def _stream(s):
-    return s if s is None or type(s) is int else stream_handle(s)
+    return s if s is None or (type(s) is int and 0 < s < 2**64) else stream_handle(s)
 
 
 class StepBinding(_Binding):
@@ -408,6 +420,7 @@ class StepBinding(_Binding):
 
     _destroy = lib.ess_step_binding_destroy
 
+    @_locked
     def step(self, layer: int, batch: int = -1, stream=None):
         """The step of `layer` over the first `batch` positions (-1: all), enqueued on `stream` (CUDA backend)."""
         _i32(layer=layer, batch=batch)
@@ -417,13 +430,16 @@ class StepBinding(_Binding):
 
     __call__ = step
 
+    @_locked
     def step_async(self, layer: int, batch: int = -1, part: int = 0, stream=None, copy_stream=None, copy_done=None):
-        """The step with its fetch on `copy_stream`, `copy_done` (a cudaEvent_t as int) recorded when it ends."""
+        """The step with its fetch on `copy_stream`, `copy_done` (a cudaEvent_t: an int or a torch.cuda.Event)
+        recorded when it ends."""
         _i32(layer=layer, batch=batch, part=part)
-        check(lib.ess_step_async(self._h(), layer, batch, part, stream_handle(stream), stream_handle(copy_stream),
-                                 copy_done))
+        check(lib.ess_step_async(self._h(), layer, batch, part, stream_handle(stream),
+                                 _args.handle("copy_stream", copy_stream),
+                                 _args.handle("copy_done", copy_done, ("cuda_event", "ptr", "handle"))))
 
-
+    @_locked
     def step_group(self, layer: int, query_begin: int, query_end: int, batch: int = -1, stream=None):
         """The step of query tokens [query_begin, query_end) only (Engine.query_groups); the others are padding."""
         _i32(layer=layer, query_begin=query_begin, query_end=query_end, batch=batch)
@@ -435,6 +451,7 @@ class StepBinding(_Binding):
 class WriteBackBinding(_Binding):
     _destroy = lib.ess_write_back_binding_destroy
 
+    @_locked
     def write_back(self, layer: int, batch: int = -1, stream=None):
         """The write-back of `layer`'s newest entries over the first `batch` positions (-1: all)."""
         _i32(layer=layer, batch=batch)

@@ -30,7 +30,7 @@ def test_library_facts():
     (dict(max_context=0), "max_context = 0"),
     (dict(policy="lfu"), "policy = 'lfu'"),
     (dict(backend="tpu"), "backend = 'tpu'"),
-    (dict(max_requests=2.5), "max_requests = 2.5 is not an integer"),
+    (dict(max_requests=2.5), "max_requests = 2.5: an integer is expected"),
     (dict(model={"num_hidden_layers": 2}), "config.model_json"),
     (dict(model="/nonexistent/config.json"), "/nonexistent/config.json"),
     (dict(latent=[np.zeros((48, ENTRY), np.uint8)]), "1 latent buffers for 2 layers"),

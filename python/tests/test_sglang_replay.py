@@ -383,6 +383,26 @@ def test_a_bad_step_changes_nothing():
         w.coord.swap_in_selected_pages(torch.tensor([idx]), torch.tensor([41]), torch.zeros((1, K)), 7)
 
 
+def test_floats_are_not_request_slots_or_token_ids():
+    """A request slot 1.5, a float seq_len, float top-k ids or a float layer are refused by name (InvalidType),
+    never truncated, and nothing changes."""
+    w, idx, before = World.one_running(3)
+    with pytest.raises(ess.InvalidType, match="req_pool_indices_cpu: torch.float32"):
+        w.coord.map_last_loc_to_buffer(torch.tensor([42]), torch.tensor([8]), torch.tensor([idx]),
+                                       torch.tensor([42]), torch.tensor([1.5]))
+    with pytest.raises(ess.InvalidType, match="seq_lens_cpu: torch.float32"):
+        w.coord.map_last_loc_to_buffer(torch.tensor([42]), torch.tensor([8]), torch.tensor([idx]),
+                                       torch.tensor([42.0]), torch.tensor([idx]))
+    with pytest.raises(ess.InvalidType, match="top_k_result: torch.float32"):
+        w.coord.swap_in_selected_pages(torch.tensor([idx]), torch.tensor([41]), torch.zeros((1, K)), 0)
+    with pytest.raises(ess.InvalidType, match="layer_id = 0.5"):
+        w.coord.swap_in_selected_pages(torch.tensor([idx]), torch.tensor([41]), torch.zeros((1, K), dtype=torch.int32),
+                                       0.5)
+    with pytest.raises(ess.InvalidType, match="top_k = 16.5"):
+        build(top_k=16.5)
+    assert w.coord.engine.request(idx) == before
+
+
 def test_token_stats_are_upstreams_type():
     w, _, _ = World.one_running(4)
     s = w.coord.get_token_stats()

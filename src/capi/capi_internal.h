@@ -1,9 +1,11 @@
-// What the C ABI's sources share: the handles behind the opaque types, the guard that turns
-// every exception into a status and this thread's message, and the DLTensor checks.
+// What the C ABI's sources share: the objects behind the opaque handles and the table that
+// finds them, the guard that turns every exception into a status and this thread's message,
+// and the DLTensor checks.
 #pragma once
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <new>
 #include <set>
 #include <string>
@@ -12,24 +14,6 @@
 #include "ess/core/error.h"
 #include "ess/ess_c.h"
 #include "ess/runtime/offload.h"
-
-struct ess_engine {
-  std::unique_ptr<ess::Offload> offload;
-  std::set<ess_step_binding*> steps;
-  std::set<ess_write_back_binding*> write_backs;
-};
-
-struct ess_step_binding {
-  ess_engine* engine = nullptr;
-  int batch = 0;  // B
-  ess::LayerStep step;  // the bound pointers (layer, batch and streams set per call)
-};
-
-struct ess_write_back_binding {
-  ess_engine* engine = nullptr;
-  int batch = 0;
-  ess::WriteBack write_back;
-};
 
 namespace ess::capi {
 
@@ -99,8 +83,55 @@ struct Placement {
 
 inline Placement placement_of(const OffloadConfig& c) { return {c.backend, c.device}; }
 
-// The engine behind a handle (refused when NULL).
-ess_engine& engine_ref(const ess_engine* e);
+// ---- handles (handles.cc) ----
+// A handle is not an address: it is a number the table gives out once and never again (a
+// serial number, with the kind of object in its low bits), so a destroyed handle, a handle of
+// another kind, NULL or garbage is refused with ESS_ERROR_INVALID_ARGUMENT instead of being
+// dereferenced. The table holds the objects; a call holds its object (shared_ptr) and the
+// engine's lock for its duration, so a destroy from another thread waits for the call to end.
+struct EngineObject {
+  std::mutex mutex;                   // one call at a time on the engine and its bindings
+  std::unique_ptr<Offload> offload;   // null once destroyed
+  std::set<std::uint64_t> bindings;   // the handles of its bindings (destroyed with it)
+};
+
+struct StepObject {
+  std::shared_ptr<EngineObject> engine;
+  int batch = 0;   // B
+  LayerStep step;  // the bound pointers (layer, batch and streams set per call)
+};
+
+struct WriteBackObject {
+  std::shared_ptr<EngineObject> engine;
+  int batch = 0;
+  WriteBack write_back;
+};
+
+// A call on a live engine (or one of its bindings): the objects, kept alive, and the engine's lock.
+struct EngineCall {
+  std::shared_ptr<EngineObject> engine;
+  std::unique_lock<std::mutex> lock;
+  Offload& offload() const { return *engine->offload; }
+};
+
+template <typename B>
+struct BindingCall {
+  std::shared_ptr<B> binding;
+  std::unique_lock<std::mutex> lock;
+  Offload& offload() const { return *binding->engine->offload; }
+};
+
+EngineCall engine_call(const ess_engine* handle);
+BindingCall<StepObject> step_call(const ess_step_binding* handle);
+BindingCall<WriteBackObject> write_back_call(const ess_write_back_binding* handle);
+// New handles for new objects (a binding is registered with its engine, whose lock the caller holds).
+ess_engine* add_engine(std::unique_ptr<Offload> offload);
+ess_step_binding* add_step(EngineCall& call, std::shared_ptr<StepObject> binding);
+ess_write_back_binding* add_write_back(EngineCall& call, std::shared_ptr<WriteBackObject> binding);
+// Destroys: NULL is a no-op; a handle that is not live is refused (a second destroy included).
+void destroy_engine(ess_engine* handle);
+void destroy_step(ess_step_binding* handle);
+void destroy_write_back(ess_write_back_binding* handle);
 
 // A checked view of a DLTensor: its first byte, its shape, its element size.
 struct Tensor {

@@ -1,4 +1,5 @@
 // The C ABI's library, engine and request calls: ess::Offload behind an opaque handle.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -74,7 +75,25 @@ OffloadConfig offload_config(const ess_config& c) {
       throw StatusError(ESS_ERROR_UNAVAILABLE, fmt::format("config: no CUDA device {} (found {})", c.device, devices));
     }
   }
+  // The rows of a request-layer are int32 (OffloadConfig::rows_per_request): refused here by name
+  // rather than wrapped.
+  const std::int64_t rows = static_cast<std::int64_t>(o.slots) + (o.reserve_newest ? o.query_tokens : 0);
+  ESS_CHECK(rows <= std::numeric_limits<std::int32_t>::max(),
+            "config: slots = {}{} rows per request exceed int32 (at most {})", o.slots,
+            o.reserve_newest ? fmt::format(" + query_tokens {} reserved", o.query_tokens) : "",
+            std::numeric_limits<std::int32_t>::max());
   o.validate();
+  if (o.host_bytes == 0) {  // the default pool: every request at max_context, whole pages
+    const std::uint64_t pages = static_cast<std::uint64_t>((o.max_context + kPageTokens - 1) / kPageTokens);
+    std::uint64_t bytes = o.layout.bytes() * kPageTokens;
+    const bool overflow = __builtin_mul_overflow(bytes, pages, &bytes) ||
+                          __builtin_mul_overflow(bytes, static_cast<std::uint64_t>(o.max_requests), &bytes) ||
+                          __builtin_mul_overflow(bytes, static_cast<std::uint64_t>(o.layers), &bytes);
+    ESS_CHECK(!overflow,
+              "config: host_bytes = 0 asks for max_requests {} x layers {} x max_context {} entries, beyond 64 bits of "
+              "bytes; pass host_bytes",
+              o.max_requests, o.layers, o.max_context);
+  }
   return o;
 }
 
@@ -82,11 +101,6 @@ OffloadConfig offload_config(const ess_config& c) {
 }  // namespace
 
 void set_last_error(const std::string& message) { g_last_error = message; }
-
-ess_engine& engine_ref(const ess_engine* e) {
-  ESS_CHECK(e != nullptr, "engine is NULL");
-  return const_cast<ess_engine&>(*e);
-}
 
 }  // namespace ess::capi
 
@@ -147,24 +161,20 @@ ess_status ess_engine_create(const ess_config* config, ess_engine** out) {
         buffer.layer_base.push_back(t.base);
       }
     }
-    auto engine = std::make_unique<ess_engine>();
-    engine->offload = std::make_unique<ess::Offload>(oc, std::move(buffer));
-    *out = engine.release();
+    *out = ess::capi::add_engine(std::make_unique<ess::Offload>(oc, std::move(buffer)));
   });
 }
 
-void ess_engine_destroy(ess_engine* engine) {
-  if (engine == nullptr) return;
-  for (ess_step_binding* b : engine->steps) delete b;
-  for (ess_write_back_binding* b : engine->write_backs) delete b;
-  delete engine;
+ess_status ess_engine_destroy(ess_engine* engine) {
+  return guard("ess_engine_destroy", [&] { ess::capi::destroy_engine(engine); });
 }
 
 void ess_engine_info_init(ess_engine_info* info) { ess::capi::init_struct(info); }
 
 ess_status ess_engine_get_info(const ess_engine* engine, ess_engine_info* info) {
   return guard("ess_engine_get_info", [&] {
-    const ess::Offload& o = *ess::capi::engine_ref(engine).offload;
+    const auto call = ess::capi::engine_call(engine);
+    const ess::Offload& o = call.offload();
     ess::capi::check_struct(info, "ess_engine_info", "ess_engine_info_init");
     const ess::OffloadConfig& c = o.config();
     info->layers = c.layers;
@@ -187,7 +197,8 @@ ess_status ess_engine_get_info(const ess_engine* engine, ess_engine_info* info) 
 
 ess_status ess_engine_layer_data(const ess_engine* engine, int32_t layer, void** data) {
   return guard("ess_engine_layer_data", [&] {
-    const ess::Offload& o = *ess::capi::engine_ref(engine).offload;
+    const auto call = ess::capi::engine_call(engine);
+    const ess::Offload& o = call.offload();
     ESS_CHECK(data != nullptr, "the data out-pointer is NULL");
     ESS_CHECK(layer >= 0 && layer < o.config().layers, "layer {} outside [0, {})", layer, o.config().layers);
     *data = o.buffer().layer_base[static_cast<std::size_t>(layer)];
@@ -196,7 +207,8 @@ ess_status ess_engine_layer_data(const ess_engine* engine, int32_t layer, void**
 
 ess_status ess_engine_read_row(const ess_engine* engine, int32_t layer, int32_t row, void* out, size_t bytes) {
   return guard("ess_engine_read_row", [&] {
-    const ess::Offload& o = *ess::capi::engine_ref(engine).offload;
+    const auto call = ess::capi::engine_call(engine);
+    const ess::Offload& o = call.offload();
     ESS_CHECK(out != nullptr, "the output is NULL");
     ESS_CHECK(bytes == o.config().layout.bytes(), "{} bytes asked for; an entry is {}", bytes, o.config().layout.bytes());
     const auto r = o.read_row(layer, row);
@@ -208,7 +220,8 @@ void ess_host_layout_init(ess_host_layout* layout) { ess::capi::init_struct(layo
 
 ess_status ess_engine_host_layout(const ess_engine* engine, ess_host_layout* layout) {
   return guard("ess_engine_host_layout", [&] {
-    const ess::TotalPool& pool = ess::capi::engine_ref(engine).offload->host_pool();
+    const auto call = ess::capi::engine_call(engine);
+    const ess::TotalPool& pool = call.offload().host_pool();
     ess::capi::check_struct(layout, "ess_host_layout", "ess_host_layout_init");
     layout->layers = pool.num_layers();
     layout->page_tokens = static_cast<std::int32_t>(ess::kPageTokens);
@@ -222,7 +235,8 @@ ess_status ess_engine_host_layout(const ess_engine* engine, ess_host_layout* lay
 
 ess_status ess_engine_host_layer(const ess_engine* engine, int32_t layer, void** data) {
   return guard("ess_engine_host_layer", [&] {
-    const ess::TotalPool& pool = ess::capi::engine_ref(engine).offload->host_pool();
+    const auto call = ess::capi::engine_call(engine);
+    const ess::TotalPool& pool = call.offload().host_pool();
     ESS_CHECK(data != nullptr, "the data out-pointer is NULL");
     *data = const_cast<std::uint8_t*>(pool.layer_base(layer));  // the arena is writable; the pool hands out its address
   });
@@ -231,7 +245,8 @@ ess_status ess_engine_host_layer(const ess_engine* engine, int32_t layer, void**
 ess_status ess_request_host_pages(const ess_engine* engine, int64_t id, int32_t* pages, int64_t capacity,
                                   int64_t* count) {
   return guard("ess_request_host_pages", [&] {
-    const ess::TotalPool& pool = ess::capi::engine_ref(engine).offload->host_pool();
+    const auto call = ess::capi::engine_call(engine);
+    const ess::TotalPool& pool = call.offload().host_pool();
     ESS_CHECK(count != nullptr, "the count out-pointer is NULL");
     ESS_CHECK(capacity >= 0, "capacity = {} is negative", capacity);
     const std::vector<std::int32_t> idx = pool.page_indices(id);
@@ -247,7 +262,8 @@ void ess_stats_init(ess_stats* stats) { ess::capi::init_struct(stats); }
 
 ess_status ess_engine_get_stats(const ess_engine* engine, ess_stats* stats) {
   return guard("ess_engine_get_stats", [&] {
-    const ess::Offload& o = *ess::capi::engine_ref(engine).offload;
+    const auto call = ess::capi::engine_call(engine);
+    const ess::Offload& o = call.offload();
     ess::capi::check_struct(stats, "ess_stats", "ess_stats_init");
     const ess::OffloadStats s = o.stats();
     stats->steps = s.steps;
@@ -279,7 +295,7 @@ std::span<const std::int32_t> prompt_of(const DLTensor* t) {
 ess_status ess_request_admit_shared(ess_engine* engine, int64_t id, int64_t prompt_length, int64_t source,
                                     int64_t prefix, int32_t row, int32_t* row_out) {
   return guard("ess_request_admit_shared", [&] {
-    const std::int32_t r = ess::capi::engine_ref(engine).offload->admit_shared(id, prompt_length, source, prefix, row);
+    const std::int32_t r = ess::capi::engine_call(engine).offload().admit_shared(id, prompt_length, source, prefix, row);
     if (row_out != nullptr) *row_out = r;
   });
 }
@@ -287,7 +303,8 @@ ess_status ess_request_admit_shared(ess_engine* engine, int64_t id, int64_t prom
 ess_status ess_request_admit_cached(ess_engine* engine, int64_t id, const DLTensor* prompt_tokens, int32_t row,
                                     int32_t* row_out, int64_t* reused_out) {
   return guard("ess_request_admit_cached", [&] {
-    ess::Offload& o = *ess::capi::engine_ref(engine).offload;
+    const auto call = ess::capi::engine_call(engine);
+    ess::Offload& o = call.offload();
     const ess::Offload::Admitted a = o.admit_cached(id, prompt_of(prompt_tokens), row);
     if (row_out != nullptr) *row_out = a.row;
     if (reused_out != nullptr) *reused_out = a.reused_tokens;
@@ -296,7 +313,8 @@ ess_status ess_request_admit_cached(ess_engine* engine, int64_t id, const DLTens
 
 ess_status ess_request_publish(ess_engine* engine, int64_t id, const DLTensor* prompt_tokens, int64_t* pages_out) {
   return guard("ess_request_publish", [&] {
-    ess::Offload& o = *ess::capi::engine_ref(engine).offload;
+    const auto call = ess::capi::engine_call(engine);
+    ess::Offload& o = call.offload();
     const std::int64_t pages = o.publish(id, prompt_of(prompt_tokens));
     if (pages_out != nullptr) *pages_out = pages;
   });
@@ -304,7 +322,7 @@ ess_status ess_request_publish(ess_engine* engine, int64_t id, const DLTensor* p
 
 ess_status ess_request_admit(ess_engine* engine, int64_t id, int64_t prompt_length, int32_t row, int32_t* row_out) {
   return guard("ess_request_admit", [&] {
-    const std::int32_t r = ess::capi::engine_ref(engine).offload->admit(id, prompt_length, row);
+    const std::int32_t r = ess::capi::engine_call(engine).offload().admit(id, prompt_length, row);
     if (row_out != nullptr) *row_out = r;
   });
 }
@@ -331,9 +349,33 @@ EntryRange entry_range(const ess::Offload& o, std::int64_t id, int layer, std::i
             "entries has shape {} of {}-byte elements: its last dimension spans {} bytes, an entry is {}",
             ess::capi::shape_string(v.shape), v.item_bytes, row_bytes, entry);
   const std::int64_t n = bytes / static_cast<std::int64_t>(entry);
-  ESS_CHECK(first >= 0 && first + n <= length,
+  ESS_CHECK(first >= 0 && first <= length - n,
             "request {} layer {}: entries [{}, {}) outside its {} tokens", id, layer, first, first + n, length);
   return {v.data, n, entry};
+}
+
+// The windows LRU-Warmup reads (the last warmup_windows of each layer): every id -1 or a token of
+// the request, none twice in a window. The swap engine checks one layer at a time as it warms it.
+void check_windows(const ess::Offload& o, std::int64_t id, const std::int32_t* ids, std::int64_t W) {
+  const std::int64_t length = o.length(id), K = o.config().topk;
+  const std::int64_t used = std::min<std::int64_t>(W, o.config().warmup_windows);
+  std::vector<std::int32_t> window;
+  for (std::int64_t l = 0; l < o.config().layers; ++l) {
+    for (std::int64_t w = W - used; w < W; ++w) {
+      const std::int32_t* p = ids + (l * W + w) * K;
+      window.clear();
+      for (std::int64_t k = 0; k < K; ++k) {
+        ESS_CHECK(p[k] >= -1 && p[k] < length,
+                  "windows: request {} layer {} window {} position {} selects token {}, outside [0, {}) (-1 = padding)",
+                  id, l, w, k, p[k], length);
+        if (p[k] >= 0) window.push_back(p[k]);
+      }
+      std::sort(window.begin(), window.end());
+      const auto twice = std::adjacent_find(window.begin(), window.end());
+      ESS_CHECK(twice == window.end(), "windows: request {} layer {} window {} selects token {} twice", id, l, w,
+                twice == window.end() ? 0 : *twice);
+    }
+  }
 }
 
 }  // namespace
@@ -341,7 +383,8 @@ EntryRange entry_range(const ess::Offload& o, std::int64_t id, int layer, std::i
 ess_status ess_request_write_entries(ess_engine* engine, int64_t id, int32_t layer, int64_t first_token,
                                      const DLTensor* entries) {
   return guard("ess_request_write_entries", [&] {
-    ess::Offload& o = *ess::capi::engine_ref(engine).offload;
+    const auto call = ess::capi::engine_call(engine);
+    ess::Offload& o = call.offload();
     const EntryRange r = entry_range(o, id, layer, first_token, entries);
     for (std::int64_t i = 0; i < r.n; ++i) {
       const auto dst = o.host_entry(id, layer, first_token + i);
@@ -353,7 +396,8 @@ ess_status ess_request_write_entries(ess_engine* engine, int64_t id, int32_t lay
 ess_status ess_request_read_entries(const ess_engine* engine, int64_t id, int32_t layer, int64_t first_token,
                                     const DLTensor* entries) {
   return guard("ess_request_read_entries", [&] {
-    ess::Offload& o = *ess::capi::engine_ref(engine).offload;
+    const auto call = ess::capi::engine_call(engine);
+    ess::Offload& o = call.offload();
     const EntryRange r = entry_range(o, id, layer, first_token, entries);
     for (std::int64_t i = 0; i < r.n; ++i) {
       const auto src = o.host_pool().entry(id, layer, first_token + i);
@@ -364,7 +408,8 @@ ess_status ess_request_read_entries(const ess_engine* engine, int64_t id, int32_
 
 ess_status ess_request_warmup(ess_engine* engine, int64_t id, const DLTensor* windows) {
   return guard("ess_request_warmup", [&] {
-    ess::Offload& o = *ess::capi::engine_ref(engine).offload;
+    const auto call = ess::capi::engine_call(engine);
+    ess::Offload& o = call.offload();
     (void)o.row(id);  // names an unknown request before the shape
     const ess::capi::Tensor v = ess::capi::checked(windows, "windows", {ess::Backend::kCpu, 0});
     ESS_CHECK(windows->dtype.code == kDLInt && windows->dtype.bits == 32, "windows: int32 is needed");
@@ -372,29 +417,38 @@ ess_status ess_request_warmup(ess_engine* engine, int64_t id, const DLTensor* wi
               "windows has shape {}; expected [layers {}, W, topk {}]", ess::capi::shape_string(v.shape),
               o.config().layers, o.config().topk);
     const auto* ids = reinterpret_cast<const std::int32_t*>(v.data);
+    check_windows(o, id, ids, v.shape[1]);  // every layer before the first is warmed
     o.warmup(id, {ids, static_cast<std::size_t>(v.elements())}, static_cast<int>(v.shape[1]));
   });
 }
 
 ess_status ess_request_extend(ess_engine* engine, int64_t id, int64_t tokens) {
-  return guard("ess_request_extend", [&] { ess::capi::engine_ref(engine).offload->extend(id, tokens); });
+  return guard("ess_request_extend", [&] {
+    const auto call = ess::capi::engine_call(engine);
+    const std::int64_t max_context = call.offload().config().max_context;
+    // Refused here, before the engine adds it to the request's length (which would overflow).
+    ESS_CHECK(tokens <= max_context, "extend of request {} by {} tokens exceeds max_context = {}", id, tokens,
+              max_context);
+    call.offload().extend(id, tokens);
+  });
 }
 
 ess_status ess_request_truncate(ess_engine* engine, int64_t id, int64_t length) {
-  return guard("ess_request_truncate", [&] { ess::capi::engine_ref(engine).offload->truncate(id, length); });
+  return guard("ess_request_truncate", [&] { ess::capi::engine_call(engine).offload().truncate(id, length); });
 }
 
 ess_status ess_request_release(ess_engine* engine, int64_t id) {
-  return guard("ess_request_release", [&] { ess::capi::engine_ref(engine).offload->release(id); });
+  return guard("ess_request_release", [&] { ess::capi::engine_call(engine).offload().release(id); });
 }
 
 ess_status ess_request_reset(ess_engine* engine, int64_t id) {
-  return guard("ess_request_reset", [&] { ess::capi::engine_ref(engine).offload->reset(id); });
+  return guard("ess_request_reset", [&] { ess::capi::engine_call(engine).offload().reset(id); });
 }
 
 ess_status ess_request_get(const ess_engine* engine, int64_t id, int32_t* row, int64_t* length) {
   return guard("ess_request_get", [&] {
-    const ess::Offload& o = *ess::capi::engine_ref(engine).offload;
+    const auto call = ess::capi::engine_call(engine);
+    const ess::Offload& o = call.offload();
     const std::int32_t r = o.row(id);
     const std::int64_t n = o.length(id);
     if (row != nullptr) *row = r;

@@ -34,16 +34,16 @@ void ess_step_tensors_init(ess_step_tensors* t) { ess::capi::init_struct(t); }
 ess_status ess_step_bind(ess_engine* engine, const ess_step_tensors* t, ess_step_binding** out) {
   if (out != nullptr) *out = nullptr;
   return guard("ess_step_bind", [&] {
-    ess_engine& e = ess::capi::engine_ref(engine);
+    auto call = ess::capi::engine_call(engine);
     ESS_CHECK(out != nullptr, "the binding out-pointer is NULL");
     ess::capi::check_struct(t, "ess_step_tensors", "ess_step_tensors_init");
-    const ess::Offload& o = *e.offload;
+    const ess::Offload& o = call.offload();
     const ess::capi::Placement p = ess::capi::placement_of(o.config());
     const std::int64_t B = ess::capi::bound_positions(t->rows, o), T = o.config().query_tokens, K = o.config().topk;
     const std::vector<std::vector<std::int64_t>> per_id = {{B, T, K}, {B * T, K}};
     const std::vector<std::vector<std::int64_t>> per_query = {{B, T}, {B * T}};
-    auto binding = std::make_unique<ess_step_binding>();
-    binding->engine = &e;
+    auto binding = std::make_shared<ess::capi::StepObject>();
+    binding->engine = call.engine;
     binding->batch = static_cast<int>(B);
     ess::LayerStep& s = binding->step;
     s.rows = ess::capi::int32_tensor(t->rows, "rows", p, {{B}});
@@ -62,29 +62,26 @@ ess_status ess_step_bind(ess_engine* engine, const ess_step_tensors* t, ess_step
       s.resident_count = ess::capi::int32_tensor(t->resident_count, "resident_count", p, per_query);
       s.fetched_count = ess::capi::int32_tensor(t->fetched_count, "fetched_count", p, per_query);
     }
-    e.steps.insert(binding.get());
-    *out = binding.release();
+    *out = ess::capi::add_step(call, std::move(binding));
   });
 }
 
-void ess_step_binding_destroy(ess_step_binding* binding) {
-  if (binding == nullptr) return;
-  binding->engine->steps.erase(binding);
-  delete binding;
+ess_status ess_step_binding_destroy(ess_step_binding* binding) {
+  return guard("ess_step_binding_destroy", [&] { ess::capi::destroy_step(binding); });
 }
 
 ess_status ess_step_async(ess_step_binding* binding, int32_t layer, int32_t batch, int32_t part, void* stream,
                           void* copy_stream, void* copy_done) {
   return guard("ess_step", [&] {
-    ESS_CHECK(binding != nullptr, "binding is NULL");
-    ess::LayerStep s = binding->step;
+    const auto call = ess::capi::step_call(binding);
+    ess::LayerStep s = call.binding->step;
     s.layer = layer;
-    s.batch = ess::capi::call_batch(binding->batch, batch, "step");
+    s.batch = ess::capi::call_batch(call.binding->batch, batch, "step");
     s.part = part;
     s.stream = static_cast<ess::cuda::Stream>(stream);
     s.copy_stream = static_cast<ess::cuda::Stream>(copy_stream);
     s.copy_done = copy_done;
-    binding->engine->offload->step(s);
+    call.offload().step(s);
   });
 }
 
@@ -95,17 +92,17 @@ ess_status ess_step(ess_step_binding* binding, int32_t layer, int32_t batch, voi
 ess_status ess_step_group(ess_step_binding* binding, int32_t layer, int32_t batch, int32_t query_begin,
                           int32_t query_end, void* stream) {
   return guard("ess_step_group", [&] {
-    ESS_CHECK(binding != nullptr, "binding is NULL");
-    ESS_CHECK(query_begin >= 0 && query_begin < query_end && query_end <= binding->engine->offload->config().query_tokens,
-              "query group [{}, {}) is not a non-empty range of the {} query tokens", query_begin, query_end,
-              binding->engine->offload->config().query_tokens);
-    ess::LayerStep s = binding->step;
+    const auto call = ess::capi::step_call(binding);
+    const int T = call.offload().config().query_tokens;
+    ESS_CHECK(query_begin >= 0 && query_begin < query_end && query_end <= T,
+              "query group [{}, {}) is not a non-empty range of the {} query tokens", query_begin, query_end, T);
+    ess::LayerStep s = call.binding->step;
     s.layer = layer;
-    s.batch = ess::capi::call_batch(binding->batch, batch, "step");
+    s.batch = ess::capi::call_batch(call.binding->batch, batch, "step");
     s.stream = static_cast<ess::cuda::Stream>(stream);
     s.query_begin = query_begin;
     s.query_end = query_end;
-    binding->engine->offload->step(s);
+    call.offload().step(s);
   });
 }
 
@@ -113,7 +110,8 @@ ess_status ess_query_groups(const ess_engine* engine, const DLTensor* rows, cons
                             int32_t* bounds, int32_t* count) {
   if (count != nullptr) *count = 0;
   return guard("ess_query_groups", [&] {
-    const ess::Offload& o = *ess::capi::engine_ref(engine).offload;
+    const auto call = ess::capi::engine_call(engine);
+    const ess::Offload& o = call.offload();
     ESS_CHECK(bounds != nullptr && count != nullptr, "bounds and count are required (bounds holds T + 1 = {} values)",
               o.config().query_tokens + 1);
     const ess::capi::Placement host{ess::Backend::kCpu, 0};
@@ -135,39 +133,36 @@ ess_status ess_write_back_bind(ess_engine* engine, const DLTensor* rows, const D
                                const DLTensor* source_rows, ess_write_back_binding** out) {
   if (out != nullptr) *out = nullptr;
   return guard("ess_write_back_bind", [&] {
-    ess_engine& e = ess::capi::engine_ref(engine);
+    auto call = ess::capi::engine_call(engine);
     ESS_CHECK(out != nullptr, "the binding out-pointer is NULL");
-    const ess::Offload& o = *e.offload;
+    const ess::Offload& o = call.offload();
     const ess::capi::Placement p = ess::capi::placement_of(o.config());
     const std::int64_t B = ess::capi::bound_positions(rows, o), T = o.config().query_tokens;
     ESS_CHECK(source_rows != nullptr || o.config().reserve_newest,
               "source_rows is required: the engine has no reserved rows (reserve_newest is off)");
-    auto binding = std::make_unique<ess_write_back_binding>();
-    binding->engine = &e;
+    auto binding = std::make_shared<ess::capi::WriteBackObject>();
+    binding->engine = call.engine;
     binding->batch = static_cast<int>(B);
     ess::WriteBack& w = binding->write_back;
     w.rows = ess::capi::int32_tensor(rows, "rows", p, {{B}});
     w.lengths = ess::capi::int32_tensor(lengths, "lengths", p, {{B}});
     if (source_rows != nullptr) w.source_rows = ess::capi::int32_tensor(source_rows, "source_rows", p, {{B, T}, {B * T}});
-    e.write_backs.insert(binding.get());
-    *out = binding.release();
+    *out = ess::capi::add_write_back(call, std::move(binding));
   });
 }
 
-void ess_write_back_binding_destroy(ess_write_back_binding* binding) {
-  if (binding == nullptr) return;
-  binding->engine->write_backs.erase(binding);
-  delete binding;
+ess_status ess_write_back_binding_destroy(ess_write_back_binding* binding) {
+  return guard("ess_write_back_binding_destroy", [&] { ess::capi::destroy_write_back(binding); });
 }
 
 ess_status ess_write_back(ess_write_back_binding* binding, int32_t layer, int32_t batch, void* stream) {
   return guard("ess_write_back", [&] {
-    ESS_CHECK(binding != nullptr, "binding is NULL");
-    ess::WriteBack w = binding->write_back;
+    const auto call = ess::capi::write_back_call(binding);
+    ess::WriteBack w = call.binding->write_back;
     w.layer = layer;
-    w.batch = ess::capi::call_batch(binding->batch, batch, "write_back");
+    w.batch = ess::capi::call_batch(call.binding->batch, batch, "write_back");
     w.stream = static_cast<ess::cuda::Stream>(stream);
-    binding->engine->offload->write_back(w);
+    call.offload().write_back(w);
   });
 }
 

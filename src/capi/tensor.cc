@@ -31,6 +31,15 @@ void check_device(const DLTensor& t, const char* what, const Placement& p) {
   }
 }
 
+// a x b, refused by name when it overflows int64 (a shape's elements, a stride's bytes).
+std::int64_t product(std::int64_t a, std::int64_t b, const std::string& what, const std::vector<std::int64_t>& shape,
+                     const char* of) {
+  std::int64_t out = 0;
+  ESS_CHECK(!__builtin_mul_overflow(a, b, &out), "{} has shape {}: its {} overflow 64 bits", what, shape_string(shape),
+            of);
+  return out;
+}
+
 }  // namespace
 
 std::int64_t Tensor::elements() const {
@@ -55,6 +64,8 @@ Tensor checked(const DLTensor* t, const char* what, const Placement& placement) 
             "{} has dtype code {} bits {} lanes {}: whole-byte scalar elements are needed", what,
             static_cast<int>(t->dtype.code), static_cast<int>(t->dtype.bits), static_cast<int>(t->dtype.lanes));
   v.item_bytes = t->dtype.bits / 8;
+  std::int64_t bytes = v.item_bytes;  // elements() and every count below stay within int64
+  for (std::int64_t size : v.shape) bytes = product(bytes, size, what, v.shape, "bytes");
   if (t->strides != nullptr) {
     std::int64_t expected = 1;
     for (int d = t->ndim - 1; d >= 0; --d) {
@@ -99,6 +110,11 @@ LayerTensor layer_tensor(const DLTensor* t, int layer, std::uint64_t entry_bytes
   check_device(*t, what.c_str(), placement);
   const std::int64_t item = t->dtype.bits / 8;
   const std::vector<std::int64_t> shape(t->shape, t->shape + t->ndim);
+  std::int64_t bytes = item;
+  for (std::size_t d = 0; d < shape.size(); ++d) {
+    ESS_CHECK(shape[d] >= 1, "{} has shape {}: dimension {} is empty", what, shape_string(shape), d);
+    bytes = product(bytes, shape[d], what, shape, "bytes");
+  }
   std::vector<std::int64_t> strides(shape.size());
   if (t->strides != nullptr) {
     strides.assign(t->strides, t->strides + t->ndim);
@@ -106,7 +122,7 @@ LayerTensor layer_tensor(const DLTensor* t, int layer, std::uint64_t entry_bytes
     std::int64_t s = 1;
     for (int d = t->ndim - 1; d >= 0; --d) {
       strides[static_cast<std::size_t>(d)] = s;
-      s *= shape[static_cast<std::size_t>(d)];
+      s *= shape[static_cast<std::size_t>(d)];  // within the byte count checked above
     }
   }
   const std::int64_t last = shape.back();
@@ -117,15 +133,20 @@ LayerTensor layer_tensor(const DLTensor* t, int layer, std::uint64_t entry_bytes
             strides.back());
   std::vector<std::size_t> lead;  // leading dimensions of size > 1
   for (std::size_t d = 0; d + 1 < shape.size(); ++d) {
-    ESS_CHECK(shape[d] >= 1, "{} has shape {}: dimension {} is empty", what, shape_string(shape), d);
     if (shape[d] > 1) lead.push_back(d);
   }
   ESS_CHECK(lead.size() <= 2, "{} has shape {}: more than two row dimensions ([rows, E] or [blocks, block_rows, E])",
             what, shape_string(shape));
   LayerTensor out;
   out.base = static_cast<std::uint8_t*>(t->data) + t->byte_offset;
+  std::int64_t span = item;  // the bytes from the first row to the end of the last
   for (std::size_t d : lead) {
     ESS_CHECK(strides[d] > 0, "{}: dimension {} has stride {} (must be positive)", what, d, strides[d]);
+    const std::int64_t step = product(strides[d], item, what, shape, "strides in bytes");
+    std::int64_t reach = 0;
+    ESS_CHECK(!__builtin_mul_overflow(step, shape[d] - 1, &reach) && !__builtin_add_overflow(span, reach, &span),
+              "{} has shape {} with stride {} in dimension {}: the rows it spans overflow 64 bits", what,
+              shape_string(shape), strides[d], d);
   }
   if (lead.empty()) {
     out.rows.row_stride = entry_bytes;

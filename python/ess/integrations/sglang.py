@@ -37,7 +37,8 @@ from typing import List, NamedTuple, Optional
 
 import torch
 
-from .._errors import InvalidArgument
+from .. import _args
+from .._errors import InvalidArgument, InvalidType
 from ..engine import Engine
 from . import _device
 
@@ -98,7 +99,7 @@ class HostPool:
 
     def runs(self, req_pool_idx: int, n: int):
         """The request's first n tokens in its pages as (host slot, first token, count) runs of consecutive slots."""
-        pages = self._coordinator.engine.host_pages(int(req_pool_idx))
+        pages = self._coordinator.engine.host_pages(_int("req_pool_idx", req_pool_idx))
         out = []
         for i, g in enumerate(pages):
             first, count = i * 64, min(64, n - i * 64)
@@ -130,7 +131,7 @@ class HostPool:
                                                start_pos, num_tokens)
 
     def allocated_host_indices(self, req_to_host_pool, req_pool_idx: int, allocated_len: int):
-        length = min(-(-int(allocated_len) // self.page_size) * self.page_size, req_to_host_pool.shape[1])
+        length = min(-(-_int("allocated_len", allocated_len) // self.page_size) * self.page_size, req_to_host_pool.shape[1])
         indices = req_to_host_pool[req_pool_idx, :length]
         return indices[indices >= 0]
 
@@ -142,6 +143,31 @@ def _token_stats_type():
         return upstream
     except Exception:  # SGLang absent or not importable here: the same NamedTuple
         return HiSparseTokenStats
+
+
+def _int(name: str, value) -> int:
+    """An integer SGLang hands in (an int, a numpy integer, or a one-element integer tensor): never a float (a
+    request slot 1.5 is not slot 1), a bool or a string."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+            raise InvalidType(f"{name}: a {value.dtype} tensor of shape {list(value.shape)} is not an integer")
+        value = value.item()
+    return _args.integer(name, value, -2**63, 2**63 - 1)
+
+
+def _int_tensor(name: str, t):
+    if not isinstance(t, torch.Tensor):
+        raise InvalidType(f"{name}: a torch tensor is expected, not {type(t).__name__}")
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise InvalidType(f"{name}: {t.dtype} where integers are meant (values would be truncated)")
+
+
+def _ints(name: str, t) -> List[int]:
+    """A host tensor's (or list's) integers, each checked as _int does."""
+    if isinstance(t, torch.Tensor):
+        _int_tensor(name, t)
+        t = t.tolist()
+    return [_int(f"{name}[{i}]", v) for i, v in enumerate(t)]
 
 
 def _cuda_index(device) -> int:
@@ -208,8 +234,8 @@ class HiSparseCoordinator:
                  shared_index_layers: Optional[List[bool]] = None, num_draft_tokens: int = 0):
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
-        self.top_k = int(top_k)
-        self.device_buffer_size = int(device_buffer_size)
+        self.top_k = _int("top_k", top_k)
+        self.device_buffer_size = _int("device_buffer_size", device_buffer_size)
         self.device = device
         self.swap_in_block_size = swap_in_block_size   # HiSparse's kernel grid; ESS sizes its own
         self.tp_group = tp_group
@@ -217,7 +243,7 @@ class HiSparseCoordinator:
         self.compress_ratio = getattr(token_to_kv_pool_allocator, "compress_ratio", 1)
 
         self.pd_decode = _sglang_setting("get_disagg", "disaggregation_mode") == "decode"
-        num_draft_tokens = int(num_draft_tokens or 0)
+        num_draft_tokens = 0 if num_draft_tokens is None else _int("num_draft_tokens", num_draft_tokens)
         if num_draft_tokens < 0:
             raise InvalidArgument(f"num_draft_tokens = {num_draft_tokens} is negative")
         if _sglang_setting("get_exec", "enable_two_batch_overlap"):
@@ -270,7 +296,7 @@ class HiSparseCoordinator:
         latent = [_entry_rows(buf)[self.row_base:self.row_base + self.ess_rows] for buf in kvcache.kv_buffer]
         device_tokens = kvcache.size if getattr(kvcache, "host_capacity_tokens", None) is None \
             else kvcache.host_capacity_tokens
-        host_tokens = int(device_tokens * host_to_device_ratio)
+        host_tokens = int(device_tokens * _args.real("host_to_device_ratio", host_to_device_ratio))
         # Whole 64-token pages per request-layer: one partly used page per request-layer at most.
         host_bytes = (host_tokens + max_reqs * 64) * self.layer_num * ENTRY_BYTES
         self.engine = Engine(max_requests=max_reqs, max_context=max_context, slots=self.device_buffer_size,
@@ -350,12 +376,13 @@ class HiSparseCoordinator:
         return self._req_to_host_pool
 
     def host_token_len(self, kv_allocated_len: int) -> int:
-        return int(kv_allocated_len)
+        return _int("kv_allocated_len", kv_allocated_len)
 
     def _alloc_direct(self, req_to_host_pool, allocated_len, req_pool_idx, start_pos, num_tokens):
         """HostPool.alloc_paged_token_slots: the request enters ESS (host pages, all-or-nothing) and its token slots
         in the host pool's layer regions go to req_to_host_pool; the transfer then writes the prompt there."""
-        idx, start, n = int(req_pool_idx), int(start_pos), int(num_tokens)
+        idx, start, n = (_int("req_pool_idx", req_pool_idx), _int("start_pos", start_pos),
+                         _int("num_tokens", num_tokens))
         if req_to_host_pool is not self._req_to_host_pool or allocated_len is not self.req_to_host_pool_allocated_len:
             raise InvalidArgument("alloc_paged_token_slots: pass the coordinator's own req_to_host_pool and "
                                   "req_to_host_pool_allocated_len")
@@ -382,6 +409,10 @@ class HiSparseCoordinator:
         logical slots `locs` ([bs x T], token t of position b at b x T + t) map to the request's T reserved rows,
         where the model's unchanged set_mla_kv_buffer then writes them."""
         T = self.T
+        for b, row in enumerate(rows):   # every request checked before any grows
+            if self._length[row] + T > self.info.max_context:
+                raise InvalidArgument(f"position {b} (request slot {row}): {self._length[row]} tokens + {T} exceed "
+                                      f"the context length {self.info.max_context}")
         for row in rows:
             self.engine.extend(row, T)
             self._length[row] += T
@@ -392,7 +423,7 @@ class HiSparseCoordinator:
         self.dev.launch(lambda: mapping.index_copy_(0, locs, reserved.view(-1)))
 
     def _layer(self, layer_id: int) -> int:
-        layer = int(layer_id) - self.start_layer
+        layer = _int("layer_id", layer_id) - self.start_layer
         if not 0 <= layer < self.layer_num:
             raise InvalidArgument(f"layer_id {layer_id} outside this pool's layers "
                                   f"[{self.start_layer}, {self.start_layer + self.layer_num})")
@@ -412,13 +443,13 @@ class HiSparseCoordinator:
         request's T reserved rows."""
         if not self.num_draft_tokens:
             raise InvalidArgument("prepare_spec_verify: this coordinator was built with num_draft_tokens = 0")
-        rows = [int(req.kv.req_pool_idx) for req in batch.reqs]
+        rows = [_int("req_pool_idx", req.kv.req_pool_idx) for req in batch.reqs]
         T = self.T
         if batch.out_cache_loc.numel() != len(rows) * T:
             raise InvalidArgument(f"prepare_spec_verify: {batch.out_cache_loc.numel()} verify slots for {len(rows)} "
                                   f"requests x {T} draft tokens")
         seq_lens_cpu = getattr(batch, "seq_lens_cpu", None)
-        lengths = None if seq_lens_cpu is None else [int(n) for n in seq_lens_cpu.tolist()]
+        lengths = None if seq_lens_cpu is None else _ints("seq_lens_cpu", seq_lens_cpu)
         self._check_batch("prepare_spec_verify", rows, lengths, grow=0)
         self._retire()
         self._extend_into_reserved(rows, batch.req_pool_indices, batch.out_cache_loc.to(torch.int64))
@@ -431,7 +462,7 @@ class HiSparseCoordinator:
         mode = getattr(batch, "forward_mode", None)
         if mode is not None and mode.is_idle():
             return
-        rows = [int(req.kv.req_pool_idx) for req in batch.reqs]
+        rows = [_int("req_pool_idx", req.kv.req_pool_idx) for req in batch.reqs]
         B, T = len(rows), self.T
         if B == 0:
             return
@@ -509,8 +540,8 @@ class HiSparseCoordinator:
         """After the prefill: the request's prompt KV (SGLang's device slots of req_to_token[idx, :extend_end])
         is copied into its ESS host pages on the staging stream (one device-to-host copy per run of consecutive
         pages and layer); collect_ready_reqs hands the request to decode."""
-        idx = int(req.kv.req_pool_idx)
-        n = int(req.extend_end)
+        idx = _int("req_pool_idx", req.kv.req_pool_idx)
+        n = _int("extend_end", req.extend_end)
         self._retire(row=idx)
         self.engine.admit(idx, n, row=idx)   # host pages, all-or-nothing
         req.hisparse_staging = True
@@ -536,8 +567,8 @@ class HiSparseCoordinator:
                 host[at:at + count].copy_(rows[start:start + count], non_blocking=True)
 
     def _finish_staging(self, req):
-        idx = int(req.kv.req_pool_idx)
-        n = int(req.extend_end)
+        idx = _int("req_pool_idx", req.kv.req_pool_idx)
+        n = _int("extend_end", req.extend_end)
         # The prefill's device slots go back to SGLang's allocator (and its mapping to 0).
         self.token_to_kv_pool_allocator.free_hisparse(self.req_to_token_pool.req_to_token[idx, :n])
         self.engine.warmup(idx, self._warmup_windows(n))
@@ -557,7 +588,7 @@ class HiSparseCoordinator:
     def admit_request_direct(self, req) -> None:
         """The transfer is done (the prompt's KV is in ESS's host pages): the request's first residency is warmed up
         from them and it joins decode. Nothing of SGLang's device pool is taken."""
-        idx = int(req.kv.req_pool_idx)
+        idx = _int("req_pool_idx", req.kv.req_pool_idx)
         n = self.host_token_len(req.kv.kv_allocated_len)
         if self._direct.get(idx) != n:
             raise InvalidArgument(
@@ -594,8 +625,8 @@ class HiSparseCoordinator:
     def abort_staging_request(self, req) -> None:
         self.ack_staging_queue = [act for act in self.ack_staging_queue if act.req is not req]
         self.write_staging_stream.synchronize()
-        idx = int(req.kv.req_pool_idx)
-        self.token_to_kv_pool_allocator.free_hisparse(self.req_to_token_pool.req_to_token[idx, :int(req.extend_end)])
+        idx = _int("req_pool_idx", req.kv.req_pool_idx)
+        self.token_to_kv_pool_allocator.free_hisparse(self.req_to_token_pool.req_to_token[idx, :_int("extend_end", req.extend_end)])
         self.engine.release(idx)
         req.hisparse_staging = False
 
@@ -609,7 +640,7 @@ class HiSparseCoordinator:
         if self.decode_producer_stream is not None:
             self.dev.current_stream().wait_stream(self.decode_producer_stream)
         self.wait_for_pending_backup()
-        idx = int(req.kv.req_pool_idx)
+        idx = _int("req_pool_idx", req.kv.req_pool_idx)
         if idx in self._direct:   # PD: received (or receiving failed) but never admitted; no device work of ours
             del self._direct[idx]
             self._forget_host_slots(idx)
@@ -621,7 +652,7 @@ class HiSparseCoordinator:
             return   # never admitted to ESS (finished during prefill): nothing of ours to release
         # Decode tokens' logical slots map to the reserved row: unmap them so that SGLang's own free of
         # the request's KV does not hand ESS's rows to its allocator.
-        allocated = self.req_to_token_pool.req_to_token[idx, :int(req.kv.kv_allocated_len)].to(torch.int64)
+        allocated = self.req_to_token_pool.req_to_token[idx, :_int("kv_allocated_len", req.kv.kv_allocated_len)].to(torch.int64)
         mapping = self.mem_pool_device.full_to_hisparse_device_index_mapping
         self.dev.launch(lambda: mapping.index_fill_(0, allocated, 0))
         del self._length[idx]
@@ -656,8 +687,8 @@ class HiSparseCoordinator:
                                req_pool_indices_cpu) -> None:
         """ScheduleBatch.prepare_for_decode, after seq_lens += 1 and alloc_decode: backs up the previous step's
         newest entries, extends every request by its new token and points out_cache_loc at the reserved rows."""
-        rows = [int(r) for r in req_pool_indices_cpu.tolist()]
-        lengths = [int(n) for n in seq_lens_cpu.tolist()]
+        rows = _ints("req_pool_indices_cpu", req_pool_indices_cpu)
+        lengths = _ints("seq_lens_cpu", seq_lens_cpu)
         if len(rows) != len(lengths):
             raise InvalidArgument(f"map_last_loc_to_buffer: {len(rows)} requests with {len(lengths)} lengths")
         if self.num_draft_tokens:
@@ -725,6 +756,9 @@ class HiSparseCoordinator:
         int32 [bs, K] slots of SGLang's device pool (FlashMLA's page_table_1), the misses fetched into them.
         bs may be a CUDA-graph batch: positions at or past num_real_reqs are padding."""
         layer = self._layer(layer_id)
+        for name, t in (("req_pool_indices", req_pool_indices), ("compressed_seq_lens", compressed_seq_lens),
+                        ("top_k_result", top_k_result)):
+            _int_tensor(f"swap_in_selected_pages: {name}", t)
         B = int(req_pool_indices.shape[0])
         if B > self.max_batch:
             raise InvalidArgument(f"swap_in_selected_pages: batch {B} exceeds the {self.max_batch} request slots")
