@@ -344,6 +344,9 @@ stage_kernels() {
   ess_run kernels verify-cuda verify --backend cuda --format json
   ess_run kernels verify-cuda-reserved verify --backend cuda --reserve-newest --mtp 3 --format json
   ess_run kernels verify-cuda-groups verify --backend cuda --mtp 4 --topk 128 --slots 160 --format json
+  # The paper's MTP-4 deployment: top-2048 over 20 % of a 32K context (about 20 s of host work).
+  ess_run kernels verify-cuda-mtp4-k2048 verify --backend cuda --mtp 4 --topk 2048 --context 32768 --ratio 0.2 \
+    --requests 2 --layers 2 --steps 3 --reserve-newest --format json
 }
 
 # The op table `ess sim --rig-layers` reads; a copy stays on this machine for the step stage
