@@ -74,10 +74,13 @@ class EssDecode:
     bookkeeping start_step does before each forward.
 
     read_host(state_index, first_token, count) -> uint8 [layers, count, 656] host tensor: the request's entries
-    from vLLM's host pool (where its prefill and every step ESS did not serve left them)."""
+    from vLLM's host pool (where its prefill and every step ESS did not serve left them). synchronize(): waits
+    for the work already enqueued (the previous forward's copies out of ESS's host pool), called before a
+    step frees host pages that work may still read."""
 
     def __init__(self, engine: Engine, latent: Sequence[torch.Tensor], max_num_reqs: int,
-                 read_host: Callable[[int, int, int], torch.Tensor], device="cpu"):
+                 read_host: Callable[[int, int, int], torch.Tensor], device="cpu",
+                 synchronize: Callable[[], None] = lambda: None):
         info = engine.info
         if not info.reserve_newest:
             raise InvalidArgument("EssDecode: the engine needs reserve_newest=True (each step's newest entries are "
@@ -89,6 +92,7 @@ class EssDecode:
             raise InvalidArgument(f"EssDecode: {len(latent)} latent buffers for {info.layers} layers")
         self.engine, self.info, self.latent = engine, info, list(latent)
         self.max_num_reqs, self.read_host, self.device = max_num_reqs, read_host, torch.device(device)
+        self.synchronize = synchronize
         T, K = info.query_tokens, info.topk
         i32 = dict(dtype=torch.int32, device=self.device)
         self.rows = torch.full((max_num_reqs,), -1, **i32)          # batch row -> state index (ESS row), -1
@@ -159,6 +163,10 @@ class EssDecode:
                 positions.append((b, rid, s, c))
         # The previous step's newest entries go to the host pool first (a finished request's too: harmless).
         self.flush()
+        if any(rid in finished or rid in preempted for rid in self.state_of) or \
+                any((rid in self.state_of and (self.state_of[rid] != s or c < self.length_of[s] - T)) or
+                    (rid not in self.state_of and s in self.length_of) for _, rid, s, c in positions):
+            self.synchronize()   # pages are freed below; the previous forward may still be reading them
         for rid in list(self.state_of):
             if rid in finished or rid in preempted:
                 self._release(rid)

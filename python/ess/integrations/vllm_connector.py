@@ -54,7 +54,8 @@ class EssConnectorWorker(HiSparseConnectorWorker):
             rows = blocks[tokens // block] * block + tokens % block
             return torch.stack([host[rows] for host in host_of])
 
-        self.ess = EssDecode(self.ess_engine, latent, max_num_reqs, read_host, device=first.device)
+        self.ess = EssDecode(self.ess_engine, latent, max_num_reqs, read_host, device=first.device,
+                             synchronize=lambda: torch.cuda.current_stream().synchronize())
         self.ess_upstream_runtimes = {}
         for layer, (i, handle) in enumerate(targets):
             self.ess_upstream_runtimes[i] = handle.runtime
