@@ -111,14 +111,17 @@ class Engine:
     model: None (the shipped DeepSeek-V3.2-Exp), a config.json path, or its fields as a dict.
     slots or ratio: the LRU slots per request-layer (ratio x max_context, rounded up).
     latent: the engine's own layer buffers (one tensor per layer, [rows, E] or [blocks,
-    block_rows, E]); None: ESS allocates them. Every value is checked by the library; a
-    refused one raises InvalidArgument naming it, and nothing is created."""
+    block_rows, E]); None: ESS allocates them. host_memory: the host pool's memory, a writable
+    buffer of the caller's (an mmap of a shared-memory region several processes' engines map:
+    ess_c.h's ess_config.host_memory says how they share it), kept alive with the engine;
+    host_memory_pinned: the caller registered it as pinned, mapped memory. Every value is checked
+    by the library; a refused one raises InvalidArgument naming it, and nothing is created."""
 
     def __init__(self, *, max_requests: int, max_context: int, slots: int = 0, ratio: float = 0.0,
                  model: Union[None, str, PathLike, Mapping] = None, layers: int = 0, query_tokens: int = 1,
                  topk: int = 0, reserve_newest: bool = False, warmup_windows: int = 32, policy: str = "lru",
                  backend: str = "cpu", device: int = 0, copy_blocks: int = 0, host_bytes: int = 0,
-                 latent: Optional[Sequence] = None):
+                 latent: Optional[Sequence] = None, host_memory=None, host_memory_pinned: bool = False):
         self._handle = None
         if backend not in _BACKENDS:
             raise InvalidArgument(f"backend = {backend!r}: one of {sorted(_BACKENDS)}")
@@ -153,6 +156,15 @@ class Engine:
             c.latent = ctypes.cast(array, ctypes.POINTER(ctypes.c_void_p))
             c.latent_count = len(exported)
             self._latent = (exported, array)
+        self._host_memory = None
+        if host_memory is not None:
+            view = memoryview(host_memory).cast("B")
+            if view.readonly:
+                raise InvalidArgument("host_memory: a read-only buffer (the pool is written)")
+            c.host_memory = ctypes.addressof(ctypes.c_char.from_buffer(view))
+            c.host_memory_bytes = view.nbytes
+            c.host_memory_pinned = 1 if host_memory_pinned else 0
+            self._host_memory = view
         handle = ctypes.c_void_p()
         check(lib.ess_engine_create(ctypes.byref(c), ctypes.byref(handle)))
         self._handle = handle.value
@@ -173,6 +185,7 @@ class Engine:
                 b._handle = None
             lib.ess_engine_destroy(self._handle)
             self._handle = None
+            self._host_memory = None
 
     def __enter__(self):
         return self

@@ -14,6 +14,7 @@
 #include "ess/runtime/offload.h"
 
 struct ess_engine {
+  std::unique_ptr<ess::HostAllocator> host_memory;  // the caller's region (ess_config.host_memory); outlives offload
   std::unique_ptr<ess::Offload> offload;
   std::set<ess_step_binding*> steps;
   std::set<ess_write_back_binding*> write_backs;
