@@ -169,6 +169,10 @@ READ = [
     ("config/attention.py", "HiSparseConfig", {"eager_host_mirror"}),
     ("config/attention.py", "AttentionConfig", {"hisparse_config"}),
     ("config/kv_transfer.py", "KVTransferConfig", {"kv_connector_extra_config", "kv_connector_module_path"}),
+    ("config/vllm.py", "VllmConfig", {"instance_id", "kv_transfer_config", "attention_config", "scheduler_config",
+                                      "model_config", "parallel_config"}),
+    ("config/parallel.py", "ParallelConfig", {"data_parallel_index"}),
+    ("config/scheduler.py", "SchedulerConfig", {"max_num_seqs"}),
 ]
 
 
@@ -176,6 +180,27 @@ READ = [
 def test_what_the_connector_reads_is_in_the_release(rel, cls, names):
     missing = names - assigned_on_self(rel, cls)
     assert not missing, f"{rel} {cls} has none of {sorted(missing)}"
+
+
+def test_the_connectors_imports_are_in_the_release():
+    """Every `from vllm.X import name` of vllm_connector.py names a module of the release that defines it."""
+    tree = ast.parse(open(CONNECTOR, encoding="utf-8").read())
+    imports = [n for n in tree.body if isinstance(n, ast.ImportFrom) and n.level == 0 and
+               (n.module or "").startswith("vllm.")]
+    assert len(imports) >= 5
+    for node in imports:
+        rel = node.module.split(".", 1)[1].replace(".", "/")
+        module = path(rel + ".py") if os.path.exists(path(rel + ".py")) else path(rel + "/__init__.py")
+        assert os.path.exists(module), f"vllm.{rel} is not in the release"
+        if os.path.isdir(path(rel)) and not module.endswith("__init__.py"):
+            continue
+        top = ast.parse(open(module, encoding="utf-8").read()).body
+        defined = {n.name for n in top if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+        defined |= {t.id for n in top if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+        defined |= {a.asname or a.name for n in top if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+        for alias in node.names:
+            sub = os.path.exists(path(f"{rel}/{alias.name}.py")) or os.path.isdir(path(f"{rel}/{alias.name}"))
+            assert alias.name in defined or sub, f"vllm.{node.module.split('.', 1)[1]} has no {alias.name}"
 
 
 def test_start_load_kv_gets_what_the_connector_reads():

@@ -39,6 +39,7 @@ from mock_engine import ENTRY, check_rows
 import vllm_upstream
 
 LAYERS, K, CTX, STATES, BLOCK = 2, 16, 384, 5, 64
+HOST_BYTES = STATES * CTX * LAYERS * ENTRY   # ESS's host pool: every state's longest request
 UP = vllm_upstream.load()
 
 
@@ -96,15 +97,18 @@ class VllmWorld:
 
 
 class Replay:
-    def __init__(self, T, slots, seed=1):
+    def __init__(self, T, slots, seed=1, host_memory=None, writer=True, barrier=None):
+        """host_memory, writer, barrier: a rank of a node whose ranks share one host pool (EssDecode)."""
         self.T = T
         self.world = VllmWorld(seed, T)
         rows_per_request = slots + T
         latent = adapter.latent_buffers(LAYERS, STATES, rows_per_request)
         self.engine = ess.Engine(layers=LAYERS, max_requests=STATES, max_context=CTX, topk=K, query_tokens=T,
-                                 slots=slots, reserve_newest=True, latent=latent)
+                                 slots=slots, reserve_newest=True, latent=latent, host_bytes=HOST_BYTES,
+                                 host_memory=host_memory)
         self.rid_of_state = {}
-        self.decode = adapter.EssDecode(self.engine, latent, STATES, self.world.read_host(self.rid_of_state))
+        self.decode = adapter.EssDecode(self.engine, latent, STATES, self.world.read_host(self.rid_of_state),
+                                        writer=writer, barrier=barrier)
         self.model = EngineModel(LAYERS, slots, T, reserve_newest=True)
         self.model_rows = {}   # request -> state the model admitted it at
         # vllm/v1/hisparse/binding.py bind_hisparse_kv_caches: each layer's handle bound to the resident cache
@@ -250,8 +254,9 @@ def prefill(replay, rid, state, prompt, chunk, others=(), other_states=()):
 
 
 @pytest.mark.parametrize("T,slots", [(1, 24), (3, 56)])
-def test_decode_replay_matches_the_model_and_the_full_cache(T, slots):
-    r = Replay(T, slots, seed=3 + T)
+def test_decode_replay_matches_the_model_and_the_full_cache(T, slots, **rank):
+    """rank: Replay's host_memory / writer / barrier, when a rank of a shared pool runs it (test_vllm_shared_pool)."""
+    r = Replay(T, slots, seed=3 + T, **rank)
     w = r.world
     prefill(r, "a", 2, 150, 100)
     prefill(r, "b", 0, 90, 64, others=["a"], other_states=[2])

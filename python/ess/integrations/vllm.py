@@ -22,7 +22,9 @@ speculative tokens, vLLM's max_decode_query_len), token i of the step being quer
 batch row b = req_id_per_token[i]; rows at or past num_valid_rows are CUDA-graph padding."""
 from __future__ import annotations
 
-from typing import Callable, Dict, Iterable, Mapping, NamedTuple, Optional, Sequence, Tuple
+import mmap
+import os
+from typing import Callable, Dict, Iterable, Mapping, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -52,6 +54,63 @@ def latent_buffers(layers: int, max_num_reqs: int, rows_per_request: int, device
             for _ in range(layers)]
 
 
+def available_host_memory() -> int:
+    """Bytes of RAM the kernel says a new allocation can take (/proc/meminfo MemAvailable)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_host_memory(nbytes: int, what: str = "ESS's host pool", available: Optional[int] = None):
+    """Refuses, by name, a host pool the machine's free RAM cannot hold (vLLM's own check: 95 % of
+    MemAvailable), before anything is allocated."""
+    available = available_host_memory() if available is None else available
+    if nbytes > 0.95 * available:
+        raise InvalidArgument(f"{what} needs {nbytes / 2**30:.2f} GiB but {available / 2**30:.2f} GiB of RAM is "
+                              "available: lower ess_host_gib (or max_num_seqs x max_model_len)")
+
+
+class SharedHostPool:
+    """One host-pool region per node, which every local rank's engine maps (Engine(host_memory=pool.buffer)): a
+    file in /dev/shm that the creating rank sizes (after check_host_memory) and removes; the others open it."""
+
+    def __init__(self, name: str, nbytes: int, create: bool, directory: str = "/dev/shm"):
+        if "/" in name or not name:
+            raise InvalidArgument(f"SharedHostPool: name {name!r} must be a plain file name")
+        size = -(-int(nbytes) // 4096) * 4096
+        self.path, self.created = os.path.join(directory, name), bool(create)
+        if create:
+            check_host_memory(size, f"the shared host pool {self.path}")
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.ftruncate(fd, size)
+            except BaseException:
+                os.close(fd)
+                os.unlink(self.path)
+                raise
+        else:
+            fd = os.open(self.path, os.O_RDWR)
+            if os.fstat(fd).st_size < size:
+                os.close(fd)
+                raise InvalidArgument(f"SharedHostPool: {self.path} holds fewer than the {size} bytes expected")
+        try:
+            self.buffer = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+
+    def close(self):
+        """The creator removes the file; the region is unmapped (close the engines on it first: a mapping still
+        in use raises BufferError and stays)."""
+        if self.created and os.path.exists(self.path):
+            os.unlink(self.path)
+        self.buffer.close()
+
+
 class Scheduled(NamedTuple):
     """One scheduled request of a step, as vLLM's scheduler output gives it (the same values upstream's
     HiSparseConnectorScheduler.build_connector_meta reads)."""
@@ -76,11 +135,18 @@ class EssDecode:
     read_host(state_index, first_token, count) -> uint8 [layers, count, 656] host tensor: the request's entries
     from vLLM's host pool (where its prefill and every step ESS did not serve left them). synchronize(): waits
     for the work already enqueued (the previous forward's copies out of ESS's host pool), called before a
-    step frees host pages that work may still read."""
+    step frees host pages that work may still read.
+
+    One host pool per node (attention TP: every rank decodes the same requests): each rank's engine maps the
+    same region (SharedHostPool; ess_config.host_memory) and makes the same request calls, so a request has the
+    same pages on every rank. The writer (writer=True, one rank) writes the pool, entries and write-backs; the
+    others only read it. barrier(): all the ranks' barrier; start_step calls it after every rank has handed out
+    this step's pages and again after the writer's copies, and the writer synchronizes its write-back first."""
 
     def __init__(self, engine: Engine, latent: Sequence[torch.Tensor], max_num_reqs: int,
                  read_host: Callable[[int, int, int], torch.Tensor], device="cpu",
-                 synchronize: Callable[[], None] = lambda: None):
+                 synchronize: Callable[[], None] = lambda: None, writer: bool = True,
+                 barrier: Optional[Callable[[], None]] = None):
         info = engine.info
         if not info.reserve_newest:
             raise InvalidArgument("EssDecode: the engine needs reserve_newest=True (each step's newest entries are "
@@ -92,7 +158,7 @@ class EssDecode:
             raise InvalidArgument(f"EssDecode: {len(latent)} latent buffers for {info.layers} layers")
         self.engine, self.info, self.latent = engine, info, list(latent)
         self.max_num_reqs, self.read_host, self.device = max_num_reqs, read_host, torch.device(device)
-        self.synchronize = synchronize
+        self.synchronize, self.writer, self.barrier = synchronize, bool(writer), barrier
         T, K = info.query_tokens, info.topk
         i32 = dict(dtype=torch.int32, device=self.device)
         self.rows = torch.full((max_num_reqs,), -1, **i32)          # batch row -> state index (ESS row), -1
@@ -161,8 +227,11 @@ class EssDecode:
                     raise InvalidArgument(f"start_step: request {rid!r} reaches {c + T} tokens; the engine holds "
                                           f"max_context = {self.info.max_context}")
                 positions.append((b, rid, s, c))
-        # The previous step's newest entries go to the host pool first (a finished request's too: harmless).
+        # The previous step's newest entries go to the host pool first (a finished request's too: harmless); with
+        # a shared pool they must have landed before the barrier below lets the other ranks on.
         self.flush()
+        if self.barrier is not None and self.writer:
+            self.synchronize()
         if any(rid in finished or rid in preempted for rid in self.state_of) or \
                 any((rid in self.state_of and (self.state_of[rid] != s or c < self.length_of[s] - T)) or
                     (rid not in self.state_of and s in self.length_of) for _, rid, s, c in positions):
@@ -170,6 +239,7 @@ class EssDecode:
         for rid in list(self.state_of):
             if rid in finished or rid in preempted:
                 self._release(rid)
+        copies = []   # (state, first token, count) to copy from vLLM's host pool
         for b, rid, s, c in positions:
             if self.state_of.get(rid, s) != s:     # vLLM gave the request another state index
                 self._release(rid)
@@ -185,14 +255,23 @@ class EssDecode:
             if rid not in self.state_of:
                 self.engine.admit(s, c, s)
                 self.state_of[rid], self.length_of[s] = s, c
-                self._copy_from_host(s, 0, c)
+                copies.append((s, 0, c))
             elif c > self.length_of[s]:             # tokens of steps ESS did not serve
                 L = self.length_of[s]
                 self.engine.extend(s, c - L)
                 self.length_of[s] = c
-                self._copy_from_host(s, L, c - L)
+                copies.append((s, L, c - L))
             self.engine.extend(s, T)
             self.length_of[s] = c + T
+        # Shared pool: every rank has handed out (and zeroed) this step's pages before the writer writes, and
+        # the writer's entries are in before any rank's forward reads them.
+        if self.barrier is not None:
+            self.barrier()
+        if self.writer:
+            for s, first, count in copies:
+                self._copy_from_host(s, first, count)
+        if self.barrier is not None and copies:
+            self.barrier()
         B = len(positions)
         rows = torch.full((self.max_num_reqs,), -1, dtype=torch.int32)
         lengths = torch.zeros((self.max_num_reqs,), dtype=torch.int32)
@@ -221,11 +300,12 @@ class EssDecode:
                                   "tokens is not served)")
 
     def flush(self):
-        """Writes the last step's newest entries back to ESS's host pool (every layer)."""
-        if self.pending:
+        """Writes the last step's newest entries back to ESS's host pool (every layer); a reader rank of a shared
+        pool leaves that to the writer."""
+        if self.pending and self.writer:
             for layer in range(self.info.layers):
                 self.write_back_binding.write_back(layer, self.pending)
-            self.pending = 0
+        self.pending = 0
 
     def finish(self, request_id: str):
         """Forgets a request now (a finished one is otherwise released at the next start_step)."""

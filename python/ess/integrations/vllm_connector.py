@@ -18,10 +18,13 @@ from __future__ import annotations
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.hisparse import connector as _upstream
 from vllm.distributed.kv_transfer.kv_connector.v1.hisparse.worker import HiSparseConnectorWorker
+from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tp_group
 from vllm.v1.attention.backend import max_decode_query_len
+from vllm.v1.hisparse.runtime import use_shared_hisparse_host_pool
 
 from ..engine import Engine
-from .vllm import EssDecode, HiSparseRuntime, latent_buffers, scheduled_from_output
+from .vllm import (EssDecode, HiSparseRuntime, SharedHostPool, check_host_memory, latent_buffers,
+                   scheduled_from_output)
 
 
 class EssConnectorWorker(HiSparseConnectorWorker):
@@ -37,11 +40,34 @@ class EssConnectorWorker(HiSparseConnectorWorker):
         max_num_reqs = config.scheduler_config.max_num_seqs
         slots = first.region_stride   # upstream's device_buffer_size: ESS's LRU slots per request-layer
         latent = latent_buffers(len(targets), max_num_reqs, slots + T, device=first.device)
+        max_model_len = config.model_config.max_model_len
+        host_bytes = int(float(extra["ess_host_gib"]) * 2**30) if "ess_host_gib" in extra else \
+            max_num_reqs * max_model_len * len(targets) * 656
+        # One pool per node under attention TP, as vLLM's own (use_shared_hisparse_host_pool): rank 0 creates and
+        # writes it, every rank maps and reads it.
+        self.ess_shared_pool, writer, barrier = None, True, None
+        if use_shared_hisparse_host_pool(config):
+            writer = get_tensor_model_parallel_rank() == 0
+            barrier = get_tp_group().barrier
+            name = f"ess_{config.instance_id}_dp{config.parallel_config.data_parallel_index}"
+            if writer:
+                self.ess_shared_pool = SharedHostPool(name, host_bytes, create=True)
+            barrier()
+            if not writer:
+                self.ess_shared_pool = SharedHostPool(name, host_bytes, create=False)
+            region = torch.frombuffer(self.ess_shared_pool.buffer, dtype=torch.uint8)
+            err = torch.cuda.cudart().cudaHostRegister(region.data_ptr(), region.nbytes, 3)  # portable | mapped
+            if err.value != 0:
+                raise RuntimeError(f"cudaHostRegister of ESS's shared host pool failed: {err}")
+            self.ess_registered = region
+        else:
+            check_host_memory(host_bytes)
         self.ess_engine = Engine(
-            layers=len(targets), max_requests=max_num_reqs, max_context=config.model_config.max_model_len,
+            layers=len(targets), max_requests=max_num_reqs, max_context=max_model_len,
             topk=first.index_group.shared_topk.device_topk_rows.shape[1], query_tokens=T, slots=slots,
-            reserve_newest=True, backend="cuda", device=first.device.index or 0,
-            host_bytes=int(float(extra["ess_host_gib"]) * 2**30) if "ess_host_gib" in extra else 0, latent=latent)
+            reserve_newest=True, backend="cuda", device=first.device.index or 0, host_bytes=host_bytes,
+            latent=latent, host_memory=None if self.ess_shared_pool is None else self.ess_shared_pool.buffer,
+            host_memory_pinned=self.ess_shared_pool is not None)
         host_of = [self.host_caches[i] for i, _ in targets]
         source_table = targets[0][1].source_block_table
         block = self.kernel_block_size
@@ -55,7 +81,8 @@ class EssConnectorWorker(HiSparseConnectorWorker):
             return torch.stack([host[rows] for host in host_of])
 
         self.ess = EssDecode(self.ess_engine, latent, max_num_reqs, read_host, device=first.device,
-                             synchronize=lambda: torch.cuda.current_stream().synchronize())
+                             synchronize=lambda: torch.cuda.current_stream().synchronize(), writer=writer,
+                             barrier=barrier)
         self.ess_upstream_runtimes = {}
         for layer, (i, handle) in enumerate(targets):
             self.ess_upstream_runtimes[i] = handle.runtime
@@ -69,6 +96,11 @@ class EssConnectorWorker(HiSparseConnectorWorker):
         if getattr(self, "ess_engine", None) is not None:
             self.ess_engine.close()
             self.ess_engine = None
+        if getattr(self, "ess_shared_pool", None) is not None:
+            torch.cuda.cudart().cudaHostUnregister(self.ess_registered.data_ptr())
+            del self.ess_registered
+            self.ess_shared_pool.close()
+            self.ess_shared_pool = None
 
 
 class HiSparseConnector(_upstream.HiSparseConnector):
