@@ -179,7 +179,6 @@ class EssDecode:
         self.pending = 0            # positions whose newest entries are still to be written back
         self.state_of: Dict[str, int] = {}     # vLLM request id -> state index (ESS request id and row)
         self.length_of: Dict[int, int] = {}    # state index -> tokens in ESS
-        self.served_this_step = False
 
     # ---- before each forward (the connector's start_load_kv) ----
     def start_step(self, request_ids: Sequence[str], request_state_indices, scheduled: Mapping[str, Scheduled],
@@ -288,7 +287,6 @@ class EssDecode:
         self.request_state_indices.copy_(state_rows)
         self.batch = B
         self.pending = B
-        self.served_this_step = False
 
     def check_forward(self, num_decodes: int, num_decode_tokens: int):
         """The forward's attention metadata (num_decodes, num_decode_tokens) against the rows start_step staged:
@@ -488,7 +486,6 @@ class HiSparseRuntime:
         physical = torch.where(valid.unsqueeze(1), physical, torch.full_like(physical, -1))
         self.layers_served += 1
         self.steps_served += 1
-        d.served_this_step = True
         out = physical if attention_indices_out is None else attention_indices_out.copy_(physical)
         if not return_valid_counts:
             return out
