@@ -1,7 +1,6 @@
 """Bad input to ESS's vLLM runtime: every refusal is an InvalidArgument naming what was wrong, raised before
 anything runs, so a refused swap_in serves no layer (the next call of the forward still runs) and changes no
 row, count or byte; start_step refuses a batch it cannot serve with ESS's state as it was."""
-import numpy as np
 import pytest
 import torch
 
