@@ -90,7 +90,7 @@ class VllmWorld:
             k = min(int(self.rng.integers(K // 2, K + 1)), n)
             ids = self.rng.choice(n, k, replace=False)
             if self.rng.random() < 0.5:
-                ids = np.unique(np.concatenate([np.arange(n - T, n), ids]))[:k]
+                ids = np.unique(np.concatenate([np.arange(max(0, n - T), n), ids]))[:k]
                 self.rng.shuffle(ids)
             rows[t, :k] = ids
         return rows
@@ -153,11 +153,17 @@ class Replay:
         # kv_connector/v1/hisparse/connector.py HiSparseConnector.start_load_kv, then ESS's start_step
         # (vllm_connector.py HiSparseConnector.start_load_kv).
         sched = {rid: adapter.Scheduled(*scheduled[rid]) for rid in batch}
+        # vLLM's decode split: the leading rows of at most T tokens (max_decode_query_len).
+        decodes = []
+        for rid in batch:
+            if not 1 <= sched[rid].num_scheduled_tokens <= T:
+                break
+            decodes.append(rid)
+        num_decode_tokens = sum(sched[rid].num_scheduled_tokens for rid in decodes)
         self.decode.start_step(batch, torch.tensor(states, dtype=torch.int32), sched, finished=finished,
-                               preempted=preempted, all_context_pages_resident=all_resident)
-        decodes = [rid for rid in batch if sched[rid].num_scheduled_tokens == T and sched[rid].num_computed_tokens >= 1]
+                               preempted=preempted, all_context_pages_resident=all_resident,
+                               forward=(len(decodes), num_decode_tokens))
         served = self.decode.batch
-        num_decode_tokens = len(decodes) * T
         num_actual = sum(sched[rid].num_scheduled_tokens for rid in batch)
         padded = pad_to or num_decode_tokens
         req_id_per_token = torch.zeros(max(padded, num_actual), dtype=torch.int32)
@@ -171,8 +177,6 @@ class Replay:
                 sched[rid].num_scheduled_tokens for rid in batch), num_reqs=len(batch), num_decodes=len(decodes),
             req_id_per_token=req_id_per_token, block_table=self.handles[0].source_block_table, block_size=BLOCK,
             query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32))
-        if served:
-            self.decode.check_forward(attn.num_decodes, attn.num_decode_tokens)
         # connector.py start_step sets all_context_pages_resident on every handle; worker.py prepare_forward ->
         # HiSparseCacheHandle.prepare_group_for_batch (runtime.begin_forward()).
         for handle in self.handles:
@@ -185,7 +189,7 @@ class Replay:
             c, n = sched[rid]
             if rid in decodes:
                 for t in range(n):
-                    slots[b * T + t] = self.resident_next
+                    slots[query_start_loc[b] + t] = self.resident_next
                     self.resident_next = (self.resident_next + 1) % (self.world.resident[0].shape[0] * BLOCK)
             w.computed(rid, c, n)
         self.slot_mapping.copy_(slots)
@@ -202,13 +206,18 @@ class Replay:
                     rid = batch[int(req_id_per_token[i])]
                     position = sched[rid].num_computed_tokens + i - query_start_loc[int(req_id_per_token[i])]
                     flat[slot_rows[i]] = torch.from_numpy(w.full[rid][layer, position])
-            rows = [w.query_rows(rid, w.length[rid]) for rid in decodes]
+            # Each decode row's T query rows (the model's view): a row of n < T tokens has its n queries last.
+            rows = []
+            for rid in decodes:
+                r = w.query_rows(rid, w.length[rid])
+                r[: T - sched[rid].num_scheduled_tokens] = -1
+                rows.append(r)
             topk = torch.full((padded, K), -1, dtype=torch.int32)
-            for b, r in enumerate(rows):
-                topk[b * T:(b + 1) * T] = torch.from_numpy(r.astype(np.int32))
+            for b, (rid, r) in enumerate(zip(decodes, rows)):
+                n = sched[rid].num_scheduled_tokens
+                topk[query_start_loc[b]:query_start_loc[b] + n] = torch.from_numpy(r[T - n:].astype(np.int32))
             if padded > num_decode_tokens:   # CUDA-graph padding: whatever the indexer left there
-                topk[num_decode_tokens:] = torch.from_numpy(rows[0].astype(np.int32)).repeat(padded, 1)[
-                    : padded - num_decode_tokens] if rows else 0
+                topk[num_decode_tokens:] = topk[0]
             if not served:
                 continue   # vLLM resolves this step over resident pages (index_group.py _convert_once)
             physical, valid = self.group.convert_logical_to_physical_topk(
@@ -218,24 +227,28 @@ class Replay:
             kv = self.group.physical_kv_cache(layer)
             assert kv.shape[1:] == (BLOCK, ENTRY)
             flat = kv.reshape(-1, ENTRY).numpy()
-            engine_rows = np.stack(rows)
+            per_row = np.full((len(decodes), T, K), -1, np.int32)
+            for b, rid in enumerate(decodes):
+                n = sched[rid].num_scheduled_tokens
+                per_row[b, T - n:] = physical[query_start_loc[b]:query_start_loc[b] + n].numpy()
             model_batch = [(rid, self.model_rows[rid]) for rid in decodes]
-            check_rows(w, self.model, engine_rows, [flat] * LAYERS, layer, model_batch,
-                       physical[:num_decode_tokens].numpy().reshape(len(decodes), T, K))
+            check_rows(w, self.model, np.stack(rows), [flat] * LAYERS, layer, model_batch, per_row)
             assert (physical[num_decode_tokens:] == -1).all(), "padded graph rows must come out as -1"
             np.testing.assert_array_equal(valid.numpy(), (physical >= 0).sum(1).numpy())
-        # MTP: the verify step keeps `accepted` tokens of T; vLLM decodes other tokens in the others' places.
+        # MTP: a verify step keeps `accepted` of its tokens; vLLM decodes other tokens in the others' places.
         for rid, kept in (accepted or {}).items():
-            if kept < T:
-                w.redraw_after(rid, sched[rid].num_computed_tokens + kept)
+            c, n = sched[rid]
+            if kept < n:
+                w.length[rid] = c + kept
+                w.redraw_after(rid, c + kept)
         self.forwards_served += served > 0
         return served
 
 
-def decode_step(batch, world, T, accepted=None):
-    """Every request of `batch` decodes T tokens after what its last verify step kept (vLLM's
-    num_computed_tokens drops the rejected drafts)."""
-    return {rid: (world.length[rid] - T + (accepted or {}).get(rid, T), T) for rid in batch}
+def decode_step(batch, world, T, counts=None):
+    """Every request of `batch` decodes T tokens (or counts[rid]: a verify step with fewer drafts) after what its
+    last step kept."""
+    return {rid: (world.length[rid], (counts or {}).get(rid, T)) for rid in batch}
 
 
 def prefill(replay, rid, state, prompt, chunk, others=(), other_states=()):
@@ -245,8 +258,6 @@ def prefill(replay, rid, state, prompt, chunk, others=(), other_states=()):
     done = 0
     while done < prompt:
         n = min(chunk, prompt - done)
-        if n == replay.T:
-            n += 1 if done + n < prompt else 0
         scheduled = decode_step(others, w, replay.T)
         scheduled[rid] = (done, n)
         replay.step(list(others) + [rid], list(other_states) + [state], scheduled)
@@ -262,17 +273,43 @@ def test_decode_replay_matches_the_model_and_the_full_cache(T, slots, **rank):
     prefill(r, "b", 0, 90, 64, others=["a"], other_states=[2])
     prefill(r, "c", 4, 70, 200, others=["b", "a"], other_states=[0, 2])
     batch, states = ["a", "b", "c"], [2, 0, 4]
-    accepted = None
     for step in range(10):
         # Condense and reorder: the batch rows change, each request keeps its state index.
-        order = np.random.default_rng(step).permutation(len(batch))
+        rng = np.random.default_rng(step)
+        order = rng.permutation(len(batch))
         batch, states = [batch[i] for i in order], [states[i] for i in order]
-        pad = len(batch) * T + (T if step % 3 == 0 else 0)   # a graph captured for a larger batch
-        scheduled = decode_step(batch, w, T, accepted)
-        accepted = {rid: int(np.random.default_rng(step + 7).integers(1, T + 1)) for rid in batch} if T > 1 else None
+        # MTP: some verify steps carry fewer drafts, and each keeps part of its tokens.
+        counts = {rid: int(rng.integers(1, T + 1)) for rid in batch} if T > 1 and step % 2 else None
+        scheduled = decode_step(batch, w, T, counts)
+        pad = sum(n for _, n in scheduled.values()) + (T if step % 3 == 0 else 0)   # a graph for a larger batch
+        accepted = {rid: int(rng.integers(1, n + 1)) for rid, (_, n) in scheduled.items()} if T > 1 else None
         assert r.step(batch, states, scheduled, pad_to=pad, accepted=accepted) == len(batch)
     assert r.forwards_served == 13   # 3 steps decoded beside the prefills of "b" and "c"
     assert all(h.runtime.steps_served == r.forwards_served for h in r.handles)
+
+
+def test_rows_of_fewer_than_t_tokens():
+    """vLLM's decodes are the rows of at most T tokens: a whole prompt of T tokens (nothing computed yet), the
+    last chunk of a chunked prefill, a verify step with fewer drafts. ESS serves each with its queries last and
+    its older tokens in the reserved rows beside the new ones."""
+    T = 3
+    r = Replay(T, 56, seed=17)
+    w = r.world
+    w.new_request("tiny", 3)
+    assert r.step(["tiny"], [1], {"tiny": (0, 3)}) == 1                     # a 3-token prompt, one step
+    w.new_request("long", 130)
+    for done, n in ((0, 64), (64, 64)):
+        scheduled = decode_step(["tiny"], w, T)
+        scheduled["long"] = (done, n)
+        r.step(["tiny", "long"], [1, 3], scheduled)
+    scheduled = decode_step(["tiny"], w, T, {"tiny": 1})
+    scheduled["long"] = (128, 2)                                             # the prompt's tail: a decode row
+    assert r.step(["tiny", "long"], [1, 3], scheduled) == 2
+    for step in range(6):
+        counts = {"tiny": 1 + step % 3, "long": 3 - step % 3}
+        scheduled = decode_step(["long", "tiny"], w, T, counts)
+        accepted = {rid: max(1, n - step % 2) for rid, (_, n) in scheduled.items()}
+        assert r.step(["long", "tiny"], [3, 1], scheduled, accepted=accepted) == 2
 
 
 def test_preemption_and_a_reused_state():

@@ -85,7 +85,7 @@ def test_rows_past_num_valid_rows_are_padding(staged):
     (["b", "a"], [1, 9], None, "state index 9"),
     (["b", "a"], [1, 1], None, "state index 1 is batch rows"),
     (["b", "x"], [1, 3], None, "not scheduled"),
-    (["b", "a"], [1, 3], {"b": (71, 5), "a": (92, T)}, "decodes after a prefill row"),
+    (["b", "a"], [1, 3], {"b": (0, 1), "a": (92, T)}, "fewer than T"),
     (["b", "a"], [1, 3], {"b": (71, T), "a": (383, T)}, "max_context"),
 ])
 def test_start_step_refuses_a_batch_and_changes_nothing(batch, states, scheduled, match):
@@ -101,11 +101,16 @@ def test_start_step_refuses_a_batch_and_changes_nothing(batch, states, scheduled
     assert before[:3] == after[:3] and torch.equal(before[3], after[3])
 
 
-def test_a_forward_with_other_decode_rows_is_refused(staged):
-    r, _, _ = staged
-    with pytest.raises(ess.InvalidArgument, match="decode rows"):
-        r.decode.check_forward(3, 3 * T)
-    r.decode.check_forward(2, 2 * T)
+def test_a_forward_with_other_decode_rows_is_refused():
+    """The forward's decode split (its attention metadata) must be the batch's leading rows of at most T tokens."""
+    r = Replay(T, 40, seed=23)
+    prefill(r, "a", 3, 90, 100)
+    scheduled = {"a": adapter.Scheduled(90, T)}
+    before = (dict(r.decode.length_of), r.engine.stats())
+    with pytest.raises(ess.InvalidArgument, match="the forward has 2 decode rows"):
+        r.decode.start_step(["a"], torch.tensor([3], dtype=torch.int32), scheduled, forward=(2, 2 * T))
+    assert before == (dict(r.decode.length_of), r.engine.stats())
+    r.decode.start_step(["a"], torch.tensor([3], dtype=torch.int32), scheduled, forward=(1, T))
 
 
 def test_a_speculator_layer_keeps_vllms_runtime(staged):

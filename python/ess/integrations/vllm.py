@@ -17,12 +17,12 @@ requests' context (docs/integration.md says why and what joining the two needs).
 Rows and requests. A request's ESS pool row (and ESS request id) is its stable request-state index
 (vLLM's input_batch.idx_mapping of its batch row), not its batch row: vLLM condenses and reorders the
 batch between steps and refreshes the mapping in start_load_kv, so ESS positions are batch rows and
-`rows[b]` names the state. Decode tokens come first in vLLM's batch, T per request (T = 1 + the
-speculative tokens, vLLM's max_decode_query_len), token i of the step being query t = i - T x b of
-batch row b = req_id_per_token[i]; rows at or past num_valid_rows are CUDA-graph padding."""
+`rows[b]` names the state. Decode rows come first in vLLM's batch, at most T tokens each (T = 1 + the
+speculative tokens, vLLM's max_decode_query_len); start_step maps each decode token to its batch row, its
+staged query and its reserved row, and tokens at or past num_valid_rows are CUDA-graph padding."""
 from __future__ import annotations
 
-from typing import Callable, Dict, Iterable, Mapping, NamedTuple, Optional, Sequence
+from typing import Callable, Dict, Iterable, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -118,7 +118,13 @@ class EssDecode:
         # mappings are); the scratch row for padding.
         self.scratch_row = max_num_reqs * info.rows_per_request
         self.slot_mapping = torch.full((self.max_swap_rows,), self.scratch_row, dtype=torch.int64, device=self.device)
-        self.token_index = torch.arange(self.max_swap_rows, dtype=torch.int64, device=self.device)
+        # Per decode token i of the step: its batch row (-1: none), its row of the staged [B x T] queries; per
+        # staged query: its token (-1: padding).
+        i64 = dict(dtype=torch.int64, device=self.device)
+        self.token_row = torch.full((self.max_swap_rows,), -1, **i64)
+        self.token_flat = torch.zeros((self.max_swap_rows,), **i64)
+        self.query_token = torch.full((self.max_swap_rows,), -1, **i64)
+        self.token_index = torch.arange(self.max_swap_rows, **i64)
         self.request_state_indices = torch.full((max_num_reqs,), -1, **i32)
         self.batch = 0              # ESS positions staged for this step
         self.pending = 0            # positions whose newest entries are still to be written back
@@ -128,18 +134,22 @@ class EssDecode:
     # ---- before each forward (the connector's start_load_kv) ----
     def start_step(self, request_ids: Sequence[str], request_state_indices, scheduled: Mapping[str, Scheduled],
                    finished: Iterable[str] = (), preempted: Iterable[str] = (),
-                   all_context_pages_resident: bool = False):
+                   all_context_pages_resident: bool = False, forward: Optional[Tuple[int, int]] = None):
         """request_ids: the batch's request ids in batch order (input_batch.req_ids); request_state_indices: each
         batch row's state index (input_batch.idx_mapping); scheduled: this step's requests; finished / preempted:
         the scheduler output's finished_req_ids / preempted_req_ids; all_context_pages_resident: the connector
-        metadata's. A batch row is a decode row when it schedules exactly T tokens after at least one computed one;
-        decode rows must come first (vLLM's order). When every context page is resident and the batch has other
-        rows, vLLM's index group resolves the decode tokens over resident pages instead of calling swap_in
-        (index_group.py convert_logical_to_physical_topk): ESS serves no position then and catches its requests up
-        from vLLM's host pool at their next ESS step.
+        metadata's; forward: the forward's (num_decodes, num_decode_tokens) when its attention metadata is known.
 
-        The batch is checked before anything changes; an engine refusal part-way (ESS's host pool full) raises
-        with the requests before it admitted."""
+        Decode rows are the batch's leading rows of at most T tokens (vLLM's split: decodes first, up to
+        max_decode_query_len tokens each); a row of n < T tokens is served with its n queries as the last n of
+        its T (the others padding) and its T - n older tokens copied into the reserved rows beside its n new
+        ones. When every context page is resident and the batch has other rows, vLLM's index group resolves
+        the decode tokens over resident pages instead of calling swap_in (index_group.py
+        convert_logical_to_physical_topk): ESS serves no row then and catches its requests up from vLLM's host
+        pool at their next ESS step.
+
+        The batch (and `forward` against it) is checked before anything changes; an engine refusal part-way
+        (ESS's host pool full) raises with the requests before it admitted."""
         T = self.info.query_tokens
         states = [int(s) for s in torch.as_tensor(request_state_indices).reshape(-1).tolist()]
         if len(states) < len(request_ids):
@@ -148,9 +158,6 @@ class EssDecode:
             raise InvalidArgument(f"start_step: {len(request_ids)} batch requests exceed max_num_seqs = "
                                   f"{self.max_num_reqs}")
         finished, preempted = set(finished), set(preempted)
-        decode_rows = [rid in scheduled and scheduled[rid][1] == T and scheduled[rid][0] >= 1 for rid in request_ids]
-        swap_path = not (all_context_pages_resident and not all(decode_rows))
-        positions = []     # (batch row, request id, state, num_computed_tokens)
         seen = {}
         for b, rid in enumerate(request_ids):
             s = states[b]
@@ -162,15 +169,25 @@ class EssDecode:
             seen[s] = b
             if rid not in scheduled:
                 raise InvalidArgument(f"start_step: batch row {b}: request {rid!r} is not scheduled")
+        decodes = 0
+        while decodes < len(request_ids) and 1 <= scheduled[request_ids[decodes]][1] <= T:
+            decodes += 1
+        swap_path = not (all_context_pages_resident and decodes < len(request_ids))
+        positions = []     # (batch row, request id, state, num_computed_tokens, tokens this step)
+        for b in range(decodes if swap_path else 0):
+            rid, s = request_ids[b], states[b]
             c, n = scheduled[rid]
-            if swap_path and decode_rows[b]:
-                if len(positions) != b:
-                    raise InvalidArgument(f"start_step: batch row {b} (request {rid!r}) decodes after a prefill row: "
-                                          "vLLM puts decode rows first")
-                if c + T > self.info.max_context:
-                    raise InvalidArgument(f"start_step: request {rid!r} reaches {c + T} tokens; the engine holds "
-                                          f"max_context = {self.info.max_context}")
-                positions.append((b, rid, s, c))
+            if c + n > self.info.max_context:
+                raise InvalidArgument(f"start_step: request {rid!r} reaches {c + n} tokens; the engine holds "
+                                      f"max_context = {self.info.max_context}")
+            if c + n < T:
+                raise InvalidArgument(f"start_step: request {rid!r} decodes with {c + n} tokens, fewer than T = {T}: "
+                                      "ESS's step and write-back (reserve_newest) serve a request of at least T tokens")
+            positions.append((b, rid, s, c, n))
+        if forward is not None and swap_path and tuple(forward) != (len(positions), sum(p[4] for p in positions)):
+            raise InvalidArgument(f"start_step: the forward has {forward[0]} decode rows of {forward[1]} tokens; "
+                                  f"the batch's leading rows of at most T = {T} tokens are {len(positions)} of "
+                                  f"{sum(p[4] for p in positions)}")
         # The previous step's newest entries go to the host pool first (a finished request's too: harmless); with
         # a shared pool they must have landed before the barrier below lets the other ranks on.
         self.flush()
@@ -178,13 +195,13 @@ class EssDecode:
             self.synchronize()
         if any(rid in finished or rid in preempted for rid in self.state_of) or \
                 any((rid in self.state_of and (self.state_of[rid] != s or c < self.length_of[s] - T)) or
-                    (rid not in self.state_of and s in self.length_of) for _, rid, s, c in positions):
+                    (rid not in self.state_of and s in self.length_of) for _, rid, s, c, _ in positions):
             self.synchronize()   # pages are freed below; the previous forward may still be reading them
         for rid in list(self.state_of):
             if rid in finished or rid in preempted:
                 self._release(rid)
         copies = []   # (state, first token, count) to copy from vLLM's host pool
-        for b, rid, s, c in positions:
+        for b, rid, s, c, n in positions:
             if self.state_of.get(rid, s) != s:     # vLLM gave the request another state index
                 self._release(rid)
             if rid not in self.state_of and s in self.length_of:
@@ -197,16 +214,17 @@ class EssDecode:
                     self.engine.truncate(s, c)
                     self.length_of[s] = c
             if rid not in self.state_of:
-                self.engine.admit(s, c, s)
-                self.state_of[rid], self.length_of[s] = s, c
+                self.engine.admit(s, c if c else n, s)
+                self.state_of[rid], self.length_of[s] = s, c if c else n
                 copies.append((s, 0, c))
             elif c > self.length_of[s]:             # tokens of steps ESS did not serve
                 L = self.length_of[s]
                 self.engine.extend(s, c - L)
                 self.length_of[s] = c
                 copies.append((s, L, c - L))
-            self.engine.extend(s, T)
-            self.length_of[s] = c + T
+            if c:
+                self.engine.extend(s, n)
+            self.length_of[s] = c + n
         # Shared pool: every rank has handed out (and zeroed) this step's pages before the writer writes, and
         # the writer's entries are in before any rank's forward reads them.
         if self.barrier is not None:
@@ -216,31 +234,40 @@ class EssDecode:
                 self._copy_from_host(s, first, count)
         if self.barrier is not None and copies:
             self.barrier()
-        B = len(positions)
+        self._stage(request_ids, states, positions)
+
+    def _stage(self, request_ids, states, positions):
+        """The step's rows, lengths and per-token maps, and the older tokens of short rows in the reserved rows."""
+        T, rpr, S = self.info.query_tokens, self.info.rows_per_request, self.info.slots
         rows = torch.full((self.max_num_reqs,), -1, dtype=torch.int32)
         lengths = torch.zeros((self.max_num_reqs,), dtype=torch.int32)
-        slots = torch.full((self.max_swap_rows,), self.scratch_row, dtype=torch.int64)
-        rpr, S = self.info.rows_per_request, self.info.slots
-        for b, _, s, c in positions:
-            rows[b], lengths[b] = s, c + T
-            slots[b * T:(b + 1) * T] = torch.arange(T) + (s * rpr + S)
+        token_row = torch.full((self.max_swap_rows,), -1, dtype=torch.int64)
+        token_flat = torch.zeros((self.max_swap_rows,), dtype=torch.int64)
+        token_slot = torch.full((self.max_swap_rows,), self.scratch_row, dtype=torch.int64)
+        query_token = torch.full((self.max_swap_rows,), -1, dtype=torch.int64)
+        i = 0
+        for b, _, s, c, n in positions:
+            rows[b], lengths[b] = s, c + n
+            for t in range(n):
+                q = T - n + t                       # the n queries are the last n of the row's T
+                token_row[i], token_flat[i], token_slot[i] = b, b * T + q, s * rpr + S + q
+                query_token[b * T + q] = i
+                i += 1
+            for q in range(T - n):                  # the row's older tokens among its T newest
+                position = c + n - T + q
+                if position >= 0:
+                    for layer in range(self.info.layers):
+                        entry = self.engine.read_entries(s, layer, position, torch.empty((1, ENTRY_BYTES),
+                                                                                         dtype=torch.uint8))
+                        self.latent[layer].view(-1, ENTRY_BYTES)[s * rpr + S + q].copy_(entry[0])
         state_rows = torch.full((self.max_num_reqs,), -1, dtype=torch.int32)
         state_rows[: len(request_ids)] = torch.tensor(states[: len(request_ids)], dtype=torch.int32)
-        self.rows.copy_(rows)
-        self.lengths.copy_(lengths)
-        self.slot_mapping.copy_(slots)
-        self.request_state_indices.copy_(state_rows)
-        self.batch = B
-        self.pending = B
-
-    def check_forward(self, num_decodes: int, num_decode_tokens: int):
-        """The forward's attention metadata (num_decodes, num_decode_tokens) against the rows start_step staged:
-        vLLM must call swap_in with exactly ESS's decode rows, T tokens each."""
-        T = self.info.query_tokens
-        if self.batch and (num_decodes != self.batch or num_decode_tokens != self.batch * T):
-            raise InvalidArgument(f"this forward has {num_decodes} decode rows of {num_decode_tokens} tokens; ESS "
-                                  f"staged {self.batch} rows of T = {T} tokens (a decode row with another count of "
-                                  "tokens is not served)")
+        for staged, value in ((self.rows, rows), (self.lengths, lengths), (self.token_row, token_row),
+                              (self.token_flat, token_flat), (self.slot_mapping, token_slot),
+                              (self.query_token, query_token), (self.request_state_indices, state_rows)):
+            staged.copy_(value)
+        self.batch = len(positions)
+        self.pending = len(positions)
 
     def flush(self):
         """Writes the last step's newest entries back to ESS's host pool (every layer); a reader rank of a shared
@@ -394,8 +421,8 @@ class HiSparseRuntime:
         if logical_topk_indices.dim() != 2 or logical_topk_indices.shape[1] != K:
             raise InvalidArgument(f"swap_in (layer {self.layer}): logical_topk_indices has shape "
                                   f"{tuple(logical_topk_indices.shape)}; [n, K = {K}] expected")
-        if n > d.max_swap_rows or n > req_id_per_token.shape[0]:
-            raise InvalidArgument(f"swap_in (layer {self.layer}): {n} token rows; at most max_swap_rows = "
+        if not 1 <= n <= min(d.max_swap_rows, req_id_per_token.shape[0]):
+            raise InvalidArgument(f"swap_in (layer {self.layer}): {n} token rows; from 1 to max_swap_rows = "
                                   f"{d.max_swap_rows} and req_id_per_token's {req_id_per_token.shape[0]}")
         if block_size != KERNEL_BLOCK:
             raise InvalidArgument(f"swap_in (layer {self.layer}): block_size = {block_size}; ESS's attention cache "
@@ -408,26 +435,27 @@ class HiSparseRuntime:
         if self.layers_served:
             raise InvalidArgument(f"swap_in (layer {self.layer}): called twice in one forward (begin_forward "
                                   "starts one)")
-        B = min(d.max_num_reqs, -(-n // T))
-        # Token i is query i % T of batch row i // T (decode rows first, T tokens each: start_step checked it on
-        # the host); a token whose req_id_per_token says otherwise, or at or past num_valid_rows (graph padding),
-        # is padding.
+        B = d.max_num_reqs   # every staged row (start_step's maps say which tokens fill which): a fixed shape
+        # Token i is valid when start_step staged it for batch row req_id_per_token[i] and it is before
+        # num_valid_rows (the rest is CUDA-graph padding).
         i = d.token_index[:n]
-        valid = (i < num_valid_rows.reshape(-1)[:1].to(torch.int64)) & \
-            (req_id_per_token[:n].to(torch.int64) == torch.div(i, T, rounding_mode="floor"))
-        # The newest entries into the reserved rows (padding: into the scratch row).
+        row = d.token_row[:n]
+        valid = (i < num_valid_rows.reshape(-1)[:1].to(torch.int64)) & (row >= 0) & \
+            (req_id_per_token[:n].to(torch.int64) == row)
+        # The newest entries the model just wrote into the reserved rows (padding: into the scratch row).
         src_rows = resident.slot_mapping[:n].to(torch.int64)
         use = valid & (src_rows >= 0)
         src_flat = resident.view.cache.reshape(-1, ENTRY_BYTES)
         dst = torch.where(use, d.slot_mapping[:n], torch.full_like(i, d.scratch_row))
         self._flat.index_copy_(0, dst, src_flat.index_select(0, torch.where(use, src_rows, torch.zeros_like(i))))
-        # The step's top-k, staged [B, T, K].
-        staged = d.topk[:B].view(B * T, K)
-        staged[n:].fill_(-1)
-        staged[:n].copy_(torch.where(valid.unsqueeze(1), logical_topk_indices.to(torch.int32),
-                                     torch.full((n, K), -1, dtype=torch.int32, device=staged.device)))
+        # The step's queries, staged [B, T, K]: staged query j is token query_token[j] (-1: padding).
+        source = d.query_token
+        at = source.clamp(0, n - 1)
+        take = (source >= 0) & (source < n) & valid.index_select(0, at)
+        picked = logical_topk_indices.to(torch.int32).index_select(0, at)
+        d.topk.view(B * T, K).copy_(torch.where(take.unsqueeze(1), picked, torch.full_like(picked, -1)))
         d.step_binding.step(self.layer, B)
-        physical = d.physical[:B].view(B * T, K)[:n]
+        physical = d.physical.view(B * T, K).index_select(0, d.token_flat[:n])
         physical = torch.where(valid.unsqueeze(1), physical, torch.full_like(physical, -1))
         self.layers_served += 1
         self.steps_served += 1
