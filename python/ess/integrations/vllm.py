@@ -245,6 +245,8 @@ class EssDecode:
         token_flat = torch.zeros((self.max_swap_rows,), dtype=torch.int64)
         token_slot = torch.full((self.max_swap_rows,), self.scratch_row, dtype=torch.int64)
         query_token = torch.full((self.max_swap_rows,), -1, dtype=torch.int64)
+        if any(n < T for *_, n in positions):
+            self.synchronize()   # the write-back just issued holds some of the older tokens read below
         i = 0
         for b, _, s, c, n in positions:
             rows[b], lengths[b] = s, c + n
