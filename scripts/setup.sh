@@ -20,7 +20,7 @@ PACKAGES=(
   libdlpack-dev                       # DLPack: the C ABI's tensor type (libess.so, the Python package)
   python3-pytest python3-setuptools python3-pip  # the Python package's tests; pip install ./python
   python3-torch                       # CPU torch: the SGLang adapter's replay of SGLang's decode loop
-  unzip                               # scripts/upstream.sh unpacks the pinned SGLang wheel's sources
+  unzip                               # scripts/upstream.sh unpacks the pinned SGLang and vLLM wheels' sources
 )
 
 missing=()

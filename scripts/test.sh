@@ -6,13 +6,13 @@
 # package installed with pip and run on the installed libess), the GPU
 # bring-up kit (device bundle, its fallback configure check, a dry run of the GPU
 # validation, and that dry run again where cuBLAS is hidden) and a short libFuzzer run of the trace reader. The pinned SGLang release is downloaded
-# first (scripts/upstream.sh): the SGLang adapter is tested against its source.
+# first (scripts/upstream.sh): the SGLang and vLLM adapters are tested against their sources.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 JOBS=${JOBS:-$(nproc)}
 
 bash scripts/setup.sh
-bash scripts/upstream.sh   # the pinned SGLang release's sources, for the adapter's conformance test
+bash scripts/upstream.sh   # the pinned SGLang and vLLM releases' sources, for the adapters' tests
 
 echo "== release build =="
 cmake --preset release >/dev/null

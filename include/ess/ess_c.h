@@ -99,6 +99,17 @@ typedef struct ess_config {
    * on the backend's device. NULL: ESS allocates them (ess_engine_layer_data). */
   const DLTensor* const* latent;
   int32_t latent_count;
+  /* The Total Memory Pool's memory, the caller's: host_memory_bytes bytes at host_memory, 4 KiB-
+   * aligned, at least the pool's capacity (host_bytes rounded down to whole pages of every layer),
+   * valid while the engine lives; NULL (and 0): ESS allocates it. Engines in several processes may
+   * map one region: with the same configuration and the same sequence of request calls they give
+   * each request the same pages, so one process can write a request's entries and every one read
+   * them (each still zeroes the pages it hands out: order those calls before the writer's writes).
+   * host_memory_pinned: 1 when the caller registered the region as pinned, mapped memory (the CUDA
+   * backend reads the pool zero-copy and refuses other memory). */
+  void* host_memory;
+  uint64_t host_memory_bytes;
+  int32_t host_memory_pinned;
 } ess_config;
 
 ESS_API void ess_config_init(ess_config* config);

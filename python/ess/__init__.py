@@ -1,7 +1,7 @@
 """ESS: DeepSeek-V3.2-style sparse attention with the latent cache offloaded to pinned host memory.
 
 The per-layer step of a serving engine (`Engine`, `StepBinding`), the capacity planner
-(`plan`), and adapters shaped like SGLang's and vLLM's HiSparse (`ess.integrations`), on the
+(`plan`), and adapters for SGLang's and vLLM's HiSparse (`ess.integrations`), on the
 C ABI of libess (include/ess/ess_c.h). Tensors are anything with __dlpack__ (numpy, torch,
 CuPy); they are checked once when bound."""
 from __future__ import annotations

@@ -31,6 +31,9 @@ class Config(ctypes.Structure):
         ("host_bytes", ctypes.c_uint64),
         ("latent", ctypes.POINTER(ctypes.c_void_p)),
         ("latent_count", ctypes.c_int32),
+        ("host_memory", ctypes.c_void_p),
+        ("host_memory_bytes", ctypes.c_uint64),
+        ("host_memory_pinned", ctypes.c_int32),
     ]
 
 

@@ -90,10 +90,13 @@ class Engine:
     model: None (the shipped DeepSeek-V3.2-Exp), a config.json path, or its fields as a dict.
     slots or ratio: the LRU slots per request-layer (ratio x max_context, rounded up).
     latent: the engine's own layer buffers (one tensor per layer, [rows, E] or [blocks,
-    block_rows, E]); None: ESS allocates them. Every value is checked; a refused one raises
-    InvalidArgument naming it (InvalidType, also a TypeError, for a wrong type: a float, bool or
-    string where an integer is meant, anything but a bool for reserve_newest), and nothing is
-    created. A refused call on an engine changes nothing.
+    block_rows, E]); None: ESS allocates them. host_memory: the host pool's memory, a writable
+    buffer of the caller's (an mmap of a shared-memory region several processes' engines map:
+    ess_c.h's ess_config.host_memory says how they share it), kept alive with the engine;
+    host_memory_pinned: the caller registered it as pinned, mapped memory. Every value is checked;
+    a refused one raises InvalidArgument naming it (InvalidType, also a TypeError, for a wrong
+    type: a float, bool or string where an integer is meant, anything but a bool for
+    reserve_newest), and nothing is created. A refused call on an engine changes nothing.
 
     Threads: an engine and its bindings may be called from several threads. Each call holds
     the engine's lock (one threading.RLock, shared with its bindings), so calls run one at a
@@ -104,7 +107,7 @@ class Engine:
                  model: Union[None, str, PathLike, Mapping] = None, layers: int = 0, query_tokens: int = 1,
                  topk: int = 0, reserve_newest: bool = False, warmup_windows: int = 32, policy: str = "lru",
                  backend: str = "cpu", device: int = 0, copy_blocks: int = 0, host_bytes: int = 0,
-                 latent: Optional[Sequence] = None):
+                 latent: Optional[Sequence] = None, host_memory=None, host_memory_pinned: bool = False):
         self._handle = None
         self._lock = threading.RLock()
         _args.choice("backend", backend, _BACKENDS)
@@ -140,6 +143,20 @@ class Engine:
             c.latent = ctypes.cast(array, ctypes.POINTER(ctypes.c_void_p))
             c.latent_count = len(exported)
             self._latent = (exported, array)
+        self._host_memory = None
+        pinned = _args.flag("host_memory_pinned", host_memory_pinned)
+        if host_memory is not None:
+            try:
+                view = memoryview(host_memory).cast("B")
+            except TypeError:
+                raise InvalidType(f"host_memory: {type(host_memory).__name__} is not a buffer (an mmap or "
+                                  "bytearray is expected)") from None
+            if view.readonly:
+                raise InvalidArgument("host_memory: a read-only buffer (the pool is written)")
+            c.host_memory = ctypes.addressof(ctypes.c_char.from_buffer(view))
+            c.host_memory_bytes = view.nbytes
+            c.host_memory_pinned = 1 if pinned else 0
+            self._host_memory = view
         handle = ctypes.c_void_p()
         check(lib.ess_engine_create(ctypes.byref(c), ctypes.byref(handle)))
         self._handle = handle.value
@@ -160,7 +177,10 @@ class Engine:
             for b in list(self._bindings):
                 b._handle = None
             handle, self._handle = self._handle, None
-            check(lib.ess_engine_destroy(handle))
+            try:
+                check(lib.ess_engine_destroy(handle))
+            finally:
+                self._host_memory = None  # the engine that used it is gone
 
     def __enter__(self):
         return self

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "ess/cache/host_memory.h"
 #include "ess/core/error.h"
 #include "ess/ess_c.h"
 #include "ess/runtime/offload.h"
@@ -91,6 +92,7 @@ inline Placement placement_of(const OffloadConfig& c) { return {c.backend, c.dev
 // engine's lock for its duration, so a destroy from another thread waits for the call to end.
 struct EngineObject {
   std::mutex mutex;                   // one call at a time on the engine and its bindings
+  std::unique_ptr<HostAllocator> host_memory;  // the caller's region (ess_config.host_memory); outlives offload
   std::unique_ptr<Offload> offload;   // null once destroyed
   std::set<std::uint64_t> bindings;   // the handles of its bindings (destroyed with it)
 };
@@ -125,7 +127,7 @@ EngineCall engine_call(const ess_engine* handle);
 BindingCall<StepObject> step_call(const ess_step_binding* handle);
 BindingCall<WriteBackObject> write_back_call(const ess_write_back_binding* handle);
 // New handles for new objects (a binding is registered with its engine, whose lock the caller holds).
-ess_engine* add_engine(std::unique_ptr<Offload> offload);
+ess_engine* add_engine(std::unique_ptr<HostAllocator> host_memory, std::unique_ptr<Offload> offload);
 ess_step_binding* add_step(EngineCall& call, std::shared_ptr<StepObject> binding);
 ess_write_back_binding* add_write_back(EngineCall& call, std::shared_ptr<WriteBackObject> binding);
 // Destroys: NULL is a no-op; a handle that is not live is refused (a second destroy included).

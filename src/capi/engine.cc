@@ -135,6 +135,44 @@ void ess_config_init(ess_config* c) {
   c->backend = ESS_BACKEND_CPU;
 }
 
+namespace {
+
+// The caller's region as the Total Memory Pool's one allocation (ess_config.host_memory).
+class CallerHostMemory final : public ess::HostAllocator {
+ public:
+  CallerHostMemory(void* data, std::uint64_t bytes, bool pinned)
+      : data_(static_cast<std::uint8_t*>(data)), bytes_(bytes), pinned_(pinned) {}
+  ess::HostBlock allocate(std::size_t bytes, ess::HostMemoryKind) override {
+    if (given_ || bytes > bytes_) return {};
+    given_ = true;
+    return {data_, bytes, pinned_ ? ess::HostMemoryKind::kPinned : ess::HostMemoryKind::kAligned};
+  }
+  void deallocate(const ess::HostBlock&) noexcept override { given_ = false; }
+
+ private:
+  std::uint8_t* data_;
+  std::uint64_t bytes_;
+  bool pinned_;
+  bool given_ = false;
+};
+
+std::unique_ptr<ess::HostAllocator> caller_host_memory(const ess_config& c) {
+  if (c.host_memory == nullptr) {
+    ESS_CHECK(c.host_memory_bytes == 0 && c.host_memory_pinned == 0,
+              "config: host_memory is NULL but host_memory_bytes = {}, host_memory_pinned = {}", c.host_memory_bytes,
+              c.host_memory_pinned);
+    return nullptr;
+  }
+  const auto address = reinterpret_cast<std::uintptr_t>(c.host_memory);
+  ESS_CHECK(address % 4096 == 0, "config: host_memory = {:#x} is not 4 KiB-aligned", address);
+  ESS_CHECK(c.host_memory_bytes >= 4096, "config: host_memory_bytes = {} is less than 4 KiB", c.host_memory_bytes);
+  ESS_CHECK(c.host_memory_pinned == 0 || c.host_memory_pinned == 1, "config: host_memory_pinned = {} is not 0 or 1",
+            c.host_memory_pinned);
+  return std::make_unique<CallerHostMemory>(c.host_memory, c.host_memory_bytes, c.host_memory_pinned == 1);
+}
+
+}  // namespace
+
 ess_status ess_engine_create(const ess_config* config, ess_engine** out) {
   if (out != nullptr) *out = nullptr;
   return guard("ess_engine_create", [&] {
@@ -161,7 +199,10 @@ ess_status ess_engine_create(const ess_config* config, ess_engine** out) {
         buffer.layer_base.push_back(t.base);
       }
     }
-    *out = ess::capi::add_engine(std::make_unique<ess::Offload>(oc, std::move(buffer)));
+    auto host_memory = caller_host_memory(*config);
+    auto offload = host_memory ? std::make_unique<ess::Offload>(oc, std::move(buffer), *host_memory)
+                               : std::make_unique<ess::Offload>(oc, std::move(buffer));
+    *out = ess::capi::add_engine(std::move(host_memory), std::move(offload));
   });
 }
 

@@ -121,8 +121,9 @@ BindingCall<WriteBackObject> write_back_call(const ess_write_back_binding* handl
   return binding_call<WriteBackObject>(handle, kWriteBack);
 }
 
-ess_engine* add_engine(std::unique_ptr<Offload> offload) {
+ess_engine* add_engine(std::unique_ptr<HostAllocator> host_memory, std::unique_ptr<Offload> offload) {
   auto object = std::make_shared<EngineObject>();
+  object->host_memory = std::move(host_memory);
   object->offload = std::move(offload);
   return handle_of<ess_engine>(table().add(kEngine, std::move(object)));
 }
@@ -143,6 +144,7 @@ void destroy_engine(ess_engine* handle) {
   if (handle == nullptr) return;
   auto object = std::static_pointer_cast<EngineObject>(table().find(value_of(handle), kEngine));
   if (object == nullptr) not_live(kEngine, handle);
+  std::unique_ptr<HostAllocator> host_memory;  // declared first: it outlives the offload
   std::unique_ptr<Offload> offload;
   {
     const std::lock_guard<std::mutex> g(object->mutex);  // a call in flight on another thread ends first
@@ -150,8 +152,9 @@ void destroy_engine(ess_engine* handle) {
     table().remove(value_of(handle), kEngine, &object->bindings);
     object->bindings.clear();
     offload = std::move(object->offload);
+    host_memory = std::move(object->host_memory);
   }
-  // `offload` goes here, outside the lock; calls that waited for the lock now find the engine gone.
+  // Both go here, outside the lock; calls that waited for the lock now find the engine gone.
 }
 
 void destroy_step(ess_step_binding* handle) { destroy_binding<StepObject>(handle, kStep); }

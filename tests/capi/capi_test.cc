@@ -302,3 +302,65 @@ TEST(CApi, PlanIsEssPlan) {
 }
 
 }  // namespace
+
+namespace {
+
+// A 4 KiB-aligned region of `bytes` inside `storage`.
+std::uint8_t* aligned_region(std::vector<std::uint8_t>& storage) {
+  auto* p = storage.data();
+  return p + (4096 - reinterpret_cast<std::uintptr_t>(p) % 4096) % 4096;
+}
+
+}  // namespace
+
+TEST(CApi, TheHostPoolInTheCallersMemory) {
+  const std::size_t bytes = 2u << 20;
+  std::vector<std::uint8_t> storage(bytes + 4096, 0xAB);
+  std::uint8_t* region = aligned_region(storage);
+  ess_config c = small_config();
+  c.host_bytes = bytes;
+  c.host_memory = region;
+  c.host_memory_bytes = bytes;
+  ess_engine* e = nullptr;
+  ASSERT_EQ(ess_engine_create(&c, &e), ESS_OK) << last();
+  void* layer1 = nullptr;
+  ASSERT_EQ(ess_engine_host_layer(e, 1, &layer1), ESS_OK) << last();
+  EXPECT_GE(static_cast<std::uint8_t*>(layer1), region);
+  EXPECT_LT(static_cast<std::uint8_t*>(layer1), region + bytes);
+  // A second engine on the same region, with the same calls, gives the request the same pages, so what one
+  // writes the other reads.
+  ess_engine* reader = nullptr;
+  ASSERT_EQ(ess_engine_create(&c, &reader), ESS_OK) << last();
+  int32_t row = -1;
+  ASSERT_EQ(ess_request_admit(e, 7, 100, -1, &row), ESS_OK) << last();
+  ASSERT_EQ(ess_request_admit(reader, 7, 100, -1, &row), ESS_OK) << last();
+  std::vector<std::uint8_t> entries(100 * kEntry);
+  for (std::size_t i = 0; i < entries.size(); ++i) entries[i] = static_cast<std::uint8_t>(i * 7 + 3);
+  std::vector<std::int64_t> shape = {100, kEntry};
+  DLTensor in = tensor(entries.data(), shape, kDLUInt, 8);
+  ASSERT_EQ(ess_request_write_entries(e, 7, 1, 0, &in), ESS_OK) << last();
+  std::vector<std::uint8_t> back(entries.size());
+  DLTensor out = tensor(back.data(), shape, kDLUInt, 8);
+  ASSERT_EQ(ess_request_read_entries(reader, 7, 1, 0, &out), ESS_OK) << last();
+  EXPECT_EQ(back, entries);
+  ess_engine_destroy(reader);
+  ess_engine_destroy(e);
+  // Refused by name, nothing created: a misaligned or short region, a flag that is not 0 or 1, sizes without one.
+  ess_config bad = c;
+  bad.host_memory = region + 8;
+  EXPECT_EQ(ess_engine_create(&bad, &e), ESS_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(last().find("is not 4 KiB-aligned"), std::string::npos) << last();
+  bad = c;
+  bad.host_memory_bytes = 4096;
+  EXPECT_NE(ess_engine_create(&bad, &e), ESS_OK);
+  EXPECT_NE(last().find("host"), std::string::npos) << last();
+  bad = c;
+  bad.host_memory_pinned = 2;
+  EXPECT_EQ(ess_engine_create(&bad, &e), ESS_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(last().find("host_memory_pinned = 2"), std::string::npos) << last();
+  bad = small_config();
+  bad.host_memory_bytes = bytes;
+  EXPECT_EQ(ess_engine_create(&bad, &e), ESS_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(last().find("host_memory is NULL"), std::string::npos) << last();
+  EXPECT_EQ(e, nullptr);
+}

@@ -1,0 +1,245 @@
+"""ess.integrations.vllm / vllm_connector against the pinned vLLM release's own source (0.33.0, from
+scripts/upstream.sh under build/upstream; its absence fails):
+
+- every attribute read, assignment and method call vLLM makes on a HiSparse cache handle's runtime, found by an
+  AST scan (vllm_callsites.py), binds to ESS's HiSparseRuntime (name, positional and keyword arguments, members
+  read on the attribute), unless it runs before the connector puts ESS's runtimes on the handles;
+- swap_in and begin_forward have upstream's parameters;
+- the connector overrides only methods upstream's classes define, with their parameters (its own are named
+  _ess_*), reads only what the release defines, and vLLM's configuration loads it by module path under upstream's name."""
+import ast
+import inspect
+import os
+import tempfile
+
+import pytest
+
+import vllm_callsites
+from ess.integrations import vllm as adapter
+
+SOURCE = vllm_callsites.default_source()
+CONNECTOR = os.path.join(os.path.dirname(adapter.__file__), "vllm_connector.py")
+
+# Call sites that never see ESS's runtime, and why.
+BEFORE = "vLLM binds its KV caches (v1/hisparse/binding.py init_hisparse_kv_cache) before the connector exists"
+INSIDE = ("upstream's HiSparseConnectorWorker.register_kv_caches, which EssConnectorWorker.register_kv_caches runs "
+          "before it puts ESS's runtimes on the handles")
+EXCLUDED = {
+    ("v1/hisparse/binding.py", "release_hisparse_profiling_cache"): BEFORE,
+    ("v1/hisparse/binding.py", "bind_hisparse_kv_caches"): BEFORE,
+    ("v1/hisparse/runtime.py", "initialize_hisparse_runtime_buffers"): BEFORE,
+    ("distributed/kv_transfer/kv_connector/v1/hisparse/worker.py", "register_kv_caches"): INSIDE,
+    ("distributed/kv_transfer/kv_connector/v1/hisparse/worker.py", "initialize"): INSIDE,
+    ("distributed/kv_transfer/kv_connector/v1/hisparse/worker.py", "_init_dma"): INSIDE,
+    ("distributed/kv_transfer/kv_connector/v1/hisparse/worker.py", "shutdown"):
+        "EssConnectorWorker.shutdown gives the handles upstream's runtimes back first",
+}
+
+
+def path(rel):
+    return os.path.join(SOURCE, *rel.split("/"))
+
+
+@pytest.fixture(scope="module")
+def uses():
+    if not os.path.isdir(SOURCE):
+        pytest.fail(f"the pinned vLLM sources are not at {SOURCE}: run scripts/upstream.sh")
+    found = vllm_callsites.scan(SOURCE)
+    assert len(found) >= 20, "the scan found almost nothing: the release's layout changed"
+    return found
+
+
+def binds(fn, positional, keywords):
+    try:
+        inspect.signature(fn).bind(object(), *([None] * positional), **{k: None for k in keywords})
+        return True
+    except TypeError:
+        return False
+
+
+def key(u):
+    return (u.path.replace(os.sep, "/"), u.function)
+
+
+def test_every_use_binds_or_runs_before_ess(uses):
+    cls = adapter.HiSparseRuntime
+    missing = []
+    for u in uses:
+        if key(u) in EXCLUDED:
+            continue
+        member = getattr(cls, u.name, None)
+        if u.name == "<passed>":
+            ok = False
+        elif u.store:
+            ok = isinstance(member, property) and member.fset is not None
+        elif u.call:
+            ok = callable(member) and not u.starred and binds(member, u.positional, u.keywords)
+        else:
+            ok = member is not None
+        if ok and u.members:
+            fields = adapter.HotView._fields if u.name == "hot" else ()
+            ok = all(m in fields for m in u.members)
+        if not ok:
+            missing.append(f"{u.where()}: {'call' if u.call else 'store' if u.store else 'read'} {u.name}"
+                           + (f"({u.positional} positional, {u.keywords})" if u.call else "")
+                           + (f" .{'.'.join(u.members)}" if u.members else ""))
+    assert not missing, "vLLM uses what ESS's runtime lacks:\n" + "\n".join(missing)
+
+
+def test_the_excluded_table_names_real_call_sites(uses):
+    """A stale entry would hide a new call site."""
+    found = {key(u) for u in uses}
+    stale = sorted(k for k in EXCLUDED if k not in found)
+    assert not stale, f"EXCLUDED names call sites the release no longer has: {stale}"
+
+
+def upstream_def(rel, cls, name):
+    tree = ast.parse(open(path(rel), encoding="utf-8").read())
+    klass = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls), None)
+    assert klass is not None, f"{rel} no longer defines {cls}"
+    return next((n for n in klass.body if isinstance(n, ast.FunctionDef) and n.name == name), None)
+
+
+def parameters(fn: ast.FunctionDef):
+    a = fn.args
+    return ([x.arg for x in a.posonlyargs + a.args], [x.arg for x in a.kwonlyargs], a.vararg is not None,
+            a.kwarg is not None)
+
+
+def test_swap_in_and_begin_forward_have_upstreams_parameters():
+    runtime = "v1/hisparse/runtime.py"
+    for name in ("swap_in", "begin_forward"):
+        theirs = parameters(upstream_def(runtime, "HiSparseRuntime", name))
+        ours = parameters(ast.parse(inspect.getsource(getattr(adapter.HiSparseRuntime, name)).strip()).body[0])
+        assert (ours[0], sorted(ours[1]), ours[2], ours[3]) == (theirs[0], sorted(theirs[1]), theirs[2], theirs[3]), \
+            f"{name}: ours {ours}, upstream's {theirs}"
+
+
+CONNECTOR_BASES = {
+    "EssConnectorWorker": ("distributed/kv_transfer/kv_connector/v1/hisparse/worker.py", "HiSparseConnectorWorker"),
+    "HiSparseConnector": ("distributed/kv_transfer/kv_connector/v1/hisparse/connector.py", "HiSparseConnector"),
+}
+
+
+def test_the_connector_overrides_only_what_upstream_defines():
+    tree = ast.parse(open(CONNECTOR, encoding="utf-8").read())
+    classes = [n for n in tree.body if isinstance(n, ast.ClassDef)]
+    assert sorted(c.name for c in classes) == sorted(CONNECTOR_BASES)
+    for c in classes:
+        rel, base = CONNECTOR_BASES[c.name]
+        assert ast.unparse(c.bases[0]).split(".")[-1] == base
+        for fn in (n for n in c.body if isinstance(n, ast.FunctionDef)):
+            theirs = upstream_def(rel, base, fn.name)
+            if fn.name.startswith("_ess_"):   # ours alone, under a prefix no upstream name has
+                assert theirs is None, f"{c.name}.{fn.name} shadows upstream's"
+                continue
+            assert theirs is not None, f"{c.name}.{fn.name}: upstream's {base} has no such method"
+            assert parameters(fn) == parameters(theirs), \
+                f"{c.name}.{fn.name}{parameters(fn)} vs upstream's {parameters(theirs)}"
+
+
+def assigned_on_self(rel, cls):
+    tree = ast.parse(open(path(rel), encoding="utf-8").read())
+    klass = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
+    names = {n.target.id for n in klass.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+    names |= {n.name for n in klass.body if isinstance(n, ast.FunctionDef)}
+    for n in ast.walk(klass):
+        targets = n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(n, ast.AnnAssign) else []
+        names |= {t.attr for t in targets if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
+                  and t.value.id == "self"}
+    return names
+
+
+# What vllm_connector.py (and scheduled_from_output) read on vLLM's objects: each must be in the release.
+READ = [
+    ("distributed/kv_transfer/kv_connector/v1/hisparse/worker.py", "HiSparseConnectorWorker",
+     {"vllm_config", "cache_handles", "host_caches", "kernel_block_size", "_group_leaders", "register_kv_caches",
+      "shutdown"}),
+    ("v1/hisparse/runtime.py", "HiSparseCacheHandle", {"runtime", "draft_layer", "source_block_table"}),
+    ("v1/hisparse/runtime.py", "HiSparseRuntime", {"region_stride", "device", "index_group"}),
+    ("v1/hisparse/runtime.py", "HiSparseIndexGroup", {"shared_topk"}),
+    ("v1/hisparse/runtime.py", "_SharedTopKState", {"device_topk_rows"}),
+    ("distributed/kv_transfer/kv_connector/v1/hisparse/connector.py", "HiSparseConnector",
+     {"connector_worker", "start_load_kv"}),
+    ("distributed/kv_transfer/kv_connector/v1/base.py", "KVConnectorBase_V1", {"_get_connector_metadata"}),
+    ("distributed/kv_transfer/kv_connector/v1/hisparse/connector.py", "HiSparseConnectorMetadata",
+     {"all_context_pages_resident"}),
+    ("v1/core/sched/output.py", "SchedulerOutput",
+     {"scheduled_new_reqs", "scheduled_cached_reqs", "num_scheduled_tokens", "finished_req_ids",
+      "preempted_req_ids"}),
+    ("v1/core/sched/output.py", "NewRequestData", {"req_id", "num_computed_tokens"}),
+    ("v1/core/sched/output.py", "CachedRequestData", {"req_ids", "num_computed_tokens"}),
+    ("config/attention.py", "HiSparseConfig", {"eager_host_mirror"}),
+    ("config/attention.py", "AttentionConfig", {"hisparse_config"}),
+    ("config/kv_transfer.py", "KVTransferConfig", {"kv_connector_extra_config", "kv_connector_module_path"}),
+    ("config/vllm.py", "VllmConfig", {"instance_id", "kv_transfer_config", "attention_config", "scheduler_config",
+                                      "model_config", "parallel_config"}),
+    ("config/parallel.py", "ParallelConfig", {"data_parallel_index"}),
+    ("config/scheduler.py", "SchedulerConfig", {"max_num_seqs"}),
+]
+
+
+@pytest.mark.parametrize("rel,cls,names", READ, ids=[r[1] for r in READ])
+def test_what_the_connector_reads_is_in_the_release(rel, cls, names):
+    missing = names - assigned_on_self(rel, cls)
+    assert not missing, f"{rel} {cls} has none of {sorted(missing)}"
+
+
+def test_the_connectors_imports_are_in_the_release():
+    """Every `from vllm.X import name` of vllm_connector.py names a module of the release that defines it."""
+    tree = ast.parse(open(CONNECTOR, encoding="utf-8").read())
+    imports = [n for n in tree.body if isinstance(n, ast.ImportFrom) and n.level == 0 and
+               (n.module or "").startswith("vllm.")]
+    assert len(imports) >= 5
+    for node in imports:
+        rel = node.module.split(".", 1)[1].replace(".", "/")
+        module = path(rel + ".py") if os.path.exists(path(rel + ".py")) else path(rel + "/__init__.py")
+        assert os.path.exists(module), f"vllm.{rel} is not in the release"
+        if os.path.isdir(path(rel)) and not module.endswith("__init__.py"):
+            continue
+        top = ast.parse(open(module, encoding="utf-8").read()).body
+        defined = {n.name for n in top if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+        defined |= {t.id for n in top if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+        defined |= {a.asname or a.name for n in top if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+        for alias in node.names:
+            sub = os.path.exists(path(f"{rel}/{alias.name}.py")) or os.path.isdir(path(f"{rel}/{alias.name}"))
+            assert alias.name in defined or sub, f"vllm.{node.module.split('.', 1)[1]} has no {alias.name}"
+
+
+def test_start_load_kv_gets_what_the_connector_reads():
+    """v1/worker/gpu/kv_connector.py ActiveKVConnector._build_load_kwargs passes the keys start_load_kv reads, and
+    upstream's start_load_kv takes them as **kwargs."""
+    fn = upstream_def("v1/worker/gpu/kv_connector.py", "ActiveKVConnector", "_build_load_kwargs")
+    keys = {k.arg for n in ast.walk(fn) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "dict"
+            for k in n.keywords}
+    keys |= {n.slice.value for n in ast.walk(fn) if isinstance(n, ast.Subscript) and isinstance(n.slice, ast.Constant)}
+    assert {"scheduler_output", "request_state_indices", "request_ids", "attn_metadata"} <= keys, keys
+    assert parameters(upstream_def("distributed/kv_transfer/kv_connector/v1/hisparse/connector.py",
+                                   "HiSparseConnector", "start_load_kv"))[3]
+
+
+def test_vllm_loads_the_connector_by_module_path_under_upstreams_name():
+    """factory.py get_connector_class imports kv_connector_module_path and takes the class named kv_connector;
+    config/vllm.py infers hisparse_config from has_connector("HiSparseConnector") and config/kv_transfer.py reads
+    host_pool_gib for that name: ours keeps it."""
+    factory = open(path("distributed/kv_transfer/kv_connector/factory.py"), encoding="utf-8").read()
+    assert "importlib.import_module(connector_module_path)" in factory
+    assert "getattr(connector_module, connector_name)" in factory
+    assert 'has_connector("HiSparseConnector")' in open(path("config/vllm.py"), encoding="utf-8").read()
+    assert '== "HiSparseConnector"' in open(path("config/kv_transfer.py"), encoding="utf-8").read()
+    tree = ast.parse(open(CONNECTOR, encoding="utf-8").read())
+    assert "HiSparseConnector" in {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
+
+
+def test_the_scan_can_fail():
+    """The scan sees a call ESS's runtime cannot bind (a made-up module in a scratch tree)."""
+    with tempfile.TemporaryDirectory() as d:
+        with open(os.path.join(d, "made_up.py"), "w") as f:
+            f.write("# hisparse\ndef f(cache, x):\n    cache.runtime.swap_in(x, block_size=64)\n"
+                    "    r = cache.runtime\n    r.not_a_member\n    cache.runtime.hot.not_a_field\n")
+        found = vllm_callsites.scan(d)
+    assert {(u.name, u.call, u.positional, tuple(u.members)) for u in found} == {
+        ("swap_in", True, 1, ()), ("not_a_member", False, 0, ()), ("hot", False, 0, ("not_a_field",))}
+    assert not binds(adapter.HiSparseRuntime.swap_in, 1, ["block_size"])
+    assert getattr(adapter.HiSparseRuntime, "not_a_member", None) is None
+    assert "not_a_field" not in adapter.HotView._fields

@@ -1,0 +1,120 @@
+"""Bad input to ESS's vLLM runtime: every refusal is an InvalidArgument naming what was wrong, raised before
+anything runs, so a refused swap_in serves no layer (the next call of the forward still runs) and changes no
+row, count or byte; start_step refuses a batch it cannot serve with ESS's state as it was."""
+import pytest
+import torch
+
+import ess
+from ess.integrations import vllm as adapter
+from test_vllm_replay import K, Replay, decode_step, prefill
+
+T = 2
+
+
+@pytest.fixture
+def staged():
+    """Two requests decoding, a step staged (start_step and begin_forward ran) and a valid swap_in call."""
+    r = Replay(T, 40, seed=21)
+    prefill(r, "a", 3, 90, 100)
+    prefill(r, "b", 1, 70, 100, others=["a"], other_states=[3])
+    batch, states = ["b", "a"], [1, 3]
+    scheduled = {rid: adapter.Scheduled(*v) for rid, v in decode_step(batch, r.world, T).items()}
+    r.decode.start_step(batch, torch.tensor(states, dtype=torch.int32), scheduled)
+    for h in r.handles:
+        h.runtime.begin_forward()
+    n = 2 * T
+    args = dict(resident=r.handles[0], req_id_per_token=torch.tensor([0, 0, 1, 1], dtype=torch.int32),
+                block_table=r.handles[0].source_block_table,
+                logical_topk_indices=torch.arange(n * K, dtype=torch.int32).reshape(n, K) % 60,
+                block_size=64, num_valid_rows=torch.tensor([n], dtype=torch.int32), return_valid_counts=True)
+    return r, r.handles[0].runtime, args
+
+
+def snapshot(r, runtime):
+    return (runtime.layers_served, runtime.steps_served, r.engine.stats(), r.decode.latent[0].clone(),
+            r.decode.physical.clone())
+
+
+def unchanged(before, after):
+    assert before[:3] == after[:3]
+    assert torch.equal(before[3], after[3]) and torch.equal(before[4], after[4])
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(attention_indices_out=torch.empty((3, K), dtype=torch.int32)), "attention_indices_out"),
+    (dict(attention_indices_out=torch.empty((4, K), dtype=torch.int64)), "attention_indices_out"),
+    (dict(valid_counts_out=torch.empty((5,), dtype=torch.int32)), "valid_counts_out"),
+    (dict(logical_topk_indices=torch.zeros((4, K + 1), dtype=torch.int32)), "logical_topk_indices"),
+    (dict(block_size=32), "block_size"),
+    (dict(logical_topk_indices=torch.zeros((4 * 100, K), dtype=torch.int32)), "max_swap_rows"),
+])
+def test_a_refused_swap_in_serves_nothing(staged, change, match):
+    r, runtime, args = staged
+    before = snapshot(r, runtime)
+    with pytest.raises(ess.InvalidArgument, match=match):
+        runtime.swap_in(**{**args, **change})
+    unchanged(before, snapshot(r, runtime))
+    physical, valid = runtime.swap_in(**args)   # the layer is still to be served this forward
+    assert runtime.layers_served == 1 and physical.shape == (4, K) and valid.dtype == torch.int32
+
+
+def test_caller_owned_outputs_are_filled_and_returned(staged):
+    r, runtime, args = staged
+    out, counts = torch.empty((4, K), dtype=torch.int32), torch.empty((4,), dtype=torch.int32)
+    physical, valid = runtime.swap_in(**args, attention_indices_out=out, valid_counts_out=counts)
+    assert physical is out and valid is counts
+    assert torch.equal(counts, (out >= 0).sum(1).to(torch.int32))
+
+
+def test_a_second_swap_in_in_one_forward_is_refused(staged):
+    r, runtime, args = staged
+    runtime.swap_in(**args)
+    before = snapshot(r, runtime)
+    with pytest.raises(ess.InvalidArgument, match="twice in one forward"):
+        runtime.swap_in(**args)
+    unchanged(before, snapshot(r, runtime))
+
+
+def test_rows_past_num_valid_rows_are_padding(staged):
+    r, runtime, args = staged
+    physical, valid = runtime.swap_in(**{**args, "num_valid_rows": torch.tensor([T], dtype=torch.int32)})
+    assert (physical[T:] == -1).all() and (valid[T:] == 0).all() and (physical[:T] >= 0).any()
+
+
+@pytest.mark.parametrize("batch,states,scheduled,match", [
+    (["b", "a"], [1, 9], None, "state index 9"),
+    (["b", "a"], [1, 1], None, "state index 1 is batch rows"),
+    (["b", "x"], [1, 3], None, "not scheduled"),
+    (["b", "a"], [1, 3], {"b": (0, 1), "a": (92, T)}, "fewer than T"),
+    (["b", "a"], [1, 3], {"b": (71, T), "a": (383, T)}, "max_context"),
+])
+def test_start_step_refuses_a_batch_and_changes_nothing(batch, states, scheduled, match):
+    r = Replay(T, 40, seed=22)
+    prefill(r, "a", 3, 90, 100)
+    prefill(r, "b", 1, 70, 100, others=["a"], other_states=[3])
+    before = (dict(r.decode.state_of), dict(r.decode.length_of), r.engine.stats(), r.decode.rows.clone())
+    scheduled = scheduled or decode_step(["a", "b"], r.world, T)
+    with pytest.raises(ess.InvalidArgument, match=match):
+        r.decode.start_step(batch, torch.tensor(states, dtype=torch.int32),
+                            {rid: adapter.Scheduled(*v) for rid, v in scheduled.items()})
+    after = (dict(r.decode.state_of), dict(r.decode.length_of), r.engine.stats(), r.decode.rows.clone())
+    assert before[:3] == after[:3] and torch.equal(before[3], after[3])
+
+
+def test_a_forward_with_other_decode_rows_is_refused():
+    """The forward's decode split (its attention metadata) must be the batch's leading rows of at most T tokens."""
+    r = Replay(T, 40, seed=23)
+    prefill(r, "a", 3, 90, 100)
+    scheduled = {"a": adapter.Scheduled(90, T)}
+    before = (dict(r.decode.length_of), r.engine.stats())
+    with pytest.raises(ess.InvalidArgument, match="the forward has 2 decode rows"):
+        r.decode.start_step(["a"], torch.tensor([3], dtype=torch.int32), scheduled, forward=(2, 2 * T))
+    assert before == (dict(r.decode.length_of), r.engine.stats())
+    r.decode.start_step(["a"], torch.tensor([3], dtype=torch.int32), scheduled, forward=(1, T))
+
+
+def test_a_speculator_layer_keeps_vllms_runtime(staged):
+    r, _, _ = staged
+    r.handles[1].draft_layer = True
+    with pytest.raises(ess.InvalidArgument, match="speculator"):
+        adapter.HiSparseRuntime(r.decode, 1, r.handles[1])

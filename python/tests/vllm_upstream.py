@@ -1,0 +1,80 @@
+"""vLLM 0.33.0's own code for the replays, without importing vLLM (its package needs CUDA builds, pydantic and a
+newer torch): the classes the attention layers call through (vllm/v1/hisparse/runtime.py PagedCacheView,
+is_hisparse_decode_batch, HiSparseCacheHandle; vllm/v1/attention/backends/mla/index_group.py
+SparseMLAIndexGroup, HiSparseMLAIndexGroup) are read from the pinned release's source (scripts/upstream.sh),
+each class's text compiled as it is, in a namespace holding only what those classes name: torch, and for the
+CUDA-only helpers they reference (streams, events, the Triton conversion of the all-resident path) stand-ins
+that refuse to run, so a replay that reaches one fails."""
+from __future__ import annotations
+
+import __future__
+import ast
+import dataclasses
+import os
+import sys
+import types
+import typing
+
+import torch
+
+RUNTIME = os.path.join("v1", "hisparse", "runtime.py")
+INDEX_GROUP = os.path.join("v1", "attention", "backends", "mla", "index_group.py")
+
+
+def default_source() -> str:
+    """The pinned release's sources (scripts/upstream.sh), or ESS_VLLM_SOURCE."""
+    env = os.environ.get("ESS_VLLM_SOURCE")
+    if env:
+        return env
+    here = os.path.dirname(os.path.abspath(__file__))
+    return os.path.join(here, "..", "..", "build", "upstream", "vllm-0.33.0", "vllm")
+
+
+def _refuse(name):
+    def refused(*args, **kwargs):
+        raise AssertionError(f"the replay reached vLLM's {name}, which needs CUDA")
+    return refused
+
+
+def _definitions(path, names):
+    source = open(path, encoding="utf-8").read()
+    tree = ast.parse(source)
+    lines = source.splitlines(keepends=True)
+    found = {}
+    for node in tree.body:
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef)) and node.name in names:
+            first = node.decorator_list[0].lineno if getattr(node, "decorator_list", None) else node.lineno
+            # Blank lines before it, so that tracebacks name the release's own line numbers.
+            found[node.name] = "\n" * (first - 1) + "".join(lines[first - 1:node.end_lineno])
+    missing = [n for n in names if n not in found]
+    assert not missing, f"{path} no longer defines {missing}: the release's layout changed"
+    return [found[n] for n in names]
+
+
+def load(source_dir: str = None):
+    """A namespace with upstream's classes and functions, compiled from the pinned source."""
+    source_dir = source_dir or default_source()
+    if not os.path.isdir(source_dir):
+        raise AssertionError(f"the pinned vLLM sources are not at {source_dir}: run scripts/upstream.sh")
+    module = types.ModuleType("vllm_upstream_replay")   # dataclasses look their module up in sys.modules
+    sys.modules[module.__name__] = module
+    ns = module.__dict__
+    ns.update({
+        "torch": torch, "Any": typing.Any, "Callable": typing.Callable,
+        "dataclass": dataclasses.dataclass, "field": dataclasses.field, "TypeAlias": typing.TypeAlias,
+        "HiSparseTopKResult": typing.Any, "VllmConfig": typing.Any,
+        # CUDA-only helpers the loaded classes name: reaching one fails the replay.
+        "current_stream": _refuse("current_stream"), "in_piecewise_cudagraph": lambda: False,
+        "get_forward_context": _refuse("get_forward_context"), "CUDAGraphMode": None,
+        "triton_convert_req_index_to_global_index": _refuse("triton_convert_req_index_to_global_index"),
+        "create_hisparse_cache_handle": _refuse("create_hisparse_cache_handle"),
+        "_create_side_stream": _refuse("_create_side_stream"), "_create_event": _refuse("_create_event"),
+        "ops": None, "FP8_DS_MLA_ROW_BYTES": 656, "HiSparsePrefillStagingPlan": typing.Any,
+    })
+    flags = __future__.annotations.compiler_flag
+    for rel, names in ((RUNTIME, ["is_hisparse_decode_batch", "PagedCacheView", "HiSparseCacheHandle"]),
+                       (INDEX_GROUP, ["SparseMLAIndexGroup", "HiSparseMLAIndexGroup"])):
+        path = os.path.join(source_dir, rel)
+        for text in _definitions(path, names):
+            exec(compile(text, path, "exec", flags=flags, dont_inherit=True), ns)
+    return ns
