@@ -24,11 +24,51 @@ for key, args in {
     "@OUT_DBA@": ["sim", "--overlap", "dba", "--batch", "128,160"],
     "@OUT_MTP1@": ["sim", "--mtp", "1", "--batch", "52,64,96,128,160"],
     "@OUT_MTP3@": ["sim", "--mtp", "3", "--accept", "2.3", "--batch", "52,64,96,128,160"],
+    "@OUT_MTP4@": ["sim", "--mtp", "4", "--accept", "2.8", "--batch", "52,64,96,128,160"],
     "@OUT_128K@": ["sim", "--context", "131072", "--batch", "13,16,24,32,48,64"],
     "@OUT_128K_NO_TBO@": ["sim", "--context", "131072", "--batch", "13,16,24,32,48,64", "--no-tbo"],
     "@OUT_PLAN@": ["plan", "--min-otps", "15", "--context", "32768,131072"],
 }.items():
     out = out.replace(key, run(*args))
+# The sparse MLA model per query token: one call over `rows` query tokens (MTP 1, whole cache,
+# no TBO; a 4K context keeps top-k 2048 and lets every batch fit), read from the timeline.
+import os, tempfile
+mla = []
+with tempfile.TemporaryDirectory() as tmp:
+    for rows in (1, 13, 26, 52, 66, 104, 160, 320):
+        tl = os.path.join(tmp, "tl.json")
+        run("sim", "--mtp", "1", "--context", "4096", "--ratio", "1", "--no-tbo", "--batch", str(rows),
+            "--timeline", tl, "--format", "csv")
+        ev = json.load(open(tl))
+        ev = ev["traceEvents"] if isinstance(ev, dict) else ev
+        us = next(e["dur"] for e in ev if e["name"].endswith(" attn.sparse_mla"))
+        flops = 2 * rows * 128 * 2048 * (576 + 512)
+        mla.append(f"  | {rows} | {us / rows:.2f} | {flops / us / 1e6:.0f} |")
+out = out.replace("@MLA_TABLE@", "\n".join(mla))
+# This model beside the previous one (docs/simulator_previous_model.csv) outside the five rows.
+prev = {}
+for line in open(os.path.join(os.path.dirname(sys.argv[2]), "simulator_previous_model.csv")):
+    if line.startswith("#") or line.startswith("config,"):
+        continue
+    c, b, step, tput, otps = line.strip().split(",")
+    prev[(c, int(b))] = (float(step), float(tput))
+configs = [("mtp1", "MTP 1", ["--mtp", "1"], [52, 64, 96, 128, 160]),
+           ("mtp3", "MTP 3", ["--mtp", "3", "--accept", "2.3"], [52, 64, 96, 128, 160]),
+           ("mtp4", "MTP 4", ["--mtp", "4", "--accept", "2.8"], [52, 64, 96, 128, 160]),
+           ("128k", "128K", ["--context", "131072"], [13, 16, 24, 32, 48, 64]),
+           ("128k-no-tbo", "128K, TBO off", ["--context", "131072", "--no-tbo"], [13, 16, 24, 32, 48, 64])]
+table = ["| configuration | batch | step ms (previous) | step ms (now) | tok/s/node (previous) | tok/s/node (now) | change |",
+         "|---|---:|---:|---:|---:|---:|---:|"]
+for key, label, args, batches in configs:
+    now = {r["batch"]: r for r in json.loads(run("sim", *args, "--batch", ",".join(map(str, batches)), "--format", "json"))["rows"]}
+    for b in batches:
+        r = now[b]
+        p = prev.get((key, b))
+        old_step = f"{p[0]:.2f}" if p else "—"
+        old_tput = f"{p[1]:.0f}" if p else "—"
+        change = f"{100 * (r['throughput_tokens_per_s'] / p[1] - 1):+.1f} %" if p else ""
+        table.append(f"| {label} | {b} | {old_step} | {r['step_ms']:.2f} | {old_tput} | {r['throughput_tokens_per_s']:.0f} | {change} |")
+out = out.replace("@OLD_NEW_TABLE@", "\n".join(table))
 bench = "(not run)"
 if len(sys.argv) > 3:
     b = subprocess.run([sys.argv[3], "--benchmark_min_time=0.5"], check=True, capture_output=True, text=True).stdout

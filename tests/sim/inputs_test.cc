@@ -9,6 +9,8 @@
 #include "ess/core/error.h"
 #include "ess/sim/deployment.h"
 #include "ess/sim/hardware.h"
+#include "ess/sim/inputs.h"
+#include "ess/trace/generator.h"
 
 namespace ess::sim {
 namespace {
@@ -226,6 +228,41 @@ TEST(sim_inputs, MeasuredWorkingSetSetsThePoolFloor) {
   bad.floor_margin = -0.1;
   EXPECT_THROW(bad.validate("test"), Error);
   std::remove(path.c_str());
+}
+
+// Without a miss profile the floor comes from the MTP working set stored with the shipped
+// generator profile (measured once from its locality model), carried to T as a profile's is;
+// --pool-floor tk keeps T x K.
+TEST(sim_inputs, BuiltInWorkingSetSetsTheDefaultPoolFloor) {
+  const trace::GeneratorProfile shipped = trace::GeneratorProfile::shipped_default();
+  ASSERT_FALSE(shipped.mtp_working_set.empty());
+  Inputs in;
+  for (const std::int64_t context : {32768LL, 131072LL}) {
+    const MissModel m = in.load_misses(context);
+    const trace::GeneratorProfile::WorkingSet* w = nullptr;
+    for (const auto& x : shipped.mtp_working_set) {
+      if (x.context == context) w = &x;
+    }
+    ASSERT_NE(w, nullptr) << context;
+    EXPECT_EQ(m.working_set_max, w->max);
+    EXPECT_EQ(m.working_set_p99, w->p99);
+    EXPECT_DOUBLE_EQ(m.min_slots(4, 2048, double(context)),
+                     std::ceil((2048 + 3 * (w->max - 2048)) * 1.1));  // carried to T = 4
+    EXPECT_LT(m.min_slots(4, 2048, double(context)), 8192);
+    EXPECT_NE(m.floor_rule(4, 2048, double(context)).find("built-in locality model"), std::string::npos);
+    EXPECT_NE(m.floor_rule(4, 2048, double(context)).find("carried to T = 4"), std::string::npos);
+  }
+  in.pool_floor = "tk";
+  EXPECT_DOUBLE_EQ(in.load_misses(32768).min_slots(4, 2048, 32768), 8192);
+  // The measured entries are refused when they cannot be a working set of `mtp` x top-k.
+  nlohmann::json j = nlohmann::json::parse(R"({"drift": [0.1], "mtp_working_set": {"how": "x", "measured": [
+      {"context": 32768, "mtp": 2, "p99": 2500, "max": 5000}]}})");
+  EXPECT_THROW(trace::GeneratorProfile::from_json(j, "test"), Error);
+  j["mtp_working_set"]["measured"][0]["max"] = 2600;
+  j["mtp_working_set"]["measured"][0]["extra"] = 1;
+  EXPECT_THROW(trace::GeneratorProfile::from_json(j, "test"), Error);
+  j["mtp_working_set"]["measured"][0].erase("extra");
+  EXPECT_EQ(trace::GeneratorProfile::from_json(j, "test").mtp_working_set.size(), 1u);
 }
 
 }  // namespace

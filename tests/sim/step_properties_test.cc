@@ -1,6 +1,8 @@
 // Properties the step model must have whatever its calibration: more requests never make a
-// step faster; a GEMM, and the step, never cost more per token as they grow; Two-Batch Overlap
-// adds no fixed cost per kernel; and the GEMM model against DeepGEMM's published table.
+// step faster; a GEMM, the sparse MLA and the step never cost more per token as they grow;
+// more query tokens at most scale the sparse MLA; a GPU changes it by its SMs and clocks only;
+// Two-Batch Overlap adds no fixed cost per kernel; and the GEMM and sparse MLA models against
+// DeepGEMM's and FlashMLA's published figures.
 #include <gtest/gtest.h>
 
 #include <fmt/format.h>
@@ -196,6 +198,123 @@ TEST(sim_properties, GemmModelReproducesDeepGemmOnH800) {
   EXPECT_LT(std::sqrt(sq / n), 0.12);
   EXPECT_LT(worst, 0.25);
   EXPECT_LT(std::abs(sum / n), 0.05);
+}
+
+// ---- sparse MLA ----------------------------------------------------------------------------
+
+Op mla_op(double query_tokens, double entries, double s_q = 1) {
+  const ModelSpec& m = dsv32();
+  const double heads = m.num_attention_heads, d_qk = m.mla_head_dim(), d_v = m.kv_lora_rank;
+  Op op("attn", OpKind::kAttention, 2 * query_tokens * heads * entries * (d_qk + d_v), 0, query_tokens, 0, 0, 0, 0);
+  op.attention = {query_tokens / s_q, s_q, entries, heads, d_qk, d_v, double(m.latent_entry_bytes())};
+  return op;
+}
+
+// FlashMLA's published sparse decode figures on H800 (tests/sim/data/flashmla_sparse_decode_h800.csv):
+// the kernel model with the shipped attention_efficiency (the one number fitted to them)
+// reproduces each within 2 %.
+TEST(sim_properties, SparseMlaModelReproducesFlashMlaOnH800) {
+  const OpCostModel cost(HardwareProfile::shipped("h800"));
+  std::ifstream in(std::string(ESS_SOURCE_DIR) + "/tests/sim/data/flashmla_sparse_decode_h800.csv");
+  ASSERT_TRUE(in.good());
+  std::string line;
+  bool header = false;
+  double sq = 0, worst = 0;
+  int n = 0;
+  while (std::getline(in, line)) {
+    if (line.empty() || line[0] == '#') continue;
+    const std::vector<std::string> cells = split_list(line);
+    if (!header) {
+      ASSERT_EQ(line, "batch,s_q,heads,topk,tflops");
+      header = true;
+      continue;
+    }
+    ASSERT_EQ(cells.size(), 5u) << line;
+    const double batch = std::stod(cells[0]), s_q = std::stod(cells[1]), heads = std::stod(cells[2]);
+    const double topk = std::stod(cells[3]), tflops = std::stod(cells[4]);
+    ASSERT_EQ(heads, dsv32().num_attention_heads) << line;
+    const Op op = mla_op(batch * s_q, topk, s_q);
+    const double predicted = op.flops / cost.analytical_us(op) / 1e6;
+    const double err = predicted / tflops - 1;
+    sq += err * err;
+    worst = std::max(worst, std::abs(err));
+    ++n;
+  }
+  ASSERT_EQ(n, 2);
+  EXPECT_LT(std::sqrt(sq / n), 0.02);
+  EXPECT_LT(worst, 0.02);
+}
+
+// At a fixed shape (entries per query token, T) the sparse MLA's cost per query token never
+// rises when the batch doubles, and it falls overall from one request to 256 (the wave fills;
+// the fixed prologue spreads). Between doublings a row past a part boundary costs a block.
+TEST(sim_properties, SparseMlaCostPerQueryTokenNeverRisesWithBatch) {
+  for (const char* gpu : {"paper-table1", "h20-141gb"}) {
+    const OpCostModel cost(HardwareProfile::shipped(gpu));
+    for (const double entries : {2048.0, 1500.0, 100.0, 7.0}) {
+      for (const int T : {1, 2, 3, 4}) {
+        for (int batch = 1; batch <= 256; ++batch) {
+          const double one = cost.analytical_us(mla_op(batch * T, entries)) / (batch * T);
+          const double two = cost.analytical_us(mla_op(2 * batch * T, entries)) / (2 * batch * T);
+          EXPECT_LE(two, one * (1 + 1e-12)) << gpu << " entries " << entries << " T " << T << " batch " << batch;
+        }
+        EXPECT_LT(cost.analytical_us(mla_op(256 * T, entries)) / (256 * T), cost.analytical_us(mla_op(T, entries)) / T);
+      }
+    }
+  }
+}
+
+// Doubling the query tokens per request at most doubles the sparse MLA's time (and never
+// shortens it), at every batch and at 32K and 128K contexts (the top-k is the same).
+TEST(sim_properties, SparseMlaDoublingTAtMostDoublesItsTime) {
+  const OpCostModel cost(paper_hw());
+  for (const double entries : {2048.0, 600.0}) {
+    for (const int T : {1, 2}) {
+      for (int batch = 1; batch <= 200; ++batch) {
+        const double t1 = cost.analytical_us(mla_op(batch * T, entries));
+        const double t2 = cost.analytical_us(mla_op(batch * 2 * T, entries));
+        EXPECT_LE(t2, 2 * t1 * (1 + 1e-12)) << "T " << T << " batch " << batch;
+        EXPECT_GE(t2, t1) << "T " << T << " batch " << batch;
+      }
+    }
+  }
+  // Through the step model: the attention category with MTP 4 at most twice MTP 2's.
+  for (const int batch : {8, 26, 52}) {
+    Workload w;
+    w.batch = batch;
+    w.offload = false;
+    HardwareProfile hw = paper_hw();
+    const StepResult two = StepModel(dsv32(), hw, dep_with(2, false)).run(w);
+    const StepResult four = StepModel(dsv32(), hw, dep_with(4, false)).run(w);
+    EXPECT_GT(four.attention_us, two.attention_us) << batch;
+    EXPECT_LE(four.attention_us, 2 * two.attention_us) << batch;
+  }
+}
+
+// An H20 changes the sparse MLA by its SM count and clocks (its BF16 peak) alone: the kernel's
+// efficiency is FlashMLA's, not the GPU's, so an H200 profile given the H20's SMs and peak
+// prices every shape exactly as the H20 profile does; and the change is not the peaks' ratio
+// (78 SMs make 39 parts of two head blocks, not 66).
+TEST(sim_properties, SparseMlaOnH20ChangesBySmCountAndClocksAlone) {
+  const HardwareProfile h20 = HardwareProfile::shipped("h20-141gb");
+  HardwareProfile as_h20 = HardwareProfile::shipped("h200");
+  EXPECT_EQ(h20.attention_efficiency, as_h20.attention_efficiency);
+  as_h20.sm_count = h20.sm_count;
+  as_h20.bf16_tflops = h20.bf16_tflops;
+  as_h20.hbm_bandwidth_gbps = h20.hbm_bandwidth_gbps;  // the same 4.8 TB/s: checked below
+  EXPECT_EQ(h20.hbm_bandwidth_gbps, HardwareProfile::shipped("h200").hbm_bandwidth_gbps);
+  EXPECT_EQ(h20.memory_efficiency, as_h20.memory_efficiency);
+  const OpCostModel a(h20), b(as_h20), h200(HardwareProfile::shipped("h200"));
+  bool differs_from_peak_ratio = false;
+  for (const double entries : {2048.0, 300.0}) {
+    for (const double tokens : {1.0, 2.0, 26.0, 52.0, 78.0, 160.0, 320.0, 640.0}) {
+      const Op op = mla_op(tokens, entries);
+      EXPECT_DOUBLE_EQ(a.analytical_us(op), b.analytical_us(op)) << tokens << " tokens";
+      const double ratio = a.analytical_us(op) / h200.analytical_us(op);
+      if (std::abs(ratio - 989.0 / 148.0) > 0.05 * 989.0 / 148.0) differs_from_peak_ratio = true;
+    }
+  }
+  EXPECT_TRUE(differs_from_peak_ratio);
 }
 
 }  // namespace

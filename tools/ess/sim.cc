@@ -97,6 +97,8 @@ void add_sim(CLI::App& app, int& exit_code) {
     if (given("--misses") || given("--miss-exponent") || given("--miss-profile")) {
       base.misses = a.inputs.load_misses(base.context);
     }
+    // No measured working set (no trace profile): the built-in locality model's.
+    if (base.misses.working_set_max <= 0) base.misses = sim::MissModel::with_builtin_working_set(base.context, base.misses);
     a.inputs.apply_pool_floor(base.misses);
     if (a.inputs.prefix_share) base.prefix_share = *a.inputs.prefix_share;
     Progress progress("configurations");

@@ -37,7 +37,7 @@ struct SimInputs : sim::Inputs {
     cmd.add_option("--pool-floor", pool_floor,
                    "The smallest pool a request-layer may get: max (the miss profile's max MTP working set x (1 + "
                    "margin); default), p99 (its p99: the rarer larger steps run in query groups, charged) or tk "
-                   "(T x top-k); max and p99 need a miss profile with a working set, else they mean tk")
+                   "(T x top-k); without a miss profile the working set is the built-in locality model's")
         ->check(CLI::IsMember({"max", "p99", "tk"}));
     cmd.add_option("--pool-floor-margin", pool_floor_margin, "Margin on the measured working set (default 0.1)");
     cmd.add_option("--prefix-share", prefix_share,

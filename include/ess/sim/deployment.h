@@ -65,6 +65,7 @@ struct MissModel {
   // measured.
   double working_set_p99 = 0;
   double working_set_max = 0;
+  std::string working_set_from = "the miss profile";  // where the two came from, for floor_rule()
   // The pool's floor (the fewest slots a plan may give a request-layer): "max" (the default:
   // the measured max working set x (1 + floor_margin); no step is expected to split), "p99"
   // (the p99 x (1 + floor_margin): the rarer larger steps run in query groups) or "tk"
@@ -95,6 +96,10 @@ struct MissModel {
   // whose context is nearest `context` becomes the reference point and the per-layer shape)
   // or a plain per_layer_misses list (shape only, applied to `base`).
   static MissModel load_profile(const std::string& path, std::int64_t context, MissModel base);
+  // `base` with the MTP working set of the shipped generator profile's locality model
+  // (configs/trace-profiles/default.json, measured once and stored there) at the measured
+  // context nearest `context`; unchanged when the profile holds none at base's reference T.
+  static MissModel with_builtin_working_set(std::int64_t context, MissModel base);
   void validate(const std::string& source) const;
 };
 

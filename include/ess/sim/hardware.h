@@ -27,10 +27,11 @@ struct HardwareProfile {
   double gemm_efficiency = 0;       // GEMM main loop on a full tile: fraction of the SM's peak
   double gemm_tile_overhead_k = 0;  // per tile: prologue + epilogue, as this many more K of main loop
   double gemm_memory_efficiency = 0;  // GEMMs bound by streaming their weights: fraction of HBM peak
-  double attention_efficiency = 0;  // sparse MLA decode (FlashMLA), fraction of BF16 peak
+  double attention_efficiency = 0;  // sparse MLA decode main loop (FlashMLA): fraction of the SM's BF16 peak
   double indexer_efficiency = 0;    // FP8 paged MQA logits (DeepGEMM), fraction of FP8 peak
   double kernel_launch_us = 0;      // per kernel: launch gap inside a CUDA graph
   double step_overhead_us = 0;      // per step: host scheduling, sampling bookkeeping between steps
+  double step_overhead_per_request_us = 0;  // per step and request of the GPU's batch: the host's per-request work
   // Host link (PCIe), per GPU, GB/s.
   double h2d_scattered_gbps = 0;    // 656-byte entries, FlashTrans kernel (zero-copy)
   double d2h_scattered_gbps = 0;

@@ -8,9 +8,11 @@
 // peak x gemm_efficiency; the kernel is never faster than streaming its bytes from HBM. Grouped
 // GEMMs whose rows per group are random (the routed experts: tokens per expert are Poisson)
 // count the expected tiles. Top-k runs one CTA per row, each at its SM's share of the HBM
-// bandwidth, so few rows cannot use the whole GPU. Everything else is a roofline: the slower
-// of FLOPs at peak x efficiency and bytes at HBM bandwidth x memory_efficiency. Every kernel
-// adds kernel_launch_us (the gap between kernels of a CUDA-graph replay).
+// bandwidth, so few rows cannot use the whole GPU. Sparse MLA decode with a shape runs as
+// FlashMLA's SM90 FP8 sparse decode kernel does (see AttentionShape). Everything else is a
+// roofline: the slower of FLOPs at peak x efficiency and bytes at HBM bandwidth x
+// memory_efficiency. Every kernel adds kernel_launch_us (the gap between kernels of a
+// CUDA-graph replay).
 //
 // Measured tables. CSV with a header `op,context,tokens,time_us`; one row per measured point;
 // `context` 0 means "any context". For an op, the points of the same context (else of context
@@ -57,6 +59,29 @@ struct GemmShape {
 
 inline constexpr double kGemmTileN = 128;  // output columns per tile (DeepGEMM's usual block_n)
 
+// One sparse MLA decode call as FlashMLA's SM90 FP8 sparse decode runs it
+// (csrc/api/sparse_decode.h, csrc/sm90/decode/sparse_fp8/splitkv_mla.cuh,
+// csrc/smxx/decode/get_decoding_sched_meta): a grid of (head blocks of 64, s_q, sm parts)
+// CTAs, num_sm_parts = max(SMs / s_q / head blocks, 1), so one persistent wave. The rows'
+// work, in blocks of 64 top-k entries plus each row's prologue and epilogue, is cut evenly
+// over the parts; a row cut between two parts is split-KV, merged by the combine kernel that
+// always follows. Per block a CTA dequantises the FP8 latent (shared across the cluster's two
+// head blocks) and runs the BF16 MMAs for its 64 heads: 64 x 64 x (d_qk + d_v) x 2 FLOPs at
+// the SM's share of the BF16 peak x attention_efficiency. Per row it loads its 64 heads' query
+// and stores their output at the SM's share of HBM bandwidth x memory_efficiency. The call
+// takes the slower of that and streaming every row's entries once from HBM.
+struct AttentionShape {
+  double rows = 0;         // FlashMLA's batch: SGLang passes every query token as a row (s_q 1)
+  double s_q = 1;          // query tokens per row
+  double entries = 0;      // top-k entries per query token
+  double heads = 0;        // query heads
+  double d_qk = 0;         // 576: latent + rope
+  double d_v = 0;          // 512: latent
+  double entry_bytes = 0;  // 656: FP8 latent + scales + BF16 rope
+};
+inline constexpr double kMlaHeadBlock = 64;   // heads per CTA (a cluster of two covers 128)
+inline constexpr double kMlaTopkBlock = 64;   // top-k entries per main-loop block
+
 struct Op {
   Op() = default;
   Op(std::string_view name_, OpKind kind_, double flops_ = 0, double bytes_ = 0, double tokens_ = 0,
@@ -75,6 +100,7 @@ struct Op {
   GemmShape gemm;           // GEMM ops: the (first) GEMM's shape
   GemmShape gemm2;          // a second GEMM in the same op (an MLP's down projection), n = 0: none
   double rows = 0;          // kTopk: rows, one CTA each
+  AttentionShape attention; // kAttention: rows = 0 -> the roofline over flops / bytes
 };
 
 // E[ceil(X / tile)] for X ~ Poisson(mean): the expected row tiles of a group with random rows.
@@ -119,6 +145,8 @@ class OpCostModel {
   double analytical_us(const Op& op) const;
   // The tensor-core time of one GEMM shape at `tflops` (peak x efficiency): waves x one tile.
   double gemm_compute_us(const GemmShape& g, double tflops) const;
+  // Sparse MLA decode with a shape (kernels: the main kernel and the combine), without launch gaps.
+  double attention_us(const AttentionShape& a) const;
   const HardwareProfile& hardware() const { return hw_; }
 
  private:

@@ -56,6 +56,18 @@ struct GeneratorProfile {
   double return_probability = 0.0;  // a drift replacement brings back a previous occupant of the slot
   int return_depth = 3;             // ... uniformly among the slot's last this-many occupants
   std::vector<double> drift;  // per layer (resampled linearly when its size differs from layers)
+  // The MTP working set this profile's traces have (distinct ids per request-layer-step: the
+  // union of its `mtp` query tokens' top-k), measured once by `ess trace generate` + `ess
+  // trace analyze` and stored with the profile so that the simulator need not regenerate it;
+  // the generator itself does not read it. Empty: not measured.
+  struct WorkingSet {
+    std::int64_t context = 0;
+    int mtp = 0;
+    double p99 = 0;
+    double max = 0;
+  };
+  std::vector<WorkingSet> mtp_working_set;
+  std::string mtp_working_set_how;  // the commands that measured it
 
   // Unknown keys and out-of-range values are errors naming `source` and the key.
   static GeneratorProfile from_json(const nlohmann::json& j, const std::string& source);

@@ -10,6 +10,7 @@
 #include "analysis/sim/shipped_configs.h"
 #include "ess/core/error.h"
 #include "ess/core/json.h"
+#include "ess/trace/generator.h"
 
 namespace ess::sim {
 
@@ -146,11 +147,11 @@ std::string MissModel::floor_rule(int tokens, int topk, double context) const {
   const double ws = working_set(pool_floor == "p99" ? working_set_p99 : working_set_max, tokens, topk);
   if (pool_floor == "tk" || ws <= 0) {
     return fmt::format("T x top-k = {} x {}, capped at the context{}", tokens, topk,
-                       pool_floor == "tk" ? "" : " (no MTP working set measured: give a miss profile)");
+                       pool_floor == "tk" ? "" : " (no MTP working set measured at this T: give a miss profile)");
   }
   const double got = min_slots(tokens, topk, context);
-  return fmt::format("the MTP working set's {} {:.0f} x {} from the miss profile at T = {}{}{}", pool_floor, ws,
-                     1 + floor_margin, reference_tokens,
+  return fmt::format("the MTP working set's {} {:.0f} x {} from {} at T = {}{}{}", pool_floor, ws,
+                     1 + floor_margin, working_set_from, reference_tokens,
                      tokens != reference_tokens ? fmt::format(", carried to T = {}", tokens) : std::string(),
                      got >= whole ? ", capped at T x top-k" : "");
 }
@@ -208,6 +209,21 @@ std::vector<double> MissModel::load_layer_shape(const std::string& path) {
   const double mean = sum / static_cast<double>(v.size());
   for (double& x : v) x /= mean;
   return v;
+}
+
+MissModel MissModel::with_builtin_working_set(std::int64_t context, MissModel base) {
+  const trace::GeneratorProfile p = trace::GeneratorProfile::shipped_default();
+  const trace::GeneratorProfile::WorkingSet* best = nullptr;
+  for (const auto& w : p.mtp_working_set) {
+    if (w.mtp != base.reference_tokens) continue;
+    if (best == nullptr || std::llabs(w.context - context) < std::llabs(best->context - context)) best = &w;
+  }
+  if (best == nullptr) return base;
+  base.working_set_p99 = best->p99;
+  base.working_set_max = best->max;
+  base.working_set_from = fmt::format("the built-in locality model (configs/trace-profiles/default.json, measured "
+                                      "once at {}K)", best->context / 1024);
+  return base;
 }
 
 MissModel MissModel::load_profile(const std::string& path, std::int64_t context, MissModel base) {

@@ -47,6 +47,8 @@ constexpr Field kFields[] = {
     {"kernel_launch_us", &HardwareProfile::kernel_launch_us, 0, 1e3},
     {"step_overhead_us", &HardwareProfile::step_overhead_us, 0, 1e6, 0,
      "default for profiles without it: no host time between steps is charged"},
+    {"step_overhead_per_request_us", &HardwareProfile::step_overhead_per_request_us, 0, 1e4, 0,
+     "default for profiles without it: the host's time between steps does not grow with the batch"},
     {"h2d_scattered_gbps", &HardwareProfile::h2d_scattered_gbps, 0.01, 1e4},
     {"d2h_scattered_gbps", &HardwareProfile::d2h_scattered_gbps, 0.01, 1e4},
     {"h2d_bulk_gbps", &HardwareProfile::h2d_bulk_gbps, 0.01, 1e4},

@@ -36,7 +36,10 @@ MissModel Inputs::load_misses(std::int64_t context) const {
   MissModel m;
   if (reference_misses) m.reference_misses = *reference_misses;
   if (miss_exponent) m.exponent = *miss_exponent;
-  if (!miss_profile.empty()) {
+  if (miss_profile.empty()) {
+    // No trace: the pool floor from the MTP working set of the built-in locality model.
+    m = MissModel::with_builtin_working_set(context, m);
+  } else {
     m = MissModel::load_profile(miss_profile, context, m);
     // A trace's profile sets its own reference point: a --misses beside it would be dropped.
     ESS_CHECK(!reference_misses || m.reference_misses == *reference_misses,

@@ -162,6 +162,31 @@ double OpCostModel::gemm_compute_us(const GemmShape& g, double tflops) const {
   return best;
 }
 
+double OpCostModel::attention_us(const AttentionShape& a) const {
+  if (a.rows <= 0 || a.heads <= 0 || a.s_q <= 0) return 0.0;
+  const double sms = hw_.sm_count;
+  const double hbm = hw_.hbm_bandwidth_gbps * hw_.memory_efficiency * 1e3;  // bytes per us
+  const double head_blocks = std::ceil(a.heads / kMlaHeadBlock);
+  const double parts = std::max(std::floor(sms / (a.s_q * head_blocks)), 1.0);
+  const double waves = std::ceil(parts * a.s_q * head_blocks / sms - 1e-9);
+  // One CTA: a block of 64 entries at its SM's share of the BF16 peak; a row's query in and
+  // output out at its SM's share of the bandwidth, in blocks' worth.
+  const double per_sm_flops = hw_.bf16_tflops * 1e6 / sms * hw_.attention_efficiency;
+  const double block_us = kMlaTopkBlock * kMlaHeadBlock * (a.d_qk + a.d_v) * 2 / per_sm_flops;
+  const double row_io_us = kMlaHeadBlock * (a.d_qk + a.d_v) * 2 / (hbm / sms);
+  const double row_blocks = std::ceil(a.entries / kMlaTopkBlock - 1e-9) + row_io_us / block_us;
+  // The parts share the rows' blocks evenly (a part ends only on a block); the first row a
+  // part starts in costs its prologue again.
+  const double payload = std::ceil(a.rows * row_blocks / parts - 1e-9) + row_io_us / block_us;
+  const double compute = waves * payload * block_us;
+  const double memory = a.rows * a.s_q * (a.entries * a.entry_bytes + a.heads * (a.d_qk + a.d_v) * 2) / hbm;
+  // The combine reads each split piece's fp32 output and log-sum-exp: at most two pieces per
+  // part boundary, or every part when there are fewer rows than parts.
+  const double pieces = 2 * std::min(a.rows, parts) * a.s_q * head_blocks;
+  const double combine = pieces * kMlaHeadBlock * (a.d_v * 4 + 4) / hbm;
+  return std::max(compute, memory) + combine;
+}
+
 double OpCostModel::analytical_us(const Op& op) const {
   const double hbm = hw_.hbm_bandwidth_gbps * hw_.memory_efficiency * 1e3;  // bytes per us
   const double launch = hw_.kernel_launch_us * op.kernels;
@@ -176,7 +201,9 @@ double OpCostModel::analytical_us(const Op& op) const {
   switch (op.kind) {
     case OpKind::kGemmFp8: return gemm(hw_.fp8_tflops);
     case OpKind::kGemmBf16: return gemm(hw_.bf16_tflops);
-    case OpKind::kAttention: return roofline(hw_.bf16_tflops * hw_.attention_efficiency);
+    case OpKind::kAttention:
+      if (op.attention.rows <= 0) return roofline(hw_.bf16_tflops * hw_.attention_efficiency);
+      return attention_us(op.attention) + launch;
     case OpKind::kIndexer: return roofline(hw_.fp8_tflops * hw_.indexer_efficiency);
     case OpKind::kMemory: return op.bytes / hbm + launch;
     case OpKind::kTopk: {

@@ -219,10 +219,16 @@ class LayerBuilder {
     s.set_category(Category::kAttention);
     const double n = mb.tokens, h = m_.hidden_size, heads = m_.num_attention_heads;
     const double flop_per_entry = 2 * heads * (m_.mla_head_dim() + m_.kv_lora_rank);
+    // FlashMLA's sparse decode as SGLang's DSA backend calls it (_forward_flashmla_kv: q viewed
+    // as (tokens, 1, heads, 576), so every query token is a row): the main kernel and the
+    // combine; the scheduling metadata is computed once per step (init_forward_metadata).
     auto attn = [&](std::string_view name, double entries_per_token) {
-      return Op{name, OpKind::kAttention, n * entries_per_token * flop_per_entry,
-                n * entries_per_token * double(m_.latent_entry_bytes()) + n * heads * (m_.mla_head_dim() + m_.kv_lora_rank) * 2.0,
-                n, ctx64_, 0, 0, 2};  // scheduling metadata + the kernel
+      Op o{name, OpKind::kAttention, n * entries_per_token * flop_per_entry,
+           n * entries_per_token * double(m_.latent_entry_bytes()) + n * heads * (m_.mla_head_dim() + m_.kv_lora_rank) * 2.0,
+           n, ctx64_, 0, 0, 2};
+      o.attention = {n, 1, entries_per_token, heads, double(m_.mla_head_dim()), double(m_.kv_lora_rank),
+                     double(m_.latent_entry_bytes())};
+      return o;
     };
     const double misses = offload_ ? mb.misses : 0;
     const double miss_per_token = std::min(topk_, misses / std::max(n, 1.0));
@@ -331,17 +337,20 @@ class LayerBuilder {
     o.flops = 2 * n * 3.0 * h * inter;
     return o;
   }
+  // The final norm and the LM head GEMM over `n` positions (fp32 logits out).
   Op lm_head(double n) const {
     const double h = m_.hidden_size, v = m_.vocab_size;
     return gemm_op("lm_head", OpKind::kGemmBf16, n, v, h, h * v * 2 + n * v * 4, 2);
   }
-  // Sampling and, with MTP, verification: passes over the fp32 logits of `n` positions.
-  Op sample(std::string_view name, double n, double kernels) const {
-    return {name, OpKind::kMemory, 0, 2 * n * double(m_.vocab_size) * 4, n, 0, 0, 0, kernels};
+  // Sampling / verification: `passes` reads of the fp32 logits of `n` positions in `kernels` launches.
+  Op sample(std::string_view name, double n, double passes, double kernels) const {
+    return {name, OpKind::kMemory, 0, passes * n * double(m_.vocab_size) * 4, n, 0, 0, 0, kernels};
   }
   Op eh_proj(double n) const {
     const double h = m_.hidden_size;
-    return gemm_op("mtp.eh_proj", OpKind::kGemmBf16, n, h, 2 * h, 2 * h * h * 2 + n * h * 6, 2);
+    // DeepseekModelNextN.forward (deepseek_nextn.py): the embedding, fused_eh_norm (enorm +
+    // hnorm + concat), eh_proj: 3 kernels.
+    return gemm_op("mtp.eh_proj", OpKind::kGemmBf16, n, h, 2 * h, 2 * h * h * 2 + n * h * 6, 3);
   }
 
  private:
@@ -622,15 +631,28 @@ StepResult StepModel::run(const Workload& wl, Timeline* timeline) const {
     r.h2d_gbps_per_node = r.h2d_bytes / step_s / 1e9;
     return r;
   }
-  // LM head over every verified position, then sampling and the verification of the drafts.
+  // LM head over every verified position, then sampling and the verification of the drafts,
+  // as SGLang 0.5.23 runs them for a greedy batch. MTP (eagle_utils.py:eagle_sample, greedy
+  // branch): argmax over the B x T rows of logits (one pass), verify_tree_greedy_func, the
+  // zeros / full of predict and accept_index, then prepare_verify_commit_outputs
+  // (eagle_worker_common.py:run_eagle_verify): 5 kernels. No MTP (sampler.py:Sampler.forward,
+  // is_all_greedy): argmax, one pass, 1 kernel.
   s.set_label(-1, ' ');
   s.set_category(Category::kOther);
   double e = s.issue(Stream::kCompute, lb.lm_head(double(batch) * T), ready, Wait::kComm);
-  e = s.issue(Stream::kCompute, lb.sample("sample+verify", double(batch) * T, T > 1 ? 4 : 2), e);
-  // MTP drafts as SGLang's EAGLE worker runs them (T - 1 draft tokens, top-1): the draft-
-  // extend pass of the next-n layer over the T verified positions of each request, whose
-  // LM head gives the first draft token, then T - 2 decode passes of one position each. No
-  // Two-Batch Overlap in the draft model.
+  e = s.issue(Stream::kCompute, lb.sample("sample+verify", double(batch) * T, 1, T > 1 ? 5 : 1), e);
+  // MTP drafts as SGLang 0.5.23's EAGLE worker runs them (eagle_worker_v2.py, top-k 1, so
+  // speculative_num_steps = T - 1 and speculative_num_draft_tokens = T, base_spec_worker.py):
+  //  - after the verify, EagleDraftWorker._draft_extend_for_decode: one pass of the next-n
+  //    layer over num_draft_tokens = T positions per request; its cuda graph selects each
+  //    request's last accepted row before the LM head (B rows), then torch.argmax + ones_like
+  //    (2 kernels);
+  //  - EagleDraftWorker.draft_forward: speculative_num_steps - 1 = T - 2 passes over one
+  //    position per request (the loop breaks at i = num_steps - 1), each with its LM head
+  //    over B rows and draft_topk1_postprocess (1 kernel).
+  // So T = 2: 1 pass (extend); T = 3: 2 (extend + 1 decode); T = 4: 3 (extend + 2 decode).
+  // The draft layer runs its own indexer (index_share_for_mtp_iteration is off for
+  // DeepSeek-V3.2) and no Two-Batch Overlap.
   if (T > 1 && model_.num_nextn_predict_layers > 0) {
     const int layer = model_.num_hidden_layers;
     s.set_drafting(true);
@@ -653,13 +675,14 @@ StepResult StepModel::run(const Workload& wl, Timeline* timeline) const {
       s.set_label(layer, draft.label);
       s.set_category(Category::kOther);
       e = s.issue(Stream::kCompute, lb.lm_head(batch), draft.ready, Wait::kComm);
-      e = s.issue(Stream::kCompute, lb.sample("draft sample", batch, 1), e);
+      e = s.issue(Stream::kCompute, lb.sample("draft sample", batch, 1, pass == 0 ? 2 : 1), e);
     }
     s.set_drafting(false);
   }
-  // Host time between steps (scheduling the next batch, bookkeeping).
-  r.step_overhead_us = hw_.step_overhead_us;
-  s.host_gap(hw_.step_overhead_us);
+  // Host time between steps: a fixed part (scheduling, the ranks' synchronisation) and a part
+  // per request (its bookkeeping: acceptance, outputs, the next batch's inputs).
+  r.step_overhead_us = hw_.step_overhead_us + hw_.step_overhead_per_request_us * batch;
+  s.host_gap(r.step_overhead_us);
   r.step_us = s.end();
   const double step_s = r.step_us * 1e-6;
   r.otps = dep_.accept_ratio / step_s;

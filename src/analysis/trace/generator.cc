@@ -26,7 +26,7 @@ GeneratorProfile GeneratorProfile::from_json(const nlohmann::json& j, const std:
       "mtp",           "accept_ratio",       "prefill_windows", "sink_tokens",      "recent_window",
       "candidate_base", "reference_context", "candidate_exponent", "mtp_divergence", "topic_shift_rate",
       "topic_shift_fraction", "candidate_churn", "drift",        "synthetic",        "calibration",
-      "return_probability", "return_depth"};
+      "return_probability", "return_depth", "mtp_working_set"};
   for (const auto& [k, v] : j.items()) {
     ESS_CHECK(known.contains(k), "{}: unknown generator profile field '{}'", source, k);
   }
@@ -55,6 +55,30 @@ GeneratorProfile GeneratorProfile::from_json(const nlohmann::json& j, const std:
   json_read(j, "return_probability", p.return_probability, source);
   json_read(j, "return_depth", p.return_depth, source);
   json_read(j, "drift", p.drift, source);
+  if (auto it = j.find("mtp_working_set"); it != j.end()) {
+    const std::string where = source + ": mtp_working_set";
+    ESS_CHECK(it->is_object() && it->contains("how") && it->contains("measured"),
+              "{} must be an object with 'how' (the commands) and 'measured' (a list)", where);
+    json_read(*it, "how", p.mtp_working_set_how, where);
+    const nlohmann::json& list = (*it)["measured"];
+    ESS_CHECK(list.is_array() && !list.empty(), "{}: 'measured' must be a non-empty list", where);
+    for (const nlohmann::json& e : list) {
+      ESS_CHECK(e.is_object(), "{}: every 'measured' entry must be an object", where);
+      for (const auto& [k, v] : e.items()) {
+        ESS_CHECK(k == "context" || k == "mtp" || k == "p99" || k == "max", "{}: unknown field '{}'", where, k);
+      }
+      WorkingSet w;
+      json_read(e, "context", w.context, where);
+      json_read(e, "mtp", w.mtp, where);
+      json_read(e, "p99", w.p99, where);
+      json_read(e, "max", w.max, where);
+      ESS_CHECK(w.context > 0 && w.mtp >= 2 && w.p99 > 0 && w.max >= w.p99 &&
+                    w.max <= double(w.mtp) * p.topk,
+                "{}: entry context {} mtp {} p99 {} max {} must have context > 0, mtp >= 2 and 0 < p99 <= max <= "
+                "mtp x topk ({})", where, w.context, w.mtp, w.p99, w.max, double(w.mtp) * p.topk);
+      p.mtp_working_set.push_back(w);
+    }
+  }
   p.validate(source);
   return p;
 }
