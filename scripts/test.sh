@@ -42,7 +42,7 @@ mkdir "$prefix/examples" && cp examples/engine_loop.py "$prefix/examples/"
   cd "$prefix"
   unset ESS_LIBRARY
   export PATH="$prefix/venv/bin:$PATH"
-  python -c "import ess, ess.integrations.sglang, ess.integrations.vllm; print('ess', ess.__version__, ess.library_path)"
+  python -c "import ess, ess.integrations.sglang, ess.integrations.vllm, ess_trace; print('ess', ess.__version__, ess.library_path)"
   ESS_TEST_INSTALLED=1 python -m pytest -q -p no:cacheprovider "$checkout/python/tests"
   python examples/engine_loop.py --steps 4 --format json | python -c "
 import json, sys; r = json.load(sys.stdin)
