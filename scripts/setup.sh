@@ -18,7 +18,7 @@ PACKAGES=(
   clang-14 libclang-rt-14-dev         # libFuzzer target of the trace reader (scripts/fuzz.sh)
   xz-utils                            # the device bundle packs its binaries into one xz archive
   libdlpack-dev                       # DLPack: the C ABI's tensor type (libess.so, the Python package)
-  python3-pytest python3-setuptools python3-pip  # the Python package's tests; pip install ./python
+  python3-pytest python3-pip python3-venv  # the Python package's tests; pip install . (its wheel, in a venv)
   python3-torch                       # CPU torch: the SGLang adapter's replay of SGLang's decode loop
   unzip                               # scripts/upstream.sh unpacks the pinned SGLang and vLLM wheels' sources
 )

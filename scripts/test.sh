@@ -3,7 +3,7 @@
 # (CUDA target included when nvcc exists; GPU tests skip themselves without a device) and
 # once under AddressSanitizer + UndefinedBehaviorSanitizer; in between, the installed
 # package (cmake --install, then examples/consumer built against it and run; the Python
-# package installed with pip and run on the installed libess), the GPU
+# wheel built with pip, installed into a fresh venv, its tests, example and `ess` run there), the GPU
 # bring-up kit (device bundle, its fallback configure check, a dry run of the GPU
 # validation, and that dry run again where cuBLAS is hidden) and a short libFuzzer run of the trace reader. The pinned SGLang release is downloaded
 # first (scripts/upstream.sh): the SGLang and vLLM adapters are tested against their sources.
@@ -28,11 +28,29 @@ cmake --build "$prefix/consumer"
 "$prefix/consumer/ess_consumer"
 test -x "$prefix/ess/bin/ess"
 
-echo "== Python package: pip install ./python, then the example on the installed libess =="
-/usr/bin/python3 -m pip install -q --root-user-action=ignore --no-build-isolation --no-deps --target "$prefix/py" ./python
-(cd "$prefix" && PYTHONPATH="$prefix/py" ESS_LIBRARY="$(ls "$prefix"/ess/lib*/libess.so)" \
-  /usr/bin/python3 -c "import ess, ess.integrations.sglang, ess.integrations.vllm; print('ess', ess.__version__, ess.library_path)")
-/usr/bin/python3 examples/engine_loop.py --steps 4   # finds build/release's libess itself
+echo "== Python wheel: pip wheel . in a fresh venv, installed into another, tested from outside the checkout =="
+# The wheel compiles libess and the ess program once more (no tests, no benchmarks; build/wheel is kept,
+# so a second run only relinks what changed). The venv it is installed into sees Debian's numpy, pytest and
+# torch (--system-site-packages) but no ess: the tests, the example and `ess` run on the installed package.
+checkout=$PWD
+/usr/bin/python3 -m venv "$prefix/venv-build"
+"$prefix/venv-build/bin/pip" wheel -q --no-deps -w "$prefix/dist" --config-settings=build-dir=build/wheel .
+/usr/bin/python3 -m venv --system-site-packages "$prefix/venv"
+"$prefix/venv/bin/pip" install -q "$prefix"/dist/ess-*.whl
+mkdir "$prefix/examples" && cp examples/engine_loop.py "$prefix/examples/"
+(
+  cd "$prefix"
+  unset ESS_LIBRARY
+  export PATH="$prefix/venv/bin:$PATH"
+  python -c "import ess, ess.integrations.sglang, ess.integrations.vllm, ess_trace; print('ess', ess.__version__, ess.library_path)"
+  ESS_TEST_INSTALLED=1 python -m pytest -q -p no:cacheprovider "$checkout/python/tests"
+  python examples/engine_loop.py --steps 4 --format json | python -c "
+import json, sys; r = json.load(sys.stdin)
+assert r['bitwise_equal'] and r['library'].startswith('$prefix/venv/'), r"
+  ess --version
+  ess sim --batch 64 >/dev/null
+)
+/usr/bin/python3 examples/engine_loop.py --steps 4   # the checkout's package finds build/release's libess itself
 
 echo "== GPU bring-up kit: device bundle, fallback configure check, validation dry run =="
 if ./build/release/tools/ess/ess --version | grep -q "CUDA target: built"; then

@@ -15,7 +15,10 @@ from ._errors import DeviceError, EssError, InternalError, InvalidArgument, Inva
 from ._lib import ABI_VERSION, lib, path as library_path
 from .engine import Engine, HostLayout, Info, Stats, StepBinding, WriteBackBinding, stream_handle
 
-__version__ = lib.ess_version().decode()
+# project(ess VERSION) of CMakeLists.txt, as libess was built with it (the wheel's version comes from the
+# same line), with a local label saying whether that libess carries the CUDA backend: "0.1.0+cuda" or
+# "0.1.0+cpu" (`ess --version` says "CUDA target: built" or "not built").
+__version__ = f"{lib.ess_version().decode()}+{'cuda' if lib.ess_cuda_built() else 'cpu'}"
 
 __all__ = [
     "ABI_VERSION", "DeviceError", "Engine", "EssError", "HostLayout", "Info", "InternalError", "InvalidArgument", "InvalidType",

@@ -6,6 +6,7 @@ import ctypes.util
 import glob
 import os
 from pathlib import Path
+from typing import Optional
 
 ABI_VERSION = 1  # ESS_ABI_VERSION this package speaks
 
@@ -96,19 +97,33 @@ class StepTensors(ctypes.Structure):
     ]
 
 
-def _candidates():
-    env = os.environ.get("ESS_LIBRARY")
+def _checkout_root(package: Path):
+    """The source checkout this package directory lies in (python/ess of a repository with
+    include/ess/ess_c.h), or None for an installed package."""
+    repo = package.parent.parent
+    if package.parent.name == "python" and (repo / "include" / "ess" / "ess_c.h").is_file():
+        return repo
+    return None
+
+
+def _candidates(here: Path, env: Optional[str]):
+    """Where the package in directory `here` looks for libess, in order. ESS_LIBRARY (`env`), when set, is
+    the only place. An installed package (a wheel) has its own libess.so beside it and uses only that one,
+    so it never loads a build tree's library by accident; only a source checkout looks in its build trees."""
     if env:
         yield Path(env)
         return
-    here = Path(__file__).resolve().parent
-    yield from sorted(here.glob("lib/libess.so*"))
-    # A source checkout: python/ess -> the repository's build trees.
-    repo = here.parent.parent
-    for preset in ("release", "cpu", "debug"):
-        yield repo / "build" / preset / "src" / "capi" / "libess.so"
-    for p in sorted(glob.glob(str(repo / "build" / "*" / "src" / "capi" / "libess.so"))):
-        yield Path(p)
+    bundled = here / "libess.so"
+    if bundled.exists():
+        yield bundled
+        return
+    repo = _checkout_root(here)
+    if repo is not None:
+        for preset in ("release", "cpu", "debug"):
+            yield repo / "build" / preset / "src" / "capi" / "libess.so"
+        for p in sorted(glob.glob(str(repo / "build" / "*" / "src" / "capi" / "libess.so"))):
+            yield Path(p)
+    # The system's library path (cmake --install into a prefix the loader searches).
     found = ctypes.util.find_library("ess")
     if found:
         yield Path(found)
@@ -116,7 +131,7 @@ def _candidates():
 
 def _load():
     tried = []
-    for path in _candidates():
+    for path in _candidates(Path(__file__).resolve().parent, os.environ.get("ESS_LIBRARY")):
         if not path.exists() and path.is_absolute():
             tried.append(f"{path} (missing)")
             continue
@@ -125,7 +140,8 @@ def _load():
         except OSError as e:
             tried.append(f"{path} ({e})")
     raise ImportError(
-        "ess: libess.so not found. Build it (./scripts/test.sh, or cmake --build build/release --target ess_c), "
+        "ess: libess.so not found. Install the package with its library (pip install . at the repository root), "
+        "build it in a checkout (./scripts/test.sh, or cmake --build build/release --target ess_c), "
         "install it (cmake --install), or set ESS_LIBRARY to its path. Tried: " + "; ".join(tried or ["nothing"]))
 
 

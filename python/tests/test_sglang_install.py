@@ -8,7 +8,9 @@ import sys
 import textwrap
 from pathlib import Path
 
-PYTHON_DIR = Path(__file__).resolve().parent.parent
+import ess
+
+PYTHON_DIR = Path(ess.__file__).resolve().parent.parent  # where `ess` is imported from: the checkout's python/ or site-packages
 
 LAUNCH_SERVER = textwrap.dedent('''
     import multiprocessing as mp
