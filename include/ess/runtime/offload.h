@@ -134,7 +134,9 @@ struct LayerStep {
 };
 
 // The D2H write-back of the entries the model wrote this step: positions [length - T, length)
-// of each position's request, from the reserved rows (reserve_newest) or from source_rows.
+// of each position's request (those that exist: a request of fewer than T tokens has fewer;
+// reserved row or source row t holds token length - T + t), from the reserved rows
+// (reserve_newest) or from source_rows.
 // Write-backs share one scratch list (CUDA backend): issue them on one stream, or order them.
 struct WriteBack {
   int layer = 0;

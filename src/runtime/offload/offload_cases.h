@@ -649,6 +649,60 @@ TEST(OffloadWriteBack, CopiesTheNewestEntriesToTheHostPool) {
   }
 }
 
+// A request shorter than T tokens (a one-token prompt, one token decoded, MTP 4): its tokens
+// are all among the T newest, in reserved rows T - length .. T - 1; the step maps them there
+// and ignores the padding ids; the write-back copies exactly the tokens that exist.
+TEST(OffloadWriteBack, ARequestShorterThanTHasOnlyItsTokensWrittenBack) {
+  ESS_REQUIRE_BACKEND(harness().info);
+  const int T = 4, K = 8;
+  OffloadConfig c;
+  c.layers = 2;
+  c.layout = test::small_layout();
+  c.max_requests = 2;
+  c.query_tokens = T;
+  c.topk = K;
+  c.slots = 8;
+  c.reserve_newest = true;
+  c.max_context = 64;
+  c.backend = harness().backend;
+  Offload o(c);
+  const std::size_t E = c.layout.bytes();
+  const RequestId id = 3;
+  o.admit(id, 1);
+  o.extend(id, 1);  // length 2 < T
+  const std::int32_t row = o.row(id), rpr = o.rows_per_request();
+  const std::vector<std::int32_t> rows = {row}, lengths = {2};
+  for (int l = 0; l < c.layers; ++l) {
+    for (std::int64_t t = 0; t < 2; ++t) io().write_row(o, l, row * rpr + c.slots + (T - 2) + static_cast<std::int32_t>(t), entry_of(id, l, t, E));
+  }
+  StepIn in;
+  in.layer = 1;
+  in.batch = 1;
+  in.rows = rows;
+  in.lengths = lengths;
+  in.split = true;
+  for (int t = 0; t < T; ++t) {
+    const std::vector<std::int32_t> q = {1, -1, 0, -1, -1, -1, -1, -1};
+    in.topk.insert(in.topk.end(), q.begin(), q.end());
+  }
+  const StepOut got = io().step(o, in);
+  for (int t = 0; t < T; ++t) {
+    EXPECT_EQ(got.physical[static_cast<std::size_t>(t * K)], row * rpr + c.slots + 3) << "token 1, query token " << t;
+    EXPECT_EQ(got.physical[static_cast<std::size_t>(t * K + 1)], -1);
+    EXPECT_EQ(got.physical[static_cast<std::size_t>(t * K + 2)], row * rpr + c.slots + 2) << "token 0, query token " << t;
+  }
+  EXPECT_EQ(got.counts, (std::vector<std::int32_t>{0, 0})) << "the newest tokens are outside the LRU";
+  for (int l = 0; l < c.layers; ++l) {
+    for (std::int64_t t = 0; t < 2; ++t) std::memset(o.host_entry(id, l, t).data(), 0, E);
+    io().write_back(o, l, rows, lengths, {});
+    for (std::int64_t t = 0; t < 2; ++t) {
+      const auto want = entry_of(id, l, t, E);
+      const auto e = o.host_entry(id, l, t);
+      EXPECT_TRUE(std::equal(e.begin(), e.end(), want.begin())) << "layer " << l << " token " << t;
+    }
+  }
+}
+
 // An engine's own buffer (a paged cache: blocks of 64 rows, padded rows and blocks): every
 // fetched entry lands at the address the engine's layout gives its row.
 TEST(OffloadEngineBuffer, RowsLandWhereTheEnginesStridesPutThem) {

@@ -8,6 +8,7 @@
 #include "ess/cache/swap_engine.h"
 #include "ess/core/error.h"
 #include "runtime/offload/offload_impl.h"
+#include "runtime/offload/offload_kernel.h"
 
 namespace ess {
 namespace {
@@ -90,7 +91,7 @@ class CpuOffload final : public OffloadBackend {
         for (int k = 0; k < K; ++k) {
           const std::size_t i = static_cast<std::size_t>(t) * K + k;
           const std::int32_t tok = ids[i];
-          if (c.reserve_newest && tok >= len - T && tok < len) {
+          if (c.reserve_newest && tok >= 0 && tok >= len - T && tok < len) {
             ESS_CHECK(newest_seen.insert(tok).second,
                       "offload: step of layer {}: position {} query token {} selects token {} twice", s.layer, b, t, tok);
             reserved_[static_cast<std::size_t>(b) * P + i] = static_cast<std::int32_t>(tok - (len - T));
@@ -150,20 +151,22 @@ class CpuOffload final : public OffloadBackend {
     for (int b = 0; b < w.batch; ++b) {
       if (w.rows[b] < 0) continue;
       const RequestId id = x_.request_at(w.rows[b], "write_back", b);
-      ESS_CHECK(w.lengths[b] == x_.pool->length(id) && w.lengths[b] >= T,
+      ESS_CHECK(w.lengths[b] == x_.pool->length(id),
                 "offload: write_back of layer {}: position {} (request {}) has length {}, the request holds {} tokens",
                 w.layer, b, id, w.lengths[b], x_.pool->length(id));
-      for (int t = 0; w.source_rows != nullptr && t < T; ++t) {
+      for (int t = cuda::offload::first_newest(w.lengths[b], T); w.source_rows != nullptr && t < T; ++t) {
         const std::int32_t src = w.source_rows[b * T + t];
         ESS_CHECK(src >= 0 && src < rows, "offload: write_back of layer {}: position {} token {} names row {}, outside [0, {})",
                   w.layer, b, t, src, rows);
       }
-      for (int t = 0; t < T; ++t) (void)x_.pool->writable_entry(id, w.layer, w.lengths[b] - T + t);  // not shared
+      for (int t = cuda::offload::first_newest(w.lengths[b], T); t < T; ++t) {
+        (void)x_.pool->writable_entry(id, w.layer, w.lengths[b] - T + t);  // not shared
+      }
     }
     for (int b = 0; b < w.batch; ++b) {
       if (w.rows[b] < 0) continue;
       const RequestId id = x_.request_of_row[static_cast<std::size_t>(w.rows[b])];
-      for (int t = 0; t < T; ++t) {
+      for (int t = cuda::offload::first_newest(w.lengths[b], T); t < T; ++t) {
         const std::int32_t src = w.source_rows != nullptr ? w.source_rows[b * T + t] : physical(w.rows[b], c.slots + t);
         const std::uint8_t* from = row_ptr(w.layer, src);
         x_.pool->write(id, w.layer, w.lengths[b] - T + t, {from, x_.config.layout.bytes()});

@@ -28,6 +28,10 @@ ESS_OFFLOAD_INLINE int newest_index(const StepShape& s, std::int32_t id, std::in
 
 ESS_OFFLOAD_INLINE bool valid_id(std::int32_t id, std::int32_t len) { return id >= -1 && id < len; }
 
+// The first of a position's T reserved rows that holds a token: reserved row t is token
+// len - T + t, so a request shorter than T tokens leaves its first T - len rows unused.
+ESS_OFFLOAD_INLINE int first_newest(std::int64_t len, int T) { return len >= T ? 0 : T - static_cast<int>(len); }
+
 // Whether position i of a [T][K] row block belongs to the query group.
 ESS_OFFLOAD_INLINE bool in_group(const StepShape& s, std::int64_t i) {
   const auto t = static_cast<int>(i / s.topk);
@@ -75,14 +79,15 @@ ESS_OFFLOAD_INLINE void write_back_list_cta(const WriteBackList& w, P& p) {
   for (int base = 0; base < w.batch; base += p.threads()) {
     const int b = base + p.tid();
     const std::int32_t row = b < w.batch ? w.rows[b] : -1;
-    const std::int64_t n = row >= 0 ? T : 0;
+    const int first = row >= 0 ? first_newest(w.lengths[b], T) : T;
+    const std::int64_t n = T - first;
     std::int64_t before = 0, tile = 0;
     p.exclusive_sum(n, before, tile);
-    for (int t = 0; t < n; ++t) {
+    for (int t = first; t < T; ++t) {
       const std::int64_t token = static_cast<std::int64_t>(w.lengths[b]) - T + t;
       const std::int32_t src = w.source_rows != nullptr ? w.source_rows[b * T + t] : row * w.rows_per_request + w.slots + t;
       const std::int32_t page = w.page_table[(static_cast<std::int64_t>(row) * w.max_pages + token / 64) * w.layers + w.layer];
-      const std::int64_t at = running + before + t;
+      const std::int64_t at = running + before + (t - first);
       w.src_offsets[at] = w.buffer.offset(src);
       w.dst_offsets[at] = static_cast<std::uint64_t>(page) * w.page_bytes + static_cast<std::uint64_t>(token % 64) * w.entry_bytes;
     }
