@@ -25,6 +25,7 @@ usage: scripts/bench_compare.sh [options] BASE [HEAD]
                   (default: swap_engine_bench,offload_step_bench,prefix_admission_bench,trace_replay_bench)
   --list FILE     gate list (default: bench/hot_paths.txt)
   --no-gate       report only: exit 0 whatever the ratios
+  --build-only    build both sides, print their build folders, run nothing
   --min-time S    --benchmark_min_time of each run (seconds; default: Google Benchmark's)
   --cache DIR     worktrees and builds (default: $ESS_BENCH_CACHE, else
                   ${XDG_CACHE_HOME:-~/.cache}/ess-bench-compare)
@@ -45,6 +46,7 @@ FILTER=""
 BENCHES="swap_engine_bench,offload_step_bench,prefix_admission_bench,trace_replay_bench"
 LIST="$ROOT/bench/hot_paths.txt"
 GATE=1
+BUILD_ONLY=0
 MIN_TIME=""
 CACHE=${ESS_BENCH_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/ess-bench-compare}
 JSON=""
@@ -60,6 +62,7 @@ while [[ $# -gt 0 ]]; do
     -b|--bench) need_value "$@"; BENCHES=$2; shift 2 ;;
     --list) need_value "$@"; LIST=$2; shift 2 ;;
     --no-gate) GATE=0; shift ;;
+    --build-only) BUILD_ONLY=1; shift ;;
     --min-time) need_value "$@"; MIN_TIME=$2; shift 2 ;;
     --cache) need_value "$@"; CACHE=$2; shift 2 ;;
     --json) need_value "$@"; JSON=$2; shift 2 ;;
@@ -134,6 +137,11 @@ build() {
 }
 BASE_DIR=$(build "$BASE_ID")
 HEAD_DIR=$(build "$HEAD_ID")
+if [[ $BUILD_ONLY -eq 1 ]]; then
+  echo "BASE $BASE_REF: $BASE_DIR"
+  echo "HEAD $HEAD_REF: $HEAD_DIR"
+  exit 0
+fi
 
 args=(run --list "$LIST" --runs "$RUNS" --benches "$BENCHES" --json "$JSON"
       --base-ref "$BASE_REF" --base-id "$BASE_ID" --base-dir "$BASE_DIR"
