@@ -56,10 +56,10 @@ class LayerCache {
   std::unique_ptr<ReplacementPolicy> policy_;
   std::int32_t resident_ = 0;
   // Per-step scratch.
-  std::vector<std::uint32_t> mark_;  // slot -> epoch of the step that already counted it
-  std::uint32_t epoch_ = 0;
-  std::vector<std::int32_t> hits_;
+  std::vector<std::int32_t> hits_;        // distinct hit slots, canonical order
+  std::vector<std::int32_t> hit_tokens_;  // their tokens
   std::vector<std::int32_t> miss_tokens_;
+  std::vector<std::size_t> miss_at_;      // positions whose slot id is a miss mark
   std::vector<std::int32_t> victims_;
 };
 

@@ -71,6 +71,7 @@ class LruPolicy final : public ReplacementPolicy {
   SlotLists list_;                     // one list in (recency, slot) order: first() is the LRU slot
   std::vector<std::int64_t> stamp_;    // last step that used the slot, -1 = never
   std::vector<std::uint64_t> in_set_;  // scratch bitmap of this step's working-set slots
+  std::vector<std::int32_t> working_;  // scratch: those slots in ascending order
 };
 
 // Belady's MIN, offline: given the exact sequence of working sets the policy will see, it

@@ -36,7 +36,15 @@ class QueryGrouper {
 
  private:
   void next_epoch();
-  bool mark(std::int32_t id);  // true when `id` is new in this epoch
+  // True when `id` is new in this epoch. Inline: it runs once per id of every step.
+  bool mark(std::int32_t id) {
+    const auto i = static_cast<std::size_t>(id);
+    if (i >= stamp_.size()) [[unlikely]] grow(i);
+    if (stamp_[i] == epoch_) return false;
+    stamp_[i] = epoch_;
+    return true;
+  }
+  void grow(std::size_t id);  // makes stamp_ cover `id`
   std::vector<std::uint32_t> stamp_;
   std::uint32_t epoch_ = 0;
 };

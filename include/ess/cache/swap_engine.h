@@ -85,8 +85,9 @@ class SwapEngine {
     std::int32_t row = 0;
     std::vector<LayerCache> layers;
   };
-  // Throws unless `ids` ([rows][K]) are all -1 or in [0, length) and no row repeats an id.
-  void validate_ids(RequestId id, int layer, std::span<const std::int32_t> ids, int rows, int K,
+  // Throws unless `ids` ([rows][K]) are all -1 or in [0, length) and no row repeats an id;
+  // returns the distinct ids of all rows together (the working set when rows are query tokens).
+  std::int64_t validate_ids(RequestId id, int layer, std::span<const std::int32_t> ids, int rows, int K,
                     std::int64_t length, const char* what);
   Request& find(RequestId id, const char* what);
 
@@ -96,9 +97,8 @@ class SwapEngine {
   std::unordered_map<RequestId, Request> requests_;
   std::vector<Fill> fills_;            // scratch
   std::vector<Request*> batch_;        // scratch
-  std::vector<std::uint32_t> seen_;    // scratch: token -> epoch, duplicate detection
-  std::uint32_t seen_epoch_ = 0;
-  QueryGrouper grouper_;               // scratch: a step's working set
+  std::vector<std::uint32_t> seen_;    // scratch: token -> stamp of the row that last selected it
+  std::uint32_t seen_epoch_ = 0;       // the last stamp handed out
 };
 
 }  // namespace ess

@@ -106,6 +106,14 @@ class TotalPool {
 
   // The entry of (request, layer, token): byte offset from base(), and pointers.
   std::uint64_t offset(RequestId id, int layer, std::int64_t token) const;
+  // The request's page table in `layer`: the arena page of each of its pages, valid until the
+  // request is next extended, truncated or released. With it, entry_offset is offset()
+  // without the look-up, for a token the caller has checked is below length(id).
+  std::span<const std::int32_t> page_table(RequestId id, int layer) const;
+  std::uint64_t entry_offset(std::span<const std::int32_t> table, std::int64_t token) const {
+    return static_cast<std::uint64_t>(table[static_cast<std::size_t>(token / kPageTokens)]) * page_bytes_ +
+           static_cast<std::uint64_t>(token % kPageTokens) * entry_bytes_;
+  }
   std::span<const std::uint8_t> entry(RequestId id, int layer, std::int64_t token) const;
   // Throws naming the page when the entry lies in a shared (read-only) page.
   void write(RequestId id, int layer, std::int64_t token, std::span<const std::uint8_t> bytes);

@@ -56,7 +56,7 @@ std::vector<std::int64_t> FifoPolicy::recency() const { return filled_; }
 void FifoPolicy::hash(Digest& d) const {
   d.value(clock_);
   d.values(std::span<const std::int64_t>(filled_));
-  d.values(list_.links());
+  d.values(std::span<const std::int32_t>(list_.links()));
 }
 
 void FifoPolicy::check_invariants() const {
@@ -328,7 +328,7 @@ std::vector<std::int64_t> S3FifoPolicy::recency() const {
 }
 
 void S3FifoPolicy::hash(Digest& d) const {
-  d.values(lists_.links());
+  d.values(std::span<const std::int32_t>(lists_.links()));
   d.values(std::span<const std::uint8_t>(freq_));
   d.value(ghost_next_);
 }

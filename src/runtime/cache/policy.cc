@@ -23,28 +23,40 @@ LruPolicy::LruPolicy(std::int32_t slots)
 
 void LruPolicy::step(const PolicyStepView& view, std::span<std::int32_t> victims) {
   ESS_ASSERT(victims.size() == view.miss_tokens.size());
-  for (std::int32_t s : view.hit_slots) {
+  std::uint64_t* const in_set = in_set_.data();
+  const auto hits = view.hit_slots;
+  // The hit slots lie anywhere in the list: their links are loaded ahead of the unlinks.
+  constexpr std::size_t kAhead = 16;
+  for (std::size_t j = 0; j < hits.size(); ++j) {
+    if (j + kAhead < hits.size()) list_.prefetch(hits[j + kAhead]);
+    const std::int32_t s = hits[j];
     list_.unlink(s);
-    in_set_[static_cast<std::size_t>(s) >> 6] |= 1ULL << (s & 63);
+    in_set[static_cast<std::size_t>(s) >> 6] |= 1ULL << (s & 63);
   }
   for (auto& v : victims) {
     const std::int32_t s = list_.first(0);
     ESS_ASSERT(s != list_.head(0), "lru: no victim left (working set larger than the pool)");
     list_.unlink(s);
-    in_set_[static_cast<std::size_t>(s) >> 6] |= 1ULL << (s & 63);
+    in_set[static_cast<std::size_t>(s) >> 6] |= 1ULL << (s & 63);
     v = s;
   }
   // The working set becomes the most recent, in ascending slot order.
+  working_.resize(hits.size() + victims.size());
+  std::int32_t* const ws = working_.data();
+  std::int64_t* const stamp = stamp_.data();
+  std::size_t k = 0;
   for (std::size_t w = 0; w < in_set_.size(); ++w) {
-    std::uint64_t bits = in_set_[w];
-    in_set_[w] = 0;
+    std::uint64_t bits = in_set[w];
+    in_set[w] = 0;
     while (bits != 0) {
       const auto s = static_cast<std::int32_t>(w * 64 + static_cast<std::size_t>(std::countr_zero(bits)));
       bits &= bits - 1;
-      list_.push_back(0, s);
-      stamp_[s] = clock_;
+      ws[k++] = s;
+      stamp[s] = clock_;
     }
   }
+  ESS_ASSERT(k == working_.size(), "lru: {} working-set slots, expected {} (a hit slot repeated?)", k, working_.size());
+  list_.push_back_all(0, working_);
   ++clock_;
 }
 
@@ -53,7 +65,7 @@ std::vector<std::int64_t> LruPolicy::recency() const { return stamp_; }
 void LruPolicy::hash(Digest& d) const {
   d.value(clock_);
   d.values(std::span<const std::int64_t>(stamp_));
-  d.values(list_.links());
+  d.values(std::span<const std::int32_t>(list_.links()));
 }
 
 void LruPolicy::check_invariants() const {

@@ -13,13 +13,7 @@ void QueryGrouper::next_epoch() {
   }
 }
 
-bool QueryGrouper::mark(std::int32_t id) {
-  const auto i = static_cast<std::size_t>(id);
-  if (i >= stamp_.size()) stamp_.resize(std::max(i + 1, stamp_.size() * 2), 0);
-  if (stamp_[i] == epoch_) return false;
-  stamp_[i] = epoch_;
-  return true;
-}
+void QueryGrouper::grow(std::size_t id) { stamp_.resize(std::max(id + 1, stamp_.size() * 2), 0); }
 
 GroupStarts QueryGrouper::split(std::span<const std::int32_t> ids, int T, int K, std::int64_t capacity) {
   ESS_ASSERT(T >= 1 && T <= kMaxQueryTokens && K >= 1 && ids.size() == static_cast<std::size_t>(T) * K,

@@ -68,14 +68,22 @@ const LayerCache& SwapEngine::layer_cache(RequestId id, int layer) const {
   return it->second.layers[static_cast<std::size_t>(layer)];
 }
 
-void SwapEngine::validate_ids(RequestId id, int layer, std::span<const std::int32_t> ids, int rows, int K,
-                              std::int64_t length, const char* what) {
+std::int64_t SwapEngine::validate_ids(RequestId id, int layer, std::span<const std::int32_t> ids, int rows, int K,
+                                      std::int64_t length, const char* what) {
   if (seen_.size() < static_cast<std::size_t>(length)) seen_.resize(static_cast<std::size_t>(length), 0);
+  // Row t stamps its ids with first + t: a stamp equal to that is a repeat within the row, one
+  // in [first, first + t) an id an earlier row of this call selected already.
+  const auto n_rows = static_cast<std::uint32_t>(rows);
+  if (seen_epoch_ > UINT32_MAX - n_rows) {  // would wrap: clear so that no stale stamp matches
+    std::fill(seen_.begin(), seen_.end(), 0);
+    seen_epoch_ = 0;
+  }
+  const std::uint32_t first = seen_epoch_ + 1;
+  seen_epoch_ += n_rows;
+  std::uint32_t* const seen = seen_.data();
+  std::int64_t distinct = 0;
   for (int t = 0; t < rows; ++t) {
-    if (++seen_epoch_ == 0) {
-      std::fill(seen_.begin(), seen_.end(), 0);
-      seen_epoch_ = 1;
-    }
+    const std::uint32_t stamp = first + static_cast<std::uint32_t>(t);
     const std::int32_t* row = ids.data() + static_cast<std::size_t>(t) * K;
     for (int k = 0; k < K; ++k) {
       const std::int32_t tok = row[k];
@@ -85,13 +93,16 @@ void SwapEngine::validate_ids(RequestId id, int layer, std::span<const std::int3
                   "outside [0, {}) (-1 = padding)",
                   what, id, layer, what[0] == 'w' ? "window" : "query token", t, k, tok, length);
       }
-      if (seen_[static_cast<std::size_t>(tok)] == seen_epoch_) [[unlikely]] {
+      const std::uint32_t was = seen[tok];
+      if (was == stamp) [[unlikely]] {
         ESS_THROW("swap engine: {} of request {} layer {}: {} {} selects token {} twice (position {})",
                   what, id, layer, what[0] == 'w' ? "window" : "query token", t, tok, k);
       }
-      seen_[static_cast<std::size_t>(tok)] = seen_epoch_;
+      distinct += was < first;
+      seen[tok] = stamp;
     }
   }
+  return distinct;
 }
 
 SwapResult SwapEngine::step(const SwapStep& in) {
@@ -135,9 +146,8 @@ void SwapEngine::step(const SwapStep& in, SwapResult& out) {
               "swap engine: layer {}: request {} length {} exceeds the sparse pool's max_context {}",
               in.layer, id, len, max_ctx);
     const auto ids = in.topk.subspan(b * per_request, per_request);
-    validate_ids(id, in.layer, ids, T, K, len, "step");
+    const std::int64_t distinct = validate_ids(id, in.layer, ids, T, K, len, "step");
     if (T > 1) {
-      const std::int64_t distinct = grouper_.union_size(ids, K, 0, T);
       ESS_CHECK(distinct <= sparse_.slots(),
                 "swap engine: layer {}: request {} (batch position {}): its {} query tokens select {} distinct ids, "
                 "more than its {} slots; serve the step in query groups (ess/cache/query_groups.h)",
@@ -162,9 +172,11 @@ void SwapEngine::step(const SwapStep& in, SwapResult& out) {
         std::span<std::int32_t>(out.slot_ids).subspan(b * per_request, per_request), fills_);
     out.per_request[b] = c;
     out.total += c;
+    // Every filled token was checked against the request's length, within its pages.
+    const auto pages = total_.page_table(in.requests[b], in.layer);
     for (const Fill& f : fills_) {
-      out.plan.entries.push_back(MissEntry{static_cast<std::int32_t>(b), r.row, f.token, f.slot,
-                                           total_.offset(in.requests[b], in.layer, f.token)});
+      out.plan.entries.push_back(
+          MissEntry{static_cast<std::int32_t>(b), r.row, f.token, f.slot, total_.entry_offset(pages, f.token)});
     }
   }
 }

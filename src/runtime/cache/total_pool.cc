@@ -179,9 +179,14 @@ void TotalPool::check_token(RequestId id, const Request& r, int layer, std::int6
 std::uint64_t TotalPool::offset(RequestId id, int layer, std::int64_t token) const {
   const Request& r = find(id, "offset");
   check_token(id, r, layer, token, "offset");
-  const auto page = r.pages[static_cast<std::size_t>(layer)][static_cast<std::size_t>(token / kPageTokens)];
-  return static_cast<std::uint64_t>(page) * page_bytes_ +
-         static_cast<std::uint64_t>(token % kPageTokens) * entry_bytes_;
+  return entry_offset(r.pages[static_cast<std::size_t>(layer)], token);
+}
+
+std::span<const std::int32_t> TotalPool::page_table(RequestId id, int layer) const {
+  const Request& r = find(id, "page table");
+  ESS_CHECK(layer >= 0 && layer < num_layers_, "total pool: page table of request {}: layer {} out of [0, {})", id,
+            layer, num_layers_);
+  return r.pages[static_cast<std::size_t>(layer)];
 }
 
 const std::uint8_t* TotalPool::layer_base(int layer) const {
