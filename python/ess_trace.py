@@ -61,6 +61,11 @@ def _check_rows(rows, lengths, what: str, unit: str):
             raise ValueError(f"{what}: {unit} {n}, query {q}: id {int(s[q, k])} is selected twice")
 
 
+# The longest context of the models ESS ships, by the names a trace gives in ess.model (as the
+# C++ reader's model_max_length): a longer request of such a model is refused.
+_MODEL_MAX_LENGTH = {"deepseek-v3.2-exp": 163840, "deepseek-ai/deepseek-v3.2-exp": 163840, "deepseek_v32": 163840}
+
+
 class TraceWriter:
     def __init__(self, *, model: str, layers: int, mtp: int, topk: int, provenance: str, synthetic: bool,
                  note: str = "", extra: dict | None = None):
@@ -98,6 +103,14 @@ class TraceWriter:
             if isinstance(context, bool) or not isinstance(context, (int, np.integer)) or not 1 <= context <= INT32_MAX:
                 raise ValueError(f"request {i}: context {context!r} must be an integer in [1, 2^31-1]")
             context = int(context)
+            if context > int(lengths[0]):
+                raise ValueError(f"request {i}: context {context} exceeds the length {int(lengths[0])} of its first "
+                                 "step (the prompt is part of every step's context)")
+        most = _MODEL_MAX_LENGTH.get(str(self.model).lower())
+        if most is not None and int(lengths.max()) > most:
+            s = int(np.argmax(lengths))
+            raise ValueError(f"request {i}: lengths, step {s}: length {int(lengths[s])} exceeds the "
+                             f"max_position_embeddings ({most}) of the model '{self.model}'")
         # Requests of one prefix group share their first prefix_tokens prompt tokens.
         base = context if context is not None else int(lengths[0])
         if isinstance(prefix_tokens, bool) or not isinstance(prefix_tokens, (int, np.integer)) or not 0 <= prefix_tokens <= base:

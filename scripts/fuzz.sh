@@ -18,8 +18,9 @@ cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   "-DCMAKE_CXX_FLAGS=-fsanitize=fuzzer-no-link,address,undefined -fno-omit-frame-pointer" >/dev/null
 cmake --build "$BUILD" --target trace_reader_fuzz -j "$JOBS"
 
-# Seed corpus: small valid traces (the fuzzer keeps what it finds in the corpus folder), plus the
-# inputs of past findings in tests/trace/fuzz/corpus/ (regressions).
+# Seed corpus: small valid traces (the fuzzer keeps what it finds in the corpus folder), plus
+# tests/trace/fuzz/corpus/: the inputs of past findings (regression-*) and the structural cases
+# of make_structure_cases.py (structure-*: holes, trailing bytes, overlapping tensors, ...).
 CORPUS="$BUILD/fuzz-corpus"
 mkdir -p "$CORPUS"
 python3 - "$CORPUS" <<'PY'

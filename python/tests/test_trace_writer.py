@@ -70,6 +70,7 @@ def test_bad_requests_are_refused_by_name_and_change_nothing(change, words):
     (dict(context=0), "context 0"),
     (dict(context=2**31), "context 2147483648"),
     (dict(context=12.0), "context 12.0"),
+    (dict(context=11), "context 11 exceeds the length 10 of its first step"),
 ])
 def test_bad_prefill_and_context_are_refused(kwargs, words):
     w = writer()
@@ -111,3 +112,13 @@ def test_prefix_groups_are_written_and_checked(tmp_path):
     w.write(str(path))
     md, _ = ess_trace.read_trace(str(path))
     assert md["requests.0.prefix_group"] == "sys" and md["requests.0.prefix_tokens"] == "8"
+
+
+def test_lengths_beyond_the_models_maximum_are_refused():
+    w = ess_trace.TraceWriter(model="deepseek-v3.2-exp", layers=L, mtp=T, topk=K, provenance="test", synthetic=True)
+    ids, lengths = good()
+    with pytest.raises(ValueError) as e:
+        w.add_request(topk=ids, lengths=lengths + 163840 - 11)
+    assert "step 2: length 163841 exceeds the max_position_embeddings (163840)" in str(e.value), str(e.value)
+    w.add_request(topk=ids, lengths=lengths + 163840 - 12)
+    assert len(w.requests) == 1

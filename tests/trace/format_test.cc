@@ -1,9 +1,12 @@
 // The trace format: C++ round trip, Python-writes / C++-reads, and every kind of bad input.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 
+#include "ess/core/text.h"
 #include "ess/trace/analyzer.h"
 #include "ess/trace/format.h"
 #include "test_util.h"
@@ -273,7 +276,10 @@ TEST(TraceFormatBadInput, ShapeAndLengthMismatches) {
   expect_error([&] { parse(good_header(0), {}); }, {"request 0", "requests.0.topk", "at least one step"});
   h = good_header();
   h["requests.7.topk"] = h["requests.0.topk"];
-  expect_error([&] { parse(h, good_data({3, 4}, {10})); }, {"requests.7.topk", "not part of the format"});
+  h["requests.7.topk"]["data_offsets"] = {16, 24};
+  auto data = good_data({3, 4}, {10});
+  data.resize(24, 0);
+  expect_error([&] { parse(h, data); }, {"requests.7.topk", "not part of the format"});
 }
 
 TEST(TraceFormatBadInput, MetadataErrors) {
@@ -303,6 +309,13 @@ TEST(TraceFormatBadInput, StringsFromTheFilePrintWithoutTheirControlCharacters) 
   EXPECT_EQ(r.meta().model, "m\\x1b[2Jx");
   EXPECT_EQ(r.meta().provenance, "line\\x0anext\\\\");
   EXPECT_EQ(r.request(0).id, "\\x07bell");
+  // Bytes that are not UTF-8 and the C1 controls (0x9b is CSI) are escaped too; UTF-8 text stays.
+  EXPECT_EQ(printable("caf\xc3\xa9 \xe2\x82\xac"), "caf\xc3\xa9 \xe2\x82\xac");
+  EXPECT_EQ(printable("a\xee\x9b" "b"), "a\\xee\\x9bb");
+  EXPECT_EQ(printable("\xc2\x9b" "2J"), "\\xc2\\x9b2J");
+  EXPECT_EQ(printable("\xed\xa0\x80\xc0\xaf\xf4\x90\x80\x80"),
+            "\\xed\\xa0\\x80\\xc0\\xaf\\xf4\\x90\\x80\\x80");
+  EXPECT_EQ(printable("\xe2\x82"), "\\xe2\\x82");  // cut short
   h = good_header();
   h["__metadata__"]["ess.format"] = "\x1b]0;title\x07";
   expect_error([&] { parse(h, good_data({3, 4}, {10})); }, {"'\\x1b]0;title\\x07'"});
@@ -340,7 +353,8 @@ TEST(TraceFormatBadInput, IdsOutOfRangeOrDuplicatedWithinAQuery) {
 
 TEST(TraceFormatBadInput, MisalignedTensorsAreCopiedNotMisread) {
   auto h = good_header();
-  // Put the ids at data offset 2 (misaligned), after two padding bytes.
+  // Put the ids at data offset 2 (misaligned), after a 2-byte tensor another writer added.
+  h["other"] = {{"dtype", "U8"}, {"shape", {2}}, {"data_offsets", {0, 2}}};
   h["requests.0.topk"]["data_offsets"] = {2, 10};
   h["requests.0.lengths"]["data_offsets"] = {10, 18};
   const auto body = good_data({7, 9}, {12});
@@ -350,6 +364,119 @@ TEST(TraceFormatBadInput, MisalignedTensorsAreCopiedNotMisread) {
   EXPECT_EQ(r.request(0).step(0, 0)[0], 7);
   EXPECT_EQ(r.request(0).step(0, 0)[1], 9);
   EXPECT_EQ(r.request(0).lengths[0], 12);
+}
+
+// The tensors tile the data section exactly, as safetensors requires; each refusal names the
+// tensor and its offsets.
+TEST(TraceFormatBadInput, TensorsMustTileTheDataSection) {
+  const auto start = 8 + good_header().dump().size();
+  {  // bytes after the last tensor
+    auto data = good_data({3, 4}, {10});
+    data.resize(data.size() + 3, 0);
+    expect_error([&] { parse(good_header(), data); },
+                 {"bad.safetensors", "3 bytes at data [16, 19)", "file offset " + std::to_string(start + 16),
+                  "'requests.0.lengths'", "cover the data section exactly"});
+  }
+  {  // a hole between the tensors
+    auto h = good_header();
+    h["requests.0.lengths"]["data_offsets"] = {12, 20};
+    auto data = good_data({3, 4}, {10});
+    data.insert(data.begin() + 8, 4, 0);
+    expect_error([&] { parse(h, data); },
+                 {"tensor 'requests.0.lengths'", "data [12, 20)", "hole of 4 bytes at data [8, 12)",
+                  "file offset " + std::to_string(8 + h.dump().size() + 8), "after tensor 'requests.0.topk'"});
+  }
+  {  // a hole before the first tensor
+    auto h = good_header();
+    h["requests.0.topk"]["data_offsets"] = {4, 12};
+    h["requests.0.lengths"]["data_offsets"] = {12, 20};
+    auto data = good_data({3, 4}, {10});
+    data.insert(data.begin(), 4, 0);
+    expect_error([&] { parse(h, data); }, {"requests.0.topk", "hole of 4 bytes", "at the start of the data section"});
+  }
+  {  // two tensors over the same bytes
+    auto h = good_header();
+    h["extra"] = {{"dtype", "I32"}, {"shape", {2}}, {"data_offsets", {8, 16}}};
+    expect_error([&] { parse(h, good_data({3, 4}, {10})); },
+                 {"overlaps tensor", "data [8, 16)", "file offset " + std::to_string(8 + h.dump().size() + 8), "'extra'",
+                  "'requests.0.lengths'"});
+  }
+  {  // a tensor inside another
+    auto h = good_header();
+    h["inner"] = {{"dtype", "I32"}, {"shape", {1}}, {"data_offsets", {4, 8}}};
+    expect_error([&] { parse(h, good_data({3, 4}, {10})); }, {"tensor 'inner'", "data [4, 8)", "overlaps tensor 'requests.0.topk'"});
+  }
+  {  // empty tensors take no bytes: any number of them may sit at one offset
+    auto h = good_header();
+    h["empty.a"] = {{"dtype", "F32"}, {"shape", {0}}, {"data_offsets", {8, 8}}};
+    h["empty.b"] = {{"dtype", "I64"}, {"shape", {3, 0}}, {"data_offsets", {8, 8}}};
+    EXPECT_NO_THROW(parse(h, good_data({3, 4}, {10})));
+  }
+}
+
+TEST(TraceFormatBadInput, HeaderKeysGivenTwiceOrUnknown) {
+  auto text = good_header().dump();
+  const auto at = text.find("\"requests.0.topk\"");
+  ASSERT_NE(at, std::string::npos);
+  text.insert(at, "\"requests.0.topk\":{\"dtype\":\"I32\",\"shape\":[1,1,1,2],\"data_offsets\":[0,8]},");
+  expect_error([&] { TraceReader::from_bytes(image(text, good_data({3, 4}, {10})), "f.st"); },
+               {"f.st", "'requests.0.topk' twice"});
+  auto h = good_header();
+  h["requests.0.topk"]["stride"] = 4;
+  expect_error([&] { parse(h, good_data({3, 4}, {10})); }, {"requests.0.topk", "unknown field 'stride'"});
+}
+
+TEST(TraceFormatBadInput, HeaderLargerThanSafetensorsTakes) {
+  std::vector<std::uint8_t> img(16, 0);
+  const std::uint64_t n = 100'000'001;
+  std::memcpy(img.data(), &n, 8);
+  img.resize(8 + n + 8, ' ');
+  expect_error([&] { TraceReader::from_bytes(img, "f.st"); }, {"f.st", "header length 100000001", "limit"});
+}
+
+TEST(TraceFormatBadInput, ContextAndLengthsAgreeWithEachOtherAndTheModel) {
+  auto h = good_header();
+  h["__metadata__"]["requests.0.context"] = "11";
+  const auto start = 8 + h.dump().size();
+  expect_error([&] { parse(h, good_data({3, 4}, {10})); },
+               {"request 0", "requests.0.context = 11", "length 10 of its first step", "'requests.0.lengths'",
+                "file offset " + std::to_string(start + 8)});
+  h["__metadata__"]["requests.0.context"] = "10";
+  EXPECT_NO_THROW(parse(h, good_data({3, 4}, {10})));
+  // DeepSeek-V3.2-Exp holds 163840 tokens; the trace's second step is one past that.
+  h = good_header(2);
+  h["__metadata__"]["ess.model"] = "deepseek-v3.2-exp";
+  const auto start2 = 8 + h.dump().size();
+  expect_error([&] { parse(h, good_data({3, 4, 5, 6}, {163840, 163841})); },
+               {"request 0", "'requests.0.lengths'", "byte offset " + std::to_string(start2 + 16 + 8), "step 1",
+                "length 163841", "max_position_embeddings (163840)", "deepseek-v3.2-exp"});
+  EXPECT_NO_THROW(parse(h, good_data({3, 4, 5, 6}, {163839, 163840})));
+  h["__metadata__"]["ess.model"] = "some-other-model";  // unknown: only the format's own limit
+  EXPECT_NO_THROW(parse(h, good_data({3, 4, 5, 6}, {163840, 1 << 30})));
+}
+
+// A mapped trace truncated by another process between opening and reading: a clean exit 3
+// naming the file, not SIGBUS.
+TEST(TraceFormatDeathTest, AFileThatShrinksWhileItIsReadEndsTheRunNamingIt) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  const auto path = temp_path("shrinks.safetensors");
+  TraceMeta meta = small_meta();
+  meta.topk = 1024;  // 2 layers x MTP 2 x 1024 ids x 4 B = 16 KB per step: the ids span pages
+  RequestData r;
+  r.id = "long";
+  for (int s = 0; s < 32; ++s) {
+    for (int k = 0; k < 2 * 2 * 1024; ++k) r.topk.push_back(k % 1024 == 0 ? 0 : -1);
+    r.lengths.push_back(100 + s);
+  }
+  write_trace(path, meta, {r});
+  EXPECT_EXIT(
+      {
+        const TraceReader reader(path);
+        std::filesystem::resize_file(path, 4096);
+        reader.validate_all();
+        std::_Exit(0);
+      },
+      ::testing::ExitedWithCode(3), "shrinks.safetensors: the trace file shrank while it was read");
 }
 
 TEST(TraceFormat, WriterRefusesWrongShapesAndOrder) {

@@ -3,6 +3,8 @@
 // attention and indexer are in bench_kernels.cc, step and profile in bench_step.cc.
 #include <fmt/format.h>
 
+#include <limits>
+
 #include "commands.h"
 #include "ess/core/error.h"
 #include "harness/gpu_benchmarks.h"
@@ -41,19 +43,25 @@ void add_bench(CLI::App& app, int& exit_code) {
     Format format = Format::kTable;
   };
   auto a = std::make_shared<Args>();
-  transfer->add_option("--requests,-b", a->requests, "Requests in the batch")->capture_default_str();
-  transfer->add_option("--misses,-m", a->misses, "Misses per request")->capture_default_str();
-  transfer->add_option("--context,-c", a->context, "Host-pool tokens per request")->capture_default_str();
-  transfer->add_option("--slots", a->slots, "Device slots per request")->capture_default_str();
-  transfer->add_option("--repeats,-r", a->repeats, "Timed runs per method")->capture_default_str();
-  transfer->add_option("--device", a->device, "CUDA device")->capture_default_str();
+  transfer->add_option("--requests,-b", a->requests, "Requests in the batch")->capture_default_str()
+      ->check(in_range(1, std::numeric_limits<std::int32_t>::max()));
+  transfer->add_option("--misses,-m", a->misses, "Misses per request")->capture_default_str()
+      ->check(in_range(1, std::numeric_limits<std::int32_t>::max()));
+  transfer->add_option("--context,-c", a->context, "Host-pool tokens per request")->capture_default_str()
+      ->check(in_range(1, 1 << 30));
+  transfer->add_option("--slots", a->slots, "Device slots per request")->capture_default_str()
+      ->check(in_range(1, std::numeric_limits<std::int32_t>::max()));
+  transfer->add_option("--repeats,-r", a->repeats, "Timed runs per method")->capture_default_str()
+      ->check(in_range(1, 1 << 20));
+  transfer->add_option("--device", a->device, "CUDA device")->capture_default_str()
+      ->check(in_range(0, 1023));
   transfer->add_option("--seed", a->seed, "Random seed")->capture_default_str()->check(unsigned_integer());
   add_list_option(*transfer, "--blocks", a->blocks, "FlashTrans grid sizes to sweep, comma-separated (e.g. 8,16,32,64,132,1056)");
   transfer->add_flag("--concurrent", a->concurrent, "Sweep also beside a sparse MLA decode (copy bandwidth, attention slowdown)");
   transfer->add_option("--attention-batch", a->attention_batch, "Batch of that decode (T 2, 128 heads, top-k 2048)")
       ->capture_default_str()
-      ->check(CLI::Range(1, 4096));
-  add_format_option(*transfer, a->format);
+      ->check(in_range(1, 4096));
+  add_format_option(*transfer, a->format, false);
   transfer->callback([a, &exit_code] {
     cuda::TransferBenchConfig c;
     c.requests = a->requests;
@@ -82,17 +90,26 @@ void add_bench(CLI::App& app, int& exit_code) {
     Format format = Format::kTable;
   };
   auto sa = std::make_shared<SwapArgs>();
-  swap->add_option("--requests,-b", sa->requests, "Requests in the batch")->capture_default_str();
-  swap->add_option("--mtp,-t", sa->mtp, "Query tokens per request (MTP T)")->capture_default_str();
-  swap->add_option("--topk,-k", sa->topk, "Entries per query token")->capture_default_str();
-  swap->add_option("--slots", sa->slots, "Slots per request")->capture_default_str();
-  swap->add_option("--context,-c", sa->context, "Tokens per request")->capture_default_str();
-  swap->add_option("--fresh", sa->fresh, "Ids replaced per query per step (sets the miss rate)")->capture_default_str();
-  swap->add_option("--repeats,-r", sa->repeats, "Timed steps (each launches every layer)")->capture_default_str();
-  swap->add_option("--layers", sa->layers, "Layers whose state the launches walk")->capture_default_str();
-  swap->add_option("--device", sa->device, "CUDA device")->capture_default_str();
+  swap->add_option("--requests,-b", sa->requests, "Requests in the batch")->capture_default_str()
+      ->check(in_range(1, std::numeric_limits<std::int32_t>::max()));
+  swap->add_option("--mtp,-t", sa->mtp, "Query tokens per request (MTP T)")->capture_default_str()
+      ->check(in_range(1, 32));
+  swap->add_option("--topk,-k", sa->topk, "Entries per query token")->capture_default_str()
+      ->check(in_range(1, std::numeric_limits<std::int32_t>::max()));
+  swap->add_option("--slots", sa->slots, "Slots per request")->capture_default_str()
+      ->check(in_range(1, std::numeric_limits<std::int32_t>::max()));
+  swap->add_option("--context,-c", sa->context, "Tokens per request")->capture_default_str()
+      ->check(in_range(1, 1 << 30));
+  swap->add_option("--fresh", sa->fresh, "Ids replaced per query per step (sets the miss rate)")->capture_default_str()
+      ->check(in_range(0, std::numeric_limits<std::int32_t>::max()));
+  swap->add_option("--repeats,-r", sa->repeats, "Timed steps (each launches every layer)")->capture_default_str()
+      ->check(in_range(1, 1 << 20));
+  swap->add_option("--layers", sa->layers, "Layers whose state the launches walk")->capture_default_str()
+      ->check(in_range(1, 4096));
+  swap->add_option("--device", sa->device, "CUDA device")->capture_default_str()
+      ->check(in_range(0, 1023));
   swap->add_option("--seed", sa->seed, "Random seed")->capture_default_str()->check(unsigned_integer());
-  add_format_option(*swap, sa->format);
+  add_format_option(*swap, sa->format, false);
   swap->callback([sa] {
     cuda::SwapBenchConfig c;
     c.requests = sa->requests;

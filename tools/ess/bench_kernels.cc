@@ -2,6 +2,8 @@
 // the GPU, timed with CUDA events.
 #include <fmt/format.h>
 
+#include <limits>
+
 #include <memory>
 #include <vector>
 
@@ -28,20 +30,29 @@ void add_bench_attention(CLI::App& bench, int& exit_code) {
   };
   auto a = std::make_shared<Args>();
   cmd->add_option("--batch,-b", a->batch, "Requests in the batch (the checked call and the headline numbers)")
-      ->capture_default_str();
-  cmd->add_option("--mtp,-t", a->mtp, "Query tokens per request (MTP T)")->capture_default_str();
-  cmd->add_option("--heads", a->heads, "Attention heads (64 or 128)")->capture_default_str();
-  cmd->add_option("--topk,-k", a->topk, "Slot ids per query token")->capture_default_str();
-  cmd->add_option("--slots", a->slots, "Slots per request (ids are distinct, so at least --topk)")->capture_default_str();
+      ->capture_default_str()
+      ->check(in_range(1, std::numeric_limits<std::int32_t>::max()));
+  cmd->add_option("--mtp,-t", a->mtp, "Query tokens per request (MTP T)")->capture_default_str()
+      ->check(in_range(1, 32));
+  cmd->add_option("--heads", a->heads, "Attention heads (64 or 128)")->capture_default_str()
+      ->check(in_range(64, 128));
+  cmd->add_option("--topk,-k", a->topk, "Slot ids per query token")->capture_default_str()
+      ->check(in_range(1, std::numeric_limits<std::int32_t>::max()));
+  cmd->add_option("--slots", a->slots, "Slots per request (ids are distinct, so at least --topk)")->capture_default_str()
+      ->check(in_range(1, std::numeric_limits<std::int32_t>::max()));
   add_list_option(*cmd, "--batches", a->batches, "Batch sizes to time, comma-separated (default: --batch)");
   cmd->add_flag("--batch-sweep", a->sweep, "Time batch sizes 1, 8, 32, 64 and 128");
   cmd->add_option("--softmax-scale", a->softmax_scale, "Softmax scale (0: 1/sqrt(192), DeepSeek-V3.2's)")
-      ->capture_default_str();
-  cmd->add_option("--repeats,-r", a->repeats, "Timed launches per batch size")->capture_default_str();
-  cmd->add_option("--warmup", a->warmup, "Untimed launches first, per batch size")->capture_default_str();
-  cmd->add_option("--device", a->device, "CUDA device")->capture_default_str();
+      ->capture_default_str()
+      ->check(in_range(0, std::numeric_limits<float>::max()));
+  cmd->add_option("--repeats,-r", a->repeats, "Timed launches per batch size")->capture_default_str()
+      ->check(in_range(1, 1 << 20));
+  cmd->add_option("--warmup", a->warmup, "Untimed launches first, per batch size")->capture_default_str()
+      ->check(in_range(0, 1 << 20));
+  cmd->add_option("--device", a->device, "CUDA device")->capture_default_str()
+      ->check(in_range(0, 1023));
   cmd->add_option("--seed", a->seed, "Random seed")->capture_default_str()->check(unsigned_integer());
-  add_format_option(*cmd, a->format);
+  add_format_option(*cmd, a->format, false);
   cmd->callback([a, &exit_code] {
     cuda::AttentionBenchConfig c;
     c.batch = a->batch;
@@ -78,16 +89,24 @@ void add_bench_indexer(CLI::App& bench, int& exit_code) {
     Format format = Format::kTable;
   };
   auto a = std::make_shared<Args>();
-  cmd->add_option("--requests,-b", a->requests, "Requests in the batch")->capture_default_str();
-  cmd->add_option("--mtp,-t", a->mtp, "Query tokens per request (MTP T)")->capture_default_str();
-  cmd->add_option("--context,-c", a->context, "Tokens per request")->capture_default_str();
-  cmd->add_option("--heads", a->heads, "Indexer heads (16, 32, 48 or 64)")->capture_default_str();
-  cmd->add_option("--topk,-k", a->topk, "Entries selected per query token (at most 2048)")->capture_default_str();
-  cmd->add_option("--repeats,-r", a->repeats, "Timed steps")->capture_default_str();
-  cmd->add_option("--warmup", a->warmup, "Untimed steps first")->capture_default_str();
-  cmd->add_option("--device", a->device, "CUDA device")->capture_default_str();
+  cmd->add_option("--requests,-b", a->requests, "Requests in the batch")->capture_default_str()
+      ->check(in_range(1, 65535));
+  cmd->add_option("--mtp,-t", a->mtp, "Query tokens per request (MTP T)")->capture_default_str()
+      ->check(in_range(1, 32));
+  cmd->add_option("--context,-c", a->context, "Tokens per request")->capture_default_str()
+      ->check(in_range(2, 1 << 30));
+  cmd->add_option("--heads", a->heads, "Indexer heads (16, 32, 48 or 64)")->capture_default_str()
+      ->check(in_range(16, 64));
+  cmd->add_option("--topk,-k", a->topk, "Entries selected per query token (at most 2048)")->capture_default_str()
+      ->check(in_range(1, 2048));
+  cmd->add_option("--repeats,-r", a->repeats, "Timed steps")->capture_default_str()
+      ->check(in_range(1, 1 << 20));
+  cmd->add_option("--warmup", a->warmup, "Untimed steps first")->capture_default_str()
+      ->check(in_range(0, 1 << 20));
+  cmd->add_option("--device", a->device, "CUDA device")->capture_default_str()
+      ->check(in_range(0, 1023));
   cmd->add_option("--seed", a->seed, "Random seed")->capture_default_str()->check(unsigned_integer());
-  add_format_option(*cmd, a->format);
+  add_format_option(*cmd, a->format, false);
   cmd->callback([a, &exit_code] {
     cuda::IndexerBenchConfig c;
     c.batch = a->requests;

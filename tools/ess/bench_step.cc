@@ -1,6 +1,8 @@
 // ess bench step | profile: the decode-step executor (src/harness/rig) on the GPU.
 #include <fmt/format.h>
 
+#include <limits>
+
 #include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -23,22 +25,32 @@ struct ExecutorArgs {
   bool no_graph = false, no_gemms = false, no_warmup = false;
 
   void add_to(CLI::App& cmd) {
-    cmd.add_option("--layers", c.layers, "Decoder layers per step (MoE layers)")->capture_default_str();
-    cmd.add_option("--context,-c", c.context, "Prompt length (synthetic traces)")->capture_default_str();
-    cmd.add_option("--ratio", c.ratio, "Sparse Memory Ratio")->capture_default_str();
-    cmd.add_option("--slots", c.slots, "Slots per request-layer (overrides --ratio)");
-    cmd.add_option("--steps", c.steps, "Decode steps replayed per run")->capture_default_str();
-    cmd.add_option("--warm-steps", c.warm_steps, "Of which untimed")->capture_default_str();
+    cmd.add_option("--layers", c.layers, "Decoder layers per step (MoE layers)")->capture_default_str()
+      ->check(in_range(1, 256));
+    cmd.add_option("--context,-c", c.context, "Prompt length (synthetic traces)")->capture_default_str()
+      ->check(in_range(64, 1 << 30));
+    cmd.add_option("--ratio", c.ratio, "Sparse Memory Ratio")->capture_default_str()
+      ->check(above_at_most(0, 1));
+    cmd.add_option("--slots", c.slots, "Slots per request-layer (overrides --ratio)")
+      ->check(in_range(1, std::numeric_limits<std::int32_t>::max()));
+    cmd.add_option("--steps", c.steps, "Decode steps replayed per run")->capture_default_str()
+      ->check(in_range(1, 4096));
+    cmd.add_option("--warm-steps", c.warm_steps, "Of which untimed")->capture_default_str()
+      ->check(in_range(0, 4095));
     cmd.add_option("--threshold", c.layerwise_threshold,
                    "Layer-wise: DBA for layers whose profiled misses per request reach this")
-        ->capture_default_str();
+        ->capture_default_str()
+      ->check(in_range(0, std::numeric_limits<double>::max()));
     cmd.add_option("--ep", c.expert_parallel, "Expert parallelism emulated: the routed experts one GPU owns")
-        ->capture_default_str();
+        ->capture_default_str()
+      ->check(in_range(1, 256));
     cmd.add_option("--trace", c.trace, "Top-k trace (default: synthetic, the shipped generator profile)");
     cmd.add_option("--seed", c.seed, "Random seed")->capture_default_str()->check(unsigned_integer());
-    cmd.add_option("--device", c.device, "CUDA device")->capture_default_str();
+    cmd.add_option("--device", c.device, "CUDA device")->capture_default_str()
+      ->check(in_range(0, 1023));
     cmd.add_option("--copy-blocks", c.copy_blocks, "FlashTrans grid of the step's copies (0 = its default)")
-        ->capture_default_str();
+        ->capture_default_str()
+      ->check(in_range(0, 65535));
     cmd.add_flag("--no-graph", no_graph, "Launch kernels one by one instead of replaying CUDA graphs");
     cmd.add_flag("--no-gemms", no_gemms, "Attention stack only (no stand-in GEMMs)");
     cmd.add_flag("--no-warmup", no_warmup, "No LRU-Warmup from the trace's prefill top-k");
@@ -85,7 +97,7 @@ void add_bench_step(CLI::App& bench, int& exit_code) {
   step->add_option("--points", sa->points_file,
                    "Append each point to FILE as one JSON line as soon as it is measured (a run stopped early keeps "
                    "what it finished)");
-  add_format_option(*step, sa->format);
+  add_format_option(*step, sa->format, false);
   step->callback([sa] {
     pipeline::StepBenchConfig sc;
     sc.base = sa->ex.config();
@@ -132,7 +144,8 @@ void add_bench_step(CLI::App& bench, int& exit_code) {
   auto pa = std::make_shared<ProfileArgs>();
   pa->ex.add_to(*profile);
   profile->add_option("--requests", pa->requests, "Request grid (tokens = requests x T)")->capture_default_str();
-  profile->add_option("--repeats,-r", pa->repeats, "Timed launches per op and point")->capture_default_str();
+  profile->add_option("--repeats,-r", pa->repeats, "Timed launches per op and point")->capture_default_str()
+      ->check(in_range(1, 1 << 20));
   profile->add_option("--base-hardware", pa->base, "Profile the unmeasured fields come from")->capture_default_str();
   profile->add_option("--out,-o", pa->out, "Output prefix: writes PREFIX-ops.csv, PREFIX-hardware.json, PREFIX.json")
       ->required();

@@ -7,6 +7,7 @@
 #include <CLI/CLI.hpp>
 #include <charconv>
 #include <exception>
+#include <functional>
 #include <type_traits>
 #include <map>
 #include <new>
@@ -21,13 +22,15 @@
 
 namespace ess::cli {
 
-void add_format_option(CLI::App& cmd, Format& format) {
+void add_format_option(CLI::App& cmd, Format& format, bool csv) {
   static const std::map<std::string, Format> names{
       {"table", Format::kTable}, {"json", Format::kJson}, {"csv", Format::kCsv}};
+  const std::vector<std::string> known =
+      csv ? std::vector<std::string>{"table", "json", "csv"} : std::vector<std::string>{"table", "json"};
   cmd.add_option_function<std::string>(
          "--format", [&format](const std::string& s) { format = names.at(s); },
-         "Output format: table, json or csv")
-      ->check(CLI::IsMember({"table", "json", "csv"}))
+         csv ? "Output format: table, json or csv" : "Output format: table or json")
+      ->check(CLI::IsMember(known))
       ->default_str("table");
 }
 
@@ -61,17 +64,49 @@ CLI::Validator unsigned_integer() {
       "UINT");
 }
 
+std::function<std::string(const std::string&)> item_of(std::vector<std::string> names) {
+  return [names](const std::string& v) {
+    return std::find(names.begin(), names.end(), v) != names.end() ? std::string()
+                                                                     : fmt::format("is not one of {}", fmt::join(names, ", "));
+  };
+}
+
+CLI::Validator in_range(double lo, double hi) {
+  return CLI::Validator(
+      [lo, hi](std::string& s) {
+        double v = 0;
+        const bool number = CLI::detail::lexical_cast(s, v);
+        if (number && v >= lo && v <= hi) return std::string();
+        return fmt::format("'{}' is outside [{}, {}]", s, lo, hi);
+      },
+      fmt::format("[{}, {}]", lo, hi));
+}
+
+CLI::Validator above_at_most(double lo, double hi) {
+  return CLI::Validator(
+      [lo, hi](std::string& s) {
+        double v = 0;
+        const bool number = CLI::detail::lexical_cast(s, v);
+        if (number && v > lo && v <= hi) return std::string();
+        return fmt::format("'{}' is outside ({}, {}]", s, lo, hi);
+      },
+      fmt::format("({}, {}]", lo, hi));
+}
+
 template <typename T>
-CLI::Option* add_list_option(CLI::App& cmd, const std::string& name, std::vector<T>& out, const std::string& help) {
+CLI::Option* add_list_option(CLI::App& cmd, const std::string& name, std::vector<T>& out, const std::string& help,
+                             std::function<std::string(const T&)> item_check) {
   const std::string option = name.substr(0, name.find(','));
   return cmd.add_option_function<std::vector<std::string>>(
       name,
-      [&out, option](const std::vector<std::string>& args) {
+      [&out, option, item_check](const std::vector<std::string>& args) {
         std::vector<T> items;
         for (const std::string& arg : args) {
           for (const std::string& item : split_list(arg)) {
             ESS_CHECK(!item.empty(), "{}: an empty item in '{}'", option, arg);
             items.push_back(list_item<T>(item, option));
+            const std::string why = item_check ? item_check(items.back()) : std::string();
+            ESS_CHECK(why.empty(), "{}: '{}' {}", option, item, why);
           }
         }
         out = std::move(items);
@@ -79,9 +114,12 @@ CLI::Option* add_list_option(CLI::App& cmd, const std::string& name, std::vector
       help);
 }
 
-template CLI::Option* add_list_option(CLI::App&, const std::string&, std::vector<std::string>&, const std::string&);
-template CLI::Option* add_list_option(CLI::App&, const std::string&, std::vector<int>&, const std::string&);
-template CLI::Option* add_list_option(CLI::App&, const std::string&, std::vector<std::int64_t>&, const std::string&);
+template CLI::Option* add_list_option(CLI::App&, const std::string&, std::vector<std::string>&, const std::string&,
+                                      std::function<std::string(const std::string&)>);
+template CLI::Option* add_list_option(CLI::App&, const std::string&, std::vector<int>&, const std::string&,
+                                      std::function<std::string(const int&)>);
+template CLI::Option* add_list_option(CLI::App&, const std::string&, std::vector<std::int64_t>&, const std::string&,
+                                      std::function<std::string(const std::int64_t&)>);
 
 }  // namespace ess::cli
 
@@ -126,6 +164,13 @@ int main(int argc, char** argv) {
   ess::cli::add_trace(app, exit_code);
   ess::cli::add_verify(app, exit_code);
   ess::cli::add_bench(app, exit_code);
+  ess::cli::check_option_values(app);
+  // For the tests: every option of every subcommand with its value type (tests/cli/flags.tsv
+  // must have a row for each).
+  if (argc == 2 && std::string(argv[1]) == "--list-options") {
+    ess::cli::list_options(app);
+    return 0;
+  }
   try {
     check_subcommands(app, argc, argv);
     app.parse(argc, argv);

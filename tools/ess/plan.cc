@@ -3,6 +3,7 @@
 // configurations the host side (DRAM capacity, host-memory bandwidth) refuses.
 #include <fmt/format.h>
 
+#include <limits>
 #include <memory>
 
 #include "commands.h"
@@ -29,11 +30,17 @@ void add_plan(CLI::App& app, int& exit_code) {
       "throughput that meets --min-otps, why the alternatives lose, and what host DRAM capacity or bandwidth "
       "refuses. Exit status 1 when some context has no configuration.");
   args->inputs.add_to(*cmd);
-  add_list_option(*cmd, "--context,-c", args->options.contexts, "Context length(s)")->default_str("32768");
-  cmd->add_option("--min-otps", args->options.min_otps, "Minimum output tokens/s per request")->capture_default_str();
-  add_list_option(*cmd, "--modes", args->options.modes, "Overlap modes to try (none, da, dba, layerwise)");
+  add_list_option(*cmd, "--context,-c", args->options.contexts, "Context length(s)",
+                  item_in<std::int64_t>(1, std::int64_t{1} << 24))
+      ->default_str("32768");
+  cmd->add_option("--min-otps", args->options.min_otps, "Minimum output tokens/s per request")
+      ->capture_default_str()
+      ->check(in_range(0, std::numeric_limits<double>::max()));
+  add_list_option(*cmd, "--modes", args->options.modes, "Overlap modes to try (none, da, dba, layerwise)",
+                  item_of({"none", "da", "dba", "layerwise"}));
   cmd->add_option("--batch-step", args->options.batch_step, "Batch sizes tried: 1, 1 + step, ...")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(in_range(1, 1 << 20));
   add_format_option(*cmd, args->format);
   cmd->callback([args, &exit_code] {
     PlanArgs& a = *args;

@@ -43,7 +43,9 @@ void add_sim(CLI::App& app, int& exit_code) {
       "per node and OTPS, ESS beside the all-on-GPU baseline. Default: the paper's deployment (Table 1) at 32K, "
       "MTP 2, accept 1.7, batches 52,64,96,128,160.");
   args->inputs.add_to(*cmd);
-  cmd->add_option("--context,-c", args->context, "Context length (tokens per request)")->capture_default_str();
+  cmd->add_option("--context,-c", args->context, "Context length (tokens per request)")
+      ->capture_default_str()
+      ->check(in_range(1, 1 << 24));
   add_list_option(*cmd, "--batch,-b", args->batches,
                   "Requests per GPU: list, ranges A-B, or max (the largest that fits the given --ratio / --slots; "
                   "ratio 1 when neither is given)")
@@ -51,7 +53,9 @@ void add_sim(CLI::App& app, int& exit_code) {
   auto* slots = cmd->add_option("--slots", args->slots, "Sparse Memory Pool slots per request-layer (fixed)");
   cmd->add_option("--ratio", args->ratio, "Sparse Memory Ratio (fixed; default: the most that fits each batch)")
       ->excludes(slots);
-  cmd->add_option("--overlap", args->overlap, "Overlap mode: none, da, dba, layerwise")->capture_default_str();
+  cmd->add_option("--overlap", args->overlap, "Overlap mode: none, da, dba, layerwise")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"none", "da", "dba", "layerwise"}));
   cmd->add_option("--miss-threshold", args->threshold,
                   "Layer-wise: DBA for layers with at least this many misses per micro-batch (default: the "
                   "faster of DA and DBA per layer)");
@@ -62,6 +66,14 @@ void add_sim(CLI::App& app, int& exit_code) {
   add_format_option(*cmd, args->format);
   cmd->callback([args, cmd, &exit_code] {
     const SimArgs& a = *args;
+    // 0 (and -1 for the threshold) stand for "not given" inside; given on the command line
+    // they would be taken silently for that.
+    ESS_CHECK(cmd->count("--slots") == 0 || a.slots > 0, "--slots {} must be positive (leave it out to fit the "
+              "pool to each batch)", a.slots);
+    ESS_CHECK(cmd->count("--ratio") == 0 || (a.ratio > 0 && a.ratio <= 1), "--ratio {} must be in (0, 1] (leave it "
+              "out to fit the pool to each batch)", a.ratio);
+    ESS_CHECK(cmd->count("--miss-threshold") == 0 || a.threshold >= 0, "--miss-threshold {} must be >= 0 (leave it "
+              "out for the faster of DA and DBA per layer)", a.threshold);
     if (!a.timeline.empty()) {
       check_output_file(a.timeline, "--timeline",
                         {a.inputs.model, a.inputs.hardware, a.inputs.deployment, a.inputs.miss_profile,

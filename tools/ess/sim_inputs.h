@@ -4,6 +4,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "commands.h"
 #include "ess/sim/inputs.h"
 
 namespace ess::cli {
@@ -17,20 +18,26 @@ struct SimInputs : sim::Inputs {
         ->capture_default_str();
     cmd.add_option("--deployment", deployment, "Deployment: a shipped name (paper-table1) or a JSON file")
         ->capture_default_str();
-    cmd.add_option("--mtp", mtp, "Override: MTP query tokens per request per step (1 = no MTP); without --accept, the accept ratio becomes min(the deployment's, MTP)");
-    cmd.add_option("--accept", accept, "Override: MTP accept ratio (tokens kept per step, in [1, T])");
-    cmd.add_option("--nodes", nodes, "Override: nodes");
-    cmd.add_option("--gpus-per-node", gpus_per_node, "Override: GPUs per node");
-    cmd.add_option("--ep", ep, "Override: expert-parallel degree");
-    cmd.add_option("--mem-fraction", mem_fraction, "Override: mem_fraction_static (weights + caches)");
+    cmd.add_option("--mtp", mtp, "Override: MTP query tokens per request per step (1 = no MTP); without --accept, the accept ratio becomes min(the deployment's, MTP)")
+        ->check(in_range(1, 16));
+    cmd.add_option("--accept", accept, "Override: MTP accept ratio (tokens kept per step, in [1, T])")
+        ->check(in_range(1.0, 16.0));
+    cmd.add_option("--nodes", nodes, "Override: nodes")->check(in_range(1, 4096));
+    cmd.add_option("--gpus-per-node", gpus_per_node, "Override: GPUs per node")->check(in_range(1, 64));
+    cmd.add_option("--ep", ep, "Override: expert-parallel degree")->check(in_range(1, 4096 * 64));
+    cmd.add_option("--mem-fraction", mem_fraction, "Override: mem_fraction_static (weights + caches)")
+        ->check(above_at_most(0, 1));
     cmd.add_flag("--no-tbo", no_tbo, "Turn Two-Batch Overlap off");
     cmd.add_option("--rig-layers", rig_layers,
                    "Model the single-GPU executor rig of `ess bench step` with this many MoE layers (no all-to-all, "
-                   "TBO, LM head or MTP drafts; needs --batch)");
+                   "TBO, LM head or MTP drafts; needs --batch)")
+        ->check(in_range(0, 1024));
     cmd.add_option("--misses", reference_misses,
                    "Parametric miss model: mean misses per request-layer-step at 6554 slots (ratio 0.2 of 32K), "
-                   "T = 2 (default 200)");
-    cmd.add_option("--miss-exponent", miss_exponent, "Parametric miss model: exponent of (6554 / slots) (default 1)");
+                   "T = 2 (default 200)")
+        ->check(in_range(0, 16.0 * (1 << 20)));
+    cmd.add_option("--miss-exponent", miss_exponent, "Parametric miss model: exponent of (6554 / slots) (default 1)")
+        ->check(in_range(0.0, 4.0));
     cmd.add_option("--miss-profile", miss_profile,
                    "Miss profile: `ess trace analyze --miss-profile` output (per-layer means at a pool size), or JSON "
                    "with per_layer_misses (e.g. `ess verify --format json`: per-layer shape only)");
@@ -43,7 +50,7 @@ struct SimInputs : sim::Inputs {
     cmd.add_option("--prefix-share", prefix_share,
                    "Fraction of the context every request of a GPU shares (a common prompt prefix): its host "
                    "pages are held once")
-        ->check(CLI::Range(0.0, 1.0));
+        ->check(in_range(0.0, 1.0));
     cmd.add_option("--op-table", op_table, "Measured op times: CSV op,context,tokens,time_us (see docs/simulator.md)");
   }
 };

@@ -1,7 +1,9 @@
 // ess trace gen | analyze | info: the trace toolkit (docs/trace-format.md, docs/trace-analysis.md).
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <chrono>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <nlohmann/json.hpp>
@@ -51,13 +53,16 @@ void add_gen(CLI::App& parent) {
       "paper reports for DeepSeek-V3.2-Exp; the traces are not real model selections, and their metadata says so.");
   cmd->add_option("--output,-o", a->output, "Trace file to write (.safetensors)")->required();
   cmd->add_option("--profile", a->profile, "Generator profile JSON (default: configs/trace-profiles/default.json, built in)");
-  add_list_option(*cmd, "--context,-c", a->config.contexts, "Prompt length(s); request i uses the (i mod n)-th")
+  add_list_option(*cmd, "--context,-c", a->config.contexts, "Prompt length(s); request i uses the (i mod n)-th",
+                  item_in<std::int64_t>(1, trace::kMaxGeneratedContext))
       ->default_str("32768");
-  cmd->add_option("--requests,-b", a->config.requests, "Requests")->capture_default_str();
-  cmd->add_option("--steps,-s", a->config.steps, "Decode steps per request")->capture_default_str();
+  cmd->add_option("--requests,-b", a->config.requests, "Requests")->capture_default_str()->check(in_range(1, 1 << 20));
+  cmd->add_option("--steps,-s", a->config.steps, "Decode steps per request")
+      ->capture_default_str()
+      ->check(in_range(1, 1 << 24));
   cmd->add_option("--layers,-l", a->layers, "Override the profile's layer count (the drift curve is resampled)");
   cmd->add_option("--seed", a->config.seed, "Random seed")->capture_default_str()->check(unsigned_integer());
-  add_format_option(*cmd, a->format);
+  add_format_option(*cmd, a->format, false);
   cmd->callback([a] {
     check_output_file(a->output, "--output", {a->profile});
     trace::GeneratorProfile p =
@@ -99,8 +104,11 @@ void add_analyze(CLI::App& parent) {
       "context, and the miss profile the simulator reads.");
   auto& c = a->config;
   cmd->add_option("trace", a->input, "Trace file")->required();
-  auto* ratio = cmd->add_option("--ratio,-r", c.ratios, "Sparse Memory Ratio(s); slots = ceil(ratio x context) (default 0.2)");
-  cmd->add_option("--slots", c.slots, "Slot count(s) per request-layer")->excludes(ratio);
+  auto* ratio = cmd->add_option("--ratio,-r", c.ratios, "Sparse Memory Ratio(s); slots = ceil(ratio x context) (default 0.2)")
+                    ->check(above_at_most(0, 1));
+  cmd->add_option("--slots", c.slots, "Slot count(s) per request-layer")
+      ->excludes(ratio)
+      ->check(in_range(1, std::numeric_limits<std::int32_t>::max()));
   cmd->add_option("--policies", a->policies,
                   "Comma-separated subset of lru,lru_warmup,fifo,clock,lfu,s3fifo,belady (default: all)");
   cmd->add_flag("--no-warmup", a->no_warmup, "Start every policy but lru_warmup cold");
@@ -125,8 +133,11 @@ void add_analyze(CLI::App& parent) {
               cfg.steady_from);
     if (!a->policies.empty()) {
       cfg.policies = split_list(a->policies);
+      const std::vector<std::string> known = trace::AnalyzeConfig{}.policies;
       for (const std::string& name : cfg.policies) {
         ESS_CHECK(!name.empty(), "--policies: an empty policy name in '{}'", a->policies);
+        ESS_CHECK(std::find(known.begin(), known.end(), name) != known.end(), "--policies: unknown policy '{}' (known: {})",
+                  name, fmt::join(known, ", "));
       }
     }
     const auto runs = [&](const char* policy) {
@@ -146,6 +157,17 @@ void add_analyze(CLI::App& parent) {
               "--output '{}' and --miss-profile '{}' name the same file", a->output, a->miss_profile);
     if (!a->miss_profile.empty()) check_output_file(a->miss_profile, "--miss-profile", {a->input});
     const trace::TraceReader reader(a->input);
+    if (cmd->count("--lfu-aging") > 0) {
+      // A period longer than every request's policy steps never ages: plain LFU, said otherwise.
+      std::int64_t longest = 0;
+      for (std::size_t i = 0; i < reader.requests(); ++i) {
+        longest = std::max(longest, reader.request(i).steps + reader.request(i).prefill_windows);
+      }
+      ESS_CHECK(cfg.policy_options.lfu_aging_period >= 1 && cfg.policy_options.lfu_aging_period <= longest,
+                "--lfu-aging {} must be in [1, {}]: the longest request of '{}' has {} decode steps and warm-up "
+                "windows, so a longer period never halves a count",
+                cfg.policy_options.lfu_aging_period, longest, a->input, longest);
+    }
     Progress progress("policy replays (request-layers)");
     cfg.progress = [&](std::size_t done, std::size_t total) { progress(done, total); };
     const trace::AnalysisResult r = trace::analyze(reader, cfg);

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "commands.h"
+#include "ess/core/error.h"
 #include "harness/report/report.h"
 #include "harness/verify/decode_loop.h"
 #include "progress.h"
@@ -42,9 +43,12 @@ void add_verify(CLI::App& app, int& exit_code) {
       "more distinct ids run in query groups)");
   cmd->add_option("--ratio", c.ratio, "Sparse Memory Ratio: slots = ceil(ratio x context)")
       ->capture_default_str()
+      ->check(above_at_most(0, 1))
       ->excludes(slots);
   cmd->add_option("--warmup", c.warmup_windows, "LRU-Warmup prefill windows (0 = cold start)")->capture_default_str();
-  cmd->add_option("--drift", c.query_drift, "Indexer query drift per step in [0, 1]")->capture_default_str();
+  cmd->add_option("--drift", c.query_drift, "Indexer query drift per step in [0, 1]")
+      ->capture_default_str()
+      ->check(in_range(0.0, 1.0));
   cmd->add_option("--prefix-share", c.prefix_share,
                   "Fraction of the prompt requests 1.. share with request 0 (admitted on its prefix: host pages "
                   "shared, not copied)")
@@ -57,7 +61,11 @@ void add_verify(CLI::App& app, int& exit_code) {
       ->check(CLI::IsMember({"cpu", "cuda"}))
       ->capture_default_str();
   add_format_option(*cmd, args->format);
-  cmd->callback([args, &exit_code] {
+  cmd->callback([args, cmd, &exit_code] {
+    // 0 stands for "derive from --ratio" inside; given on the command line it would be taken
+    // silently for that.
+    ESS_CHECK(cmd->count("--slots") == 0 || args->config.slots > 0, "--slots {} must be positive (or give --ratio)",
+              args->config.slots);
     args->config.backend = args->backend == "cuda" ? Backend::kCuda : Backend::kCpu;
     const ModelSpec model = args->model.empty() ? ModelSpec::deepseek_v32_exp() : ModelSpec::from_file(args->model);
     Progress progress("verify: requests warmed + steps");

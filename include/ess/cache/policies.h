@@ -13,6 +13,8 @@
 //   s3fifo  S3-FIFO (Yang et al., SOSP 2023): a small FIFO (10 % of the slots) that new tokens
 //           enter, a main FIFO with 2-bit frequencies and lazy promotion, and a ghost FIFO of
 //           recently evicted tokens; a miss on a ghost token enters the main FIFO directly.
+//           When every slot of the main FIFO is in the step's working set, the small FIFO gives
+//           up its victim whatever its size.
 //   lru     LruPolicy (policy.h).
 // Belady's MIN (BeladyPolicy, policy.h) needs the future and is built by the analyzer.
 #pragma once
@@ -105,6 +107,7 @@ class S3FifoPolicy final : public ReplacementPolicy {
   std::int32_t n_;
   std::int32_t small_target_;  // 10 % of the slots (at least 1)
   std::int32_t size_[3] = {0, 0, 0};
+  std::int32_t busy_main_ = 0;  // during a step: slots of the main FIFO in its working set
   SlotLists lists_;  // one list per queue
   std::vector<Queue> queue_;
   std::vector<std::uint8_t> freq_;

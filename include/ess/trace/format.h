@@ -28,8 +28,10 @@
 #include <cstdio>
 #include <map>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "ess/core/files.h"
@@ -121,6 +123,11 @@ class TraceReader {
   TraceMeta meta_;
   std::vector<RequestView> requests_;
 };
+
+// The longest context (max_position_embeddings) of the model a trace names in ess.model, for
+// the models ESS ships (deepseek-v3.2-exp); nullopt for another name. A trace of a known model
+// whose lengths exceed it is refused.
+std::optional<std::int64_t> model_max_length(std::string_view model);
 
 // Streams a trace to disk: the shapes of all requests are declared up front (so the header can
 // be written first), then each request's tensors are written in order.

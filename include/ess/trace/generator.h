@@ -79,6 +79,10 @@ struct GeneratorProfile {
   void validate(const std::string& source) const;
 };
 
+// The longest prompt the generator takes (its candidate process keeps a few bytes per token);
+// a profile of a model ESS knows is held to that model's max_position_embeddings as well.
+inline constexpr std::int64_t kMaxGeneratedContext = std::int64_t{1} << 24;
+
 struct GenerateConfig {
   std::vector<std::int64_t> contexts{32768};  // prompt lengths; request i uses contexts[i % n]
   int requests = 1;

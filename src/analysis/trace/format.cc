@@ -1,10 +1,13 @@
 #include "ess/trace/format.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <bit>
 #include <cerrno>
 #include <charconv>
@@ -12,10 +15,13 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <set>
+#include <tuple>
 
 #include "ess/core/error.h"
 #include "ess/core/files.h"
 #include "ess/core/text.h"
+#include "ess/model/model_spec.h"
 
 static_assert(std::endian::native == std::endian::little, "the trace reader assumes a little-endian host");
 
@@ -23,7 +29,8 @@ namespace ess::trace {
 
 namespace {
 
-constexpr std::uint64_t kMaxHeader = 256ULL << 20;  // a header larger than this is not a trace
+// A header larger than this is not a trace (safetensors' own limit, MAX_HEADER_SIZE).
+constexpr std::uint64_t kMaxHeader = 100'000'000;
 
 std::optional<std::size_t> dtype_size(const std::string& d) {
   static const std::map<std::string, std::size_t> sizes{
@@ -47,9 +54,83 @@ std::int64_t parse_int(const std::string& path, const std::string& key, const st
   const auto* first = value.data();
   const auto* last = value.data() + value.size();
   auto [p, ec] = std::from_chars(first, last, v);
-  ESS_CHECK(ec == std::errc() && p == last, "{}: metadata '{}' = '{}' is not an integer", path, key, value);
+  ESS_CHECK(ec == std::errc() && p == last, "{}: metadata '{}' = '{}' is not an integer", path, key, printable(value));
   ESS_CHECK(v >= lo && v <= hi, "{}: metadata '{}' = {} is outside [{}, {}]", path, key, v, lo, hi);
   return v;
+}
+
+}  // namespace
+
+// A mapped file that shrinks while it is read (truncated by another process, a network
+// filesystem that lost it) raises SIGBUS on the next touch of a page past its new end. The
+// mappings alive now are kept in fixed storage for the handler, which may only call
+// async-signal-safe functions: a fault inside one ends the process with exit status 3 and a
+// message naming the file, as `ess` does for any run that cannot complete; a fault elsewhere
+// goes to the handler that was there before (the default one, or a sanitizer's).
+namespace {
+
+constexpr int kMaxGuarded = 64;
+struct GuardedMapping {
+  std::atomic<bool> live{false};
+  std::atomic<std::uintptr_t> begin{0};
+  std::atomic<std::size_t> size{0};
+  char message[1024] = {};
+  std::size_t message_size = 0;
+};
+GuardedMapping g_guarded[kMaxGuarded];
+struct sigaction g_previous_sigbus {};
+
+extern "C" void trace_mapping_fault(int sig, siginfo_t* info, void*) {
+  const auto addr = reinterpret_cast<std::uintptr_t>(info->si_addr);
+  for (auto& g : g_guarded) {
+    if (!g.live.load()) continue;
+    const std::uintptr_t b = g.begin.load();
+    if (addr >= b && addr - b < g.size.load()) {
+      [[maybe_unused]] const auto n = ::write(STDERR_FILENO, g.message, g.message_size);
+      ::_exit(3);
+    }
+  }
+  // Not a trace's page: the fault repeats under the previous handler when this returns.
+  ::sigaction(sig, &g_previous_sigbus, nullptr);
+}
+
+void install_mapping_guard() {
+  static const bool installed = [] {
+    if (::sigaction(SIGBUS, nullptr, &g_previous_sigbus) != 0) return false;
+    struct sigaction sa {};
+    sa.sa_sigaction = trace_mapping_fault;
+    sa.sa_flags = SA_SIGINFO;
+    sigemptyset(&sa.sa_mask);
+    return ::sigaction(SIGBUS, &sa, nullptr) == 0;
+  }();
+  (void)installed;
+}
+
+// A slot for the mapping (-1 when all are taken: the mapping is then unguarded).
+int guard_mapping(const void* begin, std::size_t size, const std::string& path) {
+  install_mapping_guard();
+  for (int i = 0; i < kMaxGuarded; ++i) {
+    bool expected = false;
+    if (!g_guarded[i].live.compare_exchange_strong(expected, true)) continue;
+    auto& g = g_guarded[i];
+    const std::string text = fmt::format(
+        "ess: cannot complete: {}: the trace file shrank while it was read (truncated by another process, or lost by "
+        "its filesystem); nothing was written\n",
+        printable(path));
+    g.message_size = std::min(text.size(), sizeof(g.message));
+    std::memcpy(g.message, text.data(), g.message_size);
+    g.size.store(size);
+    g.begin.store(reinterpret_cast<std::uintptr_t>(begin));
+    return i;
+  }
+  return -1;
+}
+
+void unguard_mapping(int slot) {
+  if (slot < 0) return;
+  g_guarded[slot].begin.store(0);
+  g_guarded[slot].size.store(0);
+  g_guarded[slot].live.store(false);
 }
 
 }  // namespace
@@ -58,8 +139,10 @@ struct TraceReader::Mapping {
   const std::uint8_t* data = nullptr;
   std::size_t size = 0;
   void* mapped = nullptr;
+  int guard = -1;
   std::vector<std::uint8_t> bytes;  // from_bytes keeps its own copy
   ~Mapping() {
+    unguard_mapping(guard);
     if (mapped != nullptr) munmap(mapped, size);
   }
 };
@@ -86,6 +169,7 @@ TraceReader::TraceReader(const std::string& path) : path_(path), map_(std::make_
     ESS_CHECK(p != MAP_FAILED, "{}: cannot map trace ({} bytes): {}", path, map_->size, std::strerror(err));
     map_->mapped = p;
     map_->data = static_cast<const std::uint8_t*>(p);
+    map_->guard = guard_mapping(p, map_->size, path);
   } else {
     ::close(fd);
   }
@@ -126,13 +210,31 @@ Header read_header(const std::string& path, const std::uint8_t* base, std::size_
             header_len, kMaxHeader);
   const char* hb = reinterpret_cast<const char*>(base + 8);
   Header h;
+  // Keys seen in each open object: a key given twice is refused (the parser would keep the
+  // last one, and a tensor named twice would leave the other's bytes unaccounted for).
+  std::vector<std::set<std::string>> open;
+  std::string twice;
+  const nlohmann::json::parser_callback_t note = [&](int, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
+    if (event == nlohmann::json::parse_event_t::object_start) {
+      open.emplace_back();
+    } else if (event == nlohmann::json::parse_event_t::object_end) {
+      if (!open.empty()) open.pop_back();
+    } else if (event == nlohmann::json::parse_event_t::key && !open.empty()) {
+      const auto& key = parsed.get_ref<const std::string&>();
+      if (!open.back().insert(key).second && twice.empty()) twice = key;
+    }
+    return true;
+  };
   try {
-    h.json = nlohmann::json::parse(hb, hb + header_len);
+    h.json = nlohmann::json::parse(hb, hb + header_len, note);
   } catch (const nlohmann::json::parse_error& e) {
-    ESS_THROW("{}: malformed JSON header at byte offset {}: {}", path, 8 + (e.byte > 0 ? e.byte - 1 : 0), e.what());
+    ESS_THROW("{}: malformed JSON header at byte offset {}: {}", path, 8 + (e.byte > 0 ? e.byte - 1 : 0),
+              printable(e.what()));
   } catch (const nlohmann::json::exception& e) {  // e.g. a number too large for any type
-    ESS_THROW("{}: malformed JSON header (offset 8, {} bytes): {}", path, header_len, e.what());
+    ESS_THROW("{}: malformed JSON header (offset 8, {} bytes): {}", path, header_len, printable(e.what()));
   }
+  ESS_CHECK(twice.empty(), "{}: the JSON header (offset 8, {} bytes) gives the key '{}' twice in one object", path,
+            header_len, printable(twice));
   ESS_CHECK(h.json.is_object(), "{}: the JSON header at offset 8 is a {}, not an object", path, h.json.type_name());
   h.data_start = 8 + header_len;
   h.data_size = size - h.data_start;
@@ -146,7 +248,7 @@ std::map<std::string, std::string> read_metadata(const std::string& path, const 
     ESS_CHECK(it->is_object(), "{}: header '__metadata__' is a {}, not an object of strings", path, it->type_name());
     for (const auto& [k, v] : it->items()) {
       ESS_CHECK(v.is_string(), "{}: metadata '{}' is a {}, not a string (safetensors metadata values are strings)",
-                path, k, v.type_name());
+                path, printable(k), v.type_name());
       md[k] = v.get<std::string>();
     }
   }
@@ -176,7 +278,8 @@ std::int64_t read_meta(const std::string& path, const std::map<std::string, std:
     } else if (k == "ess.provenance") {
       meta.provenance = printable(v);
     } else if (k == "ess.synthetic") {
-      ESS_CHECK(v == "true" || v == "false", "{}: metadata 'ess.synthetic' = '{}', expected 'true' or 'false'", path, v);
+      ESS_CHECK(v == "true" || v == "false", "{}: metadata 'ess.synthetic' = '{}', expected 'true' or 'false'", path,
+                printable(v));
       meta.synthetic = v == "true";
     } else if (k == "ess.note") {
       meta.note = printable(v);
@@ -194,6 +297,12 @@ std::int64_t read_meta(const std::string& path, const std::map<std::string, std:
 TensorInfo read_tensor(const std::string& path, std::size_t size, const Header& h, const std::string& name,
                        const nlohmann::json& t) {
   ESS_CHECK(t.is_object(), "{}: tensor '{}': header entry is a {}, not an object", path, name, t.type_name());
+  for (const auto& [key, value] : t.items()) {
+    (void)value;
+    ESS_CHECK(key == "dtype" || key == "shape" || key == "data_offsets",
+              "{}: tensor '{}': unknown field '{}' (a tensor entry has dtype, shape and data_offsets)", path, name,
+              printable(key));
+  }
   TensorInfo info;
   const auto d = t.find("dtype");
   ESS_CHECK(d != t.end() && d->is_string(), "{}: tensor '{}': 'dtype' missing or not a string", path, name);
@@ -229,13 +338,52 @@ TensorInfo read_tensor(const std::string& path, std::size_t size, const Header& 
   return info;
 }
 
-// Every tensor entry of the header, by name.
+// The tensors tile the data section as safetensors requires: in the order of their offsets
+// each starts where the one before ended (the first at 0), and the last ends at the end of the
+// file. So no bytes lie between or after them and no two share a byte.
+void check_layout(const std::string& path, const Header& h, const std::map<std::string, TensorInfo>& tensors) {
+  std::vector<std::pair<const std::string*, const TensorInfo*>> order;
+  for (const auto& [name, t] : tensors) order.emplace_back(&name, &t);
+  std::sort(order.begin(), order.end(), [](const auto& a, const auto& b) {
+    return std::tie(a.second->begin, a.second->end, *a.first) < std::tie(b.second->begin, b.second->end, *b.first);
+  });
+  std::uint64_t at = 0;
+  const std::string* prev = nullptr;
+  const TensorInfo* prev_t = nullptr;
+  for (const auto& [name, t] : order) {
+    if (t->begin < at) {
+      ESS_THROW("{}: tensor '{}': data [{}, {}) at file offset {} overlaps tensor '{}' at data [{}, {}) (file offset "
+                "{}): tensors may not share bytes",
+                path, printable(*name), t->begin, t->end, h.data_start + t->begin, printable(*prev), prev_t->begin,
+                prev_t->end, h.data_start + prev_t->begin);
+    }
+    if (t->begin > at) {
+      ESS_THROW("{}: tensor '{}': data [{}, {}) at file offset {} leaves a hole of {} bytes at data [{}, {}) (file "
+                "offset {}) {}: tensors must follow one another without gaps",
+                path, printable(*name), t->begin, t->end, h.data_start + t->begin, t->begin - at, at, t->begin,
+                h.data_start + at,
+                prev == nullptr ? std::string("at the start of the data section")
+                                : fmt::format("after tensor '{}'", printable(*prev)));
+    }
+    at = t->end;
+    prev = name;
+    prev_t = t;
+  }
+  ESS_CHECK(at == h.data_size,
+            "{}: {} bytes at data [{}, {}) (file offset {} to the end, {}) follow {}: the tensors must cover the data "
+            "section exactly",
+            path, h.data_size - at, at, h.data_size, h.data_start + at, h.data_start + h.data_size,
+            prev == nullptr ? std::string("a header without tensors") : fmt::format("the last tensor '{}'", printable(*prev)));
+}
+
+// Every tensor entry of the header, by name, checked to tile the data section.
 std::map<std::string, TensorInfo> read_tensors(const std::string& path, std::size_t size, const Header& h) {
   std::map<std::string, TensorInfo> tensors;
   for (const auto& [name, t] : h.json.items()) {
     if (name == "__metadata__") continue;
     tensors.emplace(name, read_tensor(path, size, h, printable(name), t));
   }
+  check_layout(path, h, tensors);
   return tensors;
 }
 
@@ -359,6 +507,21 @@ RequestView read_request(const RequestSource& src, std::int64_t i) {
   if (auto it = src.md.find(prefix + "context"); it != src.md.end()) {
     r.context = parse_int(src.path, prefix + "context", it->second, 1, std::numeric_limits<std::int32_t>::max());
   }
+  const std::uint64_t lengths_at = src.header.data_start + src.tensors.at(prefix + "lengths").begin;
+  ESS_CHECK(r.context <= r.lengths.front(),
+            "{}: request {}: metadata {}context = {} exceeds the length {} of its first step (tensor '{}lengths' at "
+            "file offset {}): the prompt is part of every step's context",
+            src.path, i, prefix, r.context, r.lengths.front(), prefix, lengths_at);
+  if (const auto most = model_max_length(src.meta.model)) {
+    const auto longest = std::max_element(r.lengths.begin(), r.lengths.end());
+    const auto step = longest - r.lengths.begin();
+    const std::uint64_t esize = src.tensors.at(prefix + "lengths").dtype == "I64" ? 8 : 4;
+    ESS_CHECK(*longest <= *most,
+              "{}: request {}, tensor '{}lengths', byte offset {} (step {}): length {} exceeds the max_position_embeddings "
+              "({}) of the trace's model '{}'",
+              src.path, i, prefix, lengths_at + static_cast<std::uint64_t>(step) * esize, step, *longest, *most,
+              src.meta.model);
+  }
   const auto group = src.md.find(prefix + "prefix_group");
   const auto tokens = src.md.find(prefix + "prefix_tokens");
   ESS_CHECK((group == src.md.end()) == (tokens == src.md.end()),
@@ -400,6 +563,16 @@ void TraceReader::parse() {
   requests_.reserve(static_cast<std::size_t>(nreq));
   for (std::int64_t i = 0; i < nreq; ++i) requests_.push_back(read_request(src, i));
   check_no_stray_tensors(path_, header, tensors, nreq);
+}
+
+std::optional<std::int64_t> model_max_length(std::string_view model) {
+  std::string m(model);
+  std::transform(m.begin(), m.end(), m.begin(), [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  if (m == "deepseek-v3.2-exp" || m == "deepseek-ai/deepseek-v3.2-exp" || m == "deepseek_v32") {
+    static const std::int64_t most = ModelSpec::deepseek_v32_exp().max_position_embeddings;
+    return most;
+  }
+  return std::nullopt;
 }
 
 std::int64_t TraceReader::total_steps() const {

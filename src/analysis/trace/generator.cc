@@ -12,6 +12,7 @@
 #include "ess/core/error.h"
 #include "ess/core/files.h"
 #include "ess/core/json.h"
+#include "ess/core/text.h"
 #include "ess/version.h"
 
 namespace ess::trace {
@@ -526,7 +527,7 @@ class LayerProcess {
 RequestData generate_request(const GeneratorProfile& p, std::int64_t context, std::int64_t steps, std::uint64_t seed,
                              int index) {
   p.validate("generator profile");
-  ESS_CHECK(context >= 1 && context <= (1LL << 30), "trace gen: context {} is outside [1, 2^30]", context);
+  ESS_CHECK(context >= 1 && context <= kMaxGeneratedContext, "trace gen: context {} is outside [1, 2^24]", context);
   ESS_CHECK(steps >= 1 && steps <= (1LL << 24), "trace gen: steps {} is outside [1, 2^24]", steps);
   const int T = p.mtp;
   const int W = static_cast<int>(std::min<std::int64_t>(p.prefill_windows, context));
@@ -598,8 +599,15 @@ void generate_trace(const GeneratorProfile& p, const GenerateConfig& c, const st
   ESS_CHECK(!c.contexts.empty(), "trace gen: no context length given");
   ESS_CHECK(c.requests >= 1 && c.requests <= (1 << 20), "trace gen: requests {} must be in [1, 2^20]", c.requests);
   ESS_CHECK(c.steps >= 1 && c.steps <= (1LL << 24), "trace gen: steps {} is outside [1, 2^24]", c.steps);
+  const auto most = model_max_length(p.model);
   for (const std::int64_t ctx : c.contexts) {
-    ESS_CHECK(ctx >= 1 && ctx <= (1LL << 30), "trace gen: context {} is outside [1, 2^30]", ctx);
+    ESS_CHECK(ctx >= 1 && ctx <= kMaxGeneratedContext, "trace gen: context {} is outside [1, 2^24]", ctx);
+    // The last step's length is at most context + steps x T: within the model's, so that the
+    // trace reader takes the file.
+    ESS_CHECK(!most || ctx + c.steps * p.mtp <= *most,
+              "trace gen: context {} + {} steps x MTP {} exceeds the max_position_embeddings ({}) of the profile's "
+              "model '{}'",
+              ctx, c.steps, p.mtp, most.value_or(0), printable(p.model));
   }
   // The file's size, against the room its folder has (a run killed for want of it leaves nothing).
   const double ids = static_cast<double>(c.requests) * static_cast<double>(c.steps) * p.layers * p.mtp * p.topk;

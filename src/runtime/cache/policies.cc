@@ -273,13 +273,16 @@ std::int32_t S3FifoPolicy::evict(std::span<const std::int32_t> token_of_slot) {
   std::int64_t budget = 8LL * n_ + 8;
   for (;;) {
     ESS_ASSERT(--budget >= 0, "s3fifo: no victim left (working set larger than the pool)");
-    if (size_[kSmall] >= small_target_ || size_[kMain] == 0) {
+    // The main FIFO yields a victim only when it holds a slot outside the working set; when
+    // every slot it holds is in use, the small FIFO must give one up however small it is.
+    if (size_[kSmall] >= small_target_ || size_[kMain] == busy_main_) {
       const std::int32_t s = tail(kSmall);
-      ESS_ASSERT(s < n_, "s3fifo: both queues empty");
+      ESS_ASSERT(s < n_, "s3fifo: both queues empty or in use");
       unlink(s);
       if (freq_[s] > 0 || in_set_[s] != 0) {
         freq_[s] = 0;
         push_head(kMain, s);  // accessed while in the small FIFO: promote
+        if (in_set_[s] != 0) ++busy_main_;
         continue;
       }
       to_ghost(token_of_slot[s]);
@@ -298,9 +301,11 @@ std::int32_t S3FifoPolicy::evict(std::span<const std::int32_t> token_of_slot) {
 
 void S3FifoPolicy::step(const PolicyStepView& view, std::span<std::int32_t> victims) {
   check_victims(view, victims);
+  busy_main_ = 0;
   for (std::int32_t s : view.hit_slots) {
     in_set_[s] = 1;
     if (freq_[s] < 3) ++freq_[s];
+    if (queue_[s] == kMain) ++busy_main_;
   }
   for (std::size_t i = 0; i < victims.size(); ++i) {
     victims[i] = evict(view.token_of_slot);
