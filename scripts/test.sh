@@ -14,8 +14,15 @@ JOBS=${JOBS:-$(nproc)}
 bash scripts/setup.sh
 bash scripts/upstream.sh   # the pinned SGLang and vLLM releases' sources, for the adapters' tests
 
+# The official safetensors reader, for the trace reader's cross-check (tests/trace): every file it
+# refuses, ess must refuse.
+if [[ ! -x build/venv-safetensors/bin/python ]]; then
+  /usr/bin/python3 -m venv --system-site-packages build/venv-safetensors
+fi
+build/venv-safetensors/bin/pip install -q safetensors==0.8.0
+
 echo "== release build =="
-cmake --preset release >/dev/null
+cmake --preset release -DESS_SAFETENSORS_PYTHON="$PWD/build/venv-safetensors/bin/python" >/dev/null
 cmake --build --preset release -j "$JOBS"
 ctest --preset release -j "$JOBS"
 
@@ -65,6 +72,6 @@ echo "== fuzz: trace reader (${FUZZ_SECONDS:-45} s) =="
 bash scripts/fuzz.sh "${FUZZ_SECONDS:-45}"
 
 echo "== ASan + UBSan build =="
-cmake --preset asan >/dev/null
+cmake --preset asan -DESS_SAFETENSORS_PYTHON="$PWD/build/venv-safetensors/bin/python" >/dev/null
 cmake --build --preset asan -j "$JOBS"
 ctest --preset asan -j "$JOBS"
