@@ -103,15 +103,6 @@ int flashtrans_cuda(const EntryCopy& c, Stream stream) {
   });
 }
 
-const std::uint8_t* device_view_cuda(const std::uint8_t* host) {
-  void* dev = nullptr;
-  if (cudaHostGetDevicePointer(&dev, const_cast<std::uint8_t*>(host), 0) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return nullptr;
-  }
-  return static_cast<const std::uint8_t*>(dev);
-}
-
 int swap_step_raise_smem_limit() {
   static DynamicSmemLimit limit;
   return limit.raise(swap_step_marker);

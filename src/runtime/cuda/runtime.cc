@@ -2,7 +2,10 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstdint>
 #include <string>
+
+#include "runtime/cuda/backend_impl.h"
 
 namespace ess::cuda {
 
@@ -28,6 +31,15 @@ void* host_alloc_pinned(std::size_t bytes) {
 }
 
 void host_free_pinned(void* p) { (void)cudaFreeHost(p); }
+
+const std::uint8_t* device_view_cuda(const std::uint8_t* host) {
+  void* dev = nullptr;
+  if (cudaHostGetDevicePointer(&dev, const_cast<std::uint8_t*>(host), 0) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return nullptr;
+  }
+  return static_cast<const std::uint8_t*>(dev);
+}
 
 std::string device_name(int device) {
   cudaDeviceProp prop{};

@@ -50,13 +50,4 @@ int launch(const EntryCopy& c, Stream stream) {
 
 int flashtrans_cuda(const EntryCopy& copy, Stream stream) { return launch(copy, stream); }
 
-const std::uint8_t* device_view_cuda(const std::uint8_t* host) {
-  void* dev = nullptr;
-  if (cudaHostGetDevicePointer(&dev, const_cast<std::uint8_t*>(host), 0) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return nullptr;
-  }
-  return static_cast<const std::uint8_t*>(dev);
-}
-
 }  // namespace ess::cuda
