@@ -51,7 +51,7 @@ for line in open(os.path.join(os.path.dirname(sys.argv[2]), "simulator_previous_
     if line.startswith("#") or line.startswith("config,"):
         continue
     c, b, step, tput, otps = line.strip().split(",")
-    prev[(c, int(b))] = (float(step), float(tput))
+    prev[(c, int(b))] = (float(step), float(tput)) if step != "refused" else None
 configs = [("mtp1", "MTP 1", ["--mtp", "1"], [52, 64, 96, 128, 160]),
            ("mtp3", "MTP 3", ["--mtp", "3", "--accept", "2.3"], [52, 64, 96, 128, 160]),
            ("mtp4", "MTP 4", ["--mtp", "4", "--accept", "2.8"], [52, 64, 96, 128, 160]),
@@ -64,8 +64,9 @@ for key, label, args, batches in configs:
     for b in batches:
         r = now[b]
         p = prev.get((key, b))
-        old_step = f"{p[0]:.2f}" if p else "—"
-        old_tput = f"{p[1]:.0f}" if p else "—"
+        missing = "refused" if (key, b) in prev else "—"
+        old_step = f"{p[0]:.2f}" if p else missing
+        old_tput = f"{p[1]:.0f}" if p else missing
         change = f"{100 * (r['throughput_tokens_per_s'] / p[1] - 1):+.1f} %" if p else ""
         table.append(f"| {label} | {b} | {old_step} | {r['step_ms']:.2f} | {old_tput} | {r['throughput_tokens_per_s']:.0f} | {change} |")
 out = out.replace("@OLD_NEW_TABLE@", "\n".join(table))
