@@ -390,8 +390,8 @@ EntryRange entry_range(const ess::Offload& o, std::int64_t id, int layer, std::i
             "entries has shape {} of {}-byte elements: its last dimension spans {} bytes, an entry is {}",
             ess::capi::shape_string(v.shape), v.item_bytes, row_bytes, entry);
   const std::int64_t n = bytes / static_cast<std::int64_t>(entry);
-  ESS_CHECK(first >= 0 && first <= length - n,
-            "request {} layer {}: entries [{}, {}) outside its {} tokens", id, layer, first, first + n, length);
+  ESS_CHECK(first >= 0 && first <= length - n,  // first + n may overflow: not computed
+            "request {} layer {}: {} entries from token {} outside its {} tokens", id, layer, n, first, length);
   return {v.data, n, entry};
 }
 
