@@ -12,6 +12,8 @@ import os
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+from callsite_ast import call_shape
+
 ATTRIBUTE = "hisparse_coordinator"
 OWN_MODULE = os.path.join("srt", "managers", "hisparse_coordinator.py")
 
@@ -79,16 +81,6 @@ class _FunctionScan(ast.NodeVisitor):
             self._visit(node)
         self._result_attributes(body)
 
-    def _call_shape(self, node, use):
-        parent = self.parents.get(node)
-        if isinstance(parent, ast.Call) and parent.func is node:
-            use.call = True
-            use.positional = sum(1 for a in parent.args if not isinstance(a, ast.Starred))
-            use.keywords = [k.arg for k in parent.keywords if k.arg is not None]
-            use.starred = any(isinstance(a, ast.Starred) for a in parent.args) or \
-                any(k.arg is None for k in parent.keywords)
-        return parent
-
     def _visit(self, node):
         if isinstance(node, ast.Call):
             f = node.func
@@ -99,10 +91,10 @@ class _FunctionScan(ast.NodeVisitor):
                     [k.arg for k in node.keywords if k.arg is not None]))
         if isinstance(node, ast.Attribute) and _is_coordinator(node.value, self.aliases):
             use = Use(self.path, node.lineno, self.function, node.attr)
-            parent = self._call_shape(node, use)
+            parent = call_shape(self.parents, node, use)
             if isinstance(parent, ast.Attribute) and parent.value is node and isinstance(parent.ctx, ast.Load):
                 member = Use(self.path, parent.lineno, self.function, parent.attr)
-                self._call_shape(parent, member)
+                call_shape(self.parents, parent, member)
                 use.members.append(member)
             if use.call:
                 assign = self.parents.get(parent)

@@ -14,6 +14,7 @@ import os
 import pytest
 
 import sglang_callsites
+from callsite_ast import binds
 from ess.integrations import sglang as adapter
 
 SOURCE = sglang_callsites.default_source()
@@ -42,14 +43,6 @@ def instance_attributes(cls):
     return {t.attr for n in ast.walk(init) if isinstance(n, (ast.Assign, ast.AnnAssign))
             for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
             if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
-
-
-def binds(fn, positional, keywords):
-    try:
-        inspect.signature(fn).bind(object(), *([None] * positional), **{k: None for k in keywords})
-        return True
-    except TypeError:
-        return False
 
 
 def test_the_constructor_call_binds(scanned):

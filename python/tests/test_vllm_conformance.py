@@ -15,6 +15,7 @@ import tempfile
 import pytest
 
 import vllm_callsites
+from callsite_ast import binds
 from ess.integrations import vllm as adapter
 
 SOURCE = vllm_callsites.default_source()
@@ -47,14 +48,6 @@ def uses():
     found = vllm_callsites.scan(SOURCE)
     assert len(found) >= 20, "the scan found almost nothing: the release's layout changed"
     return found
-
-
-def binds(fn, positional, keywords):
-    try:
-        inspect.signature(fn).bind(object(), *([None] * positional), **{k: None for k in keywords})
-        return True
-    except TypeError:
-        return False
 
 
 def key(u):

@@ -13,6 +13,8 @@ import os
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+from callsite_ast import call_shape
+
 ATTRIBUTE = "runtime"
 OWN_CLASSES = {os.path.join("v1", "hisparse", "runtime.py"): {"HiSparseRuntime", "HiSparseIndexGroup"}}
 MODULES = {"triton", "cute", "cutlass", "helion", "torch", "knobs"}   # X.runtime where X is a module
@@ -73,15 +75,6 @@ class _Scan:
             p = self.parents.get(p)
         return False
 
-    def _call_shape(self, node, use):
-        parent = self.parents.get(node)
-        if isinstance(parent, ast.Call) and parent.func is node:
-            use.call = True
-            use.positional = sum(1 for a in parent.args if not isinstance(a, ast.Starred))
-            use.keywords = [k.arg for k in parent.keywords if k.arg is not None]
-            use.starred = any(isinstance(a, ast.Starred) for a in parent.args) or \
-                any(k.arg is None for k in parent.keywords)
-
     def _function(self, fn, cls):
         aliases = set()
         for node in ast.walk(fn):
@@ -97,7 +90,7 @@ class _Scan:
                 continue   # an alias: its uses are scanned
             if isinstance(parent, ast.Attribute) and parent.value is node:
                 use = Use(self.path, parent.lineno, fn.name, cls, parent.attr, store=isinstance(parent.ctx, ast.Store))
-                self._call_shape(parent, use)
+                call_shape(self.parents, parent, use)
                 above = self.parents.get(parent)
                 if isinstance(above, ast.Attribute) and above.value is parent:
                     use.members.append(above.attr)
