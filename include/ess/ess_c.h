@@ -110,6 +110,16 @@ typedef struct ess_config {
   void* host_memory;
   uint64_t host_memory_bytes;
   int32_t host_memory_pinned;
+  /* Foreign pages: host_memory is another engine's host block pool (vLLM's HiSparse host pool),
+   * whose pages that engine hands out. host_pages_per_layer > 0 turns it on: page g (64 entries)
+   * of layer l lies at host_memory + (host_layer_first_page[l] + g) x host_page_stride (an array
+   * of `layers` values, read at creation), regions not overlapping, all within
+   * host_memory_bytes; host_bytes must be 0. Requests then come by ess_request_adopt and
+   * ess_request_repage (the other engine's block tables) and ESS writes a page only when asked
+   * (write-back, ess_request_write_entries). 0: ESS hands out its own pages. */
+  int64_t host_pages_per_layer;
+  uint64_t host_page_stride;
+  const int64_t* host_layer_first_page;
 } ess_config;
 
 ESS_API void ess_config_init(ess_config* config);
@@ -157,7 +167,7 @@ typedef struct ess_host_layout {
   int32_t page_tokens;       /* 64 */
   int32_t pinned;            /* 1: page-locked (registered with CUDA), 0: pageable */
   uint64_t entry_bytes;
-  uint64_t page_bytes;       /* page_tokens x entry_bytes */
+  uint64_t page_bytes;       /* bytes from one page to the next: page_tokens x entry_bytes (foreign pages: their stride) */
   int64_t pages_per_layer;
   uint64_t layer_bytes;      /* pages_per_layer x page_bytes: each region's size */
 } ess_host_layout;
@@ -225,6 +235,17 @@ ESS_API ess_status ess_request_extend(ess_engine* engine, int64_t id, int64_t to
 /* Takes back draft tokens that were not accepted: the length becomes `length`, at least its
  * length - T (engines with reserve_newest; the entries past it are zeroed). */
 ESS_API ess_status ess_request_truncate(ess_engine* engine, int64_t id, int64_t length);
+/* Foreign pages only (ess_config.host_pages_per_layer). adopt: admits request `id` (row as
+ * ess_request_admit) of `length` tokens whose entries the other engine wrote on `pages`
+ * (page_count = ceil(length / 64) indices in [0, host_pages_per_layer), the same in every layer;
+ * nothing is copied or zeroed). repage: its length anew and its pages from `first_page` on
+ * (those before kept; page_count new ones, ceil(length / 64) in all): growth as extend,
+ * shrinking as truncate (by at most T, reserve_newest); a page may change only to one holding the
+ * same entries. Checked whole before anything changes. */
+ESS_API ess_status ess_request_adopt(ess_engine* engine, int64_t id, int64_t length, const int32_t* pages,
+                                     int64_t page_count, int32_t row, int32_t* row_out);
+ESS_API ess_status ess_request_repage(ess_engine* engine, int64_t id, int64_t length, int64_t first_page,
+                                      const int32_t* pages, int64_t page_count);
 ESS_API ess_status ess_request_release(ess_engine* engine, int64_t id);
 /* Forgets the request's device residency (its host entries stay); warm it up again after. */
 ESS_API ess_status ess_request_reset(ess_engine* engine, int64_t id);

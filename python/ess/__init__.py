@@ -13,7 +13,7 @@ from typing import Iterable, Optional
 from . import _args
 from ._errors import DeviceError, EssError, InternalError, InvalidArgument, InvalidType, OutOfMemory, Unavailable, check
 from ._lib import ABI_VERSION, lib, path as library_path
-from .engine import Engine, HostLayout, Info, Stats, StepBinding, WriteBackBinding, stream_handle
+from .engine import Engine, ForeignPages, HostLayout, Info, Stats, StepBinding, WriteBackBinding, stream_handle
 
 # project(ess VERSION) of CMakeLists.txt, as libess was built with it (the wheel's version comes from the
 # same line), with a local label saying whether that libess carries the CUDA backend: "0.1.0+cuda" or
@@ -21,7 +21,7 @@ from .engine import Engine, HostLayout, Info, Stats, StepBinding, WriteBackBindi
 __version__ = f"{lib.ess_version().decode()}+{'cuda' if lib.ess_cuda_built() else 'cpu'}"
 
 __all__ = [
-    "ABI_VERSION", "DeviceError", "Engine", "EssError", "HostLayout", "Info", "InternalError", "InvalidArgument", "InvalidType",
+    "ABI_VERSION", "DeviceError", "Engine", "EssError", "ForeignPages", "HostLayout", "Info", "InternalError", "InvalidArgument", "InvalidType",
     "OutOfMemory",
     "Stats", "StepBinding", "Unavailable", "WriteBackBinding", "cuda_built", "cuda_device_count", "library_path",
     "plan", "stream_handle",

@@ -35,6 +35,9 @@ class Config(ctypes.Structure):
         ("host_memory", ctypes.c_void_p),
         ("host_memory_bytes", ctypes.c_uint64),
         ("host_memory_pinned", ctypes.c_int32),
+        ("host_pages_per_layer", ctypes.c_int64),
+        ("host_page_stride", ctypes.c_uint64),
+        ("host_layer_first_page", ctypes.POINTER(ctypes.c_int64)),
     ]
 
 
@@ -180,6 +183,9 @@ _signatures = {
     "ess_request_warmup": (_c.c_int, [_P, _c.c_int64, _P]),
     "ess_request_extend": (_c.c_int, [_P, _c.c_int64, _c.c_int64]),
     "ess_request_truncate": (_c.c_int, [_P, _c.c_int64, _c.c_int64]),
+    "ess_request_adopt": (_c.c_int, [_P, _c.c_int64, _c.c_int64, _c.POINTER(_c.c_int32), _c.c_int64, _c.c_int32,
+                                     _c.POINTER(_c.c_int32)]),
+    "ess_request_repage": (_c.c_int, [_P, _c.c_int64, _c.c_int64, _c.c_int64, _c.POINTER(_c.c_int32), _c.c_int64]),
     "ess_request_release": (_c.c_int, [_P, _c.c_int64]),
     "ess_request_reset": (_c.c_int, [_P, _c.c_int64]),
     "ess_request_get": (_c.c_int, [_P, _c.c_int64, _c.POINTER(_c.c_int32), _c.POINTER(_c.c_int64)]),

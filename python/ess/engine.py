@@ -8,7 +8,7 @@ import threading
 import weakref
 from dataclasses import dataclass
 from os import PathLike
-from typing import Mapping, Optional, Sequence, Union
+from typing import Mapping, NamedTuple, Optional, Sequence, Union
 
 from . import _args, _dlpack
 from ._args import i32 as _i32, i64 as _i64
@@ -31,6 +31,24 @@ def _locked(method):
         with self._lock:
             return method(self, *args, **kwargs)
     return call
+
+
+class ForeignPages(NamedTuple):
+    """Another engine's host block pool as ESS's host pool (Engine's foreign_pages): page g (64 entries) of layer
+    l at host_memory + (layer_first_page[l] + g) x page_stride bytes."""
+    pages_per_layer: int
+    page_stride: int
+    layer_first_page: Sequence[int]
+
+
+def _integers(name: str, values, ctype, bounds) -> list:
+    """A sequence of integers (a list, tuple, or an integer array or tensor with tolist()) as Python ints, each
+    checked against the C type's range."""
+    if hasattr(values, "tolist") and not isinstance(values, (list, tuple)):
+        values = values.tolist()
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise InvalidType(f"{name}: a sequence of integers is expected, not {type(values).__name__}")
+    return [_args.integer(f"{name}[{i}]", v, *bounds) for i, v in enumerate(values)]
 
 
 @dataclass(frozen=True)
@@ -93,7 +111,10 @@ class Engine:
     block_rows, E]); None: ESS allocates them. host_memory: the host pool's memory, a writable
     buffer of the caller's (an mmap of a shared-memory region several processes' engines map:
     ess_c.h's ess_config.host_memory says how they share it), kept alive with the engine;
-    host_memory_pinned: the caller registered it as pinned, mapped memory. Every value is checked;
+    host_memory_pinned: the caller registered it as pinned, mapped memory. foreign_pages (with host_memory:
+    another engine's host block pool, such as vLLM's HiSparse host pool): ForeignPages(pages_per_layer,
+    page_stride, layer_first_page), that engine's layout; requests then come by adopt and repage, on the
+    pages that engine hands out (ess_c.h's ess_config.host_pages_per_layer). Every value is checked;
     a refused one raises InvalidArgument naming it (InvalidType, also a TypeError, for a wrong
     type: a float, bool or string where an integer is meant, anything but a bool for
     reserve_newest), and nothing is created. A refused call on an engine changes nothing.
@@ -107,7 +128,8 @@ class Engine:
                  model: Union[None, str, PathLike, Mapping] = None, layers: int = 0, query_tokens: int = 1,
                  topk: int = 0, reserve_newest: bool = False, warmup_windows: int = 32, policy: str = "lru",
                  backend: str = "cpu", device: int = 0, copy_blocks: int = 0, host_bytes: int = 0,
-                 latent: Optional[Sequence] = None, host_memory=None, host_memory_pinned: bool = False):
+                 latent: Optional[Sequence] = None, host_memory=None, host_memory_pinned: bool = False,
+                 foreign_pages: Optional["ForeignPages"] = None):
         self._handle = None
         self._lock = threading.RLock()
         _args.choice("backend", backend, _BACKENDS)
@@ -157,6 +179,20 @@ class Engine:
             c.host_memory_bytes = view.nbytes
             c.host_memory_pinned = 1 if pinned else 0
             self._host_memory = view
+        self._first_pages = None
+        if foreign_pages is not None:
+            if not isinstance(foreign_pages, ForeignPages):
+                raise InvalidType(f"foreign_pages: an ess.ForeignPages is expected, not {type(foreign_pages).__name__}")
+            c.host_pages_per_layer = _args.integer("foreign_pages.pages_per_layer", foreign_pages.pages_per_layer,
+                                                   *_args.I64)
+            c.host_page_stride = _args.integer("foreign_pages.page_stride", foreign_pages.page_stride, *_args.U64)
+            firsts = _integers("foreign_pages.layer_first_page", foreign_pages.layer_first_page, ctypes.c_int64,
+                               _args.I64)
+            self._first_pages = (ctypes.c_int64 * max(1, len(firsts)))(*firsts)
+            c.host_layer_first_page = ctypes.cast(self._first_pages, ctypes.POINTER(ctypes.c_int64))
+            layers = c.layers if c.layers > 0 else None
+            if layers is not None and len(firsts) != layers:
+                raise InvalidArgument(f"foreign_pages.layer_first_page: {len(firsts)} values for {layers} layers")
         handle = ctypes.c_void_p()
         check(lib.ess_engine_create(ctypes.byref(c), ctypes.byref(handle)))
         self._handle = handle.value
@@ -273,6 +309,30 @@ class Engine:
         length - T; reserve_newest engines). Write the accepted ones back before the next step reads them."""
         _i64(request_id=request_id, length=length)
         check(lib.ess_request_truncate(self._h(), request_id, length))
+
+    @_locked
+    def adopt(self, request_id: int, length: int, pages, row: int = -1) -> int:
+        """Foreign pages: admits a request of `length` tokens whose entries the other engine wrote on `pages` (its
+        block table: ceil(length / 64) page indices, ints or an integer array); returns the row. Nothing is copied."""
+        _i64(request_id=request_id, length=length)
+        _i32(row=row)
+        values = _integers("pages", pages, ctypes.c_int32, _args.I32)
+        array = (ctypes.c_int32 * max(1, len(values)))(*values)
+        out = ctypes.c_int32()
+        check(lib.ess_request_adopt(self._h(), request_id, length, array, len(values), row, ctypes.byref(out)))
+        return out.value
+
+    @_locked
+    def repage(self, request_id: int, length: int, pages=(), first_page: Optional[int] = None):
+        """Foreign pages: the request's length anew and its pages from `first_page` on (None: its page count, so
+        `pages` are appended); growth as extend, shrinking by at most T as truncate."""
+        _i64(request_id=request_id, length=length)
+        values = _integers("pages", pages, ctypes.c_int32, _args.I32)
+        if first_page is None:
+            first_page = -(-self.request(request_id)[1] // 64)   # its pages: one per 64 tokens
+        _i64(first_page=first_page)
+        array = (ctypes.c_int32 * max(1, len(values)))(*values)
+        check(lib.ess_request_repage(self._h(), request_id, length, first_page, array, len(values)))
 
     @_locked
     def release(self, request_id: int):

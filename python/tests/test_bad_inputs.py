@@ -80,6 +80,11 @@ class Fixture:
             self._keep = (ids, lens)
             return e.bind_step(self.rows, ids, lens, np.zeros((1, 8), np.int32)).step(t)
 
+        def region():
+            """A page-aligned, writable 1 MiB host region (another engine's pool)."""
+            import mmap
+            return mmap.mmap(-1, 1 << 20)
+
         def closed_engine():
             x = engine()
             x.close()
@@ -100,7 +105,7 @@ class Fixture:
                     ids2=np.zeros((1, 16), np.int32), phys=self.phys, R1=R1, SHARED=SHARED, RELEASED=RELEASED,
                     engine=engine, entry=entry, window_with=window_with, step_with=step_with,
                     closed_engine=closed_engine, closed_binding=closed_binding,
-                    binding_of_closed_engine=binding_of_closed_engine)
+                    binding_of_closed_engine=binding_of_closed_engine, region=region)
 
 
 def cases():

@@ -1,8 +1,11 @@
 // The C ABI's library, engine and request calls: ess::Offload behind an opaque handle.
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstring>
+#include <iterator>
 #include <limits>
+#include <span>
 
 #include <nlohmann/json.hpp>
 
@@ -173,12 +176,77 @@ std::unique_ptr<ess::HostAllocator> caller_host_memory(const ess_config& c) {
 
 }  // namespace
 
-ess_status ess_engine_create(const ess_config* config, ess_engine** out) {
+namespace {
+
+// The caller's ess_config as this library's: a caller built against an earlier header (its
+// struct_size one of the earlier layouts, whose fields are a prefix of this one) gets the
+// defaults of the fields it does not know.
+ess_config read_config(const ess_config* given) {
+  ESS_CHECK(given != nullptr, "ess_config is required (got NULL)");
+  constexpr std::uint32_t kLayouts[] = {
+      offsetof(ess_config, host_memory),           // before the caller's host memory
+      offsetof(ess_config, host_pages_per_layer),  // before foreign pages
+      sizeof(ess_config),
+  };
+  const std::uint32_t size = given->struct_size;
+  ESS_CHECK(std::find(std::begin(kLayouts), std::end(kLayouts), size) != std::end(kLayouts),
+            "ess_config.struct_size = {}: this library knows ess_config layouts of {}, {} and {} bytes: call "
+            "ess_config_init (a header of another ABI version?)",
+            size, kLayouts[0], kLayouts[1], kLayouts[2]);
+  ess_config c;
+  ess_config_init(&c);
+  std::memcpy(&c, given, size);
+  c.struct_size = sizeof(ess_config);
+  return c;
+}
+
+// Foreign pages (ess_config.host_pages_per_layer): the offload's view of them.
+void set_foreign_pages(const ess_config& c, ess::OffloadConfig& o) {
+  if (c.host_pages_per_layer == 0) {
+    ESS_CHECK(c.host_page_stride == 0 && c.host_layer_first_page == nullptr,
+              "config: host_pages_per_layer is 0 but host_page_stride = {} / host_layer_first_page is {}",
+              c.host_page_stride, c.host_layer_first_page == nullptr ? "NULL" : "set");
+    return;
+  }
+  ESS_CHECK(c.host_pages_per_layer > 0, "config: host_pages_per_layer = {} is negative", c.host_pages_per_layer);
+  ESS_CHECK(c.host_memory != nullptr, "config: host_pages_per_layer = {} needs host_memory (the other engine's pool)",
+            c.host_pages_per_layer);
+  ESS_CHECK(c.host_layer_first_page != nullptr, "config: host_pages_per_layer = {} needs host_layer_first_page",
+            c.host_pages_per_layer);
+  o.foreign.pages_per_layer = c.host_pages_per_layer;
+  o.foreign.page_stride = c.host_page_stride;
+  o.foreign.layer_first_page.assign(c.host_layer_first_page, c.host_layer_first_page + o.layers);
+  std::int64_t last = 0;
+  for (const std::int64_t first : o.foreign.layer_first_page) last = std::max(last, first);
+  // The region bounds the pages before the pool is built over it (whose own checks name a
+  // layout that cannot be addressed); the pool's arena is rounded up to 4 KiB.
+  std::uint64_t end = 0;
+  const bool overflow =
+      last > std::numeric_limits<std::int64_t>::max() - c.host_pages_per_layer ||
+      __builtin_mul_overflow(static_cast<std::uint64_t>(last + c.host_pages_per_layer), c.host_page_stride, &end) ||
+      end > std::numeric_limits<std::uint64_t>::max() - 4095;
+  ESS_CHECK(!overflow && (end + 4095) / 4096 * 4096 <= c.host_memory_bytes,
+            "config: foreign pages end at page {} of {} B each ({} B, rounded up to 4 KiB), beyond host_memory_bytes = "
+            "{}",
+            last + c.host_pages_per_layer, c.host_page_stride, end, c.host_memory_bytes);
+}
+
+std::span<const std::int32_t> page_list(const std::int32_t* pages, std::int64_t count) {
+  ESS_CHECK(count >= 0, "page_count = {} is negative", count);
+  ESS_CHECK(pages != nullptr || count == 0, "pages is NULL with page_count = {}", count);
+  return {pages, static_cast<std::size_t>(count)};
+}
+
+}  // namespace
+
+ess_status ess_engine_create(const ess_config* given, ess_engine** out) {
   if (out != nullptr) *out = nullptr;
   return guard("ess_engine_create", [&] {
     ESS_CHECK(out != nullptr, "the engine out-pointer is NULL");
-    ess::capi::check_struct(config, "ess_config", "ess_config_init");
-    const ess::OffloadConfig oc = ess::capi::offload_config(*config);
+    const ess_config full = read_config(given);
+    const ess_config* config = &full;
+    ess::OffloadConfig oc = ess::capi::offload_config(*config);
+    set_foreign_pages(*config, oc);
     ess::LatentBuffer buffer;
     if (config->latent != nullptr || config->latent_count != 0) {
       ESS_CHECK(config->latent != nullptr && config->latent_count == oc.layers,
@@ -268,9 +336,9 @@ ess_status ess_engine_host_layout(const ess_engine* engine, ess_host_layout* lay
     layout->page_tokens = static_cast<std::int32_t>(ess::kPageTokens);
     layout->pinned = pool.memory_kind() == ess::HostMemoryKind::kPinned ? 1 : 0;
     layout->entry_bytes = pool.entry_bytes();
-    layout->page_bytes = pool.page_bytes();
+    layout->page_bytes = pool.page_stride();
     layout->pages_per_layer = pool.pages_per_layer();
-    layout->layer_bytes = static_cast<std::uint64_t>(pool.pages_per_layer()) * pool.page_bytes();
+    layout->layer_bytes = static_cast<std::uint64_t>(pool.pages_per_layer()) * pool.page_stride();
   });
 }
 
@@ -476,6 +544,23 @@ ess_status ess_request_extend(ess_engine* engine, int64_t id, int64_t tokens) {
 
 ess_status ess_request_truncate(ess_engine* engine, int64_t id, int64_t length) {
   return guard("ess_request_truncate", [&] { ess::capi::engine_call(engine).offload().truncate(id, length); });
+}
+
+ess_status ess_request_adopt(ess_engine* engine, int64_t id, int64_t length, const int32_t* pages, int64_t page_count,
+                             int32_t row, int32_t* row_out) {
+  return guard("ess_request_adopt", [&] {
+    const auto list = page_list(pages, page_count);
+    const std::int32_t r = ess::capi::engine_call(engine).offload().adopt(id, length, list, row);
+    if (row_out != nullptr) *row_out = r;
+  });
+}
+
+ess_status ess_request_repage(ess_engine* engine, int64_t id, int64_t length, int64_t first_page, const int32_t* pages,
+                              int64_t page_count) {
+  return guard("ess_request_repage", [&] {
+    const auto list = page_list(pages, page_count);
+    ess::capi::engine_call(engine).offload().repage(id, length, first_page, list);
+  });
 }
 
 ess_status ess_request_release(ess_engine* engine, int64_t id) {

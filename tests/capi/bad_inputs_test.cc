@@ -231,6 +231,34 @@ const std::vector<Case>& cases() {
          return f.bind(st);
        }},
       {"null engine", kInvalid, "engine is NULL", [](Fixture&) { return ess_request_extend(nullptr, kR1, 1); }},
+      // ---- foreign pages on an engine that hands out its own
+      {"adopt on own pages", kInvalid, "hands out its own pages", [](Fixture& f) {
+         const std::int32_t pages[] = {0};
+         return ess_request_adopt(f.e, 40, 10, pages, 1, -1, nullptr);
+       }},
+      {"repage on own pages", kInvalid, "hands out its own pages", [](Fixture& f) {
+         return ess_request_repage(f.e, kR1, 70, 1, nullptr, 0);
+       }},
+      {"adopt with null pages", kInvalid, "pages is NULL", [](Fixture& f) {
+         return ess_request_adopt(f.e, 40, 10, nullptr, 1, -1, nullptr);
+       }},
+      {"repage with a negative count", kInvalid, "page_count = -1", [](Fixture& f) {
+         const std::int32_t pages[] = {0};
+         return ess_request_repage(f.e, kR1, 70, 0, pages, -1);
+       }},
+      {"config with foreign pages but no region", kInvalid, "needs host_memory", [](Fixture& f) {
+         ess_config c = config();
+         const std::int64_t first[] = {0, 8};
+         c.host_pages_per_layer = 8;
+         c.host_page_stride = 64 * kEntry;
+         c.host_layer_first_page = first;
+         return f.create(c);
+       }},
+      {"config with a stride but no foreign pages", kInvalid, "host_pages_per_layer is 0", [](Fixture& f) {
+         ess_config c = config();
+         c.host_page_stride = 64 * kEntry;
+         return f.create(c);
+       }},
       {"null step binding", kInvalid, "step binding is NULL", [](Fixture&) { return ess_step(nullptr, 0, -1, nullptr); }},
       {"null row output", kInvalid, "output is NULL", [](Fixture& f) { return ess_engine_read_row(f.e, 0, 0, nullptr, kEntry); }},
       {"null topk", kInvalid, "topk is required", [](Fixture& f) {

@@ -3,7 +3,9 @@
 // with their engine, and the planner. Runs under the sanitizers too (leaks, use after free).
 #include <gtest/gtest.h>
 
+#include <cstddef>
 #include <cstring>
+#include <functional>
 #include <thread>
 #include <string>
 #include <vector>
@@ -363,4 +365,106 @@ TEST(CApi, TheHostPoolInTheCallersMemory) {
   EXPECT_EQ(ess_engine_create(&bad, &e), ESS_ERROR_INVALID_ARGUMENT);
   EXPECT_NE(last().find("host_memory is NULL"), std::string::npos) << last();
   EXPECT_EQ(e, nullptr);
+}
+
+TEST(CApi, AConfigOfAnEarlierHeaderGetsTheDefaultsOfTheFieldsItLacks) {
+  // A caller built before the host memory fields (and before foreign pages): its struct ends there, and
+  // whatever lies past it in its memory is not read.
+  for (const std::size_t size : {offsetof(ess_config, host_memory), offsetof(ess_config, host_pages_per_layer)}) {
+    std::vector<std::uint8_t> memory(sizeof(ess_config), 0xEE);
+    ess_config c = small_config();
+    c.struct_size = static_cast<std::uint32_t>(size);
+    std::memcpy(memory.data(), &c, size);
+    ess_engine* e = nullptr;
+    ASSERT_EQ(ess_engine_create(reinterpret_cast<const ess_config*>(memory.data()), &e), ESS_OK) << size << ": " << last();
+    int32_t row = -1;
+    EXPECT_EQ(ess_request_admit(e, 1, 100, -1, &row), ESS_OK) << last();
+    ess_engine_destroy(e);
+  }
+}
+
+// Another engine's host block pool (say vLLM's): padded pages, the layers' regions out of order. ESS reads
+// the entries where that engine's block table puts them and never writes its region; what it cannot do
+// there is refused by name.
+TEST(CApi, ForeignPagesAreTheOtherEnginesBlocks) {
+  const std::size_t stride = 64 * kEntry + 512, G = 6;
+  const std::int64_t first[] = {static_cast<std::int64_t>(G) + 1, 0};  // layer 0 after layer 1, one page apart
+  const std::size_t bytes = (2 * G + 1) * stride;
+  std::vector<std::uint8_t> storage(bytes + 2 * 4096);
+  std::uint8_t* region = aligned_region(storage);
+  for (std::size_t i = 0; i < bytes; ++i) region[i] = static_cast<std::uint8_t>(i * 31 + 7);
+  const std::vector<std::uint8_t> before(region, region + bytes);
+  ess_config c = small_config();
+  c.max_context = 256;
+  c.reserve_newest = 1;
+  c.host_memory = region;
+  c.host_memory_bytes = (bytes + 4095) / 4096 * 4096;
+  c.host_pages_per_layer = static_cast<std::int64_t>(G);
+  c.host_page_stride = stride;
+  c.host_layer_first_page = first;
+  ess_engine* e = nullptr;
+  ASSERT_EQ(ess_engine_create(&c, &e), ESS_OK) << last();
+  ess_host_layout layout;
+  ess_host_layout_init(&layout);
+  ASSERT_EQ(ess_engine_host_layout(e, &layout), ESS_OK) << last();
+  EXPECT_EQ(layout.page_bytes, stride);
+  EXPECT_EQ(layout.pages_per_layer, static_cast<std::int64_t>(G));
+  void* layer0 = nullptr;
+  ASSERT_EQ(ess_engine_host_layer(e, 0, &layer0), ESS_OK) << last();
+  EXPECT_EQ(layer0, region + first[0] * stride);
+  const std::int32_t pages[] = {4, 1};
+  int32_t row = -1;
+  ASSERT_EQ(ess_request_adopt(e, 9, 100, pages, 2, 1, &row), ESS_OK) << last();
+  EXPECT_EQ(row, 1);
+  std::vector<std::uint8_t> got(100 * kEntry);
+  std::vector<std::int64_t> shape = {100, kEntry};
+  DLTensor out = tensor(got.data(), shape, kDLUInt, 8);
+  for (int l = 0; l < 2; ++l) {
+    ASSERT_EQ(ess_request_read_entries(e, 9, l, 0, &out), ESS_OK) << last();
+    for (std::int64_t t = 0; t < 100; ++t) {
+      const std::uint8_t* want = region + (first[l] + pages[t / 64]) * stride + (t % 64) * kEntry;
+      ASSERT_EQ(0, std::memcmp(got.data() + t * kEntry, want, kEntry)) << "layer " << l << " token " << t;
+    }
+  }
+  const std::int32_t more[] = {5};
+  ASSERT_EQ(ess_request_repage(e, 9, 129, 2, more, 1), ESS_OK) << last();
+  int64_t length = 0;
+  ASSERT_EQ(ess_request_get(e, 9, nullptr, &length), ESS_OK);
+  EXPECT_EQ(length, 129);
+  std::int32_t listed[3] = {};
+  int64_t count = 0;
+  ASSERT_EQ(ess_request_host_pages(e, 9, listed, 3, &count), ESS_OK) << last();
+  EXPECT_EQ(count, 3);
+  EXPECT_EQ(listed[2], 5);
+  // Refused, nothing changed.
+  EXPECT_EQ(ess_request_admit(e, 10, 10, -1, nullptr), ESS_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(last().find("foreign pages"), std::string::npos) << last();
+  const std::int32_t outside[] = {static_cast<std::int32_t>(G)};
+  EXPECT_EQ(ess_request_adopt(e, 10, 10, outside, 1, -1, nullptr), ESS_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(last().find("outside [0, 6)"), std::string::npos) << last();
+  EXPECT_EQ(ess_request_repage(e, 9, 200, 3, nullptr, 0), ESS_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(last().find("4 expected"), std::string::npos) << last();
+  EXPECT_EQ(ess_request_repage(e, 9, 100, 3, nullptr, 0), ESS_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(last().find("takes back more than T"), std::string::npos) << last();
+  ASSERT_EQ(ess_request_get(e, 9, nullptr, &length), ESS_OK);
+  EXPECT_EQ(length, 129);
+  ASSERT_EQ(ess_request_release(e, 9), ESS_OK) << last();
+  ess_engine_destroy(e);
+  EXPECT_EQ(0, std::memcmp(region, before.data(), bytes)) << "ESS wrote the other engine's pool";
+  // Configurations that cannot be served: refused by name, nothing created.
+  auto refused = [&](const std::function<void(ess_config&)>& change, const char* word) {
+    ess_config bad = c;
+    change(bad);
+    ess_engine* x = nullptr;
+    EXPECT_EQ(ess_engine_create(&bad, &x), ESS_ERROR_INVALID_ARGUMENT) << word;
+    EXPECT_NE(last().find(word), std::string::npos) << last();
+    EXPECT_EQ(x, nullptr);
+  };
+  refused([](ess_config& b) { b.host_bytes = 1 << 20; }, "host_bytes = 1048576 with foreign pages");
+  refused([](ess_config& b) { b.host_layer_first_page = nullptr; }, "needs host_layer_first_page");
+  refused([&](ess_config& b) { b.host_memory_bytes = bytes / 2 / 4096 * 4096; }, "beyond host_memory_bytes");
+  refused([](ess_config& b) { b.host_pages_per_layer = -1; }, "host_pages_per_layer = -1");
+  refused([](ess_config& b) { b.host_page_stride = 64; }, "page_stride = 64");
+  const std::int64_t overlapping[] = {0, 3};
+  refused([&](ess_config& b) { b.host_layer_first_page = overlapping; }, "overlap");
 }

@@ -20,6 +20,13 @@
 // by admit_cached, and are evicted least recently used first, chain leaves first, when an
 // admission or growth would otherwise not fit (a refusal evicts nothing; an allocation
 // failure after the eviction may leave it done). See docs/architecture.md, "Shared prefixes".
+//
+// Foreign pages. The pool may instead sit on another engine's host block pool (vLLM's HiSparse
+// host pool): that engine hands out the pages and ESS addresses them. Then the arena is that
+// engine's memory, layer l's page g is arena page layer_first_page[l] + g (page_stride bytes
+// each), requests get their pages by adopt and repage (the caller's block tables), and the
+// pool never takes, zeroes, frees, evicts or caches a page. See docs/architecture.md,
+// "Foreign pages".
 #pragma once
 
 #include <cstddef>
@@ -55,6 +62,14 @@ struct TotalPoolAccount {
   std::int64_t cached_pages = 0;     // prefix cache entries (one per page index: every layer's page)
 };
 
+// Another engine's host block pool as the pool's pages (see the top of this file).
+struct ForeignPages {
+  std::int64_t pages_per_layer = 0;              // 0: the pool hands out its own pages
+  std::uint64_t page_stride = 0;                 // bytes from one page to the next; >= 64 entries
+  std::vector<std::int64_t> layer_first_page;    // per layer: its page 0, in pages from the arena's start
+  bool enabled() const { return pages_per_layer > 0; }
+};
+
 // Chained hashes of the full 64-token pages of a prompt: hash i covers token ids [0, 64 (i + 1)).
 std::vector<std::uint64_t> prefix_page_hashes(std::span<const std::int32_t> token_ids);
 
@@ -64,6 +79,11 @@ class TotalPool {
   // pages); it must hold at least one page of each layer. The arena
   // comes from `allocator` (an engine's own pinned buffer, say); it must outlive the pool.
   TotalPool(int num_layers, LatentLayout layout, std::uint64_t capacity_bytes,
+            HostMemoryKind prefer = HostMemoryKind::kPinned, HostAllocator& allocator = default_host_allocator());
+  // On foreign pages: the arena, (max layer_first_page + pages_per_layer) x page_stride bytes,
+  // comes from `allocator` (the other engine's pool, typically); the layers' regions must not
+  // overlap. Throws naming the field otherwise.
+  TotalPool(int num_layers, LatentLayout layout, const ForeignPages& foreign,
             HostMemoryKind prefer = HostMemoryKind::kPinned, HostAllocator& allocator = default_host_allocator());
 
   // Admits a request with `length` tokens (entries zeroed). Throws when the id is already
@@ -92,6 +112,15 @@ class TotalPool {
   // is cached already (another request published that content; the pages after it stay
   // unregistered). Returns the pages added. From then on those pages are read-only.
   std::int64_t publish(RequestId id, std::span<const std::uint64_t> page_hashes);
+  // Foreign pages only. Admits a request of `length` tokens on the given pages (page i holds
+  // tokens [64 i, 64 i + 64) of every layer: ceil(length / 64) indices in [0, pages_per_layer)),
+  // whose entries the other engine has written (nothing is zeroed or copied). A page may be held
+  // by several requests (that engine's prefix sharing): it is then read-only here.
+  void adopt(RequestId id, std::int64_t length, std::span<const std::int32_t> pages);
+  // Foreign pages only. The request's length anew and its pages from page `first_page` on
+  // (those before it kept; first_page <= its page count): its engine grew or shortened it, or
+  // moved a page to a copy of the same entries. The same rules as adopt for the whole table.
+  void repage(RequestId id, std::int64_t length, std::int64_t first_page, std::span<const std::int32_t> pages);
   // Frees the request's pages; the ones the prefix cache holds stay, retained.
   void release(RequestId id);
   // Evicts retained pages, least recently used chain leaves first, until `pages` (in [0,
@@ -111,7 +140,7 @@ class TotalPool {
   // without the look-up, for a token the caller has checked is below length(id).
   std::span<const std::int32_t> page_table(RequestId id, int layer) const;
   std::uint64_t entry_offset(std::span<const std::int32_t> table, std::int64_t token) const {
-    return static_cast<std::uint64_t>(table[static_cast<std::size_t>(token / kPageTokens)]) * page_bytes_ +
+    return static_cast<std::uint64_t>(table[static_cast<std::size_t>(token / kPageTokens)]) * page_stride_ +
            static_cast<std::uint64_t>(token % kPageTokens) * entry_bytes_;
   }
   std::span<const std::uint8_t> entry(RequestId id, int layer, std::int64_t token) const;
@@ -125,16 +154,21 @@ class TotalPool {
   const std::uint8_t* layer_base(int layer) const;
   std::int64_t pages_per_layer() const { return groups_; }
   // Page i of the request, in every layer, is page page_indices(id)[i] of that layer's region.
+  // Foreign pages: the indices it was given.
   std::vector<std::int32_t> page_indices(RequestId id) const;
   HostMemoryKind memory_kind() const { return arena_.kind(); }
   int num_layers() const { return num_layers_; }
   const LatentLayout& layout() const { return layout_; }
   std::size_t entry_bytes() const { return entry_bytes_; }
   std::size_t page_bytes() const { return page_bytes_; }
+  // Bytes from one arena page to the next: page_bytes(), or the foreign pool's page_stride.
+  std::uint64_t page_stride() const { return page_stride_; }
+  bool foreign() const { return foreign_; }
   std::int64_t capacity_pages() const { return capacity_pages_; }
   std::int64_t free_pages() const { return static_cast<std::int64_t>(free_.size()) * num_layers_; }
   std::uint64_t capacity_bytes() const { return capacity_pages_ * page_bytes_; }
-  std::uint64_t used_bytes() const { return (capacity_pages_ - free_pages()) * page_bytes_; }
+  // Pages some request or the prefix cache holds (foreign pages: those ESS's requests hold).
+  std::uint64_t used_bytes() const;
 
   // Pages needed to hold `length` tokens of every layer.
   std::int64_t pages_for(std::int64_t length) const;
@@ -165,8 +199,13 @@ class TotalPool {
   void check_token(RequestId id, const Request& r, int layer, std::int64_t token,
                    const char* what) const;
   std::int32_t page_of(int layer, std::int32_t group) const {
-    return static_cast<std::int32_t>(layer * groups_ + group);
+    return static_cast<std::int32_t>(layer_first_[static_cast<std::size_t>(layer)] + group);
   }
+  // Refuses (naming `what`) on foreign pages, whose pages only the other engine hands out.
+  void require_own_pages(const char* what, RequestId id) const;
+  // The given pages of a foreign request of `length` tokens, checked; its tables.
+  std::vector<std::vector<std::int32_t>> foreign_tables(RequestId id, std::int64_t length,
+                                                        std::span<const std::int32_t> pages, const char* what) const;
   // A free group: one zeroed page in every layer's region, each with one reference.
   std::int32_t take_group();
   // Appends fresh groups to every layer's table until each has `per_layer` pages (capacity
@@ -188,6 +227,9 @@ class TotalPool {
   std::size_t page_bytes_;
   std::int64_t capacity_pages_;
   std::int64_t groups_;  // pages per layer
+  std::uint64_t page_stride_ = 0;
+  bool foreign_ = false;
+  std::vector<std::int64_t> layer_first_;  // per layer: the arena page of its page 0
   HostBuffer arena_;
   std::vector<std::int32_t> free_;  // free groups, a stack; back() is handed out next
   std::vector<std::int32_t> refs_;  // per arena page

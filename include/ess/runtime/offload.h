@@ -80,6 +80,10 @@ struct OffloadConfig {
   bool reserve_newest = false;     // T more rows per request-layer for each step's newest tokens
   std::int64_t max_context = 0;    // longest request, tokens
   std::uint64_t host_bytes = 0;    // Total Memory Pool capacity (0: max_requests x max_context x layers)
+  // Another engine's host block pool as the Total Memory Pool (total_pool.h, "Foreign pages"):
+  // the pool memory comes from the Offload's host allocator (that engine's region), requests
+  // come by adopt and repage, and host_bytes must be 0. Disabled: ESS's own pages.
+  ForeignPages foreign;
   int warmup_windows = 32;         // LRU-Warmup: the last this-many prefill query positions
   int copy_blocks = 0;             // FlashTrans grid of the step's copies (0 = its default)
   Backend backend = Backend::kCpu;
@@ -212,6 +216,16 @@ class Offload {
   // before the step that reads them.
   void truncate(RequestId id, std::int64_t length);
   void release(RequestId id);
+  // Foreign pages only (OffloadConfig::foreign). Admits a request of `length` tokens whose
+  // entries the other engine has written on `pages` (its block table: ceil(length / 64) page
+  // indices, the same in every layer); its row as admit's. Nothing is copied or zeroed; warm
+  // it up as usual.
+  std::int32_t adopt(RequestId id, std::int64_t length, std::span<const std::int32_t> pages, std::int32_t row = -1);
+  // Foreign pages only. The request's length anew, and its pages from page `first_page` on
+  // (TotalPool::repage): extend's growth and truncate's rule for shrinking (at least its
+  // length - T, reserve_newest). A page may change only to one holding the same entries (the
+  // device rows stay valid).
+  void repage(RequestId id, std::int64_t length, std::int64_t first_page, std::span<const std::int32_t> pages);
   // Forgets the request's device residency (every layer's LRU empty, as at admit); its host
   // entries stay. Then warmup again, e.g. when the engine resumes a preempted request whose
   // device rows it reused, or to replay a measurement from the same state.

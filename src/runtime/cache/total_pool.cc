@@ -28,12 +28,128 @@ TotalPool::TotalPool(int num_layers, LatentLayout layout, std::uint64_t capacity
             "total pool: capacity_bytes = {} is {} pages, more than the {} a page id can address", capacity_bytes,
             groups_ * num_layers, std::numeric_limits<std::int32_t>::max());
   capacity_pages_ = groups_ * num_layers;
+  page_stride_ = page_bytes_;
+  for (int l = 0; l < num_layers; ++l) layer_first_.push_back(l * groups_);
   arena_ = HostBuffer::allocate(static_cast<std::size_t>(capacity_pages_) * page_bytes_, prefer, allocator);
   refs_.assign(static_cast<std::size_t>(capacity_pages_), 0);
   free_.resize(static_cast<std::size_t>(groups_));
   for (std::int64_t i = 0; i < groups_; ++i) {
     free_[static_cast<std::size_t>(i)] = static_cast<std::int32_t>(groups_ - 1 - i);
   }
+}
+
+TotalPool::TotalPool(int num_layers, LatentLayout layout, const ForeignPages& foreign, HostMemoryKind prefer,
+                     HostAllocator& allocator)
+    : num_layers_(num_layers), layout_(layout), foreign_(true) {
+  ESS_CHECK(num_layers > 0, "total pool: num_layers = {} must be positive", num_layers);
+  layout_.validate();
+  entry_bytes_ = layout_.bytes();
+  page_bytes_ = entry_bytes_ * kPageTokens;
+  const std::int64_t G = foreign.pages_per_layer;
+  ESS_CHECK(G >= 1, "total pool: foreign pages_per_layer = {} must be >= 1", G);
+  ESS_CHECK(foreign.page_stride >= page_bytes_,
+            "total pool: foreign page_stride = {} B is less than a page of {} tokens x {} B = {} B", foreign.page_stride,
+            kPageTokens, entry_bytes_, page_bytes_);
+  ESS_CHECK(std::ssize(foreign.layer_first_page) == num_layers, "total pool: {} foreign layer_first_page values for {} layers",
+            foreign.layer_first_page.size(), num_layers);
+  constexpr std::int64_t kMaxPage = std::numeric_limits<std::int32_t>::max();
+  ESS_CHECK(G <= kMaxPage, "total pool: foreign pages_per_layer = {} exceeds the {} a page id can address", G, kMaxPage);
+  std::vector<std::pair<std::int64_t, int>> regions;  // (first page, layer)
+  for (int l = 0; l < num_layers; ++l) {
+    const std::int64_t first = foreign.layer_first_page[static_cast<std::size_t>(l)];
+    ESS_CHECK(first >= 0 && first <= kMaxPage - G,
+              "total pool: foreign layer_first_page[{}] = {}: outside [0, {}] (its {} pages must have int32 ids)", l, first,
+              kMaxPage - G, G);
+    regions.emplace_back(first, l);
+  }
+  std::sort(regions.begin(), regions.end());
+  for (std::size_t i = 1; i < regions.size(); ++i) {
+    ESS_CHECK(regions[i].first >= regions[i - 1].first + G,
+              "total pool: foreign layers {} and {} overlap (pages {} and {}, {} pages each)", regions[i - 1].second,
+              regions[i].second, regions[i - 1].first, regions[i].first, G);
+  }
+  const std::int64_t arena_pages = regions.back().first + G;
+  std::uint64_t arena_bytes = 0;
+  ESS_CHECK(!__builtin_mul_overflow(static_cast<std::uint64_t>(arena_pages), foreign.page_stride, &arena_bytes),
+            "total pool: foreign pages: {} pages of {} B overflow 64 bits", arena_pages, foreign.page_stride);
+  groups_ = G;
+  capacity_pages_ = G * num_layers;
+  page_stride_ = foreign.page_stride;
+  layer_first_ = foreign.layer_first_page;
+  arena_ = HostBuffer::allocate(static_cast<std::size_t>(arena_bytes), prefer, allocator);
+  refs_.assign(static_cast<std::size_t>(arena_pages), 0);
+}
+
+void TotalPool::require_own_pages(const char* what, RequestId id) const {
+  ESS_CHECK(!foreign_,
+            "total pool: {} of request {}: the pool is on foreign pages (another engine's host block pool), which only "
+            "that engine hands out; adopt and repage take its pages",
+            what, id);
+}
+
+std::vector<std::vector<std::int32_t>> TotalPool::foreign_tables(RequestId id, std::int64_t length,
+                                                                 std::span<const std::int32_t> pages,
+                                                                 const char* what) const {
+  ESS_CHECK(foreign_, "total pool: {} of request {}: the pool hands out its own pages (no foreign pages)", what, id);
+  ESS_CHECK(length >= 1 && length <= std::numeric_limits<std::int32_t>::max(),
+            "total pool: {} of request {}: length {} outside [1, {}]", what, id, length,
+            std::numeric_limits<std::int32_t>::max());
+  const std::int64_t per_layer = pages_for(length) / num_layers_;
+  ESS_CHECK(std::ssize(pages) == per_layer, "total pool: {} of request {}: {} pages for {} tokens; {} expected", what, id,
+            pages.size(), length, per_layer);
+  std::vector<std::vector<std::int32_t>> tables(static_cast<std::size_t>(num_layers_));
+  for (std::size_t i = 0; i < pages.size(); ++i) {
+    ESS_CHECK(pages[i] >= 0 && pages[i] < groups_, "total pool: {} of request {}: page {} is {}, outside [0, {})", what,
+              id, i, pages[i], groups_);
+  }
+  for (int l = 0; l < num_layers_; ++l) {
+    auto& table = tables[static_cast<std::size_t>(l)];
+    table.reserve(pages.size());
+    for (const std::int32_t g : pages) table.push_back(page_of(l, g));
+  }
+  return tables;
+}
+
+void TotalPool::adopt(RequestId id, std::int64_t length, std::span<const std::int32_t> pages) {
+  ESS_CHECK(!requests_.contains(id), "total pool: request {} is already admitted", id);
+  Request r;
+  r.length = length;
+  r.pages = foreign_tables(id, length, pages, "adoption");
+  auto [it, inserted] = requests_.emplace(id, std::move(r));  // may throw: nothing changed yet
+  (void)inserted;
+  for (const auto& table : it->second.pages) {
+    for (const std::int32_t p : table) ++refs_[static_cast<std::size_t>(p)];
+  }
+}
+
+void TotalPool::repage(RequestId id, std::int64_t length, std::int64_t first_page, std::span<const std::int32_t> pages) {
+  auto it = requests_.find(id);
+  ESS_CHECK(it != requests_.end(), "total pool: repage of unknown request {}", id);
+  ESS_CHECK(foreign_, "total pool: repage of request {}: the pool hands out its own pages (no foreign pages)", id);
+  const auto& kept = it->second.pages.front();
+  ESS_CHECK(first_page >= 0 && first_page <= std::ssize(kept),
+            "total pool: repage of request {}: first_page {} outside [0, {}] (its pages)", id, first_page, kept.size());
+  std::vector<std::int32_t> groups;
+  groups.reserve(static_cast<std::size_t>(first_page) + pages.size());
+  for (std::int64_t i = 0; i < first_page; ++i) {
+    groups.push_back(static_cast<std::int32_t>(kept[static_cast<std::size_t>(i)] - layer_first_.front()));
+  }
+  groups.insert(groups.end(), pages.begin(), pages.end());
+  auto tables = foreign_tables(id, length, groups, "repage");
+  for (const auto& table : it->second.pages) {
+    for (const std::int32_t p : table) --refs_[static_cast<std::size_t>(p)];
+  }
+  for (const auto& table : tables) {
+    for (const std::int32_t p : table) ++refs_[static_cast<std::size_t>(p)];
+  }
+  it->second.pages = std::move(tables);
+  it->second.length = length;
+}
+
+std::uint64_t TotalPool::used_bytes() const {
+  if (!foreign_) return static_cast<std::uint64_t>(capacity_pages_ - free_pages()) * page_bytes_;
+  const auto held = std::count_if(refs_.begin(), refs_.end(), [](std::int32_t r) { return r > 0; });
+  return static_cast<std::uint64_t>(held) * page_bytes_;
 }
 
 std::int64_t TotalPool::pages_for(std::int64_t length) const {
@@ -61,12 +177,13 @@ void TotalPool::grow_tables(Request& r, std::size_t per_layer) {
 void TotalPool::drop_page(std::int32_t page) {
   // Every layer's page of a group has the same holders (check_invariants); the group is free
   // once its last layer's page is dropped, which every caller drops last.
-  if (--refs_[static_cast<std::size_t>(page)] == 0 && page / groups_ == num_layers_ - 1) {
+  if (--refs_[static_cast<std::size_t>(page)] == 0 && !foreign_ && page / groups_ == num_layers_ - 1) {
     free_.push_back(static_cast<std::int32_t>(page % groups_));
   }
 }
 
 void TotalPool::admit(RequestId id, std::int64_t length) {
+  require_own_pages("admission", id);
   ESS_CHECK(!requests_.contains(id), "total pool: request {} is already admitted", id);
   ESS_CHECK(length >= 0 && length <= std::numeric_limits<std::int32_t>::max(),
             "total pool: request {}: length {} out of range [0, {}]", id, length,
@@ -86,6 +203,7 @@ void TotalPool::admit(RequestId id, std::int64_t length) {
 void TotalPool::extend(RequestId id, std::int64_t n) {
   auto it = requests_.find(id);
   ESS_CHECK(it != requests_.end(), "total pool: extend of unknown request {}", id);
+  require_own_pages("growth", id);
   Request& r = it->second;
   ESS_CHECK(n >= 0 && n <= std::numeric_limits<std::int32_t>::max() - r.length,
             "total pool: request {}: cannot extend length {} by {} tokens", id, r.length, n);
@@ -107,7 +225,7 @@ void TotalPool::truncate(RequestId id, std::int64_t length) {
   if (length == r.length) return;
   const std::int64_t first_page = length / kPageTokens;
   for (const auto& table : r.pages) {
-    for (std::size_t p = static_cast<std::size_t>(first_page); p < table.size(); ++p) {
+    for (std::size_t p = static_cast<std::size_t>(first_page); p < table.size() && !foreign_; ++p) {
       ESS_CHECK(refs_[static_cast<std::size_t>(table[p])] == 1,
                 "total pool: request {}: truncate to {} tokens reaches page {}, which it shares", id, length, p);
     }
@@ -115,8 +233,8 @@ void TotalPool::truncate(RequestId id, std::int64_t length) {
   const auto keep = static_cast<std::size_t>(pages_for(length) / num_layers_);
   const std::size_t from = static_cast<std::size_t>(length % kPageTokens) * entry_bytes_;
   for (auto& table : r.pages) {
-    if (keep > 0 && from > 0) {  // the kept last page: its entries past the length
-      std::memset(arena_.data() + static_cast<std::size_t>(table[keep - 1]) * page_bytes_ + from, 0, page_bytes_ - from);
+    if (keep > 0 && from > 0 && !foreign_) {  // the kept last page: its entries past the length
+      std::memset(arena_.data() + static_cast<std::size_t>(table[keep - 1]) * page_stride_ + from, 0, page_bytes_ - from);
     }
     while (table.size() > keep) {
       drop_page(table.back());
@@ -191,11 +309,13 @@ std::span<const std::int32_t> TotalPool::page_table(RequestId id, int layer) con
 
 const std::uint8_t* TotalPool::layer_base(int layer) const {
   ESS_CHECK(layer >= 0 && layer < num_layers_, "total pool: layer {} out of [0, {})", layer, num_layers_);
-  return arena_.data() + static_cast<std::size_t>(page_of(layer, 0)) * page_bytes_;
+  return arena_.data() + static_cast<std::size_t>(page_of(layer, 0)) * page_stride_;
 }
 
 std::vector<std::int32_t> TotalPool::page_indices(RequestId id) const {
-  return find(id, "page indices").pages.front();  // layer 0's region starts the arena: its pages are the indices
+  std::vector<std::int32_t> pages = find(id, "page indices").pages.front();
+  for (std::int32_t& p : pages) p = static_cast<std::int32_t>(p - layer_first_.front());
+  return pages;
 }
 
 std::span<const std::uint8_t> TotalPool::entry(RequestId id, int layer, std::int64_t token) const {
@@ -211,7 +331,7 @@ void TotalPool::write(RequestId id, int layer, std::int64_t token, std::span<con
 
 std::span<std::uint8_t> TotalPool::writable_entry(RequestId id, int layer, std::int64_t token) {
   const std::uint64_t off = offset(id, layer, token);
-  const auto page = static_cast<std::int32_t>(off / page_bytes_);
+  const auto page = static_cast<std::int32_t>(off / page_stride_);
   ESS_CHECK(page_refs(page) == 1,
             "total pool: write of request {} layer {} token {}: its page is shared ({} holders: requests on the same "
             "prefix, or the prefix cache); shared prefix entries are read-only",
@@ -245,7 +365,7 @@ std::uint64_t TotalPool::digest() const {
     d.values(std::span<const std::uint64_t>(r.cached));
     for (const auto& table : r.pages) {
       d.values(std::span<const std::int32_t>(table));
-      for (std::int32_t p : table) d.bytes(arena_.data() + static_cast<std::size_t>(p) * page_bytes_, page_bytes_);
+      for (std::int32_t p : table) d.bytes(arena_.data() + static_cast<std::size_t>(p) * page_stride_, page_bytes_);
     }
   }
   return d.get();

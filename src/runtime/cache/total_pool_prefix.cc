@@ -97,6 +97,7 @@ std::int64_t TotalPool::evict(std::int64_t pages) {
 
 void TotalPool::admit_shared(RequestId id, std::int64_t length, RequestId source, std::int64_t prefix,
                              std::int64_t share_limit) {
+  require_own_pages("shared admission", id);
   ESS_CHECK(!requests_.contains(id), "total pool: request {} is already admitted", id);
   const Request& src = find(source, "shared admission's source");
   ESS_CHECK(length >= 0 && length <= std::numeric_limits<std::int32_t>::max(),
@@ -140,6 +141,7 @@ void TotalPool::admit_shared(RequestId id, std::int64_t length, RequestId source
 
 std::int64_t TotalPool::admit_cached(RequestId id, std::int64_t length, std::span<const std::uint64_t> page_hashes,
                                      std::int64_t share_limit) {
+  require_own_pages("shared admission", id);
   ESS_CHECK(!requests_.contains(id), "total pool: request {} is already admitted", id);
   ESS_CHECK(length >= 0 && length <= std::numeric_limits<std::int32_t>::max(),
             "total pool: request {}: length {} out of range [0, {}]", id, length, std::numeric_limits<std::int32_t>::max());
@@ -176,6 +178,7 @@ std::int64_t TotalPool::admit_cached(RequestId id, std::int64_t length, std::spa
 
 std::int64_t TotalPool::publish(RequestId id, std::span<const std::uint64_t> page_hashes) {
   const Request& found = find(id, "publish");
+  require_own_pages("publish", id);
   ESS_CHECK(std::ssize(page_hashes) * kPageTokens <= found.length,
             "total pool: publish of request {}: {} pages of 64 tokens, but it holds {} tokens", id, page_hashes.size(),
             found.length);
@@ -270,24 +273,31 @@ void TotalPool::check_invariants() const {
                "cache entry {}: evictable set out of date", h);
   }
   ESS_ASSERT(evictable_.size() <= cache_.size(), "evictable set holds entries that are gone");
-  std::vector<std::uint8_t> is_free(static_cast<std::size_t>(groups_), 0);
-  for (const std::int32_t g : free_) {
-    ESS_ASSERT(g >= 0 && g < groups_ && is_free[static_cast<std::size_t>(g)] == 0, "page group {} is free twice", g);
-    is_free[static_cast<std::size_t>(g)] = 1;
-  }
-  for (std::size_t p = 0; p < refs_.size(); ++p) {
-    const std::size_t g = p % static_cast<std::size_t>(groups_);
-    ESS_ASSERT(refs_[p] == holders[p], "page {}: {} references, {} holders", p, refs_[p], holders[p]);
-    ESS_ASSERT((refs_[p] == 0) == (is_free[g] != 0), "page {}: {} references but its group is {}free", p, refs_[p],
-               is_free[g] != 0 ? "" : "not ");
-    ESS_ASSERT(refs_[p] == refs_[g], "page {} (layer {}): {} references; its group's layer-0 page has {}", p,
-               p / static_cast<std::size_t>(groups_), refs_[p], refs_[g]);
+  if (foreign_) {  // no free list: every page's references are its requests
+    for (std::size_t p = 0; p < refs_.size(); ++p) {
+      ESS_ASSERT(refs_[p] == holders[p], "page {}: {} references, {} holders", p, refs_[p], holders[p]);
+    }
+  } else {
+    std::vector<std::uint8_t> is_free(static_cast<std::size_t>(groups_), 0);
+    for (const std::int32_t g : free_) {
+      ESS_ASSERT(g >= 0 && g < groups_ && is_free[static_cast<std::size_t>(g)] == 0, "page group {} is free twice", g);
+      is_free[static_cast<std::size_t>(g)] = 1;
+    }
+    for (std::size_t p = 0; p < refs_.size(); ++p) {
+      const std::size_t g = p % static_cast<std::size_t>(groups_);
+      ESS_ASSERT(refs_[p] == holders[p], "page {}: {} references, {} holders", p, refs_[p], holders[p]);
+      ESS_ASSERT((refs_[p] == 0) == (is_free[g] != 0), "page {}: {} references but its group is {}free", p, refs_[p],
+                 is_free[g] != 0 ? "" : "not ");
+      ESS_ASSERT(refs_[p] == refs_[g], "page {} (layer {}): {} references; its group's layer-0 page has {}", p,
+                 p / static_cast<std::size_t>(groups_), refs_[p], refs_[g]);
+    }
   }
   for (const auto& [id, r] : requests_) {
     for (std::size_t i = 0; i < r.pages.front().size(); ++i) {
       for (int l = 0; l < num_layers_; ++l) {
-        ESS_ASSERT(r.pages[static_cast<std::size_t>(l)][i] == page_of(l, r.pages.front()[i]),
-                   "request {}: page {} of layer {} is not in its group {}", id, i, l, r.pages.front()[i]);
+        const auto group = static_cast<std::int32_t>(r.pages.front()[i] - layer_first_.front());
+        ESS_ASSERT(r.pages[static_cast<std::size_t>(l)][i] == page_of(l, group),
+                   "request {}: page {} of layer {} is not in its group {}", id, i, l, group);
       }
     }
   }

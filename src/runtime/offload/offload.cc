@@ -69,12 +69,18 @@ Offload::Impl::Impl(const OffloadConfig& c, LatentBuffer b, HostAllocator& host)
                 "offload: the buffer of layer {} is null or not 16-byte aligned", l);
     }
   }
-  const std::uint64_t host_bytes =
-      config.host_bytes > 0 ? config.host_bytes
-                            : static_cast<std::uint64_t>(config.max_requests) * config.layers *
-                                  static_cast<std::uint64_t>((config.max_context + kPageTokens - 1) / kPageTokens) *
-                                  kPageTokens * entry;
-  pool = std::make_unique<TotalPool>(config.layers, config.layout, host_bytes, HostMemoryKind::kPinned, host);
+  if (config.foreign.enabled()) {
+    ESS_CHECK(config.host_bytes == 0,
+              "offload: host_bytes = {} with foreign pages (the pool is the other engine's: pass 0)", config.host_bytes);
+    pool = std::make_unique<TotalPool>(config.layers, config.layout, config.foreign, HostMemoryKind::kPinned, host);
+  } else {
+    const std::uint64_t host_bytes =
+        config.host_bytes > 0 ? config.host_bytes
+                              : static_cast<std::uint64_t>(config.max_requests) * config.layers *
+                                    static_cast<std::uint64_t>((config.max_context + kPageTokens - 1) / kPageTokens) *
+                                    kPageTokens * entry;
+    pool = std::make_unique<TotalPool>(config.layers, config.layout, host_bytes, HostMemoryKind::kPinned, host);
+  }
   request_of_row.assign(static_cast<std::size_t>(config.max_requests), -1);
   if (config.backend == Backend::kCuda) {
     const auto* cuda = detail::cuda_backend();
@@ -207,7 +213,7 @@ void Offload::extend(RequestId id, std::int64_t n) {
   const std::int64_t length = x.pool->length(id);
   ESS_CHECK(length + n <= x.config.max_context, "offload: extend of request {} to {} tokens exceeds max_context = {}", id,
             length + n, x.config.max_context);
-  const std::int64_t pages_before = x.pool->usage(id).pages / x.config.layers;
+  const auto pages_before = std::ssize(x.pool->page_table(id, 0));  // per layer
   x.pool->extend(id, n);
   x.backend->pages_added(row, id, pages_before);
 }
@@ -223,6 +229,38 @@ void Offload::truncate(RequestId id, std::int64_t length) {
             "offload: truncate of request {} to {} tokens: outside [{}, {}] (its length less at most T = {})", id, length,
             lowest, current, x.config.query_tokens);
   x.pool->truncate(id, length);
+}
+
+std::int32_t Offload::adopt(RequestId id, std::int64_t length, std::span<const std::int32_t> pages, std::int32_t row) {
+  return impl_->admit(id, length, row, [&] { impl_->pool->adopt(id, length, pages); });
+}
+
+void Offload::repage(RequestId id, std::int64_t length, std::int64_t first_page, std::span<const std::int32_t> pages) {
+  Impl& x = *impl_;
+  const std::int32_t row = x.find_row(id, "repage");
+  ESS_CHECK(x.pool->foreign(),
+            "offload: repage of request {}: the pool hands out its own pages (no foreign pages): extend and truncate",
+            id);
+  const std::int64_t current = x.pool->length(id);
+  ESS_CHECK(length >= 1 && length <= x.config.max_context, "offload: repage of request {} to {} tokens: outside [1, max_context = {}]",
+            id, length, x.config.max_context);
+  if (length < current) {
+    ESS_CHECK(x.config.reserve_newest,
+              "offload: repage of request {} from {} to {} tokens needs reserve_newest (the tokens taken back must be "
+              "outside the LRU)",
+              id, current, length);
+    ESS_CHECK(length >= current - x.config.query_tokens,
+              "offload: repage of request {} from {} to {} tokens takes back more than T = {}", id, current, length,
+              x.config.query_tokens);
+  }
+  const std::vector<std::int32_t> before = x.pool->page_indices(id);
+  x.pool->repage(id, length, first_page, pages);  // checks the rest; throws changing nothing
+  auto first = static_cast<std::size_t>(first_page);  // the first page whose id changed or is new
+  while (first < before.size() && first - static_cast<std::size_t>(first_page) < pages.size() &&
+         before[first] == pages[first - static_cast<std::size_t>(first_page)]) {
+    ++first;
+  }
+  x.backend->pages_added(row, id, static_cast<std::int64_t>(first));
 }
 
 void Offload::release(RequestId id) {

@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <numeric>
 #include <random>
 #include <set>
 #include <span>
@@ -598,6 +599,122 @@ TEST(OffloadPrefix, RequestsOnASharedPrefixReadItsEntries) {
       }
     }
   }
+}
+
+// Another engine's host block pool as the Total Memory Pool (foreign pages: padded pages,
+// layer regions out of order): every fetched row holds the entry that engine wrote on the page
+// its block table names, through growth, a page moved to a copy, a draft taken back and a
+// shared prefix page; ESS writes none of that engine's bytes.
+TEST(OffloadForeignPages, StepsReadTheOtherEnginesPagesLosslessly) {
+  ESS_REQUIRE_BACKEND(harness().info);
+  const int L = 2, K = 16;
+  OffloadConfig c;
+  c.layers = L;
+  c.layout = test::small_layout();
+  c.max_requests = 3;
+  c.topk = K;
+  c.slots = 24;
+  c.reserve_newest = true;
+  c.max_context = 512;
+  c.backend = harness().backend;
+  const std::size_t E = c.layout.bytes();
+  const std::int64_t G = 12;
+  c.foreign.pages_per_layer = G;
+  c.foreign.page_stride = 64 * E + 256;
+  c.foreign.layer_first_page = {G + 3, 0};
+  const std::size_t arena = static_cast<std::size_t>(2 * G + 3) * c.foreign.page_stride;
+  // The other engine's region: pinned and mapped where the CUDA backend reads it.
+  const HostBlock block = default_host_allocator().allocate((arena + 4095) / 4096 * 4096, HostMemoryKind::kPinned);
+  ASSERT_NE(block.data, nullptr);
+  struct Given final : HostAllocator {
+    HostBlock b;
+    HostBlock allocate(std::size_t bytes, HostMemoryKind) override { return bytes <= b.bytes ? b : HostBlock{}; }
+    void deallocate(const HostBlock&) noexcept override {}
+  } given;
+  given.b = block;
+  std::mt19937 rng(77);
+  for (std::size_t i = 0; i < block.bytes; ++i) block.data[i] = static_cast<std::uint8_t>(rng());
+  std::vector<std::uint8_t> shadow(block.data, block.data + block.bytes);  // what the other engine wrote
+  // Its block tables and writes: the prefix's first page is request 1's (shared by request 2).
+  std::unordered_map<RequestId, std::vector<std::int32_t>> table = {{1, {7, 2, 9}}, {2, {7, 4}}};
+  auto entry = [&](RequestId id, int layer, std::int64_t t) { return entry_of(t < 64 ? 1 : id, layer, t, E); };
+  auto where = [&](RequestId id, int layer, std::int64_t t) {
+    const auto page = c.foreign.layer_first_page[static_cast<std::size_t>(layer)] + table.at(id)[static_cast<std::size_t>(t / 64)];
+    return block.data + static_cast<std::size_t>(page) * c.foreign.page_stride + static_cast<std::size_t>(t % 64) * E;
+  };
+  auto write = [&](RequestId id, std::int64_t from, std::int64_t to) {
+    for (int l = 0; l < L; ++l) {
+      for (std::int64_t t = from; t < to; ++t) {
+        std::memcpy(where(id, l, t), entry(id, l, t).data(), E);
+        std::memcpy(shadow.data() + (where(id, l, t) - block.data), entry(id, l, t).data(), E);
+      }
+    }
+  };
+  std::unordered_map<RequestId, std::int64_t> length = {{1, 150}, {2, 100}};
+  write(1, 0, 150);
+  write(2, 64, 100);
+  Offload o(c, {}, given);
+  ASSERT_EQ(o.host_pool().base(), block.data);
+  o.adopt(1, 150, table.at(1));
+  o.adopt(2, 100, table.at(2), 2);
+  auto check_steps = [&](int round) {
+    for (const RequestId id : {RequestId{1}, RequestId{2}}) {
+      for (int l = 0; l < L; ++l) {
+        StepIn in;
+        in.layer = l;
+        in.batch = 1;
+        in.rows = {o.row(id)};
+        in.lengths = {static_cast<std::int32_t>(length.at(id))};
+        std::vector<std::int32_t> ids(static_cast<std::size_t>(length.at(id)) - 1);  // the newest is reserved
+        std::iota(ids.begin(), ids.end(), 0);
+        std::shuffle(ids.begin(), ids.end(), rng);
+        ids.resize(K);
+        in.topk = ids;
+        const StepOut got = io().step(o, in);
+        const std::vector<std::uint8_t> buf = io().dump(o, l);
+        for (int k = 0; k < K; ++k) {
+          const std::int32_t t = ids[static_cast<std::size_t>(k)];
+          const auto want = entry(id, l, t);
+          ASSERT_EQ(0, std::memcmp(buf.data() + o.buffer().rows.offset(got.physical[static_cast<std::size_t>(k)]), want.data(), E))
+              << "round " << round << " request " << id << " layer " << l << " token " << t;
+        }
+      }
+    }
+  };
+  check_steps(0);
+  // Growth within its last page, then onto a new one.
+  write(1, 150, 151);
+  length[1] = 151;
+  o.repage(1, 151, 3, {});
+  check_steps(1);
+  table[1].push_back(11);
+  write(1, 151, 200);
+  length[1] = 200;
+  o.repage(1, 200, 3, std::vector<std::int32_t>{11});
+  check_steps(2);
+  // The other engine moves page 2 of request 1 to a copy (9 -> 10) and reuses page 9.
+  for (int l = 0; l < L; ++l) {
+    std::memcpy(where(1, l, 128) + (10 - 9) * c.foreign.page_stride, where(1, l, 128), 64 * E);
+    std::memset(where(1, l, 128), 0x5a, 64 * E);
+  }
+  shadow.assign(block.data, block.data + block.bytes);
+  table[1][2] = 10;
+  o.repage(1, 200, 0, table.at(1));
+  // A draft taken back (T = 1): 199 tokens.
+  length[1] = 199;
+  o.repage(1, 199, 4, {});
+  check_steps(3);
+  // Refused, changing nothing.
+  EXPECT_NE(test::error_of([&] { o.admit(3, 10); }).find("foreign pages"), std::string::npos);
+  EXPECT_NE(test::error_of([&] { o.repage(1, 260, 4, {}); }).find("5 expected"), std::string::npos);
+  EXPECT_NE(test::error_of([&] { o.repage(1, 100, 2, {}); }).find("takes back more than T"), std::string::npos);
+  EXPECT_NE(test::error_of([&] { o.adopt(3, 10, std::vector<std::int32_t>{static_cast<std::int32_t>(G)}); }).find("outside [0, 12)"), std::string::npos);
+  EXPECT_EQ(o.length(1), 199);
+  check_steps(4);
+  EXPECT_TRUE(std::equal(shadow.begin(), shadow.end(), block.data)) << "the steps wrote into the other engine's pool";
+  o.release(1);
+  o.release(2);
+  default_host_allocator().deallocate(block);
 }
 
 // The write-back copies each position's T newest entries from the reserved rows (or from the

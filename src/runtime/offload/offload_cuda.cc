@@ -101,13 +101,13 @@ class CudaOffload final : public OffloadBackend {
   // New host pages: their ids for every layer, contiguous in [row][page][layer].
   void pages_added(std::int32_t row, RequestId id, std::int64_t first_page) override {
     const int L = x_.config.layers;
-    const std::int64_t pages = x_.pool->usage(id).pages / L;
+    const auto pages = std::ssize(x_.pool->page_table(id, 0));  // pages per layer
     if (pages <= first_page) return;
     std::vector<std::int32_t> ids(static_cast<std::size_t>(pages - first_page) * static_cast<std::size_t>(L));
-    for (std::int64_t p = first_page; p < pages; ++p) {
-      for (int l = 0; l < L; ++l) {
-        ids[static_cast<std::size_t>(p - first_page) * L + static_cast<std::size_t>(l)] =
-            static_cast<std::int32_t>(x_.pool->offset(id, l, p * kPageTokens) / x_.pool->page_bytes());
+    for (int l = 0; l < L; ++l) {
+      const auto table = x_.pool->page_table(id, l);  // arena pages: offset / page_stride
+      for (std::int64_t p = first_page; p < pages; ++p) {
+        ids[static_cast<std::size_t>(p - first_page) * L + static_cast<std::size_t>(l)] = table[static_cast<std::size_t>(p)];
       }
     }
     const std::size_t at = (static_cast<std::size_t>(row) * static_cast<std::size_t>(max_pages_) + static_cast<std::size_t>(first_page)) *
@@ -175,7 +175,7 @@ class CudaOffload final : public OffloadBackend {
     st.counts = counts;
     st.page_table = page_table_.get();
     st.max_pages = max_pages_;
-    st.page_bytes = x_.pool->page_bytes();
+    st.page_bytes = x_.pool->page_stride();
     st.entry_bytes = x_.config.layout.bytes();
     swap_->step_async(st, stream);
     // 3. Each id's slot and physical row.
@@ -238,7 +238,7 @@ class CudaOffload final : public OffloadBackend {
     list.lengths = w.lengths;
     list.source_rows = w.source_rows;
     list.page_table = page_table_.get();
-    list.page_bytes = x_.pool->page_bytes();
+    list.page_bytes = x_.pool->page_stride();
     list.entry_bytes = c.layout.bytes();
     list.buffer = x_.buffer.rows;
     list.src_offsets = wb_src_.get();
