@@ -1,8 +1,8 @@
 """ess.integrations.vllm_connector's own code on CPU, its vLLM bases stood in for by the little of them it uses
 (test_vllm_conformance.py holds what it reads to the pinned release's source): what register_kv_caches builds
-from upstream's handles and runtimes, start_load_kv's reading of the scheduler output and of vLLM's host pool
-through the source block table, the refusals, the shared pool per node and the order of shutdown. The handles
-are upstream's own class (vllm_upstream.py)."""
+from upstream's handles and runtimes (ESS's engine on vLLM's host pool, no pool of its own), start_load_kv's
+reading of the scheduler output and of the forward's host block table (per batch row), the refusals and the order
+of shutdown. The handles are upstream's own class (vllm_upstream.py)."""
 import os
 import sys
 import types
@@ -59,16 +59,12 @@ class UpstreamConnector:
 
 @pytest.fixture
 def connector_module(monkeypatch):
-    """Stand-ins for the vLLM modules vllm_connector imports; `shared` switches the pool per node on."""
-    state = types.SimpleNamespace(shared=False, rank=0, barriers=0)
+    """Stand-ins for the vLLM modules vllm_connector imports."""
+    state = types.SimpleNamespace()
     modules = {
         "vllm.distributed.kv_transfer.kv_connector.v1.hisparse.connector": dict(HiSparseConnector=UpstreamConnector),
         "vllm.distributed.kv_transfer.kv_connector.v1.hisparse.worker": dict(HiSparseConnectorWorker=UpstreamWorker),
-        "vllm.distributed.parallel_state": dict(
-            get_tensor_model_parallel_rank=lambda: state.rank,
-            get_tp_group=lambda: types.SimpleNamespace(barrier=lambda: setattr(state, "barriers", state.barriers + 1))),
         "vllm.v1.attention.backend": dict(max_decode_query_len=lambda config: T),
-        "vllm.v1.hisparse.runtime": dict(use_shared_hisparse_host_pool=lambda config: state.shared),
     }
     for name, members in modules.items():
         parts = name.split(".")
@@ -90,33 +86,47 @@ def connector_module(monkeypatch):
 
 class World:
     """vLLM's side: three target layers and a speculator layer, their handles with upstream's runtimes, vLLM's host
-    pool (per layer) and the host block table of each request state (blocks in no particular order)."""
+    pool (one 4 KiB-aligned allocation, a region per layer: HiSparseHostPool's `registered`) and the forward's host
+    block table (row b: batch row b's blocks, gathered from its state's)."""
 
     def __init__(self, seed=4):
         rng = np.random.default_rng(seed)
-        self.host = [torch.from_numpy(rng.integers(0, 256, (STATES * BLOCKS * BLOCK, 656), dtype=np.uint8))
-                     for _ in range(4)]
-        self.source = torch.from_numpy(rng.permutation(STATES * BLOCKS).reshape(STATES, BLOCKS).astype(np.int32))
+        rows = STATES * BLOCKS * BLOCK
+        size = -(-4 * rows * 656 // 4096) * 4096
+        raw = torch.zeros(size + 4096, dtype=torch.uint8)
+        start = (-raw.data_ptr()) % 4096
+        self.registered = raw[start:start + size]
+        self.registered[:4 * rows * 656] = torch.from_numpy(rng.integers(0, 256, 4 * rows * 656, dtype=np.uint8))
+        self.host = [self.registered[l * rows * 656:(l + 1) * rows * 656].view(rows, 656) for l in range(4)]
+        self.state_blocks = torch.from_numpy(rng.permutation(STATES * BLOCKS).reshape(STATES, BLOCKS).astype(np.int32))
+        self.source = torch.zeros((STATES, BLOCKS), dtype=torch.int32)
         self.handles = []
         for layer in range(4):
             handle = UP["HiSparseCacheHandle"](types.SimpleNamespace(
                 region_stride=SLOTS, device=torch.device("cpu"), is_group_leader=True, eager_host_mirror=True,
                 request_state_indices=torch.full((STATES,), -1, dtype=torch.int32), resident_source_index=0,
+                registered_host_pool=self.registered,
                 index_group=types.SimpleNamespace(shared_topk=types.SimpleNamespace(
                     device_topk_rows=torch.empty((STATES * T, K), dtype=torch.int32)))))
             handle.source_block_table = self.source
             handle.draft_layer = layer == 3
             self.handles.append(handle)
 
+    def gather(self, states):
+        """block_table.py gather_block_tables for a batch of these states."""
+        self.source.zero_()
+        for b, s in enumerate(states):
+            self.source[b] = self.state_blocks[s]
+
     def host_rows(self, layer, state, first, count):
         tokens = np.arange(first, first + count)
-        rows = self.source[state].numpy().astype(np.int64)[tokens // BLOCK] * BLOCK + tokens % BLOCK
+        rows = self.state_blocks[state].numpy().astype(np.int64)[tokens // BLOCK] * BLOCK + tokens % BLOCK
         return self.host[layer][torch.from_numpy(rows)].numpy()
 
 
 def config(eager=True, instance="t"):
     return types.SimpleNamespace(
-        kv_transfer_config=types.SimpleNamespace(kv_connector_extra_config={"ess_host_gib": 0.01}),
+        kv_transfer_config=types.SimpleNamespace(kv_connector_extra_config={}),
         attention_config=types.SimpleNamespace(hisparse_config=types.SimpleNamespace(eager_host_mirror=eager)),
         scheduler_config=types.SimpleNamespace(max_num_seqs=STATES),
         model_config=types.SimpleNamespace(max_model_len=CTX), instance_id=f"{instance}-{os.getpid()}",
@@ -141,6 +151,7 @@ def test_register_start_load_and_shutdown(connector_module):
     module, _ = connector_module
     world = World()
     upstream = [h.runtime for h in world.handles]
+    before = world.registered.clone()
     c = module.HiSparseConnector(config(), "worker", world)
     c.register_kv_caches({})
     worker = c.connector_worker
@@ -149,7 +160,12 @@ def test_register_start_load_and_shutdown(connector_module):
     assert all(isinstance(h.runtime, adapter.HiSparseRuntime) and h.runtime.upstream is u
                for h, u in zip(world.handles[:3], upstream))
     assert world.handles[3].runtime is upstream[3], "the speculator's layer keeps vLLM's runtime"
-    # Two requests decode at states 2 and 0 after their prefill: ESS takes their context from vLLM's host pool.
+    # ESS's host pool is vLLM's: each layer's region is vLLM's host cache of that layer.
+    for layer in range(3):
+        assert worker.ess_engine.host_layer(layer) == world.host[layer].data_ptr()
+    # Two requests decode at states 2 and 0 after their prefill: ESS adopts their blocks, batch row b's from row b
+    # of the forward's table.
+    world.gather([2, 0])
     out = scheduler_output(cached=[("a", 150, T), ("b", 70, T)])
     c.start_load_kv(None, scheduler_output=out, request_ids=["a", "b"],
                     request_state_indices=torch.tensor([2, 0], dtype=torch.int32), attn_metadata=attn(2))
@@ -159,6 +175,7 @@ def test_register_start_load_and_shutdown(connector_module):
         np.testing.assert_array_equal(got, world.host_rows(layer, 2, 0, 150))
     # The batch condensed: "b" finished, "a" at batch row 0. A forward with other decode rows is refused before
     # anything changes; then the step runs.
+    world.gather([2])
     out = scheduler_output(cached=[("a", 151, T)], finished=["b"])
     with pytest.raises(ess.InvalidArgument, match="decode rows"):
         c.start_load_kv(None, scheduler_output=out, request_ids=["a"],
@@ -168,9 +185,19 @@ def test_register_start_load_and_shutdown(connector_module):
                     request_state_indices=torch.tensor([2], dtype=torch.int32), attn_metadata=attn(1))
     assert worker.ess.state_of == {"a": 2} and worker.ess_engine.request(2) == (2, 152)
     c.start_load_kv(None)   # no forward this step: nothing staged
+    assert torch.equal(world.registered, before), "ESS wrote vLLM's host pool"
     c.connector_worker.shutdown()
     assert worker.runtimes_at_shutdown == upstream, "upstream's teardown must see its own runtimes"
     assert worker.ess_engine is None
+
+
+def test_a_host_cache_outside_vllms_pool_is_refused(connector_module):
+    module, _ = connector_module
+    world = World()
+    world.handles[0].runtime.registered_host_pool = world.registered[4096:]
+    c = module.HiSparseConnector(config(), "worker", world)
+    with pytest.raises(ess.InvalidArgument, match="layer 0's host cache is at byte -4096"):
+        c.register_kv_caches({})
 
 
 def test_a_lazy_host_mirror_is_refused(connector_module):
@@ -178,20 +205,3 @@ def test_a_lazy_host_mirror_is_refused(connector_module):
     with pytest.raises(ValueError, match="eager_host_mirror"):
         module.HiSparseConnector(config(eager=False), "worker", World())
     assert module.HiSparseConnector(config(eager=False), "scheduler", World()).connector_worker is None
-
-
-def test_one_pool_per_node_under_attention_tp(connector_module):
-    module, state = connector_module
-    state.shared = True
-    world = World()
-    cfg = config(instance="shared")
-    c = module.HiSparseConnector(cfg, "worker", world)
-    c.register_kv_caches({})
-    worker = c.connector_worker
-    path = os.path.join("/dev/shm", f"ess_{cfg.instance_id}_dp0")
-    assert os.path.exists(path) and state.barriers == 1 and worker.ess.writer
-    import ctypes
-    base = ctypes.addressof(ctypes.c_char.from_buffer(worker.ess_shared_pool.buffer))
-    assert base <= worker.ess_engine.host_layer(2) < base + len(worker.ess_shared_pool.buffer)
-    worker.shutdown()
-    assert not os.path.exists(path)

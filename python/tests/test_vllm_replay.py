@@ -12,10 +12,15 @@ compiled from the pinned source (vllm_upstream.py), so every call they make on E
                upstream's worker start_step + prepare_forward (HiSparseCacheHandle.prepare_group_for_batch ->
                _prepare_for_batch -> runtime.begin_forward()), then ESS's EssDecode.start_step
                (ess/integrations/vllm_connector.py)
+  blocks       v1/core/sched/scheduler.py allocates each scheduled token's host block (prefix-cache hits share a
+               request's full blocks; a preempted or finished request's blocks go back and are handed out again);
+               v1/worker/gpu/block_table.py BlockTables.gather_block_tables fills the forward's table per batch
+               row (row b = the blocks of batch row b's state), the handles' source_block_table
   kv write     models/deepseek_v32/attention.py -> model_executor/layers/attention/mla_attention.py
                MLAAttention.update_kv_cache: HiSparseCacheHandle.write_target -> do_kv_cache_update at the
-               resident slot mapping; the connector worker's row mirror copies the rows into vLLM's host pool
-               (kv_connector/v1/hisparse/worker.py _enqueue_row_dma, eager_host_mirror)
+               resident slot mapping; after the forward the connector worker's row mirror has copied the rows into
+               vLLM's host pool (kv_connector/v1/hisparse/worker.py _enqueue_row_dma, eager_host_mirror), which
+               ESS's engine sits on (foreign pages: one copy of the context in host memory)
   swap         v1/attention/backends/mla/flashmla_sparse.py _forward_bf16_kv ->
                HiSparseMLAIndexGroup.convert_logical_to_physical_topk(layer, topk[:num_decode_tokens], metadata,
                block_stride_rows=None, return_valid_counts=True) -> HiSparseCacheHandle.swap_in -> runtime.swap_in;
@@ -23,9 +28,10 @@ compiled from the pinned source (vllm_upstream.py), so every call they make on E
 
 Checks: every decode token's rows against the independent LRU model (lru_model.EngineModel, a request's row is
 its state index) and every byte FlashMLA would read against the full cache, through condense and reorder,
-CUDA-graph padded rows, MTP verify steps with rejected drafts (T > 1), steps vLLM resolves over resident pages,
-preemption and state reuse. Mutation tests show the replay fails on a batch-row-as-state mapping and on a layer
-counter shared across layers."""
+CUDA-graph padded rows, MTP verify steps with rejected drafts (T > 1), rows of fewer than T tokens, requests on a
+shared prefix's blocks, steps vLLM resolves over resident pages, preemption with its blocks handed to another
+request, and state reuse. Mutation tests show the replay fails on a batch-row-as-state mapping, on the host block
+table read by state instead of batch row, and on a layer counter shared across layers."""
 import types
 
 import numpy as np
@@ -39,48 +45,107 @@ from mock_engine import ENTRY, check_rows
 import vllm_upstream
 
 LAYERS, K, CTX, STATES, BLOCK = 2, 16, 384, 5, 64
-HOST_BYTES = STATES * CTX * LAYERS * ENTRY   # ESS's host pool: every state's longest request
+HOST_BLOCKS = STATES * (CTX // BLOCK + 1) + 4   # vLLM's host pool: every state's longest request, and spare
+HOST_BYTES = -(-LAYERS * HOST_BLOCKS * BLOCK * ENTRY // 4096) * 4096   # padded to 4 KiB, as vLLM registers it
 UP = vllm_upstream.load()
+
+
+def host_region(buffer=None):
+    """vLLM's host pool: one 4 KiB-aligned allocation (allocate_pinned_host_pool's `registered`, or the node's
+    shared region when `buffer` is given) holding every layer's host cache, the layers in reverse order."""
+    if buffer is None:
+        raw = torch.zeros(HOST_BYTES + 4096, dtype=torch.uint8)
+        start = (-raw.data_ptr()) % 4096
+        backing = raw[start:start + HOST_BYTES]
+    else:
+        backing = torch.frombuffer(buffer, dtype=torch.uint8)[:HOST_BYTES]
+    per_layer = HOST_BLOCKS * BLOCK * ENTRY
+    host = [backing[(LAYERS - 1 - l) * per_layer:(LAYERS - l) * per_layer].view(HOST_BLOCKS * BLOCK, ENTRY)
+            for l in range(LAYERS)]
+    return backing, host
 
 
 class VllmWorld:
     """The model and vLLM's KV: each request's full cache (what attention reads with everything on the GPU),
-    vLLM's host pool (one region per layer, the request's host blocks at fixed places) and resident cache."""
+    vLLM's host pool (per layer, each request's host blocks where the block pool put them) with its block tables,
+    and the resident cache. mirror=False: another rank's world, whose host pool rank 0 writes."""
 
-    def __init__(self, seed, T):
+    def __init__(self, seed, T, region=None, mirror=True):
         self.rng = np.random.default_rng(seed)
-        self.T, self.K = T, K
+        self.T, self.K, self.mirror = T, K, mirror
         self.full, self.length, self.prompt = {}, {}, {}
-        self.host = [torch.zeros((STATES * (CTX // BLOCK + 1) * BLOCK, ENTRY), dtype=torch.uint8)
-                     for _ in range(LAYERS)]
-        self.host_base = {}   # request -> its first host row (vLLM's host blocks, contiguous here)
+        self.backing, self.host = host_region(region)
+        self.free_blocks = [int(b) for b in self.rng.permutation(HOST_BLOCKS)]   # handed out from the end
+        self.block_refs = {}
+        self.blocks = {}      # request -> its host blocks (v1/core/kv_cache_manager.py's block table)
         self.resident = [torch.zeros((STATES * CTX // BLOCK + 2, BLOCK, ENTRY), dtype=torch.uint8)
                          for _ in range(LAYERS)]
-        self._next_host = 0
+        # The forward's host block table (the handles' source_block_table): one row per batch row.
+        self.source_block_table = torch.zeros((STATES, CTX // BLOCK + 1), dtype=torch.int32)
 
-    def new_request(self, rid, prompt):
+    def new_request(self, rid, prompt, prefix_of=None, prefix=0):
+        """prefix_of, prefix: the request's first `prefix` tokens (whole blocks) are request prefix_of's, a
+        prefix-cache hit: their blocks are shared and nothing is recomputed."""
         self.full[rid] = self.rng.integers(0, 256, (LAYERS, CTX, ENTRY), dtype=np.uint8)
-        self.length[rid], self.prompt[rid] = 0, prompt
-        self.host_base[rid] = self._next_host
-        self._next_host += CTX // BLOCK * BLOCK + BLOCK
+        self.length[rid], self.prompt[rid], self.blocks[rid] = 0, prompt, []
+        if prefix_of is not None:
+            assert prefix % BLOCK == 0
+            self.full[rid][:, :prefix] = self.full[prefix_of][:, :prefix]
+            for block in self.blocks[prefix_of][:prefix // BLOCK]:
+                self.blocks[rid].append(block)
+                self.block_refs[block] += 1
+            self.length[rid] = prefix
+
+    def allocate(self, rid, tokens):
+        """The scheduler's blocks for the request's first `tokens` tokens (kv_cache_manager allocate_slots)."""
+        while len(self.blocks[rid]) * BLOCK < tokens:
+            block = self.free_blocks.pop()
+            self.block_refs[block] = 1
+            self.blocks[rid].append(block)
+
+    def free(self, rid):
+        """A finished or preempted request's blocks go back to the pool (freed last, handed out first)."""
+        for block in reversed(self.blocks.pop(rid, [])):
+            self.block_refs[block] -= 1
+            if self.block_refs[block] == 0:
+                self.free_blocks.append(block)
+        self.blocks[rid] = []
+
+    def gather(self, batch):
+        """block_table.py gather_block_tables: row b of the forward's table holds batch row b's blocks."""
+        self.source_block_table.zero_()
+        for b, rid in enumerate(batch):
+            blocks = self.blocks[rid]
+            self.source_block_table[b, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
 
     def computed(self, rid, first, count):
-        """The model computed tokens [first, first + count): the row mirror puts them in vLLM's host pool."""
-        for layer in range(LAYERS):
-            rows = self.host_base[rid] + np.arange(first, first + count)
-            self.host[layer][rows] = torch.from_numpy(self.full[rid][layer, first:first + count])
+        """The model computed tokens [first, first + count)."""
         self.length[rid] = first + count
+
+    def mirrored(self, rid, first, count):
+        """The row mirror put tokens [first, first + count) in vLLM's host pool (after the forward)."""
+        if not self.mirror:
+            return
+        tokens = np.arange(first, first + count)
+        rows = np.array(self.blocks[rid], dtype=np.int64)[tokens // BLOCK] * BLOCK + tokens % BLOCK
+        for layer in range(LAYERS):
+            self.host[layer][torch.from_numpy(rows)] = torch.from_numpy(self.full[rid][layer, first:first + count])
+
+    def check_host_pool(self, requests):
+        """vLLM's host pool holds each request's computed tokens as the full cache has them: what its prefill
+        staging (index_group.py stage_prefill_rows, gather_fp8_prefill) reads for a chunk or a resumed request,
+        and what ESS's decode reads; ESS writes none of it."""
+        for rid in requests:
+            tokens = np.arange(self.length[rid])
+            rows = np.array(self.blocks[rid], dtype=np.int64)[tokens // BLOCK] * BLOCK + tokens % BLOCK
+            for layer in range(LAYERS):
+                np.testing.assert_array_equal(self.host[layer][torch.from_numpy(rows)].numpy(),
+                                              self.full[rid][layer, :self.length[rid]],
+                                              err_msg=f"request {rid} layer {layer}: vLLM's host pool")
 
     def redraw_after(self, rid, position):
         """The drafts past `position` were rejected: the tokens decoded there next are other tokens."""
         self.full[rid][:, position:] = self.rng.integers(0, 256, self.full[rid][:, position:].shape, dtype=np.uint8)
-
-    def read_host(self, rid_of_state):
-        def read(state, first, count):
-            rid = rid_of_state[state]
-            rows = self.host_base[rid] + torch.arange(first, first + count)
-            return torch.stack([self.host[layer][rows] for layer in range(LAYERS)])
-        return read
 
     def query_rows(self, rid, n):
         """T rows of up to K distinct ids in [0, n), the newest often among them, a -1 tail."""
@@ -97,23 +162,25 @@ class VllmWorld:
 
 
 class Replay:
-    def __init__(self, T, slots, seed=1, host_memory=None, writer=True, barrier=None):
-        """host_memory, writer, barrier: a rank of a node whose ranks share one host pool (EssDecode)."""
-        self.T = T
-        self.world = VllmWorld(seed, T)
+    def __init__(self, T, slots, seed=1, region=None, mirror=True, barrier=None):
+        """region, mirror, barrier: a rank of a node whose ranks share vLLM's host pool (a shared-memory region
+        rank 0's mirror writes, every rank's ESS reads); barrier() runs at the start of every step, after the
+        previous step's mirror."""
+        self.T, self.barrier = T, barrier
+        self.world = VllmWorld(seed, T, region, mirror)
         rows_per_request = slots + T
         latent = adapter.latent_buffers(LAYERS, STATES, rows_per_request)
+        # vllm_connector.py EssConnectorWorker.register_kv_caches: ESS's engine on vLLM's host pool.
+        pages, _ = adapter.host_pool_layout(self.world.backing, self.world.host)
         self.engine = ess.Engine(layers=LAYERS, max_requests=STATES, max_context=CTX, topk=K, query_tokens=T,
-                                 slots=slots, reserve_newest=True, latent=latent, host_bytes=HOST_BYTES,
-                                 host_memory=host_memory)
-        self.rid_of_state = {}
-        self.decode = adapter.EssDecode(self.engine, latent, STATES, self.world.read_host(self.rid_of_state),
-                                        writer=writer, barrier=barrier)
+                                 slots=slots, reserve_newest=True, latent=latent,
+                                 host_memory=self.world.backing.numpy(), foreign_pages=pages)
+        self.decode = adapter.EssDecode(self.engine, latent, STATES, self.world.source_block_table)
         self.model = EngineModel(LAYERS, slots, T, reserve_newest=True)
         self.model_rows = {}   # request -> state the model admitted it at
         # vllm/v1/hisparse/binding.py bind_hisparse_kv_caches: each layer's handle bound to the resident cache
-        # and its slot mapping (block_tables.slot_mappings, int64); the connector then puts ESS's runtime on it
-        # (ess/integrations/vllm_connector.py EssConnectorWorker.register_kv_caches).
+        # and its slot mapping (block_tables.slot_mappings, int64), its source block table the forward's host
+        # block table; the connector then puts ESS's runtime on it.
         self.slot_mapping = torch.full((1024,), -1, dtype=torch.int64)
         self.handles = []
         for layer in range(LAYERS):
@@ -124,7 +191,7 @@ class Replay:
             handle.view = UP["PagedCacheView"](resident, resident, BLOCK, BLOCK)
             handle.block_table = torch.zeros((STATES, 8), dtype=torch.int32)
             handle.slot_mapping = self.slot_mapping
-            handle.source_block_table = torch.zeros((STATES, CTX // BLOCK + 1), dtype=torch.int32)
+            handle.source_block_table = self.world.source_block_table
             handle.runtime = adapter.HiSparseRuntime(self.decode, layer, handle)
             self.handles.append(handle)
         # v1/attention/backends/mla/index_group.py SparseMLAIndexGroupBuilder.register_layer: one index group
@@ -145,11 +212,16 @@ class Replay:
         """batch: request ids in batch order (decodes first); states: their request-state indices; scheduled:
         {rid: (num_computed_tokens, num_scheduled_tokens)}; accepted: {rid: tokens of its verify step kept}."""
         T, w = self.T, self.world
+        if self.barrier is not None:
+            self.barrier()
         for rid in finished + tuple(preempted):
             if rid in self.model_rows:
                 self.model.release(self.model_rows.pop(rid))
-        for b, rid in enumerate(batch):
-            self.rid_of_state[states[b]] = rid
+            w.free(rid)
+        # The scheduler's host blocks for this step's tokens, then the forward's table per batch row.
+        for rid in batch:
+            w.allocate(rid, sum(scheduled[rid]))
+        w.gather(batch)
         # kv_connector/v1/hisparse/connector.py HiSparseConnector.start_load_kv, then ESS's start_step
         # (vllm_connector.py HiSparseConnector.start_load_kv).
         sched = {rid: adapter.Scheduled(*scheduled[rid]) for rid in batch}
@@ -183,7 +255,7 @@ class Replay:
             handle.all_context_pages_resident = all_resident
         self.group.prepare_for_batch(0, attn)
         # The model computes every scheduled token: mla_attention.py update_kv_cache writes decode tokens at the
-        # resident slot mapping (HiSparseCacheHandle.write_target); the row mirror copies every row to host.
+        # resident slot mapping (HiSparseCacheHandle.write_target); the row mirror lands after the forward.
         slots = torch.full_like(self.slot_mapping, -1)
         for b, rid in enumerate(batch):
             c, n = sched[rid]
@@ -235,6 +307,9 @@ class Replay:
             check_rows(w, self.model, np.stack(rows), [flat] * LAYERS, layer, model_batch, per_row)
             assert (physical[num_decode_tokens:] == -1).all(), "padded graph rows must come out as -1"
             np.testing.assert_array_equal(valid.numpy(), (physical >= 0).sum(1).numpy())
+        # The row mirror of every computed row has landed in vLLM's host pool by the next step.
+        for rid in batch:
+            w.mirrored(rid, *sched[rid])
         # MTP: a verify step keeps `accepted` of its tokens; vLLM decodes other tokens in the others' places.
         for rid, kept in (accepted or {}).items():
             c, n = sched[rid]
@@ -286,17 +361,23 @@ def test_decode_replay_matches_the_model_and_the_full_cache(T, slots, **rank):
         assert r.step(batch, states, scheduled, pad_to=pad, accepted=accepted) == len(batch)
     assert r.forwards_served == 13   # 3 steps decoded beside the prefills of "b" and "c"
     assert all(h.runtime.steps_served == r.forwards_served for h in r.handles)
+    if w.mirror:
+        w.check_host_pool(batch)
 
 
 def test_rows_of_fewer_than_t_tokens():
-    """vLLM's decodes are the rows of at most T tokens: a whole prompt of T tokens (nothing computed yet), the
-    last chunk of a chunked prefill, a verify step with fewer drafts. ESS serves each with its queries last and
-    its older tokens in the reserved rows beside the new ones."""
+    """vLLM's decodes are the rows of at most T tokens: a whole prompt of T tokens or fewer (nothing computed yet),
+    the last chunk of a chunked prefill, a verify step with fewer drafts. ESS serves each with its queries last and
+    its older tokens in the reserved rows beside the new ones, a request of fewer than T tokens too."""
     T = 3
     r = Replay(T, 56, seed=17)
     w = r.world
+    w.new_request("one", 1)
+    assert r.step(["one"], [2], {"one": (0, 1)}) == 1                       # a 1-token prompt: fewer than T
+    assert r.step(["one"], [2], decode_step(["one"], w, T, {"one": 1})) == 1   # 2 tokens, still fewer than T
+    r.step(["one"], [2], decode_step(["one"], w, T), finished=())
     w.new_request("tiny", 3)
-    assert r.step(["tiny"], [1], {"tiny": (0, 3)}) == 1                     # a 3-token prompt, one step
+    assert r.step(["tiny"], [1], {"tiny": (0, 3)}, finished=("one",)) == 1   # a 3-token prompt, one step
     w.new_request("long", 130)
     for done, n in ((0, 64), (64, 64)):
         scheduled = decode_step(["tiny"], w, T)
@@ -363,6 +444,63 @@ def test_steps_vllm_resolves_over_resident_pages_are_caught_up():
     runtime.upstream = None
     for _ in range(3):
         assert r.step(["a", "b"], [0, 1], decode_step(["a", "b"], w, T)) == 2
+
+
+def test_requests_on_a_shared_prefix_read_its_blocks():
+    """A prefix-cache hit: the second request's first blocks are the first one's (vLLM's blocks, shared, not
+    recomputed); ESS adopts them for both and reads the shared entries through either."""
+    T = 2
+    r = Replay(T, 40, seed=29)
+    w = r.world
+    prefill(r, "p1", 3, 200, 120)
+    for _ in range(2):
+        r.step(["p1"], [3], decode_step(["p1"], w, T))
+    w.new_request("p2", 190, prefix_of="p1", prefix=128)
+    scheduled = decode_step(["p1"], w, T)
+    scheduled["p2"] = (128, 62)                      # num_computed_tokens: the cached prefix
+    r.step(["p1", "p2"], [3, 0], scheduled)
+    assert w.blocks["p2"][:2] == w.blocks["p1"][:2]
+    for step in range(4):
+        batch, states = (["p2", "p1"], [0, 3]) if step % 2 else (["p1", "p2"], [3, 0])
+        assert r.step(batch, states, decode_step(batch, w, T)) == 2
+    assert r.engine.stats().host_bytes_shared == 2 * LAYERS * BLOCK * ENTRY
+    w.check_host_pool(["p1", "p2"])
+
+
+def test_the_host_block_table_read_by_state_fails_the_replay(monkeypatch):
+    """Mutation: the forward's host block table taken as indexed by state (vLLM gathers it per batch row)."""
+    def by_state(self, batch):
+        self.source_block_table.zero_()
+        for rid in batch:
+            state = next(s for s, r in self._states.items() if r == rid)
+            self.source_block_table[state, :len(self.blocks[rid])] = torch.tensor(self.blocks[rid], dtype=torch.int32)
+
+    step = Replay.step
+
+    def remember(self, batch, states, *a, **k):
+        self.world._states = dict(zip(states, batch))
+        return step(self, batch, states, *a, **k)
+
+    monkeypatch.setattr(VllmWorld, "gather", by_state)
+    monkeypatch.setattr(Replay, "step", remember)
+    with pytest.raises(AssertionError, match="holds other bytes than the full cache"):
+        test_decode_replay_matches_the_model_and_the_full_cache(1, 24)
+
+
+def test_a_second_copy_of_the_host_pool_fails_the_replay(monkeypatch):
+    """Mutation: ESS's engine on a copy of vLLM's host pool taken at start (a second pool, not vLLM's): the rows
+    vLLM's mirror adds later are not in it."""
+    layout = adapter.host_pool_layout
+
+    def copied(backing, host):
+        copy, _ = host_region()
+        copy.copy_(backing)
+        monkeypatch.setattr(backing, "numpy", lambda: copy.numpy())
+        return layout(backing, host)
+
+    monkeypatch.setattr(adapter, "host_pool_layout", copied)
+    with pytest.raises(AssertionError, match="holds other bytes than the full cache"):
+        test_decode_replay_matches_the_model_and_the_full_cache(1, 24)
 
 
 def test_a_stale_state_mapping_fails_the_replay(monkeypatch):

@@ -85,7 +85,6 @@ def test_rows_past_num_valid_rows_are_padding(staged):
     (["b", "a"], [1, 9], None, "state index 9"),
     (["b", "a"], [1, 1], None, "state index 1 is batch rows"),
     (["b", "x"], [1, 3], None, "not scheduled"),
-    (["b", "a"], [1, 3], {"b": (0, 1), "a": (92, T)}, "fewer than T"),
     (["b", "a"], [1, 3], {"b": (71, T), "a": (383, T)}, "max_context"),
 ])
 def test_start_step_refuses_a_batch_and_changes_nothing(batch, states, scheduled, match):
@@ -99,6 +98,18 @@ def test_start_step_refuses_a_batch_and_changes_nothing(batch, states, scheduled
                             {rid: adapter.Scheduled(*v) for rid, v in scheduled.items()})
     after = (dict(r.decode.state_of), dict(r.decode.length_of), r.engine.stats(), r.decode.rows.clone())
     assert before[:3] == after[:3] and torch.equal(before[3], after[3])
+
+
+def test_a_host_block_outside_vllms_pool_is_refused_by_the_engine():
+    """A block table entry past vLLM's host pool (a table ESS was not built over): the engine refuses the request
+    by name; the requests before it in the batch were served."""
+    r = Replay(T, 40, seed=24)
+    prefill(r, "a", 3, 90, 100)
+    r.world.gather(["a"])
+    r.world.source_block_table[0, 1] = 10**6
+    with pytest.raises(ess.InvalidArgument, match="page 1 is 1000000, outside"):
+        r.decode.start_step(["a"], torch.tensor([3], dtype=torch.int32), {"a": adapter.Scheduled(90, T)})
+    assert r.decode.state_of == {}
 
 
 def test_a_forward_with_other_decode_rows_is_refused():

@@ -1,9 +1,10 @@
 """One host pool per node: two processes, as two attention-TP ranks of vLLM, replay the same decode (test_vllm_replay's,
-upstream's handles and index group over ESS's runtime) with their engines on one shared-memory region
-(ess.integrations.vllm.SharedHostPool; the C ABI's ess_config.host_memory). Rank 0 creates the region (checked
-against the RAM available first, as vLLM checks its own pool) and writes every entry; rank 1 only maps it and never
-writes an entry or a write-back, so its rows holding the full cache's bytes show it reads rank 0's. The mutation
-test gives rank 1 a pool of its own (the duplicated pool per rank): its replay then fails."""
+upstream's handles and index group over ESS's runtime) with vLLM's host pool in one shared-memory region (as vLLM
+0.33.0 shares it: v1/hisparse/runtime.py allocate_hisparse_host_pools, a SharedOffloadRegion; here
+ess.integrations._shared_pool.SharedHostPool stands in for it) and each rank's ESS engine on it as foreign pages.
+Rank 0 plays vLLM's row mirror and writes every entry; rank 1 writes none, so its rows holding the full cache's
+bytes show that ESS reads the one pool. The mutation test gives rank 1 a region of its own (a pool per rank): its
+replay then fails."""
 import multiprocessing
 import os
 import traceback
@@ -11,7 +12,7 @@ import traceback
 import pytest
 
 import ess
-from ess.integrations import vllm as adapter
+from ess.integrations import _shared_pool as shared
 import test_vllm_replay as replay
 
 TIMEOUT = 120
@@ -26,14 +27,14 @@ def rank_main(rank, name, barrier, results, private):
         def wait():
             barrier.wait(TIMEOUT)
         if rank == 0:
-            pool = adapter.SharedHostPool(name, replay.HOST_BYTES, create=True)
+            pool = shared.SharedHostPool(name, replay.HOST_BYTES, create=True)
             wait()
         else:
             wait()
-            pool = adapter.SharedHostPool(name + "-own" if private else name, replay.HOST_BYTES, create=private)
+            pool = shared.SharedHostPool(name + "-own" if private else name, replay.HOST_BYTES, create=private)
         try:
             replay.test_decode_replay_matches_the_model_and_the_full_cache(
-                3, 56, host_memory=pool.buffer, writer=rank == 0, barrier=wait)
+                3, 56, region=pool.buffer, mirror=rank == 0, barrier=wait)
             wait()   # rank 0 keeps the region until rank 1 is done
         finally:
             import gc
@@ -73,9 +74,9 @@ def test_a_pool_per_rank_fails_the_reader():
 
 def test_a_pool_larger_than_the_free_ram_is_refused_before_anything_exists():
     with pytest.raises(ess.InvalidArgument, match="GiB of RAM is available"):
-        adapter.check_host_memory(100 * 2**30, available=64 * 2**30)
-    adapter.check_host_memory(60 * 2**30, available=64 * 2**30)
+        shared.check_host_memory(100 * 2**30, available=64 * 2**30)
+    shared.check_host_memory(60 * 2**30, available=64 * 2**30)
     before = set(os.listdir("/dev/shm"))
     with pytest.raises(ess.InvalidArgument, match="shared host pool"):
-        adapter.SharedHostPool(f"ess-test-huge-{os.getpid()}", adapter.available_host_memory() * 2, create=True)
+        shared.SharedHostPool(f"ess-test-huge-{os.getpid()}", shared.available_host_memory() * 2, create=True)
     assert set(os.listdir("/dev/shm")) == before

@@ -27,7 +27,7 @@ def check_host_memory(nbytes: int, what: str = "ESS's host pool", available: Opt
     available = available_host_memory() if available is None else available
     if nbytes > 0.95 * available:
         raise InvalidArgument(f"{what} needs {nbytes / 2**30:.2f} GiB but {available / 2**30:.2f} GiB of RAM is "
-                              "available: lower ess_host_gib (or max_num_seqs x max_model_len)")
+                              "available: ask for a smaller pool")
 
 
 class SharedHostPool:

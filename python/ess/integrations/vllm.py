@@ -1,25 +1,28 @@
-"""ESS under vLLM's HiSparse (vllm==0.33.0): the decode swap of every target-model sparse MLA layer.
+"""ESS under vLLM's HiSparse (vllm==0.33.0): the decode swap of every target-model sparse MLA layer, over vLLM's
+own host pool.
 
 In vLLM 0.33.0 each HiSparse attention layer owns a cache handle (vllm/v1/hisparse/runtime.py,
 HiSparseCacheHandle) whose `runtime` (HiSparseRuntime) decides which of a decode token's logical top-k
 rows are in the GPU hot buffer, copies the misses in from the host pool and returns the physical rows
 FlashMLA reads (`swap_in`). Here `HiSparseRuntime` is ESS's: one ESS engine layer per handle, the LRU
-rows of each request in ESS's own device buffer, the misses copied from ESS's Total Memory Pool, each
-step's newest entries written back to it. `ess.integrations.vllm_connector.HiSparseConnector` (loaded by
-vLLM through `kv_connector_module_path`) puts these runtimes on the handles when vLLM registers its KV
-caches, and drives `EssDecode` from the connector's `start_load_kv`.
-
-What stays vLLM's: the scheduler-side coordinator (host blocks, prefix publication, spills), the host
-pool it addresses (prefill writes and reads it, the connector mirrors every written row into it), the
-resident pages and the prefill staging. ESS's Total Memory Pool is a second copy of the decoding
-requests' context (docs/integration.md says why and what joining the two needs).
+rows of each request in ESS's own device buffer, the misses copied from the host pool. That host pool is
+vLLM's: ESS's Total Memory Pool sits on it as foreign pages (Engine's foreign_pages: vLLM's per-layer host
+caches, its host blocks as ESS's pages), and each request's ESS page table is its vLLM host block table.
+There is one copy of the context in host memory, vLLM's: its prefill writes it, its row mirror
+(eager_host_mirror) adds each step's rows, its scheduler allocates, shares (prefix caching) and spills the
+blocks, and its prefill staging reads them. ESS only reads them.
+`ess.integrations.vllm_connector.HiSparseConnector` (loaded by vLLM through `kv_connector_module_path`) puts
+these runtimes on the handles when vLLM registers its KV caches and drives `EssDecode` from the connector's
+`start_load_kv`.
 
 Rows and requests. A request's ESS pool row (and ESS request id) is its stable request-state index
 (vLLM's input_batch.idx_mapping of its batch row), not its batch row: vLLM condenses and reorders the
 batch between steps and refreshes the mapping in start_load_kv, so ESS positions are batch rows and
-`rows[b]` names the state. Decode rows come first in vLLM's batch, at most T tokens each (T = 1 + the
-speculative tokens, vLLM's max_decode_query_len); start_step maps each decode token to its batch row, its
-staged query and its reserved row, and tokens at or past num_valid_rows are CUDA-graph padding."""
+`rows[b]` names the state. Its host blocks are row b of the handle's `source_block_table`, which vLLM
+gathers per batch row before the forward (v1/worker/gpu/block_table.py gather_block_tables). Decode rows
+come first in vLLM's batch, at most T tokens each (T = 1 + the speculative tokens, vLLM's
+max_decode_query_len); start_step maps each decode token to its batch row, its staged query and its
+reserved row, and tokens at or past num_valid_rows are CUDA-graph padding."""
 from __future__ import annotations
 
 from typing import Callable, Dict, Iterable, Mapping, NamedTuple, Optional, Sequence, Tuple
@@ -27,15 +30,14 @@ from typing import Callable, Dict, Iterable, Mapping, NamedTuple, Optional, Sequ
 import torch
 
 from .._errors import InvalidArgument
-from ..engine import Engine
-from ._shared_pool import SharedHostPool, available_host_memory, check_host_memory
+from ..engine import Engine, ForeignPages
 
-__all__ = ["VLLM_VERSION", "HotView", "latent_buffers", "Scheduled", "scheduled_from_output", "EssDecode",
-           "HiSparseRuntime", "SharedHostPool", "available_host_memory", "check_host_memory"]
+__all__ = ["VLLM_VERSION", "HotView", "latent_buffers", "host_pool_layout", "Scheduled", "scheduled_from_output",
+           "EssDecode", "HiSparseRuntime"]
 
 VLLM_VERSION = "0.33.0"   # the release whose call sites these classes are checked against
 ENTRY_BYTES = 656         # vLLM's fp8_ds_mla row (FP8_DS_MLA_ROW_BYTES), ESS's DeepSeek-V3.2 entry
-KERNEL_BLOCK = 64         # FlashMLA sparse's KV block size: attention_cache is [-1, 64, 656]
+KERNEL_BLOCK = 64         # FlashMLA sparse's KV block size: attention_cache is [-1, 64, 656]; ESS's page
 
 
 class HotView(NamedTuple):
@@ -56,6 +58,33 @@ def latent_buffers(layers: int, max_num_reqs: int, rows_per_request: int, device
             for _ in range(layers)]
 
 
+def host_pool_layout(backing: torch.Tensor, host_caches: Sequence[torch.Tensor]) -> Tuple[ForeignPages, int]:
+    """(ForeignPages, bytes) of vLLM's host pool for ESS: `backing` the pool's one allocation (HiSparseHostPool's
+    `registered`: pinned, or the node's shared region), `host_caches` each target layer's host cache, rows of
+    656 bytes in blocks of 64 (HiSparseRuntime.host_cache: [blocks x 64, 656]). A layer's block g is ESS's page g
+    of that layer; the regions must lie in the backing at whole blocks from its start. Refused by name
+    otherwise."""
+    if not host_caches:
+        raise InvalidArgument("host_pool_layout: no host caches")
+    base, size = backing.data_ptr(), backing.numel() * backing.element_size()
+    rows = host_caches[0].shape[0]
+    page = KERNEL_BLOCK * ENTRY_BYTES
+    firsts = []
+    for l, cache in enumerate(host_caches):
+        if cache.dim() != 2 or cache.shape[1] * cache.element_size() != ENTRY_BYTES or not cache.is_contiguous():
+            raise InvalidArgument(f"host_pool_layout: layer {l}'s host cache is {cache.dtype} "
+                                  f"{tuple(cache.shape)}; contiguous rows of {ENTRY_BYTES} bytes expected")
+        if cache.shape[0] != rows or rows % KERNEL_BLOCK:
+            raise InvalidArgument(f"host_pool_layout: layer {l} has {cache.shape[0]} host rows; every layer needs "
+                                  f"the same whole blocks of {KERNEL_BLOCK} ({rows} at layer 0)")
+        offset = cache.data_ptr() - base
+        if offset < 0 or offset % page or offset + rows * ENTRY_BYTES > size:
+            raise InvalidArgument(f"host_pool_layout: layer {l}'s host cache is at byte {offset} of the "
+                                  f"{size}-byte host pool, not at whole {page}-byte blocks inside it")
+        firsts.append(offset // page)
+    return ForeignPages(rows // KERNEL_BLOCK, page, firsts), size
+
+
 class Scheduled(NamedTuple):
     """One scheduled request of a step, as vLLM's scheduler output gives it (the same values upstream's
     HiSparseConnectorScheduler.build_connector_meta reads)."""
@@ -73,25 +102,18 @@ def scheduled_from_output(scheduler_output) -> Dict[str, Scheduled]:
 
 
 class EssDecode:
-    """The per-worker decode state: one ESS engine for every target-model HiSparse layer, the staging tensors its
-    bound step reads (fixed addresses: the step can be captured in vLLM's FULL decode graphs), and the request
-    bookkeeping start_step does before each forward.
+    """The per-worker decode state: one ESS engine for every target-model HiSparse layer, its host pool vLLM's
+    (the engine was built with foreign_pages: host_pool_layout), the staging tensors its bound step reads (fixed
+    addresses: the step can be captured in vLLM's FULL decode graphs), and the request bookkeeping start_step does
+    before each forward.
 
-    read_host(state_index, first_token, count) -> uint8 [layers, count, 656] host tensor: the request's entries
-    from vLLM's host pool (where its prefill and every step ESS did not serve left them). synchronize(): waits
-    for the work already enqueued (the previous forward's copies out of ESS's host pool), called before a
-    step frees host pages that work may still read.
+    block_table: vLLM's host block table as the forward reads it (the handles' source_block_table: int32
+    [batch rows, blocks], row b the blocks of batch row b's request). synchronize(): waits for the device work
+    already enqueued, vLLM's row mirror included (before entries are read on the host, and before requests whose
+    rows the last forward used are released)."""
 
-    One host pool per node (attention TP: every rank decodes the same requests): each rank's engine maps the
-    same region (SharedHostPool; ess_config.host_memory) and makes the same request calls, so a request has the
-    same pages on every rank. The writer (writer=True, one rank) writes the pool, entries and write-backs; the
-    others only read it. barrier(): all the ranks' barrier; start_step calls it after every rank has handed out
-    this step's pages and again after the writer's copies, and the writer synchronizes its write-back first."""
-
-    def __init__(self, engine: Engine, latent: Sequence[torch.Tensor], max_num_reqs: int,
-                 read_host: Callable[[int, int, int], torch.Tensor], device="cpu",
-                 synchronize: Callable[[], None] = lambda: None, writer: bool = True,
-                 barrier: Optional[Callable[[], None]] = None):
+    def __init__(self, engine: Engine, latent: Sequence[torch.Tensor], max_num_reqs: int, block_table: torch.Tensor,
+                 device="cpu", synchronize: Callable[[], None] = lambda: None):
         info = engine.info
         if not info.reserve_newest:
             raise InvalidArgument("EssDecode: the engine needs reserve_newest=True (each step's newest entries are "
@@ -101,9 +123,12 @@ class EssDecode:
                                   f"{info.max_requests}]")
         if len(latent) != info.layers:
             raise InvalidArgument(f"EssDecode: {len(latent)} latent buffers for {info.layers} layers")
+        if block_table.dim() != 2 or block_table.dtype != torch.int32:
+            raise InvalidArgument(f"EssDecode: block_table is {block_table.dtype} {tuple(block_table.shape)}; int32 "
+                                  "[batch rows, blocks] expected")
         self.engine, self.info, self.latent = engine, info, list(latent)
-        self.max_num_reqs, self.read_host, self.device = max_num_reqs, read_host, torch.device(device)
-        self.synchronize, self.writer, self.barrier = synchronize, bool(writer), barrier
+        self.max_num_reqs, self.block_table, self.device = max_num_reqs, block_table, torch.device(device)
+        self.synchronize = synchronize
         T, K = info.query_tokens, info.topk
         i32 = dict(dtype=torch.int32, device=self.device)
         self.rows = torch.full((max_num_reqs,), -1, **i32)          # batch row -> state index (ESS row), -1
@@ -112,7 +137,6 @@ class EssDecode:
         self.physical = torch.full((max_num_reqs, T, K), -1, **i32)
         self.counts = torch.zeros((max_num_reqs, 2), **i32)
         self.step_binding = engine.bind_step(self.rows, self.topk, self.lengths, self.physical, counts=self.counts)
-        self.write_back_binding = engine.bind_write_back(self.rows, self.lengths)
         self.max_swap_rows = max_num_reqs * T
         # Where each decode token's newest entry goes: its request's reserved row t (int64, as vLLM's slot
         # mappings are); the scratch row for padding.
@@ -127,7 +151,6 @@ class EssDecode:
         self.token_index = torch.arange(self.max_swap_rows, **i64)
         self.request_state_indices = torch.full((max_num_reqs,), -1, **i32)
         self.batch = 0              # ESS positions staged for this step
-        self.pending = 0            # positions whose newest entries are still to be written back
         self.state_of: Dict[str, int] = {}     # vLLM request id -> state index (ESS request id and row)
         self.length_of: Dict[int, int] = {}    # state index -> tokens in ESS
 
@@ -143,13 +166,15 @@ class EssDecode:
         Decode rows are the batch's leading rows of at most T tokens (vLLM's split: decodes first, up to
         max_decode_query_len tokens each); a row of n < T tokens is served with its n queries as the last n of
         its T (the others padding) and its T - n older tokens copied into the reserved rows beside its n new
-        ones. When every context page is resident and the batch has other rows, vLLM's index group resolves
+        ones. Each decode request is adopted over its host blocks when it first decodes and repaged to its new
+        length every step after (its blocks from the first that can be new: nothing is copied, the entries are
+        vLLM's). When every context page is resident and the batch has other rows, vLLM's index group resolves
         the decode tokens over resident pages instead of calling swap_in (index_group.py
-        convert_logical_to_physical_topk): ESS serves no row then and catches its requests up from vLLM's host
-        pool at their next ESS step.
+        convert_logical_to_physical_topk): ESS serves no row then, and its requests' next ESS step repages them
+        over the tokens in between.
 
-        The batch (and `forward` against it) is checked before anything changes; an engine refusal part-way
-        (ESS's host pool full) raises with the requests before it admitted."""
+        The batch (and `forward` against it) is checked before anything changes; a block table entry outside
+        vLLM's host pool raises from the engine with the requests before it served."""
         T = self.info.query_tokens
         states = [int(s) for s in torch.as_tensor(request_state_indices).reshape(-1).tolist()]
         if len(states) < len(request_ids):
@@ -180,60 +205,53 @@ class EssDecode:
             if c + n > self.info.max_context:
                 raise InvalidArgument(f"start_step: request {rid!r} reaches {c + n} tokens; the engine holds "
                                       f"max_context = {self.info.max_context}")
-            if c + n < T:
-                raise InvalidArgument(f"start_step: request {rid!r} decodes with {c + n} tokens, fewer than T = {T}: "
-                                      "ESS's step and write-back (reserve_newest) serve a request of at least T tokens")
             positions.append((b, rid, s, c, n))
+        if positions and -(-max(c + n for *_, c, n in positions) // KERNEL_BLOCK) > self.block_table.shape[1]:
+            raise InvalidArgument(f"start_step: a request reaches {max(c + n for *_, c, n in positions)} tokens, past "
+                                  f"the {self.block_table.shape[1]} blocks of vLLM's host block table")
+        if positions and max(p[0] for p in positions) >= self.block_table.shape[0]:
+            raise InvalidArgument(f"start_step: {len(positions)} decode rows; vLLM's host block table has "
+                                  f"{self.block_table.shape[0]} rows")
         if forward is not None and swap_path and tuple(forward) != (len(positions), sum(p[4] for p in positions)):
             raise InvalidArgument(f"start_step: the forward has {forward[0]} decode rows of {forward[1]} tokens; "
                                   f"the batch's leading rows of at most T = {T} tokens are {len(positions)} of "
                                   f"{sum(p[4] for p in positions)}")
-        # The previous step's newest entries go to the host pool first (a finished request's too: harmless); with
-        # a shared pool they must have landed before the barrier below lets the other ranks on.
-        self.flush()
-        if self.barrier is not None and self.writer:
-            self.synchronize()
         if any(rid in finished or rid in preempted for rid in self.state_of) or \
                 any((rid in self.state_of and (self.state_of[rid] != s or c < self.length_of[s] - T)) or
                     (rid not in self.state_of and s in self.length_of) for _, rid, s, c, _ in positions):
-            self.synchronize()   # pages are freed below; the previous forward may still be reading them
+            self.synchronize()   # rows are released below; the previous forward may still be using them
         for rid in list(self.state_of):
             if rid in finished or rid in preempted:
                 self._release(rid)
-        copies = []   # (state, first token, count) to copy from vLLM's host pool
+        plans = []   # (state, new length, first page to give, pages in all; or first = -1: adopt)
         for b, rid, s, c, n in positions:
             if self.state_of.get(rid, s) != s:     # vLLM gave the request another state index
                 self._release(rid)
             if rid not in self.state_of and s in self.length_of:
                 self._release_state(s)              # the state's previous request left without notice
+            if rid in self.state_of and c < self.length_of[s] - T:
+                self._release(rid)                  # vLLM went back further than a step's drafts: start over
+            pages = -(-(c + n) // KERNEL_BLOCK)
+            # The first block that can be new: the one holding the first token past what ESS holds (or past
+            # the drafts taken back); the blocks before it are vLLM's computed ones, which stay.
+            first = min(self.length_of[s], c) // KERNEL_BLOCK if rid in self.state_of else 0
+            plans.append((b, rid, s, c + n, first, pages))
+        # Every block entry this step gives ESS, read in one copy (the table is on the device under CUDA).
+        rows = [b for b, *_, first, pages in plans for _ in range(first, pages)]
+        cols = [p for *_, first, pages in plans for p in range(first, pages)]
+        table = self.block_table
+        blocks = table[torch.tensor(rows, dtype=torch.int64, device=table.device),
+                       torch.tensor(cols, dtype=torch.int64, device=table.device)].cpu().tolist() if rows else []
+        at = 0
+        for b, rid, s, length, first, pages in plans:
+            given = blocks[at:at + pages - first]
+            at += pages - first
             if rid in self.state_of:
-                L = self.length_of[s]
-                if c < L - T:                       # vLLM went back further than a step's drafts: start over
-                    self._release(rid)
-                elif c < L:                         # drafts of the last verify step that were not accepted
-                    self.engine.truncate(s, c)
-                    self.length_of[s] = c
-            if rid not in self.state_of:
-                self.engine.admit(s, c if c else n, s)
-                self.state_of[rid], self.length_of[s] = s, c if c else n
-                copies.append((s, 0, c))
-            elif c > self.length_of[s]:             # tokens of steps ESS did not serve
-                L = self.length_of[s]
-                self.engine.extend(s, c - L)
-                self.length_of[s] = c
-                copies.append((s, L, c - L))
-            if c:
-                self.engine.extend(s, n)
-            self.length_of[s] = c + n
-        # Shared pool: every rank has handed out (and zeroed) this step's pages before the writer writes, and
-        # the writer's entries are in before any rank's forward reads them.
-        if self.barrier is not None:
-            self.barrier()
-        if self.writer:
-            for s, first, count in copies:
-                self._copy_from_host(s, first, count)
-        if self.barrier is not None and copies:
-            self.barrier()
+                self.engine.repage(s, length, given, first_page=first)
+            else:
+                self.engine.adopt(s, length, given, row=s)
+                self.state_of[rid] = s
+            self.length_of[s] = length
         self._stage(request_ids, states, positions)
 
     def _stage(self, request_ids, states, positions):
@@ -245,8 +263,8 @@ class EssDecode:
         token_flat = torch.zeros((self.max_swap_rows,), dtype=torch.int64)
         token_slot = torch.full((self.max_swap_rows,), self.scratch_row, dtype=torch.int64)
         query_token = torch.full((self.max_swap_rows,), -1, dtype=torch.int64)
-        if any(n < T for *_, n in positions):
-            self.synchronize()   # the write-back just issued holds some of the older tokens read below
+        if any(n < T and c > 0 for *_, c, n in positions):
+            self.synchronize()   # the older tokens read below are vLLM's mirror of earlier steps' rows
         i = 0
         for b, _, s, c, n in positions:
             rows[b], lengths[b] = s, c + n
@@ -269,21 +287,11 @@ class EssDecode:
                               (self.query_token, query_token), (self.request_state_indices, state_rows)):
             staged.copy_(value)
         self.batch = len(positions)
-        self.pending = len(positions)
-
-    def flush(self):
-        """Writes the last step's newest entries back to ESS's host pool (every layer); a reader rank of a shared
-        pool leaves that to the writer."""
-        if self.pending and self.writer:
-            for layer in range(self.info.layers):
-                self.write_back_binding.write_back(layer, self.pending)
-        self.pending = 0
 
     def finish(self, request_id: str):
         """Forgets a request now (a finished one is otherwise released at the next start_step)."""
         if request_id not in self.state_of:
             raise InvalidArgument(f"finish: request {request_id!r} is not in ESS")
-        self.flush()
         self._release(request_id)
 
     def reset(self):
@@ -303,16 +311,6 @@ class EssDecode:
         for rid, state in list(self.state_of.items()):
             if state == s:
                 del self.state_of[rid]
-
-    def _copy_from_host(self, s, first, count):
-        if count == 0:
-            return
-        entries = self.read_host(s, first, count)
-        if tuple(entries.shape) != (self.info.layers, count, self.info.entry_bytes):
-            raise InvalidArgument(f"read_host({s}, {first}, {count}) gave shape {tuple(entries.shape)}; "
-                                  f"[{self.info.layers}, {count}, {self.info.entry_bytes}] expected")
-        for layer in range(self.info.layers):
-            self.engine.write_entries(s, layer, first, entries[layer].contiguous())
 
 
 class HiSparseRuntime:
@@ -394,7 +392,8 @@ class HiSparseRuntime:
         self.layers_served = 0
 
     def gather_prefill_cache(self, kv_cache, plan, resident_cache=None):
-        """Prefill context from vLLM's host pool (index_group.py stage_prefill_rows): vLLM's own path."""
+        """Prefill context from the host pool (index_group.py stage_prefill_rows): vLLM's own staging, over the one
+        host pool ESS's decode reads too."""
         if self.upstream is None:
             raise InvalidArgument("gather_prefill_cache: prefill reads vLLM's host pool through vLLM's runtime; "
                                   "this runtime has none")
@@ -415,8 +414,10 @@ class HiSparseRuntime:
         num_valid_rows), with return_valid_counts also int32 [n] counts of rows >= 0.
 
         The newest entries the model just wrote at resident.slot_mapping (vLLM's resident cache) are copied into
-        the request's reserved rows first. block_table (vLLM's host block table) and block_size describe vLLM's
-        host pool: ESS reads its own. Everything is checked before anything runs; a refused call serves nothing."""
+        the request's reserved rows first. block_table (vLLM's host block table) is the table start_step gave ESS
+        its pages from, and block_size its blocks' size. ESS's step runs on the current stream, after the wait
+        upstream's start_step put there for the previous steps' host writes. Everything is checked before
+        anything runs; a refused call serves nothing."""
         d = self.decode
         T, K = d.info.query_tokens, d.info.topk
         n = int(logical_topk_indices.shape[0])
@@ -456,7 +457,7 @@ class HiSparseRuntime:
         take = (source >= 0) & (source < n) & valid.index_select(0, at)
         picked = logical_topk_indices.to(torch.int32).index_select(0, at)
         d.topk.view(B * T, K).copy_(torch.where(take.unsqueeze(1), picked, torch.full_like(picked, -1)))
-        d.step_binding.step(self.layer, B)
+        d.step_binding.step(self.layer, B, stream=torch.cuda.current_stream(d.device) if d.device.type == "cuda" else None)
         physical = d.physical.view(B * T, K).index_select(0, d.token_flat[:n])
         physical = torch.where(valid.unsqueeze(1), physical, torch.full_like(physical, -1))
         self.layers_served += 1
