@@ -1,6 +1,8 @@
 """Bad input to ESS's vLLM runtime: every refusal is an InvalidArgument naming what was wrong, raised before
 anything runs, so a refused swap_in serves no layer (the next call of the forward still runs) and changes no
 row, count or byte; start_step refuses a batch it cannot serve with ESS's state as it was."""
+import types
+
 import pytest
 import torch
 
@@ -122,6 +124,23 @@ def test_a_forward_with_other_decode_rows_is_refused():
         r.decode.start_step(["a"], torch.tensor([3], dtype=torch.int32), scheduled, forward=(2, 2 * T))
     assert before == (dict(r.decode.length_of), r.engine.stats())
     r.decode.start_step(["a"], torch.tensor([3], dtype=torch.int32), scheduled, forward=(1, T))
+
+
+def test_vllms_statistics_count_the_leader_layers_hits_and_misses(staged):
+    """worker.py get_kv_connector_stats reads the group leader's index_group.swap_stats ([hits, misses], uint64 on
+    the device; int64 here, torch 1.13 has no uint64): ESS adds its step's counts there, on the leader only."""
+    r, runtime, args = staged
+    stats = torch.zeros(2, dtype=torch.int64)
+    runtime.upstream = types.SimpleNamespace(is_group_leader=True, index_group=types.SimpleNamespace(swap_stats=stats))
+    follower = r.handles[1].runtime
+    follower_stats = torch.zeros(2, dtype=torch.int64)
+    follower.upstream = types.SimpleNamespace(is_group_leader=False,
+                                              index_group=types.SimpleNamespace(swap_stats=follower_stats))
+    runtime.swap_in(**args)
+    counts = r.decode.counts.sum(0).tolist()
+    assert stats.tolist() == counts and counts[0] + counts[1] > 0
+    follower.swap_in(**{**args, "resident": r.handles[1]})
+    assert follower_stats.tolist() == [0, 0], "a follower's counts are its leader's"
 
 
 def test_a_speculator_layer_keeps_vllms_runtime(staged):

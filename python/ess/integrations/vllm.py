@@ -458,6 +458,10 @@ class HiSparseRuntime:
         picked = logical_topk_indices.to(torch.int32).index_select(0, at)
         d.topk.view(B * T, K).copy_(torch.where(take.unsqueeze(1), picked, torch.full_like(picked, -1)))
         d.step_binding.step(self.layer, B, stream=torch.cuda.current_stream(d.device) if d.device.type == "cuda" else None)
+        if self.upstream is not None and self.upstream.is_group_leader:
+            # vLLM's HiSparse statistics (worker.py get_kv_connector_stats reads the group leader's swap_stats,
+            # uint64 [hits, misses]): the leader layer's LRU hits and misses of this step, added on the device.
+            self.upstream.index_group.swap_stats.view(torch.int64).add_(d.counts.sum(0, dtype=torch.int64))
         physical = d.physical.view(B * T, K).index_select(0, d.token_flat[:n])
         physical = torch.where(valid.unsqueeze(1), physical, torch.full_like(physical, -1))
         self.layers_served += 1
