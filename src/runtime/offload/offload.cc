@@ -74,11 +74,19 @@ Offload::Impl::Impl(const OffloadConfig& c, LatentBuffer b, HostAllocator& host)
               "offload: host_bytes = {} with foreign pages (the pool is the other engine's: pass 0)", config.host_bytes);
     pool = std::make_unique<TotalPool>(config.layers, config.layout, config.foreign, HostMemoryKind::kPinned, host);
   } else {
-    const std::uint64_t host_bytes =
-        config.host_bytes > 0 ? config.host_bytes
-                              : static_cast<std::uint64_t>(config.max_requests) * config.layers *
-                                    static_cast<std::uint64_t>((config.max_context + kPageTokens - 1) / kPageTokens) *
-                                    kPageTokens * entry;
+    std::uint64_t host_bytes = config.host_bytes;
+    if (host_bytes == 0) {  // every request at max_context, whole pages
+      const bool overflow =
+          __builtin_mul_overflow(static_cast<std::uint64_t>(config.max_requests), static_cast<std::uint64_t>(config.layers),
+                                 &host_bytes) ||
+          __builtin_mul_overflow(host_bytes, static_cast<std::uint64_t>((config.max_context + kPageTokens - 1) / kPageTokens),
+                                 &host_bytes) ||
+          __builtin_mul_overflow(host_bytes, kPageTokens * entry, &host_bytes);
+      ESS_CHECK(!overflow,
+                "offload: host_bytes = 0 asks for max_requests {} x layers {} x max_context {} entries, beyond 64 bits "
+                "of bytes; pass host_bytes",
+                config.max_requests, config.layers, config.max_context);
+    }
     pool = std::make_unique<TotalPool>(config.layers, config.layout, host_bytes, HostMemoryKind::kPinned, host);
   }
   request_of_row.assign(static_cast<std::size_t>(config.max_requests), -1);
@@ -211,8 +219,9 @@ void Offload::extend(RequestId id, std::int64_t n) {
   const std::int32_t row = x.find_row(id, "extend");
   ESS_CHECK(n >= 1, "offload: extend of request {} by {} tokens: must be >= 1", id, n);
   const std::int64_t length = x.pool->length(id);
-  ESS_CHECK(length + n <= x.config.max_context, "offload: extend of request {} to {} tokens exceeds max_context = {}", id,
-            length + n, x.config.max_context);
+  ESS_CHECK(n <= x.config.max_context - length,  // length + n may overflow: not computed
+            "offload: extend of request {} ({} tokens) by {} exceeds max_context = {}", id, length, n,
+            x.config.max_context);
   const auto pages_before = std::ssize(x.pool->page_table(id, 0));  // per layer
   x.pool->extend(id, n);
   x.backend->pages_added(row, id, pages_before);

@@ -144,6 +144,7 @@ TEST(OffloadCpu, BadInputIsRefusedByNameAndChangesNothing) {
   refused([&] { o.admit(8, 10, 3); }, "row 3 outside [0, 3)");
   refused([&] { o.admit(8, 10, -2); }, "row -2 must be -1");
   refused([&] { o.extend(6, 201); }, "exceeds max_context");
+  refused([&] { o.extend(6, std::numeric_limits<std::int64_t>::max()); }, "exceeds max_context");  // no overflow
   refused([&] { o.truncate(6, 97); }, "to 97 tokens: outside [98, 100]");
   refused([&] { o.truncate(6, 101); }, "outside [98, 100]");
   refused([&] { o.truncate(42, 1); }, "not admitted");
@@ -308,6 +309,11 @@ TEST(OffloadCpu, ConfigurationErrorsNameTheField) {
   b.rows.row_stride = 100;
   b.layer_base = {};
   EXPECT_NE(test::error_of([&] { Offload o(c, b); }).find("row_stride = 100"), std::string::npos);
+  c.max_requests = 1 << 14;  // the default pool: 2^25 pages x 2^14 requests x 2^10 layers x 41,984 B > 2^64
+  c.layers = 1 << 10;
+  c.max_context = std::numeric_limits<std::int32_t>::max();
+  const std::string huge = test::error_of([&] { Offload o(c); });
+  EXPECT_NE(huge.find("beyond 64 bits of bytes; pass host_bytes"), std::string::npos) << huge;
 }
 
 TEST(OffloadCpu, TruncateNeedsTheNewestOutsideTheLru) {
