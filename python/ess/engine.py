@@ -41,7 +41,7 @@ class ForeignPages(NamedTuple):
     layer_first_page: Sequence[int]
 
 
-def _integers(name: str, values, ctype, bounds) -> list:
+def _integers(name: str, values, bounds) -> list:
     """A sequence of integers (a list, tuple, or an integer array or tensor with tolist()) as Python ints, each
     checked against the C type's range."""
     if hasattr(values, "tolist") and not isinstance(values, (list, tuple)):
@@ -186,8 +186,7 @@ class Engine:
             c.host_pages_per_layer = _args.integer("foreign_pages.pages_per_layer", foreign_pages.pages_per_layer,
                                                    *_args.I64)
             c.host_page_stride = _args.integer("foreign_pages.page_stride", foreign_pages.page_stride, *_args.U64)
-            firsts = _integers("foreign_pages.layer_first_page", foreign_pages.layer_first_page, ctypes.c_int64,
-                               _args.I64)
+            firsts = _integers("foreign_pages.layer_first_page", foreign_pages.layer_first_page, _args.I64)
             self._first_pages = (ctypes.c_int64 * max(1, len(firsts)))(*firsts)
             c.host_layer_first_page = ctypes.cast(self._first_pages, ctypes.POINTER(ctypes.c_int64))
             layers = c.layers if c.layers > 0 else None
@@ -316,7 +315,7 @@ class Engine:
         block table: ceil(length / 64) page indices, ints or an integer array); returns the row. Nothing is copied."""
         _i64(request_id=request_id, length=length)
         _i32(row=row)
-        values = _integers("pages", pages, ctypes.c_int32, _args.I32)
+        values = _integers("pages", pages, _args.I32)
         array = (ctypes.c_int32 * max(1, len(values)))(*values)
         out = ctypes.c_int32()
         check(lib.ess_request_adopt(self._h(), request_id, length, array, len(values), row, ctypes.byref(out)))
@@ -327,7 +326,7 @@ class Engine:
         """Foreign pages: the request's length anew and its pages from `first_page` on (None: its page count, so
         `pages` are appended); growth as extend, shrinking by at most T as truncate."""
         _i64(request_id=request_id, length=length)
-        values = _integers("pages", pages, ctypes.c_int32, _args.I32)
+        values = _integers("pages", pages, _args.I32)
         if first_page is None:
             first_page = -(-self.request(request_id)[1] // 64)   # its pages: one per 64 tokens
         _i64(first_page=first_page)
