@@ -112,6 +112,21 @@ CONNECTOR_BASES = {
     "EssConnectorWorker": ("distributed/kv_transfer/kv_connector/v1/hisparse/worker.py", "HiSparseConnectorWorker"),
     "HiSparseConnector": ("distributed/kv_transfer/kv_connector/v1/hisparse/connector.py", "HiSparseConnector"),
 }
+# Where a method the connector overrides may be defined upstream: the base, then the base's own bases.
+UPSTREAM_CHAIN = {
+    "HiSparseConnector": [("distributed/kv_transfer/kv_connector/v1/hisparse/connector.py", "HiSparseConnector"),
+                          ("distributed/kv_transfer/kv_connector/v1/base.py", "KVConnectorBase_V1")],
+}
+
+
+def inherited_def(name, method):
+    """The upstream definition the connector class `name`'s method overrides: its base's, else the nearest one."""
+    rel, base = CONNECTOR_BASES[name]
+    for rel, cls in UPSTREAM_CHAIN.get(name, [(rel, base)]):
+        fn = upstream_def(rel, cls, method)
+        if fn is not None:
+            return fn
+    return None
 
 
 def test_the_connector_overrides_only_what_upstream_defines():
@@ -122,13 +137,29 @@ def test_the_connector_overrides_only_what_upstream_defines():
         rel, base = CONNECTOR_BASES[c.name]
         assert ast.unparse(c.bases[0]).split(".")[-1] == base
         for fn in (n for n in c.body if isinstance(n, ast.FunctionDef)):
-            theirs = upstream_def(rel, base, fn.name)
+            theirs = inherited_def(c.name, fn.name)
             if fn.name.startswith("_ess_"):   # ours alone, under a prefix no upstream name has
                 assert theirs is None, f"{c.name}.{fn.name} shadows upstream's"
                 continue
             assert theirs is not None, f"{c.name}.{fn.name}: upstream's {base} has no such method"
             assert parameters(fn) == parameters(theirs), \
                 f"{c.name}.{fn.name}{parameters(fn)} vs upstream's {parameters(theirs)}"
+
+
+def test_finished_requests_reach_the_connectors_get_finished():
+    """v1/worker/gpu/kv_connector.py ActiveKVConnector.post_forward (after every step, no_forward's too) passes
+    the step's finished_req_ids to get_transfer_results, which KVConnectorBase_V1 answers from get_finished and
+    HiSparseConnector does not override: the connector's get_finished sees every finished request."""
+    post = upstream_def("v1/worker/gpu/kv_connector.py", "ActiveKVConnector", "post_forward")
+    assert "self.kv_connector.get_transfer_results(finished_req_ids)" in ast.unparse(post)
+    no_forward = upstream_def("v1/worker/gpu/kv_connector.py", "ActiveKVConnector", "no_forward")
+    assert "self.post_forward(finished_req_ids)" in ast.unparse(no_forward)
+    results = upstream_def("distributed/kv_transfer/kv_connector/v1/base.py", "KVConnectorBase_V1",
+                           "get_transfer_results")
+    assert "self.get_finished(finished_req_ids)" in ast.unparse(results)
+    rel, cls = CONNECTOR_BASES["HiSparseConnector"]
+    assert upstream_def(rel, cls, "get_transfer_results") is None
+    assert upstream_def(rel, cls, "get_finished") is None, "upstream's HiSparseConnector defines get_finished now"
 
 
 def assigned_on_self(rel, cls):

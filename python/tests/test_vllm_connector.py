@@ -56,6 +56,9 @@ class UpstreamConnector:
     def _get_connector_metadata(self):
         return self.metadata
 
+    def get_finished(self, finished_req_ids):   # KVConnectorBase_V1's
+        return None, None
+
 
 @pytest.fixture
 def connector_module(monkeypatch):
@@ -189,6 +192,28 @@ def test_register_start_load_and_shutdown(connector_module):
     c.connector_worker.shutdown()
     assert worker.runtimes_at_shutdown == upstream, "upstream's teardown must see its own runtimes"
     assert worker.ess_engine is None
+
+
+def test_a_request_finished_in_a_step_without_a_forward_is_released(connector_module):
+    """A step without a forward brings no start_load_kv, only get_finished (ActiveKVConnector.no_forward ->
+    post_forward); its finished requests are released at the next forward's start_load_kv."""
+    module, _ = connector_module
+    world = World()
+    c = module.HiSparseConnector(config(), "worker", world)
+    c.register_kv_caches({})
+    worker = c.connector_worker
+    world.gather([2, 0])
+    c.start_load_kv(None, scheduler_output=scheduler_output(cached=[("a", 150, T), ("b", 70, T)]),
+                    request_ids=["a", "b"], request_state_indices=torch.tensor([2, 0], dtype=torch.int32))
+    assert c.get_finished({"b", "never-seen"}) == (None, None)
+    assert worker.ess.state_of == {"a": 2, "b": 0}   # released with the next step's other releases
+    world.gather([2])
+    c.start_load_kv(None, scheduler_output=scheduler_output(cached=[("a", 151, T)]), request_ids=["a"],
+                    request_state_indices=torch.tensor([2], dtype=torch.int32))
+    assert worker.ess.state_of == {"a": 2} and worker.ess.finished_since == set()
+    with pytest.raises(ess.InvalidArgument):
+        worker.ess_engine.request(0)
+    c.connector_worker.shutdown()
 
 
 def test_a_host_cache_outside_vllms_pool_is_refused(connector_module):

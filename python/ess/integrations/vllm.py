@@ -153,6 +153,12 @@ class EssDecode:
         self.batch = 0              # ESS positions staged for this step
         self.state_of: Dict[str, int] = {}     # vLLM request id -> state index (ESS request id and row)
         self.length_of: Dict[int, int] = {}    # state index -> tokens in ESS
+        self.finished_since = set()            # ESS's requests vLLM finished since the last start_step
+
+    def note_finished(self, request_ids: Iterable[str]):
+        """Requests vLLM finished (the connector's get_finished, after every step, one without a forward
+        included): released at the next start_step, with its other releases."""
+        self.finished_since.update(rid for rid in request_ids if rid in self.state_of)
 
     # ---- before each forward (the connector's start_load_kv) ----
     def start_step(self, request_ids: Sequence[str], request_state_indices, scheduled: Mapping[str, Scheduled],
@@ -182,7 +188,7 @@ class EssDecode:
         if len(request_ids) > self.max_num_reqs:
             raise InvalidArgument(f"start_step: {len(request_ids)} batch requests exceed max_num_seqs = "
                                   f"{self.max_num_reqs}")
-        finished, preempted = set(finished), set(preempted)
+        finished, preempted = set(finished) | self.finished_since, set(preempted)
         seen = {}
         for b, rid in enumerate(request_ids):
             s = states[b]
@@ -223,6 +229,7 @@ class EssDecode:
         for rid in list(self.state_of):
             if rid in finished or rid in preempted:
                 self._release(rid)
+        self.finished_since.clear()
         plans = []   # (state, new length, first page to give, pages in all; or first = -1: adopt)
         for b, rid, s, c, n in positions:
             if self.state_of.get(rid, s) != s:     # vLLM gave the request another state index

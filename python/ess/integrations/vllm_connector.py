@@ -77,6 +77,15 @@ class HiSparseConnector(_upstream.HiSparseConnector):
                                  "mirror")
             self.connector_worker = EssConnectorWorker(vllm_config, kv_cache_config)
 
+    def get_finished(self, finished_req_ids):
+        # Every step's finished requests, a step without a forward included (v1/worker/gpu/kv_connector.py
+        # ActiveKVConnector.post_forward -> get_transfer_results -> get_finished): ESS releases them at its next
+        # start_step (a step without a forward brings no start_load_kv, so it would otherwise never see them).
+        worker = self.connector_worker
+        if worker is not None and getattr(worker, "ess", None) is not None:
+            worker.ess.note_finished(finished_req_ids)
+        return super().get_finished(finished_req_ids)
+
     def start_load_kv(self, forward_context, **kwargs):
         super().start_load_kv(forward_context, **kwargs)
         worker = self.connector_worker
