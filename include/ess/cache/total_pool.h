@@ -203,9 +203,10 @@ class TotalPool {
   }
   // Refuses (naming `what`) on foreign pages, whose pages only the other engine hands out.
   void require_own_pages(const char* what, RequestId id) const;
-  // The given pages of a foreign request of `length` tokens, checked; its tables.
-  std::vector<std::vector<std::int32_t>> foreign_tables(RequestId id, std::int64_t length,
-                                                        std::span<const std::int32_t> pages, const char* what) const;
+  // Refuses (naming `what`) unless the pool is on foreign pages, a request of `length` tokens
+  // has `page_count` pages, and `pages` (its pages from index `first`) are page indices.
+  void check_foreign(RequestId id, std::int64_t length, std::int64_t page_count, std::int64_t first,
+                     std::span<const std::int32_t> pages, const char* what) const;
   // A free group: one zeroed page in every layer's region, each with one reference.
   std::int32_t take_group();
   // Appends fresh groups to every layer's table until each has `per_layer` pages (capacity

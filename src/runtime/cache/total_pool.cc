@@ -87,34 +87,32 @@ void TotalPool::require_own_pages(const char* what, RequestId id) const {
             what, id);
 }
 
-std::vector<std::vector<std::int32_t>> TotalPool::foreign_tables(RequestId id, std::int64_t length,
-                                                                 std::span<const std::int32_t> pages,
-                                                                 const char* what) const {
+void TotalPool::check_foreign(RequestId id, std::int64_t length, std::int64_t page_count, std::int64_t first,
+                              std::span<const std::int32_t> pages, const char* what) const {
   ESS_CHECK(foreign_, "total pool: {} of request {}: the pool hands out its own pages (no foreign pages)", what, id);
   ESS_CHECK(length >= 1 && length <= std::numeric_limits<std::int32_t>::max(),
             "total pool: {} of request {}: length {} outside [1, {}]", what, id, length,
             std::numeric_limits<std::int32_t>::max());
   const std::int64_t per_layer = pages_for(length) / num_layers_;
-  ESS_CHECK(std::ssize(pages) == per_layer, "total pool: {} of request {}: {} pages for {} tokens; {} expected", what, id,
-            pages.size(), length, per_layer);
-  std::vector<std::vector<std::int32_t>> tables(static_cast<std::size_t>(num_layers_));
+  ESS_CHECK(page_count == per_layer, "total pool: {} of request {}: {} pages for {} tokens; {} expected", what, id,
+            page_count, length, per_layer);
   for (std::size_t i = 0; i < pages.size(); ++i) {
     ESS_CHECK(pages[i] >= 0 && pages[i] < groups_, "total pool: {} of request {}: page {} is {}, outside [0, {})", what,
-              id, i, pages[i], groups_);
+              id, first + static_cast<std::int64_t>(i), pages[i], groups_);
   }
-  for (int l = 0; l < num_layers_; ++l) {
-    auto& table = tables[static_cast<std::size_t>(l)];
-    table.reserve(pages.size());
-    for (const std::int32_t g : pages) table.push_back(page_of(l, g));
-  }
-  return tables;
 }
 
 void TotalPool::adopt(RequestId id, std::int64_t length, std::span<const std::int32_t> pages) {
   ESS_CHECK(!requests_.contains(id), "total pool: request {} is already admitted", id);
+  check_foreign(id, length, std::ssize(pages), 0, pages, "adoption");
   Request r;
   r.length = length;
-  r.pages = foreign_tables(id, length, pages, "adoption");
+  r.pages.resize(static_cast<std::size_t>(num_layers_));
+  for (int l = 0; l < num_layers_; ++l) {
+    auto& table = r.pages[static_cast<std::size_t>(l)];
+    table.reserve(pages.size());
+    for (const std::int32_t g : pages) table.push_back(page_of(l, g));
+  }
   auto [it, inserted] = requests_.emplace(id, std::move(r));  // may throw: nothing changed yet
   (void)inserted;
   for (const auto& table : it->second.pages) {
@@ -126,23 +124,23 @@ void TotalPool::repage(RequestId id, std::int64_t length, std::int64_t first_pag
   auto it = requests_.find(id);
   ESS_CHECK(it != requests_.end(), "total pool: repage of unknown request {}", id);
   ESS_CHECK(foreign_, "total pool: repage of request {}: the pool hands out its own pages (no foreign pages)", id);
-  const auto& kept = it->second.pages.front();
-  ESS_CHECK(first_page >= 0 && first_page <= std::ssize(kept),
-            "total pool: repage of request {}: first_page {} outside [0, {}] (its pages)", id, first_page, kept.size());
-  std::vector<std::int32_t> groups;
-  groups.reserve(static_cast<std::size_t>(first_page) + pages.size());
-  for (std::int64_t i = 0; i < first_page; ++i) {
-    groups.push_back(static_cast<std::int32_t>(kept[static_cast<std::size_t>(i)] - layer_first_.front()));
+  auto& tables = it->second.pages;
+  ESS_CHECK(first_page >= 0 && first_page <= std::ssize(tables.front()),
+            "total pool: repage of request {}: first_page {} outside [0, {}] (its pages)", id, first_page,
+            tables.front().size());
+  check_foreign(id, length, first_page + std::ssize(pages), first_page, pages, "repage");
+  const auto count = static_cast<std::size_t>(first_page) + pages.size();
+  for (auto& table : tables) table.reserve(count);  // may throw: nothing changed yet
+  // Only the pages from first_page on change: the earlier ones keep their references.
+  for (int l = 0; l < num_layers_; ++l) {
+    auto& table = tables[static_cast<std::size_t>(l)];
+    for (auto p = table.begin() + first_page; p != table.end(); ++p) --refs_[static_cast<std::size_t>(*p)];
+    table.resize(static_cast<std::size_t>(first_page));
+    for (const std::int32_t g : pages) {
+      table.push_back(page_of(l, g));
+      ++refs_[static_cast<std::size_t>(table.back())];
+    }
   }
-  groups.insert(groups.end(), pages.begin(), pages.end());
-  auto tables = foreign_tables(id, length, groups, "repage");
-  for (const auto& table : it->second.pages) {
-    for (const std::int32_t p : table) --refs_[static_cast<std::size_t>(p)];
-  }
-  for (const auto& table : tables) {
-    for (const std::int32_t p : table) ++refs_[static_cast<std::size_t>(p)];
-  }
-  it->second.pages = std::move(tables);
   it->second.length = length;
 }
 

@@ -262,14 +262,18 @@ void Offload::repage(RequestId id, std::int64_t length, std::int64_t first_page,
               "offload: repage of request {} from {} to {} tokens takes back more than T = {}", id, current, length,
               x.config.query_tokens);
   }
-  const std::vector<std::int32_t> before = x.pool->page_indices(id);
+  // The pages that may change (layer 0's, from first_page on; the pool checks first_page), to
+  // find the first whose id does: the device page table is uploaded from there.
+  const auto old = x.pool->page_table(id, 0);
+  const std::vector<std::int32_t> tail(old.begin() + std::clamp<std::int64_t>(first_page, 0, std::ssize(old)), old.end());
   x.pool->repage(id, length, first_page, pages);  // checks the rest; throws changing nothing
-  auto first = static_cast<std::size_t>(first_page);  // the first page whose id changed or is new
-  while (first < before.size() && first - static_cast<std::size_t>(first_page) < pages.size() &&
-         before[first] == pages[first - static_cast<std::size_t>(first_page)]) {
-    ++first;
+  const auto now = x.pool->page_table(id, 0);
+  std::size_t changed = 0;
+  while (changed < tail.size() && static_cast<std::size_t>(first_page) + changed < now.size() &&
+         tail[changed] == now[static_cast<std::size_t>(first_page) + changed]) {
+    ++changed;
   }
-  x.backend->pages_added(row, id, static_cast<std::int64_t>(first));
+  x.backend->pages_added(row, id, first_page + static_cast<std::int64_t>(changed));
 }
 
 void Offload::release(RequestId id) {
