@@ -86,17 +86,6 @@ OffloadConfig offload_config(const ess_config& c) {
             o.reserve_newest ? fmt::format(" + query_tokens {} reserved", o.query_tokens) : "",
             std::numeric_limits<std::int32_t>::max());
   o.validate();
-  if (o.host_bytes == 0) {  // the default pool: every request at max_context, whole pages
-    const std::uint64_t pages = static_cast<std::uint64_t>((o.max_context + kPageTokens - 1) / kPageTokens);
-    std::uint64_t bytes = o.layout.bytes() * kPageTokens;
-    const bool overflow = __builtin_mul_overflow(bytes, pages, &bytes) ||
-                          __builtin_mul_overflow(bytes, static_cast<std::uint64_t>(o.max_requests), &bytes) ||
-                          __builtin_mul_overflow(bytes, static_cast<std::uint64_t>(o.layers), &bytes);
-    ESS_CHECK(!overflow,
-              "config: host_bytes = 0 asks for max_requests {} x layers {} x max_context {} entries, beyond 64 bits of "
-              "bytes; pass host_bytes",
-              o.max_requests, o.layers, o.max_context);
-  }
   return o;
 }
 
@@ -532,14 +521,7 @@ ess_status ess_request_warmup(ess_engine* engine, int64_t id, const DLTensor* wi
 }
 
 ess_status ess_request_extend(ess_engine* engine, int64_t id, int64_t tokens) {
-  return guard("ess_request_extend", [&] {
-    const auto call = ess::capi::engine_call(engine);
-    const std::int64_t max_context = call.offload().config().max_context;
-    // Refused here, before the engine adds it to the request's length (which would overflow).
-    ESS_CHECK(tokens <= max_context, "extend of request {} by {} tokens exceeds max_context = {}", id, tokens,
-              max_context);
-    call.offload().extend(id, tokens);
-  });
+  return guard("ess_request_extend", [&] { ess::capi::engine_call(engine).offload().extend(id, tokens); });
 }
 
 ess_status ess_request_truncate(ess_engine* engine, int64_t id, int64_t length) {
