@@ -178,17 +178,26 @@ def run_flags(ess, table, base, tmp, has_cuda, timeout, record):
                 continue
             expected, _, word = want.partition(":")
             word = word or flag
-            if rc < 0:
-                failures.append(f"{what}: killed by signal {-rc}")
-            elif rc == 4 or "internal error" in err:
-                failures.append(f"{what}: internal error: {err.strip()[:300]}")
-            elif str(rc) != expected:
-                failures.append(f"{what}: exit {rc}, expected {expected}: {err.strip()[:300]}")
+            exit_problem = exit_failure(what, rc, expected, err)
+            if exit_problem:
+                failures.append(exit_problem)
             elif rc == 2 and word.lower() not in err.lower():
                 failures.append(f"{what}: the message does not name {word}: {err.strip()[:300]}")
         if record:
             print("\t".join([path, flag, *observed]) + (f"\t{extra}" if extra else ""))
     return count, skipped, failures
+
+
+def exit_failure(what, rc, expected, err):
+    """What is wrong with how a run ended (killed, an internal error, another exit status than `expected`), or
+    None when it ended as expected."""
+    if rc < 0:
+        return f"{what}: killed by signal {-rc}"
+    if rc == 4 or "internal error" in err:
+        return f"{what}: internal error: {err.strip()[:300]}"
+    if str(rc) != expected:
+        return f"{what}: exit {rc}, expected {expected}: {err.strip()[:300]}"
+    return None
 
 
 def main():
@@ -239,12 +248,9 @@ def main():
                 failures.append(f"line {line_no}: ess {command}: still running after {a.timeout:.0f} s")
                 continue
             what = f"line {line_no}: ess {command}"
-            if rc < 0:
-                failures.append(f"{what}: killed by signal {-rc}")
-            elif rc == 4 or "internal error" in err:
-                failures.append(f"{what}: internal error: {err.strip()[:300]}")
-            elif str(rc) != expected:
-                failures.append(f"{what}: exit {rc}, expected {expected}: {err.strip()[:300]}")
+            exit_problem = exit_failure(what, rc, expected, err)
+            if exit_problem:
+                failures.append(exit_problem)
             elif word != "-" and word.lower() not in err.lower():
                 failures.append(f"{what}: the message lacks '{word}': {err.strip()[:300]}")
             elif any((ord(c) < 0x20 and c not in "\n\t") or 0x7f <= ord(c) < 0xa0 or 0xdc80 <= ord(c) <= 0xdcff for c in err):
