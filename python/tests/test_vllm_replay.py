@@ -171,7 +171,7 @@ class Replay:
         rows_per_request = slots + T
         latent = adapter.latent_buffers(LAYERS, STATES, rows_per_request)
         # vllm_connector.py EssConnectorWorker.register_kv_caches: ESS's engine on vLLM's host pool.
-        pages, _ = adapter.host_pool_layout(self.world.backing, self.world.host)
+        pages = adapter.host_pool_layout(self.world.backing, self.world.host)
         self.engine = ess.Engine(layers=LAYERS, max_requests=STATES, max_context=CTX, topk=K, query_tokens=T,
                                  slots=slots, reserve_newest=True, latent=latent,
                                  host_memory=self.world.backing.numpy(), foreign_pages=pages)

@@ -58,8 +58,8 @@ def latent_buffers(layers: int, max_num_reqs: int, rows_per_request: int, device
             for _ in range(layers)]
 
 
-def host_pool_layout(backing: torch.Tensor, host_caches: Sequence[torch.Tensor]) -> Tuple[ForeignPages, int]:
-    """(ForeignPages, bytes) of vLLM's host pool for ESS: `backing` the pool's one allocation (HiSparseHostPool's
+def host_pool_layout(backing: torch.Tensor, host_caches: Sequence[torch.Tensor]) -> ForeignPages:
+    """The ForeignPages of vLLM's host pool for ESS: `backing` the pool's one allocation (HiSparseHostPool's
     `registered`: pinned, or the node's shared region), `host_caches` each target layer's host cache, rows of
     656 bytes in blocks of 64 (HiSparseRuntime.host_cache: [blocks x 64, 656]). A layer's block g is ESS's page g
     of that layer; the regions must lie in the backing at whole blocks from its start. Refused by name
@@ -82,7 +82,7 @@ def host_pool_layout(backing: torch.Tensor, host_caches: Sequence[torch.Tensor])
             raise InvalidArgument(f"host_pool_layout: layer {l}'s host cache is at byte {offset} of the "
                                   f"{size}-byte host pool, not at whole {page}-byte blocks inside it")
         firsts.append(offset // page)
-    return ForeignPages(rows // KERNEL_BLOCK, page, firsts), size
+    return ForeignPages(rows // KERNEL_BLOCK, page, firsts)
 
 
 class Scheduled(NamedTuple):
@@ -212,9 +212,10 @@ class EssDecode:
                 raise InvalidArgument(f"start_step: request {rid!r} reaches {c + n} tokens; the engine holds "
                                       f"max_context = {self.info.max_context}")
             positions.append((b, rid, s, c, n))
-        if positions and -(-max(c + n for *_, c, n in positions) // KERNEL_BLOCK) > self.block_table.shape[1]:
-            raise InvalidArgument(f"start_step: a request reaches {max(c + n for *_, c, n in positions)} tokens, past "
-                                  f"the {self.block_table.shape[1]} blocks of vLLM's host block table")
+        longest = max((c + n for *_, c, n in positions), default=0)
+        if -(-longest // KERNEL_BLOCK) > self.block_table.shape[1]:
+            raise InvalidArgument(f"start_step: a request reaches {longest} tokens, past the "
+                                  f"{self.block_table.shape[1]} blocks of vLLM's host block table")
         if positions and max(p[0] for p in positions) >= self.block_table.shape[0]:
             raise InvalidArgument(f"start_step: {len(positions)} decode rows; vLLM's host block table has "
                                   f"{self.block_table.shape[0]} rows")
@@ -230,7 +231,7 @@ class EssDecode:
             if rid in finished or rid in preempted:
                 self._release(rid)
         self.finished_since.clear()
-        plans = []   # (state, new length, first page to give, pages in all; or first = -1: adopt)
+        plans = []   # (batch row, request, state, new length, first page to give, pages in all)
         for b, rid, s, c, n in positions:
             if self.state_of.get(rid, s) != s:     # vLLM gave the request another state index
                 self._release(rid)

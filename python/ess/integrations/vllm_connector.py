@@ -42,7 +42,7 @@ class EssConnectorWorker(HiSparseConnectorWorker):
         latent = latent_buffers(len(targets), max_num_reqs, slots + T, device=device)
         # vLLM's host pool: the one pinned (or node-shared) allocation behind every layer's host cache.
         backing = first.registered_host_pool
-        pages, _ = host_pool_layout(backing, [self.host_caches[i] for i, _ in targets])
+        pages = host_pool_layout(backing, [self.host_caches[i] for i, _ in targets])
         self.ess_engine = Engine(
             layers=len(targets), max_requests=max_num_reqs, max_context=config.model_config.max_model_len,
             topk=first.index_group.shared_topk.device_topk_rows.shape[1], query_tokens=T, slots=slots,
