@@ -195,7 +195,11 @@ READ = [
     ("v1/core/sched/output.py", "CachedRequestData", {"req_ids", "num_computed_tokens"}),
     ("config/attention.py", "HiSparseConfig", {"eager_host_mirror"}),
     ("config/attention.py", "AttentionConfig", {"hisparse_config"}),
-    ("config/vllm.py", "VllmConfig", {"attention_config", "scheduler_config", "model_config"}),
+    ("config/vllm.py", "VllmConfig", {"attention_config", "scheduler_config", "model_config", "parallel_config"}),
+    ("config/parallel.py", "ParallelConfig", {"use_ubatching"}),
+    ("forward_context.py", "ForwardContext", {"attn_metadata"}),
+    ("model_executor/layers/attention/sparse_mla_attention.py", "SparseMLACommonMetadata",
+     {"num_decodes", "num_decode_tokens", "seq_lens"}),
     ("config/scheduler.py", "SchedulerConfig", {"max_num_seqs"}),
     ("config/model.py", "ModelConfig", {"max_model_len"}),
 ]
@@ -238,6 +242,28 @@ def test_start_load_kv_gets_what_the_connector_reads():
     assert {"scheduler_output", "request_state_indices", "request_ids", "attn_metadata"} <= keys, keys
     assert parameters(upstream_def("distributed/kv_transfer/kv_connector/v1/hisparse/connector.py",
                                    "HiSparseConnector", "start_load_kv"))[3]
+
+
+def test_the_forward_metadata_reaches_start_load_kv():
+    """v1/worker/gpu/model_runner.py execute_model: under a FULL graph pre_forward gets attn_metadata= (which
+    _build_load_kwargs passes on); eager and piecewise, pre_forward runs inside set_forward_context(attn_metadata,
+    ...), and ActiveKVConnector._start_load_kv hands start_load_kv that forward context. The sparse MLA metadata's
+    decode split is split_decodes_and_prefills' (FlashMLA sparse: require_uniform_decodes), and its seq_lens the
+    common metadata's (model_states/default.py prepare_attn: the device's, from num_computed_tokens.gpu)."""
+    runner = ast.unparse(upstream_def("v1/worker/gpu/model_runner.py", "GPUModelRunner", "execute_model"))
+    assert "self.kv_connector.pre_forward(scheduler_output, input_batch, attn_metadata=attn_metadata)" in runner
+    eager = runner.index("self.kv_connector.pre_forward(scheduler_output, input_batch)")
+    assert runner.rfind("with set_forward_context(attn_metadata,", 0, eager) > runner.rfind(
+        "pre_forward(scheduler_output, input_batch, attn_metadata=attn_metadata)", 0, eager)
+    start = ast.unparse(upstream_def("v1/worker/gpu/kv_connector.py", "ActiveKVConnector", "_start_load_kv"))
+    assert "self.kv_connector.start_load_kv(get_forward_context(), **load_kwargs)" in start
+    build = ast.unparse(upstream_def("model_executor/layers/attention/sparse_mla_attention.py",
+                                     "SparseMLACommonMetadataBuilder", "build"))
+    assert "split_decodes_and_prefills(common_attn_metadata, decode_threshold=self.reorder_batch_threshold or 1" \
+        in build and "require_uniform=self.require_uniform_decodes" in build
+    assert "seq_lens=common_attn_metadata.seq_lens" in build and "num_decodes=num_decodes" in build
+    flashmla = open(path("v1/attention/backends/mla/flashmla_sparse.py"), encoding="utf-8").read()
+    assert "require_uniform_decodes: ClassVar[bool] = True" in flashmla
 
 
 def test_vllm_loads_the_connector_by_module_path_under_upstreams_name():

@@ -133,7 +133,7 @@ def config(eager=True, instance="t"):
         attention_config=types.SimpleNamespace(hisparse_config=types.SimpleNamespace(eager_host_mirror=eager)),
         scheduler_config=types.SimpleNamespace(max_num_seqs=STATES),
         model_config=types.SimpleNamespace(max_model_len=CTX), instance_id=f"{instance}-{os.getpid()}",
-        parallel_config=types.SimpleNamespace(data_parallel_index=0))
+        parallel_config=types.SimpleNamespace(data_parallel_index=0, use_ubatching=False))
 
 
 def scheduler_output(new=(), cached=(), finished=()):
@@ -146,8 +146,18 @@ def scheduler_output(new=(), cached=(), finished=()):
         preempted_req_ids=None)
 
 
-def attn(decodes):
-    return {"layers.0": types.SimpleNamespace(num_decodes=decodes, num_decode_tokens=decodes * T)}
+def attn(*seq_lens, decodes=None):
+    """The forward's attention metadata by layer name, the leader's with the sparse MLA metadata start_step reads:
+    the decode rows' seq_lens (after this step's T tokens), num_decodes (default: one per seq_len)."""
+    decodes = len(seq_lens) if decodes is None else decodes
+    return {"layers.0": types.SimpleNamespace(num_decodes=decodes, num_decode_tokens=decodes * T,
+                                              seq_lens=torch.tensor(seq_lens, dtype=torch.int32))}
+
+
+def eager(*seq_lens):
+    """The forward context of an eager or piecewise forward (model_runner.py: pre_forward inside
+    set_forward_context(attn_metadata, ...)): start_load_kv gets no attn_metadata keyword."""
+    return types.SimpleNamespace(attn_metadata=attn(*seq_lens))
 
 
 def test_register_start_load_and_shutdown(connector_module):
@@ -171,21 +181,21 @@ def test_register_start_load_and_shutdown(connector_module):
     world.gather([2, 0])
     out = scheduler_output(cached=[("a", 150, T), ("b", 70, T)])
     c.start_load_kv(None, scheduler_output=out, request_ids=["a", "b"],
-                    request_state_indices=torch.tensor([2, 0], dtype=torch.int32), attn_metadata=attn(2))
+                    request_state_indices=torch.tensor([2, 0], dtype=torch.int32), attn_metadata=attn(151, 71))
     assert c.loads and worker.ess.state_of == {"a": 2, "b": 0}
     for layer in range(3):
         got = worker.ess_engine.read_entries(2, layer, 0, np.empty((150, 656), np.uint8))
         np.testing.assert_array_equal(got, world.host_rows(layer, 2, 0, 150))
-    # The batch condensed: "b" finished, "a" at batch row 0. A forward with other decode rows is refused before
-    # anything changes; then the step runs.
+    # The batch condensed: "b" finished, "a" at batch row 0. A forward whose seq_lens put "a" past the scheduler's
+    # count is refused before anything changes; then the step runs.
     world.gather([2])
     out = scheduler_output(cached=[("a", 151, T)], finished=["b"])
-    with pytest.raises(ess.InvalidArgument, match="decode rows"):
+    with pytest.raises(ess.InvalidArgument, match="seq_len 160 for 1 tokens"):
         c.start_load_kv(None, scheduler_output=out, request_ids=["a"],
-                        request_state_indices=torch.tensor([2], dtype=torch.int32), attn_metadata=attn(2))
+                        request_state_indices=torch.tensor([2], dtype=torch.int32), attn_metadata=attn(160))
     assert worker.ess.state_of == {"a": 2, "b": 0}
     c.start_load_kv(None, scheduler_output=out, request_ids=["a"],
-                    request_state_indices=torch.tensor([2], dtype=torch.int32), attn_metadata=attn(1))
+                    request_state_indices=torch.tensor([2], dtype=torch.int32), attn_metadata=attn(152))
     assert worker.ess.state_of == {"a": 2} and worker.ess_engine.request(2) == (2, 152)
     c.start_load_kv(None)   # no forward this step: nothing staged
     assert torch.equal(world.registered, before), "ESS wrote vLLM's host pool"
@@ -203,12 +213,12 @@ def test_a_request_finished_in_a_step_without_a_forward_is_released(connector_mo
     c.register_kv_caches({})
     worker = c.connector_worker
     world.gather([2, 0])
-    c.start_load_kv(None, scheduler_output=scheduler_output(cached=[("a", 150, T), ("b", 70, T)]),
+    c.start_load_kv(eager(151, 71), scheduler_output=scheduler_output(cached=[("a", 150, T), ("b", 70, T)]),
                     request_ids=["a", "b"], request_state_indices=torch.tensor([2, 0], dtype=torch.int32))
     assert c.get_finished({"b", "never-seen"}) == (None, None)
     assert worker.ess.state_of == {"a": 2, "b": 0}   # released with the next step's other releases
     world.gather([2])
-    c.start_load_kv(None, scheduler_output=scheduler_output(cached=[("a", 151, T)]), request_ids=["a"],
+    c.start_load_kv(eager(152), scheduler_output=scheduler_output(cached=[("a", 151, T)]), request_ids=["a"],
                     request_state_indices=torch.tensor([2], dtype=torch.int32))
     assert worker.ess.state_of == {"a": 2} and worker.ess.finished_since == set()
     with pytest.raises(ess.InvalidArgument):
@@ -230,3 +240,55 @@ def test_a_lazy_host_mirror_is_refused(connector_module):
     with pytest.raises(ValueError, match="eager_host_mirror"):
         module.HiSparseConnector(config(eager=False), "worker", World())
     assert module.HiSparseConnector(config(eager=False), "scheduler", World()).connector_worker is None
+
+
+def test_the_forward_metadata_is_the_leaders_and_required(connector_module):
+    """start_load_kv takes the leader layer's metadata (the attn_metadata keyword under a FULL graph, else the
+    forward context's); without one it refuses by name (the scheduler's counts are an upper bound under async
+    scheduling), and a forward with micro-batches is refused when the connector is made."""
+    module, _ = connector_module
+    world = World()
+    c = module.HiSparseConnector(config(), "worker", world)
+    c.register_kv_caches({})
+    world.gather([2])
+    out = scheduler_output(cached=[("a", 150, T)])
+    kwargs = dict(scheduler_output=out, request_ids=["a"], request_state_indices=torch.tensor([2], dtype=torch.int32))
+    with pytest.raises(ValueError, match="attention metadata is NoneType"):
+        c.start_load_kv(types.SimpleNamespace(attn_metadata=None), **kwargs)
+    with pytest.raises(ValueError, match="no index-group leader layer \\(layers.0\\)"):
+        c.start_load_kv(None, attn_metadata={"layers.1": attn(151)["layers.0"]}, **kwargs)
+    with pytest.raises(ValueError, match="a dict by layer name"):
+        c.start_load_kv(types.SimpleNamespace(attn_metadata=[attn(151), attn(151)]), **kwargs)
+    assert c.connector_worker.ess.state_of == {}
+    c.start_load_kv(eager(151), **kwargs)
+    assert c.connector_worker.ess.state_of == {"a": 2}
+    c.connector_worker.shutdown()
+    micro = config()
+    micro.parallel_config.use_ubatching = True
+    with pytest.raises(ValueError, match="micro-batching"):
+        module.HiSparseConnector(micro, "worker", World())
+
+
+def test_reset_capture_state_resets_ess(connector_module, monkeypatch):
+    """connector.py reset_capture_state -> the worker's reset_hot_state, which upstream runs over the leader
+    runtimes it gathered before ESS's went on the handles: ESS's worker resets its engine there, once."""
+    module, _ = connector_module
+    world = World()
+    c = module.HiSparseConnector(config(), "worker", world)
+    c.register_kv_caches({})
+    resets = []
+    monkeypatch.setattr(UpstreamWorker, "reset_hot_state", lambda self: resets.append("upstream"), raising=False)
+    monkeypatch.setattr(c.connector_worker.ess, "reset", lambda: resets.append("ess"))
+    c.connector_worker.reset_hot_state()
+    assert resets == ["upstream", "ess"]
+    c.connector_worker.shutdown()
+
+
+def test_device_rows_beyond_free_memory_are_refused(connector_module):
+    """ESS's rows are a buffer beside vLLM's KV cache: checked against the device's free memory first."""
+    module, _ = connector_module
+    need = module.check_device_rows(61, 256, 4096, 1, 2**40, "cuda:0")
+    assert need == 61 * adapter.latent_bytes(256, 4097) and need > 30 * 2**30
+    with pytest.raises(ValueError, match="need 39.09 GiB .61 layers x max_num_seqs 256 x .device_buffer_size 4096 "
+                                         "\\+ T 1. rows of 656 B. and cuda:0 has 30.00 GiB free"):
+        module.check_device_rows(61, 256, 4096, 1, 30 * 2**30, "cuda:0")

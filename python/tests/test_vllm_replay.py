@@ -26,12 +26,19 @@ compiled from the pinned source (vllm_upstream.py), so every call they make on E
                block_stride_rows=None, return_valid_counts=True) -> HiSparseCacheHandle.swap_in -> runtime.swap_in;
                FlashMLA reads index_group.physical_kv_cache(layer) at the rows returned
 
+  split        model_executor/layers/attention/sparse_mla_attention.py build: the forward's decode split
+               (v1/attention/backends/utils.py split_decodes_and_prefills, upstream's own) and seq_lens, padded
+               under a FULL graph (v1/worker/gpu/model_states/default.py prepare_attn), which start_load_kv gets
+               as attn_metadata or through the forward context
+
 Checks: every decode token's rows against the independent LRU model (lru_model.EngineModel, a request's row is
 its state index) and every byte FlashMLA would read against the full cache, through condense and reorder,
-CUDA-graph padded rows, MTP verify steps with rejected drafts (T > 1), rows of fewer than T tokens, requests on a
-shared prefix's blocks, steps vLLM resolves over resident pages, preemption with its blocks handed to another
-request, and state reuse. Mutation tests show the replay fails on a batch-row-as-state mapping, on the host block
-table read by state instead of batch row, and on a layer counter shared across layers."""
+FULL CUDA graphs with padded requests, MTP verify steps with rejected drafts (T > 1) under async scheduling,
+rows of fewer than T tokens, requests on a shared prefix's blocks, steps vLLM resolves over resident pages,
+preemption with its blocks handed to another request, and state reuse. Mutation tests show the replay fails on
+a batch-row-as-state mapping, on the host block table read by state instead of batch row, on a second host
+pool, on a layer counter shared across layers, on lengths from the scheduler's counts and on the batch's own
+decode split."""
 import types
 
 import numpy as np
@@ -78,8 +85,14 @@ class VllmWorld:
         self.free_blocks = [int(b) for b in self.rng.permutation(HOST_BLOCKS)]   # handed out from the end
         self.block_refs = {}
         self.blocks = {}      # request -> its host blocks (v1/core/kv_cache_manager.py's block table)
-        self.resident = [torch.zeros((STATES * CTX // BLOCK + 2, BLOCK, ENTRY), dtype=torch.uint8)
-                         for _ in range(LAYERS)]
+        # The resident cache as vllm/v1/hisparse/runtime.py PagedCacheView.bind views it: a slab whose blocks
+        # interleave another KV group's (vllm/v1/hisparse/layout.py: the block stride spans every group), so the
+        # layer's view is strided; the other group holds bytes no decode may read.
+        blocks = STATES * CTX // BLOCK + 2
+        self.resident_slabs = [torch.from_numpy(self.rng.integers(0, 256, blocks * 2 * BLOCK * ENTRY, dtype=np.uint8))
+                               for _ in range(LAYERS)]
+        self.resident = [torch.as_strided(slab, (blocks, BLOCK, ENTRY), (2 * BLOCK * ENTRY, ENTRY, 1), BLOCK * ENTRY)
+                         for slab in self.resident_slabs]
         # The forward's host block table (the handles' source_block_table): one row per batch row.
         self.source_block_table = torch.zeros((STATES, CTX // BLOCK + 1), dtype=torch.int32)
 
@@ -162,11 +175,14 @@ class VllmWorld:
 
 
 class Replay:
-    def __init__(self, T, slots, seed=1, region=None, mirror=True, barrier=None):
+    def __init__(self, T, slots, seed=1, region=None, mirror=True, barrier=None, uniform=True,
+                 async_scheduling=True):
         """region, mirror, barrier: a rank of a node whose ranks share vLLM's host pool (a shared-memory region
         rank 0's mirror writes, every rank's ESS reads); barrier() runs at the start of every step, after the
-        previous step's mirror."""
-        self.T, self.barrier = T, barrier
+        previous step's mirror. uniform: the backend's require_uniform_decodes (FlashMLA sparse's: True).
+        async_scheduling: vLLM's default (config/vllm.py), the scheduler's counts a step behind on rejections."""
+        self.T, self.barrier, self.uniform, self.async_scheduling = T, barrier, uniform, async_scheduling
+        self.rejected = {}   # request -> drafts its last verify step rejected, which the scheduler still counts
         self.world = VllmWorld(seed, T, region, mirror)
         rows_per_request = slots + T
         latent = adapter.latent_buffers(LAYERS, STATES, rows_per_request)
@@ -185,10 +201,13 @@ class Replay:
         self.handles = []
         for layer in range(LAYERS):
             handle = UP["HiSparseCacheHandle"](None)
-            # HiSparseCacheHandle.bind_cache's result for contiguous rows (PagedCacheView.bind reads
-            # dtype.itemsize, which torch 1.13 lacks): the resident view, its block table and slot mapping.
+            # HiSparseCacheHandle.bind_cache's result (PagedCacheView.bind's, built here as it builds it: bind
+            # reads dtype.itemsize, which torch 1.13 lacks): the strided resident view, the attention view of the
+            # whole slab from the layer's first block (block stride 2 x 64 rows), its block table and slot mapping.
             resident = self.world.resident[layer]
-            handle.view = UP["PagedCacheView"](resident, resident, BLOCK, BLOCK)
+            attention = self.world.resident_slabs[layer][BLOCK * ENTRY:].view(-1, ENTRY)
+            attention = attention[: attention.shape[0] // BLOCK * BLOCK].view(-1, BLOCK, ENTRY)
+            handle.view = UP["PagedCacheView"](resident, attention, BLOCK, 2 * BLOCK)
             handle.block_table = torch.zeros((STATES, 8), dtype=torch.int32)
             handle.slot_mapping = self.slot_mapping
             handle.source_block_table = self.world.source_block_table
@@ -207,10 +226,11 @@ class Replay:
         self.forwards_served = 0
 
     # ---- one step ----
-    def step(self, batch, states, scheduled, finished=(), preempted=(), all_resident=False, pad_to=None,
+    def step(self, batch, states, scheduled, finished=(), preempted=(), all_resident=False, pad_reqs=None,
              accepted=None):
         """batch: request ids in batch order (decodes first); states: their request-state indices; scheduled:
-        {rid: (num_computed_tokens, num_scheduled_tokens)}; accepted: {rid: tokens of its verify step kept}."""
+        {rid: (tokens computed before this step, tokens scheduled)}; pad_reqs: a FULL CUDA graph captured for this
+        many requests (a uniform decode batch only); accepted: {rid: tokens of its verify step kept}."""
         T, w = self.T, self.world
         if self.barrier is not None:
             self.barrier()
@@ -220,35 +240,50 @@ class Replay:
             w.free(rid)
         # The scheduler's host blocks for this step's tokens, then the forward's table per batch row.
         for rid in batch:
-            w.allocate(rid, sum(scheduled[rid]))
+            w.allocate(rid, sum(scheduled[rid]) + self.rejected.get(rid, 0))
         w.gather(batch)
+        # v1/core/sched/scheduler.py: num_computed_tokens counts a verify step's drafts as kept until its output
+        # returns; with async scheduling that is after the next step is scheduled (the scheduler rolls back
+        # then), so the next step's count is over by the drafts the previous step rejected. The device's
+        # seq_lens (v1/worker/gpu/model_runner.py prepare_pos_seq_lens, from num_computed_tokens.gpu) are true.
+        sched = {rid: adapter.Scheduled(c + self.rejected.get(rid, 0), n) for rid, (c, n) in scheduled.items()}
+        R = len(batch)
+        query_lens = [scheduled[rid][1] for rid in batch]
+        seq_lens = [sum(scheduled[rid]) for rid in batch]
+        num_actual = sum(query_lens)
+        # v1/worker/gpu/model_states/default.py prepare_attn: a FULL graph's metadata has the padded request and
+        # token counts (its padded requests' queries empty: model_runner.py pads query_start_loc with the real
+        # count); eager and piecewise the real ones.
+        if pad_reqs is not None:
+            assert pad_reqs >= R and len(set(query_lens)) == 1, "FULL graphs replay uniform decode batches"
+            num_reqs, num_tokens = pad_reqs, pad_reqs * query_lens[0]
+        else:
+            num_reqs, num_tokens = R, num_actual
+        query_start_loc = np.concatenate([[0], np.cumsum(query_lens), np.full(num_reqs - R, num_actual)])
+        common = types.SimpleNamespace(max_query_len=max(query_lens), num_reqs=num_reqs, num_actual_tokens=num_tokens,
+                                       query_start_loc_cpu=torch.from_numpy(query_start_loc.astype(np.int32)))
+        # model_executor/layers/attention/sparse_mla_attention.py build: split_decodes_and_prefills(decode_threshold
+        # = max_decode_query_len, require_uniform: FlashMLA sparse's require_uniform_decodes).
+        num_decodes, _, num_decode_tokens, _ = UP["split_decodes_and_prefills"](
+            common, decode_threshold=T, require_uniform=self.uniform, treat_short_extends_as_decodes=True)
+        decodes = batch[:min(num_decodes, R)]
+        real_decode_tokens = int(query_start_loc[len(decodes)])
+        req_id_per_token = torch.zeros(max(num_tokens, num_actual), dtype=torch.int32)
+        for b in range(R):
+            req_id_per_token[query_start_loc[b]:query_start_loc[b + 1]] = b
+        attn = types.SimpleNamespace(
+            num_decode_tokens=num_decode_tokens, num_actual_tokens=num_tokens, max_query_len=max(query_lens),
+            num_reqs=num_reqs, num_decodes=num_decodes, req_id_per_token=req_id_per_token,
+            block_table=self.handles[0].source_block_table, block_size=BLOCK,
+            seq_lens=torch.tensor(seq_lens + [0] * (num_reqs - R), dtype=torch.int32),
+            query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)))
         # kv_connector/v1/hisparse/connector.py HiSparseConnector.start_load_kv, then ESS's start_step
-        # (vllm_connector.py HiSparseConnector.start_load_kv).
-        sched = {rid: adapter.Scheduled(*scheduled[rid]) for rid in batch}
-        # vLLM's decode split: the leading rows of at most T tokens (max_decode_query_len).
-        decodes = []
-        for rid in batch:
-            if not 1 <= sched[rid].num_scheduled_tokens <= T:
-                break
-            decodes.append(rid)
-        num_decode_tokens = sum(sched[rid].num_scheduled_tokens for rid in decodes)
+        # (vllm_connector.py HiSparseConnector.start_load_kv, with the forward's leader-layer metadata).
         self.decode.start_step(batch, torch.tensor(states, dtype=torch.int32), sched, finished=finished,
                                preempted=preempted, all_context_pages_resident=all_resident,
-                               forward=(len(decodes), num_decode_tokens))
+                               attn_metadata=self.seen_metadata(attn, sched, batch))
         served = self.decode.batch
-        num_actual = sum(sched[rid].num_scheduled_tokens for rid in batch)
-        padded = pad_to or num_decode_tokens
-        req_id_per_token = torch.zeros(max(padded, num_actual), dtype=torch.int32)
-        query_start_loc = [0]
-        for b, rid in enumerate(batch):
-            n = sched[rid].num_scheduled_tokens
-            req_id_per_token[query_start_loc[-1]:query_start_loc[-1] + n] = b
-            query_start_loc.append(query_start_loc[-1] + n)
-        attn = types.SimpleNamespace(
-            num_decode_tokens=num_decode_tokens, num_actual_tokens=num_actual, max_query_len=max(
-                sched[rid].num_scheduled_tokens for rid in batch), num_reqs=len(batch), num_decodes=len(decodes),
-            req_id_per_token=req_id_per_token, block_table=self.handles[0].source_block_table, block_size=BLOCK,
-            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32))
+        assert served == (0 if all_resident and len(decodes) < R else len(decodes)), "ESS staged other decode rows"
         # connector.py start_step sets all_context_pages_resident on every handle; worker.py prepare_forward ->
         # HiSparseCacheHandle.prepare_group_for_batch (runtime.begin_forward()).
         for handle in self.handles:
@@ -258,7 +293,7 @@ class Replay:
         # resident slot mapping (HiSparseCacheHandle.write_target); the row mirror lands after the forward.
         slots = torch.full_like(self.slot_mapping, -1)
         for b, rid in enumerate(batch):
-            c, n = sched[rid]
+            c, n = scheduled[rid]
             if rid in decodes:
                 for t in range(n):
                     slots[query_start_loc[b] + t] = self.resident_next
@@ -272,52 +307,59 @@ class Replay:
         for layer in range(LAYERS):
             # The layer's KV write, then its attention (flashmla_sparse.py _forward_bf16_kv: the decode swap).
             cache, slot_rows, num_rows = self.handles[layer].write_target(num_actual, num_actual)
-            flat = cache.reshape(-1, ENTRY)
             for i in range(num_rows):
                 if slot_rows[i] >= 0:
                     rid = batch[int(req_id_per_token[i])]
-                    position = sched[rid].num_computed_tokens + i - query_start_loc[int(req_id_per_token[i])]
-                    flat[slot_rows[i]] = torch.from_numpy(w.full[rid][layer, position])
+                    position = scheduled[rid][0] + i - query_start_loc[int(req_id_per_token[i])]
+                    slot = int(slot_rows[i])
+                    cache[slot // BLOCK, slot % BLOCK] = torch.from_numpy(w.full[rid][layer, position])
             # Each decode row's T query rows (the model's view): a row of n < T tokens has its n queries last.
             rows = []
             for rid in decodes:
                 r = w.query_rows(rid, w.length[rid])
-                r[: T - sched[rid].num_scheduled_tokens] = -1
+                r[: T - scheduled[rid][1]] = -1
                 rows.append(r)
-            topk = torch.full((padded, K), -1, dtype=torch.int32)
+            topk = torch.full((max(num_decode_tokens, 1), K), -1, dtype=torch.int32)
             for b, (rid, r) in enumerate(zip(decodes, rows)):
-                n = sched[rid].num_scheduled_tokens
+                n = scheduled[rid][1]
                 topk[query_start_loc[b]:query_start_loc[b] + n] = torch.from_numpy(r[T - n:].astype(np.int32))
-            if padded > num_decode_tokens:   # CUDA-graph padding: whatever the indexer left there
-                topk[num_decode_tokens:] = topk[0]
+            if num_decode_tokens > real_decode_tokens:   # CUDA-graph padding: whatever the indexer left there
+                topk[real_decode_tokens:] = topk[0]
             if not served:
                 continue   # vLLM resolves this step over resident pages (index_group.py _convert_once)
             physical, valid = self.group.convert_logical_to_physical_topk(
-                layer, topk, attn, block_stride_rows=None, return_valid_counts=True)
+                layer, topk[:num_decode_tokens], attn, block_stride_rows=None, return_valid_counts=True)
             assert physical.dtype == torch.int32 and valid.dtype == torch.int32
-            assert tuple(physical.shape) == (padded, K)
+            assert tuple(physical.shape) == (num_decode_tokens, K)
             kv = self.group.physical_kv_cache(layer)
             assert kv.shape[1:] == (BLOCK, ENTRY)
             flat = kv.reshape(-1, ENTRY).numpy()
             per_row = np.full((len(decodes), T, K), -1, np.int32)
             for b, rid in enumerate(decodes):
-                n = sched[rid].num_scheduled_tokens
+                n = scheduled[rid][1]
                 per_row[b, T - n:] = physical[query_start_loc[b]:query_start_loc[b] + n].numpy()
             model_batch = [(rid, self.model_rows[rid]) for rid in decodes]
             check_rows(w, self.model, np.stack(rows), [flat] * LAYERS, layer, model_batch, per_row)
-            assert (physical[num_decode_tokens:] == -1).all(), "padded graph rows must come out as -1"
+            assert (physical[real_decode_tokens:] == -1).all(), "padded graph rows must come out as -1"
             np.testing.assert_array_equal(valid.numpy(), (physical >= 0).sum(1).numpy())
         # The row mirror of every computed row has landed in vLLM's host pool by the next step.
         for rid in batch:
-            w.mirrored(rid, *sched[rid])
+            w.mirrored(rid, *scheduled[rid])
         # MTP: a verify step keeps `accepted` of its tokens; vLLM decodes other tokens in the others' places.
+        self.rejected = {}
         for rid, kept in (accepted or {}).items():
-            c, n = sched[rid]
+            c, n = scheduled[rid]
             if kept < n:
                 w.length[rid] = c + kept
                 w.redraw_after(rid, c + kept)
+                if self.async_scheduling:
+                    self.rejected[rid] = n - kept
         self.forwards_served += served > 0
         return served
+
+    def seen_metadata(self, attn, sched, batch):
+        """The metadata ESS's start_step is given (the connector's leader_metadata); a mutation replaces it."""
+        return attn
 
 
 def decode_step(batch, world, T, counts=None):
@@ -339,10 +381,10 @@ def prefill(replay, rid, state, prompt, chunk, others=(), other_states=()):
         done += n
 
 
-@pytest.mark.parametrize("T,slots", [(1, 24), (3, 56)])
-def test_decode_replay_matches_the_model_and_the_full_cache(T, slots, **rank):
+@pytest.mark.parametrize("T,slots,async_scheduling", [(1, 24, True), (3, 56, True), (3, 56, False)])
+def test_decode_replay_matches_the_model_and_the_full_cache(T, slots, async_scheduling, **rank):
     """rank: Replay's host_memory / writer / barrier, when a rank of a shared pool runs it (test_vllm_shared_pool)."""
-    r = Replay(T, slots, seed=3 + T, **rank)
+    r = Replay(T, slots, seed=3 + T, async_scheduling=async_scheduling, **rank)
     w = r.world
     prefill(r, "a", 2, 150, 100)
     prefill(r, "b", 0, 90, 64, others=["a"], other_states=[2])
@@ -353,24 +395,29 @@ def test_decode_replay_matches_the_model_and_the_full_cache(T, slots, **rank):
         rng = np.random.default_rng(step)
         order = rng.permutation(len(batch))
         batch, states = [batch[i] for i in order], [states[i] for i in order]
-        # MTP: some verify steps carry fewer drafts, and each keeps part of its tokens.
+        # MTP: some verify steps carry fewer drafts (a batch vLLM's uniform split cuts after its first rows of
+        # the first row's length), and each keeps part of its tokens.
         counts = {rid: int(rng.integers(1, T + 1)) for rid in batch} if T > 1 and step % 2 else None
         scheduled = decode_step(batch, w, T, counts)
-        pad = sum(n for _, n in scheduled.values()) + (T if step % 3 == 0 else 0)   # a graph for a larger batch
+        uniform = len({n for _, n in scheduled.values()}) == 1
+        pad = len(batch) + 1 if uniform and step % 3 == 0 else None   # a FULL graph captured for a larger batch
         accepted = {rid: int(rng.integers(1, n + 1)) for rid, (_, n) in scheduled.items()} if T > 1 else None
-        assert r.step(batch, states, scheduled, pad_to=pad, accepted=accepted) == len(batch)
+        assert r.step(batch, states, scheduled, pad_reqs=pad, accepted=accepted) >= 1
     assert r.forwards_served == 13   # 3 steps decoded beside the prefills of "b" and "c"
     assert all(h.runtime.steps_served == r.forwards_served for h in r.handles)
     if w.mirror:
         w.check_host_pool(batch)
 
 
-def test_rows_of_fewer_than_t_tokens():
-    """vLLM's decodes are the rows of at most T tokens: a whole prompt of T tokens or fewer (nothing computed yet),
-    the last chunk of a chunked prefill, a verify step with fewer drafts. ESS serves each with its queries last and
-    its older tokens in the reserved rows beside the new ones, a request of fewer than T tokens too."""
+@pytest.mark.parametrize("uniform", [True, False])
+def test_rows_of_fewer_than_t_tokens(uniform):
+    """Rows of at most T tokens: a whole prompt of T tokens or fewer (nothing computed yet), the last chunk of a
+    chunked prefill, a verify step with fewer drafts. vLLM's split makes them decodes (FlashMLA sparse: the
+    leading rows of the first row's length; uniform=False, another backend's: the leading rows of at most T
+    tokens) and ESS serves each with its queries last and its older tokens in the reserved rows beside the new
+    ones, a request of fewer than T tokens too; a row vLLM's split leaves to prefill is caught up later."""
     T = 3
-    r = Replay(T, 56, seed=17)
+    r = Replay(T, 56, seed=17, uniform=uniform)
     w = r.world
     w.new_request("one", 1)
     assert r.step(["one"], [2], {"one": (0, 1)}) == 1                       # a 1-token prompt: fewer than T
@@ -384,13 +431,14 @@ def test_rows_of_fewer_than_t_tokens():
         scheduled["long"] = (done, n)
         r.step(["tiny", "long"], [1, 3], scheduled)
     scheduled = decode_step(["tiny"], w, T, {"tiny": 1})
-    scheduled["long"] = (128, 2)                                             # the prompt's tail: a decode row
-    assert r.step(["tiny", "long"], [1, 3], scheduled) == 2
+    scheduled["long"] = (128, 2)                                             # the prompt's tail
+    assert r.step(["tiny", "long"], [1, 3], scheduled) == (1 if uniform else 2)
     for step in range(6):
         counts = {"tiny": 1 + step % 3, "long": 3 - step % 3}
         scheduled = decode_step(["long", "tiny"], w, T, counts)
         accepted = {rid: max(1, n - step % 2) for rid, (_, n) in scheduled.items()}
-        assert r.step(["long", "tiny"], [3, 1], scheduled, accepted=accepted) == 2
+        assert r.step(["long", "tiny"], [3, 1], scheduled, accepted=accepted) == (
+            2 if not uniform or step % 3 == 1 else 1)
 
 
 def test_preemption_and_a_reused_state():
@@ -484,7 +532,7 @@ def test_the_host_block_table_read_by_state_fails_the_replay(monkeypatch):
     monkeypatch.setattr(VllmWorld, "gather", by_state)
     monkeypatch.setattr(Replay, "step", remember)
     with pytest.raises(AssertionError, match="holds other bytes than the full cache"):
-        test_decode_replay_matches_the_model_and_the_full_cache(1, 24)
+        test_decode_replay_matches_the_model_and_the_full_cache(1, 24, True)
 
 
 def test_a_second_copy_of_the_host_pool_fails_the_replay(monkeypatch):
@@ -500,7 +548,7 @@ def test_a_second_copy_of_the_host_pool_fails_the_replay(monkeypatch):
 
     monkeypatch.setattr(adapter, "host_pool_layout", copied)
     with pytest.raises(AssertionError, match="holds other bytes than the full cache"):
-        test_decode_replay_matches_the_model_and_the_full_cache(1, 24)
+        test_decode_replay_matches_the_model_and_the_full_cache(1, 24, True)
 
 
 def test_a_stale_state_mapping_fails_the_replay(monkeypatch):
@@ -512,7 +560,7 @@ def test_a_stale_state_mapping_fails_the_replay(monkeypatch):
 
     monkeypatch.setattr(adapter.EssDecode, "start_step", batch_rows)
     with pytest.raises((AssertionError, ess.EssError)):
-        test_decode_replay_matches_the_model_and_the_full_cache(1, 24)
+        test_decode_replay_matches_the_model_and_the_full_cache(1, 24, True)
 
 
 def test_a_layer_counter_mix_up_fails_the_replay(monkeypatch):
@@ -529,4 +577,27 @@ def test_a_layer_counter_mix_up_fails_the_replay(monkeypatch):
 
     monkeypatch.setattr(adapter.HiSparseRuntime, "swap_in", counted)
     with pytest.raises((AssertionError, ess.EssError)):
-        test_decode_replay_matches_the_model_and_the_full_cache(1, 24)
+        test_decode_replay_matches_the_model_and_the_full_cache(1, 24, True)
+
+
+def test_lengths_from_the_scheduler_fail_the_replay(monkeypatch):
+    """Mutation: the decode rows' lengths from the scheduler's num_computed_tokens (seq_lens made from it), which
+    under async scheduling still counts the drafts the previous verify step rejected."""
+    def from_scheduler(self, attn, sched, batch):
+        seq_lens = torch.tensor([sum(sched[rid]) for rid in batch] + [0] * (attn.num_reqs - len(batch)),
+                                dtype=torch.int32)
+        return types.SimpleNamespace(**{**vars(attn), "seq_lens": seq_lens})
+
+    monkeypatch.setattr(Replay, "seen_metadata", from_scheduler)
+    test_decode_replay_matches_the_model_and_the_full_cache(3, 56, False)   # synchronous: the counts are true
+    with pytest.raises((AssertionError, ess.EssError)):
+        test_decode_replay_matches_the_model_and_the_full_cache(3, 56, True)
+
+
+def test_the_batchs_own_decode_split_fails_the_replay(monkeypatch):
+    """Mutation: the forward's decode split ignored (ESS's leading rows of at most T tokens instead of FlashMLA
+    sparse's uniform split, and a FULL graph's padded counts refused): rows vLLM leaves to prefill are staged, a
+    padded graph is refused."""
+    monkeypatch.setattr(Replay, "seen_metadata", lambda self, attn, sched, batch: None)
+    with pytest.raises((AssertionError, ess.EssError)):
+        test_decode_replay_matches_the_model_and_the_full_cache(3, 56, False)

@@ -8,7 +8,9 @@ import torch
 
 import ess
 from ess.integrations import vllm as adapter
-from test_vllm_replay import K, Replay, decode_step, prefill
+from test_vllm_replay import K, UP, Replay, decode_step, prefill
+
+UP_VIEW = UP["PagedCacheView"]
 
 T = 2
 
@@ -114,16 +116,63 @@ def test_a_host_block_outside_vllms_pool_is_refused_by_the_engine():
     assert r.decode.state_of == {}
 
 
-def test_a_forward_with_other_decode_rows_is_refused():
-    """The forward's decode split (its attention metadata) must be the batch's leading rows of at most T tokens."""
+def metadata(num_decodes, num_decode_tokens, seq_lens):
+    """What start_step reads of the forward's sparse MLA metadata (sparse_mla_attention.py build)."""
+    return types.SimpleNamespace(num_decodes=num_decodes, num_decode_tokens=num_decode_tokens,
+                                 seq_lens=torch.tensor(seq_lens, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("forward,match", [
+    (metadata(2, T - 1, [90 + T, 0]), "the forward has 2 decode rows of 1 tokens"),       # padded, too few
+    (metadata(1, T - 1, [90 + T]), "the forward has 1 decode rows of 1 tokens"),          # fewer than the row's
+    (metadata(1, T, []), "seq_lens has 0 rows"),
+    (metadata(1, T, [90 + T + 1]), "seq_len 93 for 2 tokens puts its computed tokens at 91, outside"),
+    (metadata(1, T, [T - 1]), "outside \\[0, the scheduler's 90\\]"),
+])
+def test_a_forward_that_does_not_fit_the_batch_is_refused(forward, match):
+    """The forward's decode split and seq_lens (its attention metadata) must fit the scheduled batch: padded rows
+    only add rows and tokens after every batch row, and a decode row's computed tokens are at most the
+    scheduler's count (an upper bound under async scheduling)."""
     r = Replay(T, 40, seed=23)
     prefill(r, "a", 3, 90, 100)
     scheduled = {"a": adapter.Scheduled(90, T)}
     before = (dict(r.decode.length_of), r.engine.stats())
-    with pytest.raises(ess.InvalidArgument, match="the forward has 2 decode rows"):
-        r.decode.start_step(["a"], torch.tensor([3], dtype=torch.int32), scheduled, forward=(2, 2 * T))
+    with pytest.raises(ess.InvalidArgument, match=match):
+        r.decode.start_step(["a"], torch.tensor([3], dtype=torch.int32), scheduled, attn_metadata=forward)
     assert before == (dict(r.decode.length_of), r.engine.stats())
-    r.decode.start_step(["a"], torch.tensor([3], dtype=torch.int32), scheduled, forward=(1, T))
+    r.decode.start_step(["a"], torch.tensor([3], dtype=torch.int32), scheduled,
+                        attn_metadata=metadata(4, 4 * T, [90 + T, 0, 0, 0]))   # a FULL graph of 4 requests
+    assert r.decode.length_of == {3: 90 + T}
+    scheduled = {"a": adapter.Scheduled(90 + T + 1, T)}   # the scheduler still counts a rejected draft
+    r.decode.start_step(["a"], torch.tensor([3], dtype=torch.int32), scheduled,
+                        attn_metadata=metadata(1, T, [90 + 2 * T]))
+    assert r.decode.length_of == {3: 90 + 2 * T}
+
+
+class WholeViewGuard(torch.Tensor):
+    """vLLM's resident view, failing any operation that makes a new tensor as large as the view (a copy of it)."""
+    limit = None   # the view's elements
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        out = super().__torch_function__(func, types, args, kwargs or {})
+        if isinstance(out, torch.Tensor) and out.numel() >= cls.limit and func.__name__ != "__get__":
+            raise AssertionError(f"swap_in ran {func.__name__} over vLLM's whole resident view")
+        return out
+
+
+def test_swap_in_reads_only_the_newest_rows_of_the_resident_view(staged):
+    """The resident view is strided (runtime.py PagedCacheView.bind: the block stride spans the slab's other
+    groups): swap_in gathers the step's newest rows from it, and never copies the view whole."""
+    r, runtime, args = staged
+    view = r.handles[0].view
+    WholeViewGuard.limit = view.cache.numel()
+    guarded = types.SimpleNamespace(view=UP_VIEW(view.cache.as_subclass(WholeViewGuard), view.attention_cache,
+                                                 view.block_size, view.attention_block_stride),
+                                    slot_mapping=r.handles[0].slot_mapping)
+    runtime.swap_in(**{**args, "resident": guarded})
+    with pytest.raises(AssertionError, match="whole resident view"):
+        guarded.view.cache.reshape(-1, 656)   # what a copy of the view looks like to the guard
 
 
 def test_vllms_statistics_count_the_leader_layers_hits_and_misses(staged):

@@ -1,8 +1,9 @@
 """vLLM 0.33.0's own code for the replays, without importing vLLM (its package needs CUDA builds, pydantic and a
 newer torch): the classes the attention layers call through (vllm/v1/hisparse/runtime.py PagedCacheView,
 is_hisparse_decode_batch, HiSparseCacheHandle; vllm/v1/attention/backends/mla/index_group.py
-SparseMLAIndexGroup, HiSparseMLAIndexGroup) are read from the pinned release's source (scripts/upstream.sh),
-each class's text compiled as it is, in a namespace holding only what those classes name: torch, and for the
+SparseMLAIndexGroup, HiSparseMLAIndexGroup) and the decode split the sparse MLA metadata builders make
+(vllm/v1/attention/backends/utils.py split_decodes_and_prefills) are read from the pinned release's source
+(scripts/upstream.sh), each definition's text compiled as it is, in a namespace holding only what those classes name: torch, and for the
 CUDA-only helpers they reference (streams, events, the Triton conversion of the all-resident path) stand-ins
 that refuse to run, so a replay that reaches one fails."""
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 
 RUNTIME = os.path.join("v1", "hisparse", "runtime.py")
 INDEX_GROUP = os.path.join("v1", "attention", "backends", "mla", "index_group.py")
+BACKEND_UTILS = os.path.join("v1", "attention", "backends", "utils.py")
 
 
 def default_source() -> str:
@@ -73,7 +75,8 @@ def load(source_dir: str = None):
     })
     flags = __future__.annotations.compiler_flag
     for rel, names in ((RUNTIME, ["is_hisparse_decode_batch", "PagedCacheView", "HiSparseCacheHandle"]),
-                       (INDEX_GROUP, ["SparseMLAIndexGroup", "HiSparseMLAIndexGroup"])):
+                       (INDEX_GROUP, ["SparseMLAIndexGroup", "HiSparseMLAIndexGroup"]),
+                       (BACKEND_UTILS, ["split_decodes_and_prefills"])):
         path = os.path.join(source_dir, rel)
         for text in _definitions(path, names):
             exec(compile(text, path, "exec", flags=flags, dont_inherit=True), ns)

@@ -21,19 +21,21 @@ batch between steps and refreshes the mapping in start_load_kv, so ESS positions
 `rows[b]` names the state. Its host blocks are row b of the handle's `source_block_table`, which vLLM
 gathers per batch row before the forward (v1/worker/gpu/block_table.py gather_block_tables). Decode rows
 come first in vLLM's batch, at most T tokens each (T = 1 + the speculative tokens, vLLM's
-max_decode_query_len); start_step maps each decode token to its batch row, its staged query and its
-reserved row, and tokens at or past num_valid_rows are CUDA-graph padding."""
+max_decode_query_len): the forward's sparse MLA metadata says how many (its decode split) and how long
+(its seq_lens, the device's count; the scheduler's runs ahead under async scheduling). start_step maps each
+decode token to its batch row, its staged query and its reserved row, and tokens at or past num_valid_rows
+are CUDA-graph padding."""
 from __future__ import annotations
 
-from typing import Callable, Dict, Iterable, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, Mapping, NamedTuple, Optional, Sequence
 
 import torch
 
 from .._errors import InvalidArgument
 from ..engine import Engine, ForeignPages
 
-__all__ = ["VLLM_VERSION", "HotView", "latent_buffers", "host_pool_layout", "Scheduled", "scheduled_from_output",
-           "EssDecode", "HiSparseRuntime"]
+__all__ = ["VLLM_VERSION", "HotView", "latent_bytes", "latent_buffers", "host_pool_layout", "Scheduled",
+           "scheduled_from_output", "EssDecode", "HiSparseRuntime"]
 
 VLLM_VERSION = "0.33.0"   # the release whose call sites these classes are checked against
 ENTRY_BYTES = 656         # vLLM's fp8_ds_mla row (FP8_DS_MLA_ROW_BYTES), ESS's DeepSeek-V3.2 entry
@@ -49,11 +51,19 @@ class HotView(NamedTuple):
     attention_block_stride: int
 
 
+def _latent_blocks(max_num_reqs: int, rows_per_request: int) -> int:
+    return -(-(max_num_reqs * rows_per_request + 1) // KERNEL_BLOCK)
+
+
+def latent_bytes(max_num_reqs: int, rows_per_request: int) -> int:
+    """Bytes of one layer's buffer of latent_buffers."""
+    return _latent_blocks(max_num_reqs, rows_per_request) * KERNEL_BLOCK * ENTRY_BYTES
+
+
 def latent_buffers(layers: int, max_num_reqs: int, rows_per_request: int, device="cpu"):
     """One uint8 [blocks, 64, 656] buffer per layer: the ESS rows of max_num_reqs requests, then one scratch row
     (where the newest-entry copy of a padded token goes), rounded up to whole FlashMLA blocks."""
-    rows = max_num_reqs * rows_per_request + 1
-    blocks = -(-rows // KERNEL_BLOCK)
+    blocks = _latent_blocks(max_num_reqs, rows_per_request)
     return [torch.zeros((blocks, KERNEL_BLOCK, ENTRY_BYTES), dtype=torch.uint8, device=device)
             for _ in range(layers)]
 
@@ -163,31 +173,71 @@ class EssDecode:
     # ---- before each forward (the connector's start_load_kv) ----
     def start_step(self, request_ids: Sequence[str], request_state_indices, scheduled: Mapping[str, Scheduled],
                    finished: Iterable[str] = (), preempted: Iterable[str] = (),
-                   all_context_pages_resident: bool = False, forward: Optional[Tuple[int, int]] = None):
+                   all_context_pages_resident: bool = False, attn_metadata=None):
         """request_ids: the batch's request ids in batch order (input_batch.req_ids); request_state_indices: each
-        batch row's state index (input_batch.idx_mapping); scheduled: this step's requests; finished / preempted:
-        the scheduler output's finished_req_ids / preempted_req_ids; all_context_pages_resident: the connector
-        metadata's; forward: the forward's (num_decodes, num_decode_tokens) when its attention metadata is known.
+        batch row's state index (input_batch.idx_mapping, on the device or the host); scheduled: this step's
+        requests; finished / preempted: the scheduler output's finished_req_ids / preempted_req_ids;
+        all_context_pages_resident: the connector metadata's; attn_metadata: the forward's sparse MLA metadata of
+        an index-group leader layer (model_executor/layers/attention/sparse_mla_attention.py build: num_decodes,
+        num_decode_tokens, seq_lens), padded under a FULL CUDA graph.
 
-        Decode rows are the batch's leading rows of at most T tokens (vLLM's split: decodes first, up to
-        max_decode_query_len tokens each); a row of n < T tokens is served with its n queries as the last n of
-        its T (the others padding) and its T - n older tokens copied into the reserved rows beside its n new
-        ones. Each decode request is adopted over its host blocks when it first decodes and repaged to its new
-        length every step after (its blocks from the first that can be new: nothing is copied, the entries are
-        vLLM's). When every context page is resident and the batch has other rows, vLLM's index group resolves
-        the decode tokens over resident pages instead of calling swap_in (index_group.py
-        convert_logical_to_physical_topk): ESS serves no row then, and its requests' next ESS step repages them
-        over the tokens in between.
+        Decode rows are the forward's: its first num_decodes rows (vLLM's split, split_decodes_and_prefills;
+        under a FULL graph num_decodes and num_decode_tokens count the padded rows and tokens too, which follow
+        the batch's). A decode row's tokens before this step are its seq_len minus its scheduled tokens: the
+        scheduler's num_computed_tokens is an upper bound under async scheduling with speculative decoding (it
+        counts the drafts of the step still running as kept), seq_lens is the device's true count. Without
+        attn_metadata (tests, engines that have none) the decode rows are the batch's leading rows of at most T
+        tokens and the scheduler's counts are taken as true.
 
-        The batch (and `forward` against it) is checked before anything changes; a block table entry outside
-        vLLM's host pool raises from the engine with the requests before it served."""
+        A row of n < T tokens is served with its n queries as the last n of its T (the others padding) and its
+        T - n older tokens copied into the reserved rows beside its n new ones. Each decode request is adopted
+        over its host blocks when it first decodes and repaged to its new length every step after (its blocks
+        from the first that can be new: nothing is copied, the entries are vLLM's). When every context page is
+        resident and the batch has other rows, vLLM's index group resolves the decode tokens over resident pages
+        instead of calling swap_in (index_group.py convert_logical_to_physical_topk): ESS serves no row then,
+        and its requests' next ESS step repages them over the tokens in between.
+
+        The batch (and attn_metadata against it) is checked before anything changes; a block table entry
+        outside vLLM's host pool raises from the engine with the requests before it served."""
         T = self.info.query_tokens
-        states = [int(s) for s in torch.as_tensor(request_state_indices).reshape(-1).tolist()]
-        if len(states) < len(request_ids):
-            raise InvalidArgument(f"start_step: {len(request_ids)} batch requests but {len(states)} state indices")
-        if len(request_ids) > self.max_num_reqs:
-            raise InvalidArgument(f"start_step: {len(request_ids)} batch requests exceed max_num_seqs = "
-                                  f"{self.max_num_reqs}")
+        R = len(request_ids)
+        if R > self.max_num_reqs:
+            raise InvalidArgument(f"start_step: {R} batch requests exceed max_num_seqs = {self.max_num_reqs}")
+        for b, rid in enumerate(request_ids):
+            if rid not in scheduled:
+                raise InvalidArgument(f"start_step: batch row {b}: request {rid!r} is not scheduled")
+        if attn_metadata is None:
+            decodes = 0
+            while decodes < R and 1 <= scheduled[request_ids[decodes]][1] <= T:
+                decodes += 1
+        else:
+            num_decodes, num_decode_tokens = int(attn_metadata.num_decodes), int(attn_metadata.num_decode_tokens)
+            decodes = min(num_decodes, R)
+            for b in range(decodes):
+                if not 1 <= scheduled[request_ids[b]][1] <= T:
+                    raise InvalidArgument(f"start_step: the forward's decode row {b} (request {request_ids[b]!r}) "
+                                          f"has {scheduled[request_ids[b]][1]} tokens; ESS serves rows of 1 to T = "
+                                          f"{T}")
+            tokens = sum(scheduled[request_ids[b]][1] for b in range(decodes))
+            if num_decode_tokens < tokens or (num_decodes < R and num_decode_tokens != tokens):
+                raise InvalidArgument(f"start_step: the forward has {num_decodes} decode rows of {num_decode_tokens} "
+                                      f"tokens; the batch's first {decodes} rows hold {tokens} tokens (only padded "
+                                      "rows may add tokens, after every batch row)")
+        # The state indices and the decode rows' true lengths, read in one copy (on the device under CUDA).
+        states = torch.as_tensor(request_state_indices).reshape(-1)
+        if states.shape[0] < R:
+            raise InvalidArgument(f"start_step: {R} batch requests but {states.shape[0]} state indices")
+        parts = [states[:R].to(torch.int64)]
+        if attn_metadata is not None and decodes:
+            if getattr(attn_metadata, "seq_lens", None) is None:
+                raise InvalidArgument("start_step: the forward's attention metadata has no seq_lens")
+            seq_lens = attn_metadata.seq_lens.reshape(-1)
+            if seq_lens.shape[0] < decodes:
+                raise InvalidArgument(f"start_step: the forward's seq_lens has {seq_lens.shape[0]} rows for "
+                                      f"{decodes} decode rows")
+            parts.append(seq_lens[:decodes].to(device=states.device, dtype=torch.int64))
+        host = [int(v) for v in torch.cat(parts).cpu().tolist()]
+        states, seq_lens = host[:R], host[R:]
         finished, preempted = set(finished) | self.finished_since, set(preempted)
         seen = {}
         for b, rid in enumerate(request_ids):
@@ -198,16 +248,17 @@ class EssDecode:
             if s in seen:
                 raise InvalidArgument(f"start_step: state index {s} is batch rows {seen[s]} and {b}")
             seen[s] = b
-            if rid not in scheduled:
-                raise InvalidArgument(f"start_step: batch row {b}: request {rid!r} is not scheduled")
-        decodes = 0
-        while decodes < len(request_ids) and 1 <= scheduled[request_ids[decodes]][1] <= T:
-            decodes += 1
-        swap_path = not (all_context_pages_resident and decodes < len(request_ids))
-        positions = []     # (batch row, request id, state, num_computed_tokens, tokens this step)
+        swap_path = not (all_context_pages_resident and decodes < R)
+        positions = []     # (batch row, request id, state, tokens before this step, tokens this step)
         for b in range(decodes if swap_path else 0):
             rid, s = request_ids[b], states[b]
             c, n = scheduled[rid]
+            if seq_lens:
+                if not 0 <= seq_lens[b] - n <= c:
+                    raise InvalidArgument(f"start_step: batch row {b} (request {rid!r}): the forward's seq_len "
+                                          f"{seq_lens[b]} for {n} tokens puts its computed tokens at "
+                                          f"{seq_lens[b] - n}, outside [0, the scheduler's {c}]")
+                c = seq_lens[b] - n
             if c + n > self.info.max_context:
                 raise InvalidArgument(f"start_step: request {rid!r} reaches {c + n} tokens; the engine holds "
                                       f"max_context = {self.info.max_context}")
@@ -219,10 +270,6 @@ class EssDecode:
         if positions and max(p[0] for p in positions) >= self.block_table.shape[0]:
             raise InvalidArgument(f"start_step: {len(positions)} decode rows; vLLM's host block table has "
                                   f"{self.block_table.shape[0]} rows")
-        if forward is not None and swap_path and tuple(forward) != (len(positions), sum(p[4] for p in positions)):
-            raise InvalidArgument(f"start_step: the forward has {forward[0]} decode rows of {forward[1]} tokens; "
-                                  f"the batch's leading rows of at most T = {T} tokens are {len(positions)} of "
-                                  f"{sum(p[4] for p in positions)}")
         if any(rid in finished or rid in preempted for rid in self.state_of) or \
                 any((rid in self.state_of and (self.state_of[rid] != s or c < self.length_of[s] - T)) or
                     (rid not in self.state_of and s in self.length_of) for _, rid, s, c, _ in positions):
@@ -408,6 +455,9 @@ class HiSparseRuntime:
         return self.upstream.gather_prefill_cache(kv_cache, plan, resident_cache=resident_cache)
 
     def reset_hot_state(self) -> None:
+        """Every ESS request's device residency forgotten, and upstream's runtime's hot state. (vLLM 0.33.0's
+        worker resets the leader runtimes it gathered before ESS's went on the handles; the connector's worker,
+        EssConnectorWorker.reset_hot_state, resets ESS's engine once for them.)"""
         self.decode.reset()
         if self.upstream is not None:
             self.upstream.reset_hot_state()
@@ -456,9 +506,13 @@ class HiSparseRuntime:
         # The newest entries the model just wrote into the reserved rows (padding: into the scratch row).
         src_rows = resident.slot_mapping[:n].to(torch.int64)
         use = valid & (src_rows >= 0)
-        src_flat = resident.view.cache.reshape(-1, ENTRY_BYTES)
+        src_rows = torch.where(use, src_rows, torch.zeros_like(i))
+        # The resident view is strided (vllm/v1/hisparse/runtime.py PagedCacheView.bind: a block stride that
+        # spans the slab's other groups), so only the n rows are gathered, by block and row, never the view whole.
+        bs = resident.view.block_size
+        newest = resident.view.cache[src_rows // bs, src_rows % bs]
         dst = torch.where(use, d.slot_mapping[:n], torch.full_like(i, d.scratch_row))
-        self._flat.index_copy_(0, dst, src_flat.index_select(0, torch.where(use, src_rows, torch.zeros_like(i))))
+        self._flat.index_copy_(0, dst, newest.reshape(n, ENTRY_BYTES))
         # The step's queries, staged [B, T, K]: staged query j is token query_token[j] (-1: padding).
         source = d.query_token
         at = source.clamp(0, n - 1)

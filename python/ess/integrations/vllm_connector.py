@@ -23,7 +23,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.hisparse.worker import HiSpars
 from vllm.v1.attention.backend import max_decode_query_len
 
 from ..engine import Engine
-from .vllm import EssDecode, HiSparseRuntime, host_pool_layout, latent_buffers, scheduled_from_output
+from .vllm import (EssDecode, HiSparseRuntime, host_pool_layout, latent_buffers, latent_bytes,
+                   scheduled_from_output)
 
 
 class EssConnectorWorker(HiSparseConnectorWorker):
@@ -39,6 +40,10 @@ class EssConnectorWorker(HiSparseConnectorWorker):
         T = max_decode_query_len(config)
         max_num_reqs = config.scheduler_config.max_num_seqs
         slots = first.region_stride   # upstream's device_buffer_size: ESS's LRU slots per request-layer
+        # ESS's rows are a buffer of its own beside vLLM's KV cache (upstream's hot slab stays allocated, unused
+        # by ESS): checked against the device's free memory before anything is allocated.
+        if cuda:
+            check_device_rows(len(targets), max_num_reqs, slots, T, torch.cuda.mem_get_info(device)[0], device)
         latent = latent_buffers(len(targets), max_num_reqs, slots + T, device=device)
         # vLLM's host pool: the one pinned (or node-shared) allocation behind every layer's host cache.
         backing = first.registered_host_pool
@@ -56,6 +61,13 @@ class EssConnectorWorker(HiSparseConnectorWorker):
             self.ess_upstream_runtimes[i] = handle.runtime
             handle.runtime = HiSparseRuntime(self.ess, layer, handle, upstream=handle.runtime)
 
+    def reset_hot_state(self):
+        # HiSparseConnector.reset_capture_state (after CUDA-graph capture): upstream's leader runtimes, which
+        # worker.py gathered before ESS's went on the handles, then every ESS request's device residency.
+        super().reset_hot_state()
+        if getattr(self, "ess", None) is not None:
+            self.ess.reset()
+
     def shutdown(self):
         # Upstream's release_pinned_state frees what its own runtimes hold (vLLM's host pool, which ESS's engine
         # sits on): give the handles theirs back and close ESS's engine first.
@@ -67,10 +79,45 @@ class EssConnectorWorker(HiSparseConnectorWorker):
         super().shutdown()
 
 
+def check_device_rows(layers, max_num_reqs, slots, T, free, device):
+    """ESS's device rows (latent_buffers: layers x max_num_seqs x (device_buffer_size + T) rows of 656 B, beside
+    vLLM's KV cache) against the device's free memory after vLLM allocated its KV cache; refused by name, with
+    what to lower, when they do not fit."""
+    need = layers * latent_bytes(max_num_reqs, slots + T)
+    if need > free:
+        raise ValueError(f"ESS's HiSparse connector: its device rows need {need / 2**30:.2f} GiB ({layers} layers x "
+                         f"max_num_seqs {max_num_reqs} x (device_buffer_size {slots} + T {T}) rows of 656 B) and "
+                         f"{device} has {free / 2**30:.2f} GiB free after vLLM's KV cache: lower "
+                         "gpu_memory_utilization by the difference, or max_num_seqs or device_buffer_size")
+    return need
+
+
+def leader_metadata(worker, forward_context, attn_metadata):
+    """The forward's sparse MLA metadata of an index-group leader layer (its decode split and true seq_lens): the
+    one vLLM passes with a FULL graph (v1/worker/gpu/model_runner.py: kv_connector.pre_forward(...,
+    attn_metadata=)), else the forward context's (eager and piecewise: pre_forward runs inside
+    set_forward_context(attn_metadata, ...)). Refused by name when there is none: ESS would take the scheduler's
+    num_computed_tokens, an upper bound under async scheduling with speculative decoding."""
+    if attn_metadata is None:
+        attn_metadata = getattr(forward_context, "attn_metadata", None)
+    if not isinstance(attn_metadata, dict):
+        raise ValueError(f"ESS's HiSparse connector: the forward's attention metadata is "
+                         f"{type(attn_metadata).__name__}; a dict by layer name expected (micro-batching is not "
+                         "served)")
+    found = next((m for name, _ in worker._group_leaders if (m := attn_metadata.get(name)) is not None), None)
+    if found is None:
+        raise ValueError("ESS's HiSparse connector: the forward's attention metadata has no index-group leader "
+                         f"layer ({', '.join(name for name, _ in worker._group_leaders)})")
+    return found
+
+
 class HiSparseConnector(_upstream.HiSparseConnector):
     def __init__(self, vllm_config, role, kv_cache_config):
         super().__init__(vllm_config, role, kv_cache_config)
         if self.connector_worker is not None:
+            if vllm_config.parallel_config.use_ubatching:
+                raise ValueError("ESS's HiSparse connector does not serve micro-batching (enable_dbo / ubatch_size "
+                                 "> 1): start_step reads one forward's attention metadata")
             if not vllm_config.attention_config.hisparse_config.eager_host_mirror:
                 raise ValueError("ESS's HiSparse connector needs eager_host_mirror=True: ESS reads every decoded "
                                  "token's entry from vLLM's host pool, which holds decode rows only with the eager "
@@ -93,10 +140,7 @@ class HiSparseConnector(_upstream.HiSparseConnector):
         if output is None or request_ids is None:
             return   # no forward this step
         metadata = self._get_connector_metadata()
-        # The forward's decode split, where vLLM passes its attention metadata (FULL graphs; not eager).
-        attn = next((m for name, _ in worker._group_leaders
-                     if (m := (kwargs.get("attn_metadata") or {}).get(name)) is not None), None)
-        worker.ess.start_step(request_ids, kwargs["request_state_indices"].cpu(), scheduled_from_output(output),
+        worker.ess.start_step(request_ids, kwargs["request_state_indices"], scheduled_from_output(output),
                               finished=output.finished_req_ids, preempted=output.preempted_req_ids or (),
                               all_context_pages_resident=metadata.all_context_pages_resident,
-                              forward=None if attn is None else (attn.num_decodes, attn.num_decode_tokens))
+                              attn_metadata=leader_metadata(worker, forward_context, kwargs.get("attn_metadata")))
