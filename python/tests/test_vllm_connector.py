@@ -30,7 +30,8 @@ class UpstreamWorker:
         self.cache_handles = world.handles
         self.host_caches = tuple(world.host)
         self.kernel_block_size = BLOCK
-        self._group_leaders = (("layers.0", world.handles[0]),)
+        # The speculator's layer leads its own group (listed first: the connector must pass it over).
+        self._group_leaders = (("layers.3", world.handles[3]), ("layers.0", world.handles[0]))
 
     def shutdown(self):
         self.runtimes_at_shutdown = [h.runtime for h in self.cache_handles]
@@ -133,7 +134,8 @@ def config(eager=True, instance="t"):
         attention_config=types.SimpleNamespace(hisparse_config=types.SimpleNamespace(eager_host_mirror=eager)),
         scheduler_config=types.SimpleNamespace(max_num_seqs=STATES),
         model_config=types.SimpleNamespace(max_model_len=CTX), instance_id=f"{instance}-{os.getpid()}",
-        parallel_config=types.SimpleNamespace(data_parallel_index=0, use_ubatching=False))
+        parallel_config=types.SimpleNamespace(data_parallel_index=0, use_ubatching=False),
+        speculative_config=None)
 
 
 def scheduler_output(new=(), cached=(), finished=()):
@@ -255,8 +257,9 @@ def test_the_forward_metadata_is_the_leaders_and_required(connector_module):
     kwargs = dict(scheduler_output=out, request_ids=["a"], request_state_indices=torch.tensor([2], dtype=torch.int32))
     with pytest.raises(ValueError, match="attention metadata is NoneType"):
         c.start_load_kv(types.SimpleNamespace(attn_metadata=None), **kwargs)
-    with pytest.raises(ValueError, match="no index-group leader layer \\(layers.0\\)"):
-        c.start_load_kv(None, attn_metadata={"layers.1": attn(151)["layers.0"]}, **kwargs)
+    with pytest.raises(ValueError, match="no target-model index-group leader layer \\(layers.0\\)"):
+        c.start_load_kv(None, attn_metadata={"layers.1": attn(151)["layers.0"], "layers.3": attn(151)["layers.0"]},
+                        **kwargs)
     with pytest.raises(ValueError, match="a dict by layer name"):
         c.start_load_kv(types.SimpleNamespace(attn_metadata=[attn(151), attn(151)]), **kwargs)
     assert c.connector_worker.ess.state_of == {}
@@ -284,11 +287,36 @@ def test_reset_capture_state_resets_ess(connector_module, monkeypatch):
     c.connector_worker.shutdown()
 
 
-def test_device_rows_beyond_free_memory_are_refused(connector_module):
-    """ESS's rows are a buffer beside vLLM's KV cache: checked against the device's free memory first."""
+def test_device_rows_beyond_vllms_budget_are_refused(connector_module):
+    """ESS's rows are a buffer beside vLLM's KV cache: they must fit in the memory gpu_memory_utilization leaves
+    outside vLLM's budget, whose unallocated part (activations, CUDA graphs) is still free when they are made."""
     module, _ = connector_module
-    need = module.check_device_rows(61, 256, 4096, 1, 2**40, "cuda:0")
-    assert need == 61 * adapter.latent_bytes(256, 4097) and need > 30 * 2**30
+    GiB, total = 2**30, 80 * 2**30
+    need = 61 * adapter.latent_bytes(256, 4097)
+    assert 39 * GiB < need < 40 * GiB
+
+    def device_at(utilization):
+        """vLLM's KV cache fills its budget but for 2 GiB of activations and CUDA graphs still to come: what its
+        allocator holds, and what is free, when the connector registers."""
+        held = total * utilization - 2 * GiB
+        return total - held, held
+
+    free, held = device_at(0.92)
     with pytest.raises(ValueError, match="need 39.09 GiB .61 layers x max_num_seqs 256 x .device_buffer_size 4096 "
-                                         "\\+ T 1. rows of 656 B. and cuda:0 has 30.00 GiB free"):
-        module.check_device_rows(61, 256, 4096, 1, 30 * 2**30, "cuda:0")
+                                         "\\+ T 1. rows of 656 B. and cuda:0 has 6.40 GiB outside vLLM's budget "
+                                         ".gpu_memory_utilization 0.92 of 80.00 GiB; 8.40 GiB free, 71.60 GiB held "
+                                         "by vLLM's allocator.: set gpu_memory_utilization to at most 0.511"):
+        module.check_device_rows(61, 256, 4096, 1, free, total, 0.92, held, "cuda:0")
+    # The utilization the message names leaves room; a little more does not.
+    assert module.check_device_rows(61, 256, 4096, 1, *device_at(0.511)[:1], total, 0.511, device_at(0.511)[1],
+                                    "cuda:0") == need
+    with pytest.raises(ValueError, match="at most 0.511"):
+        module.check_device_rows(61, 256, 4096, 1, device_at(0.52)[0], total, 0.52, device_at(0.52)[1], "cuda:0")
+
+
+def test_adaptive_verification_is_refused(connector_module):
+    module, _ = connector_module
+    adaptive = config()
+    adaptive.speculative_config = types.SimpleNamespace(enable_adaptive_verification=True)
+    with pytest.raises(ValueError, match="enable_adaptive_verification"):
+        module.HiSparseConnector(adaptive, "worker", World())

@@ -17,6 +17,8 @@ This module imports vLLM; the tests check it against the pinned release's source
 (test_vllm_conformance.py)."""
 from __future__ import annotations
 
+import math
+
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.hisparse import connector as _upstream
 from vllm.distributed.kv_transfer.kv_connector.v1.hisparse.worker import HiSparseConnectorWorker
@@ -43,7 +45,9 @@ class EssConnectorWorker(HiSparseConnectorWorker):
         # ESS's rows are a buffer of its own beside vLLM's KV cache (upstream's hot slab stays allocated, unused
         # by ESS): checked against the device's free memory before anything is allocated.
         if cuda:
-            check_device_rows(len(targets), max_num_reqs, slots, T, torch.cuda.mem_get_info(device)[0], device)
+            free, total = torch.cuda.mem_get_info(device)
+            check_device_rows(len(targets), max_num_reqs, slots, T, free, total,
+                              config.cache_config.gpu_memory_utilization, torch.cuda.memory_reserved(device), device)
         latent = latent_buffers(len(targets), max_num_reqs, slots + T, device=device)
         # vLLM's host pool: the one pinned (or node-shared) allocation behind every layer's host cache.
         backing = first.registered_host_pool
@@ -79,16 +83,25 @@ class EssConnectorWorker(HiSparseConnectorWorker):
         super().shutdown()
 
 
-def check_device_rows(layers, max_num_reqs, slots, T, free, device):
+def check_device_rows(layers, max_num_reqs, slots, T, free, total, utilization, allocator_held, device):
     """ESS's device rows (latent_buffers: layers x max_num_seqs x (device_buffer_size + T) rows of 656 B, beside
-    vLLM's KV cache) against the device's free memory after vLLM allocated its KV cache; refused by name, with
-    what to lower, when they do not fit."""
+    vLLM's KV cache) against the memory vLLM's budget leaves. vLLM sizes its KV cache so that its process fits in
+    gpu_memory_utilization x total (v1/worker/gpu_worker.py determine_available_memory: weights, the KV cache, the
+    activation peak and the CUDA graphs' estimate); when its KV cache is registered the activations and graphs
+    are not allocated yet, so their share is still free. Of the free memory, ESS may take only what lies outside
+    that budget: free - (budget - what vLLM's allocator holds) (stricter by vLLM's memory outside its allocator,
+    the CUDA context's). Refused by name, with the utilization that would leave room, when the rows do not fit."""
     need = layers * latent_bytes(max_num_reqs, slots + T)
-    if need > free:
+    budget = math.ceil(total * utilization)
+    room = free - max(0, budget - allocator_held)
+    if need > room:
+        fits = math.floor((utilization - (need - room) / total) * 1000) / 1000
         raise ValueError(f"ESS's HiSparse connector: its device rows need {need / 2**30:.2f} GiB ({layers} layers x "
                          f"max_num_seqs {max_num_reqs} x (device_buffer_size {slots} + T {T}) rows of 656 B) and "
-                         f"{device} has {free / 2**30:.2f} GiB free after vLLM's KV cache: lower "
-                         "gpu_memory_utilization by the difference, or max_num_seqs or device_buffer_size")
+                         f"{device} has {max(room, 0) / 2**30:.2f} GiB outside vLLM's budget "
+                         f"(gpu_memory_utilization {utilization} of {total / 2**30:.2f} GiB; {free / 2**30:.2f} GiB "
+                         f"free, {allocator_held / 2**30:.2f} GiB held by vLLM's allocator): set "
+                         f"gpu_memory_utilization to at most {fits}, or lower max_num_seqs or device_buffer_size")
     return need
 
 
@@ -104,10 +117,12 @@ def leader_metadata(worker, forward_context, attn_metadata):
         raise ValueError(f"ESS's HiSparse connector: the forward's attention metadata is "
                          f"{type(attn_metadata).__name__}; a dict by layer name expected (micro-batching is not "
                          "served)")
-    found = next((m for name, _ in worker._group_leaders if (m := attn_metadata.get(name)) is not None), None)
+    found = next((m for name, handle in worker._group_leaders
+                  if not handle.draft_layer and (m := attn_metadata.get(name)) is not None), None)
     if found is None:
-        raise ValueError("ESS's HiSparse connector: the forward's attention metadata has no index-group leader "
-                         f"layer ({', '.join(name for name, _ in worker._group_leaders)})")
+        raise ValueError("ESS's HiSparse connector: the forward's attention metadata has no target-model "
+                         "index-group leader layer "
+                         f"({', '.join(name for name, h in worker._group_leaders if not h.draft_layer)})")
     return found
 
 
@@ -115,6 +130,11 @@ class HiSparseConnector(_upstream.HiSparseConnector):
     def __init__(self, vllm_config, role, kv_cache_config):
         super().__init__(vllm_config, role, kv_cache_config)
         if self.connector_worker is not None:
+            speculative = vllm_config.speculative_config
+            if speculative is not None and speculative.enable_adaptive_verification:
+                raise ValueError("ESS's HiSparse connector does not serve enable_adaptive_verification: it rewrites "
+                                 "the decode rows' query lengths on the device (AdaptiveVerificationManager), and "
+                                 "ESS stages each row's tokens from the scheduler's counts")
             if vllm_config.parallel_config.use_ubatching:
                 raise ValueError("ESS's HiSparse connector does not serve micro-batching (enable_dbo / ubatch_size "
                                  "> 1): start_step reads one forward's attention metadata")
