@@ -155,3 +155,32 @@ def test_the_scan_can_fail():
     cls = adapter.HiSparseCoordinator
     assert not binds(cls.swap_in_selected_pages, 5, [])
     assert getattr(cls, "not_a_method", None) is None
+
+
+def test_the_settings_read_are_in_the_release():
+    """Every SGLang setting the coordinator reads (adapter._sglang_setting(bag, path)) is a field of the namespace
+    class whose _NS_PATH is the bag's name and the path's prefix (srt/arg_groups/fields/*.py), read by the release
+    at that path too: a flat name for a nested field reads as absent."""
+    tree = ast.parse(inspect.getsource(adapter))
+    reads = {(n.args[0].value, n.args[1].value) for n in ast.walk(tree)
+             if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "_sglang_setting"}
+    assert ("get_exec", "overlap.enable_two_batch_overlap") in reads and len(reads) >= 2
+    fields_dir = os.path.join(SOURCE, "srt", "arg_groups", "fields")
+    namespaces = {}
+    for name in os.listdir(fields_dir):
+        if name.endswith(".py"):
+            for cls in ast.parse(open(os.path.join(fields_dir, name), encoding="utf-8").read()).body:
+                if not isinstance(cls, ast.ClassDef):
+                    continue
+                ns = next((n.value.value for n in cls.body if isinstance(n, ast.Assign) and
+                           any(getattr(t, "id", "") == "_NS_PATH" for t in n.targets)), None)
+                if ns is not None:
+                    namespaces[ns] = {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign)}
+    for bag, path in reads:
+        *sub, field = path.split(".")
+        ns = ".".join([bag[len("get_"):]] + sub)
+        assert field in namespaces.get(ns, set()), f"{bag}().{path}: no field {field} in namespace {ns!r}"
+        grep = f"{bag}().{path}"
+        assert any(grep in open(os.path.join(root, f), encoding="utf-8").read()
+                   for root, _, files in os.walk(os.path.join(SOURCE, "srt")) for f in files if f.endswith(".py")), \
+            f"the release never reads {grep}"

@@ -38,7 +38,8 @@ def pd_decode(monkeypatch):
     disagg = types.SimpleNamespace(disaggregation_mode="decode")
     context = types.ModuleType("sglang.srt.runtime_context")
     context.get_disagg = lambda: disagg
-    context.get_exec = lambda: types.SimpleNamespace(enable_two_batch_overlap=False)
+    # 0.5.23 nests the overlap settings (srt/arg_groups/fields/exec_.py ExecOverlap, _NS_PATH "exec.overlap").
+    context.get_exec = lambda: types.SimpleNamespace(overlap=types.SimpleNamespace(enable_two_batch_overlap=False))
     srt = types.ModuleType("sglang.srt")
     srt.runtime_context = context
     package = types.ModuleType("sglang")

@@ -24,6 +24,7 @@ would read against the request's full cache (attention over those bytes is then 
 attention over the full cache); every host entry at the end; ESS's device rows never handed to
 SGLang's allocator. The mutation tests show the replay fails when the remap is ignored,
 num_real_reqs is read early, or the current step's rows are written back."""
+import sys
 import types
 
 import numpy as np
@@ -409,3 +410,42 @@ def test_token_stats_are_upstreams_type():
     assert s.device_tokens == SLOTS + 1 and 0 < s.device_token_usage < 1
     assert s.host_tokens >= 40 and 0 < s.host_token_usage < 1
     assert type(s) is adapter._token_stats_type()   # SGLang's own type where SGLang imports
+
+
+def sglang_context(monkeypatch, exec_bag):
+    """SGLang's runtime context (srt/runtime_context.py), its exec bag as given, disaggregation off."""
+    context = types.ModuleType("sglang.srt.runtime_context")
+    context.get_disagg = lambda: types.SimpleNamespace(disaggregation_mode="null")
+    context.get_exec = lambda: exec_bag
+    srt = types.ModuleType("sglang.srt")
+    srt.runtime_context = context
+    package = types.ModuleType("sglang")
+    package.srt = srt
+    for name, module in (("sglang", package), ("sglang.srt", srt), ("sglang.srt.runtime_context", context)):
+        monkeypatch.setitem(sys.modules, name, module)
+
+
+def test_two_batch_overlap_is_refused(monkeypatch):
+    """0.5.23 keeps it at get_exec().overlap.enable_two_batch_overlap (srt/arg_groups/fields/exec_.py ExecOverlap,
+    _NS_PATH "exec.overlap"; read there by runner/decode_cuda_graph_runner.py). Its micro-batches would overwrite
+    each other's rows staged at the first layer, so the constructor refuses it; a context without that path is
+    refused by name, never read as off."""
+    sglang_context(monkeypatch, types.SimpleNamespace(overlap=types.SimpleNamespace(enable_two_batch_overlap=True)))
+    with pytest.raises(ess.InvalidArgument, match="enable_two_batch_overlap: ESS stages"):
+        build()
+    sglang_context(monkeypatch, types.SimpleNamespace(enable_two_batch_overlap=False))   # the flat name: not 0.5.23's
+    with pytest.raises(ess.InvalidArgument, match="no get_exec\\(\\).overlap.enable_two_batch_overlap \\(at 'overlap'\\)"):
+        build()
+    sglang_context(monkeypatch, types.SimpleNamespace(overlap=types.SimpleNamespace(enable_two_batch_overlap=False)))
+    build()
+
+
+def test_speculative_decoding_at_page_size_1_is_refused():
+    """mem_cache/allocation.py alloc_for_spec_decode: at page size 1 each draft token gets a device slot of its
+    own (alloc_token_slots), which ESS's reserved rows would orphan every verify step."""
+    pool = HiSparseDevicePool(POOL, 1, LAYERS)
+    with pytest.raises(ess.InvalidArgument, match="num_draft_tokens = 2 with page size 1"):
+        build(token_to_kv_pool_allocator=HiSparseAllocator(POOL, 1, pool, RATIO), device_buffer_size=2 * K,
+              num_draft_tokens=2)
+    pool = HiSparseDevicePool(POOL, 1, LAYERS)
+    build(token_to_kv_pool_allocator=HiSparseAllocator(POOL, 1, pool, RATIO))   # without drafts: served

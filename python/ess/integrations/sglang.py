@@ -187,13 +187,23 @@ def _keep(tensor, stream):
         tensor.record_stream(stream)
 
 
-def _sglang_setting(bag: str, name: str):
-    """A setting of the running SGLang (sglang.srt.runtime_context), or None outside SGLang."""
+def _sglang_setting(bag: str, path: str):
+    """A setting of the running SGLang: sglang.srt.runtime_context's `bag`() and the dotted `path` in it (0.5.23
+    nests its namespaces: get_exec().overlap.enable_two_batch_overlap), or None outside SGLang. Inside SGLang a
+    path its context does not have is refused by name (a setting read as None would silently allow what it
+    guards)."""
     try:
         from sglang.srt import runtime_context
-        return getattr(getattr(runtime_context, bag)(), name, None)
-    except Exception:  # not inside SGLang (tests, other engines)
+    except ImportError:  # not inside SGLang (tests, other engines)
         return None
+    value = getattr(runtime_context, bag)()
+    for name in path.split("."):
+        try:
+            value = getattr(value, name)
+        except AttributeError:
+            raise InvalidArgument(f"SGLang's runtime context has no {bag}().{path} (at {name!r}): this adapter "
+                                  f"reads SGLang {SGLANG_VERSION}'s settings") from None
+    return value
 
 
 def _claim_top_rows(allocator, rows: int, keep_min: int, why: str) -> int:
@@ -246,7 +256,7 @@ class HiSparseCoordinator:
         num_draft_tokens = 0 if num_draft_tokens is None else _int("num_draft_tokens", num_draft_tokens)
         if num_draft_tokens < 0:
             raise InvalidArgument(f"num_draft_tokens = {num_draft_tokens} is negative")
-        if _sglang_setting("get_exec", "enable_two_batch_overlap"):
+        if _sglang_setting("get_exec", "overlap.enable_two_batch_overlap"):
             raise InvalidArgument(
                 "enable_two_batch_overlap: ESS stages a step's rows once per forward, at its first layer; two "
                 "micro-batches interleaved layer by layer are not served yet")
@@ -274,6 +284,12 @@ class HiSparseCoordinator:
                                   f"{ENTRY_BYTES}-byte FP8 latent entries (--kv-cache-dtype fp8_e4m3)")
         self.layer_num = kvcache.layer_num
         self.start_layer = getattr(kvcache, "start_layer", 0) or 0
+        if num_draft_tokens and self.page_size == 1:
+            raise InvalidArgument(
+                f"num_draft_tokens = {num_draft_tokens} with page size 1: SGLang's alloc_for_spec_decode then gives "
+                "every draft token a device slot of its own (mem_cache/allocation.py: alloc_token_slots), which "
+                "ESS's reserved rows would leave orphaned each verify step (upstream's HiSparse refuses fewer than "
+                "num_draft_tokens + 1 slots a page too)")
         if self.pd_decode and 64 % self.page_size != 0:
             raise InvalidArgument(
                 f"disaggregation_mode = decode with page size {self.page_size}: the transfer writes each SGLang page "
