@@ -19,7 +19,6 @@ prefill's KV (as in test_sglang_replay.py), the host pool at the end, and that a
 nothing of the request in ESS. The mutation test shows the replay fails when the host pool describes
 another layout than the one it has."""
 import ctypes
-import sys
 import types
 
 import numpy as np
@@ -29,23 +28,15 @@ import torch
 import ess
 from ess.integrations import sglang as adapter
 from sglang_pools import ENTRY
-from test_sglang_replay import CTX, K, LAYERS, World, Req
+from test_sglang_replay import CTX, K, LAYERS, World, Req, sglang_context
 
 
 @pytest.fixture
 def pd_decode(monkeypatch):
     """SGLang's runtime context (srt/runtime_context.py get_disagg().disaggregation_mode) says decode."""
-    disagg = types.SimpleNamespace(disaggregation_mode="decode")
-    context = types.ModuleType("sglang.srt.runtime_context")
-    context.get_disagg = lambda: disagg
     # 0.5.23 nests the overlap settings (srt/arg_groups/fields/exec_.py ExecOverlap, _NS_PATH "exec.overlap").
-    context.get_exec = lambda: types.SimpleNamespace(overlap=types.SimpleNamespace(enable_two_batch_overlap=False))
-    srt = types.ModuleType("sglang.srt")
-    srt.runtime_context = context
-    package = types.ModuleType("sglang")
-    package.srt = srt
-    for name, module in (("sglang", package), ("sglang.srt", srt), ("sglang.srt.runtime_context", context)):
-        monkeypatch.setitem(sys.modules, name, module)
+    sglang_context(monkeypatch, types.SimpleNamespace(overlap=types.SimpleNamespace(enable_two_batch_overlap=False)),
+                   disaggregation_mode="decode")
 
 
 def group_concurrent_contiguous(src, dst):

@@ -412,10 +412,10 @@ def test_token_stats_are_upstreams_type():
     assert type(s) is adapter._token_stats_type()   # SGLang's own type where SGLang imports
 
 
-def sglang_context(monkeypatch, exec_bag):
-    """SGLang's runtime context (srt/runtime_context.py), its exec bag as given, disaggregation off."""
+def sglang_context(monkeypatch, exec_bag, disaggregation_mode="null"):
+    """SGLang's runtime context (srt/runtime_context.py): its exec bag as given, get_disagg()'s mode."""
     context = types.ModuleType("sglang.srt.runtime_context")
-    context.get_disagg = lambda: types.SimpleNamespace(disaggregation_mode="null")
+    context.get_disagg = lambda: types.SimpleNamespace(disaggregation_mode=disaggregation_mode)
     context.get_exec = lambda: exec_bag
     srt = types.ModuleType("sglang.srt")
     srt.runtime_context = context
