@@ -42,8 +42,9 @@ class EssConnectorWorker(HiSparseConnectorWorker):
         T = max_decode_query_len(config)
         max_num_reqs = config.scheduler_config.max_num_seqs
         slots = first.region_stride   # upstream's device_buffer_size: ESS's LRU slots per request-layer
-        # ESS's rows are a buffer of its own beside vLLM's KV cache (upstream's hot slab stays allocated, unused
-        # by ESS): checked against the memory vLLM's budget leaves before anything is allocated.
+        # ESS's rows are a buffer of its own beside vLLM's KV cache (the hot regions vLLM still hands out to
+        # requests it moves to host reads go unread): checked against the memory vLLM's budget leaves before
+        # anything is allocated.
         if cuda:
             free, total = torch.cuda.mem_get_info(device)
             check_device_rows(len(targets), max_num_reqs, slots, T, free, total,
