@@ -165,6 +165,7 @@ _signatures = {
     "ess_engine_info_init": (None, [_c.POINTER(EngineInfo)]),
     "ess_engine_get_info": (_c.c_int, [_P, _c.POINTER(EngineInfo)]),
     "ess_engine_layer_data": (_c.c_int, [_P, _c.c_int32, _c.POINTER(_P)]),
+    "ess_engine_device_bytes": (_c.c_int, [_P, _c.POINTER(_c.c_uint64)]),
     "ess_engine_read_row": (_c.c_int, [_P, _c.c_int32, _c.c_int32, _P, _c.c_size_t]),
     "ess_host_layout_init": (None, [_c.POINTER(HostLayout)]),
     "ess_engine_host_layout": (_c.c_int, [_P, _c.POINTER(HostLayout)]),

@@ -419,6 +419,15 @@ class Engine:
         return out.value
 
     @_locked
+    def device_bytes(self) -> int:
+        """The device memory the engine allocated at creation and holds until closed, as asked of cudaMalloc (its
+        LRU state, step scratch, page tables and, when ESS allocated them, the layer buffers); 0 on the CPU
+        backend."""
+        out = ctypes.c_uint64()
+        check(lib.ess_engine_device_bytes(self._h(), ctypes.byref(out)))
+        return out.value
+
+    @_locked
     def host_layout(self) -> HostLayout:
         raw = _HostLayout()
         lib.ess_host_layout_init(ctypes.byref(raw))

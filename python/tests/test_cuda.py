@@ -23,6 +23,20 @@ def engines():
     return (ess.Engine(**common, latent=host), host), (ess.Engine(**common, backend="cuda", latent=dev), dev)
 
 
+def test_device_bytes_are_what_cuda_lost():
+    """Engine.device_bytes(): the device memory the engine holds (the caller's layer buffers not counted), as the
+    device's free memory sees it (cudaMalloc rounds each allocation up: within 2 MiB per allocation)."""
+    dev = [torch.zeros((POOL * (SLOTS + T), ENTRY), dtype=torch.uint8, device="cuda") for _ in range(LAYERS)]
+    torch.cuda.synchronize()
+    before = torch.cuda.mem_get_info()[0]
+    e = ess.Engine(layers=LAYERS, max_requests=POOL, max_context=CTX, topk=K, query_tokens=T, slots=SLOTS,
+                   reserve_newest=True, backend="cuda", latent=dev)
+    held = e.device_bytes()
+    taken = before - torch.cuda.mem_get_info()[0]
+    assert 0 < held <= taken + 2**20, (held, taken)
+    e.close()
+
+
 def test_sglang_adapter_on_cuda_matches_the_cpu_backend():
     (cpu, host), (gpu, dev) = engines()
     like = torch.empty(0, dtype=torch.int32, device="cuda")

@@ -54,6 +54,10 @@ def test_ratio_sets_the_slots():
     assert e.info.slots == 20 and e.info.rows_per_request == 20
 
 
+def test_the_cpu_backend_holds_no_device_memory():
+    assert small().device_bytes() == 0
+
+
 def test_bindings_check_dtype_shape_contiguity_and_device():
     e = small()
     row = e.admit(1, 50)

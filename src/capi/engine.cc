@@ -303,6 +303,14 @@ ess_status ess_engine_layer_data(const ess_engine* engine, int32_t layer, void**
   });
 }
 
+ess_status ess_engine_device_bytes(const ess_engine* engine, uint64_t* bytes) {
+  return guard("ess_engine_device_bytes", [&] {
+    const auto call = ess::capi::engine_call(engine);
+    ESS_CHECK(bytes != nullptr, "the bytes out-pointer is NULL");
+    *bytes = call.offload().device_bytes();
+  });
+}
+
 ess_status ess_engine_read_row(const ess_engine* engine, int32_t layer, int32_t row, void* out, size_t bytes) {
   return guard("ess_engine_read_row", [&] {
     const auto call = ess::capi::engine_call(engine);

@@ -97,6 +97,11 @@ TEST(CApi, PagedEngineBuffersAndBindingsThatDieWithTheEngine) {
   void* base = nullptr;
   ASSERT_EQ(ess_engine_layer_data(e, 1, &base), ESS_OK);
   EXPECT_EQ(base, storage[1].data());
+  std::uint64_t device_bytes = 1;
+  ASSERT_EQ(ess_engine_device_bytes(e, &device_bytes), ESS_OK) << last();
+  EXPECT_EQ(device_bytes, 0u);  // the CPU backend
+  EXPECT_EQ(ess_engine_device_bytes(e, nullptr), ESS_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(last().find("bytes out-pointer is NULL"), std::string::npos) << last();
 
   std::int32_t row = -1;
   ASSERT_EQ(ess_request_admit(e, 3, 100, -1, &row), ESS_OK);

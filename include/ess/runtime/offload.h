@@ -258,6 +258,12 @@ class Offload {
   // The Total Memory Pool (host accounting, entry offsets).
   const TotalPool& host_pool() const;
   OffloadStats stats() const;
+  // The device memory this Offload allocated at construction and holds until it is destroyed,
+  // as asked of cudaMalloc (the driver rounds each allocation up): the GPU swap engine's state,
+  // both parts' step scratch, the write-back lists, the page tables and, when ESS allocated
+  // them, the layer buffers. 0 on kCpu. Lifecycle calls (admit, warmup, adopt, repage) add
+  // short-lived allocations of their own while they run.
+  std::uint64_t device_bytes() const;
 
   class Impl;
 

@@ -100,6 +100,13 @@ std::size_t Device::live_allocations() const {
   return allocations_.size();
 }
 
+std::size_t Device::live_device_bytes() const {
+  std::lock_guard lock(mu_);
+  std::size_t n = 0;
+  for (const auto& [begin, a] : allocations_) n += a.kind == Kind::kDevice ? a.bytes : 0;
+  return n;
+}
+
 cudaError_t Device::fail(cudaError_t e, const std::string& message, bool bug) {
   if (bug) ADD_FAILURE() << "emulated CUDA: " << message;
   std::lock_guard lock(mu_);

@@ -69,6 +69,7 @@ class Device {
   void set_current_device(int d) { current_ = d; }
   std::uint64_t next_seed() { return ++seed_; }  // one schedule per launch
   std::size_t live_allocations() const;
+  std::size_t live_device_bytes() const;  // the bytes asked for by the live device allocations
 
  private:
   Device() = default;

@@ -135,5 +135,52 @@ TEST(EmulatedCuda, TheCudaBackendsStepRunsEveryKernelAndFreesItsMemory) {
   EXPECT_EQ(Device::get().live_allocations(), before) << "the CUDA backend left device or pinned memory allocated";
 }
 
+// Offload::device_bytes is what the CUDA backend holds: every live device byte it allocated,
+// with ESS's own layer buffers and with the caller's.
+TEST(EmulatedCuda, TheCudaBackendsDeviceBytesAreWhatItHolds) {
+  for (const bool own : {true, false}) {
+    for (const int T : {1, 3}) {
+      OffloadConfig c;
+      c.layers = 3;
+      c.layout = test::small_layout();
+      c.max_requests = 4;
+      c.query_tokens = T;
+      c.topk = 16;
+      c.slots = 40;
+      c.reserve_newest = T > 1;
+      c.max_context = 300;
+      c.backend = Backend::kCuda;
+      std::vector<cuda::DeviceBuffer<std::uint8_t>> theirs;
+      LatentBuffer buffer;
+      if (!own) {
+        const std::size_t bytes = static_cast<std::size_t>(c.max_requests) * c.rows_per_request() * c.layout.bytes();
+        for (int l = 0; l < c.layers; ++l) {
+          theirs.emplace_back(bytes);
+          buffer.layer_base.push_back(theirs.back().get());
+        }
+      }
+      const std::size_t before = Device::get().live_device_bytes();
+      Offload o(c, std::move(buffer));
+      o.admit(1, 100);  // a lifecycle call's own allocations are gone when it returns
+      EXPECT_EQ(Device::get().live_device_bytes() - before, o.device_bytes()) << "own buffer " << own << ", T " << T;
+      EXPECT_GT(o.device_bytes(), 0u);
+    }
+  }
+}
+
+TEST(EmulatedCuda, TheCpuBackendHoldsNoDeviceBytes) {
+  OffloadConfig c;
+  c.layers = 2;
+  c.layout = test::small_layout();
+  c.max_requests = 2;
+  c.topk = 16;
+  c.slots = 24;
+  c.max_context = 256;
+  const std::size_t before = Device::get().live_device_bytes();
+  const Offload o(c);
+  EXPECT_EQ(o.device_bytes(), 0u);
+  EXPECT_EQ(Device::get().live_device_bytes(), before);
+}
+
 }  // namespace
 }  // namespace ess::emu

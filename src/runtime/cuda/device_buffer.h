@@ -38,6 +38,8 @@ class DeviceBuffer {
 
   T* get() const { return p_; }
   std::size_t size() const { return n_; }
+  // What was asked of cudaMalloc for it (one byte more than its elements: never a 0-byte call).
+  std::size_t bytes() const { return p_ != nullptr ? n_ * sizeof(T) + 1 : 0; }
 
  private:
   T* p_ = nullptr;

@@ -382,6 +382,8 @@ const OffloadConfig& Offload::config() const { return impl_->config; }
 const TotalPool& Offload::host_pool() const { return *impl_->pool; }
 const LatentBuffer& Offload::buffer() const { return impl_->buffer; }
 
+std::uint64_t Offload::device_bytes() const { return impl_->backend->device_bytes(); }
+
 std::vector<std::uint8_t> Offload::read_row(int layer, std::int32_t p) const {
   const Impl& x = *impl_;
   ESS_CHECK(layer >= 0 && layer < x.config.layers, "offload: read_row: layer {} outside [0, {})", layer, x.config.layers);

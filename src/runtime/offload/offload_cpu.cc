@@ -179,6 +179,8 @@ class CpuOffload final : public OffloadBackend {
     return {r, r + x_.config.layout.bytes()};
   }
 
+  std::uint64_t device_bytes() const override { return 0; }
+
   void add_stats(OffloadStats& st) const override {
     st.steps = steps_;
     st.warmup_fills = warmup_fills_;

@@ -260,6 +260,17 @@ class CudaOffload final : public OffloadBackend {
     return v;
   }
 
+  std::uint64_t device_bytes() const override {
+    std::uint64_t n = swap_->device_bytes() + wb_src_.bytes() + wb_dst_.bytes() + wb_total_.bytes() + page_table_.bytes();
+    for (const auto& b : owned_) n += b.bytes();
+    for (const Part& p : parts_) {
+      n += p.masked.bytes() + p.lru_slots.bytes() + p.merged.bytes() + p.fill_tokens.bytes() + p.fill_slots.bytes() +
+           p.counts.bytes() + p.fill_host.bytes() + p.src.bytes() + p.dst.bytes() + p.flags.bytes() +
+           p.miss_offsets.bytes() + p.total.bytes();
+    }
+    return n;
+  }
+
   void add_stats(OffloadStats& st) const override {
     st.steps = steps_;
     st.warmup_fills = warmup_fills_;

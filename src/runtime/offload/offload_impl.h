@@ -32,6 +32,7 @@ class OffloadBackend {
   virtual void write_back(const WriteBack& w) = 0;
   virtual std::vector<std::uint8_t> read_row(int layer, std::int32_t p) const = 0;
   virtual void add_stats(OffloadStats& stats) const = 0;
+  virtual std::uint64_t device_bytes() const = 0;  // Offload::device_bytes
 };
 
 class Offload::Impl {

@@ -27,6 +27,11 @@ GpuSwapEngine::GpuSwapEngine(const GpuSwapConfig& config, Stream stream) : confi
   for (int r = 0; r < config.rows; ++r) reset_row(r);
 }
 
+std::uint64_t GpuSwapEngine::device_bytes() const {
+  const std::uint64_t row_layers = static_cast<std::uint64_t>(config_.rows) * static_cast<std::uint64_t>(config_.layers);
+  return 3 * row_layers * static_cast<std::uint64_t>(config_.slots) * 4 + row_layers * 4;
+}
+
 SwapState GpuSwapEngine::state() const {
   return SwapState{order_, stamp_, token_, clock_, config_.slots, config_.layers};
 }

@@ -66,6 +66,9 @@ class GpuSwapEngine {
   GpuSwapEngine(const GpuSwapEngine&) = delete;
   GpuSwapEngine& operator=(const GpuSwapEngine&) = delete;
 
+  // The device memory of the LRU state (order, recency, residency, clocks), as allocated.
+  std::uint64_t device_bytes() const;
+
   // A fresh LRU for every layer of `row` (asynchronous on the stream).
   void reset_row(int row);
   // Launches one step on the engine's stream (or `stream`); returns at once. Throws only for
