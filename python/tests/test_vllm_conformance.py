@@ -192,7 +192,7 @@ READ = [
      {"scheduled_new_reqs", "scheduled_cached_reqs", "num_scheduled_tokens", "finished_req_ids",
       "preempted_req_ids"}),
     ("v1/core/sched/output.py", "NewRequestData", {"req_id", "num_computed_tokens"}),
-    ("v1/core/sched/output.py", "CachedRequestData", {"req_ids", "num_computed_tokens"}),
+    ("v1/core/sched/output.py", "CachedRequestData", {"req_ids", "num_computed_tokens", "resumed_req_ids"}),
     ("config/attention.py", "HiSparseConfig", {"eager_host_mirror"}),
     ("config/attention.py", "AttentionConfig", {"hisparse_config"}),
     ("config/vllm.py", "VllmConfig", {"attention_config", "scheduler_config", "model_config", "parallel_config",

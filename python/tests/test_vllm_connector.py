@@ -138,12 +138,14 @@ def config(eager=True, instance="t"):
         speculative_config=None)
 
 
-def scheduler_output(new=(), cached=(), finished=()):
-    """SchedulerOutput's fields the connector reads: new and cached requests as (id, computed, scheduled)."""
+def scheduler_output(new=(), cached=(), finished=(), resumed=()):
+    """SchedulerOutput's fields the connector reads: new and cached requests as (id, computed, scheduled), and the
+    cached ones marked resumed."""
     return types.SimpleNamespace(
         scheduled_new_reqs=[types.SimpleNamespace(req_id=r, num_computed_tokens=c) for r, c, _ in new],
         scheduled_cached_reqs=types.SimpleNamespace(req_ids=[r for r, _, _ in cached],
-                                                    num_computed_tokens=[c for _, c, _ in cached]),
+                                                    num_computed_tokens=[c for _, c, _ in cached],
+                                                    resumed_req_ids=set(resumed)),
         num_scheduled_tokens={r: n for r, _, n in list(new) + list(cached)}, finished_req_ids=set(finished),
         preempted_req_ids=None)
 
@@ -226,6 +228,33 @@ def test_a_request_finished_in_a_step_without_a_forward_is_released(connector_mo
     with pytest.raises(ess.InvalidArgument):
         worker.ess_engine.request(0)
     c.connector_worker.shutdown()
+
+
+def test_a_request_preempted_in_a_step_without_a_forward_starts_over_when_it_returns(connector_module):
+    """Its preempted_req_ids never reach ESS (no start_load_kv with a batch); when the scheduler sends it again
+    as a new request (model runner v2) or a resumed one, over blocks handed out afresh, ESS starts it over."""
+    module, _ = connector_module
+    for returns in ("new", "resumed"):
+        world = World()
+        c = module.HiSparseConnector(config(), "worker", world)
+        c.register_kv_caches({})
+        worker = c.connector_worker
+        world.gather([2])
+        c.start_load_kv(eager(151), scheduler_output=scheduler_output(cached=[("a", 150, T)]), request_ids=["a"],
+                        request_state_indices=torch.tensor([2], dtype=torch.int32))
+        c.start_load_kv(None)   # the step "a" was preempted in: no forward
+        assert worker.ess.state_of == {"a": 2}
+        # Back on the same state index, its prompt recomputed up to its last token, which it decodes.
+        world.state_blocks[2] = torch.flip(world.state_blocks[2], [0])
+        world.gather([2])
+        row = ("a", 150, T)
+        out = scheduler_output(new=[row]) if returns == "new" else scheduler_output(cached=[row], resumed=["a"])
+        c.start_load_kv(eager(151), scheduler_output=out, request_ids=["a"],
+                        request_state_indices=torch.tensor([2], dtype=torch.int32))
+        assert worker.ess.state_of == {"a": 2}
+        got = worker.ess_engine.read_entries(2, 0, 0, np.empty((150, 656), np.uint8))
+        np.testing.assert_array_equal(got, world.host_rows(0, 2, 0, 150))
+        c.connector_worker.shutdown()
 
 
 def test_a_host_cache_outside_vllms_pool_is_refused(connector_module):
@@ -312,6 +341,22 @@ def test_device_rows_beyond_vllms_budget_are_refused(connector_module):
                                     "cuda:0") == need
     with pytest.raises(ValueError, match="at most 0.511"):
         module.check_device_rows(61, 256, 4096, 1, device_at(0.52)[0], total, 0.52, device_at(0.52)[1], "cuda:0")
+    # Once the engine is made, its own device memory counts too (register_kv_caches checks again with
+    # Engine.device_bytes(), with free and held as they were before the rows): what fitted the rows alone may
+    # not, and the utilization then named leaves room for both.
+    engine = 9 * GiB // 10
+    with pytest.raises(ValueError, match="need 39.09 GiB .* rows of 656 B. and its engine's state 0.90 GiB more and "
+                                         "cuda:0 has .* at most 0.5"):
+        module.check_device_rows(61, 256, 4096, 1, *device_at(0.511)[:1], total, 0.511, device_at(0.511)[1],
+                                 "cuda:0", engine_bytes=engine)
+    try:
+        module.check_device_rows(61, 256, 4096, 1, *device_at(0.511)[:1], total, 0.511, device_at(0.511)[1],
+                                 "cuda:0", engine_bytes=engine)
+    except ValueError as e:
+        fits = float(str(e).split("at most ")[1].split(",")[0])
+    assert fits < 0.511
+    assert module.check_device_rows(61, 256, 4096, 1, device_at(fits)[0], total, fits, device_at(fits)[1], "cuda:0",
+                                    engine_bytes=engine) == need + engine
 
 
 def test_adaptive_verification_is_refused(connector_module):

@@ -224,6 +224,19 @@ class Replay:
             handle.index_group_caches = self.handles
         self.resident_next = 0
         self.forwards_served = 0
+        self.worker_requests = set()   # the requests the worker has (v1/worker/gpu/states.py add_requests)
+
+    def no_forward(self, finished=(), preempted=()):
+        """A step with no tokens scheduled (v1/core/sched/scheduler.py schedule: a request preempted itself for
+        blocks and nothing else runs): model_runner.py execute_model frees the finished and preempted requests'
+        states (finish_requests) and returns kv_connector.no_forward, whose pre_forward brings start_load_kv no
+        request_ids; only get_finished(finished_req_ids) reaches the connector (ActiveKVConnector.post_forward)."""
+        for rid in tuple(finished) + tuple(preempted):
+            if rid in self.model_rows:
+                self.model.release(self.model_rows.pop(rid))
+            self.world.free(rid)
+            self.worker_requests.discard(rid)
+        self.decode.note_finished(finished)
 
     # ---- one step ----
     def step(self, batch, states, scheduled, finished=(), preempted=(), all_resident=False, pad_reqs=None,
@@ -234,10 +247,15 @@ class Replay:
         T, w = self.T, self.world
         if self.barrier is not None:
             self.barrier()
-        for rid in finished + tuple(preempted):
+        for rid in tuple(finished) + tuple(preempted):
             if rid in self.model_rows:
                 self.model.release(self.model_rows.pop(rid))
             w.free(rid)
+            self.worker_requests.discard(rid)
+        # scheduled_new_reqs: the requests new to the worker (first scheduled, or resumed after preemption under
+        # model runner v2), their blocks handed out afresh (the connector's fresh_from_output).
+        fresh = [rid for rid in batch if rid not in self.worker_requests]
+        self.worker_requests.update(batch)
         # The scheduler's host blocks for this step's tokens, then the forward's table per batch row.
         for rid in batch:
             w.allocate(rid, sum(scheduled[rid]) + self.rejected.get(rid, 0))
@@ -280,7 +298,8 @@ class Replay:
         # kv_connector/v1/hisparse/connector.py HiSparseConnector.start_load_kv, then ESS's start_step
         # (vllm_connector.py HiSparseConnector.start_load_kv, with the forward's leader-layer metadata).
         self.decode.start_step(batch, torch.tensor(states, dtype=torch.int32), sched, finished=finished,
-                               preempted=preempted, all_context_pages_resident=all_resident,
+                               preempted=preempted, fresh=self.seen_fresh(fresh),
+                               all_context_pages_resident=all_resident,
                                attn_metadata=self.seen_metadata(attn, sched, batch))
         served = self.decode.batch
         assert served == (0 if all_resident and len(decodes) < R else len(decodes)), "ESS staged other decode rows"
@@ -360,6 +379,10 @@ class Replay:
     def seen_metadata(self, attn, sched, batch):
         """The metadata ESS's start_step is given (the connector's leader_metadata); a mutation replaces it."""
         return attn
+
+    def seen_fresh(self, fresh):
+        """The requests ESS's start_step is told are handed their blocks afresh; a mutation replaces them."""
+        return fresh
 
 
 def decode_step(batch, world, T, counts=None):
@@ -469,6 +492,44 @@ def test_preemption_and_a_reused_state():
     for _ in range(3):
         r.step(["a", "c"], [0, 1], decode_step(["a", "c"], w, T))
     assert r.decode.state_of == {"a": 0, "c": 1}
+
+
+def test_preemption_in_a_step_without_a_forward():
+    """A request preempted in a step with nothing else scheduled (its preempted_req_ids never reach ESS: no
+    start_load_kv with a batch) resumes on the same state index (v1/worker/gpu/states.py hands indices out last
+    freed first) over other blocks, its old ones another request's by then; its resumption is a new request to
+    the worker (scheduled_new_reqs), and ESS starts it over instead of reading the other request's entries."""
+    T = 1
+    r = Replay(T, 24, seed=11)
+    w = r.world
+    prefill(r, "a", 1, 150, 150)
+    for _ in range(2):
+        r.step(["a"], [1], decode_step(["a"], w, T))
+    length_a = w.length["a"]
+    r.no_forward(preempted=("a",))
+    assert "a" in r.decode.state_of    # ESS has not seen it go
+    # "x" takes the blocks "a" freed (the pool hands out the last freed first) while "a" waits.
+    prefill(r, "x", 0, 150, 150)
+    r.step(["x"], [0], decode_step(["x"], w, T))
+    # "a" resumes on its state index and recomputes its context over new blocks, then decodes.
+    w.length["a"] = 0
+    done = 0
+    while done < length_a:
+        n = min(150, length_a - done)
+        scheduled = decode_step(["x"], w, T)
+        scheduled["a"] = (done, n)
+        r.step(["x", "a"], [0, 1], scheduled)
+        done += n
+    for _ in range(3):
+        r.step(["a", "x"], [1, 0], decode_step(["a", "x"], w, T))
+    assert r.decode.state_of == {"a": 1, "x": 0}
+
+
+def test_a_resumed_request_not_started_over_fails_the_replay(monkeypatch):
+    """Mutation: the requests handed their blocks afresh not told to ESS."""
+    monkeypatch.setattr(Replay, "seen_fresh", lambda self, fresh: ())
+    with pytest.raises((AssertionError, ess.EssError)):
+        test_preemption_in_a_step_without_a_forward()
 
 
 def test_steps_vllm_resolves_over_resident_pages_are_caught_up():

@@ -35,7 +35,7 @@ from .._errors import InvalidArgument
 from ..engine import Engine, ForeignPages
 
 __all__ = ["VLLM_VERSION", "HotView", "latent_bytes", "latent_buffers", "host_pool_layout", "Scheduled",
-           "scheduled_from_output", "EssDecode", "HiSparseRuntime"]
+           "scheduled_from_output", "fresh_from_output", "EssDecode", "HiSparseRuntime"]
 
 VLLM_VERSION = "0.33.0"   # the release whose call sites these classes are checked against
 ENTRY_BYTES = 656         # vLLM's fp8_ds_mla row (FP8_DS_MLA_ROW_BYTES), ESS's DeepSeek-V3.2 entry
@@ -111,6 +111,16 @@ def scheduled_from_output(scheduler_output) -> Dict[str, Scheduled]:
     return {rid: Scheduled(int(computed[rid]), int(n)) for rid, n in scheduler_output.num_scheduled_tokens.items()}
 
 
+def fresh_from_output(scheduler_output) -> set:
+    """The requests whose blocks vLLM's scheduler hands out afresh this step: its new requests (scheduled_new_reqs,
+    which under the GPU model runner v2 carry the ones resumed after preemption too: v1/core/sched/scheduler.py
+    schedule, `scheduled_new_reqs.extend(scheduled_resumed_reqs)`) and the cached requests it marks resumed
+    (scheduled_cached_reqs.resumed_req_ids, the other runner's)."""
+    fresh = {r.req_id for r in scheduler_output.scheduled_new_reqs}
+    fresh.update(getattr(scheduler_output.scheduled_cached_reqs, "resumed_req_ids", None) or ())
+    return fresh
+
+
 class EssDecode:
     """The per-worker decode state: one ESS engine for every target-model HiSparse layer, its host pool vLLM's
     (the engine was built with foreign_pages: host_pool_layout), the staging tensors its bound step reads (fixed
@@ -172,11 +182,14 @@ class EssDecode:
 
     # ---- before each forward (the connector's start_load_kv) ----
     def start_step(self, request_ids: Sequence[str], request_state_indices, scheduled: Mapping[str, Scheduled],
-                   finished: Iterable[str] = (), preempted: Iterable[str] = (),
+                   finished: Iterable[str] = (), preempted: Iterable[str] = (), fresh: Iterable[str] = (),
                    all_context_pages_resident: bool = False, attn_metadata=None):
         """request_ids: the batch's request ids in batch order (input_batch.req_ids); request_state_indices: each
         batch row's state index (input_batch.idx_mapping, on the device or the host); scheduled: this step's
-        requests; finished / preempted: the scheduler output's finished_req_ids / preempted_req_ids;
+        requests; finished / preempted: the scheduler output's finished_req_ids / preempted_req_ids; fresh: the
+        requests whose blocks the scheduler hands out afresh this step (fresh_from_output: new and resumed), any of
+        which ESS still holds is released first (preempted in a step without a forward, whose preempted_req_ids
+        never reach ESS, then resumed, most likely on the same state index and over other blocks);
         all_context_pages_resident: the connector metadata's; attn_metadata: the forward's sparse MLA metadata of
         an index-group leader layer (model_executor/layers/attention/sparse_mla_attention.py build: num_decodes,
         num_decode_tokens, seq_lens), padded under a FULL CUDA graph.
@@ -238,7 +251,7 @@ class EssDecode:
             parts.append(seq_lens[:decodes].to(device=states.device, dtype=torch.int64))
         host = [int(v) for v in torch.cat(parts).cpu().tolist()]
         states, seq_lens = host[:R], host[R:]
-        finished, preempted = set(finished) | self.finished_since, set(preempted)
+        finished, preempted = set(finished) | self.finished_since, set(preempted) | set(fresh)
         seen = {}
         for b, rid in enumerate(request_ids):
             s = states[b]

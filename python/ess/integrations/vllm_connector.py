@@ -25,7 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.hisparse.worker import HiSpars
 from vllm.v1.attention.backend import max_decode_query_len
 
 from ..engine import Engine
-from .vllm import (EssDecode, HiSparseRuntime, host_pool_layout, latent_buffers, latent_bytes,
+from .vllm import (EssDecode, HiSparseRuntime, fresh_from_output, host_pool_layout, latent_buffers, latent_bytes,
                    scheduled_from_output)
 
 
@@ -44,11 +44,13 @@ class EssConnectorWorker(HiSparseConnectorWorker):
         slots = first.region_stride   # upstream's device_buffer_size: ESS's LRU slots per request-layer
         # ESS's rows are a buffer of its own beside vLLM's KV cache (the hot regions vLLM still hands out to
         # requests it moves to host reads go unread): checked against the memory vLLM's budget leaves before
-        # anything is allocated.
+        # anything is allocated, and again with what the engine allocated beside them (its LRU state, step
+        # scratch and page tables) before it is used.
         if cuda:
             free, total = torch.cuda.mem_get_info(device)
-            check_device_rows(len(targets), max_num_reqs, slots, T, free, total,
-                              config.cache_config.gpu_memory_utilization, torch.cuda.memory_reserved(device), device)
+            memory = (free, total, config.cache_config.gpu_memory_utilization, torch.cuda.memory_reserved(device),
+                      device)
+            check_device_rows(len(targets), max_num_reqs, slots, T, *memory)
         latent = latent_buffers(len(targets), max_num_reqs, slots + T, device=device)
         # vLLM's host pool: the one pinned (or node-shared) allocation behind every layer's host cache.
         backing = first.registered_host_pool
@@ -58,6 +60,14 @@ class EssConnectorWorker(HiSparseConnectorWorker):
             topk=first.index_group.shared_topk.device_topk_rows.shape[1], query_tokens=T, slots=slots,
             reserve_newest=True, backend="cuda" if cuda else "cpu", device=device.index or 0, latent=latent,
             host_memory=backing.numpy(), host_memory_pinned=cuda, foreign_pages=pages)
+        if cuda:
+            try:
+                check_device_rows(len(targets), max_num_reqs, slots, T, *memory,
+                                  engine_bytes=self.ess_engine.device_bytes())
+            except ValueError:
+                self.ess_engine.close()
+                self.ess_engine = None
+                raise
         synchronize = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
         self.ess = EssDecode(self.ess_engine, latent, max_num_reqs, targets[0][1].source_block_table, device=device,
                              synchronize=synchronize)
@@ -84,22 +94,26 @@ class EssConnectorWorker(HiSparseConnectorWorker):
         super().shutdown()
 
 
-def check_device_rows(layers, max_num_reqs, slots, T, free, total, utilization, allocator_held, device):
+def check_device_rows(layers, max_num_reqs, slots, T, free, total, utilization, allocator_held, device,
+                      engine_bytes=0):
     """ESS's device rows (latent_buffers: layers x max_num_seqs x (device_buffer_size + T) rows of 656 B, beside
-    vLLM's KV cache) against the memory vLLM's budget leaves. vLLM sizes its KV cache so that its process fits in
-    gpu_memory_utilization x total (v1/worker/gpu_worker.py determine_available_memory: weights, the KV cache, the
-    activation peak and the CUDA graphs' estimate); when its KV cache is registered the activations and graphs
-    are not allocated yet, so their share is still free. Of the free memory, ESS may take only what lies outside
+    vLLM's KV cache), and engine_bytes more (the ESS engine's own device memory, Engine.device_bytes(), once it is
+    made), against the memory vLLM's budget leaves; free and allocator_held as they were before either. vLLM sizes
+    its KV cache so that its process fits in gpu_memory_utilization x total (v1/worker/gpu_worker.py
+    determine_available_memory: weights, the KV cache, the activation peak and the CUDA graphs' estimate); when its
+    KV cache is registered the activations and graphs are not allocated yet, so their share is still free. Of the free memory, ESS may take only what lies outside
     that budget: free - (budget - what vLLM's allocator holds) (stricter by vLLM's memory outside its allocator,
     the CUDA context's). Refused by name, with the utilization that would leave room, when the rows do not fit."""
-    need = layers * latent_bytes(max_num_reqs, slots + T)
+    rows = layers * latent_bytes(max_num_reqs, slots + T)
+    need = rows + engine_bytes
     budget = math.ceil(total * utilization)
     room = free - max(0, budget - allocator_held)
     if need > room:
         fits = math.floor((utilization - (need - room) / total) * 1000) / 1000
-        raise ValueError(f"ESS's HiSparse connector: its device rows need {need / 2**30:.2f} GiB ({layers} layers x "
-                         f"max_num_seqs {max_num_reqs} x (device_buffer_size {slots} + T {T}) rows of 656 B) and "
-                         f"{device} has {max(room, 0) / 2**30:.2f} GiB outside vLLM's budget "
+        engine = f" and its engine's state {engine_bytes / 2**30:.2f} GiB more" if engine_bytes else ""
+        raise ValueError(f"ESS's HiSparse connector: its device rows need {rows / 2**30:.2f} GiB ({layers} layers x "
+                         f"max_num_seqs {max_num_reqs} x (device_buffer_size {slots} + T {T}) rows of 656 B){engine} "
+                         f"and {device} has {max(room, 0) / 2**30:.2f} GiB outside vLLM's budget "
                          f"(gpu_memory_utilization {utilization} of {total / 2**30:.2f} GiB; {free / 2**30:.2f} GiB "
                          f"free, {allocator_held / 2**30:.2f} GiB held by vLLM's allocator): set "
                          f"gpu_memory_utilization to at most {fits}, or lower max_num_seqs or device_buffer_size")
@@ -163,5 +177,6 @@ class HiSparseConnector(_upstream.HiSparseConnector):
         metadata = self._get_connector_metadata()
         worker.ess.start_step(request_ids, kwargs["request_state_indices"], scheduled_from_output(output),
                               finished=output.finished_req_ids, preempted=output.preempted_req_ids or (),
+                              fresh=fresh_from_output(output),
                               all_context_pages_resident=metadata.all_context_pages_resident,
                               attn_metadata=leader_metadata(worker, forward_context, kwargs.get("attn_metadata")))
