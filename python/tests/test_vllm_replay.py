@@ -404,6 +404,20 @@ def prefill(replay, rid, state, prompt, chunk, others=(), other_states=()):
         done += n
 
 
+def recompute(replay, rid, state, length, chunk, others=(), other_states=()):
+    """A preempted request resumed: its context recomputed in chunks (num_computed_tokens from 0), beside
+    decoding requests."""
+    w = replay.world
+    w.length[rid] = 0
+    done = 0
+    while done < length:
+        n = min(chunk, length - done)
+        scheduled = decode_step(others, w, replay.T)
+        scheduled[rid] = (done, n)
+        replay.step(list(others) + [rid], list(other_states) + [state], scheduled)
+        done += n
+
+
 @pytest.mark.parametrize("T,slots,async_scheduling", [(1, 24, True), (3, 56, True), (3, 56, False)])
 def test_decode_replay_matches_the_model_and_the_full_cache(T, slots, async_scheduling, **rank):
     """rank: Replay's host_memory / writer / barrier, when a rank of a shared pool runs it (test_vllm_shared_pool)."""
@@ -481,14 +495,7 @@ def test_preemption_and_a_reused_state():
     # "b" finishes; "a" resumes at a new state and recomputes its context (num_computed_tokens from 0).
     length_a = w.length["a"]
     r.step(["c"], [1], decode_step(["c"], w, T), finished=("b",))
-    w.length["a"] = 0
-    done = 0
-    while done < length_a:
-        n = min(120, length_a - done)
-        scheduled = decode_step(["c"], w, T)
-        scheduled["a"] = (done, n)
-        r.step(["c", "a"], [1, 0], scheduled)
-        done += n
+    recompute(r, "a", 0, length_a, 120, others=["c"], other_states=[1])
     for _ in range(3):
         r.step(["a", "c"], [0, 1], decode_step(["a", "c"], w, T))
     assert r.decode.state_of == {"a": 0, "c": 1}
@@ -512,14 +519,7 @@ def test_preemption_in_a_step_without_a_forward():
     prefill(r, "x", 0, 150, 150)
     r.step(["x"], [0], decode_step(["x"], w, T))
     # "a" resumes on its state index and recomputes its context over new blocks, then decodes.
-    w.length["a"] = 0
-    done = 0
-    while done < length_a:
-        n = min(150, length_a - done)
-        scheduled = decode_step(["x"], w, T)
-        scheduled["a"] = (done, n)
-        r.step(["x", "a"], [0, 1], scheduled)
-        done += n
+    recompute(r, "a", 1, length_a, 150, others=["x"], other_states=[0])
     for _ in range(3):
         r.step(["a", "x"], [1, 0], decode_step(["a", "x"], w, T))
     assert r.decode.state_of == {"a": 1, "x": 0}

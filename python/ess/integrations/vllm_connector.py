@@ -101,9 +101,10 @@ def check_device_rows(layers, max_num_reqs, slots, T, free, total, utilization, 
     made), against the memory vLLM's budget leaves; free and allocator_held as they were before either. vLLM sizes
     its KV cache so that its process fits in gpu_memory_utilization x total (v1/worker/gpu_worker.py
     determine_available_memory: weights, the KV cache, the activation peak and the CUDA graphs' estimate); when its
-    KV cache is registered the activations and graphs are not allocated yet, so their share is still free. Of the free memory, ESS may take only what lies outside
-    that budget: free - (budget - what vLLM's allocator holds) (stricter by vLLM's memory outside its allocator,
-    the CUDA context's). Refused by name, with the utilization that would leave room, when the rows do not fit."""
+    KV cache is registered the activations and graphs are not allocated yet, so their share is still free. Of the
+    free memory, ESS may take only what lies outside that budget: free - (budget - what vLLM's allocator holds)
+    (stricter by vLLM's memory outside its allocator, the CUDA context's). Refused by name, with the utilization
+    that would leave room, when they do not fit."""
     rows = layers * latent_bytes(max_num_reqs, slots + T)
     need = rows + engine_bytes
     budget = math.ceil(total * utilization)
