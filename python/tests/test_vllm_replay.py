@@ -393,20 +393,13 @@ def decode_step(batch, world, T, counts=None):
 
 def prefill(replay, rid, state, prompt, chunk, others=(), other_states=()):
     """The prompt in chunks (chunked prefill), beside decoding requests."""
-    w = replay.world
-    w.new_request(rid, prompt)
-    done = 0
-    while done < prompt:
-        n = min(chunk, prompt - done)
-        scheduled = decode_step(others, w, replay.T)
-        scheduled[rid] = (done, n)
-        replay.step(list(others) + [rid], list(other_states) + [state], scheduled)
-        done += n
+    replay.world.new_request(rid, prompt)
+    recompute(replay, rid, state, prompt, chunk, others, other_states)
 
 
 def recompute(replay, rid, state, length, chunk, others=(), other_states=()):
-    """A preempted request resumed: its context recomputed in chunks (num_computed_tokens from 0), beside
-    decoding requests."""
+    """The request's first `length` tokens computed in chunks from 0 (a prompt's prefill, or a preempted request
+    resumed), beside decoding requests."""
     w = replay.world
     w.length[rid] = 0
     done = 0

@@ -116,9 +116,8 @@ def fresh_from_output(scheduler_output) -> set:
     which under the GPU model runner v2 carry the ones resumed after preemption too: v1/core/sched/scheduler.py
     schedule, `scheduled_new_reqs.extend(scheduled_resumed_reqs)`) and the cached requests it marks resumed
     (scheduled_cached_reqs.resumed_req_ids, the other runner's)."""
-    fresh = {r.req_id for r in scheduler_output.scheduled_new_reqs}
-    fresh.update(getattr(scheduler_output.scheduled_cached_reqs, "resumed_req_ids", None) or ())
-    return fresh
+    return {r.req_id for r in scheduler_output.scheduled_new_reqs} | set(
+        scheduler_output.scheduled_cached_reqs.resumed_req_ids)
 
 
 class EssDecode:
