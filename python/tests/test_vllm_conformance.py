@@ -269,6 +269,28 @@ def test_the_forward_metadata_reaches_start_load_kv():
     assert "require_uniform_decodes: ClassVar[bool] = True" in flashmla
 
 
+def test_a_request_preempted_without_a_forward_returns_as_fresh():
+    """What start_step(fresh=) stands on: in a step with no tokens model_runner.py execute_model frees the
+    preempted requests' states (finish_requests) and calls no_forward, whose pre_forward has no batch and whose
+    post_forward gets the finished ids only; states.py hands out the state freed last first; and the scheduler
+    sends a resumed request as new under model runner v2 (schedule) or marks it in resumed_req_ids
+    (_make_cached_request_data): the ids fresh_from_output reads."""
+    finish = ast.unparse(upstream_def("v1/worker/gpu/model_runner.py", "GPUModelRunner", "finish_requests"))
+    assert "finished_req_ids = finished_req_ids.union(preempted_req_ids)" in finish
+    runner = ast.unparse(upstream_def("v1/worker/gpu/model_runner.py", "GPUModelRunner", "execute_model"))
+    assert runner.index("self.finish_requests(scheduler_output)") < runner.index(
+        "self.kv_connector.no_forward(scheduler_output)")
+    no_forward = ast.unparse(upstream_def("v1/worker/gpu/kv_connector.py", "ActiveKVConnector", "no_forward"))
+    assert "self.pre_forward(scheduler_output)" in no_forward
+    assert "self.post_forward(finished_req_ids)" in no_forward and "preempted" not in no_forward
+    states = open(path("v1/worker/gpu/states.py"), encoding="utf-8").read()
+    assert "self.free_indices.pop()" in states and "self.free_indices.append(req_idx)" in states
+    schedule = ast.unparse(upstream_def("v1/core/sched/scheduler.py", "Scheduler", "schedule"))
+    assert "if self.use_v2_model_runner:\n        scheduled_new_reqs.extend(scheduled_resumed_reqs)" in schedule
+    cached = ast.unparse(upstream_def("v1/core/sched/scheduler.py", "Scheduler", "_make_cached_request_data"))
+    assert "resumed_req_ids.add(req_id)" in cached and "resumed_req_ids=resumed_req_ids" in cached
+
+
 def test_vllm_loads_the_connector_by_module_path_under_upstreams_name():
     """factory.py get_connector_class imports kv_connector_module_path and takes the class named kv_connector;
     config/vllm.py infers hisparse_config from has_connector("HiSparseConnector") and config/kv_transfer.py reads
