@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Builds here what a GPU validation run needs and collects it into one folder that travels to
-# a bare GPU machine (scripts/gpu_validate.sh; docs/gpu-validation.md):
+# a bare GPU machine (scripts/gpu_validate.py; docs/gpu-validation.md):
 #
 #   DIR/bin.tar.xz ess, every kernel test binary (device runs and host runs) and libess.so, one solid xz
 #                  archive: the binaries share most of their code (the runtime and harness are
-#                  linked into each), so the archive is a tenth of their size; gpu_validate.sh
+#                  linked into each), so the archive is a tenth of their size; gpu_validate.py
 #                  unpacks it to DIR/bin there (tar, or Python's tarfile where xz is missing)
 #   DIR/lib/       every shared library they load beyond glibc, libstdc++, libgcc and the
 #                  CUDA driver / toolkit (libfmt, oneTBB, ...)
@@ -65,7 +65,7 @@ mkdir -p "$DIR/bin" "$DIR/lib"
 cp "$RELEASE/tools/ess/ess" "$DIR/bin/"
 # The kernel tests live beside their sources (src/runtime/ops/<op>, src/runtime/offload, src/harness/rig).
 while IFS= read -r t; do cp "$t" "$DIR/bin/"; done < <(find "$RELEASE/src" -type f -name 'cuda_*_test' -perm -u+x | sort)
-# The C ABI's library, for the Python package's tests there (gpu_validate.sh's python stage).
+# The C ABI's library, for the Python package's tests there (gpu_validate.py's python stage).
 [[ -f $RELEASE/src/capi/libess.so ]] && cp -L "$RELEASE/src/capi/libess.so" "$DIR/bin/libess.so"
 
 # Libraries the machine there is expected to have: glibc, libstdc++, libgcc, the CUDA driver

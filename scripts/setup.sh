@@ -6,12 +6,14 @@ set -euo pipefail
 
 PACKAGES=(
   build-essential cmake ninja-build   # toolchain
+  ccache                              # every compile of scripts/test.sh cached (~/.cache/ccache): a rerun compiles what changed
   libfmt-dev                          # formatting of messages and tables
   nlohmann-json3-dev                  # model / profile / trace metadata JSON
   libcli11-dev                        # the `ess` command line
   libgtest-dev libgmock-dev           # unit, property and soak tests
   libboost-context-dev                # Boost.Context fibers: the CTA emulator runs kernels' device code on the CPU
   libbenchmark-dev                    # CPU benchmarks
+  libbenchmark-tools                  # Google Benchmark's compare.py (gbench): scripts/bench_compare.sh's U test
   libtbb-dev                          # oneTBB: parallel trace replay (ess trace analyze)
   python3-numpy                       # python/ess_trace.py writer; Python -> C++ trace round-trip test
   python3-matplotlib                  # scripts/plot_trace_analysis.py figures
@@ -20,6 +22,7 @@ PACKAGES=(
   libdlpack-dev                       # DLPack: the C ABI's tensor type (libess.so, the Python package)
   python3-pytest python3-pip python3-venv  # the Python package's tests; pip install . (its wheel, in a venv)
   python3-torch                       # CPU torch: the SGLang adapter's replay of SGLang's decode loop
+  python3-pycparser                   # ess_c.h parsed: the Python package's ctypes declarations checked against it
   unzip                               # scripts/upstream.sh unpacks the pinned SGLang and vLLM wheels' sources
 )
 

@@ -4,13 +4,43 @@
 # once under AddressSanitizer + UndefinedBehaviorSanitizer; in between, the installed
 # package (cmake --install, then examples/consumer built against it and run; the Python
 # wheel built with pip, installed into a fresh venv, its tests, example and `ess` run there), the GPU
-# bring-up kit (device bundle, its fallback configure check, a dry run of the GPU
-# validation, and that dry run again where cuBLAS is hidden) and a short libFuzzer run of the trace reader. The pinned SGLang release is downloaded
-# first (scripts/upstream.sh): the SGLang and vLLM adapters are tested against their sources.
+# bring-up kit (device bundle, its fallback configure check, a dry run of the GPU validation, and
+# that dry run again where cuBLAS is hidden) and a short libFuzzer run of the trace reader. The
+# pinned SGLang and vLLM releases are downloaded first (scripts/upstream.sh): the adapters are
+# tested against their sources.
+#
+# Every compile goes through ccache (Debian's, cached under ~/.cache/ccache; CCACHE_DIR moves it):
+# the wheel compiles the release build's sources with its flags, so it reuses their objects, and a
+# second run compiles nothing that did not change. Each stage's time is printed at the end, and
+# each ctest run lists its slowest tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 JOBS=${JOBS:-$(nproc)}
 
+STAGES=()
+stage_start=$SECONDS
+# stage NAME: closes the previous stage's timing and starts NAME's.
+stage() {
+  if ((${#STAGES[@]})); then STAGES[-1]="${STAGES[-1]}|$((SECONDS - stage_start))"; fi
+  STAGES+=("$1")
+  stage_start=$SECONDS
+  echo "== $1 =="
+}
+report_stages() {
+  if ((${#STAGES[@]})); then STAGES[-1]="${STAGES[-1]}|$((SECONDS - stage_start))"; fi
+  echo "== stage times (total $((SECONDS / 60)) min $((SECONDS % 60)) s) =="
+  local s
+  for s in "${STAGES[@]}"; do printf '  %6d s  %s\n' "${s##*|}" "${s%|*}"; done
+  if command -v ccache >/dev/null; then ccache --show-stats 2>/dev/null | grep -iE "hits|misses|cache size" | sed 's/^/  ccache: /' || true; fi
+}
+# slowest LOG: the 20 longest tests of a ctest run's output.
+slowest() {
+  echo "slowest tests:"
+  sed -nE 's/^ *[0-9]+\/[0-9]+ Test +#[0-9]+: ([^ ]+) .* ([0-9.]+) sec$/\2 \1/p' "$1" | sort -rn | head -20 |
+    awk '{printf "  %8.2f s  %s\n", $1, $2}'
+}
+
+stage "setup: Debian packages, the pinned engine releases, safetensors"
 bash scripts/setup.sh
 bash scripts/upstream.sh   # the pinned SGLang and vLLM releases' sources, for the adapters' tests
 
@@ -21,27 +51,41 @@ if [[ ! -x build/venv-safetensors/bin/python ]]; then
 fi
 build/venv-safetensors/bin/pip install -q safetensors==0.8.0
 
-echo "== release build =="
+# ccache for every compile: CMake takes the launchers from the environment; paths under the
+# checkout are hashed relative to it, so two build folders of one checkout share objects.
+if command -v ccache >/dev/null; then
+  export CMAKE_CXX_COMPILER_LAUNCHER=ccache CMAKE_C_COMPILER_LAUNCHER=ccache CMAKE_CUDA_COMPILER_LAUNCHER=ccache
+  export CCACHE_BASEDIR=$PWD CCACHE_NOHASHDIR=true
+  ccache --zero-stats >/dev/null
+fi
+logs=$(mktemp -d)
+prefix=$(mktemp -d)
+trap 'rm -rf "$prefix" "$logs"' EXIT
+
+stage "release build"
 cmake --preset release -DESS_SAFETENSORS_PYTHON="$PWD/build/venv-safetensors/bin/python" >/dev/null
 cmake --build --preset release -j "$JOBS"
-ctest --preset release -j "$JOBS"
 
-echo "== installed package: examples/consumer against cmake --install =="
-prefix=$(mktemp -d)
-trap 'rm -rf "$prefix"' EXIT
+stage "release tests"
+ctest --preset release -j "$JOBS" --timeout 1200 | tee "$logs/release.log"
+slowest "$logs/release.log"
+
+stage "installed package: examples/consumer against cmake --install"
 cmake --install build/release --prefix "$prefix/ess" >/dev/null
 cmake -S examples/consumer -B "$prefix/consumer" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix/ess" >/dev/null
 cmake --build "$prefix/consumer"
 "$prefix/consumer/ess_consumer"
 test -x "$prefix/ess/bin/ess"
 
-echo "== Python wheel: pip wheel . in a fresh venv, installed into another, tested from outside the checkout =="
-# The wheel compiles libess and the ess program once more (no tests, no benchmarks; build/wheel is kept,
-# so a second run only relinks what changed). The venv it is installed into sees Debian's numpy, pytest and
-# torch (--system-site-packages) but no ess: the tests, the example and `ess` run on the installed package.
+stage "Python wheel: pip wheel . in a fresh venv, installed into another, tested from outside the checkout"
+# The wheel's CMake compiles libess and the ess program with the release build's flags (-Werror
+# included), so ccache hands it the release build's objects; build/wheel is kept, so a second run
+# only relinks what changed. The venv it is installed into sees Debian's numpy, pytest and torch
+# (--system-site-packages) but no ess: the tests, the example and `ess` run on the installed package.
 checkout=$PWD
 /usr/bin/python3 -m venv "$prefix/venv-build"
-"$prefix/venv-build/bin/pip" wheel -q --no-deps -w "$prefix/dist" --config-settings=build-dir=build/wheel .
+"$prefix/venv-build/bin/pip" wheel -q --no-deps -w "$prefix/dist" --config-settings=build-dir=build/wheel \
+  --config-settings=cmake.define.ESS_WERROR=ON .
 /usr/bin/python3 -m venv --system-site-packages "$prefix/venv"
 "$prefix/venv/bin/pip" install -q "$prefix"/dist/ess-*.whl
 mkdir "$prefix/examples" && cp examples/engine_loop.py "$prefix/examples/"
@@ -59,19 +103,24 @@ assert r['bitwise_equal'] and r['library'].startswith('$prefix/venv/'), r"
 )
 /usr/bin/python3 examples/engine_loop.py --steps 4   # the checkout's package finds build/release's libess itself
 
-echo "== GPU bring-up kit: device bundle, fallback configure check, validation dry run =="
+stage "GPU bring-up kit: device bundle, fallback configure check, validation dry run"
 if ./build/release/tools/ess/ess --version | grep -q "CUDA target: built"; then
   bash scripts/device_bundle.sh --no-build --check-fallback=configure
-  bash scripts/gpu_validate.sh --dry-run build/gpu-validate-dry-run probe tests sanitize kernels profile step python
+  python3 scripts/gpu_validate.py --dry-run build/gpu-validate-dry-run probe tests sanitize kernels profile step python
   bash scripts/check_kit_without_cublas.sh build/gpu-validate-no-cublas
 else
   echo "skipped: this build has no CUDA target (nvcc not found)"
 fi
 
-echo "== fuzz: trace reader (${FUZZ_SECONDS:-45} s) =="
+stage "fuzz: trace reader (${FUZZ_SECONDS:-45} s)"
 bash scripts/fuzz.sh "${FUZZ_SECONDS:-45}"
 
-echo "== ASan + UBSan build =="
+stage "ASan + UBSan build"
 cmake --preset asan -DESS_SAFETENSORS_PYTHON="$PWD/build/venv-safetensors/bin/python" >/dev/null
 cmake --build --preset asan -j "$JOBS"
-ctest --preset asan -j "$JOBS"
+
+stage "ASan + UBSan tests"
+ctest --preset asan -j "$JOBS" --timeout 1200 | tee "$logs/asan.log"
+slowest "$logs/asan.log"
+
+report_stages

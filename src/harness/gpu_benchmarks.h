@@ -7,21 +7,21 @@
 #include <vector>
 
 #include "harness/rig/bench.h"
-#include "runtime/ops/flashtrans/transfer_bench.h"
-#include "runtime/ops/gpu_swap/swap_bench.h"
+#include "runtime/ops/flashtrans/flashtrans_bench.h"
+#include "runtime/ops/gpu_swap/swap_engine_bench.h"
 #include "runtime/ops/indexer/indexer_bench.h"
-#include "runtime/ops/sparse_mla/attention_bench.h"
+#include "runtime/ops/sparse_mla/sparse_mla_bench.h"
 
 namespace ess::harness {
 
 struct GpuBenchmarks {
-  cuda::TransferBenchResult (*transfer)(const cuda::TransferBenchConfig& config);
-  cuda::SwapBenchResult (*swap)(const cuda::SwapBenchConfig& config);
-  cuda::AttentionBenchResult (*attention)(const cuda::AttentionBenchConfig& config, const std::vector<int>& batches);
+  cuda::FlashTransBenchResult (*transfer)(const cuda::FlashTransBenchConfig& config);
+  cuda::SwapEngineBenchResult (*swap)(const cuda::SwapEngineBenchConfig& config);
+  cuda::SparseMlaBenchResult (*attention)(const cuda::SparseMlaBenchConfig& config, const std::vector<int>& batches);
   cuda::IndexerBenchResult (*indexer)(const cuda::IndexerBenchConfig& config);
-  pipeline::StepBenchResult (*step)(const pipeline::StepBenchConfig& config,
-                                   const std::function<void(const pipeline::StepPoint&)>& on_point);
-  pipeline::ProfileResult (*profile)(const pipeline::ProfileConfig& config);
+  rig::StepBenchResult (*step)(const rig::StepBenchConfig& config,
+                                   const std::function<void(const rig::StepPoint&)>& on_point);
+  rig::ProfileResult (*profile)(const rig::ProfileConfig& config);
 };
 
 // The registered benchmarks; throws ess::Error naming `command` when this build has none, or

@@ -12,7 +12,7 @@
 
 #include "ess/cache/layer_cache.h"
 #include "ess/core/error.h"
-#include "harness/support/cache_fixtures.h"
+#include "testing/cache_fixtures.h"
 
 namespace ess {
 namespace {

@@ -11,7 +11,7 @@
 #include <set>
 
 #include "ess/cache/swap_engine.h"
-#include "harness/support/cache_fixtures.h"
+#include "testing/cache_fixtures.h"
 
 namespace ess {
 namespace {

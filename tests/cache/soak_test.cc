@@ -8,7 +8,7 @@
 
 #include "ess/cache/swap_engine.h"
 #include "ess/core/error.h"
-#include "harness/support/cache_fixtures.h"
+#include "testing/cache_fixtures.h"
 
 namespace ess {
 namespace {

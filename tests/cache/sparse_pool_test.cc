@@ -7,8 +7,8 @@
 #include <string>
 
 #include "ess/core/error.h"
-#include "harness/support/cache_fixtures.h"
-#include "harness/support/testing.h"
+#include "testing/cache_fixtures.h"
+#include "testing/testing.h"
 
 namespace ess {
 namespace {

@@ -12,8 +12,8 @@
 
 #include "ess/cache/total_pool.h"
 #include "ess/core/error.h"
-#include "harness/support/cache_fixtures.h"
-#include "harness/support/testing.h"
+#include "testing/cache_fixtures.h"
+#include "testing/testing.h"
 
 namespace ess {
 namespace {

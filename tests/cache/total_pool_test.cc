@@ -8,8 +8,8 @@
 
 #include "ess/core/error.h"
 #include "ess/runtime/backend.h"
-#include "harness/support/cache_fixtures.h"
-#include "harness/support/testing.h"
+#include "testing/cache_fixtures.h"
+#include "testing/testing.h"
 
 namespace ess {
 namespace {

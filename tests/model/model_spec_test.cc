@@ -8,7 +8,7 @@
 #include <string>
 
 #include "ess/core/error.h"
-#include "harness/support/testing.h"
+#include "testing/testing.h"
 
 namespace ess {
 namespace {

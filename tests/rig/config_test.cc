@@ -10,10 +10,10 @@
 #include "ess/trace/format.h"
 #include "ess/trace/generator.h"
 #include "harness/rig/config.h"
-#include "harness/support/cache_fixtures.h"
-#include "harness/support/testing.h"
+#include "testing/cache_fixtures.h"
+#include "testing/testing.h"
 
-namespace ess::pipeline {
+namespace ess::rig {
 namespace {
 
 ExecutorConfig small() {
@@ -180,4 +180,4 @@ TEST(pipeline_config, TraceFileRequestsAndLayers) {
 }
 
 }  // namespace
-}  // namespace ess::pipeline
+}  // namespace ess::rig

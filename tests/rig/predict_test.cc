@@ -5,10 +5,10 @@
 
 #include <fmt/format.h>
 
-#include "ess/core/op_names.h"
+#include "ess/sim/op_names.h"
 #include "harness/rig/predict.h"
 
-namespace ess::pipeline {
+namespace ess::rig {
 namespace {
 
 // Every profiled op at 10 us flat over tokens [1, 100000] (indexer and attention rows at
@@ -91,4 +91,4 @@ TEST(pipeline_predict, LayerWiseThresholdIsPerRequest) {
 }
 
 }  // namespace
-}  // namespace ess::pipeline
+}  // namespace ess::rig

@@ -10,8 +10,8 @@ namespace {
 bool has(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 
 TEST(report, TransferKeepsEveryMethodAndTheSweep) {
-  cuda::TransferBenchConfig c;
-  cuda::TransferBenchResult r;
+  cuda::FlashTransBenchConfig c;
+  cuda::FlashTransBenchResult r;
   r.device = "Test GPU";
   r.date = "2026-11-22T00:00:00Z";
   r.verified = true;
@@ -33,9 +33,9 @@ TEST(report, TransferKeepsEveryMethodAndTheSweep) {
 }
 
 TEST(report, AttentionHeadlinesTheConfiguredBatch) {
-  cuda::AttentionBenchConfig c;
+  cuda::SparseMlaBenchConfig c;
   c.batch = 64;
-  cuda::AttentionBenchResult r;
+  cuda::SparseMlaBenchResult r;
   r.verified = true;
   r.points = {{32, {10, 9, 11}, 100, 110, 1e6, 100}, {64, {20, 19, 21}, 160, 170, 2e6, 100}, {128, {40, 39, 41}, 150, 155, 4e6, 100}};
   const nlohmann::json j = to_json(c, r);

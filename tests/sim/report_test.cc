@@ -4,7 +4,7 @@
 
 #include <gtest/gtest.h>
 
-#include "harness/support/testing.h"
+#include "testing/testing.h"
 
 namespace ess::sim {
 namespace {

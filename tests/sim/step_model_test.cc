@@ -6,8 +6,8 @@
 
 #include "ess/core/error.h"
 #include "ess/sim/step_model.h"
-#include "harness/support/testing.h"
 #include "sim/sim_test_util.h"
+#include "testing/testing.h"
 
 namespace ess::sim {
 namespace {

@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "ess/core/error.h"
-#include "ess/core/lists.h"
+#include "ess/io/lists.h"
 #include "ess/sim/op_cost.h"
 #include "ess/sim/step_model.h"
 #include "sim/sim_test_util.h"

@@ -1,12 +1,13 @@
 // The trace format: C++ round trip, Python-writes / C++-reads, and every kind of bad input.
 #include <gtest/gtest.h>
 
+#include <csignal>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
-#include "ess/core/text.h"
+#include "ess/io/text.h"
 #include "ess/trace/analyzer.h"
 #include "ess/trace/format.h"
 #include "test_util.h"
@@ -455,8 +456,8 @@ TEST(TraceFormatBadInput, ContextAndLengthsAgreeWithEachOtherAndTheModel) {
   EXPECT_NO_THROW(parse(h, good_data({3, 4, 5, 6}, {163840, 1 << 30})));
 }
 
-// A mapped trace truncated by another process between opening and reading: a clean exit 3
-// naming the file, not SIGBUS.
+// A mapped trace truncated by another process between opening and reading: with the guard a
+// program chooses (install_mapping_guard, as `ess` does), a clean exit 3 naming the file, not SIGBUS.
 TEST(TraceFormatDeathTest, AFileThatShrinksWhileItIsReadEndsTheRunNamingIt) {
   GTEST_FLAG_SET(death_test_style, "threadsafe");
   const auto path = temp_path("shrinks.safetensors");
@@ -471,12 +472,35 @@ TEST(TraceFormatDeathTest, AFileThatShrinksWhileItIsReadEndsTheRunNamingIt) {
   write_trace(path, meta, {r});
   EXPECT_EXIT(
       {
+        install_mapping_guard();
         const TraceReader reader(path);
         std::filesystem::resize_file(path, 4096);
         reader.validate_all();
         std::_Exit(0);
       },
       ::testing::ExitedWithCode(3), "shrinks.safetensors: the trace file shrank while it was read");
+}
+
+// The library leaves SIGBUS to its caller: reading (and writing) a trace installs no handler.
+TEST(TraceFormatDeathTest, TheLibraryInstallsNoSignalHandler) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");  // a fresh process: nothing installed before
+  const auto path = temp_path("no_handler.safetensors");
+  EXPECT_EXIT(
+      {
+        struct sigaction before {};
+        struct sigaction after {};
+        ::sigaction(SIGBUS, nullptr, &before);
+        RequestData r;
+        r.id = "a";
+        r.topk.assign(2 * 2 * 4, -1);
+        r.lengths.push_back(5);
+        write_trace(path, small_meta(), {r});
+        const TraceReader reader(path);
+        reader.validate_all();
+        ::sigaction(SIGBUS, nullptr, &after);
+        std::_Exit(after.sa_handler == before.sa_handler && after.sa_sigaction == before.sa_sigaction ? 0 : 1);
+      },
+      ::testing::ExitedWithCode(0), "");
 }
 
 TEST(TraceFormat, WriterRefusesWrongShapesAndOrder) {

@@ -5,6 +5,7 @@
 
 #include <limits>
 
+#include "bench_options.h"
 #include "commands.h"
 #include "ess/core/error.h"
 #include "harness/gpu_benchmarks.h"
@@ -33,96 +34,76 @@ void add_bench(CLI::App& app, int& exit_code) {
       "Copy one layer's misses between the pinned host pool and device slots with FlashTrans, per-entry "
       "cudaMemcpyAsync, cudaMemcpyBatchAsync and one bulk copy, both directions");
   struct Args {
-    int requests = 64, misses = 256, repeats = 20, device = 0;
-    long long context = 32768;
-    int slots = 6554;
-    std::uint64_t seed = 1;
+    BenchOptions o;
+    int misses = 256;
     std::vector<int> blocks;
     bool concurrent = false;
     int attention_batch = 128;
-    Format format = Format::kTable;
   };
   auto a = std::make_shared<Args>();
-  transfer->add_option("--requests,-b", a->requests, "Requests in the batch")->capture_default_str()
-      ->check(in_range(1, std::numeric_limits<std::int32_t>::max()));
+  a->o.add_requests(*transfer, "Requests in the batch");
   transfer->add_option("--misses,-m", a->misses, "Misses per request")->capture_default_str()
       ->check(in_range(1, std::numeric_limits<std::int32_t>::max()));
-  transfer->add_option("--context,-c", a->context, "Host-pool tokens per request")->capture_default_str()
-      ->check(in_range(1, 1 << 30));
-  transfer->add_option("--slots", a->slots, "Device slots per request")->capture_default_str()
-      ->check(in_range(1, std::numeric_limits<std::int32_t>::max()));
-  transfer->add_option("--repeats,-r", a->repeats, "Timed runs per method")->capture_default_str()
-      ->check(in_range(1, 1 << 20));
-  transfer->add_option("--device", a->device, "CUDA device")->capture_default_str()
-      ->check(in_range(0, 1023));
-  transfer->add_option("--seed", a->seed, "Random seed")->capture_default_str()->check(unsigned_integer());
+  a->o.add_context(*transfer, "Host-pool tokens per request");
+  a->o.add_slots(*transfer, "Device slots per request");
+  a->o.add_repeats(*transfer, "Timed runs per method");
   add_list_option(*transfer, "--blocks", a->blocks, "FlashTrans grid sizes to sweep, comma-separated (e.g. 8,16,32,64,132,1056)");
   transfer->add_flag("--concurrent", a->concurrent, "Sweep also beside a sparse MLA decode (copy bandwidth, attention slowdown)");
   transfer->add_option("--attention-batch", a->attention_batch, "Batch of that decode (T 2, 128 heads, top-k 2048)")
       ->capture_default_str()
       ->check(in_range(1, 4096));
-  add_format_option(*transfer, a->format, false);
+  a->o.add_run(*transfer);
   transfer->callback([a, &exit_code] {
-    cuda::TransferBenchConfig c;
-    c.requests = a->requests;
+    cuda::FlashTransBenchConfig c;
+    c.requests = a->o.requests;
     c.misses_per_request = a->misses;
-    c.context = a->context;
-    c.slots = a->slots;
-    c.repeats = a->repeats;
-    c.device = a->device;
-    c.seed = a->seed;
+    c.context = a->o.context;
+    c.slots = a->o.slots;
+    c.repeats = a->o.repeats;
+    c.device = a->o.device;
+    c.seed = a->o.seed;
     for (int b : a->blocks) ESS_CHECK(b >= 1 && b <= 65535, "--blocks: {} must be in [1, 65535]", b);
     c.blocks = a->blocks;
     c.concurrent = a->concurrent;
     c.attention_batch = a->attention_batch;
     const auto r = harness::gpu_benchmarks("bench transfer").transfer(c);
-    print_report(c, r, a->format);
+    print_report(c, r, a->o.format);
     exit_code = r.verified ? 0 : 1;
   });
 
   CLI::App* swap = bench->add_subcommand(
       "swap", "Time the GPU swap engine: one launch decides hits, misses and victims for a whole batch");
   struct SwapArgs {
-    int requests = 128, mtp = 2, topk = 2048, fresh = 100, repeats = 50, device = 0, layers = 61;
-    int slots = 6554;
-    long long context = 32768;
-    std::uint64_t seed = 1;
-    Format format = Format::kTable;
+    BenchOptions o;
+    int fresh = 100, layers = 61;
   };
   auto sa = std::make_shared<SwapArgs>();
-  swap->add_option("--requests,-b", sa->requests, "Requests in the batch")->capture_default_str()
-      ->check(in_range(1, std::numeric_limits<std::int32_t>::max()));
-  swap->add_option("--mtp,-t", sa->mtp, "Query tokens per request (MTP T)")->capture_default_str()
-      ->check(in_range(1, 32));
-  swap->add_option("--topk,-k", sa->topk, "Entries per query token")->capture_default_str()
-      ->check(in_range(1, std::numeric_limits<std::int32_t>::max()));
-  swap->add_option("--slots", sa->slots, "Slots per request")->capture_default_str()
-      ->check(in_range(1, std::numeric_limits<std::int32_t>::max()));
-  swap->add_option("--context,-c", sa->context, "Tokens per request")->capture_default_str()
-      ->check(in_range(1, 1 << 30));
+  sa->o.requests = 128;
+  sa->o.repeats = 50;
+  sa->o.add_requests(*swap, "Requests in the batch");
+  sa->o.add_mtp(*swap);
+  sa->o.add_topk(*swap, "Entries per query token");
+  sa->o.add_slots(*swap, "Slots per request");
+  sa->o.add_context(*swap, "Tokens per request");
   swap->add_option("--fresh", sa->fresh, "Ids replaced per query per step (sets the miss rate)")->capture_default_str()
       ->check(in_range(0, std::numeric_limits<std::int32_t>::max()));
-  swap->add_option("--repeats,-r", sa->repeats, "Timed steps (each launches every layer)")->capture_default_str()
-      ->check(in_range(1, 1 << 20));
+  sa->o.add_repeats(*swap, "Timed steps (each launches every layer)");
   swap->add_option("--layers", sa->layers, "Layers whose state the launches walk")->capture_default_str()
       ->check(in_range(1, 4096));
-  swap->add_option("--device", sa->device, "CUDA device")->capture_default_str()
-      ->check(in_range(0, 1023));
-  swap->add_option("--seed", sa->seed, "Random seed")->capture_default_str()->check(unsigned_integer());
-  add_format_option(*swap, sa->format, false);
+  sa->o.add_run(*swap);
   swap->callback([sa] {
-    cuda::SwapBenchConfig c;
-    c.requests = sa->requests;
-    c.query_tokens = sa->mtp;
-    c.topk = sa->topk;
-    c.slots = sa->slots;
-    c.context = sa->context;
+    cuda::SwapEngineBenchConfig c;
+    c.requests = sa->o.requests;
+    c.query_tokens = sa->o.mtp;
+    c.topk = sa->o.topk;
+    c.slots = sa->o.slots;
+    c.context = sa->o.context;
     c.fresh_per_query = sa->fresh;
-    c.repeats = sa->repeats;
+    c.repeats = sa->o.repeats;
     c.layers = sa->layers;
-    c.device = sa->device;
-    c.seed = sa->seed;
-    print_report(c, harness::gpu_benchmarks("bench swap").swap(c), sa->format);
+    c.device = sa->o.device;
+    c.seed = sa->o.seed;
+    print_report(c, harness::gpu_benchmarks("bench swap").swap(c), sa->o.format);
   });
   add_bench_kernels(*bench, exit_code);
   add_bench_step(*bench, exit_code);

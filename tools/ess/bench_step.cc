@@ -9,8 +9,8 @@
 
 #include "commands.h"
 #include "ess/core/error.h"
-#include "ess/core/files.h"
-#include "ess/core/lists.h"
+#include "ess/io/lists.h"
+#include "ess/io/output_file.h"
 #include "harness/gpu_benchmarks.h"
 #include "harness/report/report.h"
 #include "harness/rig/config.h"
@@ -20,7 +20,7 @@ namespace {
 
 // Options of the executor shared by both subcommands.
 struct ExecutorArgs {
-  pipeline::ExecutorConfig c;
+  rig::ExecutorConfig c;
   std::string overlap_list = "none,da,dba,layerwise";
   bool no_graph = false, no_gemms = false, no_warmup = false;
 
@@ -57,8 +57,8 @@ struct ExecutorArgs {
     cmd.add_flag("--reserve-newest", c.reserve_newest,
                  "Each step's newest tokens in reserved rows outside the LRU (the H2D no longer waits for their D2H)");
   }
-  pipeline::ExecutorConfig config() const {
-    pipeline::ExecutorConfig r = c;
+  rig::ExecutorConfig config() const {
+    rig::ExecutorConfig r = c;
     r.graph = !no_graph;
     r.stand_in_gemms = !no_gemms;
     r.warmup = !no_warmup;
@@ -99,7 +99,7 @@ void add_bench_step(CLI::App& bench, int& exit_code) {
                    "what it finished)");
   add_format_option(*step, sa->format, false);
   step->callback([sa] {
-    pipeline::StepBenchConfig sc;
+    rig::StepBenchConfig sc;
     sc.base = sa->ex.config();
     sc.batches = parse_positive_ints(sa->batches, "--batch");
     sc.modes.clear();
@@ -113,7 +113,7 @@ void add_bench_step(CLI::App& bench, int& exit_code) {
     sc.deployment = sa->deployment;
     if (!sa->points_file.empty()) check_output_file(sa->points_file, "--points");
     std::ofstream points;  // opened at the first point: a refused run creates nothing
-    const auto on_point = [&](const pipeline::StepPoint& p) {
+    const auto on_point = [&](const rig::StepPoint& p) {
       if (sa->points_file.empty()) return;
       if (!points.is_open()) {
         points.open(sa->points_file, std::ios::app);
@@ -122,7 +122,7 @@ void add_bench_step(CLI::App& bench, int& exit_code) {
       points << p.to_json().dump() << '\n' << std::flush;
       ESS_CHECK(points.good(), "bench step: writing --points {} failed", sa->points_file);
     };
-    const pipeline::StepBenchResult r = harness::gpu_benchmarks("bench step", true).step(sc, on_point);
+    const rig::StepBenchResult r = harness::gpu_benchmarks("bench step", true).step(sc, on_point);
     if (sa->format == Format::kJson) {
       fmt::print("{}\n", r.to_json(sc).dump(2));
     } else {
@@ -151,12 +151,12 @@ void add_bench_step(CLI::App& bench, int& exit_code) {
       ->required();
   profile->callback([pa] {
     for (const char* suffix : {"-ops.csv", "-hardware.json", ".json"}) check_output_file(pa->out + suffix, "--out");
-    pipeline::ProfileConfig pc;
+    rig::ProfileConfig pc;
     pc.base = pa->ex.config();
     pc.requests = parse_positive_ints(pa->requests, "--requests");
     pc.repeats = pa->repeats;
     pc.base_hardware = pa->base;
-    const pipeline::ProfileResult r = harness::gpu_benchmarks("bench profile", true).profile(pc);
+    const rig::ProfileResult r = harness::gpu_benchmarks("bench profile", true).profile(pc);
     auto write = [](const std::string& path, const std::string& text) { write_text_file(path, text, "--out"); };
     write(pa->out + "-ops.csv", r.csv);
     write(pa->out + "-hardware.json", r.hardware.dump(2) + "\n");

@@ -16,8 +16,10 @@
 
 #include "commands.h"
 #include "ess/core/error.h"
-#include "ess/core/lists.h"
+#include "ess/io/lists.h"
+#include "ess/io/output_file.h"
 #include "ess/runtime/backend.h"
+#include "ess/trace/format.h"
 #include "ess/version.h"
 
 namespace ess::cli {
@@ -154,6 +156,11 @@ void check_subcommands(const CLI::App& app, int argc, char** argv) {
 // configuration); 2 bad input (a flag, value or file refused; the message names it); 3 the
 // run could not complete (memory, disk, device); 4 an internal error (a bug in ESS).
 int main(int argc, char** argv) {
+  // The program's choices, which the libraries leave to it: an interrupt removes the temporaries
+  // of the outputs being written (ess/io/output_file.h), and a trace that shrinks while it is
+  // read ends the run with exit status 3 naming it (ess/trace/format.h).
+  ess::install_output_cleanup();
+  ess::trace::install_mapping_guard();
   CLI::App app{"ESS: offloaded latent cache for DeepSeek-V3.2-style sparse attention"};
   app.set_version_flag("--version", fmt::format("ess {} (CUDA target: {})", ESS_VERSION,
                                                  ess::cuda_backend_built() ? "built" : "not built"));

@@ -11,8 +11,8 @@
 
 #include "commands.h"
 #include "ess/core/error.h"
-#include "ess/core/files.h"
 #include "ess/core/json.h"
+#include "ess/io/output_file.h"
 #include "ess/sim/report.h"
 #include "progress.h"
 #include "sim_inputs.h"

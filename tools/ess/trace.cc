@@ -12,8 +12,8 @@
 
 #include "commands.h"
 #include "ess/core/error.h"
-#include "ess/core/files.h"
-#include "ess/core/lists.h"
+#include "ess/io/lists.h"
+#include "ess/io/output_file.h"
 #include "ess/trace/analyzer.h"
 #include "ess/trace/format.h"
 #include "ess/trace/generator.h"

@@ -10,6 +10,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "ess/runtime/backend.h"  // cuda::device_view: the device pointer of mapped pinned host memory
+
 namespace ess::cuda {
 
 using Stream = void*;  // cudaStream_t, without the CUDA headers
@@ -57,9 +59,5 @@ inline constexpr int kFlashTransChunksPerThread = 8;
 // value (0 = success) and never synchronizes.
 int flashtrans_gather(const EntryCopy& copy, Stream stream);
 int flashtrans_scatter(const EntryCopy& copy, Stream stream);
-
-// The device pointer through which kernels reach mapped pinned host memory (equal to the
-// host pointer under UVA). nullptr when `host` is not mapped pinned memory.
-const std::uint8_t* device_view(const std::uint8_t* host);
 
 }  // namespace ess::cuda

@@ -6,6 +6,7 @@
 // (ess/ops/*.h) returns kNoCudaDevice and every CUDA object refuses to be made, by name.
 #pragma once
 
+#include <cstdint>
 #include <memory>
 #include <string>
 
@@ -23,5 +24,12 @@ std::string cuda_device_name(int device = 0);
 // The Sparse Memory Pool's device backend: slots in device memory, filled by FlashTrans from
 // the pinned Total Memory Pool. Throws ess::Error without the backend or the device.
 std::unique_ptr<SlotStorage> make_device_slot_storage(int device = 0, void* stream = nullptr);
+
+namespace cuda {
+// The device pointer through which kernels reach mapped pinned host memory (equal to the
+// host pointer under UVA). nullptr when `host` is not mapped pinned memory, or without the
+// backend.
+const std::uint8_t* device_view(const std::uint8_t* host);
+}  // namespace cuda
 
 }  // namespace ess

@@ -43,24 +43,11 @@
 #include "ess/model/entry_layout.h"
 #include "ess/model/model_spec.h"
 #include "ess/ops/flashtrans.h"
+#include "ess/ops/row_layout.h"
 
 namespace ess {
 
 enum class Backend { kCpu, kCuda };
-
-// Where physical row p of a layer's buffer lives, in bytes from its base:
-//   (p / block_rows) * block_stride + (p % block_rows) * row_stride
-// (a paged cache of blocks of block_rows rows; block_rows = 0: one contiguous block).
-struct RowLayout {
-  std::uint64_t row_stride = 0;    // 0 = the entry size
-  std::int64_t block_rows = 0;
-  std::uint64_t block_stride = 0;
-  constexpr std::uint64_t offset(std::int64_t p) const {
-    if (block_rows <= 0) return static_cast<std::uint64_t>(p) * row_stride;
-    return static_cast<std::uint64_t>(p / block_rows) * block_stride +
-           static_cast<std::uint64_t>(p % block_rows) * row_stride;
-  }
-};
 
 // The device latent buffer of every layer: FlashMLA's KV cache viewed as rows of
 // layout.bytes() bytes, one base per layer, rows placed by `rows`. Empty layer_base: ESS

@@ -9,7 +9,7 @@
 #include <string_view>
 #include <vector>
 
-#include "ess/core/overlap.h"
+#include "ess/sim/overlap.h"
 
 namespace ess::sim {
 

@@ -34,7 +34,7 @@
 #include <string_view>
 #include <vector>
 
-#include "ess/core/files.h"
+#include "ess/io/output_file.h"
 
 namespace ess::trace {
 
@@ -86,6 +86,14 @@ struct RequestView {
   }
   std::int64_t prompt_length() const { return lengths.empty() ? 0 : lengths.front(); }
 };
+
+// A mapped trace that shrinks while it is read (truncated by another process, lost by a network
+// filesystem) raises SIGBUS on the next touch of a page past its new end. The library installs no
+// handler for it: a program that wants such a fault to end the run with exit status 3 and a
+// message naming the trace (as `ess` does) calls this once; a fault outside a trace's pages goes
+// on to the handler that was there before. Without it, the program's own SIGBUS handling applies
+// (by default the process ends by the signal).
+void install_mapping_guard();
 
 class TraceReader {
  public:

@@ -5,7 +5,7 @@
 
 #include "ess/core/error.h"
 #include "ess/core/json.h"
-#include "ess/core/overlap.h"
+#include "ess/sim/overlap.h"
 #include "ess/sim/planner.h"
 
 namespace ess::sim {

@@ -10,8 +10,8 @@
 
 #include "ess/core/error.h"
 #include "ess/core/files.h"
-#include "ess/core/op_names.h"
-#include "ess/core/lists.h"
+#include "ess/io/lists.h"
+#include "ess/sim/op_names.h"
 
 namespace ess::sim {
 

@@ -5,7 +5,7 @@
 #include <fstream>
 
 #include "ess/core/error.h"
-#include "ess/core/files.h"
+#include "ess/io/output_file.h"
 
 namespace ess::sim {
 

@@ -1,26 +1,21 @@
+// The trace format's schema (docs/trace-format.md) over the safetensors container
+// (safetensors.h): the ess.* metadata, each request's tensors, and the checks of every id.
 #include "ess/trace/format.h"
 
-#include <fcntl.h>
-#include <signal.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
+#include <fmt/format.h>
 
 #include <algorithm>
-#include <atomic>
 #include <bit>
-#include <cerrno>
 #include <charconv>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <nlohmann/json.hpp>
-#include <optional>
-#include <set>
-#include <tuple>
 
+#include "analysis/trace/mapped_file.h"
+#include "analysis/trace/safetensors.h"
 #include "ess/core/error.h"
-#include "ess/core/files.h"
-#include "ess/core/text.h"
+#include "ess/io/text.h"
 #include "ess/model/model_spec.h"
 
 static_assert(std::endian::native == std::endian::little, "the trace reader assumes a little-endian host");
@@ -28,25 +23,6 @@ static_assert(std::endian::native == std::endian::little, "the trace reader assu
 namespace ess::trace {
 
 namespace {
-
-// A header larger than this is not a trace (safetensors' own limit, MAX_HEADER_SIZE).
-constexpr std::uint64_t kMaxHeader = 100'000'000;
-
-std::optional<std::size_t> dtype_size(const std::string& d) {
-  static const std::map<std::string, std::size_t> sizes{
-      {"BOOL", 1}, {"U8", 1},  {"I8", 1},   {"F8_E5M2", 1}, {"F8_E4M3", 1}, {"I16", 2}, {"U16", 2}, {"F16", 2},
-      {"BF16", 2}, {"I32", 4}, {"U32", 4},  {"F32", 4},     {"F64", 8},     {"I64", 8}, {"U64", 8}};
-  auto it = sizes.find(d);
-  if (it == sizes.end()) return std::nullopt;
-  return it->second;
-}
-
-struct TensorInfo {
-  std::string dtype;
-  std::vector<std::int64_t> shape;
-  std::uint64_t begin = 0;  // relative to the data section
-  std::uint64_t end = 0;
-};
 
 std::int64_t parse_int(const std::string& path, const std::string& key, const std::string& value, std::int64_t lo,
                        std::int64_t hi) {
@@ -57,202 +33,6 @@ std::int64_t parse_int(const std::string& path, const std::string& key, const st
   ESS_CHECK(ec == std::errc() && p == last, "{}: metadata '{}' = '{}' is not an integer", path, key, printable(value));
   ESS_CHECK(v >= lo && v <= hi, "{}: metadata '{}' = {} is outside [{}, {}]", path, key, v, lo, hi);
   return v;
-}
-
-}  // namespace
-
-// A mapped file that shrinks while it is read (truncated by another process, a network
-// filesystem that lost it) raises SIGBUS on the next touch of a page past its new end. The
-// mappings alive now are kept in fixed storage for the handler, which may only call
-// async-signal-safe functions: a fault inside one ends the process with exit status 3 and a
-// message naming the file, as `ess` does for any run that cannot complete; a fault elsewhere
-// goes to the handler that was there before (the default one, or a sanitizer's).
-namespace {
-
-constexpr int kMaxGuarded = 64;
-struct GuardedMapping {
-  std::atomic<bool> live{false};
-  std::atomic<std::uintptr_t> begin{0};
-  std::atomic<std::size_t> size{0};
-  char message[1024] = {};
-  std::size_t message_size = 0;
-};
-GuardedMapping g_guarded[kMaxGuarded];
-struct sigaction g_previous_sigbus {};
-
-extern "C" void trace_mapping_fault(int sig, siginfo_t* info, void*) {
-  const auto addr = reinterpret_cast<std::uintptr_t>(info->si_addr);
-  for (auto& g : g_guarded) {
-    if (!g.live.load()) continue;
-    const std::uintptr_t b = g.begin.load();
-    if (addr >= b && addr - b < g.size.load()) {
-      [[maybe_unused]] const auto n = ::write(STDERR_FILENO, g.message, g.message_size);
-      ::_exit(3);
-    }
-  }
-  // Not a trace's page: the fault repeats under the previous handler when this returns.
-  ::sigaction(sig, &g_previous_sigbus, nullptr);
-}
-
-void install_mapping_guard() {
-  static const bool installed = [] {
-    if (::sigaction(SIGBUS, nullptr, &g_previous_sigbus) != 0) return false;
-    struct sigaction sa {};
-    sa.sa_sigaction = trace_mapping_fault;
-    sa.sa_flags = SA_SIGINFO;
-    sigemptyset(&sa.sa_mask);
-    return ::sigaction(SIGBUS, &sa, nullptr) == 0;
-  }();
-  (void)installed;
-}
-
-// A slot for the mapping (-1 when all are taken: the mapping is then unguarded).
-int guard_mapping(const void* begin, std::size_t size, const std::string& path) {
-  install_mapping_guard();
-  for (int i = 0; i < kMaxGuarded; ++i) {
-    bool expected = false;
-    if (!g_guarded[i].live.compare_exchange_strong(expected, true)) continue;
-    auto& g = g_guarded[i];
-    const std::string text = fmt::format(
-        "ess: cannot complete: {}: the trace file shrank while it was read (truncated by another process, or lost by "
-        "its filesystem); nothing was written\n",
-        printable(path));
-    g.message_size = std::min(text.size(), sizeof(g.message));
-    std::memcpy(g.message, text.data(), g.message_size);
-    g.size.store(size);
-    g.begin.store(reinterpret_cast<std::uintptr_t>(begin));
-    return i;
-  }
-  return -1;
-}
-
-void unguard_mapping(int slot) {
-  if (slot < 0) return;
-  g_guarded[slot].begin.store(0);
-  g_guarded[slot].size.store(0);
-  g_guarded[slot].live.store(false);
-}
-
-}  // namespace
-
-struct TraceReader::Mapping {
-  const std::uint8_t* data = nullptr;
-  std::size_t size = 0;
-  void* mapped = nullptr;
-  int guard = -1;
-  std::vector<std::uint8_t> bytes;  // from_bytes keeps its own copy
-  ~Mapping() {
-    unguard_mapping(guard);
-    if (mapped != nullptr) munmap(mapped, size);
-  }
-};
-
-TraceReader::TraceReader(TraceReader&&) noexcept = default;
-TraceReader& TraceReader::operator=(TraceReader&&) noexcept = default;
-TraceReader::~TraceReader() = default;
-
-TraceReader::TraceReader(const std::string& path) : path_(path), map_(std::make_unique<Mapping>()) {
-  check_input_file(path, "trace");
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  ESS_CHECK(fd >= 0, "{}: cannot open trace: {}", path, std::strerror(errno));
-  struct stat st {};
-  if (::fstat(fd, &st) != 0) {
-    const int err = errno;
-    ::close(fd);
-    ESS_THROW("{}: cannot stat trace: {}", path, std::strerror(err));
-  }
-  map_->size = static_cast<std::size_t>(st.st_size);
-  if (map_->size > 0) {
-    void* p = ::mmap(nullptr, map_->size, PROT_READ, MAP_PRIVATE, fd, 0);
-    const int err = errno;
-    ::close(fd);
-    ESS_CHECK(p != MAP_FAILED, "{}: cannot map trace ({} bytes): {}", path, map_->size, std::strerror(err));
-    map_->mapped = p;
-    map_->data = static_cast<const std::uint8_t*>(p);
-    map_->guard = guard_mapping(p, map_->size, path);
-  } else {
-    ::close(fd);
-  }
-  parse();
-}
-
-TraceReader TraceReader::from_bytes(std::span<const std::uint8_t> bytes, std::string name) {
-  TraceReader r;
-  r.path_ = std::move(name);
-  r.map_ = std::make_unique<Mapping>();
-  // Copy into 8-aligned storage, as a mapping would be.
-  r.map_->bytes.assign(bytes.begin(), bytes.end());
-  r.map_->data = r.map_->bytes.data();
-  r.map_->size = bytes.size();
-  r.parse();
-  return r;
-}
-
-namespace {
-
-// The file's two sections: the JSON header (after its 8-byte length) and the data after it.
-struct Header {
-  nlohmann::json json;
-  std::uint64_t data_start = 0;  // file offset of the data section
-  std::uint64_t data_size = 0;
-};
-
-// Checks the header length at offset 0 and parses the JSON header that follows it.
-Header read_header(const std::string& path, const std::uint8_t* base, std::size_t size) {
-  ESS_CHECK(size >= 8, "{}: truncated: the file has {} bytes, less than the 8-byte header length at offset 0", path,
-            size);
-  std::uint64_t header_len = 0;
-  std::memcpy(&header_len, base, 8);
-  ESS_CHECK(header_len <= size - 8,
-            "{}: header length {} at offset 0 runs past the end of the file ({} bytes; truncated or not a trace)",
-            path, header_len, size);
-  ESS_CHECK(header_len <= kMaxHeader, "{}: header length {} at offset 0 exceeds the {} byte limit", path,
-            header_len, kMaxHeader);
-  const char* hb = reinterpret_cast<const char*>(base + 8);
-  Header h;
-  // Keys seen in each open object: a key given twice is refused (the parser would keep the
-  // last one, and a tensor named twice would leave the other's bytes unaccounted for).
-  std::vector<std::set<std::string>> open;
-  std::string twice;
-  const nlohmann::json::parser_callback_t note = [&](int, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
-    if (event == nlohmann::json::parse_event_t::object_start) {
-      open.emplace_back();
-    } else if (event == nlohmann::json::parse_event_t::object_end) {
-      if (!open.empty()) open.pop_back();
-    } else if (event == nlohmann::json::parse_event_t::key && !open.empty()) {
-      const auto& key = parsed.get_ref<const std::string&>();
-      if (!open.back().insert(key).second && twice.empty()) twice = key;
-    }
-    return true;
-  };
-  try {
-    h.json = nlohmann::json::parse(hb, hb + header_len, note);
-  } catch (const nlohmann::json::parse_error& e) {
-    ESS_THROW("{}: malformed JSON header at byte offset {}: {}", path, 8 + (e.byte > 0 ? e.byte - 1 : 0),
-              printable(e.what()));
-  } catch (const nlohmann::json::exception& e) {  // e.g. a number too large for any type
-    ESS_THROW("{}: malformed JSON header (offset 8, {} bytes): {}", path, header_len, printable(e.what()));
-  }
-  ESS_CHECK(twice.empty(), "{}: the JSON header (offset 8, {} bytes) gives the key '{}' twice in one object", path,
-            header_len, printable(twice));
-  ESS_CHECK(h.json.is_object(), "{}: the JSON header at offset 8 is a {}, not an object", path, h.json.type_name());
-  h.data_start = 8 + header_len;
-  h.data_size = size - h.data_start;
-  return h;
-}
-
-// The header's '__metadata__' object (string values only), empty when absent.
-std::map<std::string, std::string> read_metadata(const std::string& path, const nlohmann::json& header) {
-  std::map<std::string, std::string> md;
-  if (auto it = header.find("__metadata__"); it != header.end()) {
-    ESS_CHECK(it->is_object(), "{}: header '__metadata__' is a {}, not an object of strings", path, it->type_name());
-    for (const auto& [k, v] : it->items()) {
-      ESS_CHECK(v.is_string(), "{}: metadata '{}' is a {}, not a string (safetensors metadata values are strings)",
-                path, printable(k), v.type_name());
-      md[k] = v.get<std::string>();
-    }
-  }
-  return md;
 }
 
 // Checks the format name and version, fills `meta` from the ess.* metadata (the rest goes to
@@ -291,100 +71,6 @@ std::int64_t read_meta(const std::string& path, const std::map<std::string, std:
     }
   }
   return nreq;
-}
-
-// One tensor entry of the header: dtype, shape and data offsets, checked against the file.
-TensorInfo read_tensor(const std::string& path, std::size_t size, const Header& h, const std::string& name,
-                       const nlohmann::json& t) {
-  ESS_CHECK(t.is_object(), "{}: tensor '{}': header entry is a {}, not an object", path, name, t.type_name());
-  for (const auto& [key, value] : t.items()) {
-    (void)value;
-    ESS_CHECK(key == "dtype" || key == "shape" || key == "data_offsets",
-              "{}: tensor '{}': unknown field '{}' (a tensor entry has dtype, shape and data_offsets)", path, name,
-              printable(key));
-  }
-  TensorInfo info;
-  const auto d = t.find("dtype");
-  ESS_CHECK(d != t.end() && d->is_string(), "{}: tensor '{}': 'dtype' missing or not a string", path, name);
-  info.dtype = d->get<std::string>();
-  const auto dsize = dtype_size(info.dtype);
-  ESS_CHECK(dsize.has_value(), "{}: tensor '{}': unknown dtype '{}'", path, name, printable(info.dtype));
-  const auto sh = t.find("shape");
-  ESS_CHECK(sh != t.end() && sh->is_array(), "{}: tensor '{}': 'shape' missing or not an array", path, name);
-  std::uint64_t numel = 1;
-  for (const auto& e : *sh) {
-    ESS_CHECK(e.is_number_integer() && e.get<std::int64_t>() >= 0,
-              "{}: tensor '{}': shape entry {} is not a non-negative integer", path, name, e.dump());
-    const auto v = e.get<std::int64_t>();
-    ESS_CHECK(v == 0 || numel <= (std::numeric_limits<std::uint64_t>::max() / 16) / static_cast<std::uint64_t>(v),
-              "{}: tensor '{}': shape {} overflows", path, name, sh->dump());
-    numel *= static_cast<std::uint64_t>(v);
-    info.shape.push_back(v);
-  }
-  const auto off = t.find("data_offsets");
-  ESS_CHECK(off != t.end() && off->is_array() && off->size() == 2 && (*off)[0].is_number_unsigned() &&
-                (*off)[1].is_number_unsigned(),
-            "{}: tensor '{}': 'data_offsets' must be [begin, end] of non-negative integers", path, name);
-  info.begin = (*off)[0].get<std::uint64_t>();
-  info.end = (*off)[1].get<std::uint64_t>();
-  ESS_CHECK(info.begin <= info.end, "{}: tensor '{}': data_offsets [{}, {}] are reversed", path, name, info.begin,
-            info.end);
-  ESS_CHECK(info.end <= h.data_size,
-            "{}: tensor '{}': data [{}, {}) at file offset {} runs past the end of the file ({} bytes; truncated?)",
-            path, name, info.begin, info.end, h.data_start + info.begin, size);
-  ESS_CHECK(info.end - info.begin == numel * *dsize,
-            "{}: tensor '{}': shape {} of {} needs {} bytes but data_offsets [{}, {}) hold {}", path, name,
-            sh->dump(), info.dtype, numel * *dsize, info.begin, info.end, info.end - info.begin);
-  return info;
-}
-
-// The tensors tile the data section as safetensors requires: in the order of their offsets
-// each starts where the one before ended (the first at 0), and the last ends at the end of the
-// file. So no bytes lie between or after them and no two share a byte.
-void check_layout(const std::string& path, const Header& h, const std::map<std::string, TensorInfo>& tensors) {
-  std::vector<std::pair<const std::string*, const TensorInfo*>> order;
-  for (const auto& [name, t] : tensors) order.emplace_back(&name, &t);
-  std::sort(order.begin(), order.end(), [](const auto& a, const auto& b) {
-    return std::tie(a.second->begin, a.second->end, *a.first) < std::tie(b.second->begin, b.second->end, *b.first);
-  });
-  std::uint64_t at = 0;
-  const std::string* prev = nullptr;
-  const TensorInfo* prev_t = nullptr;
-  for (const auto& [name, t] : order) {
-    if (t->begin < at) {
-      ESS_THROW("{}: tensor '{}': data [{}, {}) at file offset {} overlaps tensor '{}' at data [{}, {}) (file offset "
-                "{}): tensors may not share bytes",
-                path, printable(*name), t->begin, t->end, h.data_start + t->begin, printable(*prev), prev_t->begin,
-                prev_t->end, h.data_start + prev_t->begin);
-    }
-    if (t->begin > at) {
-      ESS_THROW("{}: tensor '{}': data [{}, {}) at file offset {} leaves a hole of {} bytes at data [{}, {}) (file "
-                "offset {}) {}: tensors must follow one another without gaps",
-                path, printable(*name), t->begin, t->end, h.data_start + t->begin, t->begin - at, at, t->begin,
-                h.data_start + at,
-                prev == nullptr ? std::string("at the start of the data section")
-                                : fmt::format("after tensor '{}'", printable(*prev)));
-    }
-    at = t->end;
-    prev = name;
-    prev_t = t;
-  }
-  ESS_CHECK(at == h.data_size,
-            "{}: {} bytes at data [{}, {}) (file offset {} to the end, {}) follow {}: the tensors must cover the data "
-            "section exactly",
-            path, h.data_size - at, at, h.data_size, h.data_start + at, h.data_start + h.data_size,
-            prev == nullptr ? std::string("a header without tensors") : fmt::format("the last tensor '{}'", printable(*prev)));
-}
-
-// Every tensor entry of the header, by name, checked to tile the data section.
-std::map<std::string, TensorInfo> read_tensors(const std::string& path, std::size_t size, const Header& h) {
-  std::map<std::string, TensorInfo> tensors;
-  for (const auto& [name, t] : h.json.items()) {
-    if (name == "__metadata__") continue;
-    tensors.emplace(name, read_tensor(path, size, h, printable(name), t));
-  }
-  check_layout(path, h, tensors);
-  return tensors;
 }
 
 // What the per-request readers share: the file, its layout, its tensors and metadata.
@@ -554,6 +240,36 @@ void check_no_stray_tensors(const std::string& path, const Header& h, const std:
 
 }  // namespace
 
+struct TraceReader::Mapping {
+  std::unique_ptr<MappedFile> file;  // a file's mapping (the constructor from a path)
+  std::vector<std::uint8_t> bytes;  // from_bytes keeps its own copy
+  const std::uint8_t* data = nullptr;
+  std::size_t size = 0;
+};
+
+TraceReader::TraceReader(TraceReader&&) noexcept = default;
+TraceReader& TraceReader::operator=(TraceReader&&) noexcept = default;
+TraceReader::~TraceReader() = default;
+
+TraceReader::TraceReader(const std::string& path) : path_(path), map_(std::make_unique<Mapping>()) {
+  map_->file = std::make_unique<MappedFile>(path);
+  map_->data = map_->file->data();
+  map_->size = map_->file->size();
+  parse();
+}
+
+TraceReader TraceReader::from_bytes(std::span<const std::uint8_t> bytes, std::string name) {
+  TraceReader r;
+  r.path_ = std::move(name);
+  r.map_ = std::make_unique<Mapping>();
+  // Copy into 8-aligned storage, as a mapping would be.
+  r.map_->bytes.assign(bytes.begin(), bytes.end());
+  r.map_->data = r.map_->bytes.data();
+  r.map_->size = bytes.size();
+  r.parse();
+  return r;
+}
+
 void TraceReader::parse() {
   const Header header = read_header(path_, map_->data, map_->size);
   const std::map<std::string, std::string> md = read_metadata(path_, header.json);
@@ -667,117 +383,6 @@ std::int64_t TraceReader::validate_request(std::size_t i) const {
 
 void TraceReader::validate_all() const {
   for (std::size_t i = 0; i < requests_.size(); ++i) validate_request(i);
-}
-
-// ---- writer ------------------------------------------------------------------------------
-
-namespace {
-
-std::size_t topk_elems(const TraceMeta& m, const RequestShape& s) {
-  return static_cast<std::size_t>(s.steps) * static_cast<std::size_t>(m.layers) * static_cast<std::size_t>(m.mtp) *
-         static_cast<std::size_t>(m.topk);
-}
-std::size_t prefill_elems(const TraceMeta& m, const RequestShape& s) {
-  return static_cast<std::size_t>(m.layers) * static_cast<std::size_t>(s.prefill_windows) *
-         static_cast<std::size_t>(m.topk);
-}
-
-}  // namespace
-
-TraceWriter::TraceWriter(const std::string& path, const TraceMeta& meta, std::vector<RequestShape> shapes)
-    : path_(path), meta_(meta), shapes_(std::move(shapes)) {
-  ESS_CHECK(meta.layers >= 1 && meta.mtp >= 1 && meta.topk >= 1, "{}: trace writer: layers {}, mtp {}, topk {} must be positive",
-            path, meta.layers, meta.mtp, meta.topk);
-  nlohmann::json md = nlohmann::json::object();
-  for (const auto& [k, v] : meta.extra) md[k] = v;
-  md["ess.format"] = kFormatName;
-  md["ess.version"] = std::to_string(kFormatVersion);
-  md["ess.requests"] = std::to_string(shapes_.size());
-  md["ess.layers"] = std::to_string(meta.layers);
-  md["ess.mtp"] = std::to_string(meta.mtp);
-  md["ess.topk"] = std::to_string(meta.topk);
-  md["ess.model"] = meta.model;
-  md["ess.provenance"] = meta.provenance;
-  md["ess.synthetic"] = meta.synthetic ? "true" : "false";
-  if (!meta.note.empty()) md["ess.note"] = meta.note;
-  if (!meta.generator.empty()) md["ess.generator"] = meta.generator;
-  nlohmann::json header = nlohmann::json::object();
-  std::uint64_t off = 0;
-  auto add = [&](const std::string& name, const char* dtype, std::vector<std::int64_t> shape, std::uint64_t bytes) {
-    header[name] = {{"dtype", dtype}, {"shape", shape}, {"data_offsets", {off, off + bytes}}};
-    off += bytes;
-  };
-  for (std::size_t i = 0; i < shapes_.size(); ++i) {
-    const auto& s = shapes_[i];
-    ESS_CHECK(s.steps >= 1 && s.prefill_windows >= 0, "{}: trace writer: request {} has {} steps and {} prefill windows",
-              path, i, s.steps, s.prefill_windows);
-    const std::string p = fmt::format("requests.{}.", i);
-    md[p + "id"] = s.id.empty() ? std::to_string(i) : s.id;
-    if (s.context > 0) md[p + "context"] = std::to_string(s.context);
-    if (!s.prefix_group.empty()) {
-      const std::int64_t ctx = s.context > 0 ? s.context : std::numeric_limits<std::int64_t>::max();
-      ESS_CHECK(s.prefix_tokens >= 0 && s.prefix_tokens <= ctx,
-                "{}: trace writer: request {} prefix_tokens {} must be in [0, its context {}]", path, i, s.prefix_tokens,
-                s.context);
-      md[p + "prefix_group"] = s.prefix_group;
-      md[p + "prefix_tokens"] = std::to_string(s.prefix_tokens);
-    } else {
-      ESS_CHECK(s.prefix_tokens == 0, "{}: trace writer: request {} has prefix_tokens {} but no prefix_group", path, i,
-                s.prefix_tokens);
-    }
-    add(p + "topk", "I32", {s.steps, meta.layers, meta.mtp, meta.topk}, topk_elems(meta, s) * 4);
-    add(p + "lengths", "I64", {s.steps}, static_cast<std::uint64_t>(s.steps) * 8);
-    if (s.prefill_windows > 0) {
-      add(p + "prefill_topk", "I32", {meta.layers, s.prefill_windows, meta.topk}, prefill_elems(meta, s) * 4);
-    }
-  }
-  header["__metadata__"] = md;
-  std::string text = header.dump();
-  while ((8 + text.size()) % 8 != 0) text.push_back(' ');  // 8-aligned data section
-  file_ = std::make_unique<AtomicFile>(path, "trace");  // the target is replaced only by close()
-  const std::uint64_t n = text.size();
-  file_->write(&n, 8);
-  file_->write(text);
-}
-
-TraceWriter::~TraceWriter() = default;
-
-void TraceWriter::write_request(std::size_t i, std::span<const std::int32_t> topk, std::span<const std::int64_t> lengths,
-                                std::span<const std::int32_t> prefill) {
-  ESS_CHECK(file_ != nullptr, "{}: trace writer is closed", path_);
-  ESS_CHECK(i == next_ && i < shapes_.size(), "{}: trace writer: request {} written out of order (expected {} of {})",
-            path_, i, next_, shapes_.size());
-  const auto& s = shapes_[i];
-  ESS_CHECK(topk.size() == topk_elems(meta_, s), "{}: trace writer: request {} topk has {} ids, expected {}", path_, i,
-            topk.size(), topk_elems(meta_, s));
-  ESS_CHECK(lengths.size() == static_cast<std::size_t>(s.steps), "{}: trace writer: request {} has {} lengths, expected {}",
-            path_, i, lengths.size(), s.steps);
-  ESS_CHECK(prefill.size() == prefill_elems(meta_, s), "{}: trace writer: request {} prefill has {} ids, expected {}",
-            path_, i, prefill.size(), prefill_elems(meta_, s));
-  file_->write(topk.data(), topk.size() * 4);
-  file_->write(lengths.data(), lengths.size() * 8);
-  file_->write(prefill.data(), prefill.size() * 4);
-  ++next_;
-}
-
-void TraceWriter::close() {
-  ESS_CHECK(file_ != nullptr, "{}: trace writer already closed", path_);
-  ESS_CHECK(next_ == shapes_.size(), "{}: trace writer closed after {} of {} requests", path_, next_, shapes_.size());
-  file_->commit();
-  file_.reset();
-}
-
-void write_trace(const std::string& path, const TraceMeta& meta, const std::vector<RequestData>& requests) {
-  std::vector<RequestShape> shapes;
-  for (const auto& r : requests) {
-    shapes.push_back({r.id, static_cast<std::int64_t>(r.lengths.size()), r.prefill_windows, r.context, r.prefix_group,
-                      r.prefix_tokens});
-  }
-  TraceWriter w(path, meta, std::move(shapes));
-  for (std::size_t i = 0; i < requests.size(); ++i) {
-    w.write_request(i, requests[i].topk, requests[i].lengths, requests[i].prefill);
-  }
-  w.close();
 }
 
 }  // namespace ess::trace

@@ -10,15 +10,15 @@
 
 #include "analysis/trace/shipped_profiles.h"
 #include "ess/core/error.h"
-#include "ess/core/files.h"
 #include "ess/core/json.h"
-#include "ess/core/text.h"
+#include "ess/io/host_budget.h"
+#include "ess/io/output_file.h"
+#include "ess/io/text.h"
 #include "ess/version.h"
 
 namespace ess::trace {
 
 // ---- profile -----------------------------------------------------------------------------
-
 
 GeneratorProfile GeneratorProfile::from_json(const nlohmann::json& j, const std::string& source) {
   ESS_CHECK(j.is_object(), "{}: a generator profile must be a JSON object, got {}", source, j.type_name());

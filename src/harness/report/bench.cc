@@ -10,8 +10,8 @@ namespace ess::harness {
 namespace {
 
 // The headline point: the one at c.batch when it was timed, else the last one.
-const cuda::AttentionBenchPoint& headline(const cuda::AttentionBenchConfig& c, const cuda::AttentionBenchResult& r) {
-  const cuda::AttentionBenchPoint* head = &r.points.back();
+const cuda::SparseMlaBenchPoint& headline(const cuda::SparseMlaBenchConfig& c, const cuda::SparseMlaBenchResult& r) {
+  const cuda::SparseMlaBenchPoint* head = &r.points.back();
   for (const auto& pt : r.points) head = pt.batch == c.batch ? &pt : head;
   return *head;
 }
@@ -19,7 +19,7 @@ constexpr double kFlashMlaH800 = 410, kTarget = 150;
 
 }  // namespace
 
-nlohmann::json to_json(const cuda::TransferBenchConfig& c, const cuda::TransferBenchResult& r) {
+nlohmann::json to_json(const cuda::FlashTransBenchConfig& c, const cuda::FlashTransBenchResult& r) {
   nlohmann::json methods = nlohmann::json::object();
   for (const auto& s : r.stats) {
     nlohmann::json d = {{"available", s.available}};
@@ -72,7 +72,7 @@ nlohmann::json to_json(const cuda::TransferBenchConfig& c, const cuda::TransferB
   return out;
 }
 
-std::string to_table(const cuda::TransferBenchConfig& c, const cuda::TransferBenchResult& r) {
+std::string to_table(const cuda::FlashTransBenchConfig& c, const cuda::FlashTransBenchResult& r) {
   std::string out;
   auto add = [&out]<typename... A>(fmt::format_string<A...> f, A&&... a) {
     fmt::format_to(std::back_inserter(out), f, std::forward<A>(a)...);
@@ -107,7 +107,7 @@ std::string to_table(const cuda::TransferBenchConfig& c, const cuda::TransferBen
   return out;
 }
 
-nlohmann::json to_json(const cuda::SwapBenchConfig& c, const cuda::SwapBenchResult& r) {
+nlohmann::json to_json(const cuda::SwapEngineBenchConfig& c, const cuda::SwapEngineBenchResult& r) {
   const nlohmann::json j = {
       {"benchmark", "swap"},
       {"device", r.device},
@@ -131,7 +131,7 @@ nlohmann::json to_json(const cuda::SwapBenchConfig& c, const cuda::SwapBenchResu
   return j;
 }
 
-std::string to_table(const cuda::SwapBenchConfig& c, const cuda::SwapBenchResult& r) {
+std::string to_table(const cuda::SwapEngineBenchConfig& c, const cuda::SwapEngineBenchResult& r) {
   std::string out;
   auto add = [&out]<typename... A>(fmt::format_string<A...> f, A&&... a) {
     fmt::format_to(std::back_inserter(out), f, std::forward<A>(a)...);
@@ -144,9 +144,9 @@ std::string to_table(const cuda::SwapBenchConfig& c, const cuda::SwapBenchResult
   return out;
 }
 
-nlohmann::json to_json(const cuda::AttentionBenchConfig& c, const cuda::AttentionBenchResult& r) {
-  const cuda::AttentionBenchPoint* head = &headline(c, r);
-  const auto summary = [](const Summary& s) {
+nlohmann::json to_json(const cuda::SparseMlaBenchConfig& c, const cuda::SparseMlaBenchResult& r) {
+  const cuda::SparseMlaBenchPoint* head = &headline(c, r);
+  const auto summary = [](const test::Summary& s) {
     return nlohmann::json{{"median", s.median}, {"min", s.min}, {"max", s.max}};
   };
   nlohmann::json points = nlohmann::json::array();
@@ -189,7 +189,7 @@ nlohmann::json to_json(const cuda::AttentionBenchConfig& c, const cuda::Attentio
   return j;
 }
 
-std::string to_table(const cuda::AttentionBenchConfig& c, const cuda::AttentionBenchResult& r) {
+std::string to_table(const cuda::SparseMlaBenchConfig& c, const cuda::SparseMlaBenchResult& r) {
   std::string out;
   auto add = [&out]<typename... A>(fmt::format_string<A...> f, A&&... a) {
     fmt::format_to(std::back_inserter(out), f, std::forward<A>(a)...);
@@ -213,7 +213,7 @@ std::string to_table(const cuda::AttentionBenchConfig& c, const cuda::AttentionB
 
 nlohmann::json to_json(const cuda::IndexerBenchConfig& c, const cuda::IndexerBenchResult& r) {
   const double hbm_fraction = r.hbm_peak_gbps > 0 ? r.logits_gbps / r.hbm_peak_gbps : 0.0;
-  const auto summary = [](const Summary& s) { return nlohmann::json{{"median", s.median}, {"min", s.min}, {"max", s.max}}; };
+  const auto summary = [](const test::Summary& s) { return nlohmann::json{{"median", s.median}, {"min", s.min}, {"max", s.max}}; };
   nlohmann::json j = {
       {"benchmark", "indexer"},
       {"device", r.device},
@@ -260,7 +260,7 @@ std::string to_table(const cuda::IndexerBenchConfig& c, const cuda::IndexerBench
   add("verified against the CPU reference (logits within bound, top-k bit for bit): {}{}\n\n",
              r.verified ? "yes" : "NO", r.verified ? std::string() : fmt::format(" ({})", r.verify_note));
   add("{:<16} {:>10} {:>10} {:>10}\n", "", "median us", "min", "max");
-  const auto line = [&add](const char* what, const Summary& s) {
+  const auto line = [&add](const char* what, const test::Summary& s) {
     add("{:<16} {:>10.1f} {:>10.1f} {:>10.1f}\n", what, s.median, s.min, s.max);
   };
   line("logits", r.logits_us);

@@ -10,10 +10,10 @@
 #include "ess/model/model_spec.h"
 #include "harness/rig/bench.h"
 #include "harness/verify/decode_loop.h"
-#include "runtime/ops/flashtrans/transfer_bench.h"
-#include "runtime/ops/gpu_swap/swap_bench.h"
+#include "runtime/ops/flashtrans/flashtrans_bench.h"
+#include "runtime/ops/gpu_swap/swap_engine_bench.h"
 #include "runtime/ops/indexer/indexer_bench.h"
-#include "runtime/ops/sparse_mla/attention_bench.h"
+#include "runtime/ops/sparse_mla/sparse_mla_bench.h"
 
 namespace ess::harness {
 
@@ -23,16 +23,16 @@ nlohmann::json to_json(const ModelSpec& model, const VerifyConfig& c, const Veri
 std::string to_csv(const VerifyReport& r);
 
 // ess bench transfer | swap | attention | indexer (report/bench.cc).
-std::string to_table(const cuda::TransferBenchConfig& c, const cuda::TransferBenchResult& r);
-nlohmann::json to_json(const cuda::TransferBenchConfig& c, const cuda::TransferBenchResult& r);
-std::string to_table(const cuda::SwapBenchConfig& c, const cuda::SwapBenchResult& r);
-nlohmann::json to_json(const cuda::SwapBenchConfig& c, const cuda::SwapBenchResult& r);
-std::string to_table(const cuda::AttentionBenchConfig& c, const cuda::AttentionBenchResult& r);
-nlohmann::json to_json(const cuda::AttentionBenchConfig& c, const cuda::AttentionBenchResult& r);
+std::string to_table(const cuda::FlashTransBenchConfig& c, const cuda::FlashTransBenchResult& r);
+nlohmann::json to_json(const cuda::FlashTransBenchConfig& c, const cuda::FlashTransBenchResult& r);
+std::string to_table(const cuda::SwapEngineBenchConfig& c, const cuda::SwapEngineBenchResult& r);
+nlohmann::json to_json(const cuda::SwapEngineBenchConfig& c, const cuda::SwapEngineBenchResult& r);
+std::string to_table(const cuda::SparseMlaBenchConfig& c, const cuda::SparseMlaBenchResult& r);
+nlohmann::json to_json(const cuda::SparseMlaBenchConfig& c, const cuda::SparseMlaBenchResult& r);
 std::string to_table(const cuda::IndexerBenchConfig& c, const cuda::IndexerBenchResult& r);
 nlohmann::json to_json(const cuda::IndexerBenchConfig& c, const cuda::IndexerBenchResult& r);
 
 // ess bench step (report/step.cc; its JSON is StepBenchResult::to_json, rig/bench.h).
-std::string to_table(const pipeline::StepBenchConfig& c, const pipeline::StepBenchResult& r);
+std::string to_table(const rig::StepBenchConfig& c, const rig::StepBenchResult& r);
 
 }  // namespace ess::harness

@@ -6,10 +6,10 @@
 #include "ess/ops/flashtrans.h"
 #include "harness/report/report.h"
 
-namespace ess::pipeline {
+namespace ess::rig {
 namespace {
 
-nlohmann::json summary_json(const Summary& s) { return {{"median", s.median}, {"min", s.min}, {"max", s.max}}; }
+nlohmann::json summary_json(const test::Summary& s) { return {{"median", s.median}, {"min", s.min}, {"max", s.max}}; }
 
 }  // namespace
 
@@ -78,11 +78,11 @@ nlohmann::json StepBenchResult::to_json(const StepBenchConfig& sc) const {
           {"target_vs_resident", 1.10}};
 }
 
-}  // namespace ess::pipeline
+}  // namespace ess::rig
 
 namespace ess::harness {
 
-std::string to_table(const pipeline::StepBenchConfig& sc, const pipeline::StepBenchResult& r) {
+std::string to_table(const rig::StepBenchConfig& sc, const rig::StepBenchResult& r) {
   std::string out;
   auto add = [&out]<typename... A>(fmt::format_string<A...> f, A&&... a) {
     fmt::format_to(std::back_inserter(out), f, std::forward<A>(a)...);

@@ -13,11 +13,11 @@
 #include "ess/sim/step_model.h"
 #include "harness/rig/gemm.h"
 #include "harness/rig/predict.h"
-#include "harness/support/device.h"
-#include "runtime/ops/flashtrans/transfer_bench.h"
-#include "runtime/ops/gpu_swap/swap_bench.h"
+#include "runtime/ops/flashtrans/flashtrans_bench.h"
+#include "runtime/ops/gpu_swap/swap_engine_bench.h"
+#include "testing/device.h"
 
-namespace ess::pipeline {
+namespace ess::rig {
 namespace {
 
 struct Line {
@@ -39,7 +39,7 @@ Line fit(const std::vector<double>& x, const std::vector<double>& y) {
   return l;
 }
 
-nlohmann::json summary_json(const Summary& s) { return {{"median", s.median}, {"min", s.min}, {"max", s.max}}; }
+nlohmann::json summary_json(const test::Summary& s) { return {{"median", s.median}, {"min", s.min}, {"max", s.max}}; }
 
 }  // namespace
 
@@ -55,7 +55,7 @@ ProfileResult run_profile(const ProfileConfig& pc) {
   nlohmann::json ops = nlohmann::json::array();
   std::string csv = "op,context,tokens,time_us\n";
   const std::int64_t ctx = pc.base.context;
-  auto add = [&](std::string_view op, std::int64_t context, int tokens, const Summary& s) {
+  auto add = [&](std::string_view op, std::int64_t context, int tokens, const test::Summary& s) {
     csv += fmt::format("{},{},{},{:.3f}\n", op, context, tokens, s.median);  // op names hold no comma
     ops.push_back({{"op", op}, {"context", context}, {"tokens", tokens}, {"us", summary_json(s)}});
   };
@@ -70,7 +70,7 @@ ProfileResult run_profile(const ProfileConfig& pc) {
   rc.stand_in_gemms = true;
   rc.validate(model);  // checked without a device first: a bad flag costs no device time
   (void)sim::HardwareProfile::load(pc.base_hardware);
-  res.device = cuda::use_device(pc.base.device, "bench profile");
+  res.device = test::use_device(pc.base.device, "bench profile");
   const StepInputs rin = load_inputs(rc, model);
   const int T = rin.mtp;
   Line attn_line;
@@ -90,7 +90,7 @@ ProfileResult run_profile(const ProfileConfig& pc) {
     nlohmann::json pts = nlohmann::json::array();
     for (const int e : {256, 512, 1024, 1536, 2048}) {
       if (e > rin.topk) continue;
-      const Summary s = ex.time_op(op::kSparseMla, max_req, pc.repeats, e);
+      const test::Summary s = ex.time_op(op::kSparseMla, max_req, pc.repeats, e);
       xs.push_back(e);
       ys.push_back(s.median);
       pts.push_back({{"entries", e}, {"us", summary_json(s)}});
@@ -120,13 +120,13 @@ ProfileResult run_profile(const ProfileConfig& pc) {
     std::vector<double> bytes, th, td;
     nlohmann::json pts = nlohmann::json::array();
     for (const int misses : {32, 128, 512}) {
-      cuda::TransferBenchConfig tc;
+      cuda::FlashTransBenchConfig tc;
       tc.requests = 64;
       tc.misses_per_request = misses;
       tc.context = ctx;
       tc.repeats = std::max(5, pc.repeats / 2);
       tc.device = rc.device;
-      const cuda::TransferBenchResult tr = cuda::run_transfer_bench(tc);
+      const cuda::FlashTransBenchResult tr = cuda::run_flashtrans_bench(tc);
       ESS_CHECK(tr.verified, "bench profile: FlashTrans copies did not verify");
       for (const cuda::TransferStat& st : tr.stats) {
         if (st.method != "flashtrans") continue;
@@ -139,7 +139,7 @@ ProfileResult run_profile(const ProfileConfig& pc) {
     d2h = fit(bytes, td);
     res.report["flashtrans"] = {{"points", pts}};
   }
-  res.date = utc_now();
+  res.date = test::utc_now();
   res.csv = csv;
   res.report["ops"] = ops;
 
@@ -206,7 +206,7 @@ StepBenchResult run_step_bench(const StepBenchConfig& sc, const std::function<vo
   }
   const sim::HardwareProfile hw = sim::HardwareProfile::load(sc.hardware);
   const sim::Deployment dep = sim::Deployment::load(sc.deployment);
-  cuda::use_device(sc.base.device, "bench step");
+  test::use_device(sc.base.device, "bench step");
   // One point: the run's report, the exposed transfer time (the same schedule again without
   // transfers, on the same executor), the prediction; handed on as soon as it is measured.
   auto measure = [&](StepExecutor& ex, const ExecutorConfig& c, int batch, const std::string& mode, double resident_us) {
@@ -280,4 +280,4 @@ StepBenchResult run_step_bench(const StepBenchConfig& sc, const std::function<vo
   return res;
 }
 
-}  // namespace ess::pipeline
+}  // namespace ess::rig

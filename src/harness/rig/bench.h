@@ -12,7 +12,7 @@
 #include "harness/rig/config.h"
 #include "harness/rig/executor.h"
 
-namespace ess::pipeline {
+namespace ess::rig {
 
 // ---- bench profile ----------------------------------------------------------------------
 
@@ -77,4 +77,4 @@ struct StepBenchResult {
 StepBenchResult run_step_bench(const StepBenchConfig& config,
                                const std::function<void(const StepPoint&)>& on_point = {});
 
-}  // namespace ess::pipeline
+}  // namespace ess::rig

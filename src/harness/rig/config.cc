@@ -16,7 +16,7 @@
 #include "ess/trace/format.h"
 #include "ess/trace/generator.h"
 
-namespace ess::pipeline {
+namespace ess::rig {
 
 std::int32_t ExecutorConfig::resolved_slots() const {
   return slots > 0 ? slots : slots_for_ratio(ratio, context);
@@ -209,4 +209,4 @@ std::vector<OverlapMode> layer_modes(const ExecutorConfig& c, const StepInputs& 
   return modes;
 }
 
-}  // namespace ess::pipeline
+}  // namespace ess::rig

@@ -13,8 +13,7 @@
 #include "ess/model/model_spec.h"
 #include "ess/sim/deployment.h"
 
-namespace ess::pipeline {
-
+namespace ess::rig {
 
 struct ExecutorConfig {
   int layers = 4;                  // decoder layers run per step (MoE layers of the model)
@@ -78,4 +77,4 @@ StepInputs load_inputs(const ExecutorConfig& config, const ModelSpec& model);
 // profile and the threshold.
 std::vector<OverlapMode> layer_modes(const ExecutorConfig& config, const StepInputs& inputs);
 
-}  // namespace ess::pipeline
+}  // namespace ess::rig

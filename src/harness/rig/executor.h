@@ -30,11 +30,11 @@
 #include <string_view>
 #include <vector>
 
-#include "ess/core/stats.h"
 #include "ess/model/model_spec.h"
 #include "harness/rig/config.h"
+#include "testing/stats.h"
 
-namespace ess::pipeline {
+namespace ess::rig {
 
 struct ExecutorReport {
   std::string device;
@@ -46,7 +46,7 @@ struct ExecutorReport {
   bool graph = false;
   std::vector<OverlapMode> modes;      // per layer
   std::vector<double> step_us;         // every timed step (after warm_steps)
-  Summary step;                        // median / min / max of step_us
+  test::Summary step;                        // median / min / max of step_us
   std::vector<double> misses;          // per layer: mean misses per request-step (timed steps)
   std::vector<double> profile_misses;  // per layer: the offline LRU profile
   double h2d_bytes_per_step = 0;       // mean over timed steps
@@ -87,11 +87,11 @@ class StepExecutor {
   // "indexer.topk", "swap.lru+split" (offloaded executors; it cycles through the steps, so
   // the LRU state moves on), "attn.sparse_mla", "attn.merge_lse"); for the attention,
   // `entries` valid ids per query token (0 = top-k). Throws for an op it does not run.
-  Summary time_op(std::string_view op, int requests, int repeats, int entries = 0);
+  test::Summary time_op(std::string_view op, int requests, int repeats, int entries = 0);
 
  private:
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
 
-}  // namespace ess::pipeline
+}  // namespace ess::rig

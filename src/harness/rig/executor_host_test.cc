@@ -22,9 +22,9 @@ TEST(executor_host, DeviceTestProblemsAreValidWithMissesAndNonTrivialReferences)
     if (c.offload) {
       for (const double misses : in.profile_misses) EXPECT_GT(misses, 0.0);
     }
-    const pipeline::RigData rig(m, c.batch, in.mtp, c.seed);
+    const rig::RigData rig(m, c.batch, in.mtp, c.seed);
     for (const TokenAt& at : checked_tokens(in)) {
-      const pipeline::TokenProblem tp = pipeline::token_problem(rig, in, at.step, at.layer, at.b, at.t);
+      const rig::TokenProblem tp = rig::token_problem(rig, in, at.step, at.layer, at.b, at.t);
       EXPECT_GT(tp.valid, 0);
       std::vector<float> o(static_cast<std::size_t>(rig.heads()) * static_cast<std::size_t>(rig.layout().nope_dim));
       std::vector<float> lse(static_cast<std::size_t>(rig.heads()));
@@ -44,7 +44,7 @@ TEST(executor_host, DeviceTestProblemsAreValidWithMissesAndNonTrivialReferences)
       const std::size_t token = static_cast<std::size_t>(at.b * in.mtp + at.t);
       std::copy(o16.begin(), o16.end(), all_out.begin() + static_cast<std::ptrdiff_t>(token * o.size()));
       std::copy(lse.begin(), lse.end(), all_lse.begin() + static_cast<std::ptrdiff_t>(token * lse.size()));
-      const ref::DecodeCheck chk = check_token(rig, in, at, all_out, all_lse, false);
+      const test::DecodeCheck chk = check_token(rig, in, at, all_out, all_lse, false);
       EXPECT_TRUE(chk.ok()) << chk.structural << " worst " << chk.worst << " at " << chk.worst_at;
     }
   }
@@ -54,13 +54,13 @@ TEST(executor_host, DeviceTestProblemsAreValidWithMissesAndNonTrivialReferences)
 // reference agree because they read the same table through the same index.
 TEST(executor_host, RigDataIsAFunctionOfTheSeed) {
   const ModelSpec m = ModelSpec::deepseek_v32_exp();
-  const pipeline::RigData a(m, 2, 2, 7), b(m, 2, 2, 7), c(m, 2, 2, 8);
+  const rig::RigData a(m, 2, 2, 7), b(m, 2, 2, 7), c(m, 2, 2, 8);
   EXPECT_EQ(a.table(), b.table());
   EXPECT_EQ(a.queries(), b.queries());
   EXPECT_NE(a.table(), c.table());
   EXPECT_NE(a.queries(), c.queries());
-  EXPECT_EQ(a.entry(1, 3, 1000).data(), a.table().data() + pipeline::RigData::entry_index(1, 3, 1000) * a.layout().bytes());
-  EXPECT_NE(pipeline::RigData::entry_index(0, 0, 5), pipeline::RigData::entry_index(0, 1, 5));
+  EXPECT_EQ(a.entry(1, 3, 1000).data(), a.table().data() + rig::RigData::entry_index(1, 3, 1000) * a.layout().bytes());
+  EXPECT_NE(rig::RigData::entry_index(0, 0, 5), rig::RigData::entry_index(0, 1, 5));
   std::size_t nonzero = 0;
   for (const std::uint16_t q : a.queries()) nonzero += bf16_to_float(q) != 0.0f ? 1 : 0;
   EXPECT_GT(nonzero, a.queries().size() * 9 / 10);

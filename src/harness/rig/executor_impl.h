@@ -17,7 +17,7 @@
 #include "harness/rig/rig_data.h"
 #include "runtime/cuda/device_buffer.h"
 
-namespace ess::pipeline {
+namespace ess::rig {
 
 using cuda::DeviceBuffer;
 
@@ -58,8 +58,8 @@ struct StepExecutor::Impl {
   DeviceBuffer<std::int32_t> step_lengths;  // [steps][B]: tokens after the step's new ones
   DeviceBuffer<std::int32_t> new_rows;      // [B][T]: the rows the step's new entries are written to
   DeviceBuffer<std::int32_t> slot_ids;      // [B][P]: the rows attention reads
-  DeviceBuffer<std::int32_t> hit_ids, miss_ids;      // [B][P]: DA / DBA halves, compacted per row
-  DeviceBuffer<std::int32_t> hit_count, miss_count;  // [B][T]
+  DeviceBuffer<std::int32_t> resident, fetched;      // [B][P]: DA / DBA halves, compacted per row
+  DeviceBuffer<std::int32_t> resident_count, fetched_count;  // [B][T]
   DeviceBuffer<std::int32_t> counts;        // [steps][L][B][2]
   DeviceBuffer<std::uint64_t> new_src, new_dst;  // [steps][L][B x T]: entry table -> latent buffer
   DeviceBuffer<std::uint16_t> q;            // [B][T][H][576]
@@ -114,4 +114,4 @@ struct StepExecutor::Impl {
   void attention(int l, const std::int32_t* idx, const std::int32_t* lengths, std::uint16_t* o16, float* o32, float* l32);
 };
 
-}  // namespace ess::pipeline
+}  // namespace ess::rig

@@ -14,12 +14,12 @@
 #include "ess/model/numerics.h"
 #include "harness/rig/config.h"
 #include "harness/rig/rig_data.h"
-#include "harness/support/accuracy.h"
+#include "testing/accuracy.h"
 
 namespace ess::executor_test {
 
-using pipeline::ExecutorConfig;
-using pipeline::StepInputs;
+using rig::ExecutorConfig;
+using rig::StepInputs;
 
 // Two layers, three requests, four steps at 8K: small enough for every schedule in a few
 // seconds, large enough for misses in every step (so the copies are exercised).
@@ -71,15 +71,15 @@ inline std::vector<TokenAt> checked_tokens(const StepInputs& in) {
 
 // out: [batch][T][heads][512] bf16 bits; lse: [batch][T][heads] (one layer of one step).
 // `merged`: the DA / DBA schedules merge two partial decodes (the contract's merged bound).
-inline ref::DecodeCheck check_token(const pipeline::RigData& rig, const StepInputs& in, const TokenAt& at,
+inline test::DecodeCheck check_token(const rig::RigData& rig, const StepInputs& in, const TokenAt& at,
                                     std::span<const std::uint16_t> out, std::span<const float> lse, bool merged) {
-  const pipeline::TokenProblem tp = pipeline::token_problem(rig, in, at.step, at.layer, at.b, at.t);
+  const rig::TokenProblem tp = rig::token_problem(rig, in, at.step, at.layer, at.b, at.t);
   const std::size_t H = static_cast<std::size_t>(rig.heads());
   const std::size_t V = static_cast<std::size_t>(rig.layout().nope_dim);
   const std::size_t token = static_cast<std::size_t>(at.b) * static_cast<std::size_t>(in.mtp) + static_cast<std::size_t>(at.t);
   std::vector<float> o(H * V);
   for (std::size_t i = 0; i < o.size(); ++i) o[i] = bf16_to_float(out[token * H * V + i]);
-  return ref::check_decode_token(tp.params, tp.q, tp.entries, o, true, lse.subspan(token * H, H), 0.0, merged);
+  return test::check_decode_token(tp.params, tp.q, tp.entries, o, true, lse.subspan(token * H, H), 0.0, merged);
 }
 
 // Every value finite (outputs start poisoned with NaN, so an unwritten one is caught) and not

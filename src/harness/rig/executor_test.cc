@@ -15,14 +15,14 @@
 #include "executor_problem.h"
 #include "harness/rig/executor.h"
 #include "harness/rig/gemm.h"
-#include "harness/support/testing.h"
 #include "runtime/cuda/check.h"
+#include "testing/testing.h"
 
 namespace ess::executor_test {
 namespace {
 
-using pipeline::ExecutorReport;
-using pipeline::StepExecutor;
+using rig::ExecutorReport;
+using rig::StepExecutor;
 
 // One run's outputs: [step][layer].
 struct Outputs {
@@ -47,11 +47,11 @@ Outputs collect(StepExecutor& ex, const ExecutorConfig& c, const StepInputs& in,
   for (std::size_t s = 0; s < o.out.size(); ++s) {
     for (std::size_t l = 0; l < o.out[s].size(); ++l) expect_written(o.out[s][l], fmt::format("{} step {} layer {}", what, s, l));
   }
-  const pipeline::RigData rig(ModelSpec::deepseek_v32_exp(), c.batch, in.mtp, c.seed);
+  const rig::RigData rig(ModelSpec::deepseek_v32_exp(), c.batch, in.mtp, c.seed);
   const bool merged = c.offload && c.overlap != OverlapMode::kNone;
   for (const TokenAt& at : checked_tokens(in)) {
     const auto s = static_cast<std::size_t>(at.step), l = static_cast<std::size_t>(at.layer);
-    const ref::DecodeCheck chk = check_token(rig, in, at, o.out[s][l], o.lse[s][l], merged);
+    const test::DecodeCheck chk = check_token(rig, in, at, o.out[s][l], o.lse[s][l], merged);
     EXPECT_TRUE(chk.ok()) << what << " step " << at.step << " layer " << at.layer << " request " << at.b << " token " << at.t
                           << ": " << chk.structural << " worst " << chk.worst << " at " << chk.worst_at;
   }
@@ -208,7 +208,7 @@ TEST(executor, ProfileTimesEveryOp) {
   ex.run();
   for (const char* op : {"attn.norm+proj0 (q_a kv_a idx_k idx_w)", "moe.routed_experts", "indexer.logits", "indexer.topk",
                          "swap.lru+split", "attn.sparse_mla", "attn.merge_lse"}) {
-    const Summary s = ex.time_op(op, 2, 3);
+    const test::Summary s = ex.time_op(op, 2, 3);
     EXPECT_GT(s.median, 0.0) << op;
   }
   EXPECT_GT(ex.time_op("attn.sparse_mla", 3, 3, 512).median, 0.0);
@@ -243,7 +243,7 @@ TEST(executor, BatchThatDoesNotFitIsRefusedByName) {
 TEST(executor, StandInGemmsCaptureWithoutAllocating) {
   ESS_SKIP_WITHOUT_GPU();
   const ModelSpec m = ModelSpec::deepseek_v32_exp();
-  pipeline::StandInGemms gemms(m, 8, 32);
+  rig::StandInGemms gemms(m, 8, 32);
   cudaStream_t first = nullptr, second = nullptr;
   ESS_CUDA_CHECK(cudaStreamCreateWithFlags(&first, cudaStreamNonBlocking), "stream");
   ESS_CUDA_CHECK(cudaStreamCreateWithFlags(&second, cudaStreamNonBlocking), "stream");

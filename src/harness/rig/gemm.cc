@@ -1,6 +1,6 @@
 #include "harness/rig/gemm.h"
 
-#include <cublas_v2.h>
+#include <cublas_api.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -8,10 +8,11 @@
 #include <vector>
 
 #include "ess/core/error.h"
-#include "harness/rig/kernels.h"
+#include "harness/rig/cublas_library.h"
+#include "harness/rig/fills.h"
 #include "runtime/cuda/check.h"
 
-namespace ess::pipeline {
+namespace ess::rig {
 namespace {
 
 // One GEMM (or a batch of equal GEMMs) in cuBLAS's column-major terms: C[m x n] = A[m x k]
@@ -98,7 +99,7 @@ struct StandInGemms::Impl {
 
   Impl(const ModelSpec& m, int max_n, int ep) : dims(m, ep), max_tokens(max_n) {}
   ~Impl() {
-    if (handle != nullptr) cublasDestroy(handle);
+    if (handle != nullptr) cublas_library().destroy(handle);
     cudaFree(workspace);
     cudaFree(weights);
     cudaFree(in);
@@ -119,7 +120,7 @@ StandInGemms::StandInGemms(const ModelSpec& model, int max_tokens, int expert_pa
       out_max = std::max(out_max, out_elems(sh));
     }
   }
-  ESS_CUBLAS_CHECK(cublasCreate(&s.handle), "stand-in GEMMs: creating the cuBLAS handle");
+  ESS_CUBLAS_CHECK(cublas_library().create(&s.handle), "stand-in GEMMs: creating the cuBLAS handle");
   ESS_CUDA_CHECK(cudaMalloc(&s.workspace, s.workspace_bytes), "stand-in GEMMs: cuBLAS workspace");
   ESS_CUDA_CHECK(cudaMalloc(&s.weights, s.weight_total * 2), "stand-in GEMMs: {:.2f} GB of BF16 weights", static_cast<double>(s.weight_total) * 2e-9);
   ESS_CUDA_CHECK(cudaMalloc(&s.in, in_max * 2), "stand-in GEMMs: input activations");
@@ -135,12 +136,13 @@ std::uint64_t StandInGemms::weight_bytes() const { return impl_->weight_total * 
 
 void StandInGemms::run(GemmOp op, int n, cuda::Stream stream) {
   Impl& s = *impl_;
+  const CublasLibrary& blas = cublas_library();
   ESS_CHECK(n >= 1 && n <= s.max_tokens, "stand-in GEMM {}: {} tokens outside [1, {}]", op_name(op), n, s.max_tokens);
   // cublasSetStream resets the handle to cuBLAS's default workspace pool, which allocates
   // per stream, also inside a graph capture; so every change of stream sets ours again.
   if (!s.bound || s.stream != static_cast<cudaStream_t>(stream)) {
-    ESS_CUBLAS_CHECK(cublasSetStream(s.handle, static_cast<cudaStream_t>(stream)), "stand-in GEMMs: setting the stream");
-    ESS_CUBLAS_CHECK(cublasSetWorkspace(s.handle, s.workspace, s.workspace_bytes), "stand-in GEMMs: setting the workspace");
+    ESS_CUBLAS_CHECK(blas.set_stream(s.handle, static_cast<cudaStream_t>(stream)), "stand-in GEMMs: setting the stream");
+    ESS_CUBLAS_CHECK(blas.set_workspace(s.handle, s.workspace, s.workspace_bytes), "stand-in GEMMs: setting the workspace");
     s.stream = static_cast<cudaStream_t>(stream);
     s.bound = true;
   }
@@ -148,12 +150,12 @@ void StandInGemms::run(GemmOp op, int n, cuda::Stream stream) {
   const std::uint16_t* w = s.weights + s.weight_offset[static_cast<std::size_t>(op)];
   for (const Shape& sh : shapes(s.dims, op, n)) {
     if (sh.count == 1) {
-      ESS_CUBLAS_CHECK(cublasGemmEx(s.handle, CUBLAS_OP_N, CUBLAS_OP_N, sh.m, sh.n, sh.k, &alpha, w, CUDA_R_16BF, sh.m,
+      ESS_CUBLAS_CHECK(blas.gemm_ex(s.handle, CUBLAS_OP_N, CUBLAS_OP_N, sh.m, sh.n, sh.k, &alpha, w, CUDA_R_16BF, sh.m,
                                     s.in, CUDA_R_16BF, sh.k, &beta, s.out, CUDA_R_16BF, sh.m, CUBLAS_COMPUTE_32F,
                                     CUBLAS_GEMM_DEFAULT),
                        "stand-in GEMM {} ({} x {} x {})", op_name(op), sh.m, sh.n, sh.k);
     } else {
-      ESS_CUBLAS_CHECK(cublasGemmStridedBatchedEx(
+      ESS_CUBLAS_CHECK(blas.gemm_strided_batched_ex(
                            s.handle, CUBLAS_OP_N, CUBLAS_OP_N, sh.m, sh.n, sh.k, &alpha, w, CUDA_R_16BF, sh.m,
                            static_cast<long long>(sh.m) * sh.k, s.in, CUDA_R_16BF, sh.k,
                            static_cast<long long>(sh.k) * sh.n, &beta, s.out, CUDA_R_16BF, sh.m,
@@ -164,4 +166,4 @@ void StandInGemms::run(GemmOp op, int n, cuda::Stream stream) {
   }
 }
 
-}  // namespace ess::pipeline
+}  // namespace ess::rig

@@ -17,11 +17,11 @@
 #include <memory>
 #include <string_view>
 
-#include "ess/core/op_names.h"
 #include "ess/model/model_spec.h"
 #include "ess/ops/flashtrans.h"
+#include "ess/sim/op_names.h"
 
-namespace ess::pipeline {
+namespace ess::rig {
 
 // Floating-point operations of the op for n tokens (what the simulator charges).
 double gemm_flops(const ModelSpec& m, int expert_parallel, GemmOp op, int n);
@@ -46,4 +46,4 @@ class StandInGemms {
   std::unique_ptr<Impl> impl_;
 };
 
-}  // namespace ess::pipeline
+}  // namespace ess::rig

@@ -2,7 +2,7 @@
 
 #include <numeric>
 
-namespace ess::pipeline {
+namespace ess::rig {
 
 sim::Deployment rig_deployment(const ExecutorConfig& c, const ExecutorReport& r) {
   sim::Deployment d;
@@ -50,4 +50,4 @@ sim::StepResult predict_step(const ModelSpec& model, const sim::HardwareProfile&
   return sm.run(rig_workload(c, r));
 }
 
-}  // namespace ess::pipeline
+}  // namespace ess::rig

@@ -10,7 +10,7 @@
 #include "harness/rig/config.h"
 #include "harness/rig/executor.h"
 
-namespace ess::pipeline {
+namespace ess::rig {
 
 // The deployment and workload that describe the run `r` of configuration `c`.
 sim::Deployment rig_deployment(const ExecutorConfig& c, const ExecutorReport& r);
@@ -20,4 +20,4 @@ sim::Workload rig_workload(const ExecutorConfig& c, const ExecutorReport& r);
 sim::StepResult predict_step(const ModelSpec& model, const sim::HardwareProfile& hw, const sim::MeasuredTables& tables,
                              const ExecutorConfig& c, const ExecutorReport& r);
 
-}  // namespace ess::pipeline
+}  // namespace ess::rig

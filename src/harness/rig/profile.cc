@@ -11,9 +11,9 @@
 #include "harness/rig/executor_impl.h"
 #include "runtime/cuda/check.h"
 
-namespace ess::pipeline {
+namespace ess::rig {
 
-Summary StepExecutor::time_op(std::string_view op, int requests, int repeats, int entries) {
+test::Summary StepExecutor::time_op(std::string_view op, int requests, int repeats, int entries) {
   Impl& x = *impl_;
   ESS_CHECK(requests >= 1 && requests <= x.B, "profile: {} requests outside [1, {}] (the executor's batch)", requests, x.B);
   ESS_CHECK(repeats >= 1, "profile: repeats = {} must be >= 1", repeats);
@@ -98,7 +98,7 @@ Summary StepExecutor::time_op(std::string_view op, int requests, int repeats, in
   }
   cudaEventDestroy(a);
   cudaEventDestroy(b);
-  return summarize(us);
+  return test::summarize(us);
 }
 
-}  // namespace ess::pipeline
+}  // namespace ess::rig

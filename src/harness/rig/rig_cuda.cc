@@ -12,7 +12,7 @@ const int ess_rig_cuda_anchor = 1;
 namespace ess::harness {
 namespace {
 
-[[maybe_unused]] const bool kRegistered = (register_rig_benchmarks(pipeline::run_step_bench, pipeline::run_profile), true);
+[[maybe_unused]] const bool kRegistered = (register_rig_benchmarks(rig::run_step_bench, rig::run_profile), true);
 
 }  // namespace
 }  // namespace ess::harness

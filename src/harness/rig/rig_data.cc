@@ -6,7 +6,7 @@
 #include "ess/core/error.h"
 #include "ess/model/numerics.h"
 
-namespace ess::pipeline {
+namespace ess::rig {
 namespace {
 
 std::uint64_t mix(std::uint64_t x) {
@@ -80,4 +80,4 @@ TokenProblem token_problem(const RigData& rig, const StepInputs& in, int step, i
   return p;
 }
 
-}  // namespace ess::pipeline
+}  // namespace ess::rig

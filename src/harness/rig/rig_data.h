@@ -18,7 +18,7 @@
 #include "ess/ops/reference.h"
 #include "harness/rig/config.h"
 
-namespace ess::pipeline {
+namespace ess::rig {
 
 class RigData {
  public:
@@ -57,4 +57,4 @@ struct TokenProblem {
 };
 TokenProblem token_problem(const RigData& rig, const StepInputs& inputs, int step, int layer, int b, int t);
 
-}  // namespace ess::pipeline
+}  // namespace ess::rig

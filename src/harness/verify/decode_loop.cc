@@ -8,11 +8,11 @@
 #include "ess/cache/query_groups.h"
 #include "ess/cache/sparse_pool.h"
 #include "ess/core/error.h"
-#include "ess/core/files.h"
+#include "ess/io/host_budget.h"
 #include "ess/model/entry_layout.h"
 #include "ess/model/numerics.h"
 #include "ess/ops/reference.h"
-#include "harness/support/offload_io.h"
+#include "testing/offload_io.h"
 
 namespace ess {
 
@@ -87,7 +87,7 @@ class Loop {
   void compare_attention(RequestId id, int layer, int t, std::span<const std::int32_t> token_ids,
                          std::span<const std::int32_t> rows, std::int64_t step);
   // Counts the positions whose own working set (reserved newest tokens left out) exceeds the slots.
-  void count_split_steps(const harness::OffloadStepIn& in, std::int32_t slots);
+  void count_split_steps(const test::OffloadStepIn& in, std::int32_t slots);
 
   const ModelSpec& model_;
   VerifyConfig cfg_;
@@ -97,7 +97,7 @@ class Loop {
   std::normal_distribution<float> normal_{0.0f, 1.0f};
   std::int64_t max_len_;
   std::unique_ptr<Offload> offload_;
-  const harness::OffloadIo* io_ = nullptr;
+  const test::OffloadIo* io_ = nullptr;
   std::vector<std::uint8_t> device_rows_;        // kCuda: the layer's buffer read back once per step
   int device_rows_layer_ = -1;
   std::vector<std::vector<LayerState>> state_;  // [request][layer]
@@ -106,7 +106,7 @@ class Loop {
   VerifyReport report_;
 };
 
-void Loop::count_split_steps(const harness::OffloadStepIn& in, std::int32_t slots) {
+void Loop::count_split_steps(const test::OffloadStepIn& in, std::int32_t slots) {
   const int T = cfg_.mtp, K = cfg_.topk;
   const std::size_t P = static_cast<std::size_t>(T) * K;
   for (int b = 0; b < in.batch; ++b) {
@@ -232,7 +232,7 @@ VerifyReport Loop::run() {
   oc.warmup_windows = std::max(cfg_.warmup_windows, 1);
   oc.backend = cfg_.backend;
   oc.device = cfg_.device;
-  io_ = &harness::offload_io(cfg_.backend);
+  io_ = &test::offload_io(cfg_.backend);
   offload_ = std::make_unique<Offload>(oc);
   Offload& o = *offload_;
   report_.host_memory = std::string(to_string(o.host_pool().memory_kind()));
@@ -286,7 +286,7 @@ VerifyReport Loop::run() {
     }
   }
 
-  harness::OffloadStepIn in;
+  test::OffloadStepIn in;
   in.batch = B;
   in.rows = rows;
   in.lengths.resize(static_cast<std::size_t>(B));
@@ -329,7 +329,7 @@ VerifyReport Loop::run() {
       for (std::size_t g = 0; g + 1 < groups.size(); ++g) {
         in.query_begin = groups[g];
         in.query_end = groups[g + 1];
-        const harness::OffloadStepOut out = io_->step(o, in);
+        const test::OffloadStepOut out = io_->step(o, in);
         device_rows_layer_ = -1;
         if (cfg_.inject_fault && s == cfg_.steps - 1 && l == L - 1 && g == 0) {
           // Flip one bit of the first selected row of request 0: the check below must notice.

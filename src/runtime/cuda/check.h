@@ -1,5 +1,7 @@
 // CUDA error checks for the host code of the CUDA target: ESS_CUDA_CHECK(call, "what")
-// throws ess::DeviceError (ess::OutOfMemory when memory ran out) naming the call's purpose and CUDA's own message.
+// throws ess::DeviceError (ess::OutOfMemory when memory ran out) naming the call's purpose and
+// CUDA's own message; ESS_LAUNCH(launcher(...), "what") does the same for an ESS launcher,
+// which returns its cudaError_t as an int.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -22,3 +24,5 @@
       ::ess::throw_device_error(std::move(ess_cuda_message_));                             \
     }                                                                                      \
   } while (0)
+
+#define ESS_LAUNCH(call, ...) ESS_CUDA_CHECK(static_cast<cudaError_t>(call), __VA_ARGS__)

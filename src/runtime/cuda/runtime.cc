@@ -5,8 +5,6 @@
 #include <cstdint>
 #include <string>
 
-#include "runtime/cuda/backend_impl.h"
-
 namespace ess::cuda {
 
 int device_count() {

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 
 namespace ess::cuda {
@@ -12,6 +13,8 @@ int device_count();
 // Pinned, mapped, portable host memory (cudaHostAlloc); nullptr on failure.
 void* host_alloc_pinned(std::size_t bytes);
 void host_free_pinned(void* p);
+// The device pointer of mapped pinned host memory; nullptr when `host` is none.
+const std::uint8_t* device_view_cuda(const std::uint8_t* host);
 // The device's name, or "" when there is none.
 std::string device_name(int device);
 

@@ -7,10 +7,16 @@
 #include "ess/cache/query_groups.h"
 #include "ess/core/error.h"
 #include "ess/runtime/backend.h"
-#include "runtime/backend/cuda_backend.h"
 #include "runtime/offload/offload_impl.h"
 
 namespace ess {
+namespace {
+// Constant-initialized: null until the CUDA backend registers (before main).
+OffloadBackendFactory g_make_cuda = nullptr;
+}  // namespace
+
+void register_cuda_offload(OffloadBackendFactory make) { g_make_cuda = make; }
+OffloadBackendFactory cuda_offload_factory() { return g_make_cuda; }
 
 OffloadConfig OffloadConfig::for_model(const ModelSpec& model, std::int32_t max_requests, std::int32_t slots,
                                        std::int64_t max_context, int query_tokens) {
@@ -47,7 +53,7 @@ void OffloadConfig::validate() const {
             copy_blocks);
 }
 
-Offload::Impl::Impl(const OffloadConfig& c, LatentBuffer b, HostAllocator& host) : config(c), buffer(std::move(b)) {
+Offload::Impl::Impl(const OffloadConfig& c, LatentBuffer b, HostAllocator& host) : OffloadState{c, std::move(b), {}, {}, {}} {
   config.validate();
   const std::uint64_t entry = config.layout.bytes();
   const bool owned = buffer.layer_base.empty();
@@ -91,31 +97,17 @@ Offload::Impl::Impl(const OffloadConfig& c, LatentBuffer b, HostAllocator& host)
   }
   request_of_row.assign(static_cast<std::size_t>(config.max_requests), -1);
   if (config.backend == Backend::kCuda) {
-    const auto* cuda = detail::cuda_backend();
-    ESS_CHECK(cuda != nullptr, "offload: the CUDA backend is not part of this build (nvcc was not found when it was built)");
-    ESS_CHECK(config.device < cuda->device_count(), "offload: no CUDA device {} (found {})", config.device,
-              cuda->device_count());
+    const OffloadBackendFactory make_cuda = cuda_offload_factory();
+    ESS_CHECK(make_cuda != nullptr, "offload: the CUDA backend is not part of this build (nvcc was not found when it was built)");
+    ESS_CHECK(config.device < cuda_device_count(), "offload: no CUDA device {} (found {})", config.device,
+              cuda_device_count());
     ESS_CHECK(pool->memory_kind() == HostMemoryKind::kPinned,
               "offload: the host pool is {} memory; the CUDA backend reads it zero-copy and needs it pinned and mapped",
               to_string(pool->memory_kind()));
-    backend = cuda->make_offload(*this, owned);
+    backend = make_cuda(*this, owned);
   } else {
     backend = make_cpu_offload(*this, owned);
   }
-}
-
-std::int32_t Offload::Impl::find_row(RequestId id, const char* what) const {
-  const auto it = row_of_request.find(id);
-  ESS_CHECK(it != row_of_request.end(), "offload: {} of request {}: not admitted", what, id);
-  return it->second;
-}
-
-RequestId Offload::Impl::request_at(std::int32_t row, const char* what, int position) const {
-  ESS_CHECK(row >= 0 && row < config.max_requests, "offload: {}: position {} names row {}, outside [0, {})", what,
-            position, row, config.max_requests);
-  const RequestId id = request_of_row[static_cast<std::size_t>(row)];
-  ESS_CHECK(id >= 0, "offload: {}: position {} names row {}, which holds no request", what, position, row);
-  return id;
 }
 
 Offload::Offload(const OffloadConfig& config, LatentBuffer buffer, HostAllocator& host)

@@ -1,11 +1,11 @@
-// The CUDA backend's own kernels of the per-layer step (offload_kernels.h).
+// The CUDA backend's own kernels of the per-layer step (offload_launch.h).
 #include <cuda_runtime.h>
 
 #include <cstdint>
 #include <cub/block/block_scan.cuh>
 
-#include "runtime/offload/offload_kernel.h"
-#include "runtime/offload/offload_kernels.h"
+#include "runtime/offload/offload_cta.h"
+#include "runtime/offload/offload_launch.h"
 
 namespace ess::cuda {
 namespace {
@@ -14,7 +14,7 @@ using offload::kListThreads;
 using offload::kThreads;
 using ListScan = cub::BlockScan<std::int64_t, kListThreads>;
 
-// The CUDA primitives of the block programs (offload_kernel.h).
+// The CUDA primitives of the block programs (offload_cta.h).
 struct DevicePrims {
   ListScan::TempStorage* scan;  // the write-back list's block only
   __device__ int tid() const { return static_cast<int>(threadIdx.x); }
@@ -26,15 +26,15 @@ struct DevicePrims {
   }
 };
 
-__global__ void __launch_bounds__(kThreads) mask_kernel(StepShape s, std::int32_t* masked) {
+__global__ void __launch_bounds__(kThreads) mask_kernel(StepShape s, std::int32_t* lru_ids) {
   DevicePrims prims{nullptr};
-  offload::mask_cta(s, masked, prims);
+  offload::mask_cta(s, lru_ids, prims);
 }
 
-__global__ void __launch_bounds__(kThreads) finalize_kernel(StepShape s, const std::int32_t* lru_slots, std::int32_t* merged,
+__global__ void __launch_bounds__(kThreads) finalize_kernel(StepShape s, const std::int32_t* lru_slots, std::int32_t* slot_ids,
                                                             std::int32_t* physical) {
   DevicePrims prims{nullptr};
-  offload::finalize_cta(s, lru_slots, merged, physical, prims);
+  offload::finalize_cta(s, lru_slots, slot_ids, physical, prims);
 }
 
 __global__ void __launch_bounds__(kListThreads) write_back_list_kernel(WriteBackList w) {
@@ -45,16 +45,16 @@ __global__ void __launch_bounds__(kListThreads) write_back_list_kernel(WriteBack
 
 }  // namespace
 
-int launch_mask_ids(const StepShape& s, std::int32_t* masked, Stream stream) {
+int launch_mask_ids(const StepShape& s, std::int32_t* lru_ids, Stream stream) {
   if (s.batch <= 0) return cudaSuccess;
-  mask_kernel<<<s.batch, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(s, masked);
+  mask_kernel<<<s.batch, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(s, lru_ids);
   return cudaGetLastError();
 }
 
-int launch_finalize_rows(const StepShape& s, const std::int32_t* lru_slots, std::int32_t* merged, std::int32_t* physical,
+int launch_finalize_rows(const StepShape& s, const std::int32_t* lru_slots, std::int32_t* slot_ids, std::int32_t* physical,
                          Stream stream) {
   if (s.batch <= 0) return cudaSuccess;
-  finalize_kernel<<<s.batch, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(s, lru_slots, merged, physical);
+  finalize_kernel<<<s.batch, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(s, lru_slots, slot_ids, physical);
   return cudaGetLastError();
 }
 

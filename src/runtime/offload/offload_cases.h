@@ -3,7 +3,7 @@
 // LRU per request-layer, plus the reserved newest rows), the LRU's counts, the DA split, and
 // losslessness (every selected row holds exactly the host pool's entry of its token); the
 // write-back; reset; an engine's own buffer with strides and blocks. Written once against a
-// harness (harness/support/backend.h) and driven through harness/support/offload_io.h: the
+// harness (testing/backend.h) and driven through testing/offload_io.h: the
 // CUDA backend in offload_test.cc, the CPU backend in offload_host_test.cc. Include in
 // exactly one source file per binary.
 #pragma once
@@ -22,15 +22,15 @@
 #include <vector>
 
 #include "ess/runtime/offload.h"
-#include "harness/support/backend.h"
-#include "harness/support/cache_fixtures.h"
-#include "harness/support/offload_io.h"
-#include "harness/support/testing.h"
+#include "testing/backend.h"
+#include "testing/cache_fixtures.h"
+#include "testing/offload_io.h"
+#include "testing/testing.h"
 
 namespace ess::offload_test {
 
-using StepIn = ess::harness::OffloadStepIn;
-using StepOut = ess::harness::OffloadStepOut;
+using StepIn = ess::test::OffloadStepIn;
+using StepOut = ess::test::OffloadStepOut;
 
 struct OffloadHarness {
   test::BackendInfo info;
@@ -52,8 +52,8 @@ inline LatentBuffer engine_buffer(int layers, std::int64_t rows, std::uint64_t r
   for (int l = 0; l < layers; ++l) b.layer_base.push_back(harness().allocate(bytes));
   return b;
 }
-// Host arrays in and out, on the harness's backend (harness/support/offload_io.h).
-inline const ess::harness::OffloadIo& io() { return ess::harness::offload_io(harness().backend); }
+// Host arrays in and out, on the harness's backend (testing/offload_io.h).
+inline const ess::test::OffloadIo& io() { return ess::test::offload_io(harness().backend); }
 
 // The entry of (request, layer, token): bytes no other token shares.
 inline std::vector<std::uint8_t> entry_of(RequestId id, int layer, std::int64_t token, std::size_t bytes) {
@@ -440,7 +440,7 @@ inline BackendRun run_production_mtp(Backend backend) {
   c.max_context = prompt + steps * T;
   c.backend = backend;
   Offload o(c);
-  const auto& io = ess::harness::offload_io(backend);
+  const auto& io = ess::test::offload_io(backend);
   const std::size_t E = c.layout.bytes();
   const std::int32_t rpr = c.rows_per_request();
   std::mt19937 rng(2048);

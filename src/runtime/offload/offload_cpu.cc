@@ -8,7 +8,7 @@
 #include "ess/cache/swap_engine.h"
 #include "ess/core/error.h"
 #include "runtime/offload/offload_impl.h"
-#include "runtime/offload/offload_kernel.h"
+#include "runtime/offload/reserved_rows.h"
 
 namespace ess {
 namespace {
@@ -28,16 +28,16 @@ class NoSlotStorage final : public SlotStorage {
 
 class CpuOffload final : public OffloadBackend {
  public:
-  CpuOffload(Offload::Impl& front, bool owned) : x_(front), sparse_(pool_config(front.config), std::make_unique<NoSlotStorage>()) {
+  CpuOffload(OffloadState& state, bool owned) : x_(state), sparse_(pool_config(state.config), std::make_unique<NoSlotStorage>()) {
     SwapEngine::Config ec;
-    ec.warmup_windows = front.config.warmup_windows;
-    engine_ = std::make_unique<SwapEngine>(*front.pool, sparse_, ec);
+    ec.warmup_windows = state.config.warmup_windows;
+    engine_ = std::make_unique<SwapEngine>(*state.pool, sparse_, ec);
     if (owned) {
-      const auto bytes = static_cast<std::size_t>(front.config.max_requests) * front.config.rows_per_request() *
-                         front.buffer.rows.row_stride;
-      for (int l = 0; l < front.config.layers; ++l) {
+      const auto bytes = static_cast<std::size_t>(state.config.max_requests) * state.config.rows_per_request() *
+                         state.buffer.rows.row_stride;
+      for (int l = 0; l < state.config.layers; ++l) {
         owned_.emplace_back(bytes, std::uint8_t{0});
-        front.buffer.layer_base.push_back(owned_.back().data());
+        state.buffer.layer_base.push_back(owned_.back().data());
       }
     }
   }
@@ -154,19 +154,19 @@ class CpuOffload final : public OffloadBackend {
       ESS_CHECK(w.lengths[b] == x_.pool->length(id),
                 "offload: write_back of layer {}: position {} (request {}) has length {}, the request holds {} tokens",
                 w.layer, b, id, w.lengths[b], x_.pool->length(id));
-      for (int t = cuda::offload::first_newest(w.lengths[b], T); w.source_rows != nullptr && t < T; ++t) {
+      for (int t = first_newest(w.lengths[b], T); w.source_rows != nullptr && t < T; ++t) {
         const std::int32_t src = w.source_rows[b * T + t];
         ESS_CHECK(src >= 0 && src < rows, "offload: write_back of layer {}: position {} token {} names row {}, outside [0, {})",
                   w.layer, b, t, src, rows);
       }
-      for (int t = cuda::offload::first_newest(w.lengths[b], T); t < T; ++t) {
+      for (int t = first_newest(w.lengths[b], T); t < T; ++t) {
         (void)x_.pool->writable_entry(id, w.layer, w.lengths[b] - T + t);  // not shared
       }
     }
     for (int b = 0; b < w.batch; ++b) {
       if (w.rows[b] < 0) continue;
       const RequestId id = x_.request_of_row[static_cast<std::size_t>(w.rows[b])];
-      for (int t = cuda::offload::first_newest(w.lengths[b], T); t < T; ++t) {
+      for (int t = first_newest(w.lengths[b], T); t < T; ++t) {
         const std::int32_t src = w.source_rows != nullptr ? w.source_rows[b * T + t] : physical(w.rows[b], c.slots + t);
         const std::uint8_t* from = row_ptr(w.layer, src);
         x_.pool->write(id, w.layer, w.lengths[b] - T + t, {from, x_.config.layout.bytes()});
@@ -232,7 +232,7 @@ class CpuOffload final : public OffloadBackend {
     }
   }
 
-  Offload::Impl& x_;
+  OffloadState& x_;
   SparsePool sparse_;
   std::unique_ptr<SwapEngine> engine_;
   std::vector<std::vector<std::uint8_t>> owned_;
@@ -248,8 +248,8 @@ class CpuOffload final : public OffloadBackend {
 
 }  // namespace
 
-std::unique_ptr<OffloadBackend> make_cpu_offload(Offload::Impl& front, bool owned) {
-  return std::make_unique<CpuOffload>(front, owned);
+std::unique_ptr<OffloadBackend> make_cpu_offload(OffloadState& state, bool owned) {
+  return std::make_unique<CpuOffload>(state, owned);
 }
 
 }  // namespace ess

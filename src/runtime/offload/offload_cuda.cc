@@ -1,6 +1,8 @@
 // Offload's CUDA backend: the GPU swap engine decides, the split turns its decision into one
 // FlashTrans list (and the DA halves), FlashTrans fetches; every launch on the caller's
-// stream(s), nothing allocated or synchronized inside a step. CUDA target only.
+// stream(s), nothing allocated or synchronized inside a step. CUDA target only: it registers
+// itself with the front (offload_impl.h) when the program starts, kept in every program that
+// links the runtime by `--undefined=ess_cuda_offload_anchor` (src/runtime/CMakeLists.txt).
 #include <cuda_runtime.h>
 
 #include <memory>
@@ -9,19 +11,23 @@
 #include "runtime/cuda/backend_impl.h"
 #include "runtime/cuda/check.h"
 #include "runtime/cuda/device_buffer.h"
+#include "runtime/cuda/runtime.h"
 #include "runtime/offload/offload_impl.h"
-#include "runtime/offload/offload_kernels.h"
-#include "runtime/offload/split.h"
+#include "runtime/offload/offload_launch.h"
 #include "runtime/ops/gpu_swap/swap_engine_gpu.h"
+#include "runtime/ops/split/split.h"
+
+extern "C" {
+extern const int ess_cuda_offload_anchor;
+const int ess_cuda_offload_anchor = 1;
+}
 
 namespace ess::cuda {
 namespace {
 
-#define ESS_LAUNCH(call, ...) ESS_CUDA_CHECK(static_cast<cudaError_t>(call), __VA_ARGS__)
-
 // The scratch of one step in flight (LayerStep::part), sized for a full batch.
 struct Part {
-  DeviceBuffer<std::int32_t> masked, lru_slots, merged, fill_tokens, fill_slots, counts;
+  DeviceBuffer<std::int32_t> lru_ids, lru_slots, slot_ids, fill_tokens, fill_slots, counts;
   DeviceBuffer<std::uint64_t> fill_host, src, dst;
   DeviceBuffer<std::uint8_t> flags;
   DeviceBuffer<std::int64_t> miss_offsets, total;
@@ -30,8 +36,8 @@ struct Part {
 
 class CudaOffload final : public OffloadBackend {
  public:
-  CudaOffload(Offload::Impl& front, bool owned) : x_(front) {
-    const OffloadConfig& c = front.config;
+  CudaOffload(OffloadState& state, bool owned) : x_(state) {
+    const OffloadConfig& c = state.config;
     ESS_CUDA_CHECK(cudaSetDevice(c.device), "offload: selecting device {}", c.device);
     P_ = static_cast<std::size_t>(c.query_tokens) * static_cast<std::size_t>(c.topk);
     B_ = static_cast<std::size_t>(c.max_requests);
@@ -45,17 +51,17 @@ class CudaOffload final : public OffloadBackend {
     gc.device = c.device;
     swap_ = std::make_unique<GpuSwapEngine>(gc);
     if (owned) {
-      const std::uint64_t bytes = front.buffer.rows.offset(static_cast<std::int64_t>(B_) * rpr_);
+      const std::uint64_t bytes = state.buffer.rows.offset(static_cast<std::int64_t>(B_) * rpr_);
       for (int l = 0; l < c.layers; ++l) {
         owned_.emplace_back(bytes);
         ESS_CUDA_CHECK(cudaMemset(owned_.back().get(), 0, bytes), "offload: zeroing the buffer of layer {}", l);
-        front.buffer.layer_base.push_back(owned_.back().get());
+        state.buffer.layer_base.push_back(owned_.back().get());
       }
     }
     for (Part& p : parts_) {
-      p.masked = DeviceBuffer<std::int32_t>(B_ * P_);
+      p.lru_ids = DeviceBuffer<std::int32_t>(B_ * P_);
       p.lru_slots = DeviceBuffer<std::int32_t>(B_ * P_);
-      p.merged = DeviceBuffer<std::int32_t>(B_ * P_);
+      p.slot_ids = DeviceBuffer<std::int32_t>(B_ * P_);
       p.fill_tokens = DeviceBuffer<std::int32_t>(B_ * P_);
       p.fill_slots = DeviceBuffer<std::int32_t>(B_ * P_);
       p.counts = DeviceBuffer<std::int32_t>(2 * B_);
@@ -72,7 +78,7 @@ class CudaOffload final : public OffloadBackend {
     wb_total_ = DeviceBuffer<std::int64_t>(1);
     page_table_ = DeviceBuffer<std::int32_t>(B_ * static_cast<std::size_t>(max_pages_) * static_cast<std::size_t>(c.layers));
     ESS_CUDA_CHECK(cudaMemset(page_table_.get(), 0xff, page_table_.size() * 4), "offload: page tables");
-    pool_dev_ = device_view_cuda(front.pool->base());
+    pool_dev_ = device_view_cuda(state.pool->base());
     ESS_CHECK(pool_dev_ != nullptr, "offload: the host pool is not mapped into the device's address space");
     ESS_CUDA_CHECK(cudaDeviceSynchronize(), "offload: set-up");
   }
@@ -158,7 +164,7 @@ class CudaOffload final : public OffloadBackend {
     shape.topk_ids = s.topk;
     shape.lengths = s.lengths;
     // 1. The ids the LRU sees: padded positions, invalid ids and reserved newest tokens hidden.
-    ESS_LAUNCH(launch_mask_ids(shape, p.masked.get(), stream), "offload: masking the ids of layer {}", s.layer);
+    ESS_LAUNCH(launch_mask_ids(shape, p.lru_ids.get(), stream), "offload: masking the ids of layer {}", s.layer);
     // 2. The LRU decision for the batch.
     std::int32_t* counts = s.counts != nullptr ? s.counts : p.counts.get();
     GpuSwapStep st;
@@ -167,7 +173,7 @@ class CudaOffload final : public OffloadBackend {
     st.query_tokens = c.query_tokens;
     st.topk = c.topk;
     st.rows = s.rows;
-    st.ids = p.masked.get();
+    st.ids = p.lru_ids.get();
     st.slot_ids = p.lru_slots.get();
     st.fill_tokens = p.fill_tokens.get();
     st.fill_slots = p.fill_slots.get();
@@ -179,7 +185,7 @@ class CudaOffload final : public OffloadBackend {
     st.entry_bytes = x_.config.layout.bytes();
     swap_->step_async(st, stream);
     // 3. Each id's slot and physical row.
-    ESS_LAUNCH(launch_finalize_rows(shape, p.lru_slots.get(), p.merged.get(), s.physical, stream),
+    ESS_LAUNCH(launch_finalize_rows(shape, p.lru_slots.get(), p.slot_ids.get(), s.physical, stream),
                "offload: the rows of layer {}", s.layer);
     // 4. The FlashTrans list and the DA halves.
     SplitArgs sp;
@@ -188,7 +194,7 @@ class CudaOffload final : public OffloadBackend {
     sp.rows_per_request = rpr_;
     sp.buffer = x_.buffer.rows;
     sp.rows = s.rows;
-    sp.slot_ids = p.merged.get();
+    sp.slot_ids = p.slot_ids.get();
     sp.counts = counts;
     sp.fill_slots = p.fill_slots.get();
     sp.fill_host_offsets = p.fill_host.get();
@@ -199,10 +205,10 @@ class CudaOffload final : public OffloadBackend {
     sp.query_tokens = c.query_tokens;
     if (s.resident != nullptr) {
       sp.flags = p.flags.get();
-      sp.hit_ids = s.resident;
-      sp.miss_ids = s.fetched;
-      sp.hit_count = s.resident_count;
-      sp.miss_count = s.fetched_count;
+      sp.resident = s.resident;
+      sp.fetched = s.fetched;
+      sp.resident_count = s.resident_count;
+      sp.fetched_count = s.fetched_count;
     }
     ESS_LAUNCH(split_misses_cuda(sp, stream), "offload: the miss list of layer {}", s.layer);
     // 5. The fetch, on the copy stream when there is one.
@@ -264,7 +270,7 @@ class CudaOffload final : public OffloadBackend {
     std::uint64_t n = swap_->device_bytes() + wb_src_.bytes() + wb_dst_.bytes() + wb_total_.bytes() + page_table_.bytes();
     for (const auto& b : owned_) n += b.bytes();
     for (const Part& p : parts_) {
-      n += p.masked.bytes() + p.lru_slots.bytes() + p.merged.bytes() + p.fill_tokens.bytes() + p.fill_slots.bytes() +
+      n += p.lru_ids.bytes() + p.lru_slots.bytes() + p.slot_ids.bytes() + p.fill_tokens.bytes() + p.fill_slots.bytes() +
            p.counts.bytes() + p.fill_host.bytes() + p.src.bytes() + p.dst.bytes() + p.flags.bytes() +
            p.miss_offsets.bytes() + p.total.bytes();
     }
@@ -279,7 +285,7 @@ class CudaOffload final : public OffloadBackend {
  private:
   static constexpr int kWholeGpu = 4096;  // the untimed warm-up fills take every SM
 
-  Offload::Impl& x_;
+  OffloadState& x_;
   std::size_t P_ = 0, B_ = 0;
   std::int32_t rpr_ = 0;
   int max_pages_ = 0;
@@ -293,10 +299,11 @@ class CudaOffload final : public OffloadBackend {
   std::int64_t steps_ = 0, warmup_fills_ = 0;
 };
 
-}  // namespace
-
-std::unique_ptr<OffloadBackend> make_cuda_offload(Offload::Impl& front, bool owned) {
-  return std::make_unique<CudaOffload>(front, owned);
+std::unique_ptr<OffloadBackend> make_cuda_offload(OffloadState& state, bool owned) {
+  return std::make_unique<CudaOffload>(state, owned);
 }
 
+[[maybe_unused]] const bool kRegistered = (register_cuda_offload(make_cuda_offload), true);
+
+}  // namespace
 }  // namespace ess::cuda

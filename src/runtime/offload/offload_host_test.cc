@@ -7,8 +7,8 @@
 #include <deque>
 
 #include "ess/core/digest.h"
-#include "harness/support/testing.h"
 #include "offload_cases.h"
+#include "testing/testing.h"
 
 namespace ess::offload_test {
 namespace {

@@ -1,6 +1,7 @@
 // Internal to the runtime: what Offload's front (offload.cc: configuration, requests, rows, the
 // Total Memory Pool) shares with its backends (offload_cpu.cc; offload_cuda.cc with the CUDA
-// backend).
+// backend): the state they read (OffloadState, offload_state.cc), and the interface the front
+// calls. The front owns a backend; a backend never calls the front.
 #pragma once
 
 #include <cstdint>
@@ -35,27 +36,41 @@ class OffloadBackend {
   virtual std::uint64_t device_bytes() const = 0;  // Offload::device_bytes
 };
 
-class Offload::Impl {
- public:
-  Impl(const OffloadConfig& config, LatentBuffer buffer, HostAllocator& host);
-
+// What the front keeps and its backends read: the configuration, the layer buffers, the host
+// pool, and which request holds each pool row. Only the front changes it (a backend that
+// allocates the layer buffers sets their bases once, when it is made).
+struct OffloadState {
   OffloadConfig config;
   LatentBuffer buffer;                // resolved: strides set, one base per layer
   std::unique_ptr<TotalPool> pool;
   std::vector<RequestId> request_of_row;  // -1 = free
   std::unordered_map<RequestId, std::int32_t> row_of_request;
+
+  // The pool row of an admitted request; throws naming `what` when it is not admitted.
+  std::int32_t find_row(RequestId id, const char* what) const;
+  // The request at pool row `row`, which batch position `position` names; throws naming them
+  // when the row is out of range or free.
+  RequestId request_at(std::int32_t row, const char* what, int position) const;
+};
+
+class Offload::Impl : public OffloadState {
+ public:
+  Impl(const OffloadConfig& config, LatentBuffer buffer, HostAllocator& host);
+
   std::unique_ptr<OffloadBackend> backend;
 
   // Admission with `pool_admit` taking the host pages (all-or-nothing); returns the row.
   std::int32_t admit(RequestId id, std::int64_t prompt_length, std::int32_t wanted_row,
                      const std::function<void()>& pool_admit);
-  std::int32_t find_row(RequestId id, const char* what) const;
-  RequestId request_at(std::int32_t row, const char* what, int position) const;
 };
 
-// The CPU backend (offload_cpu.cc; the CUDA one, offload_cuda.cc, is reached through the backend
-// table): it gets the front to read requests and the host pool from. With `owned`, the backend
-// allocates the layer buffers and sets front.buffer.layer_base.
-std::unique_ptr<OffloadBackend> make_cpu_offload(Offload::Impl& front, bool owned);
+// A backend reads the requests and the host pool from the front's state. With `owned`, it
+// allocates the layer buffers and sets state.buffer.layer_base.
+using OffloadBackendFactory = std::unique_ptr<OffloadBackend> (*)(OffloadState& state, bool owned);
+// The CPU backend (offload_cpu.cc).
+std::unique_ptr<OffloadBackend> make_cpu_offload(OffloadState& state, bool owned);
+// The CUDA backend (offload_cuda.cc) registers its factory once, before main; nullptr without it.
+void register_cuda_offload(OffloadBackendFactory make);
+OffloadBackendFactory cuda_offload_factory();
 
 }  // namespace ess

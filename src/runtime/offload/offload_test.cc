@@ -1,14 +1,14 @@
 // The per-layer step on the CUDA backend (offload_cases.h; the CPU backend runs the same cases
 // in offload_host_test.cc): every pointer of a step is device memory, the step runs on a
-// stream (harness/support/offload_io_cuda.cc), nothing synchronizes until the outputs are
+// stream (testing/offload_io_cuda.cc), nothing synchronizes until the outputs are
 // read. Skipped without a CUDA device.
 #include <gtest/gtest.h>
 
 #include <deque>
 
 #include "ess/runtime/backend.h"
-#include "runtime/cuda/device_buffer.h"
 #include "offload_cases.h"
+#include "runtime/cuda/device_buffer.h"
 
 namespace ess::offload_test {
 namespace {

@@ -38,7 +38,7 @@ FlashTransGrid flashtrans_grid(const EntryCopy& copy);
 // The GPU swap engine's step kernel: the shared-memory hash of T x K = `positions`
 // selections (a power of two, at least twice the positions), and the dynamic shared memory
 // of one block (per hash entry a token and its state; the miss tokens; a flag per slot:
-// swap_engine_kernel.h).
+// swap_engine_cta.h).
 int swap_hash_capacity(int positions);
 std::size_t swap_step_smem_bytes(int positions, std::int32_t slots);
 // Static shared memory of the step kernel (its block scan's storage) is at most this; the

@@ -8,9 +8,9 @@
 #include <limits>
 #include <string>
 
-#include "harness/support/backend.h"
-#include "runtime/offload/split.h"
 #include "runtime/ops/launch_args.h"
+#include "runtime/ops/split/split.h"
+#include "testing/backend.h"
 
 namespace ess::cuda {
 namespace {
@@ -197,12 +197,12 @@ TEST(LaunchArgs, Split) {
   a.miss_offsets = a.total = device_pointer<std::int64_t>();
   a.src_offsets = a.dst_offsets = device_pointer<std::uint64_t>();
   EXPECT_EQ(check_args(a), "");
-  a.hit_ids = device_pointer<std::int32_t>();
+  a.resident = device_pointer<std::int32_t>();
   EXPECT_NE(check_args(a).find("together"), std::string::npos);
-  a.miss_ids = device_pointer<std::int32_t>();
+  a.fetched = device_pointer<std::int32_t>();
   EXPECT_NE(check_args(a).find("flags"), std::string::npos);
   a.flags = device_pointer<std::uint8_t>();
-  a.hit_count = a.miss_count = device_pointer<std::int32_t>();
+  a.resident_count = a.fetched_count = device_pointer<std::int32_t>();
   a.query_tokens = 3;
   EXPECT_NE(check_args(a).find("positions = 8 is not a whole number of rows of query_tokens = 3"), std::string::npos);
   a.query_tokens = 2;

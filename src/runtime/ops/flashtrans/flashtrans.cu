@@ -4,13 +4,13 @@
 
 #include "ess/ops/flashtrans.h"
 #include "runtime/cuda/backend_impl.h"
-#include "runtime/ops/flashtrans/flashtrans_kernel.h"
+#include "runtime/ops/flashtrans/flashtrans_cta.h"
 #include "runtime/ops/launch_args.h"
 
 namespace ess::cuda {
 namespace {
 
-// The CUDA primitives of the block program (flashtrans_kernel.h).
+// The CUDA primitives of the block program (flashtrans_cta.h).
 struct DevicePrims {
   __device__ int tid() const { return static_cast<int>(threadIdx.x); }
   __device__ int threads() const { return static_cast<int>(blockDim.x); }

@@ -15,7 +15,7 @@
 
 #include "ess/cache/sparse_pool.h"
 #include "ess/cache/total_pool.h"
-#include "harness/support/backend.h"
+#include "testing/backend.h"
 
 namespace ess::flashtrans_test {
 

@@ -1,4 +1,4 @@
-// FlashTrans's own device code (flashtrans_kernel.h) run on the CPU by the CTA emulator
+// FlashTrans's own device code (flashtrans_cta.h) run on the CPU by the CTA emulator
 // (cta_emulator.h), on the cases of flashtrans_cases.h: the launch's grid is the one
 // flashtrans.cu takes (flashtrans_grid), every global read and write is checked against the
 // launch's buffers, and the buffers are guarded. The Sparse Memory Pool's fill builds its
@@ -10,9 +10,9 @@
 #include <vector>
 
 #include "flashtrans_cases.h"
-#include "runtime/ops/cta_emulator.h"
-#include "runtime/ops/flashtrans/flashtrans_kernel.h"
+#include "runtime/ops/flashtrans/flashtrans_cta.h"
 #include "runtime/ops/launch_args.h"
+#include "testing/emulator/cta_emulator.h"
 
 namespace ess::flashtrans_test {
 namespace {

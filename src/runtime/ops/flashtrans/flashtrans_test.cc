@@ -10,8 +10,8 @@
 #include "ess/ops/flashtrans.h"
 #include "ess/runtime/backend.h"
 #include "flashtrans_cases.h"
-#include "harness/support/device_io.h"
 #include "runtime/cuda/device_slot_storage.h"
+#include "testing/device_io.h"
 
 namespace ess::flashtrans_test {
 namespace {

@@ -15,10 +15,10 @@
 #include <vector>
 
 #include "ess/cache/swap_engine.h"
-#include "harness/support/backend.h"
-#include "harness/support/cache_fixtures.h"
 #include "runtime/ops/gpu_swap/swap_engine_gpu.h"
 #include "runtime/ops/launch_args.h"
+#include "testing/backend.h"
+#include "testing/cache_fixtures.h"
 
 namespace ess::swap_test {
 

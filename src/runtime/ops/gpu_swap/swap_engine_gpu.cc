@@ -4,7 +4,7 @@
 
 #include "runtime/cuda/check.h"
 #include "runtime/cuda/device_buffer.h"
-#include "runtime/ops/gpu_swap/swap_engine_kernels.h"
+#include "runtime/ops/gpu_swap/swap_engine_launch.h"
 
 namespace ess::cuda {
 

@@ -5,8 +5,8 @@
 #include <cub/block/block_scan.cuh>
 
 #include "runtime/cuda/smem_limit.h"
-#include "runtime/ops/gpu_swap/swap_engine_kernel.h"
-#include "runtime/ops/gpu_swap/swap_engine_kernels.h"
+#include "runtime/ops/gpu_swap/swap_engine_cta.h"
+#include "runtime/ops/gpu_swap/swap_engine_launch.h"
 
 namespace ess::cuda {
 namespace {
@@ -15,7 +15,7 @@ constexpr int kThreads = swap::kStepThreads;
 using BlockScan = cub::BlockScan<int, kThreads>;
 static_assert(sizeof(BlockScan::TempStorage) <= kSwapStepStaticSmemBound, "launch_args.h bounds the static shared memory");
 
-// The CUDA primitives of the CTA programs (swap_engine_kernel.h).
+// The CUDA primitives of the CTA programs (swap_engine_cta.h).
 struct DevicePrims {
   BlockScan::TempStorage* scan;  // kThreads-thread blocks only
   __device__ int tid() const { return static_cast<int>(threadIdx.x); }

@@ -40,7 +40,7 @@
 #include "runtime/cuda/backend_impl.h"
 #include "runtime/cuda/ptx.cuh"
 #include "runtime/cuda/smem_limit.h"
-#include "runtime/ops/indexer/indexer_kernel.h"
+#include "runtime/ops/indexer/indexer_cta.h"
 #include "runtime/ops/launch_args.h"
 
 namespace ess::cuda {
@@ -50,7 +50,7 @@ using indexer::kThreads;
 using indexer::Params;
 using indexer::smem_bytes;
 
-// The PTX primitives of the CTA program (indexer_kernel.h).
+// The PTX primitives of the CTA program (indexer_cta.h).
 struct DevicePrims {
   __device__ __forceinline__ int tid() const { return static_cast<int>(threadIdx.x); }
   __device__ __forceinline__ void sync_cta() const { __syncthreads(); }

@@ -16,11 +16,11 @@
 #include "ess/model/numerics.h"
 #include "ess/ops/indexer.h"
 #include "ess/ops/reference.h"
-#include "harness/support/accuracy.h"
-#include "harness/support/device.h"
 #include "runtime/cuda/check.h"
 #include "runtime/cuda/device_buffer.h"
-#include "runtime/ops/gpu_swap/swap_bench.h"
+#include "runtime/ops/gpu_swap/swap_engine_bench.h"
+#include "testing/accuracy.h"
+#include "testing/device.h"
 
 namespace ess::cuda {
 namespace {
@@ -68,7 +68,7 @@ bool verify_row(const IndexerBenchConfig& c, std::int64_t row, const std::vector
   const std::span<const float> wr(w.data() + static_cast<std::size_t>(row) * H, H);
   std::vector<float> ref(static_cast<std::size_t>(len));
   std::vector<double> bounds(static_cast<std::size_t>(len));
-  ref::indexer_reference({q.data() + static_cast<std::size_t>(row) * H * kDim, H * kDim}, wr, c.heads, pages, len, ref, bounds);
+  test::indexer_reference({q.data() + static_cast<std::size_t>(row) * H * kDim, H * kDim}, wr, c.heads, pages, len, ref, bounds);
   std::vector<float> gpu(static_cast<std::size_t>(len));
   ESS_CUDA_CHECK(cudaMemcpy(gpu.data(), d_logits + row * c.context, gpu.size() * 4, cudaMemcpyDeviceToHost),
                  "bench indexer: logits");
@@ -109,8 +109,8 @@ IndexerBenchResult run_indexer_bench(const IndexerBenchConfig& c) {
   ESS_CHECK(c.context >= c.query_tokens && c.context <= (std::int64_t{1} << 30),
             "bench indexer: context {} must be at least T = {} and at most 2^30", c.context, c.query_tokens);
   IndexerBenchResult res;
-  res.device = use_device(c.device, "bench indexer");
-  res.date = utc_now();
+  res.device = test::use_device(c.device, "bench indexer");
+  res.date = test::utc_now();
 
   const IndexerLayout layout;
   const int B = c.batch, T = c.query_tokens, H = c.heads;
@@ -232,9 +232,9 @@ IndexerBenchResult run_indexer_bench(const IndexerBenchConfig& c) {
     topk_us.push_back(1000.0 * ms12);
     both_us.push_back(1000.0 * ms02);
   }
-  res.logits_us = summarize(logits_us);
-  res.topk_us = summarize(topk_us);
-  res.indexer_us = summarize(both_us);
+  res.logits_us = test::summarize(logits_us);
+  res.topk_us = test::summarize(topk_us);
+  res.indexer_us = test::summarize(both_us);
 
   // Traffic of the logits kernel: every needed page once per request, q and w once per
   // request (the CTAs of a request re-read them from L2); the logits written.

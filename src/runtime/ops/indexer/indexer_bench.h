@@ -2,14 +2,14 @@
 // FP8 logits over every request's whole indexer cache (64-token pages scattered through a
 // device arena by a shuffled page table) and the top-k of every query token, timed with
 // CUDA events: logits alone, top-k alone and both back to back. One step is first checked
-// against the CPU references (ess::ref::indexer_logits within ref::kIndexerLogitsTolerance,
+// against the CPU references (ess::ref::indexer_logits within test::kIndexerLogitsTolerance,
 // ess::ref::topk bit for bit on the GPU's logits) for two query tokens.
 #pragma once
 
 #include <cstdint>
 #include <string>
 
-#include "ess/core/stats.h"
+#include "testing/stats.h"
 
 namespace ess::cuda {
 
@@ -31,9 +31,9 @@ struct IndexerBenchResult {
   bool verified = false;
   std::string verify_note;          // what disagreed, when not verified
   double worst_error_over_bound = 0;  // of the checked logits
-  Summary logits_us;                // per layer
-  Summary topk_us;
-  Summary indexer_us;               // logits then top-k, back to back
+  test::Summary logits_us;                // per layer
+  test::Summary topk_us;
+  test::Summary indexer_us;               // logits then top-k, back to back
   double keys = 0;                  // (query token, key) pairs scored per layer
   double bytes_read = 0;            // per layer: every needed key page once per request, q, w
   double page_bytes = 0;            //   of which key pages

@@ -8,8 +8,8 @@
 
 #include <tuple>
 
-#include "harness/support/backend.h"
 #include "indexer_problem.h"
+#include "testing/backend.h"
 
 namespace ess::indexer_test {
 

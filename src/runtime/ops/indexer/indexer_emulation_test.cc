@@ -1,10 +1,10 @@
 // The indexer's two kernels, their own device code, run on the CPU on the cases of
 // indexer_cases.h, end to end:
-//   - the logits' CTA program (indexer_kernel.h) on the warp emulator (warp_emulator.h:
+//   - the logits' CTA program (indexer_cta.h) on the warp emulator (warp_emulator.h:
 //     cp.async completed as late as allowed, ldmatrix, the FP8 mma.m16n8k32 with exact
 //     products, shared memory poisoned), with the grid indexer.cu takes (its pages per CTA for
 //     a 132-SM device); cp.async may read only q and the page arena;
-//   - the top-k's row program (topk_kernel.h) on the CTA emulator (cta_emulator.h: ballots and
+//   - the top-k's row program (topk_cta.h) on the CTA emulator (cta_emulator.h: ballots and
 //     __match_any_sync as warp collectives, cub's block scan, and cub's
 //     BlockRadixSort::SortDescending as a stable block-wide sort of the blocked items), with
 //     the launch topk.cu makes (one 1,024-thread block per row, the key cache of
@@ -18,11 +18,11 @@
 #include <vector>
 
 #include "indexer_cases.h"
-#include "runtime/ops/cta_emulator.h"
-#include "runtime/ops/indexer/indexer_kernel.h"
-#include "runtime/ops/indexer/topk_kernel.h"
-#include "runtime/ops/sparse_mla/warp_emulator.h"
+#include "runtime/ops/indexer/indexer_cta.h"
+#include "runtime/ops/indexer/topk_cta.h"
 #include "runtime/ops/launch_args.h"
+#include "testing/emulator/cta_emulator.h"
+#include "testing/emulator/warp_emulator.h"
 
 namespace ess::indexer_test {
 namespace {

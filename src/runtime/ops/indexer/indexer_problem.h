@@ -45,7 +45,7 @@
 #include "ess/model/entry_layout.h"
 #include "ess/model/numerics.h"
 #include "ess/ops/reference.h"
-#include "harness/support/accuracy.h"
+#include "testing/accuracy.h"
 
 namespace ess::indexer_test {
 
@@ -53,7 +53,7 @@ inline constexpr int kDim = 128;
 inline constexpr double kU13 = 1.0 / 8192.0;              // 2^-13: the FP8 MMA accumulator's unit
 inline constexpr double kU24 = 1.0 / 16777216.0;          // 2^-24: fp32 unit roundoff
 inline constexpr double kBoundFactor = 160 * kU13 + 24 * kU24;
-static_assert(kBoundFactor == ref::kIndexerLogitsTolerance, "ref::indexer_reference (tests and benchmark) uses this bound");
+static_assert(kBoundFactor == test::kIndexerLogitsTolerance, "test::indexer_reference (tests and benchmark) uses this bound");
 inline constexpr std::uint32_t kSentinel = 0x7fbadbadu;   // a NaN payload no kernel produces
 
 // A random FP8 e4m3 byte that is not NaN (S.1111.111).
@@ -196,7 +196,7 @@ inline Reference reference(const Problem& p) {
       const std::size_t row = static_cast<std::size_t>(b) * p.T + t;
       const std::size_t len = static_cast<std::size_t>(p.lengths[row]);
       const std::size_t at = row * static_cast<std::size_t>(p.stride);
-      ref::indexer_reference({p.q.data() + row * q_row, q_row},
+      test::indexer_reference({p.q.data() + row * q_row, q_row},
                               {p.w.data() + row * static_cast<std::size_t>(p.H), static_cast<std::size_t>(p.H)}, p.H,
                               pages, static_cast<std::int64_t>(len), {r.logits.data() + at, len},
                               {r.bound.data() + at, len});
@@ -314,6 +314,5 @@ inline float draw(Pattern pat, std::mt19937& rng) {
   }
   return 0.0f;
 }
-
 
 }  // namespace ess::indexer_test

@@ -10,9 +10,9 @@
 
 #include "ess/ops/indexer.h"
 #include "ess/runtime/backend.h"
-#include "harness/support/device_io.h"
-#include "harness/support/testing.h"
 #include "indexer_cases.h"
+#include "testing/device_io.h"
+#include "testing/testing.h"
 
 namespace ess::indexer_test {
 namespace {

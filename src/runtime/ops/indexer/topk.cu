@@ -31,7 +31,7 @@
 #include "ess/ops/indexer.h"
 #include "runtime/cuda/backend_impl.h"
 #include "runtime/cuda/smem_limit.h"
-#include "runtime/ops/indexer/topk_kernel.h"
+#include "runtime/ops/indexer/topk_cta.h"
 #include "runtime/ops/launch_args.h"
 
 namespace ess::cuda {
@@ -53,7 +53,7 @@ union CubStorage {
 constexpr std::size_t kCubBytes = (sizeof(CubStorage) + 15) / 16 * 16;
 constexpr std::size_t kFixedBytes = kCubBytes + (sizeof(topk_row::Shared) + 15) / 16 * 16;
 
-// The CUDA primitives of the row program (topk_kernel.h).
+// The CUDA primitives of the row program (topk_cta.h).
 struct DevicePrims {
   CubStorage& cub;
   __device__ int tid() const { return static_cast<int>(threadIdx.x); }

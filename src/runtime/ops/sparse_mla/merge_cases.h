@@ -16,7 +16,7 @@
 
 #include "ess/model/numerics.h"
 #include "ess/ops/reference.h"
-#include "harness/support/backend.h"
+#include "testing/backend.h"
 
 namespace ess::mla_test {
 

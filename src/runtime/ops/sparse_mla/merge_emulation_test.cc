@@ -1,4 +1,4 @@
-// The merge kernel's own block program (merge_kernel.h) run on the CPU by the CTA emulator
+// The merge kernel's own block program (merge_cta.h) run on the CPU by the CTA emulator
 // (cta_emulator.h), on the cases of merge_cases.h, with the grid sparse_mla.cu takes (capped
 // here at 4 blocks, so that warps loop over rows as they do on a large batch), outputs
 // poisoned with NaN as the device test does, in place over a partial too, every buffer
@@ -11,9 +11,9 @@
 
 #include "ess/model/numerics.h"
 #include "merge_cases.h"
-#include "runtime/ops/cta_emulator.h"
 #include "runtime/ops/launch_args.h"
-#include "runtime/ops/sparse_mla/merge_kernel.h"
+#include "runtime/ops/sparse_mla/merge_cta.h"
+#include "testing/emulator/cta_emulator.h"
 
 namespace ess::mla_test {
 namespace {

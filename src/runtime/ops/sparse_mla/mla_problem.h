@@ -1,7 +1,7 @@
 // Test problems for the sparse MLA decode, shared by the GPU test (sparse_mla_test.cc) and
 // the CPU emulation of the kernel (sparse_mla_emulation_test.cc): seeded slot arrays, ids
 // with masks, q, and the checks against the reference (the accuracy contract of
-// ref::check_decode_token, and two exact cases; the tolerances are justified in
+// test::check_decode_token, and two exact cases; the tolerances are justified in
 // sparse_mla_test.cc).
 #pragma once
 
@@ -24,7 +24,7 @@
 #include "ess/model/numerics.h"
 #include "ess/ops/reference.h"
 #include "ess/ops/sparse_mla.h"
-#include "harness/support/accuracy.h"
+#include "testing/accuracy.h"
 
 namespace ess::mla_test {
 
@@ -217,20 +217,19 @@ inline void expect_within_contract(const Problem& p, const std::vector<std::int3
     const auto ptrs = p.ptrs(t, ids);
     const std::span<const float> lse{out.lse.data() + t * static_cast<std::size_t>(p.H), static_cast<std::size_t>(p.H)};
     if (!out.o32.empty()) {
-      const auto c = ref::check_decode_token(params, p.q_of(t), ptrs, {out.o32.data() + t * hv, hv}, false, lse, slack, merged);
+      const auto c = test::check_decode_token(params, p.q_of(t), ptrs, {out.o32.data() + t * hv, hv}, false, lse, slack, merged);
       EXPECT_TRUE(c.ok()) << "token " << t << " fp32: " << c.structural << " worst " << c.worst << " at " << c.worst_at;
       worst = std::max(worst, c.worst);
     }
     if (!out.o16.empty()) {
       const auto f = to_float(out.o16.data() + t * hv, hv);
-      const auto c = ref::check_decode_token(params, p.q_of(t), ptrs, f, true, lse, slack, merged);
+      const auto c = test::check_decode_token(params, p.q_of(t), ptrs, f, true, lse, slack, merged);
       EXPECT_TRUE(c.ok()) << "token " << t << " bf16: " << c.structural << " worst " << c.worst << " at " << c.worst_at;
       worst = std::max(worst, c.worst);
     }
   }
   testing::Test::RecordProperty("worst_error_over_bound", fmt::format("{:.4g}", worst));
 }
-
 
 // ---- exact cases ----------------------------------------------------------------------------
 // All scores equal (q = 0) with values k/8: P = 1 and O = the exact sum of the values, so

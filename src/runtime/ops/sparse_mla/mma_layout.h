@@ -19,11 +19,7 @@
 // In every packed pair the lower-indexed element is in the low half.
 #pragma once
 
-#if defined(__CUDACC__)
-#define ESS_HOST_DEVICE __host__ __device__
-#else
-#define ESS_HOST_DEVICE
-#endif
+#include "runtime/cuda/device_inline.h"
 
 namespace ess::cuda::mla {
 

@@ -1,6 +1,6 @@
 // Sparse MLA decode on tensor cores (mma.sync m16n8k16 bf16 -> fp32) and the merge of two
 // partial attention states. Definitions in sparse_mla.h; the CTA program in
-// sparse_mla_kernel.h (instantiated here with the PTX primitives, and on the CPU by
+// sparse_mla_cta.h (instantiated here with the PTX primitives, and on the CPU by
 // sparse_mla_emulation_test.cc); index math in mma_layout.h.
 //
 // ---- Design ---------------------------------------------------------------------------------
@@ -56,7 +56,7 @@
 // (the score error is the fp32 summation error of 576 terms). The dominant error is P rounded
 // to bf16 (relative 2^-8) before the P V product: |o - o_ref| <= 2^-8 max_j |v_j| plus the
 // effect of the score error and the fp32 accumulation over K entries (the complete bound:
-// ref::check_decode_token in harness/support/accuracy.h, used by the tests and the benchmark).
+// test::check_decode_token in testing/accuracy.h, used by the tests and the benchmark).
 //
 // ---- Merge ----------------------------------------------------------------------------------
 // One warp per row (head): reads both lse values, computes the two weights exactly as
@@ -78,9 +78,9 @@
 #include "runtime/cuda/ptx.cuh"
 #include "runtime/cuda/smem_limit.h"
 #include "runtime/ops/launch_args.h"
-#include "runtime/ops/sparse_mla/merge_kernel.h"
+#include "runtime/ops/sparse_mla/merge_cta.h"
 #include "runtime/ops/sparse_mla/mma_layout.h"
-#include "runtime/ops/sparse_mla/sparse_mla_kernel.h"
+#include "runtime/ops/sparse_mla/sparse_mla_cta.h"
 
 namespace ess::cuda {
 namespace {
@@ -100,7 +100,7 @@ __device__ __forceinline__ std::uint32_t pack_bf16x2(float lo, float hi) {
   return u;
 }
 
-// The PTX primitives of sparse_mla_cta (sparse_mla_kernel.h).
+// The PTX primitives of sparse_mla_cta (sparse_mla_cta.h).
 struct DevicePrims {
   __device__ __forceinline__ int tid() const { return static_cast<int>(threadIdx.x); }
   __device__ __forceinline__ void sync_cta() const { __syncthreads(); }

@@ -3,8 +3,8 @@
 // sparse_mla_test.cc, the CPU reference standing in for it in sparse_mla_host_test.cc.
 // Include in exactly one source file per binary.
 //
-// Tolerances. The decode is held to the accuracy contract of ref::check_decode_token
-// (harness/support/accuracy.h), derived from the kernel's arithmetic: dequantization is exact,
+// Tolerances. The decode is held to the accuracy contract of test::check_decode_token
+// (testing/accuracy.h), derived from the kernel's arithmetic: dequantization is exact,
 // so the scores are exact products summed in fp32 (error <= 577 x 2^-23 x scale x sum |q||k|,
 // plus the rounding of the prescale and of exp2); the softmax weights of perturbed scores are
 // off by at most a factor e^(2 Delta); P is rounded to bf16 before P V (relative 2^-8, the
@@ -29,9 +29,9 @@
 
 #include "ess/model/numerics.h"
 #include "ess/ops/reference.h"
-#include "harness/support/backend.h"
 #include "merge_cases.h"
 #include "mla_problem.h"
+#include "testing/backend.h"
 
 namespace ess::mla_test {
 

@@ -1,4 +1,4 @@
-// The sparse MLA decode kernel's own CTA program (sparse_mla_kernel.h), run on
+// The sparse MLA decode kernel's own CTA program (sparse_mla_cta.h), run on
 // the CPU by the warp emulator (warp_emulator.h: one fiber per thread, PTX semantics for
 // every primitive, cp.async completed as late as allowed, shared memory poisoned with NaN),
 // against the reference: the accuracy contract and the two exact cases of mla_problem.h,
@@ -17,8 +17,8 @@
 #include "ess/ops/sparse_mla.h"
 #include "mla_problem.h"
 #include "runtime/ops/sparse_mla/mma_layout.h"
-#include "runtime/ops/sparse_mla/sparse_mla_kernel.h"
-#include "warp_emulator.h"
+#include "runtime/ops/sparse_mla/sparse_mla_cta.h"
+#include "testing/emulator/warp_emulator.h"
 
 namespace ess {
 namespace {

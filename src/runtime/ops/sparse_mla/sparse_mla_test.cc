@@ -9,11 +9,11 @@
 #include "ess/core/error.h"
 #include "ess/ops/sparse_mla.h"
 #include "ess/runtime/backend.h"
-#include "harness/support/device_io.h"
-#include "harness/support/testing.h"
 #include "runtime/cuda/check.h"
 #include "runtime/cuda/device_buffer.h"
 #include "sparse_mla_cases.h"
+#include "testing/device_io.h"
+#include "testing/testing.h"
 
 namespace ess::mla_test {
 namespace {

@@ -1,0 +1,263 @@
+// The ops of one layer of the step model (step_model.cc) for one micro-batch, issued on the
+// schedule (step_scheduler.h). Internal to the simulator.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string_view>
+
+#include "analysis/sim/step_scheduler.h"
+#include "ess/model/model_spec.h"
+#include "ess/sim/deployment.h"
+#include "ess/sim/op_cost.h"
+#include "ess/sim/op_names.h"
+
+namespace ess::sim {
+
+// The ops of one layer for one micro-batch, in the stages SGLang's decode runs them
+// (operations_strategy.py, "deepseek blog decode"): prepare | core attention + gate | dispatch
+// send + shared expert | dispatch receive + routed experts + combine send | combine receive.
+class LayerBuilder {
+ public:
+  LayerBuilder(const ModelSpec& m, const Deployment& d, std::int64_t context, bool offload, double slots)
+      : m_(m), d_(d), ctx_(static_cast<double>(context)), slots_(slots), offload_(offload) {
+    topk_ = std::min(static_cast<double>(m.index_topk), ctx_);
+    ctx64_ = context;
+    random_rows_ = d.rig_layers == 0;  // the rig routes tokens evenly; a deployment at random
+  }
+
+  // Stage 1: projections, the indexer, the swap decision and the misses' copy (placed by the
+  // micro-batch's mode), PreAttn.
+  void prepare(Scheduler& s, MicroBatch& mb) const {
+    s.set_category(Category::kAttention);
+    const double n = mb.tokens, h = m_.hidden_size, heads = m_.num_attention_heads;
+    const double ih = m_.index_n_heads, id = m_.index_head_dim;
+    const double proj0_out = m_.q_lora_rank + m_.kv_lora_rank + m_.qk_rope_head_dim + id + ih;
+    // Kernels: input norm, the GEMM, q_a / kv_a norms, rope + latent store, indexer key quantise + store.
+    const Op proj0 = gemm_op(op::kProj0, OpKind::kGemmFp8, n, proj0_out, h, h * proj0_out + n * h * 2 * 3, 6);
+    double e = s.issue(Stream::kCompute, proj0, mb.ready, Wait::kComm);
+    if (offload_) {
+      const Op d2h{op::kD2HNewEntries, OpKind::kD2H, 0, n * double(m_.latent_entry_bytes()), n, 0, 0, 0, 1};
+      s.issue(Stream::kD2H, d2h, e);
+    }
+    const double qb_out = heads * (m_.qk_nope_head_dim + m_.qk_rope_head_dim);
+    const Op pre_q = gemm_op(op::kQbProj, OpKind::kGemmFp8, n, qb_out, m_.q_lora_rank,
+                             m_.q_lora_rank * qb_out + n * qb_out * 2, 1);
+    Op pre_bmm = gemm_op(op::kAbsorbBmm, OpKind::kGemmBf16, n, m_.kv_lora_rank, m_.qk_nope_head_dim,
+                         heads * m_.qk_nope_head_dim * m_.kv_lora_rank * 2.0 + n * heads * m_.mla_head_dim() * 2.0, 2);
+    pre_bmm.gemm.groups = heads;
+    pre_bmm.flops *= heads;
+    const double entry = double(m_.latent_entry_bytes());
+    const double misses = offload_ ? mb.misses : 0;
+    const Op h2d_all{op::kH2DMisses, OpKind::kH2D, 0, misses * entry, 0, 0, 0, 0, 1};
+    mb.fetched = 0;
+    if (misses <= 0 || mb.mode == OverlapMode::kNone) {
+      e = s.issue(Stream::kCompute, pre_q, e);
+      e = s.issue(Stream::kCompute, pre_bmm, e);
+      e = indexer(s, mb, e, 1.0);
+      if (misses > 0) mb.fetched = s.issue(Stream::kH2D, h2d_all, e);
+      return;
+    }
+    if (mb.mode == OverlapMode::kDualAttention) {
+      e = indexer(s, mb, e, 1.0);
+      mb.fetched = s.issue(Stream::kH2D, h2d_all, e);
+    } else {  // DBA: two halves of the batch; the first half's copy runs under the second's indexer
+      e = indexer(s, mb, e, 0.5);
+      s.issue(Stream::kH2D, Op{op::kH2DMissesHalf0, OpKind::kH2D, 0, 0.5 * misses * entry, 0, 0, 0, 0, 1}, e);
+      e = indexer(s, mb, e, 0.5);
+      mb.fetched = s.issue(Stream::kH2D, Op{op::kH2DMissesHalf1, OpKind::kH2D, 0, 0.5 * misses * entry, 0, 0, 0, 0, 1}, e);
+    }
+    e = s.issue(Stream::kCompute, pre_q, e);
+    s.issue(Stream::kCompute, pre_bmm, e);
+  }
+
+  // Stage 2: sparse MLA (whole, or Attn0 over the resident entries, Attn1 over the fetched ones
+  // and the merge), PostAttn, then the router (MoE) or the dense FFN.
+  void core(Scheduler& s, MicroBatch& mb, bool moe) const {
+    s.set_category(Category::kAttention);
+    const double n = mb.tokens, h = m_.hidden_size, heads = m_.num_attention_heads;
+    const double flop_per_entry = 2 * heads * (m_.mla_head_dim() + m_.kv_lora_rank);
+    // FlashMLA's sparse decode as SGLang's DSA backend calls it (_forward_flashmla_kv: q viewed
+    // as (tokens, 1, heads, 576), so every query token is a row): the main kernel and the
+    // combine; the scheduling metadata is computed once per step (init_forward_metadata).
+    auto attn = [&](std::string_view name, double entries_per_token) {
+      Op o{name, OpKind::kAttention, n * entries_per_token * flop_per_entry,
+           n * entries_per_token * double(m_.latent_entry_bytes()) + n * heads * (m_.mla_head_dim() + m_.kv_lora_rank) * 2.0,
+           n, ctx64_, 0, 0, 2};
+      o.attention = {n, 1, entries_per_token, heads, double(m_.mla_head_dim()), double(m_.kv_lora_rank),
+                     double(m_.latent_entry_bytes())};
+      return o;
+    };
+    const double misses = offload_ ? mb.misses : 0;
+    const double miss_per_token = std::min(topk_, misses / std::max(n, 1.0));
+    const double now = s.compute_end();
+    double e = 0;
+    if (misses <= 0 || mb.mode == OverlapMode::kNone) {
+      e = s.issue(Stream::kCompute, attn(op::kSparseMla, topk_), std::max(now, mb.fetched), Wait::kTransfer);
+    } else {
+      e = s.issue(Stream::kCompute, attn(op::kAttn0, topk_ - miss_per_token), now);
+      e = s.issue(Stream::kCompute, attn(op::kAttn1, miss_per_token), mb.fetched, Wait::kTransfer);
+      const Op merge{op::kMerge, OpKind::kMemory, 0, 3 * n * heads * m_.kv_lora_rank * 2.0, n, 0, 0, 0, 1};
+      e = s.issue(Stream::kCompute, merge, e);
+    }
+    Op out_bmm = gemm_op(op::kOutBmm, OpKind::kGemmBf16, n, m_.v_head_dim, m_.kv_lora_rank,
+                         heads * m_.kv_lora_rank * m_.v_head_dim * 2.0, 1);
+    out_bmm.gemm.groups = heads;
+    out_bmm.flops *= heads;
+    const Op o_proj = gemm_op(op::kOProj, OpKind::kGemmFp8, n, h, heads * m_.v_head_dim,
+                              heads * m_.v_head_dim * h + n * h * 2, 2);  // activation quantise + GEMM
+    e = s.issue(Stream::kCompute, out_bmm, e);
+    e = s.issue(Stream::kCompute, o_proj, e);
+    if (moe) {
+      s.set_category(Category::kMoe);
+      s.issue(Stream::kCompute, gate(n), e);
+    } else {
+      s.set_category(Category::kOther);
+      mb.ready = s.issue(Stream::kCompute, dense_ffn(n), e);
+    }
+  }
+
+  // Stages 3-5 of an MoE layer (the stage's index 2, 3 or 4).
+  void moe_stage(Scheduler& s, MicroBatch& mb, int stage, bool comm) const {
+    if (stage == 2) dispatch_and_shared(s, mb, comm);
+    if (stage == 3) experts_and_combine(s, mb, comm);
+    if (stage == 4) combine_receive(s, mb, comm);
+  }
+
+  // Stage 3: the dispatch leaves, the shared expert runs.
+  void dispatch_and_shared(Scheduler& s, MicroBatch& mb, bool comm) const {
+    s.set_category(Category::kMoe);
+    if (comm) mb.dispatched = s.issue(Stream::kComm, dispatch(mb.tokens), s.compute_end());
+    s.issue(Stream::kCompute, shared(mb.tokens), s.compute_end());
+  }
+  // Stage 4: the routed experts on the tokens received, the combine leaves.
+  void experts_and_combine(Scheduler& s, MicroBatch& mb, bool comm) const {
+    s.set_category(Category::kMoe);
+    const double x = s.issue(Stream::kCompute, experts(mb.tokens), comm ? mb.dispatched : 0.0, Wait::kComm);
+    mb.combined = comm ? s.issue(Stream::kComm, combine(mb.tokens), x) : x;
+  }
+  // Stage 5: the combined tokens are received; the layer is done.
+  void combine_receive(Scheduler& s, MicroBatch& mb, bool comm) const {
+    if (!comm) {  // the rig: the experts' output is the layer's
+      mb.ready = s.compute_end();
+      return;
+    }
+    s.block_compute_until(mb.combined, Wait::kComm);
+    s.set_category(Category::kMoe);
+    // The receive kernel, then the experts' sum added to the residual.
+    const Op add{"moe.combine_recv+residual", OpKind::kMemory, 0, mb.tokens * m_.hidden_size * 2.0 * 3, mb.tokens, 0, 0, 0, 2};
+    mb.ready = s.issue(Stream::kCompute, add, mb.combined, Wait::kComm);
+  }
+
+  Op gate(double n) const {
+    const double h = m_.hidden_size, e = m_.n_routed_experts;
+    return gemm_op(op::kGate, OpKind::kGemmBf16, n, e, h, h * e * 2 + n * h * 2 * 2, 3);
+  }
+  Op shared(double n) const {
+    const double inter = double(m_.moe_intermediate_size) * m_.n_shared_experts;
+    // Kernels: the dispatch's send, quantise, up GEMM, activation + quantise, down GEMM.
+    Op o = gemm_op(op::kSharedExpert, OpKind::kGemmFp8, n, 2 * inter, m_.hidden_size, 3.0 * m_.hidden_size * inter, 5);
+    o.gemm2 = {n, double(m_.hidden_size), inter, 1, false};
+    o.flops = 2 * n * 3.0 * m_.hidden_size * inter;
+    return o;
+  }
+  Op experts(double n) const {
+    const double w = 3.0 * m_.hidden_size * m_.moe_intermediate_size;
+    const double local = std::ceil(double(m_.n_routed_experts) / d_.expert_parallel);
+    // Tokens routed to this GPU = n x top-k on average (every GPU holds n tokens), spread over
+    // its local experts: Poisson rows per expert in a deployment; an expert no token chose is
+    // not read.
+    const double rows = n * m_.num_experts_per_tok;
+    const double per_expert = rows / local;
+    const double active = random_rows_ ? local * (1 - std::exp(-per_expert)) : local;
+    // Kernels: the dispatch's receive, up GEMM, activation + quantise, down GEMM, the combine's send.
+    Op o{op::kRoutedExperts, OpKind::kGemmFp8, 2 * rows * w, active * w + rows * m_.hidden_size * 3.0, n, 0, 0, 0, 5};
+    o.gemm = {per_expert, 2.0 * m_.moe_intermediate_size, double(m_.hidden_size), local, random_rows_};
+    o.gemm2 = {per_expert, double(m_.hidden_size), double(m_.moe_intermediate_size), local, random_rows_};
+    return o;
+  }
+  Op all_to_all(std::string_view name, double n, double bytes_per_token) const {
+    const double total = n * m_.num_experts_per_tok * bytes_per_token;
+    const double ep = d_.expert_parallel;
+    const double local_gpus = std::min<double>(d_.gpus_per_node, ep);
+    const double rdma = total * (ep - local_gpus) / ep;
+    const double nvl = total * (local_gpus - 1) / ep;
+    return {name, OpKind::kComm, 0, 0, n, 0, rdma, nvl, 1};
+  }
+  Op dispatch(double n) const {  // FP8 hidden + one fp32 scale per 128
+    return all_to_all(op::kDispatch, n, m_.hidden_size + m_.hidden_size / 128.0 * 4);
+  }
+  Op combine(double n) const { return all_to_all(op::kCombine, n, m_.hidden_size * 2.0); }
+  Op dense_ffn(double n) const {
+    const double h = m_.hidden_size, inter = m_.intermediate_size;
+    Op o = gemm_op("dense.norm+ffn", OpKind::kGemmFp8, n, 2 * inter, h, 3.0 * h * inter + n * h * 4.0, 4);
+    o.gemm2 = {n, h, inter, 1, false};
+    o.flops = 2 * n * 3.0 * h * inter;
+    return o;
+  }
+  // The final norm and the LM head GEMM over `n` positions (fp32 logits out).
+  Op lm_head(double n) const {
+    const double h = m_.hidden_size, v = m_.vocab_size;
+    return gemm_op("lm_head", OpKind::kGemmBf16, n, v, h, h * v * 2 + n * v * 4, 2);
+  }
+  // Sampling / verification: `passes` reads of the fp32 logits of `n` positions in `kernels` launches.
+  Op sample(std::string_view name, double n, double passes, double kernels) const {
+    return {name, OpKind::kMemory, 0, passes * n * double(m_.vocab_size) * 4, n, 0, 0, 0, kernels};
+  }
+  Op eh_proj(double n) const {
+    const double h = m_.hidden_size;
+    // DeepseekModelNextN.forward (deepseek_nextn.py): the embedding, fused_eh_norm (enorm +
+    // hnorm + concat), eh_proj: 3 kernels.
+    return gemm_op("mtp.eh_proj", OpKind::kGemmBf16, n, h, 2 * h, 2 * h * h * 2 + n * h * 6, 3);
+  }
+
+ private:
+  static Op gemm_op(std::string_view name, OpKind kind, double m, double n, double k, double bytes, double kernels) {
+    Op o{name, kind, 2 * m * n * k, bytes, m, 0, 0, 0, kernels};
+    o.gemm = {m, n, k, 1, false};
+    return o;
+  }
+  double indexer(Scheduler& s, const MicroBatch& mb, double e0, double frac) const {
+    const double nn = mb.tokens * frac, bb = mb.requests * frac;
+    const double ih = m_.index_n_heads, id = m_.index_head_dim;
+    const Op q = gemm_op(op::kIndexerWqB, OpKind::kGemmFp8, nn, ih * id, m_.q_lora_rank,
+                         m_.q_lora_rank * ih * id + nn * ih * id, 2);  // GEMM + rope / quantise
+    // Paged MQA logits: each request's key cache is read once for its T x 64 heads, the fp32
+    // logits written; the slower of that and the FP8 MMAs.
+    const Op logits{op::kIndexerLogits, OpKind::kIndexer, 2 * nn * ctx_ * ih * id,
+                    bb * ctx_ * double(m_.indexer_entry_bytes()) + nn * ctx_ * 4, nn, ctx64_, 0, 0, 2};  // + metadata
+    // Top-k: one CTA per query token streams its row of logits twice (histogram, select).
+    Op topk{op::kIndexerTopk, OpKind::kTopk, 0, 2 * nn * ctx_ * 4, nn, ctx64_, 0, 0, 2};  // + page -> slot ids
+    topk.rows = nn;
+    double t = s.issue(Stream::kCompute, q, e0);
+    t = s.issue(Stream::kCompute, logits, t);
+    t = s.issue(Stream::kCompute, topk, t);
+    if (offload_) {
+      // The swap engine's LRU decision and the FlashTrans list for this batch (GPU swap
+      // engine + split kernel). Analytically its memory traffic only (ids in and out, 12 bytes
+      // of state per slot), with no per-kernel overhead (kernels = 0); a measured table
+      // (`ess bench profile`) gives its real time.
+      const Op swap{op::kSwap, OpKind::kMemory, 0, nn * topk_ * 4.0 * 4 + bb * slots_ * 12.0, nn, 0, 0, 0, 0};
+      t = s.issue(Stream::kCompute, swap, t);
+      if (mb.split_calls > 0) {
+        // Each further query group: the decision again and one more attention launch.
+        const Op groups{op::kQueryGroups, OpKind::kMemory, 0, mb.split_calls * swap.bytes, nn, 0, 0, 0,
+                        2 * mb.split_calls};
+        t = s.issue(Stream::kCompute, groups, t);
+      }
+    }
+    return t;
+  }
+
+  const ModelSpec& m_;
+  const Deployment& d_;
+  double ctx_;
+  double slots_;
+  double topk_;
+  std::int64_t ctx64_ = 0;
+  bool offload_;
+  bool random_rows_ = true;
+};
+
+}  // namespace ess::sim

@@ -1,0 +1,49 @@
+// The CUDA backend's own kernels of the per-layer step (offload.cu): ids lru_ids for the LRU,
+// the physical rows, and the write-back's copy list. Launchers return a cudaError_t value.
+// CUDA target only; plain declarations.
+#pragma once
+
+#include <cstdint>
+
+#include "ess/ops/flashtrans.h"
+#include "ess/runtime/offload.h"
+
+namespace ess::cuda {
+
+struct StepShape {
+  int batch = 0, query_tokens = 1, topk = 0;
+  std::int32_t slots = 0, rows_per_request = 0;
+  bool reserve_newest = false;
+  int query_begin = 0, query_end = 1;     // the query group served; other query tokens are padding
+  const std::int32_t* rows = nullptr;     // [B], -1 = padded
+  const std::int32_t* topk_ids = nullptr; // [B][T][K]
+  const std::int32_t* lengths = nullptr;  // [B]
+};
+
+// The ids the LRU sees: padding, invalid ids (outside [-1, length)), query tokens outside the
+// group and, with reserve_newest, a position's T newest tokens become -1.
+int launch_mask_ids(const StepShape& s, std::int32_t* lru_ids, Stream stream);
+// Each id's slot among its request's rows (the LRU's slot, or slots + t for the t-th newest
+// token) and its physical row (row x rows_per_request + slot); -1 where there is none.
+int launch_finalize_rows(const StepShape& s, const std::int32_t* lru_slots, std::int32_t* slot_ids, std::int32_t* physical,
+                         Stream stream);
+
+// The write-back's FlashTrans list: for each real position, its T newest tokens from
+// source_rows (or the reserved rows) of the layer's buffer to their host pool entries
+// (page_table[(row x max_pages + token / 64) x layers + layer] x page_bytes + token % 64 x entry).
+struct WriteBackList {
+  int batch = 0, query_tokens = 1, layers = 0, layer = 0, max_pages = 0;
+  std::int32_t slots = 0, rows_per_request = 0;
+  const std::int32_t* rows = nullptr;
+  const std::int32_t* lengths = nullptr;
+  const std::int32_t* source_rows = nullptr;  // nullptr: the reserved rows
+  const std::int32_t* page_table = nullptr;
+  std::uint64_t page_bytes = 0, entry_bytes = 0;
+  RowLayout buffer;
+  std::uint64_t* src_offsets = nullptr;       // [B x T] out
+  std::uint64_t* dst_offsets = nullptr;
+  std::int64_t* total = nullptr;              // [1] out
+};
+int launch_write_back_list(const WriteBackList& w, Stream stream);
+
+}  // namespace ess::cuda

@@ -1,0 +1,264 @@
+// The GPU swap engine's CTA programs (design: swap_engine_gpu.h), written against a policy `P`
+// that supplies the GPU primitives: p.tid(), p.threads(), p.block(), p.blocks(), p.sync()
+// (__syncthreads), p.exclusive_sum(items[kScanItems], ranks[kScanItems], total) (a block-wide
+// exclusive sum over each thread's items: cub's BlockScan; its storage is reused only after a
+// p.sync()), p.atomic_cas and p.atomic_min on
+// shared int32. swap_engine_gpu.cu instantiates them with CUDA's primitives;
+// the emulated CUDA target runs the same code on the CPU (cta_emulator.h; cuda_swap_engine_emulated_test).
+#pragma once
+
+#include <climits>
+#include <cstdint>
+
+#include "runtime/cuda/device_inline.h"
+#include "runtime/ops/gpu_swap/swap_engine_gpu.h"
+
+namespace ess::cuda::swap {
+
+// The launch shapes (swap_engine_gpu.cu; the emulated launchers use the same): the step and
+// the diff one block of kStepThreads, the reset kResetBlocks of kResetThreads.
+inline constexpr int kStepThreads = 1024;
+inline constexpr int kResetBlocks = 64;
+inline constexpr int kResetThreads = 256;
+
+ESS_DEVICE_INLINE int hash_home(std::int32_t tok, int mask) {
+  return static_cast<int>((static_cast<std::uint32_t>(tok) * 0x9E3779B1u) >> 7) & mask;
+}
+
+// Open-addressing probe for `tok`; -1 when absent.
+ESS_DEVICE_INLINE int hash_find(const std::int32_t* keys, std::int32_t tok, int mask) {
+  int h = hash_home(tok, mask);
+  while (true) {
+    const std::int32_t k = keys[h];
+    if (k == tok) return h;
+    if (k == -1) return -1;
+    h = (h + 1) & mask;
+  }
+}
+
+// The step's shared memory (swap_step_smem_bytes): per hash entry a token and its state; the
+// misses' tokens; a flag per slot.
+//   state[h]: >= 0            the token's slot (a hit, or its victim once filled)
+//             -2 - m          miss m, waiting for its victim
+//             INT_MIN + i     not ranked yet; i = its first (canonical) position
+//             -1              no token
+struct SwapShared {
+  std::int32_t* key;       // [H] token, -1 = empty
+  std::int32_t* state;     // [H]
+  std::int32_t* miss_tok;  // [P]
+  std::uint8_t* flag;      // [S] 1 = slot holds a working-set token this step
+};
+
+ESS_DEVICE_INLINE SwapShared swap_shared(std::uint8_t* smem, int hash_cap, int positions) {
+  SwapShared sh;
+  sh.key = reinterpret_cast<std::int32_t*>(smem);
+  sh.state = sh.key + hash_cap;
+  sh.miss_tok = sh.state + hash_cap;
+  sh.flag = reinterpret_cast<std::uint8_t*>(sh.miss_tok + positions);
+  return sh;
+}
+
+// Items per thread of a scan tile: a tile of p.threads() x kScanItems indices (8,192 at 1,024
+// threads) covers a step's T x K <= 8,192 selections, or a pool of up to 8,192 slots, in one
+// block scan, so a step runs 3 dependent scans instead of one per 1,024 indices.
+inline constexpr int kScanItems = 8;
+
+// An exclusive prefix sum over n predicates in tiles of p.threads() x kScanItems, in index
+// order (thread t of a tile holds its indices t x kScanItems .. + kScanItems - 1: cub's blocked
+// arrangement): calls on_rank(i, rank, value) for every i whose predicate holds; returns the
+// total. `pred(i, value)` is evaluated (and may read memory that on_rank of the same tile
+// writes) before any on_rank call of its tile.
+template <class P, typename Pred, typename OnRank>
+ESS_DEVICE_INLINE int scan_tiles(P& p, int n, Pred pred, OnRank on_rank) {
+  int running = 0;
+  const int tile = p.threads() * kScanItems;
+  for (int base = 0; base < n; base += tile) {
+    const int first = base + p.tid() * kScanItems;
+    int flag[kScanItems], value[kScanItems], rank[kScanItems];
+    ESS_UNROLL
+    for (int u = 0; u < kScanItems; ++u) {
+      value[u] = 0;
+      flag[u] = (first + u < n && pred(first + u, value[u])) ? 1 : 0;
+    }
+    int total = 0;
+    p.exclusive_sum(flag, rank, total);
+    ESS_UNROLL
+    for (int u = 0; u < kScanItems; ++u) {
+      if (flag[u]) on_rank(first + u, running + rank[u], value[u]);
+    }
+    running += total;
+    p.sync();  // the scan's storage is reused by the next tile
+  }
+  return running;
+}
+
+// One block per batch position b = p.block().
+template <class P>
+ESS_DEVICE_INLINE void swap_step_cta(const GpuSwapStep& p_, int S, int layers, int hash_cap, std::int32_t* order_all,
+                                   std::int32_t* stamp_all, std::int32_t* token_all, std::int32_t* clock_all,
+                                   std::uint8_t* smem, P& p) {
+  const GpuSwapStep& a = p_;
+  const int P_ = a.query_tokens * a.topk;
+  const int mask = hash_cap - 1;
+  const int threads = p.threads();
+  const SwapShared sh = swap_shared(smem, hash_cap, P_);
+
+  const int b = static_cast<int>(p.block());
+  const int row = a.rows[b];
+  const int tid = p.tid();
+  if (row < 0) {  // a padded batch position: no state, no misses, every slot id -1
+    for (int i = tid; i < P_; i += threads) a.slot_ids[static_cast<std::int64_t>(b) * P_ + i] = -1;
+    if (tid == 0) {
+      a.counts[2 * b] = 0;
+      a.counts[2 * b + 1] = 0;
+    }
+    return;
+  }
+  const std::int64_t state = static_cast<std::int64_t>(row) * layers + a.layer;
+  std::int32_t* order = order_all + state * S;
+  std::int32_t* stamp = stamp_all + state * S;
+  std::int32_t* token_of_slot = token_all + state * S;
+  const std::int32_t* ids = a.ids + static_cast<std::int64_t>(b) * P_;
+
+  for (int i = tid; i < hash_cap; i += threads) {
+    sh.key[i] = -1;
+    sh.state[i] = -1;
+  }
+  for (int s = tid; s < S; s += threads) sh.flag[s] = 0;
+  p.sync();
+
+  // 1. The working set: every selected token once, with its first canonical position
+  //    (the smallest INT_MIN + i).
+  for (int i = tid; i < P_; i += threads) {
+    const std::int32_t tok = ids[i];
+    if (tok < 0) continue;
+    int h = hash_home(tok, mask);
+    while (true) {
+      const std::int32_t prev = p.atomic_cas(&sh.key[h], -1, tok);
+      if (prev == -1 || prev == tok) {
+        p.atomic_min(&sh.state[h], INT_MIN + i);
+        break;
+      }
+      h = (h + 1) & mask;
+    }
+  }
+  p.sync();
+
+  // 2. Hits: resident slots whose token is in the working set.
+  for (int s = tid; s < S; s += threads) {
+    const std::int32_t tok = token_of_slot[s];
+    if (tok < 0) continue;
+    const int h = hash_find(sh.key, tok, mask);
+    if (h >= 0) {
+      sh.flag[s] = 1;
+      sh.state[h] = s;
+    }
+  }
+  p.sync();
+
+  // 3. Misses, ranked by first occurrence (the canonical order).
+  const int n_miss = scan_tiles(
+      p, P_,
+      [&](int i, int& h) {
+        const std::int32_t tok = ids[i];
+        if (tok < 0) return false;
+        h = hash_find(sh.key, tok, mask);
+        return sh.state[h] == INT_MIN + i;
+      },
+      [&](int i, int m, int h) {
+        sh.miss_tok[m] = ids[i];
+        sh.state[h] = -2 - m;
+      });
+
+  // 4. Victims: the first n_miss non-working-set slots of `order` (miss r takes the r-th);
+  //    the rest of the non-working-set slots move to the front, keeping their order (in
+  //    place: writes land at or before the index being read).
+  const int non_hits = scan_tiles(
+      p, S,
+      [&](int i, int& s) {
+        s = order[i];
+        return sh.flag[s] == 0;
+      },
+      [&](int, int r, int s) {
+        if (r < n_miss) {
+          sh.state[hash_find(sh.key, sh.miss_tok[r], mask)] = s;
+        } else {
+          order[r - n_miss] = s;
+        }
+      });
+  const int hits = S - non_hits;
+  // A working set larger than the pool (a step not split into query groups) is a caller
+  // error the host cannot see: the misses past the free slots get no slot (their rows read
+  // as padding, -1) rather than a slot another miss holds.
+  const int n_fill = n_miss < non_hits ? n_miss : non_hits;
+
+  // 5. Fill: miss m takes its victim.
+  for (int m = tid; m < n_fill; m += threads) {
+    const std::int32_t tok = sh.miss_tok[m];
+    const std::int32_t v = sh.state[hash_find(sh.key, tok, mask)];
+    sh.flag[v] = 1;
+    token_of_slot[v] = tok;
+    const std::int64_t o = static_cast<std::int64_t>(b) * P_ + m;
+    a.fill_tokens[o] = tok;
+    a.fill_slots[o] = v;
+    if (a.page_table != nullptr && a.fill_host_offsets != nullptr) {
+      const std::int32_t page = a.page_table[(static_cast<std::int64_t>(row) * a.max_pages + tok / 64) * layers + a.layer];
+      a.fill_host_offsets[o] = static_cast<std::uint64_t>(page) * a.page_bytes + static_cast<std::uint64_t>(tok % 64) * a.entry_bytes;
+    }
+  }
+  p.sync();
+
+  // 6. Slot ids for every position (a miss without a victim reads -1).
+  for (int i = tid; i < P_; i += threads) {
+    const std::int32_t tok = ids[i];
+    const std::int32_t slot = tok < 0 ? -1 : sh.state[hash_find(sh.key, tok, mask)];
+    a.slot_ids[static_cast<std::int64_t>(b) * P_ + i] = slot < 0 ? -1 : slot;
+  }
+
+  // 7. The working set becomes the most recent, in ascending slot order.
+  const int ws = hits + n_fill;
+  const std::int32_t clock = clock_all[state];
+  scan_tiles(
+      p, S, [&](int s, int&) { return sh.flag[s] != 0; },
+      [&](int s, int r, int) {
+        order[S - ws + r] = s;
+        stamp[s] = clock;
+      });
+  if (tid == 0) {
+    clock_all[state] = clock + 1;
+    a.counts[2 * b] = hits;
+    a.counts[2 * b + 1] = n_fill;
+  }
+}
+
+// A fresh LRU for every layer of `row` (a grid-stride loop over layers x slots).
+template <class P>
+ESS_DEVICE_INLINE void swap_reset_cta(std::int32_t* order, std::int32_t* stamp, std::int32_t* token, std::int32_t* clock,
+                                    int S, int layers, int row, P& p) {
+  const std::int64_t base = static_cast<std::int64_t>(row) * layers;
+  const std::int64_t stride = static_cast<std::int64_t>(p.blocks()) * p.threads();
+  for (std::int64_t i = static_cast<std::int64_t>(p.block()) * p.threads() + p.tid(); i < static_cast<std::int64_t>(layers) * S;
+       i += stride) {
+    const std::int64_t l = i / S;
+    const int s = static_cast<int>(i - l * S);
+    order[(base + l) * S + s] = s;
+    stamp[(base + l) * S + s] = -1;
+    token[(base + l) * S + s] = -1;
+    if (s == 0) clock[base + l] = 0;
+  }
+}
+
+// One fill per slot whose token changed, in slot order (LRU-Warmup's plan); one block.
+template <class P>
+ESS_DEVICE_INLINE void swap_diff_cta(const std::int32_t* before, const std::int32_t* after, int S, std::int32_t* out_tokens,
+                                   std::int32_t* out_slots, std::int32_t* count, P& p) {
+  const int n = scan_tiles(
+      p, S, [&](int s, int&) { return after[s] >= 0 && after[s] != before[s]; },
+      [&](int s, int r, int) {
+        out_tokens[r] = after[s];
+        out_slots[r] = s;
+      });
+  if (p.tid() == 0) *count = n;
+}
+
+}  // namespace ess::cuda::swap

@@ -1,0 +1,79 @@
+#include "testing/offload_io.h"
+
+#include <cstring>
+
+#include "ess/core/error.h"
+
+namespace ess::test {
+namespace {
+
+const OffloadIo* g_cuda_io = nullptr;  // constant-initialized: null until registered
+
+OffloadStepOut cpu_step(Offload& o, const OffloadStepIn& in) {
+  const std::size_t n = in.topk.size();
+  const std::size_t rows = static_cast<std::size_t>(in.batch) * static_cast<std::size_t>(o.config().query_tokens);
+  OffloadStepOut out;
+  out.physical.assign(n, -7);
+  out.counts.assign(2 * static_cast<std::size_t>(in.batch), -7);
+  LayerStep s;
+  s.layer = in.layer;
+  s.batch = in.batch;
+  s.rows = in.rows.data();
+  s.topk = in.topk.data();
+  s.lengths = in.lengths.data();
+  s.physical = out.physical.data();
+  s.counts = out.counts.data();
+  s.query_begin = in.query_begin;
+  s.query_end = in.query_end;
+  if (in.split) {
+    out.resident.assign(n, -7);
+    out.fetched.assign(n, -7);
+    out.resident_count.assign(rows, -7);
+    out.fetched_count.assign(rows, -7);
+    s.resident = out.resident.data();
+    s.fetched = out.fetched.data();
+    s.resident_count = out.resident_count.data();
+    s.fetched_count = out.fetched_count.data();
+  }
+  o.step(s);
+  return out;
+}
+
+void cpu_write_back(Offload& o, int layer, const std::vector<std::int32_t>& rows, const std::vector<std::int32_t>& lengths,
+                    const std::vector<std::int32_t>& sources) {
+  WriteBack w;
+  w.layer = layer;
+  w.batch = static_cast<int>(rows.size());
+  w.rows = rows.data();
+  w.lengths = lengths.data();
+  w.source_rows = sources.empty() ? nullptr : sources.data();
+  o.write_back(w);
+}
+
+void cpu_write_row(Offload& o, int layer, std::int32_t p, std::span<const std::uint8_t> bytes) {
+  std::memcpy(o.buffer().layer_base[static_cast<std::size_t>(layer)] + o.buffer().rows.offset(p), bytes.data(), bytes.size());
+}
+
+std::vector<std::uint8_t> cpu_dump(const Offload& o, int layer) {
+  const std::uint8_t* base = o.buffer().layer_base[static_cast<std::size_t>(layer)];
+  return {base, base + buffer_extent(o)};
+}
+
+const OffloadIo kCpuIo{cpu_step, cpu_write_back, cpu_write_row, cpu_dump};
+
+}  // namespace
+
+const OffloadIo& offload_io(Backend backend) {
+  if (backend == Backend::kCpu) return kCpuIo;
+  ESS_CHECK(g_cuda_io != nullptr, "the CUDA backend needs the CUDA target: this build has none (nvcc was not found)");
+  return *g_cuda_io;
+}
+
+std::uint64_t buffer_extent(const Offload& o) {
+  const std::int64_t rows = static_cast<std::int64_t>(o.config().max_requests) * o.rows_per_request();
+  return o.buffer().rows.offset(rows - 1) + o.buffer().rows.row_stride;
+}
+
+void register_cuda_offload_io(const OffloadIo* io) { g_cuda_io = io; }
+
+}  // namespace ess::test

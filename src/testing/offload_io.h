@@ -1,0 +1,46 @@
+// An Offload driven from host arrays, whatever its backend: the CPU backend gets the arrays
+// themselves; the CUDA backend device copies of them (uploaded, the call run on a stream of
+// its own and synchronized, the outputs downloaded). For the tools and tests that keep their
+// inputs on the host (`ess verify`, the offload tests); an engine passes device pointers.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "ess/runtime/offload.h"
+
+namespace ess::test {
+
+struct OffloadStepIn {
+  int layer = 0;
+  int batch = 0;
+  std::vector<std::int32_t> rows, topk, lengths;
+  bool split = false;                             // ask for the DA split
+  int query_begin = 0, query_end = 0;             // LayerStep's query group (0, 0 = all T)
+};
+
+struct OffloadStepOut {
+  std::vector<std::int32_t> physical, resident, fetched, resident_count, fetched_count, counts;
+};
+
+struct OffloadIo {
+  OffloadStepOut (*step)(Offload& o, const OffloadStepIn& in);
+  // The write-back of a layer; empty source_rows: the reserved rows.
+  void (*write_back)(Offload& o, int layer, const std::vector<std::int32_t>& rows,
+                     const std::vector<std::int32_t>& lengths, const std::vector<std::int32_t>& source_rows);
+  // Writes an entry into physical row p of a layer's buffer (the model's KV write).
+  void (*write_row)(Offload& o, int layer, std::int32_t p, std::span<const std::uint8_t> bytes);
+  // A layer's buffer up to its last row's end, as host bytes (row p at buffer().rows.offset(p)).
+  std::vector<std::uint8_t> (*dump)(const Offload& o, int layer);
+};
+
+// The calls for `backend`; throws ess::Error for kCuda when this build has no CUDA target.
+const OffloadIo& offload_io(Backend backend);
+// The bytes from a layer buffer's base to its last row's end.
+std::uint64_t buffer_extent(const Offload& o);
+
+// Called once by the CUDA part (offload_io_cuda.cc), before main.
+void register_cuda_offload_io(const OffloadIo* io);
+
+}  // namespace ess::test
