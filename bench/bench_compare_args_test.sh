@@ -45,7 +45,7 @@ bash "$SCRIPT" --help | grep -q "usage: scripts/bench_compare.sh" || { echo "FAI
 # The checked-in list against this build's programs.
 PY=/usr/bin/python3
 [[ -x $PY ]] || PY=python3
-if ! "$PY" "$SRC/scripts/bench_compare.py" check-list --list "$SRC/bench/hot_paths.txt" --dir "$BUILD"; then
+if ! "$PY" "$SRC/scripts/bench_compare.py" check-list --list "$SRC/bench/hot_paths.txt" --dir "$BUILD" --src "$SRC"; then
   echo "FAIL: bench/hot_paths.txt names a benchmark this build lacks"
   fails=$((fails + 1))
 fi

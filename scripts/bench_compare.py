@@ -3,12 +3,18 @@
   bench_compare.py check-list --list FILE [--dir BUILD --benches A,B]
       parses the gate list; with --dir, checks that BUILD's programs have every name it lists.
   bench_compare.py run --list FILE --runs N --benches A,B --json OUT
-                   --base-ref R --base-id ID --base-dir BUILD --head-ref R --head-id ID --head-dir BUILD
+                   --base-ref R --base-id ID --base-dir BUILD --base-src SRC
+                   --head-ref R --head-id ID --head-dir BUILD --head-src SRC
                    [--filter REGEX] [--min-time S] [--no-gate]
       runs every selected benchmark once per side per round (BASE, then HEAD), prints the
       comparison, writes OUT, exits 1 when a listed benchmark is below the list's threshold.
 
-Standard library only: it runs under any Python 3.9+.
+The programs are Google Benchmark's, and `python_overhead`: bench/python_overhead.py of the side's
+source on the side's libess.so, whose timings are named python_overhead/<timing> (wrapper_batch0:
+the package's whole per-layer call). The gate is the median of the per-round ratios (the rounds
+interleave BASE and HEAD, so a load that drifts hits both); Google Benchmark's own comparison
+(compare.py's gbench.report, Debian's libbenchmark-tools) adds its time change and its Mann-Whitney
+U test over the rounds.
 """
 
 from __future__ import annotations
@@ -24,6 +30,9 @@ import sys
 from pathlib import Path
 
 UNIT_NS = {"ns": 1.0, "us": 1e3, "ms": 1e6, "s": 1e9}
+PYTHON_PROGRAM = "python_overhead"
+# Google Benchmark's comparison tooling (compare.py's package), where Debian's libbenchmark-tools puts it.
+GBENCH_DIRS = ("/usr/share/benchmark",)
 
 
 class InputError(Exception):
@@ -69,6 +78,48 @@ def exact(name: str) -> str:
     return "^" + re.sub(r"([\\.^$|?*+()\[\]{}])", r"\\\1", name) + "$"
 
 
+def gbench_report():
+    """gbench.report of Google Benchmark's tools, or None where they are not installed."""
+    for d in GBENCH_DIRS:
+        if (Path(d) / "gbench" / "report.py").is_file() and d not in sys.path:
+            sys.path.append(d)
+    try:
+        from gbench import report
+        return report
+    except ImportError:
+        return None
+
+
+class PythonProgram:
+    """bench/python_overhead.py of one side (its source, its build's libess.so): one run per round gives every
+    timing, python_overhead/<key>."""
+
+    def __init__(self, src: Path, build: Path):
+        self.script = src / "bench" / "python_overhead.py"
+        self.library = build / "src" / "capi" / "libess.so"
+        self.name = PYTHON_PROGRAM
+        self._last: tuple[int, dict] | None = None
+
+    def exists(self) -> bool:
+        return self.script.is_file() and self.library.exists()
+
+    def names(self) -> list[str]:
+        return [f"{PYTHON_PROGRAM}/{k}" for k in ("ctypes_batch0", "wrapper_batch0", "ctypes_step", "wrapper_step")]
+
+    def run(self, name: str, round_: int) -> dict:
+        if self._last is None or self._last[0] != round_:
+            env = dict(os.environ, ESS_LIBRARY=str(self.library))
+            proc = subprocess.run([sys.executable if sys.executable else "python3", str(self.script), "--format", "json",
+                                   "--repeats", "3"], capture_output=True, text=True, env=env)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{self.script}: exit {proc.returncode}: {proc.stderr.strip()[-2000:]}")
+            self._last = (round_, json.loads(proc.stdout))
+        key = name.split("/", 1)[1]
+        if key not in self._last[1]:
+            raise RuntimeError(f"{self.script} reports no {key}")
+        return {"time_ns": self._last[1][key]["median_us"] * 1e3, "items_per_second": None, "iterations": None}
+
+
 def find_program(build: Path, name: str) -> Path | None:
     for p in sorted((build / "bench").rglob(name)):
         if p.is_file() and os.access(p, os.X_OK):
@@ -84,10 +135,18 @@ def list_tests(program: Path, regex: str | None) -> list[str]:
     return [line.strip() for line in out.splitlines() if line.strip()]
 
 
-def catalogue(build: Path, benches: list[str], regex: str | None) -> dict[str, Path]:
-    """Benchmark name -> the program that has it, over the programs `build` has."""
-    found: dict[str, Path] = {}
+def catalogue(build: Path, benches: list[str], regex: str | None, src: Path | None = None) -> dict:
+    """Benchmark name -> the program that has it, over the programs `build` has (and python_overhead, over
+    `src`'s script and `build`'s libess)."""
+    found: dict = {}
     for b in benches:
+        if b == PYTHON_PROGRAM:
+            py = PythonProgram(src or Path("."), build)
+            if py.exists():
+                for name in py.names():
+                    if regex is None or re.search(regex, name):
+                        found.setdefault(name, py)
+            continue
         prog = find_program(build, b)
         if prog is None:
             continue
@@ -96,7 +155,9 @@ def catalogue(build: Path, benches: list[str], regex: str | None) -> dict[str, P
     return found
 
 
-def run_once(program: Path, name: str, min_time: str | None) -> dict:
+def run_once(program, name: str, min_time: str | None, round_: int = 0) -> dict:
+    if isinstance(program, PythonProgram):
+        return program.run(name, round_)
     cmd = [str(program), f"--benchmark_filter={exact(name)}", "--benchmark_format=json"]
     if min_time:
         cmd.append(f"--benchmark_min_time={min_time}")
@@ -137,7 +198,7 @@ def loadavg() -> list[float] | None:
 def check_list(args) -> int:
     threshold, names = parse_list(Path(args.list))
     if args.dir:
-        have = catalogue(Path(args.dir), args.benches.split(","), None)
+        have = catalogue(Path(args.dir), args.benches.split(","), None, Path(args.src) if args.src else None)
         missing = [n for n in names if n not in have]
         if missing:
             raise InputError(f"{args.list}: {len(missing)} listed benchmark(s) that {args.dir}'s programs "
@@ -151,8 +212,8 @@ def run(args) -> int:
     benches = args.benches.split(",")
     base_dir, head_dir = Path(args.base_dir), Path(args.head_dir)
     regex = args.filter if args.filter else "^(" + "|".join(exact(n)[1:-1] for n in gated) + ")$"
-    head = catalogue(head_dir, benches, regex)
-    base = catalogue(base_dir, benches, regex)
+    head = catalogue(head_dir, benches, regex, Path(args.head_src))
+    base = catalogue(base_dir, benches, regex, Path(args.base_src))
     if not args.filter:
         missing = [n for n in gated if n not in head]
         if missing:
@@ -171,8 +232,8 @@ def run(args) -> int:
     samples: dict[str, dict[str, list[dict]]] = {n: {"base": [], "head": []} for n in both}
     for r in range(args.runs):
         for n in both:
-            samples[n]["base"].append(run_once(base[n], n, args.min_time))
-            samples[n]["head"].append(run_once(head[n], n, args.min_time))
+            samples[n]["base"].append(run_once(base[n], n, args.min_time, r))
+            samples[n]["head"].append(run_once(head[n], n, args.min_time, r))
         print(f"  round {r + 1}/{args.runs} done", file=sys.stderr, flush=True)
     load_after = loadavg()
 
@@ -210,21 +271,40 @@ def run(args) -> int:
                 failed.append(n)
         results.append(entry)
 
+    # Google Benchmark's own comparison of the same rounds (each round one repetition): its time change and
+    # U test, beside the gate's per-round ratio.
+    gb = gbench_report()
+    if gb is not None and results:
+        def as_json(side):
+            return {"benchmarks": [{"name": e["name"], "run_type": "iteration", "repetitions": args.runs,
+                                    "repetition_index": i, "threads": 1, "iterations": 1, "time_unit": "ns",
+                                    "real_time": t, "cpu_time": t}
+                                   for e in results for i, t in enumerate(e[f"{side}_ns"])]}
+        for d in gb.get_difference_report(as_json("base"), as_json("head"), utest=True):
+            e = next((x for x in results if x["name"] == d["name"]), None)
+            if e is None:
+                continue
+            u = d.get("utest") or {}
+            e["gbench"] = {"time_change": statistics.median(m["time"] for m in d["measurements"]),
+                           "utest_p": u.get("time_pvalue"), "utest_optimal_repetitions": u.get("have_optimal_repetitions")}
     width = max(len("benchmark"), *(len(e["name"]) for e in results)) if results else 9
     print()
     print(f"{'benchmark':<{width}}  {'BASE median':>12}  {'HEAD median':>12}  {'HEAD speed':>10}  "
-          f"{'min - max':>13}  {'q1 - q3':>13}  gate")
+          f"{'min - max':>13}  {'U test p':>8}  gate")
     for e in results:
         gate = ""
         if e["gated"]:
             gate = ("ok" if e["pass"] else "SLOWER") + f" (>= {threshold:g})"
+        p = (e.get("gbench") or {}).get("utest_p")
         print(f"{e['name']:<{width}}  {fmt_time(e['base_median_ns']):>12}  {fmt_time(e['head_median_ns']):>12}  "
               f"{e['ratio_median']:>9.3f}x  {e['ratio_min']:>5.3f} - {e['ratio_max']:<5.3f}  "
-              f"{e['ratio_q1']:>5.3f} - {e['ratio_q3']:<5.3f}  {gate}")
+              f"{(f'{p:.3f}' if p is not None else '-'):>8}  {gate}")
     for n in only_head:
         print(f"{n:<{width}}  {'(none)':>12}  {'-':>12}  no baseline: BASE's programs lack it")
-    print(f"\nHEAD speed = BASE time / HEAD time, median over {args.runs} rounds (> 1: HEAD faster); "
-          f"min - max and q1 - q3 of the per-round ratios. Load average before {load_before}, after {load_after}.")
+    print(f"\nHEAD speed = BASE time / HEAD time, median over {args.runs} rounds (> 1: HEAD faster); min - max of "
+          f"the per-round ratios; U test p: Google Benchmark's compare.py U test of the two sides' rounds "
+          + ("(low: a real difference)" if gb is not None else "(not run: Google Benchmark's tools are not installed)")
+          + f". Load average before {load_before}, after {load_after}.")
 
     report = {
         "base": {"ref": args.base_ref, "commit": args.base_id, "build": str(base_dir)},
@@ -256,9 +336,12 @@ def main() -> int:
     c = sub.add_parser("check-list")
     c.add_argument("--list", required=True)
     c.add_argument("--dir")
-    c.add_argument("--benches", default="swap_engine_bench,offload_step_bench,prefix_admission_bench,trace_replay_bench")
+    c.add_argument("--src")
+    c.add_argument("--benches", default="swap_engine_bench,offload_step_bench,prefix_admission_bench,trace_replay_bench,"
+                                        "python_overhead")
     r = sub.add_parser("run")
-    for a in ("list", "benches", "json", "base-ref", "base-id", "base-dir", "head-ref", "head-id", "head-dir"):
+    for a in ("list", "benches", "json", "base-ref", "base-id", "base-dir", "base-src", "head-ref", "head-id", "head-dir",
+              "head-src"):
         r.add_argument(f"--{a}", required=True)
     r.add_argument("--runs", type=int, required=True)
     r.add_argument("--filter")

@@ -7,7 +7,9 @@
 # worktrees of their own under a cache folder (a commit already built is reused), runs every
 # selected benchmark interleaved, BASE then HEAD, round after round, and prints per benchmark
 # the median time of each side and HEAD's speed relative to BASE with its spread over the
-# rounds. Writes the results as JSON. Exits 1 when a benchmark named in the gate list
+# rounds, beside Google Benchmark's own comparison (compare.py's U test). `python_overhead` is
+# bench/python_overhead.py on each side's libess.so (the Python per-layer call). Writes the
+# results as JSON. Exits 1 when a benchmark named in the gate list
 # (bench/hot_paths.txt: the hot paths and the slowest ratio they may show) is slower than that.
 # How to read the output: docs/benchmarks.md.
 set -euo pipefail
@@ -22,7 +24,8 @@ usage: scripts/bench_compare.sh [options] BASE [HEAD]
   -f, --filter R  Google Benchmark filter (regex) choosing the benchmarks
                   (default: the benchmarks named in the gate list)
   -b, --bench L   comma-separated benchmark programs
-                  (default: swap_engine_bench,offload_step_bench,prefix_admission_bench,trace_replay_bench)
+                  (default: swap_engine_bench,offload_step_bench,prefix_admission_bench,trace_replay_bench,
+                  python_overhead: bench/python_overhead.py on the side's libess.so)
   --list FILE     gate list (default: bench/hot_paths.txt)
   --no-gate       report only: exit 0 whatever the ratios
   --build-only    build both sides, print their build folders, run nothing
@@ -43,7 +46,7 @@ die() { echo "bench_compare: $*" >&2; exit 2; }
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 RUNS=5
 FILTER=""
-BENCHES="swap_engine_bench,offload_step_bench,prefix_admission_bench,trace_replay_bench"
+BENCHES="swap_engine_bench,offload_step_bench,prefix_admission_bench,trace_replay_bench,python_overhead"
 LIST="$ROOT/bench/hot_paths.txt"
 GATE=1
 BUILD_ONLY=0
@@ -101,6 +104,9 @@ mkdir -p "$CACHE"
 CACHE=$(cd "$CACHE" && pwd)
 JSON=${JSON:-$CACHE/last.json}
 
+# ID -> the source folder of that side.
+source_of() { if [[ "$1" == worktree ]]; then echo "$ROOT"; else echo "$CACHE/$1/src"; fi; }
+
 # build ID -> prints the folder holding that commit's benchmark programs.
 build() {
   local id=$1 src bdir
@@ -126,7 +132,9 @@ build() {
   all=$(cmake --build "$bdir" --target help 2>/dev/null)
   local b
   for b in ${BENCHES//,/ }; do
-    if grep -q "^$b:" <<<"$all"; then targets+=("$b"); fi
+    if [[ $b == python_overhead ]]; then  # the script runs on the side's C ABI library
+      if grep -q "^ess_c:" <<<"$all"; then targets+=(ess_c); fi
+    elif grep -q "^$b:" <<<"$all"; then targets+=("$b"); fi
   done
   if [[ ${#targets[@]} -gt 0 ]]; then
     echo "bench_compare: building ${targets[*]} of $id in $bdir" >&2
@@ -144,8 +152,8 @@ if [[ $BUILD_ONLY -eq 1 ]]; then
 fi
 
 args=(run --list "$LIST" --runs "$RUNS" --benches "$BENCHES" --json "$JSON"
-      --base-ref "$BASE_REF" --base-id "$BASE_ID" --base-dir "$BASE_DIR"
-      --head-ref "$HEAD_REF" --head-id "$HEAD_ID" --head-dir "$HEAD_DIR")
+      --base-ref "$BASE_REF" --base-id "$BASE_ID" --base-dir "$BASE_DIR" --base-src "$(source_of "$BASE_ID")"
+      --head-ref "$HEAD_REF" --head-id "$HEAD_ID" --head-dir "$HEAD_DIR" --head-src "$(source_of "$HEAD_ID")")
 [[ -n "$FILTER" ]] && args+=(--filter "$FILTER")
 [[ -n "$MIN_TIME" ]] && args+=(--min-time "$MIN_TIME")
 [[ $GATE -eq 1 ]] || args+=(--no-gate)

@@ -170,7 +170,7 @@ _signatures = {
     "ess_host_layout_init": (None, [_c.POINTER(HostLayout)]),
     "ess_engine_host_layout": (_c.c_int, [_P, _c.POINTER(HostLayout)]),
     "ess_engine_host_layer": (_c.c_int, [_P, _c.c_int32, _c.POINTER(_P)]),
-    "ess_request_host_pages": (_c.c_int, [_P, _c.c_int64, _P, _c.c_int64, _c.POINTER(_c.c_int64)]),
+    "ess_request_host_pages": (_c.c_int, [_P, _c.c_int64, _c.POINTER(_c.c_int32), _c.c_int64, _c.POINTER(_c.c_int64)]),
     "ess_stats_init": (None, [_c.POINTER(Stats)]),
     "ess_engine_get_stats": (_c.c_int, [_P, _c.POINTER(Stats)]),
     "ess_request_admit": (_c.c_int, [_P, _c.c_int64, _c.c_int64, _c.c_int32, _c.POINTER(_c.c_int32)]),
@@ -207,6 +207,14 @@ for _name, (_res, _args) in _signatures.items():
     _f = getattr(lib, _name)
     _f.restype = _res
     _f.argtypes = _args
+
+# The per-layer calls without ctypes' argument conversion (argtypes costs about a microsecond a call): the
+# package checks each argument's type and range before calling them and passes handles and streams as
+# c_void_p, so no value is cut to a C type's width. A second CDLL object over the same loaded library
+# (dlopen hands it out again), so that `lib`'s declarations stay whole.
+unchecked = ctypes.CDLL(path)
+for _name in ("ess_step", "ess_step_group", "ess_write_back"):
+    getattr(unchecked, _name).restype = ctypes.c_int
 
 if lib.ess_abi_version() != ABI_VERSION:
     raise ImportError(f"ess: {path} speaks ABI {lib.ess_abi_version()}, this package ABI {ABI_VERSION}; "

@@ -13,7 +13,7 @@ from typing import Mapping, NamedTuple, Optional, Sequence, Union
 from . import _args, _dlpack
 from ._args import i32 as _i32, i64 as _i64
 from ._errors import InvalidArgument, InvalidType, check
-from ._lib import Config, EngineInfo, HostLayout as _HostLayout, StepTensors, Stats as _Stats, lib
+from ._lib import Config, EngineInfo, HostLayout as _HostLayout, StepTensors, Stats as _Stats, lib, unchecked
 
 _BACKENDS = {"cpu": 0, "cuda": 1}
 _POLICIES = {"lru": 0}
@@ -467,19 +467,23 @@ class Engine:
 
 
 class _Binding:
-    """A binding shares its engine's lock: its calls and the engine's run one at a time."""
+    """A binding shares its engine's lock: its calls and the engine's run one at a time. The per-layer calls
+    (step, step_group, write_back) take no Python lock: the library holds the engine's lock for each call and
+    refuses a handle destroyed meanwhile, so a close on another thread cannot reach a call in flight."""
     _destroy = None
 
     def __init__(self, engine: Engine, handle: int, exported):
         self._engine = engine
         self._lock = engine._lock
         self._handle = handle
+        self._c_handle = ctypes.c_void_p(handle)  # what the unchecked per-layer calls take
         self._exported = exported  # keeps every bound tensor alive while the C side points at it
 
     def close(self):
         with self._lock:
             if self._handle is not None:
                 handle, self._handle = self._handle, None
+                self._c_handle = None
                 check(type(self)._destroy(handle))
 
     def __del__(self):
@@ -499,8 +503,14 @@ class _Binding:
         check(code)
 
 
-def _stream(s):
-    return s if s is None or (type(s) is int and 0 < s < 2**64) else stream_handle(s)
+_I32_MIN, _I32_MAX = -2**31, 2**31 - 1
+
+
+def _c_stream(stream):
+    """A stream for an unchecked call: None, or its address as a c_void_p (checked by stream_handle)."""
+    if stream is None:
+        return None
+    return ctypes.c_void_p(stream if type(stream) is int and 0 < stream < 2**64 else stream_handle(stream))
 
 
 class StepBinding(_Binding):
@@ -508,11 +518,14 @@ class StepBinding(_Binding):
 
     _destroy = lib.ess_step_binding_destroy
 
-    @_locked
     def step(self, layer: int, batch: int = -1, stream=None):
         """The step of `layer` over the first `batch` positions (-1: all), enqueued on `stream` (CUDA backend)."""
-        _i32(layer=layer, batch=batch)
-        code = lib.ess_step(self._handle, layer, batch, _stream(stream))
+        # The tensors were checked when bound; what can change between calls is checked here: plain ints within
+        # int32 go straight to the library, anything else through the full check, which names the argument.
+        if not (type(layer) is int and type(batch) is int and _I32_MIN <= layer <= _I32_MAX
+                and _I32_MIN <= batch <= _I32_MAX):
+            _i32(layer=layer, batch=batch)
+        code = _c_ess_step(self._c_handle, layer, batch, None if stream is None else _c_stream(stream))
         if code:
             self._failed(code)
 
@@ -527,11 +540,10 @@ class StepBinding(_Binding):
                                  _args.handle("copy_stream", copy_stream),
                                  _args.handle("copy_done", copy_done, ("cuda_event", "ptr", "handle"))))
 
-    @_locked
     def step_group(self, layer: int, query_begin: int, query_end: int, batch: int = -1, stream=None):
         """The step of query tokens [query_begin, query_end) only (Engine.query_groups); the others are padding."""
         _i32(layer=layer, query_begin=query_begin, query_end=query_end, batch=batch)
-        code = lib.ess_step_group(self._handle, layer, batch, query_begin, query_end, _stream(stream))
+        code = _c_ess_step_group(self._c_handle, layer, batch, query_begin, query_end, _c_stream(stream))
         if code:
             self._failed(code)
 
@@ -539,12 +551,16 @@ class StepBinding(_Binding):
 class WriteBackBinding(_Binding):
     _destroy = lib.ess_write_back_binding_destroy
 
-    @_locked
     def write_back(self, layer: int, batch: int = -1, stream=None):
         """The write-back of `layer`'s newest entries over the first `batch` positions (-1: all)."""
-        _i32(layer=layer, batch=batch)
-        code = lib.ess_write_back(self._handle, layer, batch, _stream(stream))
+        if not (type(layer) is int and type(batch) is int and _I32_MIN <= layer <= _I32_MAX
+                and _I32_MIN <= batch <= _I32_MAX):
+            _i32(layer=layer, batch=batch)
+        code = _c_ess_write_back(self._c_handle, layer, batch, None if stream is None else _c_stream(stream))
         if code:
             self._failed(code)
 
     __call__ = write_back
+
+
+_c_ess_step, _c_ess_step_group, _c_ess_write_back = unchecked.ess_step, unchecked.ess_step_group, unchecked.ess_write_back

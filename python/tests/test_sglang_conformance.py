@@ -9,6 +9,7 @@ and DeepSeek-V4 pools) must be one the refusal covers.
 The sources come from scripts/upstream.sh (build/upstream/sglang-0.5.23); their absence fails."""
 import ast
 import inspect
+import textwrap
 import os
 
 import pytest
@@ -36,9 +37,16 @@ def scanned():
     return uses, constructions
 
 
+def adapter_modules():
+    """Every module of the adapter package (its sources are read, not only __init__'s)."""
+    import importlib
+    import pkgutil
+    return [adapter] + [importlib.import_module(f"{adapter.__name__}.{m.name}") for m in pkgutil.iter_modules(adapter.__path__)]
+
+
 def instance_attributes(cls):
     """Names __init__ assigns on self (read from our own source)."""
-    tree = ast.parse(inspect.getsource(cls))
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls.__init__)))
     init = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "__init__")
     return {t.attr for n in ast.walk(init) if isinstance(n, (ast.Assign, ast.AnnAssign))
             for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
@@ -161,7 +169,7 @@ def test_the_settings_read_are_in_the_release():
     """Every SGLang setting the coordinator reads (adapter._sglang_setting(bag, path)) is a field of the namespace
     class whose _NS_PATH is the bag's name and the path's prefix (srt/arg_groups/fields/*.py), read by the release
     at that path too: a flat name for a nested field reads as absent."""
-    tree = ast.parse(inspect.getsource(adapter))
+    tree = ast.Module(body=[n for m in adapter_modules() for n in ast.parse(inspect.getsource(m)).body], type_ignores=[])
     reads = {(n.args[0].value, n.args[1].value) for n in ast.walk(tree)
              if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "_sglang_setting"}
     assert ("get_exec", "overlap.enable_two_batch_overlap") in reads and len(reads) >= 2

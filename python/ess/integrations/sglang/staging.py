@@ -1,0 +1,187 @@
+"""A request's way into and out of ESS under SGLang: the prefill's KV staged to the host pages on the staging stream
+(admit_request_into_staging, collected by collect_ready_reqs on every TP rank), PD direct admission (the transfer
+writes ESS's host pages through HostPool.alloc_paged_token_slots, admit_request_direct warms the rows up), abort,
+retract and release (a row is released once its last device work is done)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..._errors import InvalidArgument
+from ._common import HiSparseAct, _entry_rows, _int, _keep
+
+
+class Staging:
+    """HiSparseCoordinator's admission and release (the coordinator's state: coordinator.py)."""
+
+    def _alloc_direct(self, req_to_host_pool, allocated_len, req_pool_idx, start_pos, num_tokens):
+        """HostPool.alloc_paged_token_slots: the request enters ESS (host pages, all-or-nothing) and its token slots
+        in the host pool's layer regions go to req_to_host_pool; the transfer then writes the prompt there."""
+        idx, start, n = (_int("req_pool_idx", req_pool_idx), _int("start_pos", start_pos),
+                         _int("num_tokens", num_tokens))
+        if req_to_host_pool is not self._req_to_host_pool or allocated_len is not self.req_to_host_pool_allocated_len:
+            raise InvalidArgument("alloc_paged_token_slots: pass the coordinator's own req_to_host_pool and "
+                                  "req_to_host_pool_allocated_len")
+        if start != 0 or int(allocated_len[idx]) != 0 or idx in self._length or idx in self._direct:
+            raise InvalidArgument(
+                f"alloc_paged_token_slots: request slot {idx}, start_pos {start}, {int(allocated_len[idx])} tokens "
+                "allocated: ESS's host pool receives a whole prompt into a request slot that holds nothing")
+        if not 0 < n <= self.req_to_token_pool.max_context_len:
+            raise InvalidArgument(f"alloc_paged_token_slots: num_tokens = {n} outside [1, "
+                                  f"{self.req_to_token_pool.max_context_len}]")
+        self._retire(row=idx)
+        self.engine.admit(idx, n, row=idx)   # host pages, zeroed; all-or-nothing
+        pages = torch.tensor(self.engine.host_pages(idx), dtype=torch.int64)
+        end = -(-n // self.page_size) * self.page_size
+        slots = (pages.view(-1, 1) * 64 + torch.arange(64, dtype=torch.int64).view(1, -1)).view(-1)[:end]
+        req_to_host_pool[idx, :end] = slots.to(req_to_host_pool.device, non_blocking=True)
+        allocated_len[idx] = end
+        self._direct[idx] = n
+        return req_to_host_pool[idx, :n]
+
+    def admit_request_into_staging(self, req) -> None:
+        """After the prefill: the request's prompt KV (SGLang's device slots of req_to_token[idx, :extend_end])
+        is copied into its ESS host pages on the staging stream (one device-to-host copy per run of consecutive
+        pages and layer); collect_ready_reqs hands the request to decode."""
+        idx = _int("req_pool_idx", req.kv.req_pool_idx)
+        n = _int("extend_end", req.extend_end)
+        self._retire(row=idx)
+        self.engine.admit(idx, n, row=idx)   # host pages, all-or-nothing
+        req.hisparse_staging = True
+        full = self.req_to_token_pool.req_to_token[idx, :n].to(dtype=torch.int64, copy=True)
+        device_locs = self.mem_pool_device.translate_loc_from_full_to_hisparse_device(full)
+        runs = self.mem_pool_host.runs(idx, n)
+        start, finish = self.dev.Event(), self.dev.Event()
+        start.record()
+        with self.dev.stream(self.write_staging_stream):
+            start.wait(self.write_staging_stream)
+            self.dev.launch(lambda: self._stage_copy(runs, device_locs))
+            _keep(device_locs, self.write_staging_stream)
+            finish.record()
+        self.ack_staging_queue.append(HiSparseAct(start, finish, req))
+
+    def _stage_copy(self, runs, device_locs):
+        """The prompt's entries of every layer, gathered from SGLang's pool and copied once, straight into the
+        request's ESS host pages (`runs`: HostPool.runs)."""
+        for layer, buf in enumerate(self.mem_pool_device.kv_buffer):
+            rows = _entry_rows(buf).index_select(0, device_locs)
+            host = self.mem_pool_host.layer_view(layer)
+            for at, start, count in runs:
+                host[at:at + count].copy_(rows[start:start + count], non_blocking=True)
+
+    def _finish_staging(self, req):
+        idx = _int("req_pool_idx", req.kv.req_pool_idx)
+        n = _int("extend_end", req.extend_end)
+        # The prefill's device slots go back to SGLang's allocator (and its mapping to 0).
+        self.token_to_kv_pool_allocator.free_hisparse(self.req_to_token_pool.req_to_token[idx, :n])
+        self.engine.warmup(idx, self._warmup_windows(n))
+        self._length[idx] = n
+        req.hisparse_staging = False
+
+    def _warmup_windows(self, n: int):
+        """The first residency: the prompt's last min(n, slots) tokens, oldest first (SGLang hands over no
+        prefill top-k to warm up from)."""
+        K = self.top_k
+        keep = min(n, self.info.slots)
+        windows = -(-keep // K)
+        ids = torch.full((windows * K,), -1, dtype=torch.int32)
+        ids[windows * K - keep:] = torch.arange(n - keep, n, dtype=torch.int32)
+        return ids.view(1, windows, K).expand(self.layer_num, windows, K).contiguous()
+
+    def admit_request_direct(self, req) -> None:
+        """The transfer is done (the prompt's KV is in ESS's host pages): the request's first residency is warmed up
+        from them and it joins decode. Nothing of SGLang's device pool is taken."""
+        idx = _int("req_pool_idx", req.kv.req_pool_idx)
+        n = self.host_token_len(req.kv.kv_allocated_len)
+        if self._direct.get(idx) != n:
+            raise InvalidArgument(
+                f"admit_request_direct: request slot {idx} with {n} tokens was not received through "
+                f"mem_pool_host.alloc_paged_token_slots" + (f" (it received {self._direct[idx]})" if idx in self._direct
+                                                            else ""))
+        self.engine.warmup(idx, self._warmup_windows(n))
+        del self._direct[idx]
+        self._length[idx] = n
+        req.hisparse_staging = False
+
+    def has_ongoing_staging(self) -> bool:
+        return len(self.ack_staging_queue) > 0
+
+    def collect_ready_reqs(self):
+        ready = []
+        if not self.ack_staging_queue:
+            return ready
+        finished = 0
+        for act in self.ack_staging_queue:
+            if not act.finish_event.query():
+                break
+            finished += 1
+        count = torch.tensor(finished, dtype=torch.int, device="cpu")
+        if self.tp_world_size > 1:   # every TP rank hands the same requests to decode
+            torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MIN, group=self.tp_group)
+        for _ in range(int(count.item())):
+            act = self.ack_staging_queue.pop(0)
+            act.finish_event.synchronize()
+            self._finish_staging(act.req)
+            ready.append(act.req)
+        return ready
+
+    def abort_staging_request(self, req) -> None:
+        self.ack_staging_queue = [act for act in self.ack_staging_queue if act.req is not req]
+        self.write_staging_stream.synchronize()
+        idx = _int("req_pool_idx", req.kv.req_pool_idx)
+        self.token_to_kv_pool_allocator.free_hisparse(self.req_to_token_pool.req_to_token[idx, :_int("extend_end", req.extend_end)])
+        self.engine.release(idx)
+        req.hisparse_staging = False
+
+    def retract_req(self, req) -> None:
+        if getattr(req, "hisparse_staging", False):
+            self.abort_staging_request(req)
+        else:
+            self.request_finished(req)
+
+    def request_finished(self, req) -> None:
+        if self.decode_producer_stream is not None:
+            self.dev.current_stream().wait_stream(self.decode_producer_stream)
+        self.wait_for_pending_backup()
+        idx = _int("req_pool_idx", req.kv.req_pool_idx)
+        if idx in self._direct:   # PD: received (or receiving failed) but never admitted; no device work of ours
+            del self._direct[idx]
+            self._forget_host_slots(idx)
+            self.engine.release(idx)
+            return
+        if idx not in self._length:
+            if getattr(req, "hisparse_staging", False):
+                self.abort_staging_request(req)
+            return   # never admitted to ESS (finished during prefill): nothing of ours to release
+        # Decode tokens' logical slots map to the reserved row: unmap them so that SGLang's own free of
+        # the request's KV does not hand ESS's rows to its allocator.
+        allocated = self.req_to_token_pool.req_to_token[idx, :_int("kv_allocated_len", req.kv.kv_allocated_len)].to(torch.int64)
+        mapping = self.mem_pool_device.full_to_hisparse_device_index_mapping
+        self.dev.launch(lambda: mapping.index_fill_(0, allocated, 0))
+        del self._length[idx]
+        self._forget_host_slots(idx)
+        if self._backup_due is not None:
+            self._dropped_rows.append(idx)
+        done = self.dev.Event()
+        done.record()
+        self._retiring.append((idx, done))
+        self._retire()
+
+    def _forget_host_slots(self, idx: int):
+        if self._req_to_host_pool is not None and int(self.req_to_host_pool_allocated_len[idx]) > 0:
+            self._req_to_host_pool[idx].fill_(-1)
+        self.req_to_host_pool_allocated_len[idx] = 0
+
+    def _retire(self, row: Optional[int] = None, force: bool = False):
+        """Releases finished requests whose last device work is done; `row` (about to be reused) or every
+        one with `force` waits for it."""
+        keep = []
+        for idx, event in self._retiring:
+            if force or idx == row:
+                event.synchronize()
+            if event.query():
+                self.engine.release(idx)
+            else:
+                keep.append((idx, event))
+        self._retiring = keep
