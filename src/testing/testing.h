@@ -1,6 +1,10 @@
 // Helpers shared by the tests.
 #pragma once
 
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
 #include <functional>
 #include <string>
 
@@ -8,6 +12,18 @@
 #include "ess/runtime/backend.h"
 
 namespace ess::test {
+
+// A test with a fresh folder of its own (dir_, empty at the start), removed afterwards.
+class TempDirTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = std::filesystem::path(::testing::TempDir()) / ("ess_test_" + std::to_string(::getpid()));
+    std::filesystem::remove_all(dir_);
+    std::filesystem::create_directories(dir_);
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+  std::filesystem::path dir_;
+};
 
 // The message of the ess::Error that `f` throws, or "no error".
 inline std::string error_of(const std::function<void()>& f) {

@@ -17,16 +17,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-class Files : public ::testing::Test {
- protected:
-  void SetUp() override {
-    dir_ = fs::path(::testing::TempDir()) / ("ess_files_" + std::to_string(::getpid()));
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
-  void TearDown() override { fs::remove_all(dir_); }
-  fs::path dir_;
-};
+using Files = test::TempDirTest;
 
 TEST_F(Files, BadInputsAreRefusedByName) {
   EXPECT_NE(test::error_of([&] { check_input_file((dir_ / "none").string(), "model config"); }).find("does not exist"),

@@ -29,16 +29,9 @@ std::string slurp(const fs::path& p) {
   return ss.str();
 }
 
-class Files : public ::testing::Test {
+class Files : public test::TempDirTest {
  protected:
-  void SetUp() override {
-    dir_ = fs::path(::testing::TempDir()) / ("ess_files_" + std::to_string(::getpid()));
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
-  void TearDown() override { fs::remove_all(dir_); }
   std::size_t entries() const { return static_cast<std::size_t>(std::distance(fs::directory_iterator(dir_), {})); }
-  fs::path dir_;
 };
 
 TEST_F(Files, AnUncommittedWriteLeavesTheTargetAndNoTemporary) {

@@ -1,7 +1,7 @@
 // The per-layer step a serving engine calls: ESS's offloaded latent cache behind one object.
 //
 // The engine's indexer picks each query token's top-k logical token ids; Offload::step turns
-// them into the physical rows of the layer's device latent buffer that FlashMLA's sparse
+// them into buffer rows, the rows of the layer's device latent buffer that FlashMLA's sparse
 // decode reads (its `indices`), after fetching the misses from the pinned Total Memory Pool
 // with FlashTrans, all on the engine's stream. Offload::write_back copies the entries the
 // model wrote this step back to the host pool. Requests are admitted (with LRU-Warmup from
@@ -10,8 +10,8 @@
 // Shapes. A step serves a static batch of B positions (padded positions included, so shapes
 // stay fixed under CUDA graphs): position b is pool row rows[b] (-1 = padded: skipped, its
 // outputs -1), holds lengths[b] tokens and has T query tokens (MTP) of K ids each; ids are
-// -1 (padding) or in [0, lengths[b]). Row r's slots are the physical rows [r x rows_per_request(), ... + slots) of
-// each layer's buffer; with reserve_newest, the T rows after them hold the step's newest
+// -1 (padding) or in [0, lengths[b]). Pool row r's slots are the buffer rows [r x rows_per_request(), ... + slots) of
+// each layer's buffer; with reserve_newest, the T buffer rows after them (its reserved rows) hold the step's newest
 // tokens (HiSparse's reserved slot): an id among a position's T newest tokens maps there,
 // outside the LRU, whose rules (docs/architecture.md, "Exact semantics") hold for every other
 // id. Slot and row indices are int32 (no 32K cap); addresses are 64-bit.
@@ -49,8 +49,8 @@ namespace ess {
 
 enum class Backend { kCpu, kCuda };
 
-// The device latent buffer of every layer: FlashMLA's KV cache viewed as rows of
-// layout.bytes() bytes, one base per layer, rows placed by `rows`. Empty layer_base: ESS
+// The device latent buffer of every layer: FlashMLA's KV cache viewed as buffer rows of
+// layout.bytes() bytes, one base per layer, placed by `rows` (RowLayout). Empty layer_base: ESS
 // allocates a contiguous buffer per layer itself (Offload::buffer() gives it).
 struct LatentBuffer {
   std::vector<std::uint8_t*> layer_base;
@@ -64,7 +64,7 @@ struct OffloadConfig {
   int query_tokens = 1;            // T: query tokens per request per step (MTP)
   int topk = 2048;                 // K: ids per query token
   std::int32_t slots = 0;          // LRU-managed slots per request-layer: at least min(K, max_context)
-  bool reserve_newest = false;     // T more rows per request-layer for each step's newest tokens
+  bool reserve_newest = false;     // T more buffer rows per pool row for each step's newest tokens
   std::int64_t max_context = 0;    // longest request, tokens
   std::uint64_t host_bytes = 0;    // Total Memory Pool capacity (0: max_requests x max_context x layers)
   // Another engine's host block pool as the Total Memory Pool (total_pool.h, "Foreign pages"):
@@ -92,8 +92,8 @@ struct LayerStep {
   // [B] tokens of each position after this step's extend (its last T are the newest); ids at
   // or past it are invalid.
   const std::int32_t* lengths = nullptr;
-  std::int32_t* physical = nullptr;       // [B][T][K] out: rows of the layer's buffer, -1 = padding
-  // Optional, for the DA overlap: per query row, its rows that were resident before the step
+  std::int32_t* physical = nullptr;       // [B][T][K] out: the buffer row of each id, -1 = padding
+  // Optional, for the DA overlap: per query row (position, query token), its buffer rows that were resident before the step
   // and those this step fetches, each compacted to the front in the row's order, -1 after.
   std::int32_t* resident = nullptr;       // [B][T][K] out
   std::int32_t* fetched = nullptr;        // [B][T][K] out
@@ -134,13 +134,13 @@ struct WriteBack {
   int batch = 0;
   const std::int32_t* rows = nullptr;         // [B], -1 = padded
   const std::int32_t* lengths = nullptr;      // [B] after this step's extend
-  const std::int32_t* source_rows = nullptr;  // [B][T] rows of the layer's buffer; nullptr = the reserved rows
+  const std::int32_t* source_rows = nullptr;  // [B][T] buffer rows; nullptr = the reserved rows
   cuda::Stream stream = nullptr;
 };
 
 struct OffloadStats {
   std::int64_t steps = 0;          // layer steps run
-  std::int64_t warmup_fills = 0;   // rows loaded by LRU-Warmup
+  std::int64_t warmup_fills = 0;   // buffer rows loaded by LRU-Warmup
   // kCpu: counted; kCuda: 0 (they stay on the device: LayerStep::counts).
   std::int64_t hits = 0, misses = 0, reserved_hits = 0;
   std::uint64_t host_bytes_used = 0, host_bytes_capacity = 0;
@@ -173,7 +173,7 @@ class Offload {
   // request `source`: it shares source's full host pages of that prefix (no copy; read-only,
   // host_entry refuses them) and gets a copy of the rest; write its other entries as usual.
   // Pages holding the request's last T tokens are never shared (write_back may write them),
-  // here, in admit_cached and in publish. Its device rows start empty: warm it up as usual.
+  // here, in admit_cached and in publish. Its buffer rows start empty: warm it up as usual.
   std::int32_t admit_shared(RequestId id, std::int64_t prompt_length, RequestId source, std::int64_t prefix,
                             std::int32_t row = -1);
   // The same on the host prefix cache: the prompt's longest prefix of whole 64-token pages
@@ -240,7 +240,7 @@ class Offload {
   std::int32_t rows_per_request() const { return config().rows_per_request(); }
   // The layer's buffer as the engine passes it to FlashMLA.
   const LatentBuffer& buffer() const;
-  // The bytes of physical row p of a layer (a copy; for tests and tools).
+  // The bytes of buffer row p of a layer (a copy; for tests and tools).
   std::vector<std::uint8_t> read_row(int layer, std::int32_t p) const;
   // The Total Memory Pool (host accounting, entry offsets).
   const TotalPool& host_pool() const;
