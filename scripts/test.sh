@@ -36,8 +36,9 @@ report_stages() {
 # slowest LOG: the 20 longest tests of a ctest run's output.
 slowest() {
   echo "slowest tests:"
-  sed -nE 's/^ *[0-9]+\/[0-9]+ Test +#[0-9]+: ([^ ]+) .* ([0-9.]+) sec$/\2 \1/p' "$1" | sort -rn | head -20 |
-    awk '{printf "  %8.2f s  %s\n", $1, $2}'
+  # awk, not head: a reader that stops early would end sort with SIGPIPE, a failure under pipefail.
+  sed -nE 's/^ *[0-9]+\/[0-9]+ Test +#[0-9]+: ([^ ]+) .* ([0-9.]+) sec$/\2 \1/p' "$1" | sort -rn |
+    awk 'NR <= 20 {printf "  %8.2f s  %s\n", $1, $2}'
 }
 
 stage "setup: Debian packages, the pinned engine releases, safetensors"
