@@ -53,7 +53,11 @@ fi
 build/venv-safetensors/bin/pip install -q safetensors==0.8.0
 
 # ccache for every compile: CMake takes the launchers from the environment; paths under the
-# checkout are hashed relative to it, so two build folders of one checkout share objects.
+# checkout are hashed relative to it, so two build folders of one checkout share objects. ccache
+# hashes the compiler's name too: CC and CXX name the compilers CMake picks by default, which the
+# wheel's build backend would otherwise replace with Python's (x86_64-linux-gnu-g++, the same
+# compiler under another name).
+export CC=${CC:-cc} CXX=${CXX:-c++}
 if command -v ccache >/dev/null; then
   export CMAKE_CXX_COMPILER_LAUNCHER=ccache CMAKE_C_COMPILER_LAUNCHER=ccache CMAKE_CUDA_COMPILER_LAUNCHER=ccache
   export CCACHE_BASEDIR=$PWD CCACHE_NOHASHDIR=true
