@@ -34,7 +34,11 @@ INT32_MAX = 2**31 - 1
 def _int_array(values, what: str, dtype: str, lo: int, hi: int):
     """values as a contiguous array of `dtype`: integers only (a float, NaN or bool is refused, not
     truncated), each in [lo, hi] (refused, never wrapped)."""
-    a = np.asarray(values)
+    try:
+        a = np.asarray(values)
+    except ValueError:   # nested lists of different lengths: numpy names no value
+        raise ValueError(f"{what}: a ragged nested sequence (rows of different lengths); a rectangular array "
+                         "is expected") from None
     if a.dtype.kind not in "iu":
         raise ValueError(f"{what}: dtype {a.dtype} is not an integer type (ids and lengths are integers)")
     if a.size:

@@ -7,7 +7,8 @@
 # bring-up kit (device bundle, its fallback configure check, a dry run of the GPU validation, and
 # that dry run again where cuBLAS is hidden) and a short libFuzzer run of the trace reader. The
 # pinned SGLang and vLLM releases are downloaded first (scripts/upstream.sh): the adapters are
-# tested against their sources.
+# tested against their sources, and, in each engine's own venv (scripts/engines.sh: PyPI's torch, the
+# engine, what its CPU-side modules import), among the engine's own classes.
 #
 # Every compile goes through ccache (Debian's, cached under ~/.cache/ccache; CCACHE_DIR moves it):
 # the wheel compiles the release build's sources with its flags, so it reuses their objects, and a
@@ -74,6 +75,14 @@ cmake --build --preset release -j "$JOBS"
 stage "release tests"
 ctest --preset release -j "$JOBS" --timeout 1200 | tee "$logs/release.log"
 slowest "$logs/release.log"
+
+stage "engines: the adapters among SGLang 0.5.23's and vLLM 0.33.0's own classes (their venvs, cached)"
+# scripts/engines.sh builds each engine's venv once per lock (wheels cached under ~/.cache/ess); the tests
+# under python/tests/engines/<engine> import the engine itself: a failed import fails the stage.
+engines=$(bash scripts/engines.sh)   # a failed build stops here (set -e)
+while read -r engine python; do
+  (cd "$logs" && ESS_ENGINE=$engine "$python" -m pytest -q -p no:cacheprovider "$OLDPWD/python/tests/engines/$engine")
+done <<<"$engines"
 
 stage "installed package: examples/consumer against cmake --install"
 cmake --install build/release --prefix "$prefix/ess" >/dev/null

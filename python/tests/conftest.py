@@ -16,3 +16,8 @@ if os.environ.get("ESS_TEST_INSTALLED") == "1":
 else:
     sys.path.insert(0, str(CHECKOUT_PACKAGE))
 sys.path.insert(0, str(TESTS))
+
+# python/tests/engines/<engine>/ import SGLang or vLLM themselves: they run in that engine's venv
+# (scripts/engines.sh), with ESS_ENGINE naming it, never in the plain suite (Debian's torch, no engines).
+_engine = os.environ.get("ESS_ENGINE")
+collect_ignore = ["engines"] if not _engine else [f"engines/{e}" for e in ("sglang", "vllm") if e != _engine]

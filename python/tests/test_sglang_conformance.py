@@ -45,10 +45,18 @@ def adapter_modules():
 
 
 def instance_attributes(cls):
-    """Names __init__ assigns on self (read from our own source)."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls.__init__)))
-    init = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "__init__")
-    return {t.attr for n in ast.walk(init) if isinstance(n, (ast.Assign, ast.AnnAssign))
+    """Names construction assigns on self (read from our own source): __init__'s, and those of the methods of the
+    class __init__ calls on self (the constructor's steps: _build)."""
+    def method(name):
+        fn = getattr(cls, name)
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+        return next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == name)
+    init = method("__init__")
+    steps = [init] + [method(n.func.attr) for n in ast.walk(init)
+                      if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+                      and isinstance(n.func.value, ast.Name) and n.func.value.id == "self"
+                      and n.func.attr.startswith("_") and callable(getattr(cls, n.func.attr, None))]
+    return {t.attr for fn in steps for n in ast.walk(fn) if isinstance(n, (ast.Assign, ast.AnnAssign))
             for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
             if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
 

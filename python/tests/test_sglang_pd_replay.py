@@ -175,6 +175,9 @@ def test_pd_decode_refusals(pd_decode):
         coord.mem_pool_host.alloc_paged_token_slots(*args, 2, 5, 10)
     with pytest.raises(ess.InvalidArgument, match="num_tokens = 0"):
         coord.mem_pool_host.alloc_paged_token_slots(*args, 2, 0, 0)
+    for idx in (-1, 7, 2**40):   # a named refusal, not torch's IndexError
+        with pytest.raises(ess.InvalidArgument, match=f"req_pool_idx = {idx} outside the request slots"):
+            coord.mem_pool_host.alloc_paged_token_slots(*args, idx, 0, 10)
     slots = coord.mem_pool_host.alloc_paged_token_slots(*args, 2, 0, 10)
     assert slots.shape == (10,) and int(coord.req_to_host_pool_allocated_len[2]) == 16
     before = coord.engine.stats()

@@ -93,7 +93,17 @@ class World:
         # process_batch_result_prefill
         self.coord.admit_request_into_staging(req)
         assert req.hisparse_staging
+        self.check_host_slots(idx, n)
         return rid
+
+    def check_host_slots(self, idx, n):
+        """What SGLang reads of the host pool's tables after admission, as upstream's alloc_paged_token_slots
+        leaves them: n tokens' slots, page-rounded, distinct; -1 past them; the rounded allocated length."""
+        end = -(-n // self.coord.page_size) * self.coord.page_size if n else 0
+        row = self.coord.req_to_host_pool[idx]
+        assert int(self.coord.req_to_host_pool_allocated_len[idx]) == end
+        assert bool((row[:end] >= 0).all()) and bool((row[end:] == -1).all())
+        assert len(set(row[:end].tolist())) == end
 
     def collect(self):
         """get_next_batch_to_run: staged requests join decode (as upstream, after alloc_device_buffer)."""
@@ -144,8 +154,7 @@ class World:
             new = torch.from_numpy(np.stack([self.full[r][layer, self.length[r] - 1] for r in batch.rids]))
             self.device_pool.set_mla_kv_buffer(layer, batch.out_cache_loc, new)
             rows = [self.query(r) for r in batch.rids] + [[0] + [-1] * (K - 1)] * pad
-            dtype = torch.int32 if layer % 2 else torch.int64
-            topk = torch.tensor(rows, dtype=dtype)
+            topk = torch.tensor(rows, dtype=torch.int32)   # dsa_indexer.py: the top-k positions are int32
             table = coord.swap_in_selected_pages(idx, seq_lens, topk, layer)
             assert table.dtype == torch.int32 and tuple(table.shape) == (bs + pad, K)
             self.check(layer, batch, rows, table)
@@ -194,6 +203,7 @@ class World:
     def _drop(self, rid, coordinator_call):
         req = self.reqs.pop(rid)
         coordinator_call(req)
+        self.check_host_slots(req.kv.req_pool_idx, 0)   # upstream's request_finished frees them
         self.release_kv(req)
         if rid in self.running:
             self.running.remove(rid)
@@ -335,7 +345,25 @@ class WritesBackCurrentStep(adapter.HiSparseCoordinator):
         super()._backup_previous_step()
 
 
-@pytest.mark.parametrize("cls", [IgnoresRemap, ReadsNumRealEarly, WritesBackCurrentStep])
+class LeavesHostSlotsUnfilled(adapter.HiSparseCoordinator):
+    """Staging admits the request to ESS but leaves req_to_host_pool as it was (-1), as ESS once did."""
+
+    def admit_request_into_staging(self, req):
+        super().admit_request_into_staging(req)
+        idx = req.kv.req_pool_idx
+        self.req_to_host_pool[idx].fill_(-1)
+        self.req_to_host_pool_allocated_len[idx] = 0
+
+
+class KeepsHostSlotsAfterFinish(adapter.HiSparseCoordinator):
+    """request_finished leaves the request's host slots in req_to_host_pool (a later request would read them)."""
+
+    def _forget_host_slots(self, idx):
+        pass
+
+
+@pytest.mark.parametrize("cls", [IgnoresRemap, ReadsNumRealEarly, WritesBackCurrentStep, LeavesHostSlotsUnfilled,
+                                 KeepsHostSlotsAfterFinish])
 def test_the_replay_catches(cls):
     with pytest.raises((AssertionError, ess.InvalidArgument)):
         replay(cls, seed=0)
@@ -382,6 +410,58 @@ def test_a_bad_step_changes_nothing():
     assert w.coord.engine.request(idx) == before
     with pytest.raises(ess.InvalidArgument, match="layer_id 7"):
         w.coord.swap_in_selected_pages(torch.tensor([idx]), torch.tensor([41]), torch.zeros((1, K)), 7)
+
+
+@pytest.mark.parametrize("overrides, error, match", [
+    (dict(top_k=0), ess.InvalidArgument, "top_k = 0: the index top-k must be at least 1"),
+    (dict(top_k=-3), ess.InvalidArgument, "top_k = -3"),
+    (dict(device_buffer_size=8), ess.InvalidArgument, "device_buffer_size = 8 < top_k 16"),
+    (dict(host_to_device_ratio=0), ess.InvalidArgument, "host_to_device_ratio = 0.0"),
+    (dict(host_to_device_ratio=-2), ess.InvalidArgument, "host_to_device_ratio = -2.0"),
+    (dict(host_to_device_ratio=float("nan")), ess.InvalidArgument, "host_to_device_ratio = nan"),
+    (dict(host_to_device_ratio="2"), ess.InvalidType, "host_to_device_ratio = '2'"),
+    (dict(host_to_device_ratio=1e-6), ess.InvalidArgument, "host_to_device_ratio = 1e-06"),
+    (dict(device_buffer_size=10**9), ess.InvalidArgument, "device_buffer_size"),
+])
+def test_a_refused_constructor_takes_nothing(overrides, error, match):
+    """Settings are checked before ESS takes its rows from SGLang's allocator: the allocator is as it was,
+    and a coordinator with good settings is built on it."""
+    _refused_constructor_takes_nothing(overrides, error, match)
+
+
+def test_a_constructor_failing_after_the_claim_gives_the_rows_back(monkeypatch):
+    def refuse(**kwargs):
+        raise ess.InvalidArgument("ess_engine_create: no memory for the host pool")
+    monkeypatch.setattr(sys.modules[adapter.HiSparseCoordinator.__init__.__module__], "Engine", refuse)
+    _refused_constructor_takes_nothing({}, ess.InvalidArgument,
+                                       "hisparse settings top_k = 16, device_buffer_size = 24, host_to_device_ratio = 4")
+
+
+def _refused_constructor_takes_nothing(overrides, error, match):
+    req_to_token_pool = ReqToTokenPool(REQ_SLOTS, CTX)
+    pool = HiSparseDevicePool(POOL, PAGE, LAYERS)
+    allocator = HiSparseAllocator(POOL, PAGE, pool, RATIO)
+    inner = allocator.hisparse_attn_allocator
+    size, pages, free, size_hisparse = inner.size, inner.num_pages, inner.free_pages.clone(), allocator._size_hisparse
+    kwargs = dict(req_to_token_pool=req_to_token_pool, token_to_kv_pool_allocator=allocator, top_k=K,
+                  device_buffer_size=SLOTS, device="cpu", tp_group=None, host_to_device_ratio=RATIO)
+    with pytest.raises(error, match=match):
+        adapter.HiSparseCoordinator(**dict(kwargs, **overrides))
+    assert (inner.size, inner.num_pages, allocator._size_hisparse) == (size, pages, size_hisparse)
+    assert torch.equal(inner.free_pages, free) and getattr(inner, "ess_rows", None) is None
+    if not overrides:
+        return
+    adapter.HiSparseCoordinator(**kwargs).destroy()
+
+
+def test_wide_top_k_ids_are_refused():
+    """int64 top-k ids would be cut to the int32 the step reads (2**32 + 5 would serve token 5's bytes)."""
+    w, idx, before = World.one_running(3)
+    topk = torch.full((1, K), -1, dtype=torch.int64)
+    topk[0, 0] = 2**32 + 5
+    with pytest.raises(ess.InvalidArgument, match="top_k_result is torch.int64"):
+        w.coord.swap_in_selected_pages(torch.tensor([idx]), torch.tensor([41]), topk, 0)
+    assert w.coord.engine.request(idx) == before
 
 
 def test_floats_are_not_request_slots_or_token_ids():

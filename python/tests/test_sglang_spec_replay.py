@@ -154,4 +154,22 @@ def test_verify_refusals_change_nothing():
         w.coord.commit_spec_accept_tokens(batch, torch.tensor([[0, -1, 2]], dtype=torch.int32))
     with pytest.raises(ess.InvalidArgument, match="accept_indices has shape"):
         w.coord.commit_spec_accept_tokens(batch, torch.tensor([[0, 1]], dtype=torch.int32))
+    with pytest.raises(ess.InvalidType, match="accept_indices: torch.float32"):
+        w.coord.commit_spec_accept_tokens(batch, torch.tensor([[0.0, 1.9, -1.0]]))   # never truncated
+    with pytest.raises(ess.InvalidArgument, match="values below -1"):
+        w.coord.commit_spec_accept_tokens(batch, torch.tensor([[0, -2, -2]], dtype=torch.int32))
+    with pytest.raises(ess.InvalidArgument, match="have a verify step not committed"):
+        w.coord.prepare_spec_verify(batch)
     assert w.coord.engine.request(idx) == after_prepare
+    host_before = w.coord.engine.read_entries(idx, 0, 0, np.zeros((after_prepare[1], 656), np.uint8)).copy()
+    w.coord.commit_spec_accept_tokens(batch, torch.tensor([[0, 1, -1]], dtype=torch.int32))
+    committed = w.coord.engine.request(idx)
+    # A second commit of the same verify step (or one with none prepared) would shorten the request again and
+    # write a host entry from the reserved rows' stale bytes: refused, nothing changes.
+    with pytest.raises(ess.InvalidArgument, match="no verify step prepared"):
+        w.coord.commit_spec_accept_tokens(batch, torch.tensor([[0, -1, -1]], dtype=torch.int32))
+    assert w.coord.engine.request(idx) == committed
+    assert committed[1] == after_prepare[1] - 1
+    kept = committed[1]
+    host_after = w.coord.engine.read_entries(idx, 0, 0, np.zeros((kept, 656), np.uint8))
+    assert np.array_equal(host_after[:kept - 2], host_before[:kept - 2])

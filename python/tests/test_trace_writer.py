@@ -49,6 +49,8 @@ def test_a_valid_request_round_trips(tmp_path):
     (lambda ids, lengths: (ids[:0], lengths[:0]), "no step"),
     (lambda ids, lengths: (ids[:, :1], lengths), "shape"),
     (lambda ids, lengths: (ids, lengths[:2]), "lengths shape"),
+    (lambda ids, lengths: (ids.tolist()[:-1] + [ids.tolist()[-1][:1]], lengths), "topk: a ragged nested sequence"),
+    (lambda ids, lengths: (ids, [[1, 2], [3]]), "lengths: a ragged nested sequence"),
 ])
 def test_bad_requests_are_refused_by_name_and_change_nothing(change, words):
     w = writer()

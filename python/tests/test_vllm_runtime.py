@@ -90,6 +90,8 @@ def test_rows_past_num_valid_rows_are_padding(staged):
     (["b", "a"], [1, 1], None, "state index 1 is batch rows"),
     (["b", "x"], [1, 3], None, "not scheduled"),
     (["b", "a"], [1, 3], {"b": (71, T), "a": (383, T)}, "max_context"),
+    (["b", "a"], [1, 3], {"b": (71, T), "a": (-5, T)}, "request 'a''s computed tokens = -5"),
+    (["a", "b"], [3, 1], {"b": (71, T), "a": (91, -1)}, "request 'a''s scheduled tokens = -1"),
 ])
 def test_start_step_refuses_a_batch_and_changes_nothing(batch, states, scheduled, match):
     r = Replay(T, 40, seed=22)
@@ -102,6 +104,17 @@ def test_start_step_refuses_a_batch_and_changes_nothing(batch, states, scheduled
                             {rid: adapter.Scheduled(*v) for rid, v in scheduled.items()})
     after = (dict(r.decode.state_of), dict(r.decode.length_of), r.engine.stats(), r.decode.rows.clone())
     assert before[:3] == after[:3] and torch.equal(before[3], after[3])
+
+
+@pytest.mark.parametrize("name", ["finished", "preempted", "fresh"])
+def test_start_step_refuses_a_missing_id_set_by_name(name):
+    r = Replay(T, 40, seed=23)
+    prefill(r, "a", 3, 90, 100)
+    before = (dict(r.decode.state_of), r.engine.stats())
+    with pytest.raises(ess.InvalidType, match=f"start_step: {name} = None: an iterable of request ids"):
+        r.decode.start_step(["a"], torch.tensor([3], dtype=torch.int32), {"a": adapter.Scheduled(90, T)},
+                            **{name: None})
+    assert (dict(r.decode.state_of), r.engine.stats()) == before
 
 
 def test_a_host_block_outside_vllms_pool_is_refused_by_the_engine():

@@ -31,7 +31,8 @@ from typing import Callable, Dict, Iterable, Mapping, NamedTuple, Optional, Sequ
 
 import torch
 
-from .._errors import InvalidArgument
+from .. import _args
+from .._errors import InvalidArgument, InvalidType
 from ..engine import Engine, ForeignPages
 
 __all__ = ["VLLM_VERSION", "HotView", "latent_bytes", "latent_buffers", "host_pool_layout", "Scheduled",
@@ -212,12 +213,18 @@ class EssDecode:
         The batch (and attn_metadata against it) is checked before anything changes; a block table entry
         outside vLLM's host pool raises from the engine with the requests before it served."""
         T = self.info.query_tokens
+        for name, ids in (("finished", finished), ("preempted", preempted), ("fresh", fresh)):
+            if ids is None or isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+                raise InvalidType(f"start_step: {name} = {ids!r}: an iterable of request ids is expected "
+                                  "(the scheduler output's sets; empty when there are none)")
         R = len(request_ids)
         if R > self.max_num_reqs:
             raise InvalidArgument(f"start_step: {R} batch requests exceed max_num_seqs = {self.max_num_reqs}")
         for b, rid in enumerate(request_ids):
             if rid not in scheduled:
                 raise InvalidArgument(f"start_step: batch row {b}: request {rid!r} is not scheduled")
+            c, n = (_args.integer(f"start_step: request {rid!r}'s {what}", v, 0, 2**31 - 1)
+                    for what, v in zip(("computed tokens", "scheduled tokens"), scheduled[rid]))
         if attn_metadata is None:
             decodes = 0
             while decodes < R and 1 <= scheduled[request_ids[decodes]][1] <= T:

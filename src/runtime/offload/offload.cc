@@ -338,7 +338,7 @@ std::vector<int> Offload::query_groups(int batch, const std::int32_t* rows, cons
   QueryGrouper grouper;
   GroupStarts starts = 0;
   for (int b = 0; b < batch; ++b) {
-    if (rows[b] < 0) continue;
+    if (x.padding(rows[b], "query_groups", b)) continue;
     const RequestId request = x.request_at(rows[b], "query_groups", b);
     const std::int32_t len = lengths[b];
     ESS_CHECK(len == x.pool->length(request), "offload: query_groups: position {} (request {}) has length {}, the request holds {} tokens",

@@ -74,7 +74,7 @@ class CpuOffload final : public OffloadBackend {
     reserved_.assign(static_cast<std::size_t>(s.batch) * P, -1);
     for (int b = 0; b < s.batch; ++b) {
       const std::int32_t row = s.rows[b];
-      if (row < 0) continue;
+      if (x_.padding(row, "step", b)) continue;
       const RequestId id = x_.request_at(row, "step", b);
       const std::int64_t len = x_.pool->length(id);
       ESS_CHECK(s.lengths[b] == len,
@@ -149,7 +149,7 @@ class CpuOffload final : public OffloadBackend {
     const std::int64_t rows = static_cast<std::int64_t>(c.max_requests) * c.rows_per_request();
     // Validate every position first, then copy.
     for (int b = 0; b < w.batch; ++b) {
-      if (w.rows[b] < 0) continue;
+      if (x_.padding(w.rows[b], "write_back", b)) continue;
       const RequestId id = x_.request_at(w.rows[b], "write_back", b);
       ESS_CHECK(w.lengths[b] == x_.pool->length(id),
                 "offload: write_back of layer {}: position {} (request {}) has length {}, the request holds {} tokens",

@@ -51,6 +51,9 @@ struct OffloadState {
   // The request at pool row `row`, which batch position `position` names; throws naming them
   // when the row is out of range or free.
   RequestId request_at(std::int32_t row, const char* what, int position) const;
+  // Whether batch position `position` is padding (row -1); any other negative row throws, naming
+  // `what`, the position and the row.
+  bool padding(std::int32_t row, const char* what, int position) const;
 };
 
 class Offload::Impl : public OffloadState {

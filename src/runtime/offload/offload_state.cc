@@ -19,4 +19,10 @@ RequestId OffloadState::request_at(std::int32_t row, const char* what, int posit
   return id;
 }
 
+bool OffloadState::padding(std::int32_t row, const char* what, int position) const {
+  ESS_CHECK(row >= -1, "offload: {}: position {} names row {}; -1 marks padding, other negative rows are refused",
+            what, position, row);
+  return row == -1;
+}
+
 }  // namespace ess

@@ -86,14 +86,22 @@ def _keep(tensor, stream):
 
 def _sglang_setting(bag: str, path: str):
     """A setting of the running SGLang: sglang.srt.runtime_context's `bag`() and the dotted `path` in it (0.5.23
-    nests its namespaces: get_exec().overlap.enable_two_batch_overlap), or None outside SGLang. Inside SGLang a
-    path its context does not have is refused by name (a setting read as None would silently allow what it
-    guards)."""
+    nests its namespaces: get_exec().overlap.enable_two_batch_overlap), or None outside SGLang or before its
+    server has published the namespace (the coordinator reads the settings again at the first step). A
+    published namespace without the path is refused by name (a setting read as None would silently allow
+    what it guards)."""
     try:
         from sglang.srt import runtime_context
     except ImportError:  # not inside SGLang (tests, other engines)
         return None
-    value = getattr(runtime_context, bag)()
+    try:
+        value = getattr(runtime_context, bag)()
+    except ValueError as e:
+        # SGLang publishes its settings when a server starts; its pools and coordinator are also built without
+        # one (its own unit tests, tools), as upstream's constructor allows: nothing to read then.
+        if "not published" in str(e):
+            return None
+        raise
     for name in path.split("."):
         try:
             value = getattr(value, name)
@@ -126,6 +134,7 @@ def _claim_top_rows(allocator, rows: int, keep_min: int, why: str) -> int:
             f"(req_to_token pool slots x (device_buffer_size + T), whole pages of {page}) and SGLang needs "
             f"{keep_min} ({why}) left: lower --max-running-requests or the hisparse device_buffer_size, or give "
             "the pool more memory")
+    inner.ess_claim = (inner.num_pages, inner.size, inner.free_pages, getattr(allocator, "_size_hisparse", None))
     inner.num_pages = keep
     inner.size = keep * page
     inner.free_pages = inner.free_pages[inner.free_pages <= keep]
@@ -133,3 +142,17 @@ def _claim_top_rows(allocator, rows: int, keep_min: int, why: str) -> int:
     if hasattr(allocator, "_size_hisparse"):
         allocator._size_hisparse = inner.size
     return (keep + 1) * page  # page 0 is the padding sink; the allocator's pages are 1..num_pages
+
+
+def _return_top_rows(allocator) -> None:
+    """Gives the slots _claim_top_rows took back to the allocator, as it was before (a refused or destroyed
+    coordinator leaves SGLang's pool whole: a new coordinator can take them again)."""
+    inner = allocator.hisparse_attn_allocator
+    claim = getattr(inner, "ess_claim", None)
+    if claim is None:
+        return
+    inner.num_pages, inner.size, inner.free_pages, size_hisparse = claim
+    if size_hisparse is not None:
+        allocator._size_hisparse = size_hisparse
+    inner.ess_rows = None
+    inner.ess_claim = None

@@ -13,7 +13,7 @@ from ... import _args
 from ..._errors import InvalidArgument
 from ...engine import Engine
 from .. import _device
-from ._common import (ENTRY_BYTES, HiSparseAct, SpecScratch, _claim_top_rows, _cuda_index, _entry_rows, _int,
+from ._common import (ENTRY_BYTES, HiSparseAct, SpecScratch, _claim_top_rows, _return_top_rows, _cuda_index, _entry_rows, _int,
                       _int_tensor, _ints, _keep, _sglang_setting, _token_stats_type)
 from .host_pool import HostPool
 from .staging import Staging
@@ -39,10 +39,8 @@ class HiSparseCoordinator(Staging):
         num_draft_tokens = 0 if num_draft_tokens is None else _int("num_draft_tokens", num_draft_tokens)
         if num_draft_tokens < 0:
             raise InvalidArgument(f"num_draft_tokens = {num_draft_tokens} is negative")
-        if _sglang_setting("get_exec", "overlap.enable_two_batch_overlap"):
-            raise InvalidArgument(
-                "enable_two_batch_overlap: ESS stages a step's rows once per forward, at its first layer; two "
-                "micro-batches interleaved layer by layer are not served yet")
+        self._settings_checked = False
+        self._check_served_settings()
         if num_draft_tokens and self.device_buffer_size < num_draft_tokens * self.top_k:
             # One swap call serves a verify step's T query tokens (FlashMLA runs once after it), so the pool
             # must hold their union: ESS cannot split the step into query groups there.
@@ -85,24 +83,73 @@ class HiSparseCoordinator(Staging):
         max_reqs = req_to_token_pool.req_to_token.shape[0]
         max_context = req_to_token_pool.max_context_len
         self.max_batch = max_reqs
+        host_bytes = self._check_settings(kvcache, max_reqs, max_context, host_to_device_ratio)
         rows_per_request = self.device_buffer_size + self.T
         if self.pd_decode:
             keep_min, why = max_reqs, "one slot per request: SGLang's PD transfer budget"
         else:
             keep_min, why = max_context, "the context length, for a prefill"
+        # Checked first, taken after: whatever fails from here on gives the rows back.
         self.row_base = _claim_top_rows(token_to_kv_pool_allocator, max_reqs * rows_per_request, keep_min, why)
-        self.ess_rows = max_reqs * rows_per_request
-        latent = [_entry_rows(buf)[self.row_base:self.row_base + self.ess_rows] for buf in kvcache.kv_buffer]
+        self.engine = None
+        try:
+            self._build(kvcache, max_reqs, rows_per_request, host_bytes, host_to_device_ratio, device,
+                        shared_index_layers, tp_group)
+        except BaseException:
+            if self.engine is not None:
+                self.engine.close()
+            _return_top_rows(token_to_kv_pool_allocator)
+            raise
+
+    def _check_served_settings(self) -> None:
+        """What this build cannot serve, from the running server's settings: at construction, and again at the
+        first step where SGLang built the coordinator before publishing them."""
+        if self._settings_checked:
+            return
+        if _sglang_setting("get_exec", "overlap.enable_two_batch_overlap"):
+            raise InvalidArgument(
+                "enable_two_batch_overlap: ESS stages a step's rows once per forward, at its first layer; two "
+                "micro-batches interleaved layer by layer are not served yet")
+        if _sglang_setting("get_disagg", "disaggregation_mode") is not None:
+            self._settings_checked = True   # the server's settings were there to read
+
+    def _check_settings(self, kvcache, max_reqs, max_context, host_to_device_ratio) -> int:
+        """The hisparse settings as the user gave them (top_k, device_buffer_size, host_to_device_ratio), checked
+        before anything is taken from SGLang; returns the host pool's bytes."""
+        if self.top_k < 1:
+            raise InvalidArgument(f"top_k = {self.top_k}: the index top-k must be at least 1")
+        need = min(self.top_k, max_context)
+        if self.device_buffer_size < need:
+            raise InvalidArgument(
+                f"device_buffer_size = {self.device_buffer_size} < top_k {self.top_k}: a request's device buffer "
+                f"must hold one query token's top-k (min(top_k, context length {max_context}) = {need})")
+        ratio = _args.real("host_to_device_ratio", host_to_device_ratio)
         device_tokens = kvcache.size if getattr(kvcache, "host_capacity_tokens", None) is None \
             else kvcache.host_capacity_tokens
-        host_tokens = int(device_tokens * _args.real("host_to_device_ratio", host_to_device_ratio))
+        host_tokens = int(device_tokens * ratio)
+        if ratio <= 0 or host_tokens < 1:
+            raise InvalidArgument(f"host_to_device_ratio = {ratio}: the host pool would hold {host_tokens} tokens "
+                                  f"({device_tokens} device tokens x the ratio); it must be positive")
         # Whole 64-token pages per request-layer: one partly used page per request-layer at most.
-        host_bytes = (host_tokens + max_reqs * 64) * self.layer_num * ENTRY_BYTES
-        self.engine = Engine(max_requests=max_reqs, max_context=max_context, slots=self.device_buffer_size,
-                             layers=self.layer_num, topk=self.top_k, query_tokens=self.T, reserve_newest=True,
-                             backend="cuda" if self.dev.is_cuda else "cpu",
-                             device=_cuda_index(device) if self.dev.is_cuda else 0,
-                             host_bytes=host_bytes, latent=latent)
+        return (host_tokens + max_reqs * 64) * self.layer_num * ENTRY_BYTES
+
+    def _build(self, kvcache, max_reqs, rows_per_request, host_bytes, host_to_device_ratio, device,
+               shared_index_layers, tp_group):
+        """The engine over the claimed rows and the coordinator's state (construction after the claim)."""
+        self.ess_rows = max_reqs * rows_per_request
+        latent = [_entry_rows(buf)[self.row_base:self.row_base + self.ess_rows] for buf in kvcache.kv_buffer]
+        self._latent = latent
+        try:
+            self.engine = Engine(max_requests=max_reqs, max_context=self.req_to_token_pool.max_context_len,
+                                 slots=self.device_buffer_size, layers=self.layer_num, topk=self.top_k,
+                                 query_tokens=self.T, reserve_newest=True,
+                                 backend="cuda" if self.dev.is_cuda else "cpu",
+                                 device=_cuda_index(device) if self.dev.is_cuda else 0,
+                                 host_bytes=host_bytes, latent=latent)
+        except InvalidArgument as e:
+            raise InvalidArgument(
+                f"hisparse settings top_k = {self.top_k}, device_buffer_size = {self.device_buffer_size}, "
+                f"host_to_device_ratio = {host_to_device_ratio}, {max_reqs} request slots: {e}") from None
         self.info = self.engine.info
         if shared_index_layers is not None and any(shared_index_layers):
             logger.info("ESS: %d shared-index layers swap their own rows (no plan-then-IO prefetch)",
@@ -122,6 +169,7 @@ class HiSparseCoordinator(Staging):
         self.req_to_host_pool_allocated_len = torch.zeros(max_reqs, dtype=torch.int64, device="cpu")
         self._req_to_host_pool = None
         self._direct = {}             # req_pool_idx -> tokens received by transfer, not yet admitted
+        self._verifying = set()       # req_pool_idx with a verify step prepared, not committed
 
         # The step's tensors, bound once (fixed addresses for CUDA graphs).
         i32 = dict(dtype=torch.int32, device=device)
@@ -224,9 +272,15 @@ class HiSparseCoordinator(Staging):
                                   f"requests x {T} draft tokens")
         seq_lens_cpu = getattr(batch, "seq_lens_cpu", None)
         lengths = None if seq_lens_cpu is None else _ints("seq_lens_cpu", seq_lens_cpu)
+        self._check_served_settings()
         self._check_batch("prepare_spec_verify", rows, lengths, grow=0)
+        pending = [row for row in rows if row in self._verifying]
+        if pending:
+            raise InvalidArgument(f"prepare_spec_verify: request slots {pending} have a verify step not committed "
+                                  "yet (commit_spec_accept_tokens)")
         self._retire()
         self._extend_into_reserved(rows, batch.req_pool_indices, batch.out_cache_loc.to(torch.int64))
+        self._verifying.update(rows)
 
     def commit_spec_accept_tokens(self, batch, accept_indices) -> None:
         """run_eagle_verify, after the verify forward: accept_indices [bs, T] (int, -1 = rejected) names for each
@@ -240,11 +294,19 @@ class HiSparseCoordinator(Staging):
         B, T = len(rows), self.T
         if B == 0:
             return
+        _int_tensor("commit_spec_accept_tokens: accept_indices", accept_indices)
         accept = accept_indices.to("cpu", torch.int64)
         if tuple(accept.shape) != (B, T):
             raise InvalidArgument(f"commit_spec_accept_tokens: accept_indices has shape {tuple(accept.shape)}; "
                                   f"expected [{B}, {T}]")
         self._check_batch("commit_spec_accept_tokens", rows, None, grow=0)
+        unprepared = [row for row in rows if row not in self._verifying]
+        if unprepared:
+            raise InvalidArgument(f"commit_spec_accept_tokens: request slots {unprepared} have no verify step "
+                                  "prepared (prepare_spec_verify), or it was committed already")
+        if bool((accept < -1).any()):
+            raise InvalidArgument(f"commit_spec_accept_tokens: accept_indices {accept.tolist()} hold values below "
+                                  "-1 (-1 marks a rejected position)")
         base = torch.arange(B, dtype=torch.int64).view(-1, 1) * T
         valid = accept >= 0
         kept = valid.sum(dim=1)
@@ -269,6 +331,7 @@ class HiSparseCoordinator(Staging):
         for row, n in zip(rows, kept.tolist()):
             self.engine.truncate(row, self._length[row] - T + n)
             self._length[row] += n - T
+            self._verifying.discard(row)
         self._backup_done_event.wait(current)
 
     def _check_batch(self, where, rows, lengths, grow):
@@ -321,6 +384,7 @@ class HiSparseCoordinator(Staging):
         if self.num_draft_tokens:
             raise InvalidArgument("map_last_loc_to_buffer: with speculative decoding every step is a verify step "
                                   "(prepare_spec_verify)")
+        self._check_served_settings()
         self._check_batch("map_last_loc_to_buffer", rows, lengths, grow=self.T)
         self._retire()
         self._backup_previous_step()
@@ -386,6 +450,10 @@ class HiSparseCoordinator(Staging):
         for name, t in (("req_pool_indices", req_pool_indices), ("compressed_seq_lens", compressed_seq_lens),
                         ("top_k_result", top_k_result)):
             _int_tensor(f"swap_in_selected_pages: {name}", t)
+        if top_k_result.dtype != torch.int32:
+            # The indexer's top-k is int32 (upstream's swap kernel reads it so); a wider id would be narrowed.
+            raise InvalidArgument(f"swap_in_selected_pages: top_k_result is {top_k_result.dtype}; the DSA indexer's "
+                                  "top-k positions are int32 (wider ids would be cut to 32 bits)")
         B = int(req_pool_indices.shape[0])
         if B > self.max_batch:
             raise InvalidArgument(f"swap_in_selected_pages: batch {B} exceeds the {self.max_batch} request slots")

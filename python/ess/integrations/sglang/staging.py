@@ -20,6 +20,9 @@ class Staging:
         in the host pool's layer regions go to req_to_host_pool; the transfer then writes the prompt there."""
         idx, start, n = (_int("req_pool_idx", req_pool_idx), _int("start_pos", start_pos),
                          _int("num_tokens", num_tokens))
+        if not 0 <= idx < self.max_batch:
+            raise InvalidArgument(f"alloc_paged_token_slots: req_pool_idx = {idx} outside the request slots "
+                                  f"[0, {self.max_batch})")
         if req_to_host_pool is not self._req_to_host_pool or allocated_len is not self.req_to_host_pool_allocated_len:
             raise InvalidArgument("alloc_paged_token_slots: pass the coordinator's own req_to_host_pool and "
                                   "req_to_host_pool_allocated_len")
@@ -30,15 +33,21 @@ class Staging:
         if not 0 < n <= self.req_to_token_pool.max_context_len:
             raise InvalidArgument(f"alloc_paged_token_slots: num_tokens = {n} outside [1, "
                                   f"{self.req_to_token_pool.max_context_len}]")
-        self._retire(row=idx)
-        self.engine.admit(idx, n, row=idx)   # host pages, zeroed; all-or-nothing
-        pages = torch.tensor(self.engine.host_pages(idx), dtype=torch.int64)
-        end = -(-n // self.page_size) * self.page_size
-        slots = (pages.view(-1, 1) * 64 + torch.arange(64, dtype=torch.int64).view(1, -1)).view(-1)[:end]
-        req_to_host_pool[idx, :end] = slots.to(req_to_host_pool.device, non_blocking=True)
-        allocated_len[idx] = end
+        self._host_admit(idx, n)
         self._direct[idx] = n
         return req_to_host_pool[idx, :n]
+
+    def _host_admit(self, idx: int, n: int) -> None:
+        """The request enters ESS with n tokens (host pages, zeroed; all-or-nothing) and, as upstream's
+        alloc_paged_token_slots, its token slots in the host pool's layer regions go to req_to_host_pool,
+        page-rounded, with req_to_host_pool_allocated_len the rounded length."""
+        self._retire(row=idx)
+        self.engine.admit(idx, n, row=idx)
+        pages = torch.tensor(self.engine.host_pages(idx), dtype=torch.int64)
+        end = min(-(-n // self.page_size) * self.page_size, self.req_to_host_pool.shape[1])
+        slots = (pages.view(-1, 1) * 64 + torch.arange(64, dtype=torch.int64).view(1, -1)).view(-1)[:end]
+        self.req_to_host_pool[idx, :end] = slots.to(self.req_to_host_pool.device, non_blocking=True)
+        self.req_to_host_pool_allocated_len[idx] = end
 
     def admit_request_into_staging(self, req) -> None:
         """After the prefill: the request's prompt KV (SGLang's device slots of req_to_token[idx, :extend_end])
@@ -46,8 +55,9 @@ class Staging:
         pages and layer); collect_ready_reqs hands the request to decode."""
         idx = _int("req_pool_idx", req.kv.req_pool_idx)
         n = _int("extend_end", req.extend_end)
-        self._retire(row=idx)
-        self.engine.admit(idx, n, row=idx)   # host pages, all-or-nothing
+        if idx in self._length or idx in self._direct:
+            raise InvalidArgument(f"admit_request_into_staging: request slot {idx} is already in ESS")
+        self._host_admit(idx, n)   # host pages (all-or-nothing) and req_to_host_pool, as upstream
         req.hisparse_staging = True
         full = self.req_to_token_pool.req_to_token[idx, :n].to(dtype=torch.int64, copy=True)
         device_locs = self.mem_pool_device.translate_loc_from_full_to_hisparse_device(full)
@@ -76,8 +86,23 @@ class Staging:
         # The prefill's device slots go back to SGLang's allocator (and its mapping to 0).
         self.token_to_kv_pool_allocator.free_hisparse(self.req_to_token_pool.req_to_token[idx, :n])
         self.engine.warmup(idx, self._warmup_windows(n))
+        self._load_newest(idx, n)
         self._length[idx] = n
         req.hisparse_staging = False
+
+    def _load_newest(self, idx: int, n: int):
+        """The reserved rows hold a request's newest T tokens (token n - T + t in reserved row t): at admission they
+        get the prompt's last entries from its host pages, so that a swap at length n (before SGLang extends the
+        request) serves them as upstream does; the next step's tokens then overwrite them."""
+        T = self.T
+        first = max(0, n - T)
+        tokens = torch.arange(first, n, dtype=torch.int64)
+        slots = self.req_to_host_pool[idx, first:n].to("cpu", torch.int64)
+        rows = idx * self.info.rows_per_request + self.info.slots + (tokens - (n - T))
+        for layer in range(self.layer_num):
+            entries = self.mem_pool_host.layer_view(layer).index_select(0, slots)
+            dest = self._latent[layer]
+            self.dev.launch(lambda d=dest, e=entries: d.index_copy_(0, rows.to(d.device), e.to(d.device)))
 
     def _warmup_windows(self, n: int):
         """The first residency: the prompt's last min(n, slots) tokens, oldest first (SGLang hands over no
@@ -100,6 +125,7 @@ class Staging:
                 f"mem_pool_host.alloc_paged_token_slots" + (f" (it received {self._direct[idx]})" if idx in self._direct
                                                             else ""))
         self.engine.warmup(idx, self._warmup_windows(n))
+        self._load_newest(idx, n)
         del self._direct[idx]
         self._length[idx] = n
         req.hisparse_staging = False
@@ -132,6 +158,7 @@ class Staging:
         idx = _int("req_pool_idx", req.kv.req_pool_idx)
         self.token_to_kv_pool_allocator.free_hisparse(self.req_to_token_pool.req_to_token[idx, :_int("extend_end", req.extend_end)])
         self.engine.release(idx)
+        self._forget_host_slots(idx)
         req.hisparse_staging = False
 
     def retract_req(self, req) -> None:
@@ -160,6 +187,7 @@ class Staging:
         mapping = self.mem_pool_device.full_to_hisparse_device_index_mapping
         self.dev.launch(lambda: mapping.index_fill_(0, allocated, 0))
         del self._length[idx]
+        self._verifying.discard(idx)
         self._forget_host_slots(idx)
         if self._backup_due is not None:
             self._dropped_rows.append(idx)

@@ -1,0 +1,267 @@
+"""ESS's HiSparseCoordinator among SGLang 0.5.23's own objects, imported from the pinned release (a venv from
+scripts/engines.sh; a missing import fails, never skips): SGLang's ReqToTokenPool, HiSparseDSATokenToKVPool and
+HiSparseTokenToKVPoolAllocator, built through their own constructors on CPU tensors, and upstream's own
+HiSparseCoordinator beside ESS's, over the same scenario, in SGLang's call order:
+
+  prefill      mem_cache/allocation.py alloc_for_extend: ReqToTokenPool.alloc, then
+               HiSparseTokenToKVPoolAllocator.alloc_extend; the prefill forward writes the prompt's KV
+               at the device slots its logical slots map to (what set_mla_kv_buffer does)
+  staging      batch_result_processor.process_batch_result_prefill -> admit_request_into_staging
+  ready        scheduler.get_next_batch_to_run -> collect_ready_reqs
+  decode prep  ScheduleBatch.prepare_for_decode: alloc_decode, seq_lens += 1, map_last_loc_to_buffer
+  forward      the layer's KV write at out_cache_loc, then swap_in_selected_pages -> FlashMLA reads
+               kv_buffer[layer][page_table_1] (upstream on CPU: naive_load_topk, its own torch path;
+               its swap kernel is CUDA's)
+  finish       request_finished, then release_kv_cache -> allocator.free(req_to_token[idx, :allocated])
+
+The oracle is upstream itself: what SGLang observes of each coordinator (the bytes at the locations the swap
+returns, the allocator's free sizes, req_to_host_pool and its allocated length) is compared, and every byte
+FlashMLA would read is checked against the request's full cache."""
+import random
+import types
+from array import array
+
+import numpy as np
+import pytest
+import torch
+
+import sglang
+from sglang.srt.managers import hisparse_coordinator as upstream
+from sglang.srt.mem_cache.allocator.hisparse import HiSparseTokenToKVPoolAllocator
+from sglang.srt.mem_cache.hisparse_memory_pool import HiSparseDSATokenToKVPool
+from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+import ess
+from ess.integrations import sglang as adapter
+
+ENTRY = 656
+LAYERS, K, SLOTS, PAGE, REQS, CTX = 2, 16, 64, 64, 4, 1024
+SIZE, RATIO = 4096, 2
+
+
+def test_the_pinned_release_is_imported():
+    assert sglang.__version__ == adapter.SGLANG_VERSION
+    assert upstream.__file__.endswith("sglang/srt/managers/hisparse_coordinator.py")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def process_group():
+    """Upstream's constructor asks torch.distributed for the TP group's size (one rank here)."""
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group(backend="gloo", init_method="tcp://127.0.0.1:29517", rank=0,
+                                             world_size=1)
+    yield
+
+
+class Stack:
+    """SGLang's pools, built as model_runner builds them for a DSA model with --enable-hisparse
+    (model_runner_kv_cache_mixin / pool_configurator: HiSparseDSATokenToKVPool, then the allocator over it,
+    then maybe_init_hisparse_coordinator), around one coordinator class."""
+
+    def __init__(self, cls, **overrides):
+        self.device_pool = HiSparseDSATokenToKVPool(
+            size=SIZE, page_size=PAGE, kv_lora_rank=512, dtype=torch.float8_e4m3fn, qk_rope_head_dim=64,
+            layer_num=LAYERS, device="cpu", index_head_dim=128, enable_memory_saver=False, kv_cache_dim=ENTRY,
+            host_to_device_ratio=RATIO)
+        self.allocator = HiSparseTokenToKVPoolAllocator(
+            size=SIZE, page_size=PAGE, dtype=torch.float8_e4m3fn, device="cpu", kvcache=self.device_pool,
+            need_sort=False, host_to_device_ratio=RATIO)
+        self.req_to_token_pool = ReqToTokenPool(size=REQS, max_context_len=CTX, device="cpu",
+                                                enable_memory_saver=False)
+        kwargs = dict(req_to_token_pool=self.req_to_token_pool, token_to_kv_pool_allocator=self.allocator,
+                      top_k=K, device_buffer_size=SLOTS, device="cpu", tp_group=None,
+                      host_to_device_ratio=RATIO)
+        kwargs.update(overrides)
+        self.coord = cls(**kwargs)
+
+    def rows(self, layer):
+        return self.device_pool.kv_buffer[layer].view(torch.uint8).view(-1, ENTRY)
+
+
+@pytest.fixture(autouse=True)
+def host_memory_unregistered(monkeypatch):
+    """Upstream's host pool page-locks its buffer with cudaHostRegister (pool_host/common.py
+    alloc_with_host_register), which needs a GPU: here the same allocation, not page-locked."""
+    from sglang.srt.mem_cache.pool_host import common
+
+    register = common.ALLOC_MEMORY_FUNCS["cpu"]
+
+    def unregistered(dims, dtype, device, pin_memory, allocator, registration_granularity_bytes=None):
+        return register(dims, dtype, device, False, allocator, registration_granularity_bytes)
+    monkeypatch.setitem(common.ALLOC_MEMORY_FUNCS, "cpu", unregistered)
+
+
+def _transfer_kv_all_layer_mla(src_layers, dst_layers, src_indices, dst_indices, item_size, num_layers):
+    """sgl_kernel's transfer_kv_all_layer_mla, which SGLang builds for CUDA only: for every layer, item_size bytes
+    from src_layers[l] + src_indices[i] x item_size to dst_layers[l] + dst_indices[i] x item_size (here the
+    layers' addresses are CPU memory, so ctypes.memmove does what the kernel's loads and stores do)."""
+    import ctypes
+    src_ptrs, dst_ptrs = src_layers.tolist(), dst_layers.tolist()
+    for layer in range(num_layers):
+        for s, d in zip(src_indices.tolist(), dst_indices.tolist()):
+            ctypes.memmove(dst_ptrs[layer] + d * item_size, src_ptrs[layer] + s * item_size, item_size)
+
+
+def _transfer_kv_per_layer_mla(src, dst, src_indices, dst_indices, item_size):
+    """sgl_kernel's transfer_kv_per_layer_mla (CUDA only): rows src[src_indices[i]] to dst[dst_indices[i]]."""
+    s, d = src.view(torch.uint8).view(-1, item_size), dst.view(torch.uint8).view(-1, item_size)
+    d[dst_indices.to(torch.int64)] = s[src_indices.to(torch.int64)]
+
+
+@pytest.fixture(autouse=True)
+def cpu_kernels(monkeypatch):
+    """The kernels upstream's staging and its own torch swap (naive_load_topk) reach, in their place (the module
+    imports them from sgl_kernel only when CUDA is there)."""
+    from sglang.srt.mem_cache.pool_host import mla
+    monkeypatch.setattr(mla, "transfer_kv_all_layer_mla", _transfer_kv_all_layer_mla, raising=False)
+    monkeypatch.setattr(mla, "transfer_kv_per_layer_mla", _transfer_kv_per_layer_mla, raising=False)
+
+
+def make_req(rid, idx, n):
+    """The fields of schedule_batch.Req the coordinators read."""
+    return types.SimpleNamespace(rid=rid, kv=types.SimpleNamespace(req_pool_idx=idx, kv_allocated_len=n),
+                                 extend_end=n, hisparse_staging=False, seqlen=n,
+                                 full_untruncated_fill_ids=array("q", range(n)))
+
+
+class World:
+    """One Stack and the requests' full caches: SGLang's calls in its order, and what SGLang observes."""
+
+    def __init__(self, cls, seed=0):
+        self.s = Stack(cls)
+        self.rng = np.random.default_rng(seed)
+        self.full, self.reqs, self.length = {}, {}, {}
+        inner = self.s.allocator.hisparse_attn_allocator
+        self.free_at_start = (self.s.allocator.logical_attn_allocator.available_size(), inner.available_size())
+
+    def prefill(self, rid, n):
+        s = self.s
+        idx = s.req_to_token_pool.alloc_rows(1)[0]
+        self.full[rid] = self.rng.integers(0, 256, (LAYERS, CTX, ENTRY), dtype=np.uint8)
+        zero, length = torch.tensor([0]), torch.tensor([n])
+        locs = s.allocator.alloc_extend(prefix_lens=zero, prefix_lens_cpu=zero, seq_lens=length,
+                                        seq_lens_cpu=length, last_loc=torch.tensor([-1]), extend_num_tokens=n)
+        assert locs is not None
+        s.req_to_token_pool.write((idx, slice(0, n)), locs.to(torch.int32))
+        device = s.device_pool.translate_loc_from_full_to_hisparse_device(locs.to(torch.int64))
+        for layer in range(LAYERS):   # the prefill forward's set_mla_kv_buffer
+            s.rows(layer)[device] = torch.from_numpy(self.full[rid][layer, :n])
+        req = make_req(rid, idx, n)
+        self.reqs[rid], self.length[rid] = req, n
+        s.coord.admit_request_into_staging(req)
+        return req
+
+    def collect(self):
+        return [r.rid for r in self.s.coord.collect_ready_reqs()]
+
+    def host_table(self, rid):
+        """req_to_host_pool's row as SGLang reads it: how many slots, distinct, and the allocated length."""
+        c, idx = self.s.coord, self.reqs[rid].kv.req_pool_idx
+        row = c.req_to_host_pool[idx]
+        used = row[row >= 0]
+        return int(used.numel()), len(set(used.tolist())), int(c.req_to_host_pool_allocated_len[idx])
+
+    def finish(self, rid):
+        """request_finished, then release_kv_cache -> allocator.free(req_to_token[idx, :kv_allocated_len])."""
+        s, req = self.s, self.reqs.pop(rid)
+        s.coord.request_finished(req)
+        idx = req.kv.req_pool_idx
+        s.allocator.free(s.req_to_token_pool.req_to_token[idx, :req.kv.kv_allocated_len].to(torch.int64))
+        s.req_to_token_pool.free_rows([idx])   # ReqToTokenPool.free(req), which reads the Req's kv state
+
+    def free_sizes(self):
+        inner = self.s.allocator.hisparse_attn_allocator
+        return self.s.allocator.logical_attn_allocator.available_size(), inner.available_size()
+
+
+UPSTREAM, ESS = upstream.HiSparseCoordinator, adapter.HiSparseCoordinator
+
+
+@pytest.mark.parametrize("n", [1, 63, 64, 65, 300])
+def test_staging_leaves_sglang_what_upstream_leaves(n):
+    """After admit_request_into_staging and collect_ready_reqs, SGLang's tables (req_to_host_pool: page-rounded,
+    distinct slots; the allocated length) read the same under both coordinators; after request_finished and
+    release_kv_cache every pool is back to its size at the start."""
+    worlds = {cls: World(cls) for cls in (UPSTREAM, ESS)}
+    seen = {}
+    for cls, w in worlds.items():
+        w.prefill("a", n)
+        assert w.collect() == ["a"]
+        seen[cls] = w.host_table("a")
+        w.finish("a")
+        assert w.free_sizes() == w.free_at_start, cls
+        assert int((w.s.coord.req_to_host_pool >= 0).sum()) == 0
+    assert seen[ESS] == seen[UPSTREAM]
+
+
+def test_decode_serves_the_full_caches_bytes_among_sglangs_pools():
+    """ESS's decode among SGLang's own pools and allocator: prepare_for_decode's alloc_decode (SGLang's paged
+    allocator, its real last_loc rule), map_last_loc_to_buffer, the layer's KV write at out_cache_loc through
+    the real full-to-device mapping, then swap_in_selected_pages: every byte at the returned locations is the
+    full cache's, step after step, and the pools are whole again after finish."""
+    w, rng = World(ESS, seed=3), random.Random(5)
+    s, c = w.s, w.s.coord
+    for rid, n in (("a", 300), ("b", 70)):
+        w.prefill(rid, n)
+    assert sorted(w.collect()) == ["a", "b"]
+    for step in range(6):
+        rids = list(w.reqs)
+        idx = torch.tensor([w.reqs[r].kv.req_pool_idx for r in rids])
+        lens = torch.tensor([w.length[r] for r in rids])
+        last = torch.stack([s.req_to_token_pool.req_to_token[int(i), int(n) - 1].to(torch.int64)
+                            for i, n in zip(idx, lens)])
+        out_cache_loc = s.allocator.alloc_decode(lens + 1, lens + 1, last)   # ScheduleBatch.prepare_for_decode
+        for r, i, loc in zip(rids, idx.tolist(), out_cache_loc.tolist()):
+            s.req_to_token_pool.req_to_token[i, w.length[r]] = loc
+            w.length[r] += 1
+            w.reqs[r].kv.kv_allocated_len = w.length[r]
+        lens = lens + 1
+        c.map_last_loc_to_buffer(lens, out_cache_loc, idx, lens.clone(), idx.clone())
+        c.wait_for_pending_backup()
+        c.num_real_reqs.fill_(len(rids))
+        device = s.device_pool.translate_loc_from_full_to_hisparse_device(out_cache_loc.to(torch.int64))
+        for layer in range(LAYERS):
+            for r, d in zip(rids, device.tolist()):   # set_mla_kv_buffer of the step's token
+                s.rows(layer)[d] = torch.from_numpy(w.full[r][layer, w.length[r] - 1])
+            picks = [sorted(rng.sample(range(w.length[r]), min(K, w.length[r]))) for r in rids]
+            topk = torch.tensor([p + [-1] * (K - len(p)) for p in picks], dtype=torch.int32)
+            table = c.swap_in_selected_pages(idx, lens, topk, layer)
+            for b, r in enumerate(rids):
+                got = s.rows(layer)[table[b, :len(picks[b])].to(torch.int64)].numpy()
+                assert np.array_equal(got, w.full[r][layer, picks[b]]), (step, layer, r)
+    for rid in list(w.reqs):
+        w.finish(rid)
+    assert w.free_sizes() == w.free_at_start
+
+
+def served(w, rid, layer, picks):
+    """The bytes FlashMLA reads for `picks` of request `rid` at its current length, through each coordinator's
+    swap: ESS's swap_in_selected_pages, upstream's naive_load_topk (its torch path; its kernel is CUDA's)."""
+    c, idx = w.s.coord, w.reqs[rid].kv.req_pool_idx
+    topk = torch.tensor([picks + [-1] * (K - len(picks))], dtype=torch.int32)
+    args = (torch.tensor([idx]), torch.tensor([w.length[rid]]), topk, layer)
+    c.num_real_reqs.fill_(1)
+    table = c.naive_load_topk(*args) if isinstance(c, UPSTREAM) else c.swap_in_selected_pages(*args)
+    return w.s.rows(layer)[table[0, :len(picks)].to(torch.int64)].numpy()
+
+
+@pytest.mark.parametrize("n", [40, 64, 65, 300])
+def test_right_after_admission_the_prompt_is_served(n):
+    """A swap at the prompt's own length, before SGLang extends the request (SGLang's own unit test does this).
+    ESS serves every selected token with the prompt's bytes, the newest included. Upstream's torch path does
+    too while the prompt fits the device buffer (and one token past it); beyond, the newest token is read from
+    the reserved slot, which then holds another prompt token's bytes (its slots are the prefill's own, reused
+    in order): recorded here as a difference of this release, so that a release that changes it shows."""
+    rng = random.Random(n)
+    picks = sorted({n - 1, 0} | set(rng.sample(range(1, n - 1), K - 2)))   # K distinct: upstream reads exactly K
+    for cls in (ESS, UPSTREAM):
+        w = World(cls, seed=n)
+        w.prefill("a", n)
+        w.collect()
+        for layer in range(LAYERS):
+            got, want = served(w, "a", layer, picks), w.full["a"][layer, picks]
+            if cls is ESS:
+                assert np.array_equal(got, want), (layer, n)
+            else:
+                assert np.array_equal(got[:-1], want[:-1])
+                assert np.array_equal(got[-1], want[-1]) == (n <= SLOTS + 1), (layer, n)
