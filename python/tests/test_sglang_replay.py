@@ -134,6 +134,8 @@ class World:
         seq_lens = torch.tensor([self.length[r] for r in rids], dtype=torch.int64)
         # seq_lens and seq_lens_cpu are new tensors after += 1; the call passes 5 positionals.
         self.coord.map_last_loc_to_buffer(seq_lens, out_cache_loc, idx, seq_lens.clone(), idx.clone())
+        for rid in rids:   # the host slots grow with the request
+            self.check_host_slots(self.reqs[rid].kv.req_pool_idx, self.length[rid])
         return types.SimpleNamespace(rids=rids, out_cache_loc=out_cache_loc, idx=idx, seq_lens=seq_lens, grow=0)
 
     def forward(self, batch):
@@ -518,6 +520,35 @@ def test_two_batch_overlap_is_refused(monkeypatch):
         build()
     sglang_context(monkeypatch, types.SimpleNamespace(overlap=types.SimpleNamespace(enable_two_batch_overlap=False)))
     build()
+
+
+def test_settings_published_after_construction_are_read_at_the_first_step(monkeypatch):
+    """SGLang builds its pools and a coordinator without a server too (its unit tests, tools), before any settings
+    namespace is published (runtime_context.config_bag raises "config namespace ... not published"); upstream's
+    constructor reads none. ESS's constructor then reads nothing, and the first step reads the settings."""
+    published = {}
+
+    def bag(name):
+        def get():
+            if name not in published:
+                raise ValueError(f"config namespace {name!r} not published")
+            return published[name]
+        return get
+    sglang_context(monkeypatch, None)
+    context = sys.modules["sglang.srt.runtime_context"]
+    context.get_exec, context.get_disagg = bag("exec"), bag("disagg")
+    w = World(0)
+    w.prefill(40)
+    w.collect()
+    published["exec"] = types.SimpleNamespace(overlap=types.SimpleNamespace(enable_two_batch_overlap=True))
+    published["disagg"] = types.SimpleNamespace(disaggregation_mode="null")
+    before = w.coord.engine.request(w.reqs[0].kv.req_pool_idx)
+    with pytest.raises(ess.InvalidArgument, match="enable_two_batch_overlap: ESS stages"):
+        w.prepare_decode()
+    assert w.coord.engine.request(w.reqs[0].kv.req_pool_idx) == before
+    context.get_exec = lambda: (_ for _ in ()).throw(ValueError("config namespace 'exec' is not valid"))
+    with pytest.raises(ValueError, match="is not valid"):   # only "not published" means no server
+        build()
 
 
 def test_speculative_decoding_at_page_size_1_is_refused():

@@ -238,6 +238,7 @@ class HiSparseCoordinator(Staging):
         for row in rows:
             self.engine.extend(row, T)
             self._length[row] += T
+            self._publish_host_slots(row, self._length[row])
         reserved = (req_pool_indices.to(torch.int64).view(-1, 1) * self.info.rows_per_request
                     + (self.row_base + self.info.slots)
                     + torch.arange(T, dtype=torch.int64, device=req_pool_indices.device).view(1, -1))

@@ -26,7 +26,16 @@ class Staging:
         if req_to_host_pool is not self._req_to_host_pool or allocated_len is not self.req_to_host_pool_allocated_len:
             raise InvalidArgument("alloc_paged_token_slots: pass the coordinator's own req_to_host_pool and "
                                   "req_to_host_pool_allocated_len")
-        if start != 0 or int(allocated_len[idx]) != 0 or idx in self._length or idx in self._direct:
+        if idx in self._length or idx in self._direct:
+            # A request in ESS: its host pages follow its length (ESS's own write-back fills them), so the slots
+            # already allocated are returned, as upstream returns them; growing past them is ESS's own.
+            have = int(allocated_len[idx])
+            if start < 0 or n < 0 or start + n > have:
+                raise InvalidArgument(
+                    f"alloc_paged_token_slots: request slot {idx}, tokens [{start}, {start + n}): ESS holds its host "
+                    f"slots up to {have}; it adds pages as the request grows at each step, not through this call")
+            return req_to_host_pool[idx, start:start + n]
+        if start != 0 or int(allocated_len[idx]) != 0:
             raise InvalidArgument(
                 f"alloc_paged_token_slots: request slot {idx}, start_pos {start}, {int(allocated_len[idx])} tokens "
                 "allocated: ESS's host pool receives a whole prompt into a request slot that holds nothing")
@@ -43,10 +52,19 @@ class Staging:
         page-rounded, with req_to_host_pool_allocated_len the rounded length."""
         self._retire(row=idx)
         self.engine.admit(idx, n, row=idx)
-        pages = torch.tensor(self.engine.host_pages(idx), dtype=torch.int64)
+        self._publish_host_slots(idx, n)
+
+    def _publish_host_slots(self, idx: int, n: int) -> None:
+        """req_to_host_pool[idx] and its allocated length cover the request's first n tokens, page-rounded: the
+        slots of ESS's host pages (token t of page g at g x 64 + t % 64), added as the request grows (upstream's
+        alloc_paged_token_slots adds them as its backup reaches them: SGLang reads the same table)."""
+        have = int(self.req_to_host_pool_allocated_len[idx])
         end = min(-(-n // self.page_size) * self.page_size, self.req_to_host_pool.shape[1])
-        slots = (pages.view(-1, 1) * 64 + torch.arange(64, dtype=torch.int64).view(1, -1)).view(-1)[:end]
-        self.req_to_host_pool[idx, :end] = slots.to(self.req_to_host_pool.device, non_blocking=True)
+        if end <= have:
+            return
+        pages = torch.tensor(self.engine.host_pages(idx), dtype=torch.int64)
+        slots = (pages.view(-1, 1) * 64 + torch.arange(64, dtype=torch.int64).view(1, -1)).view(-1)[have:end]
+        self.req_to_host_pool[idx, have:end] = slots.to(self.req_to_host_pool.device, non_blocking=True)
         self.req_to_host_pool_allocated_len[idx] = end
 
     def admit_request_into_staging(self, req) -> None:

@@ -229,6 +229,16 @@ def test_decode_serves_the_full_caches_bytes_among_sglangs_pools():
             for b, r in enumerate(rids):
                 got = s.rows(layer)[table[b, :len(picks[b])].to(torch.int64)].numpy()
                 assert np.array_equal(got, w.full[r][layer, picks[b]]), (step, layer, r)
+    # What SGLang reads of the host pool: req_to_host_pool names, for every token ESS has written back (all but
+    # the newest, in its reserved row), the host slot that holds the token's bytes.
+    c.wait_for_pending_backup()
+    for rid in w.reqs:
+        idx, n = w.reqs[rid].kv.req_pool_idx, w.length[rid]
+        assert w.host_table(rid)[0] == -(-n // PAGE) * PAGE
+        slots = c.req_to_host_pool[idx, :n - 1]
+        for layer in range(LAYERS):
+            host = c.mem_pool_host.layer_view(layer)[slots].numpy()
+            assert np.array_equal(host, w.full[rid][layer, :n - 1]), (rid, layer)
     for rid in list(w.reqs):
         w.finish(rid)
     assert w.free_sizes() == w.free_at_start
