@@ -79,9 +79,13 @@ slowest "$logs/release.log"
 stage "engines: the adapters among SGLang 0.5.23's and vLLM 0.33.0's own classes (their venvs, cached)"
 # scripts/engines.sh builds each engine's venv once per lock (wheels cached under ~/.cache/ess); the tests
 # under python/tests/engines/<engine> import the engine itself: a failed import fails the stage.
+# In vLLM's venv the vLLM replays run again over vLLM's own imported classes (vllm_upstream.load, which
+# compiles them from the release's source for the plain suite).
 engines=$(bash scripts/engines.sh)   # a failed build stops here (set -e)
 while read -r engine python; do
-  (cd "$logs" && ESS_ENGINE=$engine "$python" -m pytest -q -p no:cacheprovider "$OLDPWD/python/tests/engines/$engine")
+  tests=("python/tests/engines/$engine")
+  [[ $engine == vllm ]] && tests+=(python/tests/test_vllm_replay.py python/tests/test_vllm_runtime.py)
+  (cd "$logs" && ESS_ENGINE=$engine "$python" -m pytest -q -p no:cacheprovider "${tests[@]/#/$OLDPWD/}")
 done <<<"$engines"
 
 stage "installed package: examples/consumer against cmake --install"

@@ -53,8 +53,29 @@ def _definitions(path, names):
     return [found[n] for n in names]
 
 
+NAMES = {RUNTIME: ["is_hisparse_decode_batch", "PagedCacheView", "HiSparseCacheHandle"],
+         INDEX_GROUP: ["SparseMLAIndexGroup", "HiSparseMLAIndexGroup"],
+         BACKEND_UTILS: ["split_decodes_and_prefills"]}
+
+
+def imported():
+    """The same names from vLLM itself, imported (in its own venv: scripts/engines.sh), its module functions
+    included: what the compiled namespace stands in for is then the release's own code, and a replay that
+    reaches a CUDA-only one fails there."""
+    import importlib
+    out = {}
+    for rel, names in NAMES.items():
+        module = importlib.import_module("vllm." + rel[:-len(".py")].replace(os.sep, "."))
+        for name in names:
+            out[name] = getattr(module, name)
+    return out
+
+
 def load(source_dir: str = None):
-    """A namespace with upstream's classes and functions, compiled from the pinned source."""
+    """A namespace with upstream's classes and functions: vLLM's own where it imports (ESS_ENGINE=vllm, its venv),
+    else compiled from the pinned source."""
+    if source_dir is None and os.environ.get("ESS_ENGINE") == "vllm":
+        return imported()
     source_dir = source_dir or default_source()
     if not os.path.isdir(source_dir):
         raise AssertionError(f"the pinned vLLM sources are not at {source_dir}: run scripts/upstream.sh")
@@ -74,9 +95,7 @@ def load(source_dir: str = None):
         "ops": None, "FP8_DS_MLA_ROW_BYTES": 656, "HiSparsePrefillStagingPlan": typing.Any,
     })
     flags = __future__.annotations.compiler_flag
-    for rel, names in ((RUNTIME, ["is_hisparse_decode_batch", "PagedCacheView", "HiSparseCacheHandle"]),
-                       (INDEX_GROUP, ["SparseMLAIndexGroup", "HiSparseMLAIndexGroup"]),
-                       (BACKEND_UTILS, ["split_decodes_and_prefills"])):
+    for rel, names in NAMES.items():
         path = os.path.join(source_dir, rel)
         for text in _definitions(path, names):
             exec(compile(text, path, "exec", flags=flags, dont_inherit=True), ns)

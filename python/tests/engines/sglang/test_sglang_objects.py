@@ -115,6 +115,8 @@ def cpu_kernels(monkeypatch):
     from sglang.srt.mem_cache.pool_host import mla
     monkeypatch.setattr(mla, "transfer_kv_all_layer_mla", _transfer_kv_all_layer_mla, raising=False)
     monkeypatch.setattr(mla, "transfer_kv_per_layer_mla", _transfer_kv_per_layer_mla, raising=False)
+    # torch.cpu.Stream (what SGLang's device module is on a CPU) has no synchronize; CPU work is done when issued.
+    monkeypatch.setattr(torch.cpu.Stream, "synchronize", lambda self: None, raising=False)
 
 
 def make_req(rid, idx, n):
@@ -131,8 +133,7 @@ class World:
         self.s = Stack(cls)
         self.rng = np.random.default_rng(seed)
         self.full, self.reqs, self.length = {}, {}, {}
-        inner = self.s.allocator.hisparse_attn_allocator
-        self.free_at_start = (self.s.allocator.logical_attn_allocator.available_size(), inner.available_size())
+        self.free_at_start = self.free_sizes()
 
     def prefill(self, rid, n):
         s = self.s
@@ -170,8 +171,19 @@ class World:
         s.req_to_token_pool.free_rows([idx])   # ReqToTokenPool.free(req), which reads the Req's kv state
 
     def free_sizes(self):
+        """The allocator's logical and device free sizes and the host pool's (SGLang's load reports read them)."""
         inner = self.s.allocator.hisparse_attn_allocator
-        return self.s.allocator.logical_attn_allocator.available_size(), inner.available_size()
+        return (self.s.allocator.logical_attn_allocator.available_size(), inner.available_size(),
+                self.s.coord.mem_pool_host.available_size())
+
+    def retract(self, rid):
+        """schedule_batch.release_req -> retract_req (staging or running), then release_kv_cache."""
+        s, req = self.s, self.reqs.pop(rid)
+        s.coord.retract_req(req)
+        assert not req.hisparse_staging
+        idx = req.kv.req_pool_idx
+        s.allocator.free(s.req_to_token_pool.req_to_token[idx, :req.kv.kv_allocated_len].to(torch.int64))
+        s.req_to_token_pool.free_rows([idx])
 
 
 UPSTREAM, ESS = upstream.HiSparseCoordinator, adapter.HiSparseCoordinator
@@ -275,3 +287,24 @@ def test_right_after_admission_the_prompt_is_served(n):
             else:
                 assert np.array_equal(got[:-1], want[:-1])
                 assert np.array_equal(got[-1], want[-1]) == (n <= SLOTS + 1), (layer, n)
+
+
+@pytest.mark.parametrize("n", [64, 300])
+@pytest.mark.parametrize("end", ["finish", "retract while staging", "retract after admission"])
+def test_every_pool_is_whole_again_as_upstreams_is(end, n):
+    """A request's end in each of SGLang's ways, with a second request still running: under both coordinators
+    the allocator's logical and device free sizes and the host pool's free size return to what they were before
+    the request came, and its req_to_host_pool row is cleared."""
+    for cls in (UPSTREAM, ESS):
+        w = World(cls, seed=n)
+        w.prefill("other", 100)
+        w.collect()
+        before = w.free_sizes()
+        w.prefill("a", n)
+        if end != "retract while staging":
+            assert w.collect() == ["a"]
+        idx = w.reqs["a"].kv.req_pool_idx
+        (w.finish if end == "finish" else w.retract)("a")
+        assert w.free_sizes() == before, (cls, end)
+        assert int((w.s.coord.req_to_host_pool[idx] >= 0).sum()) == 0
+        assert int(w.s.coord.req_to_host_pool_allocated_len[idx]) == 0
