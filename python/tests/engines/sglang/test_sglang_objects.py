@@ -308,3 +308,57 @@ def test_every_pool_is_whole_again_as_upstreams_is(end, n):
         assert w.free_sizes() == before, (cls, end)
         assert int((w.s.coord.req_to_host_pool[idx] >= 0).sum()) == 0
         assert int(w.s.coord.req_to_host_pool_allocated_len[idx]) == 0
+
+
+def transfer(w, rid, host_slots):
+    """The transfer engine's writes on a PD decode side (mooncake's _send_kvcache_generic): token slot s of layer
+    l at data_ptrs[l] + s x token bytes, the regions get_contiguous_buf_infos registers. (The prefill side and its
+    transfer engine stand in: neither runs without a network of GPUs.)"""
+    import ctypes
+    c = w.s.coord
+    ptrs, lens, items = c.mem_pool_host.get_contiguous_buf_infos()
+    stride = items[0] // c.page_size
+    for layer in range(LAYERS):
+        for t, slot in enumerate(host_slots.tolist()):
+            assert (slot + 1) * stride <= lens[layer]
+            entry = np.ascontiguousarray(w.full[rid][layer, t])
+            ctypes.memmove(ptrs[layer] + slot * stride, entry.ctypes.data, ENTRY)
+
+
+@pytest.mark.parametrize("n", [40, 300])
+def test_pd_direct_admission_under_both(n):
+    """The PD decode side in SGLang's order, each step its own code where it runs: DecodePreallocQueue._pre_alloc's
+    alloc_for_decode_prealloc_hisparse (decode.py, called as it is) and req_to_token_pool.write, then
+    coordinator.mem_pool_host.alloc_paged_token_slots(req_to_host_pool, allocated_len, idx, 0, host_token_len(n)),
+    the transfer into those slots, admit_request_direct. Both coordinators hand out distinct, page-rounded host
+    slots inside the regions they register; each then serves the prompt's bytes; both give every pool back."""
+    from sglang.srt.disaggregation.decode import alloc_for_decode_prealloc_hisparse
+    rng = random.Random(n)
+    picks = sorted({n - 1, 0} | set(rng.sample(range(1, n - 1), K - 2)))
+    tables = {}
+    for cls in (ESS, UPSTREAM):
+        w = World(cls, seed=n)
+        s, c = w.s, w.s.coord
+        before = w.free_sizes()
+        idx = s.req_to_token_pool.alloc_rows(1)[0]
+        req = make_req("a", idx, 0)
+        w.full["a"] = w.rng.integers(0, 256, (LAYERS, CTX, ENTRY), dtype=np.uint8)
+        kv_loc = alloc_for_decode_prealloc_hisparse(s.allocator, req=req, fill_len=n, uses_swa_tail=False,
+                                                    swa_tail_len=0)
+        s.req_to_token_pool.write((idx, slice(0, len(kv_loc))), kv_loc)
+        slots = c.mem_pool_host.alloc_paged_token_slots(c.req_to_host_pool, c.req_to_host_pool_allocated_len, idx,
+                                                        0, c.host_token_len(n))
+        assert slots.shape == (n,) and len(set(slots.tolist())) == n
+        transfer(w, "a", slots)
+        w.reqs["a"], w.length["a"] = req, n
+        c.admit_request_direct(req)
+        tables[cls] = w.host_table("a")
+        for layer in range(LAYERS):
+            got, want = served(w, "a", layer, picks), w.full["a"][layer, picks]
+            assert np.array_equal(got[:-1], want[:-1]), (cls, layer)
+            # The newest token: upstream's torch path past the buffer reads its reserved slot (the difference
+            # test_right_after_admission_the_prompt_is_served records).
+            assert np.array_equal(got[-1], want[-1]) == (cls is ESS or n <= SLOTS + 1), (cls, layer)
+        w.finish("a")
+        assert w.free_sizes() == before, cls
+    assert tables[ESS] == tables[UPSTREAM]
