@@ -84,7 +84,7 @@ stage "engines: the adapters among SGLang 0.5.23's and vLLM 0.33.0's own classes
 engines=$(bash scripts/engines.sh)   # a failed build stops here (set -e)
 while read -r engine python; do
   tests=("python/tests/engines/$engine")
-  [[ $engine == vllm ]] && tests+=(python/tests/test_vllm_replay.py python/tests/test_vllm_runtime.py)
+  if [[ $engine == vllm ]]; then tests+=(python/tests/test_vllm_replay.py python/tests/test_vllm_runtime.py); fi
   (cd "$logs" && ESS_ENGINE=$engine "$python" -m pytest -q -p no:cacheprovider "${tests[@]/#/$OLDPWD/}")
 done <<<"$engines"
 

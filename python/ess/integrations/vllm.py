@@ -223,8 +223,8 @@ class EssDecode:
         for b, rid in enumerate(request_ids):
             if rid not in scheduled:
                 raise InvalidArgument(f"start_step: batch row {b}: request {rid!r} is not scheduled")
-            c, n = (_args.integer(f"start_step: request {rid!r}'s {what}", v, 0, 2**31 - 1)
-                    for what, v in zip(("computed tokens", "scheduled tokens"), scheduled[rid]))
+            for what, v in zip(("computed tokens", "scheduled tokens"), scheduled[rid]):   # before anything changes
+                _args.integer(f"start_step: request {rid!r}'s {what}", v, 0, 2**31 - 1)
         if attn_metadata is None:
             decodes = 0
             while decodes < R and 1 <= scheduled[request_ids[decodes]][1] <= T:

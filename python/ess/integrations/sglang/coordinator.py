@@ -13,8 +13,8 @@ from ... import _args
 from ..._errors import InvalidArgument
 from ...engine import Engine
 from .. import _device
-from ._common import (ENTRY_BYTES, HiSparseAct, SpecScratch, _claim_top_rows, _return_top_rows, _cuda_index, _entry_rows, _int,
-                      _int_tensor, _ints, _keep, _sglang_setting, _token_stats_type)
+from ._common import (ENTRY_BYTES, HiSparseAct, SpecScratch, _claim_top_rows, _cuda_index, _entry_rows, _int,
+                      _int_tensor, _ints, _keep, _return_top_rows, _sglang_setting, _token_stats_type)
 from .host_pool import HostPool
 from .staging import Staging
 
