@@ -129,8 +129,8 @@ def make_req(rid, idx, n):
 class World:
     """One Stack and the requests' full caches: SGLang's calls in its order, and what SGLang observes."""
 
-    def __init__(self, cls, seed=0):
-        self.s = Stack(cls)
+    def __init__(self, cls, seed=0, **overrides):
+        self.s = Stack(cls, **overrides)
         self.rng = np.random.default_rng(seed)
         self.full, self.reqs, self.length = {}, {}, {}
         self.free_at_start = self.free_sizes()
@@ -362,3 +362,75 @@ def test_pd_direct_admission_under_both(n):
         w.finish("a")
         assert w.free_sizes() == before, cls
     assert tables[ESS] == tables[UPSTREAM]
+
+
+def test_speculative_verify_among_sglangs_pools():
+    """EAGLE / MTP verify steps (T = 3 draft tokens) among SGLang's own pools: the verify tokens' logical slots from
+    SGLang's allocator (alloc_logical_only past what the request holds, as alloc_for_spec_decode reserves them),
+    prepare_spec_verify, the forward's KV write of the T tokens at out_cache_loc through the real mapping,
+    swap_in_selected_pages over [bs, T, K] with per-token seq_lens, commit_spec_accept_tokens along an accepted
+    path that is not slot-for-position. Every byte served is the request's own at that point (rejected drafts get
+    other bytes before the next step), every kept token's host slot holds its bytes, and the pools are whole
+    again after finish."""
+    T = 3
+    w = World(ESS, seed=9, num_draft_tokens=T)
+    s, c, rng = w.s, w.s.coord, np.random.default_rng(9)
+    for rid, n in (("a", 200), ("b", 50)):
+        w.prefill(rid, n)
+    assert sorted(w.collect()) == ["a", "b"]
+    for step in range(5):
+        rids = list(w.reqs)
+        locs = []
+        for rid in rids:
+            req, L = w.reqs[rid], w.length[rid]
+            idx, have = req.kv.req_pool_idx, req.kv.kv_allocated_len
+            if have < L + 2 * T:
+                new = s.allocator.alloc_logical_only(
+                    prefix_lens=torch.tensor([have]), prefix_lens_cpu=torch.tensor([have]),
+                    seq_lens=torch.tensor([L + 2 * T]), seq_lens_cpu=torch.tensor([L + 2 * T]),
+                    last_loc=s.req_to_token_pool.req_to_token[idx, have - 1].view(1).to(torch.int64),
+                    extend_num_tokens=L + 2 * T - have)
+                s.req_to_token_pool.req_to_token[idx, have:L + 2 * T] = new.to(torch.int32)
+                req.kv.kv_allocated_len = L + 2 * T
+            locs.append(s.req_to_token_pool.req_to_token[idx, L:L + T].to(torch.int64))
+        idx = torch.tensor([w.reqs[r].kv.req_pool_idx for r in rids])
+        lens = torch.tensor([w.length[r] for r in rids])
+        batch = types.SimpleNamespace(reqs=[w.reqs[r] for r in rids], req_pool_indices=idx,
+                                      out_cache_loc=torch.cat(locs), seq_lens=lens, seq_lens_cpu=lens.clone(),
+                                      forward_mode=types.SimpleNamespace(is_idle=lambda: False))
+        c.prepare_spec_verify(batch)
+        c.num_real_reqs.fill_(len(rids))
+        device = s.device_pool.translate_loc_from_full_to_hisparse_device(batch.out_cache_loc)
+        expanded = (lens.view(-1, 1) + torch.arange(1, T + 1)).view(-1).to(torch.int32)
+        for layer in range(LAYERS):
+            for b, r in enumerate(rids):   # the verify forward's set_mla_kv_buffer of the T tokens
+                for t in range(T):
+                    s.rows(layer)[int(device[b * T + t])] = torch.from_numpy(w.full[r][layer, w.length[r] + t])
+            picks = [[sorted(rng.choice(w.length[r] + t + 1, K, replace=False).tolist()) for t in range(T)]
+                     for r in rids]
+            table = c.swap_in_selected_pages(idx, expanded, torch.tensor(picks, dtype=torch.int32), layer)
+            for b, r in enumerate(rids):
+                for t in range(T):
+                    got = s.rows(layer)[table[b, t].to(torch.int64)].numpy()
+                    assert np.array_equal(got, w.full[r][layer, picks[b][t]]), (step, layer, r, t)
+        accept = torch.full((len(rids), T), -1, dtype=torch.int32)
+        for b, rid in enumerate(rids):
+            kept = int(rng.integers(1, T + 1))
+            path = [0] + sorted(rng.choice(np.arange(1, T), kept - 1, replace=False).tolist())
+            accept[b, :kept] = torch.tensor([b * T + j for j in path], dtype=torch.int32)
+            L = w.length[rid]
+            verified = w.full[rid][:, L:L + T].copy()
+            for p, j in enumerate(path):
+                w.full[rid][:, L + p] = verified[:, j]
+            w.full[rid][:, L + kept:] = rng.integers(0, 256, w.full[rid][:, L + kept:].shape, dtype=np.uint8)
+            w.length[rid] = L + kept
+        c.commit_spec_accept_tokens(batch, accept)
+    c.wait_for_pending_backup()
+    for rid in w.reqs:
+        n, i = w.length[rid], w.reqs[rid].kv.req_pool_idx
+        for layer in range(LAYERS):
+            host = c.mem_pool_host.layer_view(layer)[c.req_to_host_pool[i, :n]].numpy()
+            assert np.array_equal(host, w.full[rid][layer, :n]), (rid, layer)
+    for rid in list(w.reqs):
+        w.finish(rid)
+    assert w.free_sizes() == w.free_at_start
