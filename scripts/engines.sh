@@ -16,7 +16,8 @@
 #   scripts/engines.sh             # both
 #   scripts/engines.sh sglang      # one
 set -euo pipefail
-cd "$(dirname "$0")/.."
+self=$(realpath "$0")
+cd "$(dirname "$self")/.."
 cache=${ESS_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/ess}
 wheels=${ESS_WHEEL_CACHE:-$cache/wheels}
 envs=${ESS_ENGINES_DIR:-$cache/engines}
@@ -34,7 +35,7 @@ built=()
 for name in "${names[@]}"; do
   lock=scripts/engines/$name.txt
   [[ -f $lock && -n ${WHEEL[$name]:-} ]] || { echo "engines: no engine named '$name' (sglang, vllm)" >&2; exit 2; }
-  digest=$(cat "$lock" "$0" | sha256sum | cut -c1-16)
+  digest=$(cat "$lock" "$self" | sha256sum | cut -c1-16)
   venv=$envs/$name-$digest
   if [[ ! -f $venv/.complete ]]; then
     started=$SECONDS
