@@ -235,10 +235,15 @@ class HiSparseCoordinator(Staging):
             if self._length[row] + T > self.info.max_context:
                 raise InvalidArgument(f"position {b} (request slot {row}): {self._length[row]} tokens + {T} exceed "
                                       f"the context length {self.info.max_context}")
+        page = self.page_size
         for row in rows:
+            old = self._length[row]
             self.engine.extend(row, T)
-            self._length[row] += T
-            self._publish_host_slots(row, self._length[row])
+            self._length[row] = old + T
+            # The published slots reach at least the old length's last page (truncation leaves them): only a
+            # request that enters a new page has slots to add, once a page, not a table read per step.
+            if -(-(old + T) // page) > -(-old // page):
+                self._publish_host_slots(row, old + T)
         reserved = (req_pool_indices.to(torch.int64).view(-1, 1) * self.info.rows_per_request
                     + (self.row_base + self.info.slots)
                     + torch.arange(T, dtype=torch.int64, device=req_pool_indices.device).view(1, -1))

@@ -116,11 +116,11 @@ class Staging:
         first = max(0, n - T)
         tokens = torch.arange(first, n, dtype=torch.int64)
         slots = self.req_to_host_pool[idx, first:n].to("cpu", torch.int64)
-        rows = idx * self.info.rows_per_request + self.info.slots + (tokens - (n - T))
+        rows = (idx * self.info.rows_per_request + self.info.slots + (tokens - (n - T))).to(self._latent[0].device)
         for layer in range(self.layer_num):
             entries = self.mem_pool_host.layer_view(layer).index_select(0, slots)
             dest = self._latent[layer]
-            self.dev.launch(lambda d=dest, e=entries: d.index_copy_(0, rows.to(d.device), e.to(d.device)))
+            self.dev.launch(lambda d=dest, e=entries: d.index_copy_(0, rows, e.to(d.device)))
 
     def _warmup_windows(self, n: int):
         """The first residency: the prompt's last min(n, slots) tokens, oldest first (SGLang hands over no

@@ -164,8 +164,16 @@ class World:
 
     def finish(self, rid):
         """request_finished, then release_kv_cache -> allocator.free(req_to_token[idx, :kv_allocated_len])."""
+        self._end(rid, self.s.coord.request_finished)
+
+    def retract(self, rid):
+        """schedule_batch.release_req -> retract_req (staging or running), then release_kv_cache."""
+        self._end(rid, self.s.coord.retract_req)
+
+    def _end(self, rid, coordinator_call):
         s, req = self.s, self.reqs.pop(rid)
-        s.coord.request_finished(req)
+        coordinator_call(req)
+        assert not req.hisparse_staging
         idx = req.kv.req_pool_idx
         s.allocator.free(s.req_to_token_pool.req_to_token[idx, :req.kv.kv_allocated_len].to(torch.int64))
         s.req_to_token_pool.free_rows([idx])   # ReqToTokenPool.free(req), which reads the Req's kv state
@@ -175,15 +183,6 @@ class World:
         inner = self.s.allocator.hisparse_attn_allocator
         return (self.s.allocator.logical_attn_allocator.available_size(), inner.available_size(),
                 self.s.coord.mem_pool_host.available_size())
-
-    def retract(self, rid):
-        """schedule_batch.release_req -> retract_req (staging or running), then release_kv_cache."""
-        s, req = self.s, self.reqs.pop(rid)
-        s.coord.retract_req(req)
-        assert not req.hisparse_staging
-        idx = req.kv.req_pool_idx
-        s.allocator.free(s.req_to_token_pool.req_to_token[idx, :req.kv.kv_allocated_len].to(torch.int64))
-        s.req_to_token_pool.free_rows([idx])
 
 
 UPSTREAM, ESS = upstream.HiSparseCoordinator, adapter.HiSparseCoordinator
