@@ -363,6 +363,80 @@ def test_pd_direct_admission_under_both(n):
     assert tables[ESS] == tables[UPSTREAM]
 
 
+@pytest.fixture
+def published_settings(tmp_path):
+    """SGLang's runtime settings as its launcher publishes them (runtime_context.py set_server_args from the
+    ServerArgs of `--enable-hisparse --disaggregation-mode decode`), over a local two-layer DSA model's
+    config.json (ServerArgs reads the model's config, never its weights)."""
+    import json
+    from sglang.srt.runtime_context import get_context
+    from sglang.srt.server_args import ServerArgs
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32", "num_hidden_layers": LAYERS,
+        "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "kv_lora_rank": 512, "q_lora_rank": 128, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
+        "v_head_dim": 128, "index_topk": K, "index_n_heads": 4, "index_head_dim": 128, "vocab_size": 1000,
+        "max_position_embeddings": CTX, "torch_dtype": "bfloat16"}))
+    context = get_context()
+    saved = (context._server_args, context._config_bags, context.parallel._config,
+             context.flags.capture.enable_torch_compile)
+    context.set_server_args(ServerArgs(model_path=str(tmp_path), device="cpu", skip_tokenizer_init=True,
+                                       disaggregation_mode="decode"))
+    yield
+    # The other tests run where nothing is published (as a coordinator built before the launcher publishes).
+    (context._server_args, context._config_bags, context.parallel._config,
+     context.flags.capture.enable_torch_compile) = saved
+
+
+@pytest.mark.parametrize("n", [40, 300])
+def test_pd_prealloc_through_sglangs_own_decode_prealloc_queue(n, published_settings):
+    """DecodePreallocQueue._pre_alloc itself (disaggregation/decode.py), with SGLang's own Req: it binds the
+    request's pool row, fills req_to_token with the logical slots of alloc_for_decode_prealloc_hisparse and asks
+    the coordinator's host pool for the transfer's destination slots; the transfer lands there and
+    admit_request_direct serves its bytes. Under both coordinators: the same tables, the pools whole after
+    finish. The queue is built without its constructor (which wires the transfer backend and the bootstrap
+    queues, neither of which runs without a network of GPUs): _pre_alloc reads its pools and the scheduler's
+    HiSparse settings, given as the scheduler has them (enable_hisparse, hisparse_coordinator, no hybrid SWA);
+    the decode side's tree cache (the radix cache is off with HiSparse) is handed nothing to keep."""
+    from sglang.srt.disaggregation.decode import DecodePreallocQueue
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+    rng = random.Random(n)
+    picks = sorted({n - 1, 0} | set(rng.sample(range(1, n - 1), K - 2)))
+    tables = {}
+    for cls in (ESS, UPSTREAM):
+        w = World(cls, seed=n)
+        s, c = w.s, w.s.coord
+        before = w.free_sizes()
+        queue = object.__new__(DecodePreallocQueue)
+        queue.req_to_token_pool, queue.token_to_kv_pool_allocator = s.req_to_token_pool, s.allocator
+        queue.token_to_kv_pool = s.device_pool
+        queue.scheduler = types.SimpleNamespace(enable_hisparse=True, hisparse_coordinator=c,
+                                                tp_worker=types.SimpleNamespace(is_hybrid_swa=False),
+                                                sliding_window_size=None)
+        queue.tree_cache = types.SimpleNamespace(maybe_hand_to_session=lambda req: None)
+        req = Req("a", "", list(range(1, n + 1)), SamplingParams(max_new_tokens=8))
+        req.output_ids = [7]   # the prefill's first token: _pre_alloc_fill_len leaves its KV to the decode side
+        w.full["a"] = w.rng.integers(0, 256, (LAYERS, CTX, ENTRY), dtype=np.uint8)
+        slots = queue._pre_alloc(req)
+        idx = req.kv.req_pool_idx
+        assert slots.shape == (n,) and len(set(slots.tolist())) == n
+        assert req.kv.kv_committed_len == req.kv.kv_allocated_len == n
+        logical = s.req_to_token_pool.req_to_token[idx, :n]
+        assert len(set(logical.tolist())) == n
+        transfer(w, "a", slots)
+        w.reqs["a"], w.length["a"] = req, n
+        c.admit_request_direct(req)
+        tables[cls] = w.host_table("a")
+        for layer in range(LAYERS):
+            got, want = served(w, "a", layer, picks), w.full["a"][layer, picks]
+            assert np.array_equal(got[:-1], want[:-1]), (cls, layer)
+            assert np.array_equal(got[-1], want[-1]) == (cls is ESS or n <= SLOTS + 1), (cls, layer)
+        w.finish("a")
+        assert w.free_sizes() == before, cls
+    assert tables[ESS] == tables[UPSTREAM]
+
+
 def test_speculative_verify_among_sglangs_pools():
     """EAGLE / MTP verify steps (T = 3 draft tokens) among SGLang's own pools: the verify tokens' logical slots from
     SGLang's allocator (alloc_logical_only past what the request holds, as alloc_for_spec_decode reserves them),
@@ -433,3 +507,27 @@ def test_speculative_verify_among_sglangs_pools():
     for rid in list(w.reqs):
         w.finish(rid)
     assert w.free_sizes() == w.free_at_start
+
+
+# ---- mutations: each shows a check above able to fail on SGLang's own objects ----
+
+def test_the_prompts_newest_entries_not_loaded_at_admission_fail(monkeypatch):
+    """ESS's reserved rows served before the prompt's bytes are in them."""
+    monkeypatch.setattr(adapter.HiSparseCoordinator, "_load_newest", lambda self, idx, n: None)
+    with pytest.raises(AssertionError):
+        test_right_after_admission_the_prompt_is_served(300)
+
+
+def test_req_to_host_pool_left_unfilled_fails(monkeypatch):
+    """ESS's host slots never published to SGLang's req_to_host_pool (its reserved rows then load from no slots)."""
+    monkeypatch.setattr(adapter.HiSparseCoordinator, "_publish_host_slots", lambda self, idx, n: None)
+    monkeypatch.setattr(adapter.HiSparseCoordinator, "_load_newest", lambda self, idx, n: None)
+    with pytest.raises(AssertionError):
+        test_staging_leaves_sglang_what_upstream_leaves(300)
+
+
+def test_a_pool_not_restored_after_finish_fails(monkeypatch):
+    """A finished request's ESS pages never released: the host pool's free size stays short."""
+    monkeypatch.setattr(adapter.HiSparseCoordinator, "_retire", lambda self, row=None, force=False: None)
+    with pytest.raises(AssertionError):
+        test_every_pool_is_whole_again_as_upstreams_is("finish", 300)
