@@ -347,20 +347,28 @@ def test_pd_direct_admission_under_both(n):
         s.req_to_token_pool.write((idx, slice(0, len(kv_loc))), kv_loc)
         slots = c.mem_pool_host.alloc_paged_token_slots(c.req_to_host_pool, c.req_to_host_pool_allocated_len, idx,
                                                         0, c.host_token_len(n))
-        assert slots.shape == (n,) and len(set(slots.tolist())) == n
-        transfer(w, "a", slots)
-        w.reqs["a"], w.length["a"] = req, n
-        c.admit_request_direct(req)
-        tables[cls] = w.host_table("a")
-        for layer in range(LAYERS):
-            got, want = served(w, "a", layer, picks), w.full["a"][layer, picks]
-            assert np.array_equal(got[:-1], want[:-1]), (cls, layer)
-            # The newest token: upstream's torch path past the buffer reads its reserved slot (the difference
-            # test_right_after_admission_the_prompt_is_served records).
-            assert np.array_equal(got[-1], want[-1]) == (cls is ESS or n <= SLOTS + 1), (cls, layer)
-        w.finish("a")
-        assert w.free_sizes() == before, cls
+        tables[cls] = admit_transferred(w, cls, req, slots, picks, before)
     assert tables[ESS] == tables[UPSTREAM]
+
+
+def admit_transferred(w, cls, req, slots, picks, before):
+    """The transfer into the host slots the prealloc handed out, admit_request_direct, the prompt's bytes served at
+    `picks`, then finish: the pools whole again. Returns the request's host table as SGLang reads it."""
+    n, c = len(slots), w.s.coord
+    assert len(set(slots.tolist())) == n
+    transfer(w, "a", slots)
+    w.reqs["a"], w.length["a"] = req, n
+    c.admit_request_direct(req)
+    table = w.host_table("a")
+    for layer in range(LAYERS):
+        got, want = served(w, "a", layer, picks), w.full["a"][layer, picks]
+        assert np.array_equal(got[:-1], want[:-1]), (cls, layer)
+        # The newest token: upstream's torch path past the buffer reads its reserved slot (the difference
+        # test_right_after_admission_the_prompt_is_served records).
+        assert np.array_equal(got[-1], want[-1]) == (cls is ESS or n <= SLOTS + 1), (cls, layer)
+    w.finish("a")
+    assert w.free_sizes() == before, cls
+    return table
 
 
 @pytest.fixture
@@ -420,20 +428,11 @@ def test_pd_prealloc_through_sglangs_own_decode_prealloc_queue(n, published_sett
         w.full["a"] = w.rng.integers(0, 256, (LAYERS, CTX, ENTRY), dtype=np.uint8)
         slots = queue._pre_alloc(req)
         idx = req.kv.req_pool_idx
-        assert slots.shape == (n,) and len(set(slots.tolist())) == n
+        assert slots.shape == (n,)
         assert req.kv.kv_committed_len == req.kv.kv_allocated_len == n
         logical = s.req_to_token_pool.req_to_token[idx, :n]
         assert len(set(logical.tolist())) == n
-        transfer(w, "a", slots)
-        w.reqs["a"], w.length["a"] = req, n
-        c.admit_request_direct(req)
-        tables[cls] = w.host_table("a")
-        for layer in range(LAYERS):
-            got, want = served(w, "a", layer, picks), w.full["a"][layer, picks]
-            assert np.array_equal(got[:-1], want[:-1]), (cls, layer)
-            assert np.array_equal(got[-1], want[-1]) == (cls is ESS or n <= SLOTS + 1), (cls, layer)
-        w.finish("a")
-        assert w.free_sizes() == before, cls
+        tables[cls] = admit_transferred(w, cls, req, slots, picks, before)
     assert tables[ESS] == tables[UPSTREAM]
 
 
