@@ -293,6 +293,81 @@ def test_replay_with_page_size_one():
     replay(seed=6, page=1)
 
 
+class TboWorld(World):
+    """Two-batch overlap (batch_overlap/two_batch_overlap.py): the model's first DENSE layers run on the whole
+    batch (deepseek_v2.py: first_k_dense_replace), every other layer once per micro-batch, A(l) then B(l) on one
+    stream (batch_overlap/operations.py execute_overlapped_operations), each micro-batch the first or the second
+    half of the requests (split_seq_index = bs // 2) with its own req_pool_indices, seq_lens and out_cache_loc:
+    eager, copies padded with row 0 to one length (TboForwardBatchPreparer.filter_batch,
+    ForwardBatch._pad_tbo_child_inputs), a micro-batch without requests not run (deepseek_v2.py); under a CUDA
+    graph, views of the graph's static buffers split at the graph batch's half
+    (TboAttnBackend._dispatch_children_from_replay_view). num_real_reqs holds the whole batch's count."""
+
+    DENSE = 1
+    tbo_layers = 0   # layers run per micro-batch
+
+    def forward(self, batch):
+        coord, bs = self.coord, len(batch.rids)
+        coord.wait_for_pending_backup()
+        coord.num_real_reqs.fill_(bs)
+        graph = self.rng.random() < 0.5
+        pad = min(int(self.rng.integers(0, 3)), REQ_SLOTS + 1 - bs) if graph else 0
+        zeros, ones = (lambda n: torch.zeros(n, dtype=torch.int64)), (lambda n: torch.ones(n, dtype=torch.int64))
+        idx, seq_lens = torch.cat([batch.idx, zeros(pad)]), torch.cat([batch.seq_lens, ones(pad)])
+        whole = (idx, seq_lens, list(range(bs + pad)))
+        if graph:
+            half = (bs + pad) // 2
+            halves = [(idx[:half], seq_lens[:half], list(range(half))),
+                      (idx[half:], seq_lens[half:], list(range(half, bs + pad)))]
+        else:
+            half = bs // 2
+            width = max(half, bs - half)
+            halves = []
+            for lo, hi in ((0, half), (half, bs)):
+                if hi > lo:
+                    n = hi - lo
+                    halves.append((torch.cat([batch.idx[lo:hi], zeros(width - n)]),
+                                   torch.cat([batch.seq_lens[lo:hi], ones(width - n)]),
+                                   list(range(lo, hi)) + [None] * (width - n)))
+        for layer in range(LAYERS):
+            for part_idx, part_lens, positions in ([whole] if layer < self.DENSE else halves):
+                real = [p for p in positions if p is not None and p < bs]
+                part = types.SimpleNamespace(rids=[batch.rids[p] for p in real], grow=batch.grow)
+                locs = batch.out_cache_loc[real]
+                new = torch.from_numpy(np.stack([self.full[r][layer, self.length[r] - 1] for r in part.rids])) \
+                    if real else None
+                if real:   # the micro-batch's layer writes its own tokens' KV, then its indexer and swap
+                    self.device_pool.set_mla_kv_buffer(layer, locs, new)
+                rows = [self.query(r) for r in part.rids] + [[0] + [-1] * (K - 1)] * (len(positions) - len(real))
+                topk = torch.tensor(rows, dtype=torch.int32)
+                table = coord.swap_in_selected_pages(part_idx, part_lens, topk, layer)
+                assert tuple(table.shape) == (len(positions), K)
+                self.check(layer, part, rows, table)
+            self.tbo_layers += layer >= self.DENSE
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_replay_with_two_batch_overlap(seed):
+    """Each micro-batch's swap serves its own requests' bytes, eager and under a CUDA graph's views."""
+    w = replay(seed=seed, world=TboWorld)
+    assert w.tbo_layers > 20
+
+
+class StagesOncePerForward(adapter.HiSparseCoordinator):
+    """Every swap of a forward reads the rows staged at its first (the adapter before two-batch overlap)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        slot, same = self._batches.slot, torch.zeros(1)
+        self._batches.slot = lambda layer, req_pool_indices: slot(layer, same)
+
+
+def test_micro_batches_reading_the_whole_batchs_rows_fail_the_replay():
+    replay(StagesOncePerForward, seed=0)   # one batch a forward: the same as staging per batch
+    with pytest.raises((AssertionError, ess.EssError)):
+        replay(StagesOncePerForward, seed=0, world=TboWorld)
+
+
 # ---- the replay fails when the adapter does what the old one did ----
 class IgnoresRemap(adapter.HiSparseCoordinator):
     """map_last_loc_to_buffer leaves out_cache_loc unmapped: the model's write lands in the padding sink."""
@@ -507,48 +582,38 @@ def sglang_context(monkeypatch, exec_bag, disaggregation_mode="null"):
         monkeypatch.setitem(sys.modules, name, module)
 
 
-def test_two_batch_overlap_is_refused(monkeypatch):
-    """0.5.23 keeps it at get_exec().overlap.enable_two_batch_overlap (srt/arg_groups/fields/exec_.py ExecOverlap,
-    _NS_PATH "exec.overlap"; read there by runner/decode_cuda_graph_runner.py). Its micro-batches would overwrite
-    each other's rows staged at the first layer, so the constructor refuses it; a context without that path is
-    refused by name, never read as off."""
+def test_two_batch_overlap_is_served(monkeypatch):
+    """0.5.23 keeps it at get_exec().overlap.enable_two_batch_overlap: nothing in ESS depends on it (each batch a
+    forward swaps for is staged apart, test_replay_with_two_batch_overlap), so a server with it on builds ESS."""
     sglang_context(monkeypatch, types.SimpleNamespace(overlap=types.SimpleNamespace(enable_two_batch_overlap=True)))
-    with pytest.raises(ess.InvalidArgument, match="enable_two_batch_overlap: ESS stages"):
-        build()
-    sglang_context(monkeypatch, types.SimpleNamespace(enable_two_batch_overlap=False))   # the flat name: not 0.5.23's
-    with pytest.raises(ess.InvalidArgument, match="no get_exec\\(\\).overlap.enable_two_batch_overlap \\(at 'overlap'\\)"):
-        build()
-    sglang_context(monkeypatch, types.SimpleNamespace(overlap=types.SimpleNamespace(enable_two_batch_overlap=False)))
     build()
 
 
-def test_settings_published_after_construction_are_read_at_the_first_step(monkeypatch):
+def test_a_coordinator_built_before_settings_are_published_serves(monkeypatch):
     """SGLang builds its pools and a coordinator without a server too (its unit tests, tools), before any settings
     namespace is published (runtime_context.config_bag raises "config namespace ... not published"); upstream's
-    constructor reads none. ESS's constructor then reads nothing, and the first step reads the settings."""
-    published = {}
-
-    def bag(name):
-        def get():
-            if name not in published:
-                raise ValueError(f"config namespace {name!r} not published")
-            return published[name]
-        return get
+    constructor reads none. ESS's reads the disaggregation mode as not decode then (the stricter device budget),
+    and serves; a namespace that fails otherwise is not taken for "no server"."""
+    def unpublished():
+        raise ValueError("config namespace 'disagg' not published")
     sglang_context(monkeypatch, None)
     context = sys.modules["sglang.srt.runtime_context"]
-    context.get_exec, context.get_disagg = bag("exec"), bag("disagg")
+    context.get_disagg = unpublished
     w = World(0)
+    assert not w.coord.pd_decode
     w.prefill(40)
     w.collect()
-    published["exec"] = types.SimpleNamespace(overlap=types.SimpleNamespace(enable_two_batch_overlap=True))
-    published["disagg"] = types.SimpleNamespace(disaggregation_mode="null")
-    before = w.coord.engine.request(w.reqs[0].kv.req_pool_idx)
-    with pytest.raises(ess.InvalidArgument, match="enable_two_batch_overlap: ESS stages"):
-        w.prepare_decode()
-    assert w.coord.engine.request(w.reqs[0].kv.req_pool_idx) == before
-    context.get_exec = lambda: (_ for _ in ()).throw(ValueError("config namespace 'exec' is not valid"))
-    with pytest.raises(ValueError, match="is not valid"):   # only "not published" means no server
+    w.step()
+    context.get_disagg = lambda: (_ for _ in ()).throw(ValueError("config namespace 'disagg' is not valid"))
+    with pytest.raises(ValueError, match="is not valid"):
         build()
+
+
+def test_a_page_size_not_dividing_64_is_refused():
+    """ESS's host pages hold 64 tokens; SGLang's page-rounded host slots must fall within them."""
+    pool = HiSparseDevicePool(POOL, 128, LAYERS)
+    with pytest.raises(ess.InvalidArgument, match="page size 128: ESS's host pages hold 64 tokens"):
+        build(token_to_kv_pool_allocator=HiSparseAllocator(POOL, 128, pool, RATIO))
 
 
 def test_speculative_decoding_at_page_size_1_is_refused():

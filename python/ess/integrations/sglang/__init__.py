@@ -27,11 +27,12 @@ host pool (one region per layer, a request's page at the same index in every lay
 registers it and writes the prefill's KV straight into ESS's pages; admit_request_direct then only warms the
 request's rows up from them.
 
-What differs from upstream is in docs/integration.md; what this build cannot serve (two-batch overlap, MiniMax /
-DeepSeek-V4 pools) is refused by name at construction.
+What differs from upstream is in docs/integration.md; what this build cannot serve (MiniMax / DeepSeek-V4 pools,
+page sizes that do not divide 64) is refused by name at construction. Two-batch overlap is served: each batch a
+forward swaps for (the whole batch, each micro-batch) has its rows staged apart (forward_batches.py).
 
 The package: coordinator.py (the class: construction, the decode swap and its backup, speculative
-decoding), staging.py (admission: the prefill staged to the host, PD direct admission, release),
+decoding), forward_batches.py (the rows and lengths of each batch a forward swaps for), staging.py (admission: the prefill staged to the host, PD direct admission, release),
 host_pool.py (ESS's Total Memory Pool as SGLang's PD host pool), install.py (the class put where
 SGLang imports it), _common.py (what they share: SGLang's types, argument checks, settings)."""
 from ._common import (ENTRY_BYTES, SGLANG_VERSION, HiSparseAct, HiSparseTokenStats, SpecScratch, _sglang_setting,

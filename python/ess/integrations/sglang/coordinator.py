@@ -15,6 +15,7 @@ from ...engine import Engine
 from .. import _device
 from ._common import (ENTRY_BYTES, HiSparseAct, SpecScratch, _claim_top_rows, _cuda_index, _entry_rows, _int,
                       _int_tensor, _ints, _keep, _return_top_rows, _sglang_setting, _token_stats_type)
+from .forward_batches import ForwardBatches
 from .host_pool import HostPool
 from .staging import Staging
 
@@ -35,12 +36,9 @@ class HiSparseCoordinator(Staging):
         self.dev = _device.for_device(device)
         self.compress_ratio = getattr(token_to_kv_pool_allocator, "compress_ratio", 1)
 
-        self.pd_decode = _sglang_setting("get_disagg", "disaggregation_mode") == "decode"
         num_draft_tokens = 0 if num_draft_tokens is None else _int("num_draft_tokens", num_draft_tokens)
         if num_draft_tokens < 0:
             raise InvalidArgument(f"num_draft_tokens = {num_draft_tokens} is negative")
-        self._settings_checked = False
-        self._check_served_settings()
         if num_draft_tokens and self.device_buffer_size < num_draft_tokens * self.top_k:
             # One swap call serves a verify step's T query tokens (FlashMLA runs once after it), so the pool
             # must hold their union: ESS cannot split the step into query groups there.
@@ -59,6 +57,15 @@ class HiSparseCoordinator(Staging):
                 "swap_in_selected_blocks, is not supported)")
         self.mem_pool_device = kvcache
         self.page_size = kvcache.page_size
+        if 64 % self.page_size != 0:
+            raise InvalidArgument(
+                f"page size {self.page_size}: ESS's host pages hold 64 tokens each, and the host slots SGLang reads "
+                "(req_to_host_pool, page-rounded) and a PD transfer's pages must fall within them, so the page size "
+                "must divide 64 (the DSA backend's is 64)")
+        # PD decode (disaggregation_mode = decode) changes what the device pool must leave SGLang. Before SGLang
+        # publishes its settings (a pool and coordinator built without a server, as its unit tests build them),
+        # the stricter budget of the other modes.
+        self.pd_decode = _sglang_setting("get_disagg", "disaggregation_mode") == "decode"
         entry = kvcache.kv_cache_dim * kvcache.kv_buffer[0].element_size()
         if entry != ENTRY_BYTES:
             raise InvalidArgument(f"the device pool's entries are {entry} bytes; ESS serves DeepSeek-V3.2's "
@@ -71,10 +78,6 @@ class HiSparseCoordinator(Staging):
                 "every draft token a device slot of its own (mem_cache/allocation.py: alloc_token_slots), which "
                 "ESS's reserved rows would leave orphaned each verify step (upstream's HiSparse refuses fewer than "
                 "num_draft_tokens + 1 slots a page too)")
-        if self.pd_decode and 64 % self.page_size != 0:
-            raise InvalidArgument(
-                f"disaggregation_mode = decode with page size {self.page_size}: the transfer writes each SGLang page "
-                "into one ESS host page of 64 tokens, so the page size must divide 64")
 
         # T query tokens per request per step: 1 in decode, the draft tokens of a verify step with speculative
         # decoding. A request's rows are its slots and T reserved rows (the step's newest tokens).
@@ -100,18 +103,6 @@ class HiSparseCoordinator(Staging):
                 self.engine.close()
             _return_top_rows(token_to_kv_pool_allocator)
             raise
-
-    def _check_served_settings(self) -> None:
-        """What this build cannot serve, from the running server's settings: at construction, and again at the
-        first step where SGLang built the coordinator before publishing them."""
-        if self._settings_checked:
-            return
-        if _sglang_setting("get_exec", "overlap.enable_two_batch_overlap"):
-            raise InvalidArgument(
-                "enable_two_batch_overlap: ESS stages a step's rows once per forward, at its first layer; two "
-                "micro-batches interleaved layer by layer are not served yet")
-        if _sglang_setting("get_disagg", "disaggregation_mode") is not None:
-            self._settings_checked = True   # the server's settings were there to read
 
     def _check_settings(self, kvcache, max_reqs, max_context, host_to_device_ratio) -> int:
         """The hisparse settings as the user gave them (top_k, device_buffer_size, host_to_device_ratio), checked
@@ -173,8 +164,6 @@ class HiSparseCoordinator(Staging):
 
         # The step's tensors, bound once (fixed addresses for CUDA graphs).
         i32 = dict(dtype=torch.int32, device=device)
-        self._rows = torch.full((max_reqs,), -1, **i32)
-        self._lengths = torch.zeros((max_reqs,), **i32)
         self._topk = torch.full((max_reqs, self.T, self.top_k), -1, **i32)
         self._physical = torch.full((max_reqs, self.T, self.top_k), -1, **i32)
         self._locs = torch.full((max_reqs, self.T, self.top_k), -1, **i32)
@@ -182,7 +171,9 @@ class HiSparseCoordinator(Staging):
         self._padded_rows = torch.zeros((max_reqs,), dtype=torch.bool, device=device)
         self._row_zero = torch.zeros((max_reqs,), dtype=torch.bool, device=device)
         self._arange = torch.arange(max_reqs, **i32)
-        self._step = self.engine.bind_step(self._rows, self._topk, self._lengths, self._physical)
+        # The rows and lengths of each batch a forward swaps for (the whole batch, or two-batch overlap's
+        # micro-batches), each with its bound step.
+        self._batches = ForwardBatches(self.engine, max_reqs, self._topk, self._physical, device)
         # The backup's own copy of a step's rows and lengths: the next step restages the step's tensors
         # while the backup may still read these.
         self._backup_rows = torch.full((max_reqs,), -1, **i32)
@@ -278,8 +269,8 @@ class HiSparseCoordinator(Staging):
                                   f"requests x {T} draft tokens")
         seq_lens_cpu = getattr(batch, "seq_lens_cpu", None)
         lengths = None if seq_lens_cpu is None else _ints("seq_lens_cpu", seq_lens_cpu)
-        self._check_served_settings()
         self._check_batch("prepare_spec_verify", rows, lengths, grow=0)
+        self._batches.new_forward()
         pending = [row for row in rows if row in self._verifying]
         if pending:
             raise InvalidArgument(f"prepare_spec_verify: request slots {pending} have a verify step not committed "
@@ -390,8 +381,8 @@ class HiSparseCoordinator(Staging):
         if self.num_draft_tokens:
             raise InvalidArgument("map_last_loc_to_buffer: with speculative decoding every step is a verify step "
                                   "(prepare_spec_verify)")
-        self._check_served_settings()
         self._check_batch("map_last_loc_to_buffer", rows, lengths, grow=self.T)
+        self._batches.new_forward()
         self._retire()
         self._backup_previous_step()
         locs = self.token_to_kv_pool_allocator.get_last_loc_compressed(out_cache_loc).to(torch.int64)
@@ -472,21 +463,25 @@ class HiSparseCoordinator(Staging):
             raise InvalidArgument(f"swap_in_selected_pages: {compressed_seq_lens.numel()} seq_lens for {B} requests x "
                                   f"{T} query tokens")
 
+        rows, lengths, step, first = self._batches.slot(layer, req_pool_indices)
+
         def swap():
-            # Device work only (a CUDA graph replays it without this Python): the step's rows and lengths once
-            # per forward, num_real_reqs read here, when the swap runs.
-            if layer == 0:
+            # Device work only (a CUDA graph replays it without this Python): the batch's rows and lengths at its
+            # first swap of the forward, num_real_reqs read here, when the swap runs.
+            if first:
                 # Padding: positions at or past num_real_reqs, and SGLang's padding row 0 (req_to_token_pool
-                # never gives it to a request; graph capture and DP padding point positions at it).
-                self._rows[:B].copy_(req_pool_indices)
+                # never gives it to a request; graph capture, DP padding and two-batch overlap's micro-batches
+                # point positions at it). A micro-batch's positions are its own: num_real_reqs counts the whole
+                # batch's, so past it a micro-batch's positions are padding too, and its other padding is row 0.
+                rows[:B].copy_(req_pool_indices)
                 torch.ge(self._arange[:B], self.num_real_reqs, out=self._padded_rows[:B])
-                torch.eq(self._rows[:B], 0, out=self._row_zero[:B])
+                torch.eq(rows[:B], 0, out=self._row_zero[:B])
                 self._padded_rows[:B].logical_or_(self._row_zero[:B])
-                self._rows[:B].masked_fill_(self._padded_rows[:B], -1)
+                rows[:B].masked_fill_(self._padded_rows[:B], -1)
                 # A verify step's seq_lens are per query token (L + t + 1): ESS takes each request's last, L + T.
-                self._lengths[:B].copy_(compressed_seq_lens.view(B, T)[:, T - 1])
+                lengths[:B].copy_(compressed_seq_lens.view(B, T)[:, T - 1])
             self._topk[:B].view(top_k_result.shape).copy_(top_k_result)
-            self._step.step(layer, B, self.dev.handle(self.dev.current_stream()))
+            step.step(layer, B, self.dev.handle(self.dev.current_stream()))
             phys = self._physical[:B]
             torch.add(phys, self.row_base, out=self._locs[:B])
             torch.lt(phys, 0, out=self._padding[:B])

@@ -205,16 +205,20 @@ def test_staging_leaves_sglang_what_upstream_leaves(n):
     assert seen[ESS] == seen[UPSTREAM]
 
 
-def test_decode_serves_the_full_caches_bytes_among_sglangs_pools():
+@pytest.mark.parametrize("micro_batches", [False, True])
+def test_decode_serves_the_full_caches_bytes_among_sglangs_pools(micro_batches):
     """ESS's decode among SGLang's own pools and allocator: prepare_for_decode's alloc_decode (SGLang's paged
     allocator, its real last_loc rule), map_last_loc_to_buffer, the layer's KV write at out_cache_loc through
     the real full-to-device mapping, then swap_in_selected_pages: every byte at the returned locations is the
-    full cache's, step after step, and the pools are whole again after finish."""
+    full cache's, step after step, and the pools are whole again after finish. micro_batches: two-batch overlap
+    (batch_overlap/two_batch_overlap.py), the first layer on the whole batch (a dense layer), the others once per
+    half of the requests, A then B, each half's req_pool_indices and seq_lens its own, padded with row 0 to one
+    length (TboForwardBatchPreparer.filter_batch, ForwardBatch._pad_tbo_child_inputs)."""
     w, rng = World(ESS, seed=3), random.Random(5)
     s, c = w.s, w.s.coord
-    for rid, n in (("a", 300), ("b", 70)):
+    for rid, n in (("a", 300), ("b", 70), ("c", 150)):
         w.prefill(rid, n)
-    assert sorted(w.collect()) == ["a", "b"]
+    assert sorted(w.collect()) == ["a", "b", "c"]
     for step in range(6):
         rids = list(w.reqs)
         idx = torch.tensor([w.reqs[r].kv.req_pool_idx for r in rids])
@@ -231,15 +235,24 @@ def test_decode_serves_the_full_caches_bytes_among_sglangs_pools():
         c.wait_for_pending_backup()
         c.num_real_reqs.fill_(len(rids))
         device = s.device_pool.translate_loc_from_full_to_hisparse_device(out_cache_loc.to(torch.int64))
+        half, width = len(rids) // 2, len(rids) - len(rids) // 2
+        parts = [(0, len(rids))] if not micro_batches else [(0, half), (half, len(rids))]
         for layer in range(LAYERS):
-            for r, d in zip(rids, device.tolist()):   # set_mla_kv_buffer of the step's token
-                s.rows(layer)[d] = torch.from_numpy(w.full[r][layer, w.length[r] - 1])
-            picks = [sorted(rng.sample(range(w.length[r]), min(K, w.length[r]))) for r in rids]
-            topk = torch.tensor([p + [-1] * (K - len(p)) for p in picks], dtype=torch.int32)
-            table = c.swap_in_selected_pages(idx, lens, topk, layer)
-            for b, r in enumerate(rids):
-                got = s.rows(layer)[table[b, :len(picks[b])].to(torch.int64)].numpy()
-                assert np.array_equal(got, w.full[r][layer, picks[b]]), (step, layer, r)
+            for lo, hi in (parts if layer > 0 else [(0, len(rids))]):
+                n = hi - lo
+                pad = width - n if (lo, hi) != (0, len(rids)) else 0
+                part_idx = torch.cat([idx[lo:hi], torch.zeros(pad, dtype=idx.dtype)])
+                part_lens = torch.cat([lens[lo:hi], torch.ones(pad, dtype=lens.dtype)])
+                for r, d in zip(rids[lo:hi], device[lo:hi].tolist()):   # set_mla_kv_buffer of the step's token
+                    s.rows(layer)[d] = torch.from_numpy(w.full[r][layer, w.length[r] - 1])
+                picks = [sorted(rng.sample(range(w.length[r]), min(K, w.length[r]))) for r in rids[lo:hi]]
+                topk = torch.tensor([p + [-1] * (K - len(p)) for p in picks] + [[0] + [-1] * (K - 1)] * pad,
+                                    dtype=torch.int32)
+                table = c.swap_in_selected_pages(part_idx, part_lens, topk, layer)
+                for b, r in enumerate(rids[lo:hi]):
+                    got = s.rows(layer)[table[b, :len(picks[b])].to(torch.int64)].numpy()
+                    assert np.array_equal(got, w.full[r][layer, picks[b]]), (step, layer, r)
+                assert (table[n:] == -1).all()
     # What SGLang reads of the host pool: req_to_host_pool names, for every token ESS has written back (all but
     # the newest, in its reserved row), the host slot that holds the token's bytes.
     c.wait_for_pending_backup()
@@ -530,3 +543,13 @@ def test_a_pool_not_restored_after_finish_fails(monkeypatch):
     monkeypatch.setattr(adapter.HiSparseCoordinator, "_retire", lambda self, row=None, force=False: None)
     with pytest.raises(AssertionError):
         test_every_pool_is_whole_again_as_upstreams_is("finish", 300)
+
+
+def test_micro_batches_reading_the_whole_batchs_rows_fail(monkeypatch):
+    """Every swap of a forward reading the rows staged at its first (the adapter before two-batch overlap)."""
+    from ess.integrations.sglang.forward_batches import ForwardBatches
+    slot, same = ForwardBatches.slot, torch.zeros(1)
+    monkeypatch.setattr(ForwardBatches, "slot", lambda self, layer, req_pool_indices: slot(self, layer, same))
+    test_decode_serves_the_full_caches_bytes_among_sglangs_pools(False)
+    with pytest.raises(AssertionError):
+        test_decode_serves_the_full_caches_bytes_among_sglangs_pools(True)
