@@ -310,40 +310,47 @@ class TboWorld(World):
         coord, bs = self.coord, len(batch.rids)
         coord.wait_for_pending_backup()
         coord.num_real_reqs.fill_(bs)
-        graph = self.rng.random() < 0.5
-        pad = min(int(self.rng.integers(0, 3)), REQ_SLOTS + 1 - bs) if graph else 0
-        zeros, ones = (lambda n: torch.zeros(n, dtype=torch.int64)), (lambda n: torch.ones(n, dtype=torch.int64))
-        idx, seq_lens = torch.cat([batch.idx, zeros(pad)]), torch.cat([batch.seq_lens, ones(pad)])
-        whole = (idx, seq_lens, list(range(bs + pad)))
-        if graph:
-            half = (bs + pad) // 2
-            halves = [(idx[:half], seq_lens[:half], list(range(half))),
-                      (idx[half:], seq_lens[half:], list(range(half, bs + pad)))]
-        else:
-            half = bs // 2
-            width = max(half, bs - half)
-            halves = []
-            for lo, hi in ((0, half), (half, bs)):
-                if hi > lo:
-                    n = hi - lo
-                    halves.append((torch.cat([batch.idx[lo:hi], zeros(width - n)]),
-                                   torch.cat([batch.seq_lens[lo:hi], ones(width - n)]),
-                                   list(range(lo, hi)) + [None] * (width - n)))
+        whole, halves = micro_batches(self.rng, batch.idx, batch.seq_lens, 1)
         for layer in range(LAYERS):
             for part_idx, part_lens, positions in ([whole] if layer < self.DENSE else halves):
                 real = [p for p in positions if p is not None and p < bs]
                 part = types.SimpleNamespace(rids=[batch.rids[p] for p in real], grow=batch.grow)
-                locs = batch.out_cache_loc[real]
-                new = torch.from_numpy(np.stack([self.full[r][layer, self.length[r] - 1] for r in part.rids])) \
-                    if real else None
                 if real:   # the micro-batch's layer writes its own tokens' KV, then its indexer and swap
-                    self.device_pool.set_mla_kv_buffer(layer, locs, new)
+                    new = torch.from_numpy(np.stack([self.full[r][layer, self.length[r] - 1] for r in part.rids]))
+                    self.device_pool.set_mla_kv_buffer(layer, batch.out_cache_loc[real], new)
                 rows = [self.query(r) for r in part.rids] + [[0] + [-1] * (K - 1)] * (len(positions) - len(real))
-                topk = torch.tensor(rows, dtype=torch.int32)
-                table = coord.swap_in_selected_pages(part_idx, part_lens, topk, layer)
+                table = coord.swap_in_selected_pages(part_idx, part_lens, torch.tensor(rows, dtype=torch.int32),
+                                                     layer)
                 assert tuple(table.shape) == (len(positions), K)
                 self.check(layer, part, rows, table)
             self.tbo_layers += layer >= self.DENSE
+
+
+def micro_batches(rng, idx, seq_lens, T):
+    """The whole batch and its two micro-batches, (req_pool_indices, seq_lens, positions) each: positions are the
+    whole batch's request positions, None or past the batch for padding; seq_lens have T per request (a verify
+    step's per-token lengths when T > 1). At random, a CUDA graph's (the batch padded with row 0, its halves
+    views of the padded buffers) or eager ones (each half a copy padded with row 0 to one length; a half without
+    requests not run)."""
+    bs = int(idx.shape[0])
+    zeros, ones = (lambda n: torch.zeros(n, dtype=idx.dtype)), (lambda n: torch.ones(n * T, dtype=seq_lens.dtype))
+    if rng.random() < 0.5:
+        pad = min(int(rng.integers(0, 3)), REQ_SLOTS + 1 - bs)
+        idx, seq_lens = torch.cat([idx, zeros(pad)]), torch.cat([seq_lens, ones(pad)])
+        half = (bs + pad) // 2
+        return (idx, seq_lens, list(range(bs + pad))), [
+            (idx[:half], seq_lens[:half * T], list(range(half))),
+            (idx[half:], seq_lens[half * T:], list(range(half, bs + pad)))]
+    half = bs // 2
+    width = max(half, bs - half)
+    halves = []
+    for lo, hi in ((0, half), (half, bs)):
+        if hi > lo:
+            n = hi - lo
+            halves.append((torch.cat([idx[lo:hi], zeros(width - n)]),
+                           torch.cat([seq_lens[lo * T:hi * T], ones(width - n)]),
+                           list(range(lo, hi)) + [None] * (width - n)))
+    return (idx, seq_lens, list(range(bs))), halves
 
 
 @pytest.mark.parametrize("seed", [0, 3])

@@ -22,7 +22,7 @@ import torch
 
 import ess
 from ess.integrations import sglang as adapter
-from test_sglang_replay import K, LAYERS, World, replay
+from test_sglang_replay import K, LAYERS, StagesOncePerForward, TboWorld, World, micro_batches, replay
 
 
 class SpecWorld(World):
@@ -104,6 +104,42 @@ class SpecWorld(World):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_speculative_replay_in_upstream_order(seed):
     replay(seed=seed, world=SpecWorld)
+
+
+class SpecTboWorld(SpecWorld):
+    """Verify steps under two-batch overlap (TboWorld's split): each micro-batch's swap gets its requests'
+    [n, T, K] top-k and per-token seq_lens (dsa_backend.py forward_decode's target-verify call), its layer
+    writes its requests' T verify tokens, and the commit is once per step over the whole batch."""
+
+    DENSE = TboWorld.DENSE
+
+    def forward(self, batch):
+        coord, bs, T = self.coord, len(batch.rids), self.T
+        coord.num_real_reqs.fill_(bs)
+        expanded = (batch.seq_lens.view(-1, 1) + torch.arange(1, T + 1)).view(-1).to(torch.int32)
+        whole, halves = micro_batches(self.rng, batch.idx, expanded, T)
+        for layer in range(LAYERS):
+            for part_idx, part_lens, positions in ([whole] if layer < self.DENSE else halves):
+                real = [p for p in positions if p is not None and p < bs]
+                part = types.SimpleNamespace(rids=[batch.rids[p] for p in real], grow=batch.grow)
+                if real:
+                    new = torch.from_numpy(np.stack([self.full[r][layer, self.length[r] + t]
+                                                     for r in part.rids for t in range(T)]))
+                    locs = torch.cat([batch.out_cache_loc[p * T:(p + 1) * T] for p in real])
+                    self.device_pool.set_mla_kv_buffer(layer, locs, new)
+                rows = [[self.query_token(r, t) for t in range(T)] for r in part.rids] + \
+                    [[[0] + [-1] * (K - 1)] * T] * (len(positions) - len(real))
+                table = coord.swap_in_selected_pages(part_idx, part_lens, torch.tensor(rows, dtype=torch.int32),
+                                                     layer)
+                assert tuple(table.shape) == (len(positions), T, K)
+                self.check(layer, part, rows, table)
+        self.commit(batch)
+
+
+def test_speculative_replay_with_two_batch_overlap():
+    replay(seed=4, world=SpecTboWorld)
+    with pytest.raises((AssertionError, ess.EssError)):   # micro-batches reading the whole batch's rows
+        replay(StagesOncePerForward, seed=4, world=SpecTboWorld)
 
 
 class CommitsInOrder(adapter.HiSparseCoordinator):

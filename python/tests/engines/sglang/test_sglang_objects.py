@@ -337,6 +337,15 @@ def transfer(w, rid, host_slots):
             ctypes.memmove(ptrs[layer] + slot * stride, entry.ctypes.data, ENTRY)
 
 
+def pd_worlds(n):
+    """Each coordinator's world for a PD prompt of n tokens, with the tokens a swap then selects (K distinct, the
+    first and the newest among them)."""
+    rng = random.Random(n)
+    picks = sorted({n - 1, 0} | set(rng.sample(range(1, n - 1), K - 2)))
+    for cls in (ESS, UPSTREAM):
+        yield cls, World(cls, seed=n), picks
+
+
 @pytest.mark.parametrize("n", [40, 300])
 def test_pd_direct_admission_under_both(n):
     """The PD decode side in SGLang's order, each step its own code where it runs: DecodePreallocQueue._pre_alloc's
@@ -345,11 +354,8 @@ def test_pd_direct_admission_under_both(n):
     the transfer into those slots, admit_request_direct. Both coordinators hand out distinct, page-rounded host
     slots inside the regions they register; each then serves the prompt's bytes; both give every pool back."""
     from sglang.srt.disaggregation.decode import alloc_for_decode_prealloc_hisparse
-    rng = random.Random(n)
-    picks = sorted({n - 1, 0} | set(rng.sample(range(1, n - 1), K - 2)))
     tables = {}
-    for cls in (ESS, UPSTREAM):
-        w = World(cls, seed=n)
+    for cls, w, picks in pd_worlds(n):
         s, c = w.s, w.s.coord
         before = w.free_sizes()
         idx = s.req_to_token_pool.alloc_rows(1)[0]
@@ -422,11 +428,8 @@ def test_pd_prealloc_through_sglangs_own_decode_prealloc_queue(n, published_sett
     from sglang.srt.disaggregation.decode import DecodePreallocQueue
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.sampling.sampling_params import SamplingParams
-    rng = random.Random(n)
-    picks = sorted({n - 1, 0} | set(rng.sample(range(1, n - 1), K - 2)))
     tables = {}
-    for cls in (ESS, UPSTREAM):
-        w = World(cls, seed=n)
+    for cls, w, picks in pd_worlds(n):
         s, c = w.s, w.s.coord
         before = w.free_sizes()
         queue = object.__new__(DecodePreallocQueue)
