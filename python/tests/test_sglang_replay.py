@@ -453,6 +453,106 @@ def test_the_replay_catches(cls):
         replay(cls, seed=0)
 
 
+# ---- the top-k recorder (ESS_RECORD_TRACE) ----
+class LogsTheTopk(adapter.HiSparseCoordinator):
+    """What SGLang hands the swap, by request (rid, admission), per step: the ids of every layer and the length
+    the step's last query token sees; the oracle of the recorder's trace."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.handed, self.open, self.admitted = {}, {}, 0
+
+    def collect_ready_reqs(self):
+        ready = super().collect_ready_reqs()
+        for req in ready:
+            self.admitted += 1
+            self.open[req.kv.req_pool_idx] = key = (req.rid, self.admitted)
+            self.handed[key] = []
+        return ready
+
+    def request_finished(self, req):
+        super().request_finished(req)
+        self.open.pop(req.kv.req_pool_idx, None)
+
+    def _new_step(self, rows):
+        for row in rows:
+            if row in self.open:
+                self.handed[self.open[row]].append((np.full((LAYERS, self.T, K), -1, np.int32), self._length[row]))
+
+    def map_last_loc_to_buffer(self, seq_lens, out_cache_loc, req_pool_indices, *rest):
+        super().map_last_loc_to_buffer(seq_lens, out_cache_loc, req_pool_indices, *rest)
+        self._new_step(req_pool_indices.tolist())
+
+    def prepare_spec_verify(self, batch):
+        super().prepare_spec_verify(batch)
+        self._new_step([req.kv.req_pool_idx for req in batch.reqs])
+
+    def swap_in_selected_pages(self, req_pool_indices, seq_lens, top_k_result, layer_id):
+        table = super().swap_in_selected_pages(req_pool_indices, seq_lens, top_k_result, layer_id)
+        for b, row in enumerate(req_pool_indices.tolist()):
+            if row in self.open:
+                self.handed[self.open[row]][-1][0][layer_id] = top_k_result[b].view(self.T, K).numpy()
+        return table
+
+
+def recorded_and_handed(tmp_path, monkeypatch, world, requests=3, steps=6, seed=1):
+    path = tmp_path / "recorded.safetensors"
+    monkeypatch.setenv("ESS_RECORD_TRACE", str(path))
+    monkeypatch.setenv("ESS_RECORD_REQUESTS", str(requests))
+    monkeypatch.setenv("ESS_RECORD_STEPS", str(steps))
+    w = replay(LogsTheTopk, seed=seed, world=world)
+    import ess_trace
+    metadata, recorded = ess_trace.read_trace(str(path))
+    return w.coord, metadata, recorded
+
+
+@pytest.mark.parametrize("world", [World, TboWorld])
+def test_the_recorded_trace_is_the_top_k_sglang_handed(tmp_path, monkeypatch, world):
+    """The first ESS_RECORD_REQUESTS requests to enter decode, each its first ESS_RECORD_STEPS steps: every layer's
+    ids and the step's length as the swap was handed them (micro-batches included), in the trace's format."""
+    coord, metadata, recorded = recorded_and_handed(tmp_path, monkeypatch, world)
+    assert metadata["ess.layers"] == str(LAYERS) and metadata["ess.topk"] == str(K)
+    assert metadata["ess.synthetic"] == "false" and "sglang 0.5.23" in metadata["ess.provenance"]
+    expect_recorded(coord, recorded)
+
+
+def expect_recorded(coord, recorded, requests=3, steps=6):
+    expected = sorted(coord.handed.items(), key=lambda item: item[0][1])[:requests]
+    assert sorted(r["id"] for r in recorded) == sorted(str(rid) for (rid, _), _ in expected)
+    by_id = {r["id"]: r for r in recorded}
+    for (rid, _), handed in expected:
+        got, want = by_id[str(rid)], handed[:steps]
+        assert got["topk"].shape == (len(want), LAYERS, coord.T, K)
+        np.testing.assert_array_equal(got["topk"], np.stack([ids for ids, _ in want]))
+        np.testing.assert_array_equal(got["lengths"], [length for _, length in want])
+
+
+def test_a_recorder_taking_positions_for_requests_fails(tmp_path, monkeypatch):
+    """Mutation: a call's positions taken as the recorded requests (a micro-batch's first rows are not the
+    batch's)."""
+    from ess.integrations.topk_recorder import TopkRecorder
+
+    def by_position(self, layer, req_pool_indices, top_k_result):
+        B = int(req_pool_indices.shape[0])
+        at = torch.arange(B)
+        slots = torch.where(at < self.requests, at, torch.full_like(at, self._trash))
+        self._ids[layer].index_copy_(0, slots, top_k_result.view(B, self.T, self.K))
+    monkeypatch.setattr(TopkRecorder, "record", by_position)
+    with pytest.raises((AssertionError, ValueError)):
+        coord, _, recorded = recorded_and_handed(tmp_path, monkeypatch, TboWorld)
+        expect_recorded(coord, recorded)
+
+
+def test_the_recorder_refuses_bad_settings_by_name(tmp_path, monkeypatch):
+    monkeypatch.setenv("ESS_RECORD_TRACE", str(tmp_path / "no-such-folder" / "t.safetensors"))
+    with pytest.raises(ess.InvalidArgument, match="ESS_RECORD_TRACE = .*does not exist"):
+        build()
+    monkeypatch.setenv("ESS_RECORD_TRACE", str(tmp_path / "t.safetensors"))
+    monkeypatch.setenv("ESS_RECORD_STEPS", "many")
+    with pytest.raises(ess.InvalidArgument, match="ESS_RECORD_STEPS = 'many': an integer expected"):
+        build()
+
+
 # ---- refusals at construction ----
 def build(**overrides):
     req_to_token_pool = ReqToTokenPool(REQ_SLOTS, CTX)

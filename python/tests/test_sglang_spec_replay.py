@@ -22,7 +22,8 @@ import torch
 
 import ess
 from ess.integrations import sglang as adapter
-from test_sglang_replay import K, LAYERS, StagesOncePerForward, TboWorld, World, micro_batches, replay
+from test_sglang_replay import (K, LAYERS, StagesOncePerForward, TboWorld, World, expect_recorded, micro_batches,
+                                recorded_and_handed, replay)
 
 
 class SpecWorld(World):
@@ -140,6 +141,14 @@ def test_speculative_replay_with_two_batch_overlap():
     replay(seed=4, world=SpecTboWorld)
     with pytest.raises((AssertionError, ess.EssError)):   # micro-batches reading the whole batch's rows
         replay(StagesOncePerForward, seed=4, world=SpecTboWorld)
+
+
+def test_the_recorded_trace_holds_every_verify_token(tmp_path, monkeypatch):
+    """The recorder under verify steps (T = 3 query tokens a step), with and without two-batch overlap."""
+    for world in (SpecWorld, SpecTboWorld):
+        coord, metadata, recorded = recorded_and_handed(tmp_path, monkeypatch, world)
+        assert metadata["ess.mtp"] == "3"
+        expect_recorded(coord, recorded)
 
 
 class CommitsInOrder(adapter.HiSparseCoordinator):

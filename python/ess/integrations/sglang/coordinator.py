@@ -13,8 +13,9 @@ from ... import _args
 from ..._errors import InvalidArgument
 from ...engine import Engine
 from .. import _device
-from ._common import (ENTRY_BYTES, HiSparseAct, SpecScratch, _claim_top_rows, _cuda_index, _entry_rows, _int,
+from ._common import (ENTRY_BYTES, SGLANG_VERSION, HiSparseAct, SpecScratch, _claim_top_rows, _cuda_index, _entry_rows, _int,
                       _int_tensor, _ints, _keep, _return_top_rows, _sglang_setting, _token_stats_type)
+from ..topk_recorder import TopkRecorder
 from .forward_batches import ForwardBatches
 from .host_pool import HostPool
 from .staging import Staging
@@ -174,6 +175,10 @@ class HiSparseCoordinator(Staging):
         # The rows and lengths of each batch a forward swaps for (the whole batch, or two-batch overlap's
         # micro-batches), each with its bound step.
         self._batches = ForwardBatches(self.engine, max_reqs, self._topk, self._physical, device)
+        # ESS_RECORD_TRACE: the top-k SGLang hands the swap, recorded as a trace (topk_recorder.py).
+        self._recorder = TopkRecorder.from_environment(
+            layers=self.layer_num, T=self.T, K=self.top_k, max_reqs=max_reqs, device=device, dev=self.dev,
+            provenance=f"sglang {SGLANG_VERSION} with ess.integrations.sglang")
         # The backup's own copy of a step's rows and lengths: the next step restages the step's tensors
         # while the backup may still read these.
         self._backup_rows = torch.full((max_reqs,), -1, **i32)
@@ -278,6 +283,8 @@ class HiSparseCoordinator(Staging):
         self._retire()
         self._extend_into_reserved(rows, batch.req_pool_indices, batch.out_cache_loc.to(torch.int64))
         self._verifying.update(rows)
+        if self._recorder is not None:
+            self._recorder.step(rows, [self._length[row] for row in rows])
 
     def commit_spec_accept_tokens(self, batch, accept_indices) -> None:
         """run_eagle_verify, after the verify forward: accept_indices [bs, T] (int, -1 = rejected) names for each
@@ -349,6 +356,8 @@ class HiSparseCoordinator(Staging):
         raise InvalidArgument("swap_in_selected_blocks (MiniMax's block swap-in) is not served by ESS")
 
     def destroy(self) -> None:
+        if self._recorder is not None:
+            self._recorder.close()
         self.write_staging_stream.synchronize()
         self.decode_backup_stream.synchronize()
         self._retire(force=True)
@@ -395,6 +404,8 @@ class HiSparseCoordinator(Staging):
                 self.token_to_kv_pool_allocator.free_hisparse_indices(stale)
         self._extend_into_reserved(rows, req_pool_indices, locs)
         self._backup_due = (req_pool_indices, seq_lens)
+        if self._recorder is not None:
+            self._recorder.step(rows, [self._length[row] for row in rows])
 
     def _backup_previous_step(self):
         """The previous step's newest entries (written by its forward into the reserved rows) to the host pool,
@@ -481,6 +492,8 @@ class HiSparseCoordinator(Staging):
                 # A verify step's seq_lens are per query token (L + t + 1): ESS takes each request's last, L + T.
                 lengths[:B].copy_(compressed_seq_lens.view(B, T)[:, T - 1])
             self._topk[:B].view(top_k_result.shape).copy_(top_k_result)
+            if self._recorder is not None:
+                self._recorder.record(layer, req_pool_indices, top_k_result)
             step.step(layer, B, self.dev.handle(self.dev.current_stream()))
             phys = self._physical[:B]
             torch.add(phys, self.row_base, out=self._locs[:B])

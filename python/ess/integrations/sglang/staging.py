@@ -107,6 +107,8 @@ class Staging:
         self._load_newest(idx, n)
         self._length[idx] = n
         req.hisparse_staging = False
+        if self._recorder is not None:
+            self._recorder.begin(idx, req.rid, n)
 
     def _load_newest(self, idx: int, n: int):
         """The reserved rows hold a request's newest T tokens (token n - T + t in reserved row t): at admission they
@@ -147,6 +149,8 @@ class Staging:
         del self._direct[idx]
         self._length[idx] = n
         req.hisparse_staging = False
+        if self._recorder is not None:
+            self._recorder.begin(idx, req.rid, n)
 
     def has_ongoing_staging(self) -> bool:
         return len(self.ack_staging_queue) > 0
@@ -205,6 +209,8 @@ class Staging:
         mapping = self.mem_pool_device.full_to_hisparse_device_index_mapping
         self.dev.launch(lambda: mapping.index_fill_(0, allocated, 0))
         del self._length[idx]
+        if self._recorder is not None:
+            self._recorder.end(idx)
         self._verifying.discard(idx)
         self._forget_host_slots(idx)
         if self._backup_due is not None:
