@@ -225,6 +225,7 @@ class Replay:
         self.resident_next = 0
         self.forwards_served = 0
         self.worker_requests = set()   # the requests the worker has (v1/worker/gpu/states.py add_requests)
+        self.handed = {}   # request -> per step it was served: ([layers, T, K] ids the model selected, length)
 
     def no_forward(self, finished=(), preempted=()):
         """A step with no tokens scheduled (v1/core/sched/scheduler.py schedule: a request preempted itself for
@@ -346,6 +347,10 @@ class Replay:
                 topk[real_decode_tokens:] = topk[0]
             if not served:
                 continue   # vLLM resolves this step over resident pages (index_group.py _convert_once)
+            for rid, r in zip(decodes, rows):
+                if layer == 0:
+                    self.handed.setdefault(rid, []).append((np.full((LAYERS, T, K), -1, np.int32), sum(scheduled[rid])))
+                self.handed[rid][-1][0][layer] = r
             physical, valid = self.group.convert_logical_to_physical_topk(
                 layer, topk[:num_decode_tokens], attn, block_stride_rows=None, return_valid_counts=True)
             assert physical.dtype == torch.int32 and valid.dtype == torch.int32
@@ -411,15 +416,20 @@ def recompute(replay, rid, state, length, chunk, others=(), other_states=()):
         done += n
 
 
+def three_requests(r):
+    """a, b and c prefilled in chunks beside the ones decoding already; their batch and state indices."""
+    prefill(r, "a", 2, 150, 100)
+    prefill(r, "b", 0, 90, 64, others=["a"], other_states=[2])
+    prefill(r, "c", 4, 70, 200, others=["b", "a"], other_states=[0, 2])
+    return ["a", "b", "c"], [2, 0, 4]
+
+
 @pytest.mark.parametrize("T,slots,async_scheduling", [(1, 24, True), (3, 56, True), (3, 56, False)])
 def test_decode_replay_matches_the_model_and_the_full_cache(T, slots, async_scheduling, **rank):
     """rank: Replay's host_memory / writer / barrier, when a rank of a shared pool runs it (test_vllm_shared_pool)."""
     r = Replay(T, slots, seed=3 + T, async_scheduling=async_scheduling, **rank)
     w = r.world
-    prefill(r, "a", 2, 150, 100)
-    prefill(r, "b", 0, 90, 64, others=["a"], other_states=[2])
-    prefill(r, "c", 4, 70, 200, others=["b", "a"], other_states=[0, 2])
-    batch, states = ["a", "b", "c"], [2, 0, 4]
+    batch, states = three_requests(r)
     for step in range(10):
         # Condense and reorder: the batch rows change, each request keeps its state index.
         rng = np.random.default_rng(step)
@@ -437,6 +447,47 @@ def test_decode_replay_matches_the_model_and_the_full_cache(T, slots, async_sche
     assert all(h.runtime.steps_served == r.forwards_served for h in r.handles)
     if w.mirror:
         w.check_host_pool(batch)
+
+
+@pytest.mark.parametrize("T,mutated", [(1, False), (3, False), (1, True)])
+def test_the_recorded_trace_is_the_top_k_vllm_handed(tmp_path, monkeypatch, T, mutated):
+    """ESS_RECORD_TRACE under vLLM: each served request's every layer and query token as the model selected them
+    (a row of n < T tokens with its first T - n queries padding), and the length its step's last query sees;
+    written when the decode state closes (the connector's shutdown). mutated: batch rows taken for the state
+    indices requests are recorded by."""
+    path = tmp_path / "recorded.safetensors"
+    monkeypatch.setenv("ESS_RECORD_TRACE", str(path))
+    monkeypatch.setenv("ESS_RECORD_REQUESTS", "2")
+    monkeypatch.setenv("ESS_RECORD_STEPS", "5")
+    if mutated:   # batch rows taken for state indices: the rows recorded are other requests'
+        from ess.integrations.topk_recorder import TopkRecorder
+        record = TopkRecorder.record
+        monkeypatch.setattr(TopkRecorder, "record", lambda self, layer, rows, topk: record(
+            self, layer, torch.where(rows >= 0, torch.arange(rows.shape[0], dtype=rows.dtype), rows), topk))
+    r = Replay(T, 24 if T == 1 else 56, seed=8)
+    w = r.world
+    batch, states = three_requests(r)
+    for step in range(6):
+        counts = {rid: 1 + (step + i) % T for i, rid in enumerate(batch)} if T > 1 else None
+        scheduled = decode_step(batch, w, T, counts)
+        r.step(batch, states, scheduled, accepted={rid: n for rid, (_, n) in scheduled.items()} if T > 1 else None)
+    if mutated:
+        with pytest.raises((AssertionError, ValueError)):
+            r.decode.close()
+            check_recorded(r, path)
+        return
+    r.decode.close()
+    check_recorded(r, path)
+
+
+def check_recorded(r, path):
+    import ess_trace
+    _, recorded = ess_trace.read_trace(str(path))
+    assert sorted(x["id"] for x in recorded) == ["a", "b"]   # the first two to decode
+    for x in recorded:
+        want = r.handed[x["id"]][:5]
+        np.testing.assert_array_equal(x["topk"], np.stack([ids for ids, _ in want]))
+        np.testing.assert_array_equal(x["lengths"], [length for _, length in want])
 
 
 @pytest.mark.parametrize("uniform", [True, False])

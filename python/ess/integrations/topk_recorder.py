@@ -168,8 +168,11 @@ class TopkRecorder:
                     self.path)
 
     # ---- the device side ----
-    def record(self, layer: int, req_pool_indices: torch.Tensor, top_k_result: torch.Tensor) -> None:
-        """Device work only (captured in a CUDA graph): the call's rows into their request's slot."""
-        B = int(req_pool_indices.shape[0])
-        slots = self._slot_of_row.index_select(0, req_pool_indices.to(torch.int64))
+    def record(self, layer: int, rows: torch.Tensor, top_k_result: torch.Tensor) -> None:
+        """Device work only (captured in a CUDA graph): each position's top-k rows into its request's slot; rows
+        are request slots (SGLang's req_pool_indices, vLLM's state indices), -1 for none."""
+        B = int(rows.shape[0])
+        rows = rows.to(torch.int64)
+        slots = self._slot_of_row.index_select(0, rows.clamp(min=0))
+        slots = torch.where(rows >= 0, slots, torch.full_like(slots, self._trash))
         self._ids[layer].index_copy_(0, slots, top_k_result.view(B, self.T, self.K))

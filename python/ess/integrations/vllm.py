@@ -34,6 +34,8 @@ import torch
 from .. import _args
 from .._errors import InvalidArgument, InvalidType
 from ..engine import Engine, ForeignPages
+from . import _device
+from .topk_recorder import TopkRecorder
 
 __all__ = ["VLLM_VERSION", "HotView", "latent_bytes", "latent_buffers", "host_pool_layout", "Scheduled",
            "scheduled_from_output", "fresh_from_output", "EssDecode", "HiSparseRuntime"]
@@ -174,6 +176,10 @@ class EssDecode:
         self.state_of: Dict[str, int] = {}     # vLLM request id -> state index (ESS request id and row)
         self.length_of: Dict[int, int] = {}    # state index -> tokens in ESS
         self.finished_since = set()            # ESS's requests vLLM finished since the last start_step
+        # ESS_RECORD_TRACE: the top-k vLLM hands the swap, recorded as a trace (topk_recorder.py), by state index.
+        self.recorder = TopkRecorder.from_environment(
+            layers=info.layers, T=T, K=K, max_reqs=max_num_reqs, device=self.device,
+            dev=_device.for_device(str(self.device)), provenance=f"vllm {VLLM_VERSION} with ess.integrations.vllm")
 
     def note_finished(self, request_ids: Iterable[str]):
         """Requests vLLM finished (the connector's get_finished, after every step, one without a forward
@@ -325,8 +331,12 @@ class EssDecode:
             else:
                 self.engine.adopt(s, length, given, row=s)
                 self.state_of[rid] = s
+                if self.recorder is not None:
+                    self.recorder.begin(s, rid, length)
             self.length_of[s] = length
         self._stage(request_ids, states, positions)
+        if self.recorder is not None:
+            self.recorder.step([s for _, _, s, _, _ in positions], [c + n for *_, c, n in positions])
 
     def _stage(self, request_ids, states, positions):
         """The step's rows, lengths and per-token maps, and the older tokens of short rows in the reserved rows."""
@@ -362,6 +372,11 @@ class EssDecode:
             staged.copy_(value)
         self.batch = len(positions)
 
+    def close(self):
+        """The recorder's trace written (ESS_RECORD_TRACE), before the engine goes."""
+        if self.recorder is not None:
+            self.recorder.close()
+
     def finish(self, request_id: str):
         """Forgets a request now (a finished one is otherwise released at the next start_step)."""
         if request_id not in self.state_of:
@@ -382,6 +397,8 @@ class EssDecode:
         if s in self.length_of:
             self.engine.release(s)
             del self.length_of[s]
+            if self.recorder is not None:
+                self.recorder.end(s)
         for rid, state in list(self.state_of.items()):
             if state == s:
                 del self.state_of[rid]
@@ -538,6 +555,8 @@ class HiSparseRuntime:
         take = (source >= 0) & (source < n) & valid.index_select(0, at)
         picked = logical_topk_indices.to(torch.int32).index_select(0, at)
         d.topk.view(B * T, K).copy_(torch.where(take.unsqueeze(1), picked, torch.full_like(picked, -1)))
+        if d.recorder is not None:
+            d.recorder.record(self.layer, d.rows, d.topk)
         d.step_binding.step(self.layer, B, stream=torch.cuda.current_stream(d.device) if d.device.type == "cuda" else None)
         if self.upstream is not None and self.upstream.is_group_leader:
             # vLLM's HiSparse statistics (worker.py get_kv_connector_stats reads the group leader's swap_stats,

@@ -88,6 +88,8 @@ class EssConnectorWorker(HiSparseConnectorWorker):
         # sits on): give the handles theirs back and close ESS's engine first.
         for i, runtime in getattr(self, "ess_upstream_runtimes", {}).items():
             self.cache_handles[i].runtime = runtime
+        if getattr(self, "ess", None) is not None:
+            self.ess.close()
         if getattr(self, "ess_engine", None) is not None:
             self.ess_engine.close()
             self.ess_engine = None

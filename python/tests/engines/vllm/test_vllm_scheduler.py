@@ -376,3 +376,21 @@ def test_entries_missing_from_vllms_host_pool_fail(tmp_path, monkeypatch):
     monkeypatch.setattr(replay_module.VllmWorld, "mirrored", lambda self, rid, first, count: None)
     with pytest.raises(AssertionError, match="other bytes"):
         serve(tmp_path, 2 << 20)
+
+
+def test_the_workload_is_recorded_under_vllms_scheduler(tmp_path, monkeypatch):
+    """ESS_RECORD_TRACE with vLLM's own scheduler (requests moving to host reads): the first requests to decode,
+    each step as the model selected its top-k and the length its last query saw."""
+    import ess_trace
+    path = tmp_path / "recorded.safetensors"
+    monkeypatch.setenv("ESS_RECORD_TRACE", str(path))
+    monkeypatch.setenv("ESS_RECORD_REQUESTS", "3")
+    monkeypatch.setenv("ESS_RECORD_STEPS", "8")
+    driven = serve(tmp_path, 2 << 20)
+    driven.replay.decode.close()
+    _, recorded = ess_trace.read_trace(str(path))
+    assert len(recorded) == 3
+    for x in recorded:
+        want = driven.replay.handed[x["id"]][:8]
+        np.testing.assert_array_equal(x["topk"], np.stack([ids for ids, _ in want]))
+        np.testing.assert_array_equal(x["lengths"], [length for _, length in want])
