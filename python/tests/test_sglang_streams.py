@@ -7,7 +7,9 @@ backend relies on and the CPU replay cannot see.
 - the forward (model_runner._forward_raw, on the forward stream) waits for that event before its KV write;
 - request_finished makes the schedule stream wait for the producer stream and the pending backup before
   the retire event it releases the request's host pages after;
-- the staging copy runs on write_staging_stream after waiting for an event recorded on the schedule stream."""
+- the staging copy runs on write_staging_stream after waiting for an event recorded on the schedule stream;
+- the top-k recorder's copy (ESS_RECORD_TRACE) runs on decode_backup_stream after the schedule and producer
+  streams, and the next forward waits for it."""
 import pytest
 
 from ess.integrations import _device
@@ -160,3 +162,28 @@ def test_staging_copies_after_the_schedule_streams_event(world):
     start_event = next(e[1] for e in entries if e[0] == "record" and e[2].name == "schedule")
     assert ("wait_event", staging, start_event) in entries[:i_copy]
     assert any(e[0] == "record" and e[2] is staging for e in entries[i_copy:])
+
+
+def test_the_recorders_copy_runs_after_the_forward_and_before_the_next(monkeypatch, tmp_path):
+    monkeypatch.setenv("ESS_RECORD_TRACE", str(tmp_path / "t.safetensors"))
+    monkeypatch.setattr(_device, "for_device", lambda device: RecordingDevice(device))
+    w = StreamWorld(12)
+    for n in (40, 70):
+        w.prefill(n)
+    w.collect()
+    coord, log = w.coord, w.coord.dev.log
+    producer, backup = coord.decode_producer_stream, coord.decode_backup_stream
+    for _ in range(3):
+        w.step()
+    entries = log.entries
+    copies = [i for i, e in enumerate(entries) if e[0] == "launch" and e[2] == "record_copy"]
+    assert len(copies) == 2, "steps 1 and 2's top-k are copied at the next step's preparation"
+    for i in copies:
+        assert entries[i][1] is backup
+        waits = preceding(entries, i, backup)
+        assert ("wait_stream", backup, producer) in waits
+        assert any(e[0] == "wait_stream" and e[2].name == "schedule" for e in waits), waits
+        j = next(k for k in range(i + 1, len(entries)) if entries[k][0] == "record" and entries[k][1] is
+                 coord._backup_done_event)
+        k = next(k for k in range(j + 1, len(entries)) if entries[k][0] == "launch" and entries[k][1] is producer)
+        assert ("wait_event", producer, coord._backup_done_event) in entries[j + 1:k]

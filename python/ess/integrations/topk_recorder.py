@@ -101,17 +101,19 @@ class TopkRecorder:
         self._free_slots.append(request.slot)
         self._finish_if_done(request)
 
-    def step(self, rows, lengths) -> None:
+    def step(self, rows, lengths, after_the_forward=None) -> None:
         """A step is prepared over `rows` (request slots) whose query tokens see `lengths` tokens: the previous
-        step's copy is taken, the one before this step's forward is enqueued."""
+        step's copy is taken, and the buffer as the last forward left it is copied to host memory. The copy runs
+        through `after_the_forward(fn)` where the step is prepared on another stream than the forward's (it must
+        then run fn after the last forward, and the next forward after fn); else on the current stream."""
         self._take_pending()
         if self._step:
             done = self.dev.Event()
 
-            def copy():
+            def record_copy():
                 self._host.copy_(self._ids[:, :self.requests], non_blocking=True)
                 done.record()
-            self.dev.launch(copy)
+            (after_the_forward or self.dev.launch)(record_copy)
             self._pending, self._step = (done, self._step), []
         for row, length in zip(rows, lengths):
             request = self._by_row.get(row)

@@ -284,7 +284,7 @@ class HiSparseCoordinator(Staging):
         self._extend_into_reserved(rows, batch.req_pool_indices, batch.out_cache_loc.to(torch.int64))
         self._verifying.update(rows)
         if self._recorder is not None:
-            self._recorder.step(rows, [self._length[row] for row in rows])
+            self._recorder.step(rows, [self._length[row] for row in rows], self._after_the_forward)
 
     def commit_spec_accept_tokens(self, batch, accept_indices) -> None:
         """run_eagle_verify, after the verify forward: accept_indices [bs, T] (int, -1 = rejected) names for each
@@ -405,7 +405,7 @@ class HiSparseCoordinator(Staging):
         self._extend_into_reserved(rows, req_pool_indices, locs)
         self._backup_due = (req_pool_indices, seq_lens)
         if self._recorder is not None:
-            self._recorder.step(rows, [self._length[row] for row in rows])
+            self._recorder.step(rows, [self._length[row] for row in rows], self._after_the_forward)
 
     def _backup_previous_step(self):
         """The previous step's newest entries (written by its forward into the reserved rows) to the host pool,
@@ -443,6 +443,18 @@ class HiSparseCoordinator(Staging):
                     binding.write_back(layer, B, stream)
             self.dev.launch(backup)
             self._backup_done_event.record()
+
+    def _after_the_forward(self, fn):
+        """fn's device work on decode_backup_stream after the current (schedule) and producer streams, as the
+        backup's; the next forward waits for it (wait_for_pending_backup)."""
+        current = self.dev.current_stream()
+        with self.dev.stream(self.decode_backup_stream):
+            self.decode_backup_stream.wait_stream(current)
+            if self.decode_producer_stream is not None:
+                self.decode_backup_stream.wait_stream(self.decode_producer_stream)
+            self.dev.launch(fn)
+            self._backup_done_event.record()
+        self._has_pending_backup = True
 
     def wait_for_pending_backup(self) -> None:
         if not self._has_pending_backup:
