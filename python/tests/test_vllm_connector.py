@@ -82,6 +82,7 @@ def connector_module(monkeypatch):
                     setattr(sys.modules[".".join(parts[:i - 1])], parts[i - 1], module)
         for key, value in members.items():
             setattr(sys.modules[name], key, value)
+    monkeypatch.setattr(sys.modules["vllm"], "__version__", adapter.VLLM_VERSION, raising=False)
     monkeypatch.delitem(sys.modules, "ess.integrations.vllm_connector", raising=False)
     import ess.integrations.vllm_connector as module
     yield module, state
@@ -365,3 +366,23 @@ def test_adaptive_verification_is_refused(connector_module):
     adaptive.speculative_config = types.SimpleNamespace(enable_adaptive_verification=True)
     with pytest.raises(ValueError, match="enable_adaptive_verification"):
         module.HiSparseConnector(adaptive, "worker", World())
+
+
+@pytest.mark.parametrize("version,checked,refused", [
+    ("0.34.0", None, True),          # another release
+    ("0.34.0", "0.34.0", False),     # re-checked against it and said so
+    ("0.34.0", "0.33.0", True),      # the override names another release
+    (None, None, True),              # no version to compare
+])
+def test_a_release_other_than_the_checked_one_is_refused_by_name(connector_module, monkeypatch, version, checked,
+                                                                  refused):
+    module, _ = connector_module
+    monkeypatch.setattr(sys.modules["vllm"], "__version__", version)
+    c = config()
+    if checked is not None:
+        c.kv_transfer_config.kv_connector_extra_config["ess_checked_vllm"] = checked
+    if refused:
+        with pytest.raises(ValueError, match=f"vLLM {version}: this connector is checked against vLLM 0.33.0"):
+            module.HiSparseConnector(c, "worker", World())
+    else:
+        assert module.HiSparseConnector(c, "worker", World()).connector_worker is not None

@@ -17,6 +17,7 @@ This module imports vLLM; the tests check it against the pinned release's source
 (test_vllm_conformance.py)."""
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -25,8 +26,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.hisparse.worker import HiSpars
 from vllm.v1.attention.backend import max_decode_query_len
 
 from ..engine import Engine
-from .vllm import (EssDecode, HiSparseRuntime, fresh_from_output, host_pool_layout, latent_buffers, latent_bytes,
-                   scheduled_from_output)
+from .vllm import (VLLM_VERSION, EssDecode, HiSparseRuntime, fresh_from_output, host_pool_layout, latent_buffers,
+                   latent_bytes, scheduled_from_output)
+
+logger = logging.getLogger("ess.integrations.vllm")
 
 
 class EssConnectorWorker(HiSparseConnectorWorker):
@@ -144,8 +147,28 @@ def leader_metadata(worker, forward_context, attn_metadata):
     return found
 
 
+def check_release(vllm_config):
+    """The connector is checked against vLLM VLLM_VERSION (its call sites, its objects' behaviour): another release
+    is refused by name, unless kv_connector_extra_config's "ess_checked_vllm" names that very release (whoever set
+    it re-ran test_vllm_conformance.py and the replays against it), which is then logged."""
+    import vllm
+    version = getattr(vllm, "__version__", None)
+    if version == VLLM_VERSION:
+        return
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    extra = (getattr(transfer, "kv_connector_extra_config", None) or {}) if transfer is not None else {}
+    if version is not None and extra.get("ess_checked_vllm") == version:
+        logger.warning("ESS's HiSparse connector runs under vLLM %s (checked against %s; ess_checked_vllm says %s "
+                       "was checked too)", version, VLLM_VERSION, version)
+        return
+    raise ValueError(f"ESS's HiSparse connector: vLLM {version}: this connector is checked against vLLM "
+                     f"{VLLM_VERSION}; re-run python/tests/test_vllm_conformance.py and the vLLM replays against "
+                     f"{version} first, then set kv_connector_extra_config \"ess_checked_vllm\": \"{version}\"")
+
+
 class HiSparseConnector(_upstream.HiSparseConnector):
     def __init__(self, vllm_config, role, kv_cache_config):
+        check_release(vllm_config)   # before anything of upstream's is built
         super().__init__(vllm_config, role, kv_cache_config)
         if self.connector_worker is not None:
             speculative = vllm_config.speculative_config
