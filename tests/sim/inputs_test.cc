@@ -37,6 +37,13 @@ TEST(sim_inputs, EveryShippedProfileLoadsWithSources) {
   EXPECT_NO_THROW(Deployment::shipped("paper-table1"));
 }
 
+TEST(sim_inputs, HardwareNamesIgnoreCaseAndAShortNameIsCompleted) {
+  EXPECT_EQ(HardwareProfile::load("H200").name, HardwareProfile::load("h200").name);
+  const std::string m = message_of([] { HardwareProfile::load("h20"); });
+  EXPECT_NE(m.find("did you mean h20-141gb or h200?"), std::string::npos) << m;
+  EXPECT_NE(m.find("configs/hardware/h200.json"), std::string::npos) << m;
+}
+
 TEST(sim_inputs, UnknownHardwareNamesTheChoices) {
   const std::string m = message_of([] { HardwareProfile::load("b200"); });
   EXPECT_NE(m.find("unknown hardware 'b200'"), std::string::npos) << m;

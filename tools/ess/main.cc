@@ -8,11 +8,13 @@
 #include <charconv>
 #include <exception>
 #include <functional>
+#include <limits>
 #include <type_traits>
 #include <map>
 #include <new>
 #include <string>
 #include <system_error>
+#include <vector>
 
 #include "commands.h"
 #include "ess/core/error.h"
@@ -43,9 +45,17 @@ T list_item(const std::string& item, const std::string& option) {
   if constexpr (std::is_same_v<T, std::string>) {
     return item;
   } else {
+    // An integer, or one with a k suffix (x 1024: "32k" = 32768, as context lengths are named).
+    const bool kilo = item.size() > 1 && (item.back() == 'k' || item.back() == 'K');
+    const std::size_t digits = item.size() - (kilo ? 1 : 0);
     T v{};
-    const auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), v);
-    ESS_CHECK(ec == std::errc{} && end == item.data() + item.size(), "{}: '{}' is not an integer", option, item);
+    const auto [end, ec] = std::from_chars(item.data(), item.data() + digits, v);
+    ESS_CHECK(ec == std::errc{} && end == item.data() + digits, "{}: '{}' is not an integer", option, item);
+    if (kilo) {
+      ESS_CHECK(v <= std::numeric_limits<T>::max() / 1024 && v >= std::numeric_limits<T>::min() / 1024,
+                "{}: '{}' is outside the {}-bit integers", option, item, 8 * sizeof(T));
+      v *= 1024;
+    }
     return v;
   }
 }
@@ -155,6 +165,58 @@ void check_subcommands(const CLI::App& app, int argc, char** argv) {
 // Exit status: 0 done; 1 a check failed (ess verify found a difference, ess plan no
 // configuration); 2 bad input (a flag, value or file refused; the message names it); 3 the
 // run could not complete (memory, disk, device); 4 an internal error (a bug in ESS).
+namespace {
+
+// Levenshtein distance: how many single-character edits turn a into b.
+std::size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<std::size_t> row(b.size() + 1);
+  for (std::size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (std::size_t i = 1; i <= a.size(); ++i) {
+    std::size_t diagonal = row[0];
+    row[0] = i;
+    for (std::size_t j = 1; j <= b.size(); ++j) {
+      const std::size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diagonal = up;
+    }
+  }
+  return row[b.size()];
+}
+
+// For an option the command line names that the chosen subcommand does not have: ": did you
+// mean --X?" with its closest option (at most 2 edits, or a prefix of one), else nothing.
+std::string did_you_mean(CLI::App& app, int argc, char** argv) {
+  CLI::App* cmd = &app;
+  for (int i = 1; i < argc; ++i) {
+    CLI::App* sub = nullptr;
+    try {
+      sub = cmd->get_subcommand(argv[i]);
+    } catch (const CLI::OptionNotFound&) {
+    }
+    if (sub != nullptr) cmd = sub;
+  }
+  std::vector<std::string> names;
+  for (const CLI::Option* o : cmd->get_options()) {
+    for (const std::string& n : o->get_lnames()) names.push_back("--" + n);
+  }
+  for (int i = 1; i < argc; ++i) {
+    std::string given = argv[i];
+    if (!given.starts_with("--") || given == "--") continue;
+    given = given.substr(0, given.find('='));
+    if (std::find(names.begin(), names.end(), given) != names.end()) continue;
+    std::string best;
+    std::size_t best_distance = 3;
+    for (const std::string& n : names) {
+      const std::size_t d = n.starts_with(given) ? 1 : edit_distance(given, n);
+      if (d < best_distance) best_distance = d, best = n;
+    }
+    if (!best.empty()) return fmt::format(": did you mean {} (for {})?", best, given);
+  }
+  return {};
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   // The program's choices, which the libraries leave to it: an interrupt removes the temporaries
   // of the outputs being written (ess/io/output_file.h), and a trace that shrinks while it is
@@ -188,7 +250,7 @@ int main(int argc, char** argv) {
   } catch (const CLI::CallForVersion& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
-    fmt::print(stderr, "ess: error: {} (see --help)\n", e.what());
+    fmt::print(stderr, "ess: error: {}{} (see --help)\n", e.what(), did_you_mean(app, argc, argv));
     return 2;
   } catch (const ess::OutOfMemory& e) {
     fmt::print(stderr, "ess: cannot complete: {}\n", e.what());

@@ -6,6 +6,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
+#include <limits>
 #include <string>
 
 #include "commands.h"
@@ -22,16 +23,27 @@ std::string base_type(const CLI::Option& o) {
 
 bool is_digits(const std::string& s) { return !s.empty() && s.find_first_not_of("0123456789") == std::string::npos; }
 
-// A decimal integer in [INT64_MIN, INT64_MAX]; leading zeros are dropped (CLI11 would read
-// "010" as octal 8), so that CLI11's own conversion reads it as written.
+// A decimal integer in [INT64_MIN, INT64_MAX], or one with a k suffix (x 1024: "32k" = 32768, as
+// context lengths are named); leading zeros are dropped (CLI11 would read "010" as octal 8), so
+// that CLI11's own conversion reads it as written.
 std::string check_int(std::string& s) {
   const bool negative = !s.empty() && s[0] == '-';
   std::string digits = negative ? s.substr(1) : s;
+  const bool kilo = digits.size() > 1 && (digits.back() == 'k' || digits.back() == 'K');
+  if (kilo) digits.pop_back();
   if (!is_digits(digits)) return "'" + s + "' is not an integer";
   digits = digits.substr(std::min(digits.find_first_not_of('0'), digits.size() - 1));
   const std::string most = negative ? "9223372036854775808" : "9223372036854775807";
   if (digits.size() > most.size() || (digits.size() == most.size() && digits > most)) {
     return "'" + s + "' is outside the 64-bit integers";
+  }
+  if (kilo) {
+    // digits fit in 2^63 (checked above); times 1024 they must still fit the 64-bit integers.
+    const unsigned long long value = std::stoull(digits);
+    const unsigned long long limit = static_cast<unsigned long long>(std::numeric_limits<std::int64_t>::max()) +
+                                     (negative ? 1ULL : 0ULL);
+    if (value > limit / 1024) return "'" + s + "' is outside the 64-bit integers";
+    digits = fmt::format("{}", value * 1024);
   }
   s = (negative ? "-" : "") + digits;
   return {};

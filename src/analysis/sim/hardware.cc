@@ -2,6 +2,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -141,20 +143,39 @@ std::vector<std::string> HardwareProfile::shipped_names() {
   return names;
 }
 
-HardwareProfile HardwareProfile::shipped(const std::string& name) {
+namespace {
+
+std::string lowercase(std::string s) {
+  std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  return s;
+}
+
+// The shipped profile a name means, ignoring case; nullptr if none.
+const shipped::Config* shipped_named(const std::string& name) {
   for (const auto& c : shipped::kHardware) {
-    if (name == c.name) {
-      return from_json(json::parse(c.json), fmt::format("configs/hardware/{}.json", c.name));
-    }
+    if (lowercase(name) == c.name) return &c;
   }
-  ESS_THROW("unknown hardware '{}': shipped profiles are {} (or give a path to a JSON file)", name,
+  return nullptr;
+}
+
+}  // namespace
+
+HardwareProfile HardwareProfile::shipped(const std::string& name) {
+  if (const shipped::Config* c = shipped_named(name)) {
+    return from_json(json::parse(c->json), fmt::format("configs/hardware/{}.json", c->name));
+  }
+  std::vector<std::string> close;
+  for (const auto& c : shipped::kHardware) {
+    if (std::string(c.name).starts_with(lowercase(name))) close.emplace_back(c.name);
+  }
+  ESS_THROW("unknown hardware '{}'{}: shipped profiles are {}; for another GPU give a JSON file with a shipped "
+            "profile's fields (configs/hardware/h200.json is one; docs/simulator.md says what each means)",
+            name, close.empty() ? "" : fmt::format(" (did you mean {}?)", fmt::join(close, " or ")),
             fmt::join(shipped_names(), ", "));
 }
 
 HardwareProfile HardwareProfile::load(const std::string& name_or_path) {
-  for (const auto& c : shipped::kHardware) {
-    if (name_or_path == c.name) return shipped(name_or_path);
-  }
+  if (shipped_named(name_or_path) != nullptr) return shipped(name_or_path);
   if (name_or_path.find('/') != std::string::npos || name_or_path.ends_with(".json") ||
       std::filesystem::exists(name_or_path)) {
     return from_file(name_or_path);
