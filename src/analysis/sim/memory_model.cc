@@ -83,7 +83,8 @@ void MemoryModel::check_fits(int batch, double slots) const {
   ESS_CHECK(slots >= min_slots(),
             "{} slots per request-layer is below the pool's floor ({} slots: {})", slots, min_slots(),
             min_slots() < std::min<std::int64_t>(std::int64_t{dep_.mtp_tokens} * model_.index_topk, context_)
-                ? "the MTP working set the miss profile measured, with its margin"
+                ? "the MTP working set, measured by --miss-profile or else the built-in locality model's, "
+                  "with its margin"
                 : "T x top-k, capped at the context");
   const double need = batch * (indexer_bytes_per_request() + latent_bytes_per_request(slots));
   ESS_CHECK(need <= cache_budget_ * (1 + 1e-12),

@@ -99,8 +99,10 @@ Offload::Impl::Impl(const OffloadConfig& c, LatentBuffer b, HostAllocator& host)
   if (config.backend == Backend::kCuda) {
     const OffloadBackendFactory make_cuda = cuda_offload_factory();
     ESS_CHECK(make_cuda != nullptr, "offload: the CUDA backend is not part of this build (nvcc was not found when it was built)");
-    ESS_CHECK(config.device < cuda_device_count(), "offload: no CUDA device {} (found {})", config.device,
-              cuda_device_count());
+    // A device that is not there is the machine's failure (exit status 3 in the CLI), not a bad argument.
+    if (config.device >= cuda_device_count()) {
+      throw_device_error(fmt::format("offload: no CUDA device {} (found {})", config.device, cuda_device_count()));
+    }
     ESS_CHECK(pool->memory_kind() == HostMemoryKind::kPinned,
               "offload: the host pool is {} memory; the CUDA backend reads it zero-copy and needs it pinned and mapped",
               to_string(pool->memory_kind()));

@@ -301,6 +301,11 @@ TEST(OffloadCpu, ConfigurationErrorsNameTheField) {
   c.backend = Backend::kCuda;
   if (!cuda_backend_built()) {
     EXPECT_NE(test::error_of([&] { Offload o(c); }).find("CUDA backend is not part of this build"), std::string::npos);
+  } else {
+    // A device that is not there is the machine's failure (the CLI's exit status 3), not a bad argument.
+    c.device = 99;
+    EXPECT_THROW({ Offload o(c); }, DeviceError);
+    c.device = 0;
   }
   c.backend = Backend::kCpu;
   LatentBuffer b;
