@@ -37,5 +37,21 @@ TEST(sim_report, RowsStandBesideTheMemoryWall) {
   EXPECT_EQ(simulate(sm, base, {64}).rows[0].paper, nullptr);
 }
 
+TEST(sim_report, ABatchThatCannotRunIsARowSayingWhyAndTheOthersRun) {
+  const StepModel sm(ModelSpec::deepseek_v32_exp(), HardwareProfile::shipped("paper-table1"),
+                     Deployment::shipped("paper-table1"));
+  Workload base;
+  const Simulation s = simulate(sm, base, {52, 4000});
+  ASSERT_EQ(s.rows.size(), 2u);
+  EXPECT_TRUE(s.rows[0].refused.empty());
+  EXPECT_GT(s.rows[0].ess.throughput_tokens_per_s, 0);
+  EXPECT_NE(s.rows[1].refused.find("batch 4000 cannot fit"), std::string::npos) << s.rows[1].refused;
+  EXPECT_NE(to_table(s).find(" 4000 does not run: batch 4000 cannot fit"), std::string::npos);
+  EXPECT_EQ(to_json(s)["rows"][1]["refused"], s.rows[1].refused);
+  EXPECT_NE(to_csv(s).find("4000,,,,,,,,,,,,,\"batch 4000 cannot fit"), std::string::npos);
+  // None runs: the reason is the error.
+  EXPECT_NE(test::error_of([&] { simulate(sm, base, {4000}); }).find("batch 4000 cannot fit"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace ess::sim

@@ -41,7 +41,8 @@ void add_sim(CLI::App& app, int& exit_code) {
       "sim",
       "Simulate decode: per batch the Sparse Memory Ratio that fits, step time and its breakdown, throughput "
       "per node and OTPS, ESS beside the all-on-GPU baseline. Default: the paper's deployment (Table 1) at 32K, "
-      "MTP 2, accept 1.7, batches 52,64,96,128,160.");
+      "MTP 2, accept 1.7, batches 52,64,96,128,160. A batch that cannot run (it does not fit, its pool is below "
+      "the floor) gets a row saying why and exit status 1; when none runs, the reason is the error.");
   args->inputs.add_to(*cmd);
   cmd->add_option("--context,-c", args->context, "Context length (tokens per request)")
       ->capture_default_str()
@@ -125,7 +126,9 @@ void add_sim(CLI::App& app, int& exit_code) {
     } else {
       fmt::print("{}", sim::to_table(result));
     }
-    exit_code = 0;
+    const bool all_run = std::all_of(result.rows.begin(), result.rows.end(),
+                                     [](const sim::SimulationRow& r) { return r.refused.empty(); });
+    exit_code = all_run ? 0 : 1;
   });
 }
 

@@ -16,6 +16,7 @@ namespace ess::sim {
 
 // One batch of a simulation: ESS beside the all-on-GPU step at the same batch.
 struct SimulationRow {
+  std::string refused;              // why this batch cannot run (the rest of the row is empty); empty: it runs
   StepResult ess;
   bool baseline_fits = false;
   StepResult baseline;              // all-on-GPU at the same batch (when it fits)

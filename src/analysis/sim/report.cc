@@ -126,15 +126,33 @@ Simulation simulate(const StepModel& sm, const Workload& base_in, const std::vec
   const bool paper_setup = s.hardware.name == "paper-table1" &&
                            s.deployment.to_json() == Deployment::shipped("paper-table1").to_json() && context == 32768 &&
                            base.ratio == 0 && base.slots == 0;
-  Timeline timeline;  // of the first row, written once every row has run
+  Timeline timeline;  // of the first row that runs, written once every row has run
   std::string timeline_title;
+  bool recorded = false;
+  std::string first_refusal;
   for (std::size_t i = 0; i < batches.size(); ++i) {
     SimulationRow row;
     Workload w = base;
     w.batch = batches[i];
-    const bool record = i == 0 && !options.timeline.empty();
-    row.ess = sm.run(w, record ? &timeline : nullptr);
+    const bool record = !recorded && !options.timeline.empty();
+    try {
+      row.ess = sm.run(w, record ? &timeline : nullptr);
+    } catch (const OutOfMemory&) {
+      throw;
+    } catch (const DeviceError&) {
+      throw;
+    } catch (const Error& e) {
+      // A batch that cannot run (it does not fit, its pool is below the floor) is a row that says why; the
+      // others still run.
+      row.refused = e.what();
+      row.ess.batch = batches[i];
+      if (first_refusal.empty()) first_refusal = e.what();
+      s.rows.push_back(row);
+      if (options.progress) options.progress(i + 1, batches.size());
+      continue;
+    }
     if (record) {
+      recorded = true;
       timeline_title = fmt::format("ess sim: {} on {}, batch {}, ratio {:.3f}, {}", s.model.name, s.hardware.name,
                                    row.ess.batch, row.ess.ratio, to_string(row.ess.overlap));
     }
@@ -151,7 +169,11 @@ Simulation simulate(const StepModel& sm, const Workload& base_in, const std::vec
     }
     s.rows.push_back(row);
     if (options.progress) options.progress(i + 1, batches.size());
-  }  if (!options.timeline.empty() && !batches.empty()) timeline.write(options.timeline, timeline_title);
+  }
+  // No batch runs: the reason is the command's error, as it was for one batch.
+  ESS_CHECK(std::any_of(s.rows.begin(), s.rows.end(), [](const SimulationRow& r) { return r.refused.empty(); }), "{}",
+            first_refusal);
+  if (recorded) timeline.write(options.timeline, timeline_title);
 
   return s;
 }
@@ -200,6 +222,10 @@ nlohmann::json to_json(const Simulation& s) {
   j["baseline"] = s.wall_fits ? row_json(s.wall) : nlohmann::json(nullptr);
   nlohmann::json arr = nlohmann::json::array();
   for (const SimulationRow& r : s.rows) {
+    if (!r.refused.empty()) {
+      arr.push_back({{"batch", r.ess.batch}, {"refused", r.refused}});
+      continue;
+    }
     nlohmann::json e = row_json(r.ess);
     e["host_dram_fits"] = r.ess.host_pool_gb_per_node <= s.hardware.host_dram_gb;
     e["host_bandwidth_fits"] = r.ess.h2d_gbps_per_node <= s.hardware.host_dram_bandwidth_gbps;
@@ -219,14 +245,22 @@ nlohmann::json to_json(const Simulation& s) {
 std::string to_csv(const Simulation& s) {
   std::string out =
       "batch,ratio,slots,overlap,step_ms,throughput_tokens_per_s,otps,compute_ms,exposed_comm_ms,"
-      "exposed_transfer_ms,misses_per_request_layer,gain_vs_baseline,all_on_gpu_throughput_tokens_per_s\n";
+      "exposed_transfer_ms,misses_per_request_layer,gain_vs_baseline,all_on_gpu_throughput_tokens_per_s,refused\n";
   for (const SimulationRow& r : s.rows) {
     const StepResult& e = r.ess;
+    if (!r.refused.empty()) {
+      std::string why = r.refused;
+      std::replace(why.begin(), why.end(), '"', '\'');
+      fmt::format_to(std::back_inserter(out), "{},,,,,,,,,,,,,\"{}\"\n", e.batch, why);
+      continue;
+    }
     fmt::format_to(std::back_inserter(out), "{},{:.4f},{},{},{:.3f},{:.1f},{:.3f},{:.3f},{:.3f},{:.3f},{:.1f},{},{}\n",
                    e.batch, e.ratio, e.slots, to_string(e.overlap), ms(e.step_us), e.throughput_tokens_per_s, e.otps,
                    ms(e.compute_us), ms(e.exposed_comm_us), ms(e.exposed_transfer_us), e.misses_per_request_layer,
                    s.wall_fits ? fmt::format("{:.4f}", s.gain(e)) : "",
                    r.baseline_fits ? fmt::format("{:.1f}", r.baseline.throughput_tokens_per_s) : "");
+    out.pop_back();
+    out += ",\n";
   }
   return out;
 }
@@ -266,6 +300,10 @@ std::string to_table(const Simulation& s) {
   add("\n");
   for (const SimulationRow& r : s.rows) {
     const StepResult& e = r.ess;
+    if (!r.refused.empty()) {
+      add("{:>5} does not run: {}\n", e.batch, r.refused);
+      continue;
+    }
     add("{:>5} {:>6.3f} {:>6} {:>8.2f} {:>8.2f} {:>7.2f} {:>7.2f} {:>7.1f} {:>11.0f} {:>7.2f} {:>6.1f}% {:>11}", e.batch,
         e.ratio, e.slots, ms(e.step_us), ms(e.compute_us), ms(e.exposed_comm_us), ms(e.exposed_transfer_us),
         e.misses_per_request_layer, e.throughput_tokens_per_s, e.otps, 100 * s.gain(e),
@@ -278,6 +316,7 @@ std::string to_table(const Simulation& s) {
   }
   for (const SimulationRow& r : s.rows) {
     const StepResult& e = r.ess;
+    if (!r.refused.empty()) continue;
     if (e.host_pool_gb_per_node > hw.host_dram_gb) {
       add("\nwarning: batch {}: the node's Total Memory Pool ({:.0f} GB) exceeds host DRAM ({} GB)", e.batch,
           e.host_pool_gb_per_node, hw.host_dram_gb);
