@@ -72,7 +72,14 @@ void add_gen(CLI::App& parent) {
       p.validate("--layers");
     }
     const auto t0 = std::chrono::steady_clock::now();
-    trace::generate_trace(p, a->config, a->output);
+    Progress progress("requests generated");
+    trace::generate_trace(
+        p, a->config, a->output,
+        [&](double bytes) {
+          // A file of a size worth knowing is announced before it is written.
+          if (bytes >= 1e8) fmt::print(stderr, "trace gen: writing {:.2f} GB to {}\n", bytes / 1e9, a->output);
+        },
+        [&](std::size_t done, std::size_t total) { progress(done, total); });
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const double ids = static_cast<double>(a->config.requests) * static_cast<double>(a->config.steps) * p.layers * p.mtp * p.topk;
     if (a->format == Format::kJson) {

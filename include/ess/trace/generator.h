@@ -27,6 +27,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -97,7 +98,11 @@ RequestData generate_request(const GeneratorProfile& profile, std::int64_t conte
 
 TraceMeta synthetic_meta(const GeneratorProfile& profile, const GenerateConfig& config);
 
-// Generates and writes a whole trace, one request at a time (memory: one request).
-void generate_trace(const GeneratorProfile& profile, const GenerateConfig& config, const std::string& path);
+// Generates and writes a whole trace, one request at a time (memory: one request). `size`, when
+// set, is told the file's size in bytes once every check has passed, before anything is written;
+// `progress` after each request.
+void generate_trace(const GeneratorProfile& profile, const GenerateConfig& config, const std::string& path,
+                    const std::function<void(double bytes)>& size = nullptr,
+                    const std::function<void(std::size_t done, std::size_t total)>& progress = nullptr);
 
 }  // namespace ess::trace

@@ -594,7 +594,9 @@ TraceMeta synthetic_meta(const GeneratorProfile& p, const GenerateConfig& c) {
   return m;
 }
 
-void generate_trace(const GeneratorProfile& p, const GenerateConfig& c, const std::string& path) {
+void generate_trace(const GeneratorProfile& p, const GenerateConfig& c, const std::string& path,
+                    const std::function<void(double bytes)>& size,
+                    const std::function<void(std::size_t done, std::size_t total)>& progress) {
   // Every argument before any file: a refused one leaves the target as it was.
   ESS_CHECK(!c.contexts.empty(), "trace gen: no context length given");
   ESS_CHECK(c.requests >= 1 && c.requests <= (1 << 20), "trace gen: requests {} must be in [1, 2^20]", c.requests);
@@ -635,11 +637,13 @@ void generate_trace(const GeneratorProfile& p, const GenerateConfig& c, const st
     shapes.push_back({fmt::format("synthetic-{}", i), c.steps, static_cast<int>(std::min<std::int64_t>(p.prefill_windows, ctx)), ctx,
                       {}, 0});
   }
+  if (size) size(bytes);
   TraceWriter w(path, synthetic_meta(p, c), shapes);
   for (int i = 0; i < c.requests; ++i) {
     const auto ctx = c.contexts[static_cast<std::size_t>(i) % c.contexts.size()];
     const RequestData r = generate_request(p, ctx, c.steps, c.seed, i);
     w.write_request(static_cast<std::size_t>(i), r.topk, r.lengths, r.prefill);
+    if (progress) progress(static_cast<std::size_t>(i) + 1, static_cast<std::size_t>(c.requests));
   }
   w.close();
 }
