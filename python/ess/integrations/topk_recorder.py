@@ -38,9 +38,10 @@ class TopkRecorder:
     """The device side, graph-safe and per call: each swap copies its requests' top-k rows into the recorder's
     buffer ([layers, slots + 1, T, K]) at their request's slot, every other position (not recorded, padding) into
     the last, discarded slot; a micro-batch's call records its own rows. The host side, once per step at the
-    step's preparation (step()): the buffer as the previous step's forward left it is copied to host memory on the
-    current stream (stream-ordered after that forward, before this step's), and taken one step later, when the copy
-    is long done, so that recording never waits for the device."""
+    step's preparation (step()): the buffer as the previous step's forward left it is copied to host memory, after
+    that forward and before this step's, with the rows that began or ended since mapped then (never under a
+    forward in flight), and taken one step later, when the copy is long done, so that recording never waits for the
+    device."""
 
     def __init__(self, path: str, *, layers: int, T: int, K: int, max_reqs: int, device, dev, requests: int,
                  steps: int, model: str, provenance: str):
@@ -63,6 +64,7 @@ class TopkRecorder:
         self._done: List[_Request] = []
         self._begun = 0
         self._step: List[tuple] = []          # (request, length) of the step being run
+        self._remap: Dict[int, int] = {}      # row -> slot (or the discard) from the next step on
         self._pending: Optional[tuple] = None  # (event, [(request, length)]) copied, not taken
         self._written = False
 
@@ -83,22 +85,21 @@ class TopkRecorder:
 
     # ---- the host side ----
     def begin(self, row: int, rid, context: int) -> None:
-        """The request in request slot `row` enters decode with `context` tokens (recorded while slots last)."""
-        if self._begun == self.requests or not self._free_slots or row in self._by_row:
+        """The request in request slot `row` enters decode with `context` tokens (the first `requests` ones are
+        recorded, each in a slot of its own: slots are never reused)."""
+        if self._begun == self.requests or row in self._by_row:
             return
         request = _Request(rid, context, self._free_slots.pop())
         self._by_row[row] = request
         self._begun += 1
-        self.dev.launch(lambda: self._slot_of_row[row].fill_(request.slot))
+        self._remap[row] = request.slot
 
     def end(self, row: int) -> None:
         request = self._by_row.pop(row, None)
         if request is None:
             return
         request.ended = True
-        self.dev.launch(lambda: self._slot_of_row[row].fill_(self._trash))
-        # The slot's last step is copied at the next step's preparation, before any forward writes it again.
-        self._free_slots.append(request.slot)
+        self._remap[row] = self._trash
         self._finish_if_done(request)
 
     def step(self, rows, lengths, after_the_forward=None) -> None:
@@ -107,14 +108,22 @@ class TopkRecorder:
         through `after_the_forward(fn)` where the step is prepared on another stream than the forward's (it must
         then run fn after the last forward, and the next forward after fn); else on the current stream."""
         self._take_pending()
-        if self._step:
-            done = self.dev.Event()
+        # The buffer as the last forward left it, then the rows that began or ended since (a forward still in
+        # flight may record a request that has ended: its row keeps its slot until that forward is done).
+        copy, remap = bool(self._step), sorted(self._remap.items())
+        self._remap = {}
+        if copy or remap:
+            done = self.dev.Event() if copy else None
 
             def record_copy():
-                self._host.copy_(self._ids[:, :self.requests], non_blocking=True)
-                done.record()
+                if copy:
+                    self._host.copy_(self._ids[:, :self.requests], non_blocking=True)
+                    done.record()
+                for row, slot in remap:
+                    self._slot_of_row[row].fill_(slot)
             (after_the_forward or self.dev.launch)(record_copy)
-            self._pending, self._step = (done, self._step), []
+            if copy:
+                self._pending, self._step = (done, self._step), []
         for row, length in zip(rows, lengths):
             request = self._by_row.get(row)
             if request is not None and len(request.lengths) + request.open_steps < self.steps:

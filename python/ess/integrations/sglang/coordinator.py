@@ -13,8 +13,9 @@ from ... import _args
 from ..._errors import InvalidArgument
 from ...engine import Engine
 from .. import _device
-from ._common import (ENTRY_BYTES, SGLANG_VERSION, HiSparseAct, SpecScratch, _claim_top_rows, _cuda_index, _entry_rows, _int,
-                      _int_tensor, _ints, _keep, _return_top_rows, _sglang_setting, _token_stats_type)
+from ._common import (ENTRY_BYTES, SGLANG_VERSION, HiSparseAct, SpecScratch, _claim_top_rows, _cuda_index,
+                      _entry_rows, _int, _int_tensor, _ints, _keep, _return_top_rows, _sglang_setting,
+                      _token_stats_type)
 from ..topk_recorder import TopkRecorder
 from .forward_batches import ForwardBatches
 from .host_pool import HostPool
