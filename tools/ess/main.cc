@@ -139,13 +139,15 @@ namespace {
 
 // A word where a subcommand must stand that names none: CLI11 would say only that one is
 // required (or that the word was not expected).
-void check_subcommands(const CLI::App& app, int argc, char** argv) {
+// The subcommand the command line's leading words name (options and their values follow them);
+// a word that names none is refused with the choices.
+const CLI::App* chosen_subcommand(const CLI::App& app, int argc, char** argv) {
   const CLI::App* at = &app;
   for (int i = 1; i < argc; ++i) {
     const std::string word = argv[i];
-    if (word.empty() || word[0] == '-') return;  // options (and their values) from here on
+    if (word.empty() || word[0] == '-') return at;  // options (and their values) from here on
     const auto subs = at->get_subcommands([](const CLI::App*) { return true; });
-    if (subs.empty()) return;
+    if (subs.empty()) return at;
     const CLI::App* next = nullptr;
     std::string names;
     for (const CLI::App* s : subs) {
@@ -158,6 +160,7 @@ void check_subcommands(const CLI::App& app, int argc, char** argv) {
     }
     at = next;
   }
+  return at;
 }
 
 }  // namespace
@@ -185,16 +188,8 @@ std::size_t edit_distance(const std::string& a, const std::string& b) {
 
 // For an option the command line names that the chosen subcommand does not have: ": did you
 // mean --X?" with its closest option (at most 2 edits, or a prefix of one), else nothing.
-std::string did_you_mean(CLI::App& app, int argc, char** argv) {
-  CLI::App* cmd = &app;
-  for (int i = 1; i < argc; ++i) {
-    CLI::App* sub = nullptr;
-    try {
-      sub = cmd->get_subcommand(argv[i]);
-    } catch (const CLI::OptionNotFound&) {
-    }
-    if (sub != nullptr) cmd = sub;
-  }
+std::string did_you_mean(const CLI::App& app, int argc, char** argv) {
+  const CLI::App* cmd = chosen_subcommand(app, argc, argv);   // checked before the parse: no word refused here
   std::vector<std::string> names;
   for (const CLI::Option* o : cmd->get_options()) {
     for (const std::string& n : o->get_lnames()) names.push_back("--" + n);
@@ -241,7 +236,7 @@ int main(int argc, char** argv) {
     return 0;
   }
   try {
-    check_subcommands(app, argc, argv);
+    chosen_subcommand(app, argc, argv);   // an unknown subcommand refused by name, before CLI11 parses
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
     return app.exit(e);

@@ -59,7 +59,6 @@ class TopkRecorder:
         self._ids = torch.full((layers, requests + 1, T, K), -1, dtype=torch.int32, device=device)
         pinned = getattr(dev, "is_cuda", False)
         self._host = torch.empty((layers, requests, T, K), dtype=torch.int32, pin_memory=pinned)
-        self._free_slots = list(range(requests))[::-1]
         self._by_row: Dict[int, _Request] = {}
         self._done: List[_Request] = []
         self._begun = 0
@@ -89,7 +88,7 @@ class TopkRecorder:
         recorded, each in a slot of its own: slots are never reused)."""
         if self._begun == self.requests or row in self._by_row:
             return
-        request = _Request(rid, context, self._free_slots.pop())
+        request = _Request(rid, context, self._begun)   # slots in order of admission
         self._by_row[row] = request
         self._begun += 1
         self._remap[row] = request.slot

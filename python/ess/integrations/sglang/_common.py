@@ -86,10 +86,9 @@ def _keep(tensor, stream):
 
 def _sglang_setting(bag: str, path: str):
     """A setting of the running SGLang: sglang.srt.runtime_context's `bag`() and the dotted `path` in it (0.5.23
-    nests its namespaces: get_exec().overlap.enable_two_batch_overlap), or None outside SGLang or before its
-    server has published the namespace (the coordinator reads the settings again at the first step). A
-    published namespace without the path is refused by name (a setting read as None would silently allow
-    what it guards)."""
+    nests its namespaces: get_disagg().disaggregation_mode), or None outside SGLang or before its server has
+    published the namespace. A published namespace without the path is refused by name (a setting read as None
+    would silently allow what it guards)."""
     try:
         from sglang.srt import runtime_context
     except ImportError:  # not inside SGLang (tests, other engines)

@@ -431,30 +431,28 @@ class HiSparseCoordinator(Staging):
     def _launch_backup(self, binding, B, stage, producer=None):
         """On decode_backup_stream, after the current stream (and `producer`): `stage` fills the binding's
         tensors, then every layer's write-back; the backup event is recorded when it ends."""
+        def backup():
+            stage()
+            stream = self.dev.handle(self.decode_backup_stream)
+            for layer in range(self.layer_num):
+                binding.write_back(layer, B, stream)
+        self._on_backup_stream(backup, producer)
+
+    def _on_backup_stream(self, fn, producer=None):
+        """fn's device work on decode_backup_stream after the current stream (and `producer`), the backup event
+        recorded after it (wait_for_pending_backup makes the next forward wait for that event)."""
         current = self.dev.current_stream()
         with self.dev.stream(self.decode_backup_stream):
             self.decode_backup_stream.wait_stream(current)
             if producer is not None:
                 self.decode_backup_stream.wait_stream(producer)
-
-            def backup():
-                stage()
-                stream = self.dev.handle(self.decode_backup_stream)
-                for layer in range(self.layer_num):
-                    binding.write_back(layer, B, stream)
-            self.dev.launch(backup)
+            self.dev.launch(fn)
             self._backup_done_event.record()
 
     def _after_the_forward(self, fn):
-        """fn's device work on decode_backup_stream after the current (schedule) and producer streams, as the
-        backup's; the next forward waits for it (wait_for_pending_backup)."""
-        current = self.dev.current_stream()
-        with self.dev.stream(self.decode_backup_stream):
-            self.decode_backup_stream.wait_stream(current)
-            if self.decode_producer_stream is not None:
-                self.decode_backup_stream.wait_stream(self.decode_producer_stream)
-            self.dev.launch(fn)
-            self._backup_done_event.record()
+        """fn's device work after the current (schedule) and producer streams, as the backup's; the next forward
+        waits for it."""
+        self._on_backup_stream(fn, self.decode_producer_stream)
         self._has_pending_backup = True
 
     def wait_for_pending_backup(self) -> None:

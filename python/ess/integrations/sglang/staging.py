@@ -26,7 +26,7 @@ class Staging:
         if req_to_host_pool is not self._req_to_host_pool or allocated_len is not self.req_to_host_pool_allocated_len:
             raise InvalidArgument("alloc_paged_token_slots: pass the coordinator's own req_to_host_pool and "
                                   "req_to_host_pool_allocated_len")
-        if idx in self._length or idx in self._direct:
+        if self._holds(idx):
             # A request in ESS: its host pages follow its length (ESS's own write-back fills them), so the slots
             # already allocated are returned, as upstream returns them; growing past them is ESS's own.
             have = int(allocated_len[idx])
@@ -45,6 +45,10 @@ class Staging:
         self._host_admit(idx, n)
         self._direct[idx] = n
         return req_to_host_pool[idx, :n]
+
+    def _holds(self, idx: int) -> bool:
+        """Whether the request slot is ESS's: decoding, or received by a PD transfer and not yet admitted."""
+        return idx in self._length or idx in self._direct
 
     def _host_admit(self, idx: int, n: int) -> None:
         """The request enters ESS with n tokens (host pages, zeroed; all-or-nothing) and, as upstream's
@@ -73,7 +77,7 @@ class Staging:
         pages and layer); collect_ready_reqs hands the request to decode."""
         idx = _int("req_pool_idx", req.kv.req_pool_idx)
         n = _int("extend_end", req.extend_end)
-        if idx in self._length or idx in self._direct:
+        if self._holds(idx):
             raise InvalidArgument(f"admit_request_into_staging: request slot {idx} is already in ESS")
         self._host_admit(idx, n)   # host pages (all-or-nothing) and req_to_host_pool, as upstream
         req.hisparse_staging = True
@@ -103,8 +107,13 @@ class Staging:
         n = _int("extend_end", req.extend_end)
         # The prefill's device slots go back to SGLang's allocator (and its mapping to 0).
         self.token_to_kv_pool_allocator.free_hisparse(self.req_to_token_pool.req_to_token[idx, :n])
+        self._join_decode(req, idx, n)
+
+    def _join_decode(self, req, idx: int, n: int):
+        """The request's first residency (warmed up from its host pages) and newest entries: it decodes from here."""
         self.engine.warmup(idx, self._warmup_windows(n))
         self._load_newest(idx, n)
+        self._direct.pop(idx, None)
         self._length[idx] = n
         req.hisparse_staging = False
         if self._recorder is not None:
@@ -144,13 +153,7 @@ class Staging:
                 f"admit_request_direct: request slot {idx} with {n} tokens was not received through "
                 f"mem_pool_host.alloc_paged_token_slots" + (f" (it received {self._direct[idx]})" if idx in self._direct
                                                             else ""))
-        self.engine.warmup(idx, self._warmup_windows(n))
-        self._load_newest(idx, n)
-        del self._direct[idx]
-        self._length[idx] = n
-        req.hisparse_staging = False
-        if self._recorder is not None:
-            self._recorder.begin(idx, req.rid, n)
+        self._join_decode(req, idx, n)
 
     def has_ongoing_staging(self) -> bool:
         return len(self.ack_staging_queue) > 0
