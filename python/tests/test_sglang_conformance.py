@@ -200,3 +200,49 @@ def test_the_settings_read_are_in_the_release():
         assert any(grep in open(os.path.join(root, f), encoding="utf-8").read()
                    for root, _, files in os.walk(os.path.join(SOURCE, "srt")) for f in files if f.endswith(".py")), \
             f"the release never reads {grep}"
+
+
+def _function(path, cls_name, name):
+    tree = ast.parse(open(os.path.join(SOURCE, path), encoding="utf-8").read())
+    scope = tree if cls_name is None else next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls_name)
+    return next(n for n in scope.body if isinstance(n, ast.FunctionDef) and n.name == name)
+
+
+def test_the_da_hooks_bind_to_the_release():
+    """What overlap.py relies on in the release's DSA decode (layers/attention/dsa_backend.py) and its FlashMLA
+    interface: forward_decode(self, q, k, v, layer, forward_batch, ...) reads self.hisparse_coordinator, swaps with
+    layer.layer_id and dispatches on self.dsa_decode_impl; _forward_flashmla_kv imports flash_mla_with_kvcache
+    from the interface module inside the function (resolved at each call, so ESS's wrapper is what it calls) and
+    passes the swap's table as indices=page_table_1.unsqueeze(1) by keyword; the interface returns (out, lse);
+    merge_state(prefix_output, prefix_lse, suffix_output, suffix_lse, ...)."""
+    from ess.integrations.sglang import overlap
+    dsa = os.path.join("srt", "layers", "attention", "dsa_backend.py")
+    decode = _function(dsa, "DeepseekSparseAttnBackend", "forward_decode")
+    assert [a.arg for a in decode.args.args[:6]] == ["self", "q", "k", "v", "layer", "forward_batch"]
+    source = ast.unparse(decode)
+    for needed in ("self.hisparse_coordinator.swap_in_selected_pages(", "layer.layer_id",
+                   "self._resolve_kpool_tail_backend(topk_indices, self.dsa_decode_impl)",
+                   "dsa_impl == 'flashmla_kv'", "self._forward_flashmla_kv("):
+        assert needed in source, needed
+    kv = _function(dsa, "DeepseekSparseAttnBackend", "_forward_flashmla_kv")
+    local = [n for n in ast.walk(kv) if isinstance(n, ast.ImportFrom)]
+    assert [(n.module, [a.name for a in n.names]) for n in local] == \
+        [(overlap.FLASH_MLA_INTERFACE, ["flash_mla_with_kvcache"])]
+    calls = [n for n in ast.walk(kv) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "flash_mla_with_kvcache"]
+    assert len(calls) == 1 and not calls[0].args
+    kwargs = {k.arg: ast.unparse(k.value) for k in calls[0].keywords}
+    assert "indices" in ast.unparse(kv) and "indices = page_table_1.unsqueeze(1)" in ast.unparse(kv)
+    assert kwargs["indices"] == "indices" and kwargs["is_fp8_kvcache"] == "True"
+    # The kpool tail rule only reroutes flashmla_sparse: a flashmla_kv decode stays flashmla_kv.
+    kpool = ast.unparse(_function(os.path.join("srt", "layers", "attention", "dsa", "dsa_backend_kpool.py"),
+                                  "DeepseekSparseAttnBackendKPoolMixin", "_resolve_kpool_tail_backend"))
+    assert "dsa_impl != 'flashmla_sparse'" in kpool
+    interface = _function(os.path.join("kernels", "ops", "attention", "flash_mla_interface.py"), None,
+                          "flash_mla_with_kvcache")
+    assert ast.unparse(interface.returns) == "Tuple[torch.Tensor, torch.Tensor]"
+    assert "indices" in [a.arg for a in interface.args.args]
+    merge = _function(os.path.join("srt", "layers", "attention", "merge_state.py"), None, "merge_state")
+    assert [a.arg for a in merge.args.args[:4]] == ["prefix_output", "prefix_lse", "suffix_output", "suffix_lse"]
+    # The backend's __init__ sets the attribute forward_decode dispatches on.
+    init = ast.unparse(_function(dsa, "DeepseekSparseAttnBackend", "__init__"))
+    assert "self.dsa_decode_impl: _DSA_IMPL_T = get_exec().kernel.dsa_decode_backend" in init

@@ -19,7 +19,10 @@ LAUNCH_SERVER = textwrap.dedent('''
     def which():
         # ModelRunner.maybe_init_hisparse_coordinator imports the class at the call
         from sglang.srt.managers.hisparse_coordinator import HiSparseCoordinator
-        return HiSparseCoordinator.__module__
+        # the attention backends' registry imports the DSA backend
+        from sglang.srt.layers.attention.dsa_backend import DeepseekSparseAttnBackend
+        wrapped = getattr(DeepseekSparseAttnBackend.forward_decode, "ess_original", None) is not None
+        return HiSparseCoordinator.__module__ + ("+da" if wrapped else "")
 
     def child(q):
         q.put(which())
@@ -41,6 +44,12 @@ def fake_sglang(root: Path, version: str):
     (pkg / "srt" / "__init__.py").write_text("")
     (pkg / "srt" / "managers" / "__init__.py").write_text("")
     (pkg / "srt" / "managers" / "hisparse_coordinator.py").write_text("class HiSparseCoordinator:\n    pass\n")
+    (pkg / "srt" / "layers" / "attention").mkdir(parents=True)
+    (pkg / "srt" / "layers" / "__init__.py").write_text("")
+    (pkg / "srt" / "layers" / "attention" / "__init__.py").write_text("")
+    (pkg / "srt" / "layers" / "attention" / "dsa_backend.py").write_text(
+        "class DeepseekSparseAttnBackend:\n    def forward_decode(self, q, k, v, layer, forward_batch):\n"
+        "        pass\n")
     (pkg / "launch_server.py").write_text(LAUNCH_SERVER)
 
 
@@ -56,7 +65,7 @@ def launch(tmp_path, version):
 def test_the_launcher_installs_in_every_process(tmp_path):
     r = launch(tmp_path, "0.5.23")
     assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == ["parent", "ess.integrations.sglang", "child", "ess.integrations.sglang",
+    assert r.stdout.split() == ["parent", "ess.integrations.sglang+da", "child", "ess.integrations.sglang+da",
                                 "args", "--enable-hisparse", "--tp", "1"], r.stdout
 
 
@@ -71,8 +80,11 @@ def test_install_replaces_an_imported_module(tmp_path, monkeypatch):
     code = ("import sglang.srt.managers.hisparse_coordinator as m\n"
             "from ess.integrations import sglang as a\n"
             "old = m.HiSparseCoordinator\n"
+            "import sglang.srt.layers.attention.dsa_backend as d\n"
+            "decode = d.DeepseekSparseAttnBackend.forward_decode\n"
             "a.install(); a.install()\n"
             "assert m.HiSparseCoordinator is a.HiSparseCoordinator and m.ESS_REPLACED is old\n"
+            "assert d.DeepseekSparseAttnBackend.forward_decode.ess_original is decode\n"
             "print('ok')\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(PYTHON_DIR), str(tmp_path)]))
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)

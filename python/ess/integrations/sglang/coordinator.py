@@ -19,6 +19,7 @@ from ._common import (ENTRY_BYTES, SGLANG_VERSION, HiSparseAct, SpecScratch, _cl
 from ..topk_recorder import TopkRecorder
 from .forward_batches import ForwardBatches
 from .host_pool import HostPool
+from .overlap import DecodeSplit, check_decode_backend, register, schedule_from_environment, unregister
 from .staging import Staging
 
 logger = logging.getLogger("ess.integrations.sglang")
@@ -89,6 +90,10 @@ class HiSparseCoordinator(Staging):
         max_context = req_to_token_pool.max_context_len
         self.max_batch = max_reqs
         host_bytes = self._check_settings(kvcache, max_reqs, max_context, host_to_device_ratio)
+        # ESS_OVERLAP: each layer's schedule in the DSA backend's decode (overlap.py).
+        self.overlap = schedule_from_environment(self.layer_num)
+        if "da" in self.overlap:
+            check_decode_backend(_sglang_setting("get_exec", "kernel.dsa_decode_backend"), "ESS_OVERLAP = da")
         rows_per_request = self.device_buffer_size + self.T
         if self.pd_decode:
             keep_min, why = max_reqs, "one slot per request: SGLang's PD transfer budget"
@@ -101,6 +106,8 @@ class HiSparseCoordinator(Staging):
             self._build(kvcache, max_reqs, rows_per_request, host_bytes, host_to_device_ratio, device,
                         shared_index_layers, tp_group)
         except BaseException:
+            if getattr(self, "decode_split", None) is not None:
+                unregister(self.decode_split)
             if self.engine is not None:
                 self.engine.close()
             _return_top_rows(token_to_kv_pool_allocator)
@@ -173,9 +180,16 @@ class HiSparseCoordinator(Staging):
         self._padded_rows = torch.zeros((max_reqs,), dtype=torch.bool, device=device)
         self._row_zero = torch.zeros((max_reqs,), dtype=torch.bool, device=device)
         self._arange = torch.arange(max_reqs, **i32)
+        # With a DA layer, the steps also give each query row's resident and fetched rows, and the copy runs on a
+        # stream of its own (overlap.py).
+        self.decode_split = None
+        if "da" in self.overlap:
+            self.decode_split = DecodeSplit(self.dev, max_reqs, self.T, self.top_k, device)
+            register(self.decode_split)
         # The rows and lengths of each batch a forward swaps for (the whole batch, or two-batch overlap's
         # micro-batches), each with its bound step.
-        self._batches = ForwardBatches(self.engine, max_reqs, self._topk, self._physical, device)
+        self._batches = ForwardBatches(self.engine, max_reqs, self._topk, self._physical, device,
+                                       None if self.decode_split is None else self.decode_split.outputs())
         # ESS_RECORD_TRACE: the top-k SGLang hands the swap, recorded as a trace (topk_recorder.py).
         self._recorder = TopkRecorder.from_environment(
             layers=self.layer_num, T=self.T, K=self.top_k, max_reqs=max_reqs, device=device, dev=self.dev,
@@ -357,6 +371,8 @@ class HiSparseCoordinator(Staging):
         raise InvalidArgument("swap_in_selected_blocks (MiniMax's block swap-in) is not served by ESS")
 
     def destroy(self) -> None:
+        if self.decode_split is not None:
+            unregister(self.decode_split)
         if self._recorder is not None:
             self._recorder.close()
         self.write_staging_stream.synchronize()
@@ -486,6 +502,9 @@ class HiSparseCoordinator(Staging):
                                   f"{T} query tokens")
 
         rows, lengths, step, first = self._batches.slot(layer, req_pool_indices)
+        # DA: forward_decode armed this layer (overlap.py); its FlashMLA call reads the split this swap leaves.
+        split = self.decode_split
+        da = split is not None and split.armed == layer_id
 
         def swap():
             # Device work only (a CUDA graph replays it without this Python): the batch's rows and lengths at its
@@ -505,10 +524,15 @@ class HiSparseCoordinator(Staging):
             self._topk[:B].view(top_k_result.shape).copy_(top_k_result)
             if self._recorder is not None:
                 self._recorder.record(layer, req_pool_indices, top_k_result)
+            if da:
+                split.step(step, layer, B, self.row_base)
+                return
             step.step(layer, B, self.dev.handle(self.dev.current_stream()))
             phys = self._physical[:B]
             torch.add(phys, self.row_base, out=self._locs[:B])
             torch.lt(phys, 0, out=self._padding[:B])
             self._locs[:B].masked_fill_(self._padding[:B], -1)
         self.dev.launch(swap)
+        if da:
+            return split.leave(B, expected)
         return self._locs[:B].view(expected)

@@ -26,9 +26,10 @@ class ForwardBatches:
 
     LIMIT = 3   # the whole batch and two micro-batches
 
-    def __init__(self, engine, max_reqs: int, topk: torch.Tensor, physical: torch.Tensor, device):
+    def __init__(self, engine, max_reqs: int, topk: torch.Tensor, physical: torch.Tensor, device, outputs=None):
         self._engine, self._max_reqs, self._device = engine, max_reqs, device
         self._topk, self._physical = topk, physical
+        self._outputs = outputs or {}   # the DA split's resident / fetched outputs, shared as the physical rows
         self._slots: List[Tuple[torch.Tensor, torch.Tensor, object]] = []
         self._seen = {}   # (address, size) -> slot, this forward
         self._last_layer = None
@@ -55,6 +56,7 @@ class ForwardBatches:
             i32 = dict(dtype=torch.int32, device=self._device)
             rows = torch.full((self._max_reqs,), -1, **i32)
             lengths = torch.zeros((self._max_reqs,), **i32)
-            self._slots.append((rows, lengths, self._engine.bind_step(rows, self._topk, lengths, self._physical)))
+            self._slots.append((rows, lengths, self._engine.bind_step(rows, self._topk, lengths, self._physical,
+                                                                    **self._outputs)))
         self._seen[key] = index
         return self._slots[index] + (True,)

@@ -1,4 +1,5 @@
-"""install(): ESS's coordinator where SGLang's ModelRunner imports HiSparse's."""
+"""install(): ESS's coordinator where SGLang's ModelRunner imports HiSparse's, and the DSA backend's decode wrapped
+for ESS's DA overlap (overlap.py)."""
 from __future__ import annotations
 
 import logging
@@ -6,30 +7,46 @@ import logging
 from ..._errors import InvalidArgument
 from ._common import SGLANG_VERSION
 from .coordinator import HiSparseCoordinator
+from .overlap import patch_backend
 
 logger = logging.getLogger("ess.integrations.sglang")
 
 UPSTREAM_MODULE = "sglang.srt.managers.hisparse_coordinator"
+DSA_BACKEND_MODULE = "sglang.srt.layers.attention.dsa_backend"
 
 
-def _replace(module):
+def _check_release():
     import sglang
     version = getattr(sglang, "__version__", None)
     if version != SGLANG_VERSION:
         raise InvalidArgument(f"sglang {version}: this adapter is checked against sglang {SGLANG_VERSION} "
                               "(re-run its conformance test against the new release first)")
+
+
+def _replace(module):
+    _check_release()
     if module.HiSparseCoordinator is not HiSparseCoordinator:
         module.ESS_REPLACED = module.HiSparseCoordinator
         module.HiSparseCoordinator = HiSparseCoordinator
         logger.info("ESS: %s.HiSparseCoordinator is ESS's", module.__name__)
 
 
+def _wrap_decode(module):
+    """DeepseekSparseAttnBackend.forward_decode: SGLang's own unless ESS's coordinator runs DA on the layer."""
+    _check_release()
+    patch_backend(module.DeepseekSparseAttnBackend)
+
+
+_PATCHES = {UPSTREAM_MODULE: _replace, DSA_BACKEND_MODULE: _wrap_decode}
+
+
 class _Finder:
-    """Replaces the class as soon as SGLang imports its module (ModelRunner.maybe_init_hisparse_coordinator
-    imports it when it builds the coordinator)."""
+    """Patches each module as soon as SGLang imports it (ModelRunner.maybe_init_hisparse_coordinator imports the
+    coordinator's module when it builds the coordinator; the attention backends' registry imports dsa_backend)."""
 
     def find_spec(self, name, path=None, target=None):
-        if name != UPSTREAM_MODULE:
+        patch = _PATCHES.get(name)
+        if patch is None:
             return None
         import importlib.machinery
         spec = importlib.machinery.PathFinder.find_spec(name, path)
@@ -39,20 +56,25 @@ class _Finder:
 
         def exec_module(module, _exec=loader.exec_module):
             _exec(module)
-            _replace(module)
+            patch(module)
         spec.loader.exec_module = exec_module
         return spec
 
 
 def install():
     """Puts ESS's coordinator where SGLang's ModelRunner takes HiSparse's from
-    (sglang.srt.managers.hisparse_coordinator.HiSparseCoordinator), in this process: at once if SGLang's module
-    is imported, else when it is. SGLang builds its model runners in spawned processes, which do not inherit
-    this: launch with `python -m ess.integrations.sglang_launch ...` (every process of the server then installs
-    it at start-up), or call install() at the start of each process. Refuses another sglang release."""
+    (sglang.srt.managers.hisparse_coordinator.HiSparseCoordinator) and wraps the DSA backend's forward_decode for
+    ESS_OVERLAP = da, in this process: at once for a module already imported, else when it is. SGLang builds its
+    model runners in spawned processes, which do not inherit this: launch with
+    `python -m ess.integrations.sglang_launch ...` (every process of the server then installs it at start-up), or
+    call install() at the start of each process. Refuses another sglang release."""
     import sys
-    module = sys.modules.get(UPSTREAM_MODULE)
-    if module is not None:
-        _replace(module)
-    elif not any(isinstance(f, _Finder) for f in sys.meta_path):
+    pending = False
+    for name, patch in _PATCHES.items():
+        module = sys.modules.get(name)
+        if module is not None:
+            patch(module)
+        else:
+            pending = True
+    if pending and not any(isinstance(f, _Finder) for f in sys.meta_path):
         sys.meta_path.insert(0, _Finder())

@@ -138,7 +138,7 @@ class World:
     def prefill(self, rid, n):
         s = self.s
         idx = s.req_to_token_pool.alloc_rows(1)[0]
-        self.full[rid] = self.rng.integers(0, 256, (LAYERS, CTX, ENTRY), dtype=np.uint8)
+        self.full[rid] = self.entries()
         zero, length = torch.tensor([0]), torch.tensor([n])
         locs = s.allocator.alloc_extend(prefix_lens=zero, prefix_lens_cpu=zero, seq_lens=length,
                                         seq_lens_cpu=length, last_loc=torch.tensor([-1]), extend_num_tokens=n)
@@ -152,8 +152,34 @@ class World:
         s.coord.admit_request_into_staging(req)
         return req
 
+    def entries(self):
+        """A request's full cache, [layers][context][656] bytes (any bytes: the swap moves them unread)."""
+        return self.rng.integers(0, 256, (LAYERS, CTX, ENTRY), dtype=np.uint8)
+
     def collect(self):
         return [r.rid for r in self.s.coord.collect_ready_reqs()]
+
+    def prepare_decode(self):
+        """ScheduleBatch.prepare_for_decode for every running request: alloc_decode (SGLang's paged allocator, its
+        real last_loc rule), seq_lens += 1, map_last_loc_to_buffer; then the forward's wait_for_pending_backup and
+        num_real_reqs. Returns (rids, req_pool_indices, seq_lens, the new tokens' device slots)."""
+        s, c = self.s, self.s.coord
+        rids = list(self.reqs)
+        idx = torch.tensor([self.reqs[r].kv.req_pool_idx for r in rids])
+        lens = torch.tensor([self.length[r] for r in rids])
+        last = torch.stack([s.req_to_token_pool.req_to_token[int(i), int(n) - 1].to(torch.int64)
+                            for i, n in zip(idx, lens)])
+        out_cache_loc = s.allocator.alloc_decode(lens + 1, lens + 1, last)
+        for r, i, loc in zip(rids, idx.tolist(), out_cache_loc.tolist()):
+            s.req_to_token_pool.req_to_token[i, self.length[r]] = loc
+            self.length[r] += 1
+            self.reqs[r].kv.kv_allocated_len = self.length[r]
+        lens = lens + 1
+        c.map_last_loc_to_buffer(lens, out_cache_loc, idx, lens.clone(), idx.clone())
+        c.wait_for_pending_backup()
+        c.num_real_reqs.fill_(len(rids))
+        device = s.device_pool.translate_loc_from_full_to_hisparse_device(out_cache_loc.to(torch.int64))
+        return rids, idx, lens, device
 
     def host_table(self, rid):
         """req_to_host_pool's row as SGLang reads it: how many slots, distinct, and the allocated length."""
@@ -220,21 +246,7 @@ def test_decode_serves_the_full_caches_bytes_among_sglangs_pools(micro_batches):
         w.prefill(rid, n)
     assert sorted(w.collect()) == ["a", "b", "c"]
     for step in range(6):
-        rids = list(w.reqs)
-        idx = torch.tensor([w.reqs[r].kv.req_pool_idx for r in rids])
-        lens = torch.tensor([w.length[r] for r in rids])
-        last = torch.stack([s.req_to_token_pool.req_to_token[int(i), int(n) - 1].to(torch.int64)
-                            for i, n in zip(idx, lens)])
-        out_cache_loc = s.allocator.alloc_decode(lens + 1, lens + 1, last)   # ScheduleBatch.prepare_for_decode
-        for r, i, loc in zip(rids, idx.tolist(), out_cache_loc.tolist()):
-            s.req_to_token_pool.req_to_token[i, w.length[r]] = loc
-            w.length[r] += 1
-            w.reqs[r].kv.kv_allocated_len = w.length[r]
-        lens = lens + 1
-        c.map_last_loc_to_buffer(lens, out_cache_loc, idx, lens.clone(), idx.clone())
-        c.wait_for_pending_backup()
-        c.num_real_reqs.fill_(len(rids))
-        device = s.device_pool.translate_loc_from_full_to_hisparse_device(out_cache_loc.to(torch.int64))
+        rids, idx, lens, device = w.prepare_decode()
         half, width = len(rids) // 2, len(rids) - len(rids) // 2
         parts = [(0, len(rids))] if not micro_batches else [(0, half), (half, len(rids))]
         for layer in range(LAYERS):

@@ -1,0 +1,240 @@
+"""The DA overlap in SGLang 0.5.23's DSA decode: attention over a layer's resident rows runs while its misses are
+copied, then over the fetched rows, the two partial states merged by their log-sum-exp.
+
+What runs, per layer whose schedule is DA, in DeepseekSparseAttnBackend.forward_decode (layers/attention/
+dsa_backend.py), all of it SGLang's own code but for the marked steps:
+
+  forward_decode         the wrapper (patch_backend) arms the coordinator for this layer [ESS], then SGLang's own
+                         forward_decode runs: the KV write, q, _pad_topk_indices, then
+  swap_in_selected_pages the swap decision on the current stream, the misses copied by FlashTrans on the
+                         coordinator's copy stream after it, its event recorded when the copy ends [ESS]; returns
+                         the resident table (each query row's rows that were in place before the step, -1 after)
+  _forward_flashmla_kv   SGLang's own preparation (q heads padded, the cache viewed as pages, FlashMLA's metadata),
+                         then flash_mla_interface.flash_mla_with_kvcache, which ESS wraps (patch_flashmla): for the
+                         armed resident table it runs SGLang's FlashMLA call twice, Attn0 over the resident rows
+                         (beside the copy), the current stream's wait for the copy's event, Attn1 over the fetched
+                         rows, and merges the two (out, lse) [ESS]; SGLang then trims the padded heads as always.
+
+FlashMLA's sparse decode returns the natural-log LSE [b, h_q, s_q] and, for a query row whose indices are all -1,
+an output of 0 and an LSE of +inf (FlashMLA tests/ref.py, ref_sparse_attn_decode); SGLang's merge_state
+(layers/attention/merge_state.py: +inf taken as -inf) merges on CUDA, ESS's merge_states below on the host and
+for rows where both parts are empty (CUDA graph padding), which stay FlashMLA's empty row.
+
+Only the FlashMLA FP8 decode (dsa decode backend flashmla_kv, HiSparse's default for the FP8 cache ESS serves)
+returns the LSE a merge needs; a DA schedule under another decode backend is refused by name. The paper's PreAttn
+deferral (q_b_proj, the absorb bmm and RoPE moved into the copy window) is not done: in 0.5.23 q is computed by
+the model's forward_prepare before the indexer runs, and the swap happens inside forward_decode, after both."""
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Optional
+
+import torch
+
+from ..._errors import InvalidArgument
+
+MODES = ("none", "da")
+NOT_SERVED = {
+    "dba": "DBA splits the indexer along the batch, which runs in the model's forward_prepare, outside the "
+           "attention backend ESS hooks",
+    "layerwise": "layer-wise chooses DA or DBA per layer, and DBA is not served inside SGLang",
+}
+DA_DECODE_BACKENDS = ("flashmla_kv",)
+FLASH_MLA_INTERFACE = "sglang.kernels.ops.attention.flash_mla_interface"
+
+
+def schedule_from_environment(layers: int) -> list:
+    """ESS_OVERLAP (none | da; default none): the schedule of each of the pool's layers."""
+    value = os.environ.get("ESS_OVERLAP", "none").strip().lower()
+    if value in NOT_SERVED:
+        raise InvalidArgument(f"ESS_OVERLAP = {value}: not served inside SGLang yet ({NOT_SERVED[value]}); "
+                              f"use one of {', '.join(MODES)} (ess bench step runs dba and layerwise)")
+    if value not in MODES:
+        raise InvalidArgument(f"ESS_OVERLAP = {value!r}: one of {', '.join(MODES)}")
+    return [value] * layers
+
+
+def check_decode_backend(impl: Optional[str], where: str) -> None:
+    if impl is not None and impl not in DA_DECODE_BACKENDS:
+        raise InvalidArgument(
+            f"{where}: ESS_OVERLAP = da needs the dsa decode backend {' or '.join(DA_DECODE_BACKENDS)} (FlashMLA's "
+            f"FP8 sparse decode, which returns the log-sum-exp the two parts are merged by); this server runs "
+            f"{impl!r}: pass --dsa-decode-backend flashmla_kv, or ESS_OVERLAP = none")
+
+
+def merge_states(o0, lse0, o1, lse1):
+    """Two partial attention states over disjoint index sets merged: o [N, H, D], lse [N, H] natural-log, +inf for a
+    part that selected nothing (FlashMLA's empty row). Returns (o in o0's dtype, lse float32); a row where both parts
+    are empty stays FlashMLA's empty row (o 0, lse +inf). Where one part is empty the other is returned bit for bit
+    (its weight is exp(0) = 1, the empty one's exp(-inf) = 0)."""
+    inf = float("inf")
+    a = lse0.float().masked_fill(lse0 == inf, -inf)
+    b = lse1.float().masked_fill(lse1 == inf, -inf)
+    m = torch.maximum(a, b)
+    empty = m == -inf
+    m = m.masked_fill(empty, 0.0)
+    wa, wb = torch.exp(a - m), torch.exp(b - m)
+    total = (wa + wb).masked_fill(empty, 1.0)
+    o = o0.float() * (wa / total).unsqueeze(-1) + o1.float() * (wb / total).unsqueeze(-1)
+    lse = (m + torch.log(total)).masked_fill(empty, inf)
+    return o.to(o0.dtype), lse
+
+
+def _merge_on_device(o0, lse0, o1, lse1):
+    """SGLang's merge_state on CUDA (one fused kernel), ESS's merge_states elsewhere; rows empty in both parts
+    (CUDA graph padding) are FlashMLA's empty row either way."""
+    if not o0.is_cuda:
+        return merge_states(o0, lse0, o1, lse1)
+    from sglang.srt.layers.attention.merge_state import merge_state
+    o, lse = merge_state(o0, lse0, o1, lse1)
+    inf = float("inf")
+    both = (lse0 == inf) & (lse1 == inf)
+    o.masked_fill_(both.unsqueeze(-1), 0.0)
+    lse.masked_fill_(both, inf)
+    return o, lse
+
+
+class DecodeSplit:
+    """A coordinator's DA state: the resident and fetched tables of the layer swapped last (bound outputs of its
+    steps, SGLang device-pool slots after the swap), the copy stream and its event, and which layer forward_decode
+    armed. The split a swap leaves is consumed by the FlashMLA call that reads its resident table."""
+
+    def __init__(self, dev, max_reqs: int, T: int, K: int, device):
+        i32 = dict(dtype=torch.int32, device=device)
+        self.dev = dev
+        self.resident = torch.full((max_reqs, T, K), -1, **i32)
+        self.fetched = torch.full((max_reqs, T, K), -1, **i32)
+        self.resident_count = torch.zeros((max_reqs, T), **i32)
+        self.fetched_count = torch.zeros((max_reqs, T), **i32)
+        self.resident_locs = torch.full((max_reqs, T, K), -1, **i32)
+        self.fetched_locs = torch.full((max_reqs, T, K), -1, **i32)
+        self._padding = torch.zeros((max_reqs, T, K), dtype=torch.bool, device=device)
+        self.copy_stream = dev.Stream()
+        self.copy_done = dev.Event()
+        if dev.is_cuda:
+            # torch creates a CUDA event at its first record: until then its handle is 0, which ESS's step would take
+            # for "no event" and the wait for would skip.
+            self.copy_done.record(dev.current_stream())
+        self.armed = None      # the layer id forward_decode armed, or None
+        self.pending = None    # (resident view, fetched view) the swap left for the FlashMLA call
+
+    def outputs(self) -> dict:
+        return dict(resident=self.resident, fetched=self.fetched, resident_count=self.resident_count,
+                    fetched_count=self.fetched_count)
+
+    def step(self, step, layer: int, B: int, row_base: int) -> None:
+        """The swap's device work (inside the coordinator's launch): the decision on the current stream, the copy on
+        the copy stream, its event recorded after it; then both tables as device-pool slots (-1 kept)."""
+        dev = self.dev
+        if dev.is_cuda:
+            step.step_async(layer, B, 0, dev.handle(dev.current_stream()), self.copy_stream, self.copy_done)
+        else:
+            step.step(layer, B)   # the host backend copies in the step itself
+        for ids, locs in ((self.resident, self.resident_locs), (self.fetched, self.fetched_locs)):
+            torch.add(ids[:B], row_base, out=locs[:B])
+            torch.lt(ids[:B], 0, out=self._padding[:B])
+            locs[:B].masked_fill_(self._padding[:B], -1)
+
+    def leave(self, B: int, shape):
+        self.pending = (self.resident_locs[:B].view(shape), self.fetched_locs[:B].view(shape))
+        return self.pending[0]
+
+    def wait_for_copy(self) -> None:
+        """The current stream waits for the copy's event (Attn1 reads the fetched rows after it)."""
+        self.copy_done.wait(self.dev.current_stream())
+
+    def take(self, indices):
+        """The pending split whose resident table `indices` is (FlashMLA's indices: the table, unsqueezed), or
+        None for any other call."""
+        if self.pending is None or indices is None:
+            return None
+        resident, fetched = self.pending
+        if indices.data_ptr() != resident.data_ptr() or indices.numel() != resident.numel():
+            return None
+        self.pending = None
+        return fetched.view(indices.shape)
+
+
+_SPLITS = []   # the DecodeSplit of every live coordinator that serves DA (a process usually has one)
+
+
+def register(split: DecodeSplit) -> None:
+    _SPLITS.append(split)
+
+
+def unregister(split: DecodeSplit) -> None:
+    if split in _SPLITS:
+        _SPLITS.remove(split)
+
+
+def _wrap_flash_mla(original):
+    def flash_mla_with_kvcache(*args, **kwargs):
+        indices = kwargs.get("indices")
+        for split in _SPLITS:
+            fetched = split.take(indices)
+            if fetched is not None:
+                break
+        else:
+            return original(*args, **kwargs)
+        o0, lse0 = original(*args, **kwargs)                # Attn0: the resident rows, beside the copy
+        split.wait_for_copy()                               # the fetched rows are in place after this
+        kwargs["indices"] = fetched
+        o1, lse1 = original(*args, **kwargs)                # Attn1: the fetched rows
+        b, s_q, h, d = o0.shape
+        # FlashMLA: out [b, s_q, h_q, dv], lse [b, h_q, s_q]; merged per (query row, head).
+        o, lse = _merge_on_device(o0.reshape(b * s_q, h, d), lse0.transpose(1, 2).reshape(b * s_q, h),
+                                  o1.reshape(b * s_q, h, d), lse1.transpose(1, 2).reshape(b * s_q, h))
+        return o.view(b, s_q, h, d), lse.view(b, s_q, h).transpose(1, 2)
+    flash_mla_with_kvcache.ess_original = original
+    return flash_mla_with_kvcache
+
+
+def patch_flashmla(module) -> None:
+    """sglang.kernels.ops.attention.flash_mla_interface.flash_mla_with_kvcache wrapped (the DSA backend imports it
+    from the module at each call); calls that do not read an armed resident table pass through unchanged."""
+    if getattr(module.flash_mla_with_kvcache, "ess_original", None) is None:
+        module.flash_mla_with_kvcache = _wrap_flash_mla(module.flash_mla_with_kvcache)
+
+
+def unpatch_flashmla(module) -> None:
+    original = getattr(module.flash_mla_with_kvcache, "ess_original", None)
+    if original is not None:
+        module.flash_mla_with_kvcache = original
+
+
+def _wrap_forward_decode(original):
+    def forward_decode(self, q, k, v, layer, forward_batch, *args, **kwargs):
+        coordinator = getattr(self, "hisparse_coordinator", None)
+        split = getattr(coordinator, "decode_split", None)
+        if split is None or coordinator.overlap[layer.layer_id - coordinator.start_layer] != "da":
+            return original(self, q, k, v, layer, forward_batch, *args, **kwargs)
+        check_decode_backend(self.dsa_decode_impl, f"layer {layer.layer_id}")
+        # The module as _forward_flashmla_kv's own import resolves it (sys.modules, by its full name).
+        patch_flashmla(importlib.import_module(FLASH_MLA_INTERFACE))
+        split.armed, split.pending = layer.layer_id, None
+        try:
+            out = original(self, q, k, v, layer, forward_batch, *args, **kwargs)
+        finally:
+            split.armed = None
+        if split.pending is not None:
+            split.pending = None
+            raise RuntimeError(f"layer {layer.layer_id}: ESS's DA swap returned the resident rows only, and the "
+                               f"decode kernel did not read them through FlashMLA's flash_mla_with_kvcache "
+                               f"(dsa decode backend {self.dsa_decode_impl!r})")
+        return out
+    forward_decode.ess_original = original
+    return forward_decode
+
+
+def patch_backend(cls) -> None:
+    """DeepseekSparseAttnBackend.forward_decode wrapped: arms ESS's DA for the layers whose schedule is DA, else
+    SGLang's own forward_decode unchanged."""
+    if getattr(cls.forward_decode, "ess_original", None) is None:
+        cls.forward_decode = _wrap_forward_decode(cls.forward_decode)
+
+
+def unpatch_backend(cls) -> None:
+    original = getattr(cls.forward_decode, "ess_original", None)
+    if original is not None:
+        cls.forward_decode = original
