@@ -66,17 +66,25 @@ function(ess_add_emulation_test name)
   target_link_libraries(${name} PRIVATE Boost::context)
 endfunction()
 
-# ess_add_emulated_cuda_test(<name> <sources...>)
+# ess_add_emulated_cuda_test(<name> <sources...> [STREAM_ORDERS <order>...])
 # A GPU test's own source (cuda_<op>_test's) built against the emulated CUDA target
 # (src/testing/emulated_cuda): the backend's host code and launches run on the CPU, each kernel's
 # CTA program on the CTA emulator. Label emulation; test names prefixed "emulated_cuda.".
+# STREAM_ORDERS (streams.h: lazy:SEED): the tests run again under each order, named
+# "emulated_cuda.StreamOrder.<order>." (ctest -L emulation -R StreamOrder).
 function(ess_add_emulated_cuda_test name)
   if(ESS_SANITIZE OR NOT Boost_context_FOUND)
     return()
   endif()
-  add_executable(${name} ${ARGN})
+  cmake_parse_arguments(E "" "" "STREAM_ORDERS" ${ARGN})
+  add_executable(${name} ${E_UNPARSED_ARGUMENTS})
   target_link_libraries(${name} PRIVATE ess_cuda_emulated ess_runtime_host GTest::gtest GTest::gtest_main ess_flags)
   target_include_directories(${name} PRIVATE ${PROJECT_SOURCE_DIR}/src ${PROJECT_SOURCE_DIR}/tests)
   target_compile_definitions(${name} PRIVATE ESS_SOURCE_DIR="${PROJECT_SOURCE_DIR}")
   gtest_discover_tests(${name} TEST_PREFIX "emulated_cuda." PROPERTIES LABELS emulation DISCOVERY_TIMEOUT 60)
+  foreach(order IN LISTS E_STREAM_ORDERS)
+    string(REPLACE ":" "" tag "${order}")
+    gtest_discover_tests(${name} TEST_PREFIX "emulated_cuda.StreamOrder.${tag}."
+      PROPERTIES LABELS emulation ENVIRONMENT "ESS_EMU_STREAM_ORDER=${order}" DISCOVERY_TIMEOUT 60)
+  endforeach()
 endfunction()

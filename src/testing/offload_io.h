@@ -17,11 +17,19 @@ struct OffloadStepIn {
   int batch = 0;
   std::vector<std::int32_t> rows, topk, lengths;
   bool split = false;                             // ask for the DA split
+  // CUDA: the fetch on a stream of its own (LayerStep::copy_stream, copy_done), which the step's
+  // stream waits for before the outputs are read, as DA's attention over the fetched rows does;
+  // wait_for_copy = false leaves the wait out (a consumer with the bug, for the stream-order tests).
+  bool copy_stream = false;
+  bool wait_for_copy = true;
   int query_begin = 0, query_end = 0;             // LayerStep's query group (0, 0 = all T)
 };
 
 struct OffloadStepOut {
   std::vector<std::int32_t> physical, resident, fetched, resident_count, fetched_count, counts;
+  // CUDA with copy_stream: the layer's buffer as work on the step's stream reads it right after
+  // the step (and its wait for the copy), before anything else synchronizes; else empty.
+  std::vector<std::uint8_t> seen;
 };
 
 struct OffloadIo {

@@ -4,6 +4,8 @@
 // (src/testing/CMakeLists.txt).
 #include <cuda_runtime_api.h>
 
+#include <optional>
+
 #include "testing/device_io.h"
 #include "testing/offload_io.h"
 
@@ -54,9 +56,27 @@ OffloadStepOut cuda_step(Offload& o, const OffloadStepIn& in) {
     s.fetched_count = d_fc.get();
   }
   s.stream = stream.get();
+  std::optional<CallStream> copy;
+  cudaEvent_t done = nullptr;
+  if (in.copy_stream) {
+    copy.emplace();
+    ESS_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "offload io: event");
+    s.copy_stream = copy->get();
+    s.copy_done = done;
+  }
   o.step(s);
-  stream.sync("step");
   OffloadStepOut out;
+  if (in.copy_stream) {
+    if (in.wait_for_copy) ESS_CUDA_CHECK(cudaStreamWaitEvent(stream.get(), done, 0), "offload io: waiting for the copy");
+    // What attention on the step's stream would read: the layer's rows, taken on that stream.
+    out.seen.resize(buffer_extent(o));
+    ESS_CUDA_CHECK(cudaMemcpyAsync(out.seen.data(), o.buffer().layer_base[static_cast<std::size_t>(in.layer)], out.seen.size(),
+                                   cudaMemcpyDeviceToHost, stream.get()),
+                   "offload io: reading layer {} on the step's stream", in.layer);
+  }
+  // Only the step's stream: what it did not wait for may still be pending.
+  stream.sync("step");
+  if (done != nullptr) cudaEventDestroy(done);
   out.physical = download(d_phys);
   out.counts = download(d_counts);
   if (in.split) {

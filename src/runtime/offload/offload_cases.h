@@ -157,6 +157,7 @@ TEST_P(OffloadShapes, MatchesTheModelAndIsLossless) {
       in.layer = layer;
       in.batch = R + pads;
       in.split = true;
+      in.copy_stream = step % 2 == 1;  // DA's fetch on its own stream, read after its event
       const std::size_t P = static_cast<std::size_t>(T) * K;
       for (const int i : order) {
         if (i < 0) {
@@ -178,7 +179,8 @@ TEST_P(OffloadShapes, MatchesTheModelAndIsLossless) {
         in.topk.insert(in.topk.end(), ids.begin(), ids.end());
       }
       const StepOut got = io().step(o, in);
-      const std::vector<std::uint8_t> buf = io().dump(o, layer);
+      // With the fetch on its own stream, the rows as the step's stream reads them after its wait.
+      const std::vector<std::uint8_t> buf = got.seen.empty() ? io().dump(o, layer) : got.seen;
       ASSERT_EQ(got.physical.size(), in.topk.size());
       for (int b = 0; b < in.batch; ++b) {
         const auto bz = static_cast<std::size_t>(b);

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "device.h"
+#include "streams.h"
 #include "ess/ops/flashtrans.h"
 #include "ess/runtime/offload.h"
 #include "runtime/cuda/backend_impl.h"
@@ -75,7 +76,13 @@ TEST(EmulatedCuda, AKernelWritingPastItsAllocationFails) {
   s.topk_ids = ids.get();
   s.lengths = lengths.get();
   int e = 0;
-  EXPECT_NONFATAL_FAILURE(e = cuda::launch_mask_ids(s, lru_ids.get(), nullptr), "was written out of range");
+  // In issue order the launch reports it; in a lazy one the synchronization that runs it.
+  EXPECT_NONFATAL_FAILURE(
+      {
+        e = cuda::launch_mask_ids(s, lru_ids.get(), nullptr);
+        if (e == cudaSuccess) e = cudaDeviceSynchronize();
+      },
+      "was written out of range");
   EXPECT_EQ(e, cudaErrorIllegalAddress);
   (void)cudaGetLastError();
   std::memset(static_cast<void*>(lru_ids.get() + B * K - 1), Device::kGuardByte, 4);  // mend the guard for the free
@@ -91,7 +98,12 @@ TEST(EmulatedCuda, FlashTransAccessesOutsideEveryAllocationFail) {
   std::vector<std::uint8_t> keep(1 << 21);  // the stray address is host memory the test owns
   c.dst_base = keep.data();
   c.dst_offsets = dof.get();
-  EXPECT_NONFATAL_FAILURE((void)cuda::flashtrans_cuda(c, nullptr), "lies outside every allocation");
+  EXPECT_NONFATAL_FAILURE(
+      {
+        (void)cuda::flashtrans_cuda(c, nullptr);
+        (void)cudaDeviceSynchronize();
+      },
+      "lies outside every allocation");
 }
 
 // One Offload on the CUDA backend: admit, warm-up, a step with the DA split on the copy
@@ -180,6 +192,128 @@ TEST(EmulatedCuda, TheCpuBackendHoldsNoDeviceBytes) {
   const Offload o(c);
   EXPECT_EQ(o.device_bytes(), 0u);
   EXPECT_EQ(Device::get().live_device_bytes(), before);
+}
+
+// ---- stream order (streams.h): work runs when a synchronization needs it ----
+
+// Sets a lazy order for one test and restores the one before.
+class LazyOrder {
+ public:
+  explicit LazyOrder(std::uint64_t seed) : before_(stream_order()) { set_stream_order({true, seed}); }
+  ~LazyOrder() { set_stream_order(before_); }
+
+ private:
+  StreamOrder before_;
+};
+
+class StreamOrderSeeds : public ::testing::TestWithParam<std::uint64_t> {};
+
+// Stream B reads what stream A wrote: with B's wait for A's event the read sees A's bytes in
+// every order; without it a lazy order has not run A's work when B is synchronized.
+TEST_P(StreamOrderSeeds, WorkOnAnotherStreamIsSeenOnlyAfterItsEvent) {
+  LazyOrder lazy(GetParam());
+  cuda::DeviceBuffer<std::uint8_t> buf(64);
+  std::uint8_t* host = nullptr;
+  ASSERT_EQ(cudaHostAlloc(&host, 64, cudaHostAllocMapped), cudaSuccess);
+  cudaStream_t a = nullptr, b = nullptr;
+  cudaEvent_t ev = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_EQ(cudaStreamCreateWithFlags(&b, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_EQ(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), cudaSuccess);
+  for (const bool wait : {true, false}) {
+    ASSERT_EQ(cudaMemsetAsync(buf.get(), wait ? 7 : 9, 64, a), cudaSuccess);
+    ASSERT_EQ(cudaEventRecord(ev, a), cudaSuccess);
+    if (wait) {
+      ASSERT_EQ(cudaStreamWaitEvent(b, ev, 0), cudaSuccess);
+    }
+    ASSERT_EQ(cudaMemcpyAsync(host, buf.get(), 64, cudaMemcpyDeviceToHost, b), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(b), cudaSuccess);
+    // With the wait, A's 7s; without it, still the 7s of before: A's 9s have not run.
+    EXPECT_EQ(host[0], 7) << (wait ? "after the wait" : "no wait");
+    EXPECT_EQ(cudaStreamSynchronize(a), cudaSuccess);
+  }
+  std::uint8_t now = 0;
+  ASSERT_EQ(cudaMemcpy(&now, buf.get(), 1, cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(now, 9);  // A's work ran once its own stream was synchronized
+  cudaEventDestroy(ev);
+  cudaStreamDestroy(a);
+  cudaStreamDestroy(b);
+  cudaFreeHost(host);
+}
+
+// A blocking stream and the legacy stream order each other; a non-blocking stream does neither.
+TEST_P(StreamOrderSeeds, TheLegacyStreamWaitsForBlockingStreamsOnly) {
+  LazyOrder lazy(GetParam());
+  cuda::DeviceBuffer<std::uint8_t> x(16), y(16);
+  cudaStream_t blocking = nullptr, free = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&blocking, cudaStreamDefault), cudaSuccess);
+  ASSERT_EQ(cudaStreamCreateWithFlags(&free, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_EQ(cudaMemsetAsync(x.get(), 1, 16, blocking), cudaSuccess);
+  ASSERT_EQ(cudaMemsetAsync(y.get(), 2, 16, free), cudaSuccess);
+  std::uint8_t hx = 0, hy = 0;
+  ASSERT_EQ(cudaMemcpy(&hx, x.get(), 1, cudaMemcpyDeviceToHost), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(&hy, y.get(), 1, cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(hx, 1);
+  EXPECT_EQ(hy, Device::kPoisonByte);  // the non-blocking stream's memset has not run
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(&hy, y.get(), 1, cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(hy, 2);
+  cudaStreamDestroy(blocking);
+  cudaStreamDestroy(free);
+}
+
+// The CUDA backend's DA fetch on its own stream: a consumer that waits for copy_done reads the
+// host pool's entries in every order; one that forgets the wait reads rows the copy has not
+// filled yet, and the test sees it.
+TEST_P(StreamOrderSeeds, TheFetchOnTheCopyStreamIsReadOnlyAfterCopyDone) {
+  LazyOrder lazy(GetParam());
+  const int K = 16;
+  OffloadConfig c;
+  c.layers = 1;
+  c.layout = test::small_layout();
+  c.max_requests = 1;
+  c.topk = K;
+  c.slots = 24;
+  c.max_context = 256;
+  c.backend = Backend::kCuda;
+  const std::size_t E = c.layout.bytes();
+  for (const bool wait : {true, false}) {
+    Offload o(c);
+    o.admit(5, 200);
+    for (std::int64_t t = 0; t < 200; ++t) std::memset(o.host_entry(5, 0, t).data(), static_cast<int>(t % 251) + 1, E);
+    const auto& io = test::offload_io(Backend::kCuda);
+    test::OffloadStepIn in;
+    in.batch = 1;
+    in.rows = {o.row(5)};
+    in.lengths = {200};
+    for (int i = 0; i < K; ++i) in.topk.push_back(10 * i);  // nothing resident yet: every id is fetched
+    in.split = true;
+    in.copy_stream = true;
+    in.wait_for_copy = wait;
+    const test::OffloadStepOut got = io.step(o, in);
+    const std::vector<std::uint8_t>& buf = got.seen;  // read on the step's stream
+    int wrong = 0;
+    for (int i = 0; i < K; ++i) {
+      const std::uint8_t* row = buf.data() + o.buffer().rows.offset(got.physical[static_cast<std::size_t>(i)]);
+      wrong += row[0] != static_cast<std::uint8_t>((10 * i) % 251 + 1);
+    }
+    if (wait) {
+      EXPECT_EQ(wrong, 0) << "seed " << GetParam();
+    } else {
+      EXPECT_EQ(wrong, K) << "seed " << GetParam() << ": without the wait the fetched rows are read before the copy";
+    }
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Lazy, StreamOrderSeeds, ::testing::Values(1u, 2u, 3u));
+
+TEST(StreamOrder, TheOrderIsParsedAndRefusedByName) {
+  EXPECT_FALSE(StreamOrder::parse("issue").lazy);
+  EXPECT_EQ(StreamOrder::parse("lazy:42").seed, 42u);
+  for (const char* bad : {"", "lazy", "lazy:", "lazy:-1", "lazy:x", "random:1", "lazy:123456789012345678901"}) {
+    EXPECT_THROW((void)StreamOrder::parse(bad), std::invalid_argument) << bad;
+  }
 }
 
 }  // namespace

@@ -7,9 +7,11 @@
 #include <cuda_runtime.h>
 
 #include <cstring>
+#include <memory>
 #include <string>
 
 #include "device.h"
+#include "streams.h"
 #include "runtime/cuda/backend_impl.h"
 #include "runtime/cuda/smem_limit.h"
 #include "runtime/offload/offload_cta.h"
@@ -45,13 +47,18 @@ cudaError_t admit(const char* kernel, long long blocks, int threads, std::size_t
   return cudaSuccess;
 }
 
-// Runs `program` as the launch, then checks the device's guards.
+// Issues `program` as the launch on `stream` (streams.h: it runs at once, or when a synchronization
+// needs it), then checks the device's guards. The program holds copies of its arguments, as a
+// launch's parameters are copied when it is issued.
 template <typename Program>
-cudaError_t run(const char* kernel, long long blocks, int threads, std::size_t smem, Program&& program) {
-  emu::launch(kernel, static_cast<unsigned>(blocks), threads, smem, Device::get().next_seed(), program);
-  return Device::get().check_guards(std::string("after ") + kernel)
-             ? cudaSuccess
-             : Device::get().fail(cudaErrorIllegalAddress, std::string(kernel) + ": out-of-range write", false);
+cudaError_t run(const char* kernel, long long blocks, int threads, std::size_t smem, Stream stream, Program program) {
+  const std::uint64_t seed = Device::get().next_seed();
+  return emu::enqueue(static_cast<cudaStream_t>(stream), kernel, [=]() -> cudaError_t {
+    emu::launch(kernel, static_cast<unsigned>(blocks), threads, smem, seed, program);
+    return Device::get().check_guards(std::string("after ") + kernel)
+               ? cudaSuccess
+               : Device::get().fail(cudaErrorIllegalAddress, std::string(kernel) + ": out-of-range write", false);
+  });
 }
 
 // FlashTrans's policy: 16-byte accesses, each inside one allocation (the first stray one of
@@ -95,9 +102,9 @@ int flashtrans_cuda(const EntryCopy& c, Stream stream) {
   if (c.count <= 0) return cudaSuccess;
   const FlashTransGrid g = flashtrans_grid(c);
   if (const cudaError_t e = admit("flashtrans", g.blocks, g.threads, 0, 0, stream); e != cudaSuccess) return e;
-  bool reported = false;
-  return run("flashtrans", g.blocks, g.threads, 0, [&](emu::Cta& cta, std::uint8_t*) {
-    FlashTransPrims p(cta, reported);
+  auto reported = std::make_shared<bool>(false);
+  return run("flashtrans", g.blocks, g.threads, 0, stream, [c, reported](emu::Cta& cta, std::uint8_t*) {
+    FlashTransPrims p(cta, *reported);
     flashtrans::copy_entries_cta(reinterpret_cast<const flashtrans::Chunk*>(c.src_base), reinterpret_cast<flashtrans::Chunk*>(c.dst_base),
                                  c.src_offsets, c.dst_offsets, c.count * (c.entry_bytes / 16), c.entry_bytes / 16, c.device_count, p);
   });
@@ -116,14 +123,14 @@ int launch_swap_step(const GpuSwapStep& step, const SwapState& state, Stream str
     return e;
   }
   const int hash_cap = swap_hash_capacity(positions);
-  return run("swap_step", step.batch, swap::kStepThreads, smem, [&](emu::Cta& p, std::uint8_t* sm) {
+  return run("swap_step", step.batch, swap::kStepThreads, smem, stream, [=](emu::Cta& p, std::uint8_t* sm) {
     swap::swap_step_cta(step, state.slots, state.layers, hash_cap, state.order, state.stamp, state.token, state.clock, sm, p);
   });
 }
 
 int launch_swap_reset(const SwapState& state, int row, Stream stream) {
   if (const cudaError_t e = admit("swap_reset", swap::kResetBlocks, swap::kResetThreads, 0, 0, stream); e != cudaSuccess) return e;
-  return run("swap_reset", swap::kResetBlocks, swap::kResetThreads, 0, [&](emu::Cta& p, std::uint8_t*) {
+  return run("swap_reset", swap::kResetBlocks, swap::kResetThreads, 0, stream, [=](emu::Cta& p, std::uint8_t*) {
     swap::swap_reset_cta(state.order, state.stamp, state.token, state.clock, state.slots, state.layers, row, p);
   });
 }
@@ -131,7 +138,7 @@ int launch_swap_reset(const SwapState& state, int row, Stream stream) {
 int launch_swap_diff(const std::int32_t* before, const std::int32_t* after, std::int32_t slots, std::int32_t* out_tokens,
                      std::int32_t* out_slots, std::int32_t* count, Stream stream) {
   if (const cudaError_t e = admit("swap_diff", 1, swap::kStepThreads, 0, kSwapStepStaticSmemBound, stream); e != cudaSuccess) return e;
-  return run("swap_diff", 1, swap::kStepThreads, 0, [&](emu::Cta& p, std::uint8_t*) {
+  return run("swap_diff", 1, swap::kStepThreads, 0, stream, [=](emu::Cta& p, std::uint8_t*) {
     swap::swap_diff_cta(before, after, slots, out_tokens, out_slots, count, p);
   });
 }
@@ -139,34 +146,35 @@ int launch_swap_diff(const std::int32_t* before, const std::int32_t* after, std:
 int launch_mask_ids(const StepShape& s, std::int32_t* lru_ids, Stream stream) {
   if (s.batch <= 0) return cudaSuccess;
   if (const cudaError_t e = admit("offload_mask", s.batch, offload::kThreads, 0, 0, stream); e != cudaSuccess) return e;
-  return run("offload_mask", s.batch, offload::kThreads, 0, [&](emu::Cta& p, std::uint8_t*) { offload::mask_cta(s, lru_ids, p); });
+  return run("offload_mask", s.batch, offload::kThreads, 0, stream,
+             [=](emu::Cta& p, std::uint8_t*) { offload::mask_cta(s, lru_ids, p); });
 }
 
 int launch_finalize_rows(const StepShape& s, const std::int32_t* lru_slots, std::int32_t* slot_ids, std::int32_t* physical,
                          Stream stream) {
   if (s.batch <= 0) return cudaSuccess;
   if (const cudaError_t e = admit("offload_finalize", s.batch, offload::kThreads, 0, 0, stream); e != cudaSuccess) return e;
-  return run("offload_finalize", s.batch, offload::kThreads, 0,
-             [&](emu::Cta& p, std::uint8_t*) { offload::finalize_cta(s, lru_slots, slot_ids, physical, p); });
+  return run("offload_finalize", s.batch, offload::kThreads, 0, stream,
+             [=](emu::Cta& p, std::uint8_t*) { offload::finalize_cta(s, lru_slots, slot_ids, physical, p); });
 }
 
 int launch_write_back_list(const WriteBackList& w, Stream stream) {
   if (w.batch <= 0) return cudaSuccess;
   if (const cudaError_t e = admit("offload_write_back_list", 1, offload::kListThreads, 0, 0, stream); e != cudaSuccess) return e;
-  return run("offload_write_back_list", 1, offload::kListThreads, 0,
-             [&](emu::Cta& p, std::uint8_t*) { offload::write_back_list_cta(w, p); });
+  return run("offload_write_back_list", 1, offload::kListThreads, 0, stream,
+             [=](emu::Cta& p, std::uint8_t*) { offload::write_back_list_cta(w, p); });
 }
 
 int split_misses_cuda(const ess::SplitArgs& a, Stream stream) {
   if (!check_args(a).empty()) return cudaErrorInvalidValue;
   if (a.batch == 0) return cudaSuccess;
   if (const cudaError_t e = admit("split", a.batch, split::kThreads, 0, 0, stream); e != cudaSuccess) return e;
-  if (const cudaError_t e = run("split_miss_offsets", 1, split::kScanThreads, 0,
-                                [&](emu::Cta& p, std::uint8_t*) { split::miss_offsets_cta(a.counts, a.batch, a.miss_offsets, a.total, p); });
+  if (const cudaError_t e = run("split_miss_offsets", 1, split::kScanThreads, 0, stream,
+                                [=](emu::Cta& p, std::uint8_t*) { split::miss_offsets_cta(a.counts, a.batch, a.miss_offsets, a.total, p); });
       e != cudaSuccess) {
     return e;
   }
-  return run("split", a.batch, split::kThreads, 0, [&](emu::Cta& p, std::uint8_t*) { split::split_cta(a, p); });
+  return run("split", a.batch, split::kThreads, 0, stream, [=](emu::Cta& p, std::uint8_t*) { split::split_cta(a, p); });
 }
 
 // Ops whose kernels run in their own emulation tests (warp_emulator.h, the indexer's and

@@ -1,10 +1,14 @@
 // The emulated CUDA runtime API (include/cuda_runtime.h) over the CPU device (device.h).
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <cstring>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "device.h"
+#include "streams.h"
 
 using ess::emu::Device;
 
@@ -14,8 +18,9 @@ Device& dev() { return Device::get(); }
 
 cudaError_t bad(const std::string& what, bool bug = true) { return dev().fail(cudaErrorInvalidValue, what, bug); }
 
-// A copy's device side must lie inside one allocation; its host side is the caller's.
-cudaError_t copy(void* dst, const void* src, std::size_t bytes, cudaMemcpyKind kind, const char* call) {
+// A copy's device side must lie inside one allocation; its host side is the caller's. Checked
+// when the copy is issued; the bytes move when it runs.
+cudaError_t check_copy(void* dst, const void* src, std::size_t bytes, cudaMemcpyKind kind, const char* call) {
   if (bytes == 0) return cudaSuccess;
   if (dst == nullptr || src == nullptr) return bad(std::string(call) + ": a null pointer");
   const bool dst_dev = kind == cudaMemcpyHostToDevice || kind == cudaMemcpyDeviceToDevice;
@@ -33,13 +38,40 @@ cudaError_t copy(void* dst, const void* src, std::size_t bytes, cudaMemcpyKind k
     return bad(std::string(call) + ": source [" + std::to_string(reinterpret_cast<std::uintptr_t>(src)) + ", +" +
                std::to_string(bytes) + ") is not inside one device allocation");
   }
-  std::memmove(dst, src, bytes);
   return cudaSuccess;
+}
+
+// Issues a copy on `stream` (streams.h: run now, or when a synchronization needs it). As CUDA's,
+// a copy from pageable host memory (not an allocation of the device) takes its bytes when issued,
+// and one into pageable host memory returns only when it is done.
+cudaError_t copy_on(cudaStream_t stream, void* dst, const void* src, std::size_t bytes, cudaMemcpyKind kind, const char* call) {
+  if (const cudaError_t e = check_copy(dst, src, bytes, kind, call); e != cudaSuccess || bytes == 0) return e;
+  ess::emu::Work work;
+  if (dev().find(src, bytes) == nullptr) {
+    const auto* s = static_cast<const std::uint8_t*>(src);
+    auto staged = std::make_shared<std::vector<std::uint8_t>>(s, s + bytes);
+    work = [=] {
+      std::memmove(dst, staged->data(), bytes);
+      return cudaSuccess;
+    };
+  } else {
+    work = [=] {
+      std::memmove(dst, src, bytes);
+      return cudaSuccess;
+    };
+  }
+  const cudaError_t e = ess::emu::enqueue(stream, call, std::move(work));
+  if (e != cudaSuccess || dev().find(dst, bytes) != nullptr) return e;
+  return ess::emu::drain_stream(stream);
 }
 
 cudaError_t sync(const std::string& when) {
   return dev().check_guards(when) ? cudaSuccess : dev().fail(cudaErrorIllegalAddress, when + ": out-of-range write", false);
 }
+
+// A synchronization: the work it waited for ran (its first error, already reported, is the
+// result), else the guards are checked.
+cudaError_t after(cudaError_t ran, const std::string& when) { return ran != cudaSuccess ? ran : sync(when); }
 
 cudaError_t check_stream(cudaStream_t s, const char* call) {
   return dev().valid_stream(s) ? cudaSuccess
@@ -89,7 +121,7 @@ cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) 
   return bad("cudaDeviceGetAttribute: attribute " + std::to_string(static_cast<int>(attr)) + " is not emulated");
 }
 
-cudaError_t cudaDeviceSynchronize() { return sync("cudaDeviceSynchronize"); }
+cudaError_t cudaDeviceSynchronize() { return after(ess::emu::drain_all(), "cudaDeviceSynchronize"); }
 cudaError_t cudaGetLastError() { return dev().take_last_error(); }
 cudaError_t cudaPeekAtLastError() { return dev().peek_last_error(); }
 
@@ -112,7 +144,9 @@ cudaError_t cudaMalloc(void** p, std::size_t bytes) {
   return *p != nullptr ? cudaSuccess : dev().fail(cudaErrorMemoryAllocation, "cudaMalloc", false);
 }
 
+// cudaFree and cudaFreeHost synchronize the device first, as CUDA's do.
 cudaError_t cudaFree(void* p) {
+  ess::emu::drain_all();
   return dev().release(p, Device::Kind::kDevice, "cudaFree") ? cudaSuccess : cudaErrorInvalidValue;
 }
 
@@ -125,6 +159,7 @@ cudaError_t cudaHostAlloc(void** p, std::size_t bytes, unsigned) {
 cudaError_t cudaMallocHost(void** p, std::size_t bytes) { return cudaHostAlloc(p, bytes, cudaHostAllocDefault); }
 
 cudaError_t cudaFreeHost(void* p) {
+  ess::emu::drain_all();
   return dev().release(p, Device::Kind::kPinnedHost, "cudaFreeHost") ? cudaSuccess : cudaErrorInvalidValue;
 }
 
@@ -140,32 +175,38 @@ cudaError_t cudaHostGetDevicePointer(void** device, void* host, unsigned) {
   return cudaSuccess;
 }
 
-cudaError_t cudaMemset(void* p, int value, std::size_t bytes) {
-  if (bytes == 0) return cudaSuccess;
-  if (dev().find(p, bytes) == nullptr) return bad("cudaMemset: the range is not inside one allocation");
-  std::memset(p, value, bytes);
-  return cudaSuccess;
-}
-
 cudaError_t cudaMemsetAsync(void* p, int value, std::size_t bytes, cudaStream_t stream) {
   if (const cudaError_t e = check_stream(stream, "cudaMemsetAsync"); e != cudaSuccess) return e;
-  return cudaMemset(p, value, bytes);
+  if (bytes == 0) return cudaSuccess;
+  if (dev().find(p, bytes) == nullptr) return bad("cudaMemset: the range is not inside one allocation");
+  return ess::emu::enqueue(stream, "cudaMemset", [=] {
+    std::memset(p, value, bytes);
+    return cudaSuccess;
+  });
+}
+
+// The synchronous calls run on the legacy stream and return when their work is done.
+cudaError_t cudaMemset(void* p, int value, std::size_t bytes) {
+  if (const cudaError_t e = cudaMemsetAsync(p, value, bytes, cudaStreamLegacy); e != cudaSuccess) return e;
+  return ess::emu::drain_stream(cudaStreamLegacy);
 }
 
 cudaError_t cudaMemcpy(void* dst, const void* src, std::size_t bytes, cudaMemcpyKind kind) {
-  return copy(dst, src, bytes, kind, "cudaMemcpy");
+  if (const cudaError_t e = copy_on(cudaStreamLegacy, dst, src, bytes, kind, "cudaMemcpy"); e != cudaSuccess) return e;
+  return ess::emu::drain_stream(cudaStreamLegacy);
 }
 
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, std::size_t bytes, cudaMemcpyKind kind, cudaStream_t stream) {
   if (const cudaError_t e = check_stream(stream, "cudaMemcpyAsync"); e != cudaSuccess) return e;
-  return copy(dst, src, bytes, kind, "cudaMemcpyAsync");
+  return copy_on(stream, dst, src, bytes, kind, "cudaMemcpyAsync");
 }
 
 cudaError_t cudaStreamCreate(cudaStream_t* stream) { return cudaStreamCreateWithFlags(stream, cudaStreamDefault); }
 
-cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned) {
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned flags) {
   if (stream == nullptr) return bad("cudaStreamCreate: null");
   *stream = dev().create_stream();
+  ess::emu::note_stream_flags(*stream, flags);
   return cudaSuccess;
 }
 
@@ -180,13 +221,14 @@ cudaError_t cudaStreamDestroy(cudaStream_t stream) {
 
 cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
   if (const cudaError_t e = check_stream(stream, "cudaStreamSynchronize"); e != cudaSuccess) return e;
-  return sync("cudaStreamSynchronize");
+  return after(ess::emu::drain_stream(stream), "cudaStreamSynchronize");
 }
 
 cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned) {
   if (const cudaError_t e = check_stream(stream, "cudaStreamWaitEvent"); e != cudaSuccess) return e;
-  return dev().valid_event(event) ? cudaSuccess
-                                  : dev().fail(cudaErrorInvalidResourceHandle, "cudaStreamWaitEvent: not a live event", true);
+  if (!dev().valid_event(event)) return dev().fail(cudaErrorInvalidResourceHandle, "cudaStreamWaitEvent: not a live event", true);
+  ess::emu::wait_event(stream, event);
+  return cudaSuccess;
 }
 
 cudaError_t cudaEventCreate(cudaEvent_t* event) { return cudaEventCreateWithFlags(event, cudaEventDefault); }
@@ -204,11 +246,12 @@ cudaError_t cudaEventDestroy(cudaEvent_t event) {
 
 cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
   if (const cudaError_t e = check_stream(stream, "cudaEventRecord"); e != cudaSuccess) return e;
-  return dev().valid_event(event) ? cudaSuccess
-                                  : dev().fail(cudaErrorInvalidResourceHandle, "cudaEventRecord: not a live event", true);
+  if (!dev().valid_event(event)) return dev().fail(cudaErrorInvalidResourceHandle, "cudaEventRecord: not a live event", true);
+  ess::emu::record_event(event, stream);
+  return cudaSuccess;
 }
 
 cudaError_t cudaEventSynchronize(cudaEvent_t event) {
   if (!dev().valid_event(event)) return dev().fail(cudaErrorInvalidResourceHandle, "cudaEventSynchronize: not a live event", true);
-  return sync("cudaEventSynchronize");
+  return after(ess::emu::drain_event(event), "cudaEventSynchronize");
 }

@@ -5,9 +5,10 @@
 //
 // What the device does: memory from cudaMalloc / cudaHostAlloc is host memory, poisoned and
 // framed by guard bytes (checked at every synchronization and free); copies check that their
-// device side lies inside one allocation; kernels run to completion when launched (the
-// launchers in kernels.cc run their CTA programs on the CTA emulator), so every stream is in
-// issue order and events only check their handles.
+// device side lies inside one allocation; kernels run their CTA programs on the CTA emulator
+// (the launchers in kernels.cc). When the work on each stream runs is streams.h's: at once, in
+// issue order (the default), or, with ESS_EMU_STREAM_ORDER=lazy:SEED, only when a
+// synchronization needs it, in a seeded order that stream order and event waits allow.
 #pragma once
 
 #include <cstddef>
