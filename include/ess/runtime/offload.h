@@ -150,6 +150,12 @@ struct OffloadStats {
   std::int32_t requests = 0;
 };
 
+// Failures. Bad input throws ess::Error and changes nothing. A failed device call (the CUDA
+// backend: a launch, copy, allocation, event or synchronization) throws ess::DeviceError (or
+// ess::OutOfMemory) naming the call, and the engine is unusable from then on: its device state may
+// be half-updated, so every later call but config, host_pool, buffer, device_bytes and stats
+// throws ess::DeviceError naming the call and that first failure. Destroy it (which frees all
+// it took) and make a new one; nothing it holds is served again.
 class Offload {
  public:
   static constexpr int kParts = 2;  // scratch sets (LayerStep::part)

@@ -118,11 +118,13 @@ Offload::Offload(const OffloadConfig& config, LatentBuffer buffer, HostAllocator
 Offload::~Offload() = default;
 
 std::int32_t Offload::admit(RequestId id, std::int64_t prompt_length, std::int32_t wanted_row) {
+  impl_->usable("admit");
   return impl_->admit(id, prompt_length, wanted_row, [&] { impl_->pool->admit(id, prompt_length); });
 }
 
 std::int32_t Offload::admit_shared(RequestId id, std::int64_t prompt_length, RequestId source, std::int64_t prefix,
                                    std::int32_t row) {
+  impl_->usable("admit_shared");
   impl_->find_row(source, "shared admission's source");
   // The last T tokens stay the request's own: a write-back may write them.
   const std::int64_t limit = std::max<std::int64_t>(0, prompt_length - impl_->config.query_tokens);
@@ -131,6 +133,7 @@ std::int32_t Offload::admit_shared(RequestId id, std::int64_t prompt_length, Req
 }
 
 Offload::Admitted Offload::admit_cached(RequestId id, std::span<const std::int32_t> prompt_tokens, std::int32_t row) {
+  impl_->usable("admit_cached");
   const std::vector<std::uint64_t> hashes = prefix_page_hashes(prompt_tokens);
   Admitted a;
   const std::int64_t limit = std::max<std::int64_t>(0, std::ssize(prompt_tokens) - impl_->config.query_tokens);
@@ -141,6 +144,7 @@ Offload::Admitted Offload::admit_cached(RequestId id, std::span<const std::int32
 }
 
 std::int64_t Offload::publish(RequestId id, std::span<const std::int32_t> prompt_tokens) {
+  impl_->usable("publish");
   Impl& x = *impl_;
   x.find_row(id, "publish");
   const std::int64_t length = x.pool->length(id);
@@ -151,6 +155,13 @@ std::int64_t Offload::publish(RequestId id, std::span<const std::int32_t> prompt
   const auto own = std::max<std::int64_t>(0, length - x.config.query_tokens) / kPageTokens;
   if (std::ssize(hashes) > own) hashes.resize(static_cast<std::size_t>(own));
   return x.pool->publish(id, hashes);
+}
+
+void Offload::Impl::usable(const char* call) const {
+  if (!broken.empty()) [[unlikely]] {
+    throw_device_error(fmt::format("offload: {}: the engine is unusable since a device call failed ({}); destroy it", call,
+                                   broken));
+  }
 }
 
 std::int32_t Offload::Impl::admit(RequestId id, std::int64_t prompt_length, std::int32_t wanted_row,
@@ -177,8 +188,10 @@ std::int32_t Offload::Impl::admit(RequestId id, std::int64_t prompt_length, std:
   const auto row = static_cast<std::int32_t>(free - x.request_of_row.begin());
   pool_admit();  // throws, changing nothing, when the pages do not fit
   try {
-    x.backend->admit(row, id);
-    x.backend->pages_added(row, id, 0);
+    x.device("admit", [&] {
+      x.backend->admit(row, id);
+      x.backend->pages_added(row, id, 0);
+    });
   } catch (...) {
     x.pool->release(id);
     throw;
@@ -189,6 +202,7 @@ std::int32_t Offload::Impl::admit(RequestId id, std::int64_t prompt_length, std:
 }
 
 void Offload::warmup(RequestId id, std::span<const std::int32_t> windows, int window_count) {
+  impl_->usable("warmup");
   Impl& x = *impl_;
   const std::int32_t row = x.find_row(id, "warmup");
   const std::size_t K = static_cast<std::size_t>(x.config.topk);
@@ -205,10 +219,11 @@ void Offload::warmup(RequestId id, std::span<const std::int32_t> windows, int wi
                                               static_cast<std::size_t>(window_count - W)) * K);
     last.insert(last.end(), first, first + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(W) * K));
   }
-  if (W > 0) x.backend->warmup(row, id, last, W);
+  if (W > 0) x.device("warmup", [&] { x.backend->warmup(row, id, last, W); });
 }
 
 void Offload::extend(RequestId id, std::int64_t n) {
+  impl_->usable("extend");
   Impl& x = *impl_;
   const std::int32_t row = x.find_row(id, "extend");
   ESS_CHECK(n >= 1, "offload: extend of request {} by {} tokens: must be >= 1", id, n);
@@ -218,10 +233,11 @@ void Offload::extend(RequestId id, std::int64_t n) {
             x.config.max_context);
   const auto pages_before = std::ssize(x.pool->page_table(id, 0));  // per layer
   x.pool->extend(id, n);
-  x.backend->pages_added(row, id, pages_before);
+  x.device("extend", [&] { x.backend->pages_added(row, id, pages_before); });
 }
 
 void Offload::truncate(RequestId id, std::int64_t length) {
+  impl_->usable("truncate");
   Impl& x = *impl_;
   x.find_row(id, "truncate");
   ESS_CHECK(x.config.reserve_newest,
@@ -235,10 +251,12 @@ void Offload::truncate(RequestId id, std::int64_t length) {
 }
 
 std::int32_t Offload::adopt(RequestId id, std::int64_t length, std::span<const std::int32_t> pages, std::int32_t row) {
+  impl_->usable("adopt");
   return impl_->admit(id, length, row, [&] { impl_->pool->adopt(id, length, pages); });
 }
 
 void Offload::repage(RequestId id, std::int64_t length, std::int64_t first_page, std::span<const std::int32_t> pages) {
+  impl_->usable("repage");
   Impl& x = *impl_;
   const std::int32_t row = x.find_row(id, "repage");
   ESS_CHECK(x.pool->foreign(),
@@ -267,36 +285,45 @@ void Offload::repage(RequestId id, std::int64_t length, std::int64_t first_page,
          tail[changed] == now[static_cast<std::size_t>(first_page) + changed]) {
     ++changed;
   }
-  x.backend->pages_added(row, id, first_page + static_cast<std::int64_t>(changed));
+  x.device("repage", [&] { x.backend->pages_added(row, id, first_page + static_cast<std::int64_t>(changed)); });
 }
 
 void Offload::release(RequestId id) {
+  impl_->usable("release");
   Impl& x = *impl_;
   const std::int32_t row = x.find_row(id, "release");
-  x.backend->release(row, id);
+  x.device("release", [&] { x.backend->release(row, id); });
   x.pool->release(id);
   x.request_of_row[static_cast<std::size_t>(row)] = -1;
   x.row_of_request.erase(id);
 }
 
 void Offload::reset(RequestId id) {
+  impl_->usable("reset");
   Impl& x = *impl_;
-  x.backend->reset(x.find_row(id, "reset"), id);
+  const std::int32_t row = x.find_row(id, "reset");
+  x.device("reset", [&] { x.backend->reset(row, id); });
 }
 
-std::int32_t Offload::row(RequestId id) const { return impl_->find_row(id, "row"); }
+std::int32_t Offload::row(RequestId id) const {
+  impl_->usable("row");
+  return impl_->find_row(id, "row");
+}
 
 std::int64_t Offload::length(RequestId id) const {
+  impl_->usable("length");
   impl_->find_row(id, "length");
   return impl_->pool->length(id);
 }
 
 std::span<std::uint8_t> Offload::host_entry(RequestId id, int layer, std::int64_t token) {
+  impl_->usable("host_entry");
   impl_->find_row(id, "host_entry");
   return impl_->pool->writable_entry(id, layer, token);  // checks layer and token, refuses shared pages
 }
 
 void Offload::step(const LayerStep& s) {
+  impl_->usable("step");
   const Impl& x = *impl_;
   ESS_CHECK(s.layer >= 0 && s.layer < x.config.layers, "offload: step: layer {} outside [0, {})", s.layer, x.config.layers);
   ESS_CHECK(s.batch >= 0 && s.batch <= x.config.max_requests, "offload: step of layer {}: batch {} outside [0, {}]",
@@ -321,14 +348,15 @@ void Offload::step(const LayerStep& s) {
   if (s.query_end == 0) {
     LayerStep all = s;
     all.query_end = x.config.query_tokens;
-    impl_->backend->step(all);
+    impl_->device("step", [&] { impl_->backend->step(all); });
   } else {
-    impl_->backend->step(s);
+    impl_->device("step", [&] { impl_->backend->step(s); });
   }
 }
 
 std::vector<int> Offload::query_groups(int batch, const std::int32_t* rows, const std::int32_t* topk,
                                        const std::int32_t* lengths) const {
+  impl_->usable("query_groups");
   const Impl& x = *impl_;
   const int T = x.config.query_tokens, K = x.config.topk;
   ESS_CHECK(batch >= 0 && batch <= x.config.max_requests, "offload: query_groups: batch {} outside [0, {}]", batch,
@@ -359,6 +387,7 @@ std::vector<int> Offload::query_groups(int batch, const std::int32_t* rows, cons
 }
 
 void Offload::write_back(const WriteBack& w) {
+  impl_->usable("write_back");
   const Impl& x = *impl_;
   ESS_CHECK(w.layer >= 0 && w.layer < x.config.layers, "offload: write_back: layer {} outside [0, {})", w.layer,
             x.config.layers);
@@ -369,7 +398,7 @@ void Offload::write_back(const WriteBack& w) {
             w.layer);
   ESS_CHECK(w.source_rows != nullptr || x.config.reserve_newest,
             "offload: write_back of layer {}: without reserve_newest the source rows are required", w.layer);
-  impl_->backend->write_back(w);
+  impl_->device("write_back", [&] { impl_->backend->write_back(w); });
 }
 
 const OffloadConfig& Offload::config() const { return impl_->config; }
@@ -379,12 +408,13 @@ const LatentBuffer& Offload::buffer() const { return impl_->buffer; }
 std::uint64_t Offload::device_bytes() const { return impl_->backend->device_bytes(); }
 
 std::vector<std::uint8_t> Offload::read_row(int layer, std::int32_t p) const {
+  impl_->usable("read_row");
   const Impl& x = *impl_;
   ESS_CHECK(layer >= 0 && layer < x.config.layers, "offload: read_row: layer {} outside [0, {})", layer, x.config.layers);
   ESS_CHECK(p >= 0 && static_cast<std::int64_t>(p) < static_cast<std::int64_t>(x.config.max_requests) * x.config.rows_per_request(),
             "offload: read_row: row {} outside the layer's {} x {} rows", p, x.config.max_requests,
             x.config.rows_per_request());
-  return x.backend->read_row(layer, p);
+  return impl_->device("read_row", [&] { return x.backend->read_row(layer, p); });
 }
 
 OffloadStats Offload::stats() const {

@@ -8,10 +8,12 @@
 #include <functional>
 #include <memory>
 #include <span>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
 #include "ess/cache/total_pool.h"
+#include "ess/core/error.h"
 #include "ess/runtime/offload.h"
 
 namespace ess {
@@ -61,6 +63,25 @@ class Offload::Impl : public OffloadState {
   Impl(const OffloadConfig& config, LatentBuffer buffer, HostAllocator& host);
 
   std::unique_ptr<OffloadBackend> backend;
+
+  // The first device failure of a backend call (its device state may be half-updated): from then
+  // on every call is refused, naming it. Empty while the engine is usable.
+  std::string broken;
+  // Throws ess::DeviceError naming `call` and that failure once the engine is unusable.
+  void usable(const char* call) const;
+  // Runs a backend call; a DeviceError or OutOfMemory from it makes the engine unusable.
+  template <typename F>
+  decltype(auto) device(const char* call, F&& f) {
+    try {
+      return f();
+    } catch (const DeviceError& e) {
+      if (broken.empty()) broken = fmt::format("{}: {}", call, e.what());
+      throw;
+    } catch (const OutOfMemory& e) {
+      if (broken.empty()) broken = fmt::format("{}: {}", call, e.what());
+      throw;
+    }
+  }
 
   // Admission with `pool_admit` taking the host pages (all-or-nothing); returns the row.
   std::int32_t admit(RequestId id, std::int64_t prompt_length, std::int32_t wanted_row,

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <string_view>
 #include <utility>
 
 namespace ess::emu {
@@ -112,6 +113,27 @@ cudaError_t Device::fail(cudaError_t e, const std::string& message, bool bug) {
   std::lock_guard lock(mu_);
   last_error_ = e;
   return e;
+}
+
+void Device::fail_call(std::uint64_t n, cudaError_t e) {
+  std::lock_guard lock(mu_);
+  fail_at_ = n == 0 ? 0 : calls_ + n;
+  fail_with_ = e;
+}
+
+cudaError_t Device::injected(const char* call) {
+  std::lock_guard lock(mu_);
+  if (++calls_ != fail_at_) return cudaSuccess;
+  fail_at_ = 0;
+  injected_call_ = call;
+  const std::string_view c(call);
+  last_error_ = c == "cudaMalloc" || c == "cudaHostAlloc" ? cudaErrorMemoryAllocation : fail_with_;
+  return last_error_;
+}
+
+std::uint64_t Device::calls() const {
+  std::lock_guard lock(mu_);
+  return calls_;
 }
 
 cudaError_t Device::take_last_error() {

@@ -65,6 +65,16 @@ class Device {
   bool destroy_event(cudaEvent_t e);
   bool valid_event(cudaEvent_t e) const;
 
+  // Fault injection: the n-th injectable call from now (1: the next) fails with `e` (a device
+  // fault, not a misuse: no test failure); 0 disarms. Injectable: allocations, copies and
+  // memsets, launches, stream and event creation, records, waits and synchronizations (not
+  // frees and destroys). calls() counts every injectable call made.
+  void fail_call(std::uint64_t n, cudaError_t e);
+  // The error the current injectable call `call` fails with, or cudaSuccess.
+  cudaError_t injected(const char* call);
+  std::uint64_t calls() const;
+  const std::string& last_injected() const { return injected_call_; }
+
   int current_device() const { return current_; }
   void set_current_device(int d) { current_ = d; }
   std::uint64_t next_seed() { return ++seed_; }  // one schedule per launch
@@ -79,6 +89,9 @@ class Device {
   std::uint64_t serial_ = 0, seed_ = 0;
   cudaError_t last_error_ = cudaSuccess;
   int current_ = 0;
+  std::uint64_t calls_ = 0, fail_at_ = 0;
+  cudaError_t fail_with_ = cudaSuccess;
+  std::string injected_call_;
 };
 
 }  // namespace ess::emu

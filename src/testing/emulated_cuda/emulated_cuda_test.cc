@@ -5,6 +5,8 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <memory>
+#include <string>
 #include <vector>
 
 #include "device.h"
@@ -307,6 +309,131 @@ TEST_P(StreamOrderSeeds, TheFetchOnTheCopyStreamIsReadOnlyAfterCopyDone) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Lazy, StreamOrderSeeds, ::testing::Values(1u, 2u, 3u));
+
+// ---- faults: every CUDA call of an engine's life fails in turn ----
+
+// One engine's life on the CUDA backend, every CUDA call of it the engine's own: made, a request
+// admitted, written, warmed up, grown, a step with the DA split and its fetch on a copy stream,
+// the write-back, released. The step's device arrays, streams and event are the caller's, made first.
+struct LifeInputs {
+  explicit LifeInputs(const OffloadConfig& c)
+      : rows(1), lengths(1), topk(static_cast<std::size_t>(c.query_tokens) * c.topk), physical(topk.size()),
+        resident(topk.size()), fetched(topk.size()), resident_count(static_cast<std::size_t>(c.query_tokens)),
+        fetched_count(resident_count.size()) {
+    const std::int32_t row = 0, length = 100 + c.query_tokens;
+    std::vector<std::int32_t> ids;
+    for (std::size_t i = 0; i < topk.size(); ++i) ids.push_back(static_cast<std::int32_t>((i * 7) % 100));
+    EXPECT_EQ(cudaMemcpy(rows.get(), &row, 4, cudaMemcpyHostToDevice), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(lengths.get(), &length, 4, cudaMemcpyHostToDevice), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(topk.get(), ids.data(), ids.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+    EXPECT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+    EXPECT_EQ(cudaStreamCreateWithFlags(&copy, cudaStreamNonBlocking), cudaSuccess);
+    EXPECT_EQ(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), cudaSuccess);
+  }
+  ~LifeInputs() {
+    cudaEventDestroy(done);
+    cudaStreamDestroy(stream);
+    cudaStreamDestroy(copy);
+  }
+  cuda::DeviceBuffer<std::int32_t> rows, lengths, topk, physical, resident, fetched, resident_count, fetched_count;
+  cudaStream_t stream = nullptr, copy = nullptr;
+  cudaEvent_t done = nullptr;
+};
+
+void life(std::unique_ptr<Offload>& o, const OffloadConfig& c, LifeInputs& in) {
+  o = std::make_unique<Offload>(c);
+  EXPECT_EQ(o->admit(5, 100), 0);
+  for (std::int64_t t = 0; t < 100; ++t) std::memset(o->host_entry(5, 0, t).data(), static_cast<int>(t) + 1, c.layout.bytes());
+  std::vector<std::int32_t> windows;
+  for (int i = 0; i < c.layers * c.topk; ++i) windows.push_back(i % 90);
+  o->warmup(5, windows, 1);
+  o->extend(5, c.query_tokens);
+  LayerStep s;
+  s.batch = 1;
+  s.rows = in.rows.get();
+  s.topk = in.topk.get();
+  s.lengths = in.lengths.get();
+  s.physical = in.physical.get();
+  s.resident = in.resident.get();
+  s.fetched = in.fetched.get();
+  s.resident_count = in.resident_count.get();
+  s.fetched_count = in.fetched_count.get();
+  s.stream = in.stream;
+  s.copy_stream = in.copy;
+  s.copy_done = in.done;
+  o->step(s);
+  WriteBack w;
+  w.batch = 1;
+  w.rows = in.rows.get();
+  w.lengths = in.lengths.get();
+  w.stream = in.stream;
+  o->write_back(w);
+  o->release(5);
+}
+
+// Each injectable CUDA call of that life fails in turn (an allocation, a launch, an event record
+// or wait, a copy, a synchronization): the call throws ess::DeviceError or ess::OutOfMemory
+// naming what failed; an engine made before it refuses every later call by name; destroying it
+// gives back every allocation, and a construction that failed took nothing.
+TEST(FaultInjection, EveryCudaCallOfAnEnginesLifeFailsCleanly) {
+  OffloadConfig c;
+  c.layers = 2;
+  c.layout = test::small_layout();
+  c.max_requests = 2;
+  c.query_tokens = 2;
+  c.topk = 16;
+  c.slots = 40;
+  c.reserve_newest = true;
+  c.max_context = 256;
+  c.backend = Backend::kCuda;
+  Device& d = Device::get();
+  LifeInputs in(c);
+  const std::size_t before = d.live_allocations();
+  std::uint64_t calls = 0;
+  {
+    std::unique_ptr<Offload> o;
+    const std::uint64_t start = d.calls();
+    life(o, c, in);
+    calls = d.calls() - start;
+  }
+  ASSERT_EQ(d.live_allocations(), before);
+  ASSERT_GT(calls, 20u);
+  for (std::uint64_t n = 1; n <= calls; ++n) {
+    SCOPED_TRACE(fmt::format("call {} of {}", n, calls));
+    std::unique_ptr<Offload> o;
+    d.fail_call(n, cudaErrorLaunchFailure);
+    std::string message;
+    bool device_error = false;
+    try {
+      life(o, c, in);
+    } catch (const DeviceError& e) {
+      message = e.what();
+      device_error = true;
+    } catch (const OutOfMemory& e) {
+      message = e.what();
+    }
+    d.fail_call(0, cudaSuccess);
+    (void)cudaGetLastError();
+    ASSERT_FALSE(message.empty()) << "the failed " << d.last_injected() << " was not reported";
+    EXPECT_NE(message.find(device_error ? "CUDA error" : "memory"), std::string::npos) << message;
+    if (o != nullptr) {
+      // Every later call is refused, naming itself and the first failure.
+      try {
+        o->admit(6, 10);
+        ADD_FAILURE() << "an engine after a failed " << d.last_injected() << " admitted a request";
+      } catch (const DeviceError& e) {
+        EXPECT_NE(std::string(e.what()).find("admit: the engine is unusable since a device call failed"), std::string::npos)
+            << e.what();
+        EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
+      }
+      EXPECT_THROW((void)o->row(5), DeviceError);
+      EXPECT_NO_THROW((void)o->stats());
+    }
+    o.reset();
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_EQ(d.live_allocations(), before) << "after the failed " << d.last_injected();
+  }
+}
 
 TEST(StreamOrder, TheOrderIsParsedAndRefusedByName) {
   EXPECT_FALSE(StreamOrder::parse("issue").lazy);

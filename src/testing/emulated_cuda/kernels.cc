@@ -31,6 +31,7 @@ using emu::Device;
 // What a <<<blocks, threads, smem, stream>>> launch checks before it runs.
 cudaError_t admit(const char* kernel, long long blocks, int threads, std::size_t smem, std::size_t static_smem, Stream stream) {
   Device& d = Device::get();
+  if (const cudaError_t f = d.injected(kernel); f != cudaSuccess) return f;
   if (!d.valid_stream(static_cast<cudaStream_t>(stream))) {
     return d.fail(cudaErrorInvalidResourceHandle, std::string(kernel) + ": launched on a stream that is not live", true);
   }

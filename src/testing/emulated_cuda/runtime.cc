@@ -45,6 +45,7 @@ cudaError_t check_copy(void* dst, const void* src, std::size_t bytes, cudaMemcpy
 // a copy from pageable host memory (not an allocation of the device) takes its bytes when issued,
 // and one into pageable host memory returns only when it is done.
 cudaError_t copy_on(cudaStream_t stream, void* dst, const void* src, std::size_t bytes, cudaMemcpyKind kind, const char* call) {
+  if (const cudaError_t f = dev().injected("cudaMemcpy"); f != cudaSuccess) return f;
   if (const cudaError_t e = check_copy(dst, src, bytes, kind, call); e != cudaSuccess || bytes == 0) return e;
   ess::emu::Work work;
   if (dev().find(src, bytes) == nullptr) {
@@ -121,7 +122,10 @@ cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) 
   return bad("cudaDeviceGetAttribute: attribute " + std::to_string(static_cast<int>(attr)) + " is not emulated");
 }
 
-cudaError_t cudaDeviceSynchronize() { return after(ess::emu::drain_all(), "cudaDeviceSynchronize"); }
+cudaError_t cudaDeviceSynchronize() {
+  if (const cudaError_t f = dev().injected("cudaDeviceSynchronize"); f != cudaSuccess) return f;
+  return after(ess::emu::drain_all(), "cudaDeviceSynchronize");
+}
 cudaError_t cudaGetLastError() { return dev().take_last_error(); }
 cudaError_t cudaPeekAtLastError() { return dev().peek_last_error(); }
 
@@ -133,12 +137,14 @@ const char* cudaGetErrorString(cudaError_t error) {
     case cudaErrorInvalidDevice: return "invalid device ordinal";
     case cudaErrorInvalidResourceHandle: return "invalid resource handle";
     case cudaErrorIllegalAddress: return "an illegal memory access was encountered";
+    case cudaErrorLaunchFailure: return "unspecified launch failure";
     case cudaErrorNotSupported: return "operation not supported";
   }
   return "unrecognized error code";
 }
 
 cudaError_t cudaMalloc(void** p, std::size_t bytes) {
+  if (const cudaError_t f = dev().injected("cudaMalloc"); f != cudaSuccess) return f;
   if (p == nullptr) return bad("cudaMalloc: null");
   *p = dev().allocate(bytes, Device::Kind::kDevice);
   return *p != nullptr ? cudaSuccess : dev().fail(cudaErrorMemoryAllocation, "cudaMalloc", false);
@@ -151,6 +157,7 @@ cudaError_t cudaFree(void* p) {
 }
 
 cudaError_t cudaHostAlloc(void** p, std::size_t bytes, unsigned) {
+  if (const cudaError_t f = dev().injected("cudaHostAlloc"); f != cudaSuccess) return f;
   if (p == nullptr) return bad("cudaHostAlloc: null");
   *p = dev().allocate(bytes, Device::Kind::kPinnedHost);
   return *p != nullptr ? cudaSuccess : dev().fail(cudaErrorMemoryAllocation, "cudaHostAlloc", false);
@@ -176,6 +183,7 @@ cudaError_t cudaHostGetDevicePointer(void** device, void* host, unsigned) {
 }
 
 cudaError_t cudaMemsetAsync(void* p, int value, std::size_t bytes, cudaStream_t stream) {
+  if (const cudaError_t f = dev().injected("cudaMemset"); f != cudaSuccess) return f;
   if (const cudaError_t e = check_stream(stream, "cudaMemsetAsync"); e != cudaSuccess) return e;
   if (bytes == 0) return cudaSuccess;
   if (dev().find(p, bytes) == nullptr) return bad("cudaMemset: the range is not inside one allocation");
@@ -204,6 +212,7 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, std::size_t bytes, cudaM
 cudaError_t cudaStreamCreate(cudaStream_t* stream) { return cudaStreamCreateWithFlags(stream, cudaStreamDefault); }
 
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned flags) {
+  if (const cudaError_t f = dev().injected("cudaStreamCreate"); f != cudaSuccess) return f;
   if (stream == nullptr) return bad("cudaStreamCreate: null");
   *stream = dev().create_stream();
   ess::emu::note_stream_flags(*stream, flags);
@@ -220,11 +229,13 @@ cudaError_t cudaStreamDestroy(cudaStream_t stream) {
 }
 
 cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
+  if (const cudaError_t f = dev().injected("cudaStreamSynchronize"); f != cudaSuccess) return f;
   if (const cudaError_t e = check_stream(stream, "cudaStreamSynchronize"); e != cudaSuccess) return e;
   return after(ess::emu::drain_stream(stream), "cudaStreamSynchronize");
 }
 
 cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned) {
+  if (const cudaError_t f = dev().injected("cudaStreamWaitEvent"); f != cudaSuccess) return f;
   if (const cudaError_t e = check_stream(stream, "cudaStreamWaitEvent"); e != cudaSuccess) return e;
   if (!dev().valid_event(event)) return dev().fail(cudaErrorInvalidResourceHandle, "cudaStreamWaitEvent: not a live event", true);
   ess::emu::wait_event(stream, event);
@@ -234,6 +245,7 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned
 cudaError_t cudaEventCreate(cudaEvent_t* event) { return cudaEventCreateWithFlags(event, cudaEventDefault); }
 
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event, unsigned) {
+  if (const cudaError_t f = dev().injected("cudaEventCreate"); f != cudaSuccess) return f;
   if (event == nullptr) return bad("cudaEventCreate: null");
   *event = dev().create_event();
   return cudaSuccess;
@@ -245,6 +257,7 @@ cudaError_t cudaEventDestroy(cudaEvent_t event) {
 }
 
 cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
+  if (const cudaError_t f = dev().injected("cudaEventRecord"); f != cudaSuccess) return f;
   if (const cudaError_t e = check_stream(stream, "cudaEventRecord"); e != cudaSuccess) return e;
   if (!dev().valid_event(event)) return dev().fail(cudaErrorInvalidResourceHandle, "cudaEventRecord: not a live event", true);
   ess::emu::record_event(event, stream);
@@ -252,6 +265,7 @@ cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
 }
 
 cudaError_t cudaEventSynchronize(cudaEvent_t event) {
+  if (const cudaError_t f = dev().injected("cudaEventSynchronize"); f != cudaSuccess) return f;
   if (!dev().valid_event(event)) return dev().fail(cudaErrorInvalidResourceHandle, "cudaEventSynchronize: not a live event", true);
   return after(ess::emu::drain_event(event), "cudaEventSynchronize");
 }

@@ -20,11 +20,24 @@ GpuSwapEngine::GpuSwapEngine(const GpuSwapConfig& config, Stream stream) : confi
             config.slots, config.max_positions, smem, optin);
   ESS_CUDA_CHECK(static_cast<cudaError_t>(swap_step_raise_smem_limit()), "gpu swap engine: raising the shared-memory limit");
   const std::size_t n = static_cast<std::size_t>(config.rows) * config.layers * config.slots;
-  ESS_CUDA_CHECK(cudaMalloc(&order_, n * 4), "gpu swap engine: order");
-  ESS_CUDA_CHECK(cudaMalloc(&stamp_, n * 4), "gpu swap engine: recency");
-  ESS_CUDA_CHECK(cudaMalloc(&token_, n * 4), "gpu swap engine: residency");
-  ESS_CUDA_CHECK(cudaMalloc(&clock_, static_cast<std::size_t>(config.rows) * config.layers * 4), "gpu swap engine: clocks");
-  for (int r = 0; r < config.rows; ++r) reset_row(r);
+  try {
+    ESS_CUDA_CHECK(cudaMalloc(&order_, n * 4), "gpu swap engine: order");
+    ESS_CUDA_CHECK(cudaMalloc(&stamp_, n * 4), "gpu swap engine: recency");
+    ESS_CUDA_CHECK(cudaMalloc(&token_, n * 4), "gpu swap engine: residency");
+    ESS_CUDA_CHECK(cudaMalloc(&clock_, static_cast<std::size_t>(config.rows) * config.layers * 4), "gpu swap engine: clocks");
+    for (int r = 0; r < config.rows; ++r) reset_row(r);
+  } catch (...) {
+    free_state();  // a refused construction gives back what it took
+    throw;
+  }
+}
+
+void GpuSwapEngine::free_state() {
+  cudaFree(order_);
+  cudaFree(stamp_);
+  cudaFree(token_);
+  cudaFree(clock_);
+  order_ = stamp_ = token_ = clock_ = nullptr;
 }
 
 std::uint64_t GpuSwapEngine::device_bytes() const {
@@ -36,12 +49,7 @@ SwapState GpuSwapEngine::state() const {
   return SwapState{order_, stamp_, token_, clock_, config_.slots, config_.layers};
 }
 
-GpuSwapEngine::~GpuSwapEngine() {
-  cudaFree(order_);
-  cudaFree(stamp_);
-  cudaFree(token_);
-  cudaFree(clock_);
-}
+GpuSwapEngine::~GpuSwapEngine() { free_state(); }
 
 void GpuSwapEngine::reset_row(int row) {
   ESS_CHECK(row >= 0 && row < config_.rows, "gpu swap engine: row {} out of [0, {})", row, config_.rows);

@@ -100,6 +100,7 @@ class GpuSwapEngine {
   SwapState state() const;
   GpuSwapConfig config_;
   Stream stream_;
+  void free_state();
   std::int32_t* order_ = nullptr;
   std::int32_t* stamp_ = nullptr;
   std::int32_t* token_ = nullptr;

@@ -20,6 +20,7 @@ enum cudaError_t {
   cudaErrorInvalidDevice = 101,
   cudaErrorInvalidResourceHandle = 400,
   cudaErrorIllegalAddress = 700,
+  cudaErrorLaunchFailure = 719,
   cudaErrorNotSupported = 801,
 };
 using cudaError = cudaError_t;
