@@ -4,6 +4,10 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
+
+#include "ess/sim/memory_model.h"
+
 #include "testing/testing.h"
 
 namespace ess::sim {
@@ -48,9 +52,55 @@ TEST(sim_report, ABatchThatCannotRunIsARowSayingWhyAndTheOthersRun) {
   EXPECT_NE(s.rows[1].refused.find("batch 4000 cannot fit"), std::string::npos) << s.rows[1].refused;
   EXPECT_NE(to_table(s).find(" 4000 does not run: batch 4000 cannot fit"), std::string::npos);
   EXPECT_EQ(to_json(s)["rows"][1]["refused"], s.rows[1].refused);
-  EXPECT_NE(to_csv(s).find("4000,,,,,,,,,,,,,\"batch 4000 cannot fit"), std::string::npos);
+  EXPECT_NE(to_csv(s).find("4000,,,,,,,,,,,,,,,\"batch 4000 cannot fit"), std::string::npos);
   // None runs: the reason is the error.
   EXPECT_NE(test::error_of([&] { simulate(sm, base, {4000}); }).find("batch 4000 cannot fit"), std::string::npos);
+}
+
+// The table's step columns add up to the step (compute + x-comm + x-h2d + host, + idle when a row
+// has any), in every deployment shape; the header names the GPU.
+TEST(sim_report, TheStepColumnsAddUpAndTheHeaderNamesTheGpu) {
+  for (const char* hw : {"paper-table1", "h200", "h20-141gb"}) {
+    for (const bool tbo : {true, false}) {
+      for (const OverlapMode mode : {OverlapMode::kNone, OverlapMode::kDualAttention, OverlapMode::kDualBatchAttention, OverlapMode::kLayerWise}) {
+        Deployment d = Deployment::shipped("paper-table1");
+        d.two_batch_overlap = tbo;
+        const StepModel sm(ModelSpec::deepseek_v32_exp(), HardwareProfile::shipped(hw), d);
+        Workload base;
+        base.overlap = mode;
+        const Simulation s = simulate(sm, base, {32, 96, 160});
+        const nlohmann::json j = to_json(s);
+        for (const auto& row : j["rows"]) {
+          if (row.contains("refused")) continue;
+          const double sum = row["compute_ms"].get<double>() + row["exposed_comm_ms"].get<double>() +
+                             row["exposed_transfer_ms"].get<double>() + row["host_ms"].get<double>() +
+                             row["other_idle_ms"].get<double>();
+          EXPECT_NEAR(sum, row["step_ms"].get<double>(), 1e-6 * row["step_ms"].get<double>())
+              << hw << " tbo " << tbo << " " << to_string(mode) << " batch " << row["batch"];
+          EXPECT_GE(row["other_idle_ms"].get<double>(), 0.0);
+        }
+        EXPECT_NE(to_table(s).find(fmt::format("on {} ({})", hw, HardwareProfile::shipped(hw).gpu)), std::string::npos);
+        EXPECT_NE(to_table(s).find("    host"), std::string::npos);
+      }
+    }
+  }
+}
+
+// --batch max: the largest batch at the given pool; without one, ESS's largest (every
+// request-layer at the pool floor), not the all-on-GPU memory wall.
+TEST(sim_report, BatchMaxIsTheLargestEssBatch) {
+  const StepModel sm(ModelSpec::deepseek_v32_exp(), HardwareProfile::shipped("h200"), Deployment::shipped("paper-table1"));
+  Workload base;
+  const Simulation s = simulate(sm, base, {0});
+  ASSERT_EQ(s.rows.size(), 1u);
+  const StepResult& r = s.rows[0].ess;
+  EXPECT_EQ(r.slots, static_cast<std::int32_t>(std::ceil(s.pool_floor)));
+  EXPECT_GT(r.batch, s.wall.batch);
+  const MemoryModel mem(sm.model(), sm.hardware(), sm.deployment(), base.context);
+  EXPECT_EQ(r.batch, mem.max_batch(r.slots));
+  EXPECT_LT(mem.max_batch(r.slots + 64), r.batch + 1);  // a larger pool fits no larger batch
+  base.ratio = 0.5;
+  EXPECT_EQ(simulate(sm, base, {0}).rows[0].ess.slots, 16384);
 }
 
 }  // namespace

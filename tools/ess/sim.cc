@@ -49,7 +49,7 @@ void add_sim(CLI::App& app, int& exit_code) {
       ->check(in_range(1, 1 << 24));
   add_list_option(*cmd, "--batch,-b", args->batches,
                   "Requests per GPU: list, ranges A-B, or max (the largest that fits the given --ratio / --slots; "
-                  "ratio 1 when neither is given)")
+                  "without either, the largest ESS batch: every request-layer at the pool floor)")
       ->default_str("52,64,96,128,160");
   auto* slots = cmd->add_option("--slots", args->slots, "Sparse Memory Pool slots per request-layer (fixed)");
   cmd->add_option("--ratio", args->ratio, "Sparse Memory Ratio (fixed; default: the most that fits each batch)")

@@ -16,6 +16,7 @@ namespace ess::sim {
 struct HardwareProfile {
   std::string name;         // "h200", ...
   std::string description;  // free text
+  std::string gpu;          // the GPU as its vendor names it ("NVIDIA H200 SXM 141 GB"); optional
   // GPU memory.
   double hbm_capacity_gb = 0;       // usable device memory, 1e9 bytes
   double hbm_bandwidth_gbps = 0;    // peak, GB/s

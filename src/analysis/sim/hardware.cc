@@ -76,6 +76,7 @@ HardwareProfile HardwareProfile::from_json(const json& j, const std::string& sou
   HardwareProfile p;
   p.name = json_string(j, "name", source, true);
   p.description = json_string(j, "description", source, false);
+  p.gpu = json_string(j, "gpu", source, false);
   for (const Field& f : kFields) {
     if (f.fallback_source != nullptr && !j.contains(f.key)) {
       p.*(f.member) = f.fallback;
@@ -93,7 +94,7 @@ HardwareProfile HardwareProfile::from_json(const json& j, const std::string& sou
   }
   for (const auto& [k, v] : j.items()) {
     (void)v;
-    bool known = k == "name" || k == "description" || k == "sources";
+    bool known = k == "name" || k == "description" || k == "gpu" || k == "sources";
     for (const Field& f : kFields) known = known || k == f.key;
     ESS_CHECK(known, "{}: unknown hardware field '{}'", source, k);
   }
@@ -128,6 +129,7 @@ void HardwareProfile::validate(const std::string& source) const {
 
 json HardwareProfile::to_json() const {
   json j = {{"name", name}, {"description", description}};
+  if (!gpu.empty()) j["gpu"] = gpu;
   for (const Field& f : kFields) j[f.key] = this->*(f.member);
   j["sources"] = sources;
   return j;

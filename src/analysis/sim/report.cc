@@ -14,6 +14,16 @@ namespace {
 
 double ms(double us) { return us / 1e3; }
 
+// The profile's name and, when it names one, its GPU: "h200 (NVIDIA H200 SXM 141 GB)".
+std::string on_gpu(const HardwareProfile& hw) { return hw.gpu.empty() ? hw.name : fmt::format("{} ({})", hw.name, hw.gpu); }
+
+// The part of a step the table's other columns do not name: the compute stream idle for
+// another reason (the other micro-batch, a D2H copy) and the step's tail on another stream.
+double other_idle_us(const StepResult& r) {
+  const double idle = r.step_us - r.compute_us - r.exposed_comm_us - r.exposed_transfer_us - r.step_overhead_us;
+  return idle > 1e-6 * r.step_us ? idle : 0.0;
+}
+
 nlohmann::json row_json(const StepResult& r) {
   return {{"batch", r.batch},
           {"ratio", r.ratio},
@@ -26,6 +36,8 @@ nlohmann::json row_json(const StepResult& r) {
           {"compute_ms", ms(r.compute_us)},
           {"exposed_comm_ms", ms(r.exposed_comm_us)},
           {"exposed_transfer_ms", ms(r.exposed_transfer_us)},
+          {"host_ms", ms(r.step_overhead_us)},
+          {"other_idle_ms", ms(other_idle_us(r))},
           {"breakdown_ms",
            {{"attention", ms(r.attention_us)},
             {"moe", ms(r.moe_us)},
@@ -214,6 +226,7 @@ nlohmann::json to_json(const Simulation& s) {
   nlohmann::json j;
   j["model"] = s.model.name;
   j["hardware"] = s.hardware.name;
+  j["gpu"] = s.hardware.gpu;
   j["deployment"] = s.deployment.to_json();
   j["context"] = s.base.context;
   j["cache_budget_gb"] = s.cache_budget_gb;
@@ -245,18 +258,21 @@ nlohmann::json to_json(const Simulation& s) {
 std::string to_csv(const Simulation& s) {
   std::string out =
       "batch,ratio,slots,overlap,step_ms,throughput_tokens_per_s,otps,compute_ms,exposed_comm_ms,"
-      "exposed_transfer_ms,misses_per_request_layer,gain_vs_baseline,all_on_gpu_throughput_tokens_per_s,refused\n";
+      "exposed_transfer_ms,host_ms,other_idle_ms,misses_per_request_layer,gain_vs_baseline,"
+      "all_on_gpu_throughput_tokens_per_s,refused\n";
   for (const SimulationRow& r : s.rows) {
     const StepResult& e = r.ess;
     if (!r.refused.empty()) {
       std::string why = r.refused;
       std::replace(why.begin(), why.end(), '"', '\'');
-      fmt::format_to(std::back_inserter(out), "{},,,,,,,,,,,,,\"{}\"\n", e.batch, why);
+      fmt::format_to(std::back_inserter(out), "{},,,,,,,,,,,,,,,\"{}\"\n", e.batch, why);
       continue;
     }
-    fmt::format_to(std::back_inserter(out), "{},{:.4f},{},{},{:.3f},{:.1f},{:.3f},{:.3f},{:.3f},{:.3f},{:.1f},{},{}\n",
-                   e.batch, e.ratio, e.slots, to_string(e.overlap), ms(e.step_us), e.throughput_tokens_per_s, e.otps,
-                   ms(e.compute_us), ms(e.exposed_comm_us), ms(e.exposed_transfer_us), e.misses_per_request_layer,
+    fmt::format_to(std::back_inserter(out),
+                   "{},{:.4f},{},{},{:.3f},{:.1f},{:.3f},{:.3f},{:.3f},{:.3f},{:.3f},{:.3f},{:.1f},{},{}\n", e.batch,
+                   e.ratio, e.slots, to_string(e.overlap), ms(e.step_us), e.throughput_tokens_per_s, e.otps,
+                   ms(e.compute_us), ms(e.exposed_comm_us), ms(e.exposed_transfer_us), ms(e.step_overhead_us),
+                   ms(other_idle_us(e)), e.misses_per_request_layer,
                    s.wall_fits ? fmt::format("{:.4f}", s.gain(e)) : "",
                    r.baseline_fits ? fmt::format("{:.1f}", r.baseline.throughput_tokens_per_s) : "");
     out.pop_back();
@@ -276,11 +292,11 @@ std::string to_table(const Simulation& s) {
   if (s.rig) {
     add("ess sim: {} on {} | executor rig: {} MoE layers on one GPU, experts of EP {}, MTP {}, no all-to-all / "
         "TBO / LM head | context {} | overlap {}\n",
-        s.model.name, hw.name, dep.rig_layers, dep.expert_parallel, dep.mtp_tokens, context, to_string(s.base.overlap));
+        s.model.name, on_gpu(hw), dep.rig_layers, dep.expert_parallel, dep.mtp_tokens, context, to_string(s.base.overlap));
     add("no memory model on the rig; all-on-GPU: the rig's all-resident step at the same batch\n\n");
   } else {
     add("ess sim: {} on {} | {} nodes x {} GPUs, EP {}, MTP {} (accept {}), TBO {} | context {} | overlap {}\n",
-        s.model.name, hw.name, dep.nodes, dep.gpus_per_node, dep.expert_parallel, dep.mtp_tokens, dep.accept_ratio,
+        s.model.name, on_gpu(hw), dep.nodes, dep.gpus_per_node, dep.expert_parallel, dep.mtp_tokens, dep.accept_ratio,
         dep.two_batch_overlap ? "on" : "off", context, to_string(s.base.overlap));
     add("per GPU: {:.1f} GB HBM x {} static = {:.1f} GB weights + {:.1f} GB for the caches\n", hw.hbm_capacity_gb,
         dep.mem_fraction_static, s.weights_gb, s.cache_budget_gb);
@@ -294,8 +310,13 @@ std::string to_table(const Simulation& s) {
     }
   }
   const bool any_paper = std::any_of(s.rows.begin(), s.rows.end(), [](const SimulationRow& r) { return r.paper != nullptr; });
-  add("{:>5} {:>6} {:>6} {:>8} {:>8} {:>7} {:>7} {:>7} {:>11} {:>7} {:>7} {:>11}", "batch", "ratio", "slots", "step ms",
-      "compute", "x-comm", "x-h2d", "misses", "tok/s/node", "OTPS", "gain", "all-on-GPU");
+  // The step's columns add up: step = compute + x-comm + x-h2d + host (+ idle, shown when a row has any).
+  const bool any_idle = std::any_of(s.rows.begin(), s.rows.end(),
+                                    [](const SimulationRow& r) { return r.refused.empty() && other_idle_us(r.ess) > 0; });
+  add("{:>5} {:>6} {:>6} {:>8} {:>8} {:>7} {:>7} {:>7}", "batch", "ratio", "slots", "step ms", "compute", "x-comm",
+      "x-h2d", "host");
+  if (any_idle) add(" {:>7}", "idle");
+  add(" {:>7} {:>11} {:>7} {:>7} {:>11}", "misses", "tok/s/node", "OTPS", "gain", "all-on-GPU");
   if (any_paper) add(" | {:>5} {:>10} {:>7} {:>6}", "paper", "tok/s", "err", "OTPS");
   add("\n");
   for (const SimulationRow& r : s.rows) {
@@ -304,10 +325,11 @@ std::string to_table(const Simulation& s) {
       add("{:>5} does not run: {}\n", e.batch, r.refused);
       continue;
     }
-    add("{:>5} {:>6.3f} {:>6} {:>8.2f} {:>8.2f} {:>7.2f} {:>7.2f} {:>7.1f} {:>11.0f} {:>7.2f} {:>6.1f}% {:>11}", e.batch,
-        e.ratio, e.slots, ms(e.step_us), ms(e.compute_us), ms(e.exposed_comm_us), ms(e.exposed_transfer_us),
-        e.misses_per_request_layer, e.throughput_tokens_per_s, e.otps, 100 * s.gain(e),
-        r.baseline_fits ? fmt::format("{:.0f}", r.baseline.throughput_tokens_per_s) : "OOM");
+    add("{:>5} {:>6.3f} {:>6} {:>8.2f} {:>8.2f} {:>7.2f} {:>7.2f} {:>7.2f}", e.batch, e.ratio, e.slots, ms(e.step_us),
+        ms(e.compute_us), ms(e.exposed_comm_us), ms(e.exposed_transfer_us), ms(e.step_overhead_us));
+    if (any_idle) add(" {:>7.2f}", ms(other_idle_us(e)));
+    add(" {:>7.1f} {:>11.0f} {:>7.2f} {:>6.1f}% {:>11}", e.misses_per_request_layer, e.throughput_tokens_per_s, e.otps,
+        100 * s.gain(e), r.baseline_fits ? fmt::format("{:.0f}", r.baseline.throughput_tokens_per_s) : "OOM");
     if (r.paper != nullptr) {
       add(" | {:>5.2f} {:>10.0f} {:>+6.1f}% {:>6.2f}", r.paper->ratio, r.paper->throughput_tokens_per_s,
           100 * (e.throughput_tokens_per_s / r.paper->throughput_tokens_per_s - 1), r.paper->otps);
@@ -335,9 +357,13 @@ std::string to_table(const Simulation& s) {
     }
   }
   add("\nratio: Sparse Memory Ratio that fits the batch; x-comm / x-h2d: compute stream idle waiting for the "
-      "all-to-all / the misses' copy; misses: mean per request-layer-step (--miss-profile, else the parametric model); "
-      "gain: throughput vs the all-on-GPU baseline at its largest batch; all-on-GPU: its throughput at the same batch "
-      "(OOM: does not fit).\n");
+      "all-to-all / the misses' copy; host: the host's time between steps (scheduling, sampling bookkeeping), the "
+      "step = compute + x-comm + x-h2d + host{}; misses: mean per request-layer-step (--miss-profile, else the "
+      "parametric model); gain: throughput vs the all-on-GPU baseline at its largest batch; all-on-GPU: its "
+      "throughput at the same batch (OOM: does not fit).\n",
+      any_idle ? " + idle (compute stream idle for another reason: the other micro-batch, a D2H copy, or the step "
+                 "ending on another stream)"
+               : "");
   return out;
 }
 
@@ -359,7 +385,8 @@ nlohmann::json to_json(const Plans& p) {
                    {"notes", r.notes},
                    {"evaluated", r.evaluated}});
   }
-  return {{"model", p.model.name}, {"hardware", p.hardware.name}, {"deployment", p.deployment.to_json()}, {"plans", arr}};
+  return {{"model", p.model.name}, {"hardware", p.hardware.name}, {"gpu", p.hardware.gpu}, {"deployment", p.deployment.to_json()},
+          {"plans", arr}};
 }
 
 std::string to_csv(const Plans& p) {
@@ -387,7 +414,7 @@ std::string to_table(const Plans& p) {
   };
   const Deployment& dep = p.deployment;
   add("ess plan: {} on {} | {} nodes x {} GPUs, EP {}, MTP {} (accept {}), TBO {} | min OTPS {}\n", p.model.name,
-      p.hardware.name, dep.nodes, dep.gpus_per_node, dep.expert_parallel, dep.mtp_tokens, dep.accept_ratio,
+      on_gpu(p.hardware), dep.nodes, dep.gpus_per_node, dep.expert_parallel, dep.mtp_tokens, dep.accept_ratio,
       dep.two_batch_overlap ? "on" : "off", p.min_otps);
   for (const auto& r : p.results) {
     add("\ncontext {} ({} configurations evaluated)\n", r.context, r.evaluated);

@@ -51,7 +51,13 @@ StepResult size_step(const ModelSpec& model, const Deployment& dep, const Worklo
               "the executor rig cannot hold batch {}: {} layers x {} requests of cache take {:.1f} GB, more than the "
               "GPU's {:.1f} GB of HBM", batch, dep.rig_layers, batch, rig_bytes / 1e9, mem.hbm_bytes() / 1e9);
   } else if (batch == 0) {
-    if (slots == 0) slots = ctx32;
+    // The largest batch: at the given pool, else (offload) at the pool floor, the smallest pool a
+    // request-layer may get; the all-on-GPU baseline holds the whole context.
+    if (slots == 0) {
+      slots = wl.offload ? static_cast<std::int32_t>(std::min<double>(
+                               std::ceil(wl.misses.min_slots(dep.mtp_tokens, model.index_topk, double(wl.context))), ctx32))
+                         : ctx32;
+    }
     batch = mem.max_batch(slots);
     ESS_CHECK(batch >= 1, "no request fits: one request with {} slots per request-layer needs {:.2f} GB of "
                           "cache per GPU but only {:.2f} GB is left after the weights",
