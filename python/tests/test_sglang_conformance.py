@@ -224,6 +224,17 @@ def test_the_da_hooks_bind_to_the_release():
                    "self._resolve_kpool_tail_backend(topk_indices, self.dsa_decode_impl)",
                    "dsa_impl == 'flashmla_kv'", "self._forward_flashmla_kv("):
         assert needed in source, needed
+    # The verify forward: forward_extend swaps [bs, T, K] in its target-verify branch, viewed as bs x T rows, and
+    # runs the decode backend's kernel (flashmla_kv: _forward_flashmla_kv).
+    extend = _function(dsa, "DeepseekSparseAttnBackend", "forward_extend")
+    assert [a.arg for a in extend.args.args[:6]] == ["self", "q", "k", "v", "layer", "forward_batch"]
+    source = ast.unparse(extend)
+    for needed in ("if forward_batch.forward_mode.is_target_verify():",
+                   "self.hisparse_coordinator.swap_in_selected_pages(forward_batch.req_pool_indices, "
+                   "metadata.dsa_seqlens_expanded, grouped_topk_indices, layer.layer_id).view(num_reqs * num_steps, -1)",
+                   "self.dsa_decode_impl if forward_batch.forward_mode.is_target_verify()",
+                   "elif dsa_impl == 'flashmla_kv':", "self._forward_flashmla_kv("):
+        assert needed in source, needed
     kv = _function(dsa, "DeepseekSparseAttnBackend", "_forward_flashmla_kv")
     local = [n for n in ast.walk(kv) if isinstance(n, ast.ImportFrom)]
     assert [(n.module, [a.name for a in n.names]) for n in local] == \

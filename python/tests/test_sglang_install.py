@@ -49,7 +49,7 @@ def fake_sglang(root: Path, version: str):
     (pkg / "srt" / "layers" / "attention" / "__init__.py").write_text("")
     (pkg / "srt" / "layers" / "attention" / "dsa_backend.py").write_text(
         "class DeepseekSparseAttnBackend:\n    def forward_decode(self, q, k, v, layer, forward_batch):\n"
-        "        pass\n")
+        "        pass\n    def forward_extend(self, q, k, v, layer, forward_batch):\n        pass\n")
     (pkg / "launch_server.py").write_text(LAUNCH_SERVER)
 
 

@@ -2,7 +2,8 @@
 copied, then over the fetched rows, the two partial states merged by their log-sum-exp.
 
 What runs, per layer whose schedule is DA, in DeepseekSparseAttnBackend.forward_decode (layers/attention/
-dsa_backend.py), all of it SGLang's own code but for the marked steps:
+dsa_backend.py; and in forward_extend for the verify forward of speculative decoding, which swaps [bs, T, K] and
+runs the same FlashMLA call over bs x T query rows), all of it SGLang's own code but for the marked steps:
 
   forward_decode         the wrapper (patch_backend) arms the coordinator for this layer [ESS], then SGLang's own
                          forward_decode runs: the KV write, q, _pad_topk_indices, then
@@ -203,38 +204,70 @@ def unpatch_flashmla(module) -> None:
         module.flash_mla_with_kvcache = original
 
 
+def _da_layer(backend, layer):
+    """The coordinator's DecodeSplit when its schedule for `layer` is DA (the decode backend checked), else None."""
+    coordinator = getattr(backend, "hisparse_coordinator", None)
+    split = getattr(coordinator, "decode_split", None)
+    if split is None or coordinator.overlap[layer.layer_id - coordinator.start_layer] != "da":
+        return None
+    check_decode_backend(backend.dsa_decode_impl, f"layer {layer.layer_id}")
+    # The module as _forward_flashmla_kv's own import resolves it (sys.modules, by its full name).
+    patch_flashmla(importlib.import_module(FLASH_MLA_INTERFACE))
+    return split
+
+
+def _armed(backend, layer, split, run):
+    """`run` (SGLang's own forward) with the layer armed: its swap leaves the split, which its FlashMLA call takes."""
+    split.armed, split.pending = layer.layer_id, None
+    try:
+        out = run()
+    finally:
+        split.armed = None
+    if split.pending is not None:
+        split.pending = None
+        raise RuntimeError(f"layer {layer.layer_id}: ESS's DA swap returned the resident rows only, and the "
+                           f"decode kernel did not read them through FlashMLA's flash_mla_with_kvcache "
+                           f"(dsa decode backend {backend.dsa_decode_impl!r})")
+    return out
+
+
 def _wrap_forward_decode(original):
     def forward_decode(self, q, k, v, layer, forward_batch, *args, **kwargs):
-        coordinator = getattr(self, "hisparse_coordinator", None)
-        split = getattr(coordinator, "decode_split", None)
-        if split is None or coordinator.overlap[layer.layer_id - coordinator.start_layer] != "da":
+        split = _da_layer(self, layer)
+        if split is None:
             return original(self, q, k, v, layer, forward_batch, *args, **kwargs)
-        check_decode_backend(self.dsa_decode_impl, f"layer {layer.layer_id}")
-        # The module as _forward_flashmla_kv's own import resolves it (sys.modules, by its full name).
-        patch_flashmla(importlib.import_module(FLASH_MLA_INTERFACE))
-        split.armed, split.pending = layer.layer_id, None
-        try:
-            out = original(self, q, k, v, layer, forward_batch, *args, **kwargs)
-        finally:
-            split.armed = None
-        if split.pending is not None:
-            split.pending = None
-            raise RuntimeError(f"layer {layer.layer_id}: ESS's DA swap returned the resident rows only, and the "
-                               f"decode kernel did not read them through FlashMLA's flash_mla_with_kvcache "
-                               f"(dsa decode backend {self.dsa_decode_impl!r})")
-        return out
+        return _armed(self, layer, split, lambda: original(self, q, k, v, layer, forward_batch, *args, **kwargs))
     forward_decode.ess_original = original
     return forward_decode
 
 
+def _wrap_forward_extend(original):
+    """The verify forward of speculative decoding (target verify: forward_extend swaps [bs, T, K] and FlashMLA's
+    decode kernel reads bs x T query rows) is armed as decode is; prefill and draft extends pass through."""
+    def forward_extend(self, q, k, v, layer, forward_batch, *args, **kwargs):
+        mode = getattr(forward_batch, "forward_mode", None)
+        split = _da_layer(self, layer) if mode is not None and mode.is_target_verify() else None
+        if split is None:
+            return original(self, q, k, v, layer, forward_batch, *args, **kwargs)
+        return _armed(self, layer, split, lambda: original(self, q, k, v, layer, forward_batch, *args, **kwargs))
+    forward_extend.ess_original = original
+    return forward_extend
+
+
+_WRAPPERS = {"forward_decode": _wrap_forward_decode, "forward_extend": _wrap_forward_extend}
+
+
 def patch_backend(cls) -> None:
-    """DeepseekSparseAttnBackend.forward_decode wrapped: arms ESS's DA for the layers whose schedule is DA, else
-    SGLang's own forward_decode unchanged."""
-    if getattr(cls.forward_decode, "ess_original", None) is None:
-        cls.forward_decode = _wrap_forward_decode(cls.forward_decode)
+    """DeepseekSparseAttnBackend.forward_decode and forward_extend wrapped: ESS's DA armed for the layers whose
+    schedule is DA (decode, and the verify forward of speculative decoding), else SGLang's own methods unchanged."""
+    for name, wrap in _WRAPPERS.items():
+        method = getattr(cls, name)
+        if getattr(method, "ess_original", None) is None:
+            setattr(cls, name, wrap(method))
 
 
 def unpatch_backend(cls) -> None:
-    original = getattr(cls.forward_decode, "ess_original", None)
-    if original is not None:
-        cls.forward_decode = original
+    for name in _WRAPPERS:
+        original = getattr(getattr(cls, name), "ess_original", None)
+        if original is not None:
+            setattr(cls, name, original)

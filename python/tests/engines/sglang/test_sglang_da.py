@@ -62,8 +62,8 @@ def flashmla(monkeypatch):
 class AttnWorld(World):
     """World with entries FlashMLA can read (valid V32 FP8 entries) and SGLang's DSA backend over its pools."""
 
-    def __init__(self, seed=0):
-        super().__init__(adapter.HiSparseCoordinator, seed=seed)
+    def __init__(self, seed=0, **overrides):
+        super().__init__(adapter.HiSparseCoordinator, seed=seed, **overrides)
         self.torch_rng = torch.Generator().manual_seed(seed)
         b = dsa_backend.DeepseekSparseAttnBackend.__new__(dsa_backend.DeepseekSparseAttnBackend)
         b.hisparse_coordinator = self.s.coord
@@ -76,6 +76,11 @@ class AttnWorld(World):
         b.kv_cache_dim = ENTRY
         b.flashmla_kv_format = "V32"
         b.flashmla_kv_num_q_heads = PADDED_HEADS
+        # forward_extend's verify path: no MHA, the unfused PAGED top-k transform, T draft tokens.
+        b.use_mha = False
+        b.use_fused_topk = False
+        b.dsa_prefill_impl = "flashmla_kv"
+        b.speculative_num_draft_tokens = overrides.get("num_draft_tokens", 0)
         self.backend = b
         self.layers = [RadixAttention(num_heads=HEADS, head_dim=576, scaling=576 ** -0.5, num_kv_heads=1,
                                       layer_id=layer, v_head_dim=512) for layer in range(LAYERS)]
@@ -269,6 +274,100 @@ def test_a_merge_taking_the_lse_as_base_two_fails(flashmla, monkeypatch):
     results = run(w, 4, rng, DelayedCopy(w))
     with pytest.raises(AssertionError, match="output"):
         check(w, results, flashmla)
+
+
+def test_da_in_the_verify_forward_of_speculative_decoding(flashmla, monkeypatch):
+    """The verify forward (forward_mode TARGET_VERIFY): forward_extend's HiSparse branch swaps [bs, T, K] with
+    per-token seq_lens and FlashMLA reads bs x T query rows; armed as decode is (prepare_spec_verify before, the
+    T tokens' KV at their reserved rows, commit_spec_accept_tokens after, every draft accepted). The same checks
+    per query row. SGLang's Triton page-table transform, whose result the HiSparse branch replaces, runs as its
+    own torch reference (sglang.test.kernels.dsa_transform_index)."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.test.kernels.dsa_transform_index import transform_index_page_table_prefill_ref
+    monkeypatch.setattr(dsa_backend, "transform_index_page_table_prefill",
+                        lambda *a, cu_seqlens_q=None, **k: transform_index_page_table_prefill_ref(*a, **k))
+    monkeypatch.setenv("ESS_OVERLAP", "da")
+    T = 2
+    w, rng = AttnWorld(seed=5, num_draft_tokens=T), random.Random(6)
+    s, c = w.s, w.s.coord
+    for rid, n in (("a", 300), ("b", 90), ("c", 250)):
+        w.prefill(rid, n)
+    assert sorted(w.collect()) == ["a", "b", "c"]
+    delayed = DelayedCopy(w)
+    c.decode_split.copy_done = delayed
+    swap = c.swap_in_selected_pages
+
+    def swapping(*args):
+        table = swap(*args)
+        delayed.after_swap(args[3])
+        return table
+    c.swap_in_selected_pages = swapping
+    calls, seen = [], {}
+    for step in range(5):
+        rids = list(w.reqs)
+        locs = []
+        for rid in rids:   # the verify tokens' logical slots (alloc_for_spec_decode's alloc_logical_only)
+            req, L = w.reqs[rid], w.length[rid]
+            idx, have = req.kv.req_pool_idx, req.kv.kv_allocated_len
+            if have < L + 2 * T:
+                new = s.allocator.alloc_logical_only(
+                    prefix_lens=torch.tensor([have]), prefix_lens_cpu=torch.tensor([have]),
+                    seq_lens=torch.tensor([L + 2 * T]), seq_lens_cpu=torch.tensor([L + 2 * T]),
+                    last_loc=s.req_to_token_pool.req_to_token[idx, have - 1].view(1).to(torch.int64),
+                    extend_num_tokens=L + 2 * T - have)
+                s.req_to_token_pool.req_to_token[idx, have:L + 2 * T] = new.to(torch.int32)
+                req.kv.kv_allocated_len = L + 2 * T
+            locs.append(s.req_to_token_pool.req_to_token[idx, L:L + T].to(torch.int64))
+        idx = torch.tensor([w.reqs[r].kv.req_pool_idx for r in rids])
+        lens = torch.tensor([w.length[r] for r in rids])
+        batch = types.SimpleNamespace(reqs=[w.reqs[r] for r in rids], req_pool_indices=idx,
+                                      out_cache_loc=torch.cat(locs), seq_lens=lens, seq_lens_cpu=lens.clone(),
+                                      forward_mode=ForwardMode.TARGET_VERIFY)
+        c.prepare_spec_verify(batch)
+        c.wait_for_pending_backup()
+        c.num_real_reqs.fill_(len(rids))
+        device = s.device_pool.translate_loc_from_full_to_hisparse_device(batch.out_cache_loc)
+        expanded = (lens.view(-1, 1) + torch.arange(1, T + 1)).view(-1).to(torch.int32)
+        B = len(rids)
+        for layer in range(LAYERS):
+            for b, r in enumerate(rids):   # the verify forward's set_mla_kv_buffer of the T tokens
+                for t in range(T):
+                    s.rows(layer)[int(device[b * T + t])] = torch.from_numpy(w.full[r][layer, w.length[r] + t])
+            picks = []
+            for r in rids:
+                for t in range(T):
+                    n, kind = w.length[r] + t + 1, rng.choice(["repeat", "old", "random"])
+                    before = seen.get((r, layer, t))
+                    if kind == "repeat" and before is not None:
+                        p = before
+                    elif kind == "old" and n > 200:
+                        p = sorted(rng.sample(range(0, n - 150), K))
+                    else:
+                        p = sorted(rng.sample(range(n), min(K, n)))
+                    seen[(r, layer, t)] = p
+                    picks.append(p)
+            topk = torch.tensor([p + [-1] * (K - len(p)) for p in picks], dtype=torch.int32)
+            q = torch.randn((B * T, HEADS * 576), generator=w.torch_rng).to(torch.bfloat16) * 4
+            w.backend.forward_metadata = types.SimpleNamespace(
+                dsa_cache_seqlens_int32=expanded.clamp_max(K), dsa_seqlens_expanded=expanded,
+                page_table_1=s.req_to_token_pool.req_to_token[idx].repeat_interleave(T, dim=0),  # expanded per token
+                dsa_extend_seq_lens_list=[T] * B,
+                cu_seqlens_q=torch.arange(0, B * T + 1, T, dtype=torch.int32),
+                flashmla_metadata=types.SimpleNamespace(flashmla_metadata=torch.zeros(1, dtype=torch.int32),
+                                                        num_splits=torch.zeros(B * T + 1, dtype=torch.int32)))
+            fb = types.SimpleNamespace(req_pool_indices=idx, seq_lens=lens + T, forward_mode=ForwardMode.TARGET_VERIFY)
+            out = w.backend.forward_extend(q, None, None, w.layers[layer], fb, topk_indices=topk)
+            # Query row b x T + t reads request b's cache as it is at that token: picks within its first L + t + 1.
+            positions = [(rids[i // T], picks[i], out[i].view(HEADS, 512), q[i]) for i in range(B * T)]
+            calls.append((step, layer, positions, out[B * T:]))
+        c.commit_spec_accept_tokens(batch, torch.arange(B * T, dtype=torch.int32).view(B, T))
+        for r in rids:
+            w.length[r] += T
+    assert delayed.waits == len(calls)
+    assert check(w, calls, flashmla) == {"all resident", "all fetched", "mixed"}
+    for rid in list(w.reqs):
+        w.finish(rid)
+    assert w.free_sizes() == w.free_at_start
 
 
 @pytest.mark.parametrize("value", ["dba", "layerwise", "fast"])
