@@ -311,7 +311,8 @@ ESS_API ess_status ess_write_back(ess_write_back_binding* binding, int32_t layer
 /* `ess plan` as a call: `request_json` is an object with optional keys model (config.json
  * path), hardware (shipped name or JSON path), deployment, contexts (array), min_otps,
  * modes (array of none/da/dba/layerwise), batch_step, mtp, accept, nodes, gpus_per_node, ep,
- * mem_fraction, no_tbo, misses, miss_exponent, miss_profile, op_table; unknown keys are
+ * mem_fraction, no_tbo, misses, miss_exponent, miss_profile, op_table, engine ("sglang": each plan
+ * gets the engine's "launch"); unknown keys are
  * refused. *result_json gets the JSON `ess plan --format json` prints; free it with
  * ess_string_free. */
 ESS_API ess_status ess_plan(const char* request_json, char** result_json);

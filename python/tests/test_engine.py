@@ -299,6 +299,22 @@ def test_plan_is_ess_plan():
     json.dumps(p)
 
 
+def test_plan_for_sglang_gives_its_launch_line():
+    p = ess.plan(engine="sglang", hardware="h200", contexts=[131072], min_otps=10, no_tbo=True)
+    launch = p["plans"][0]["launch"]
+    assert p["engine"] == "sglang" and launch["release"] == "0.5.23"
+    assert launch["argv"][:3] == ["python", "-m", "ess.integrations.sglang_launch"]
+    assert "--enable-hisparse" in launch["argv"] and "--enable-two-batch-overlap" not in launch["argv"]
+    assert p["plans"][0]["chosen"]["overlap"] in ("none", "da")
+    assert "launch" not in ess.plan(hardware="h200", contexts=[32768])["plans"][0]
+    with pytest.raises(ess.InvalidArgument, match="overlap mode dba is not served inside SGLang"):
+        ess.plan(engine="sglang", modes=["none", "dba"])
+    with pytest.raises(ess.InvalidArgument, match="sglang"):
+        ess.plan(engine="vllm")
+    with pytest.raises(ess.InvalidType, match="engine"):
+        ess.plan(engine=3)
+
+
 def test_torch_tensors():
     torch = pytest.importorskip("torch")
     e = small()

@@ -64,6 +64,9 @@ struct Plans {
   Deployment deployment;
   double min_otps = 0;
   std::vector<PlanResult> results;
+  std::string engine;                 // "" or the engine planned for (PlanOptions::engine)
+  std::vector<std::string> engine_notes;
+  std::vector<nlohmann::json> launches;  // per result: its launch (Launch::to_json), null when none was found
   bool all_found() const;
 };
 

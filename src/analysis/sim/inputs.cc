@@ -5,6 +5,7 @@
 
 #include "ess/core/error.h"
 #include "ess/core/json.h"
+#include "ess/sim/launch.h"
 #include "ess/sim/overlap.h"
 #include "ess/sim/planner.h"
 
@@ -75,17 +76,27 @@ Plans plan_contexts(const Inputs& inputs, const PlanOptions& options) {
             options.min_otps);
   ESS_CHECK(!inputs.rig_layers, "plan: --rig-layers models the single-GPU rig of `ess bench step`; plan a deployment");
   ESS_CHECK(!options.modes.empty(), "plan: no overlap mode to try");
+  for (const auto& m : options.modes) (void)parse_overlap_mode(m);  // each named mode checked first
+  const EngineLimits limits =
+      engine_limits(options.engine, options.modes, options.modes_given, inputs.pool_floor.value_or(""),
+                    inputs.pool_floor.has_value(), dep.mtp_tokens);
+  ESS_CHECK(!limits.modes.empty(), "plan: no overlap mode to try");
   base.modes.clear();
-  for (const auto& m : options.modes) base.modes.push_back(parse_overlap_mode(m));
+  for (const auto& m : limits.modes) base.modes.push_back(parse_overlap_mode(m));
+  Inputs engine_inputs = inputs;
+  if (!limits.pool_floor.empty()) engine_inputs.pool_floor = limits.pool_floor;
   ESS_CHECK(!options.contexts.empty(), "plan: no context length given");
-  Plans plans{model, hw, dep, options.min_otps, {}};
+  Plans plans{model, hw, dep, options.min_otps, {}, options.engine, limits.notes, {}};
   for (std::int64_t ctx : options.contexts) {
     ESS_CHECK(ctx >= 1 && ctx <= (std::int64_t{1} << 24), "plan: context {} must be in [1, 2^24]", ctx);
     PlanRequest r = base;
     r.context = ctx;
-    r.misses = inputs.load_misses(ctx);
+    r.misses = engine_inputs.load_misses(ctx);
     r.prefix_share = inputs.prefix_share.value_or(0.0);
     plans.results.push_back(plan(sm, r));
+    const PlanResult& got = plans.results.back();
+    plans.launches.push_back(options.engine.empty() || !got.found ? nlohmann::json()
+                                                                 : launch_for(options.engine, model, dep, got).to_json());
     if (options.progress) options.progress(plans.results.size(), options.contexts.size());
   }
   return plans;
@@ -110,11 +121,13 @@ void read_plan_request(const nlohmann::json& j, Inputs& in, PlanOptions& opt) {
                   {"contexts", "min_otps", "modes", "batch_step", "model", "hardware", "deployment", "mtp", "accept",
                    "nodes", "gpus_per_node", "ep", "mem_fraction", "no_tbo", "misses", "miss_exponent", "miss_profile",
                    "pool_floor", "pool_floor_margin", "prefix_share",
-                   "op_table"},
+                   "op_table", "engine"},
                   source, "request");
   json_read(j, "contexts", opt.contexts, source);
   json_read(j, "min_otps", opt.min_otps, source);
   json_read(j, "modes", opt.modes, source);
+  opt.modes_given = j.contains("modes");
+  json_read(j, "engine", opt.engine, source);
   json_read(j, "batch_step", opt.batch_step, source);
   json_read(j, "model", in.model, source);
   json_read(j, "hardware", in.hardware, source);

@@ -76,6 +76,7 @@ nlohmann::json option_json(const PlanOption& o) {
     j["batch"] = r.batch;
     j["ratio"] = r.ratio;
     j["slots"] = r.slots;
+    j["offload"] = r.offload;
     j["overlap"] = std::string(to_string(r.overlap));
     j["step_ms"] = ms(r.step_us);
     j["throughput_tokens_per_s"] = r.throughput_tokens_per_s;
@@ -384,9 +385,15 @@ nlohmann::json to_json(const Plans& p) {
                    {"refusals", r.refusals},
                    {"notes", r.notes},
                    {"evaluated", r.evaluated}});
+    if (!p.engine.empty()) arr.back()["launch"] = p.launches.at(arr.size() - 1);
   }
-  return {{"model", p.model.name}, {"hardware", p.hardware.name}, {"gpu", p.hardware.gpu}, {"deployment", p.deployment.to_json()},
-          {"plans", arr}};
+  nlohmann::json j = {{"model", p.model.name}, {"hardware", p.hardware.name}, {"gpu", p.hardware.gpu},
+                      {"deployment", p.deployment.to_json()}, {"plans", arr}};
+  if (!p.engine.empty()) {
+    j["engine"] = p.engine;
+    j["engine_notes"] = p.engine_notes;
+  }
+  return j;
 }
 
 std::string to_csv(const Plans& p) {
@@ -416,7 +423,9 @@ std::string to_table(const Plans& p) {
   add("ess plan: {} on {} | {} nodes x {} GPUs, EP {}, MTP {} (accept {}), TBO {} | min OTPS {}\n", p.model.name,
       on_gpu(p.hardware), dep.nodes, dep.gpus_per_node, dep.expert_parallel, dep.mtp_tokens, dep.accept_ratio,
       dep.two_batch_overlap ? "on" : "off", p.min_otps);
-  for (const auto& r : p.results) {
+  if (!p.engine.empty()) add("engine: {} ({})\n", p.engine, p.engine_notes.empty() ? "as asked" : fmt::format("{}", fmt::join(p.engine_notes, "; ")));
+  for (std::size_t i = 0; i < p.results.size(); ++i) {
+    const PlanResult& r = p.results[i];
     add("\ncontext {} ({} configurations evaluated)\n", r.context, r.evaluated);
     if (r.found) {
       add("  chosen: {}\n", option_line(r.chosen));
@@ -437,6 +446,12 @@ std::string to_table(const Plans& p) {
     for (const auto& o : r.alternatives) add("  {}\n      {}\n", option_line(o), o.why);
     for (const auto& s : r.refusals) add("  refused: {}\n", s);
     for (const auto& s : r.notes) add("  note: {}\n", s);
+    if (!p.engine.empty() && r.found) {
+      const nlohmann::json& l = p.launches.at(i);
+      add("  launch ({} {}):\n    {}\n", l["engine"].get<std::string>(), l["release"].get<std::string>(),
+          l["command_line"].get<std::string>());
+      for (const auto& n : l["notes"]) add("    ({})\n", n.get<std::string>());
+    }
   }
   return out;
 }

@@ -1,0 +1,46 @@
+// The launch line of a planned configuration for a serving engine: the engine's own flags and
+// ESS's settings for what `ess plan --engine` chose. Which engine releases are served, and
+// what each serves, is in docs/integration.md.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <string>
+#include <vector>
+
+#include "ess/model/model_spec.h"
+#include "ess/sim/deployment.h"
+#include "ess/sim/planner.h"
+
+namespace ess::sim {
+
+// The engines `ess plan --engine` knows; "" is ESS's own model (every overlap mode, the pool
+// floor as given).
+inline constexpr const char* kSglangEngine = "sglang";
+
+// What an engine's adapter serves, applied to a plan before the search: its overlap modes and
+// its pool floor rule. Refuses, by name, an engine this build does not plan for and a request
+// for something the engine's adapter refuses (a mode, a pool floor below what it needs).
+struct EngineLimits {
+  std::vector<std::string> modes;  // the modes to try (those asked for, less none of them)
+  std::string pool_floor;          // the floor rule to use ("" = as given)
+  std::vector<std::string> notes;  // what the engine changed, for the output
+};
+EngineLimits engine_limits(const std::string& engine, const std::vector<std::string>& modes, bool modes_given,
+                           const std::string& pool_floor, bool pool_floor_given, int mtp_tokens);
+
+struct Launch {
+  std::string engine;                 // "sglang"
+  std::string release;                // the release the adapter is checked against
+  std::vector<std::string> env;       // NAME=value settings of ESS
+  std::vector<std::string> argv;      // the command and its flags, one element each
+  std::vector<std::string> notes;     // what the user fills in, and what the values assume
+  std::string command_line() const;   // env, then argv, shell-quoted
+  nlohmann::json to_json() const;
+};
+
+// The launch of `result`'s chosen configuration (found) on `engine`, for one node of the deployment.
+Launch launch_for(const std::string& engine, const ModelSpec& model, const Deployment& deployment,
+                  const PlanResult& result);
+
+}  // namespace ess::sim

@@ -1,0 +1,73 @@
+"""`ess plan --engine sglang`'s launch lines read by SGLang 0.5.23's own argument parser: the flags ESS prints are
+SGLang's (server_args.prepare_server_args: argparse over ServerArgs.add_cli_args, then ServerArgs itself with its
+checks), over a local copy of the model's config.json (ServerArgs reads the config, never the weights), with
+`--device cpu` added for this machine. Each value lands in the ServerArgs field the plan meant, and the
+hisparse config is what SGLang's own parser (mem_cache/sparsity/factory.py) resolves."""
+import json
+
+import pytest
+
+import ess
+
+CASES = [
+    dict(hardware="h200", contexts=[32768], min_otps=15, nodes=1, gpus_per_node=8, ep=8),       # 8 x H200
+    dict(hardware="h200", contexts=[131072], min_otps=10, no_tbo=True),                         # the paper's 4 x 8
+    dict(hardware="paper-table1", contexts=[32768], min_otps=15, mtp=1),
+    dict(hardware="h200", contexts=[4096], min_otps=15),                                         # all-on-GPU wins
+]
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    """DeepSeek-V3.2-Exp's config.json fields ServerArgs reads (its architecture, the DSA index sizes)."""
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32", "num_hidden_layers": 61,
+        "hidden_size": 7168, "intermediate_size": 18432, "num_attention_heads": 128, "num_key_value_heads": 128,
+        "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
+        "v_head_dim": 128, "index_topk": 2048, "index_n_heads": 64, "index_head_dim": 128, "vocab_size": 129280,
+        "max_position_embeddings": 163840, "torch_dtype": "bfloat16", "n_routed_experts": 256,
+        "num_experts_per_tok": 8, "moe_intermediate_size": 2048, "first_k_dense_replace": 3,
+        "num_nextn_predict_layers": 1}))
+    return tmp_path
+
+
+@pytest.mark.parametrize("case", CASES, ids=["8xH200", "4x8-128K", "no-MTP", "all-on-GPU"])
+def test_the_launch_line_is_sglangs(case, model_dir):
+    from sglang.srt.server_args import prepare_server_args
+    plan = ess.plan(engine="sglang", **case)
+    assert plan["engine"] == "sglang"
+    for p in plan["plans"]:
+        assert p["found"], p
+        launch = p["launch"]
+        argv = launch["argv"]
+        chosen = p["chosen"]
+        offload = chosen["offload"]
+        # ESS's launcher takes sglang.launch_server's arguments; all-on-GPU is SGLang's own server.
+        assert argv[:3] == ["python", "-m", "ess.integrations.sglang_launch" if offload else "sglang.launch_server"]
+        flags = argv[3:]
+        i = flags.index("--model-path")
+        flags[i + 1] = str(model_dir)
+        for placeholder, value in (("<rank>", "0"), ("<host:port>", "127.0.0.1:5000")):
+            if placeholder in flags:
+                flags[flags.index(placeholder)] = value
+        args = prepare_server_args(flags + ["--device", "cpu", "--skip-tokenizer-init"])
+        dep = plan["deployment"]
+        assert args.kv_cache_dtype == "fp8_e4m3"
+        assert args.context_length == p["context"]
+        assert args.max_running_requests == chosen["batch"] * dep["attention_data_parallel"]
+        assert args.mem_fraction_static == dep["mem_fraction_static"]
+        assert args.tp_size == dep["nodes"] * dep["gpus_per_node"]
+        assert args.enable_two_batch_overlap == dep["two_batch_overlap"]
+        if dep["mtp_tokens"] > 1:
+            assert args.speculative_num_draft_tokens == dep["mtp_tokens"]
+        assert args.enable_hisparse == offload and args.disable_radix_cache == offload
+        if not offload:
+            assert launch["env"] == [] and args.hisparse_config is None
+            continue
+        config = json.loads(args.hisparse_config)
+        assert config["device_buffer_size"] == chosen["slots"] and config["top_k"] == 2048
+        assert config["device_buffer_size"] >= max(1, dep["mtp_tokens"]) * 2048 or dep["mtp_tokens"] == 1
+        overlap = chosen["overlap"]
+        assert (f"ESS_OVERLAP={overlap}" in launch["env"]) == (overlap != "none")
+        if overlap == "da":
+            assert args.dsa_decode_backend == "flashmla_kv"

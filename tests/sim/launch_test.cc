@@ -1,0 +1,66 @@
+// `ess plan --engine sglang`: the search limited to what ESS serves inside SGLang 0.5.23 and the
+// launch line of what it chose (ess/sim/launch.h). That SGLang's own parser reads the line as
+// meant is python/tests/engines/sglang/test_sglang_launch_line.py's.
+#include "ess/sim/launch.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+
+#include "ess/sim/inputs.h"
+#include "testing/testing.h"
+
+namespace ess::sim {
+namespace {
+
+TEST(sim_launch, SglangLimitsTheModesAndThePoolFloor) {
+  const std::vector<std::string> all = {"none", "da", "dba", "layerwise"};
+  EngineLimits l = engine_limits("sglang", all, false, "", false, 2);
+  EXPECT_EQ(l.modes, (std::vector<std::string>{"none", "da"}));
+  EXPECT_EQ(l.pool_floor, "tk");  // MTP: the verify step swaps T x top-k at once
+  EXPECT_EQ(engine_limits("sglang", all, false, "", false, 1).pool_floor, "");
+  EXPECT_EQ(engine_limits("", all, false, "max", true, 2).modes, all);  // no engine: as asked
+  EXPECT_NE(test::error_of([&] { engine_limits("sglang", {"none", "dba"}, true, "", false, 2); })
+                .find("overlap mode dba is not served inside SGLang"), std::string::npos);
+  EXPECT_NE(test::error_of([&] { engine_limits("sglang", all, false, "p99", true, 2); }).find("use --pool-floor tk"),
+            std::string::npos);
+  EXPECT_NE(test::error_of([&] { engine_limits("vllm", all, false, "", false, 2); }).find("sglang (0.5.23) only"),
+            std::string::npos);
+}
+
+TEST(sim_launch, TheLaunchLineCarriesThePlansChoice) {
+  Inputs in;
+  in.hardware = "h200";
+  PlanOptions o;
+  o.contexts = {131072};
+  o.min_otps = 10;
+  o.engine = "sglang";
+  const Plans p = plan_contexts(in, o);
+  ASSERT_TRUE(p.results[0].found);
+  const StepResult& c = p.results[0].chosen.best;
+  ASSERT_TRUE(c.offload);
+  EXPECT_GE(c.slots, 2 * 2048);  // MTP 2: the T x top-k floor
+  const nlohmann::json& l = p.launches[0];
+  const std::vector<std::string> argv = l["argv"];
+  auto value = [&](const std::string& flag) {
+    const auto it = std::find(argv.begin(), argv.end(), flag);
+    return it == argv.end() || it + 1 == argv.end() ? std::string("(absent)") : *(it + 1);
+  };
+  EXPECT_EQ(value("--max-running-requests"), std::to_string(c.batch * p.deployment.attention_data_parallel));
+  EXPECT_EQ(value("--context-length"), "131072");
+  EXPECT_EQ(value("--speculative-num-draft-tokens"), "2");
+  EXPECT_NE(value("--hisparse-config").find(fmt::format("\"device_buffer_size\": {}", c.slots)), std::string::npos);
+  EXPECT_EQ(std::count(argv.begin(), argv.end(), "--enable-two-batch-overlap"), 1);
+  const bool da = c.overlap == OverlapMode::kDualAttention;
+  EXPECT_EQ(l["env"].size(), da ? 1u : 0u);
+  EXPECT_EQ(value("--dsa-decode-backend"), da ? "flashmla_kv" : "(absent)");
+  EXPECT_NE(to_table(p).find("launch (sglang 0.5.23):"), std::string::npos);
+  // The host pool holds every request's context whatever else SGLang's device pool keeps.
+  const std::string config = value("--hisparse-config");
+  const auto at = config.find("\"host_to_device_ratio\": ") + 24;
+  const long long ratio = std::stoll(config.substr(at));
+  EXPECT_GE(double(ratio) * c.batch * (c.slots + 2), double(c.batch) * 131072);
+}
+
+}  // namespace
+}  // namespace ess::sim
