@@ -140,22 +140,27 @@ class DelayedCopy:
     def record(self, stream=None):
         pass
 
+    def install(self):
+        """Stands in for the coordinator's copy event; each swap's fetched rows poisoned until it is waited for."""
+        c = self.w.s.coord
+        c.decode_split.copy_done = self
+        swap = c.swap_in_selected_pages
+
+        def swapping(*args):
+            table = swap(*args)
+            self.after_swap(args[3])
+            return table
+        c.swap_in_selected_pages = swapping
+        return self
+
 
 def run(w, steps, rng, delayed=None, micro_batches=False):
     """Decode steps over every running request; returns one entry per forward_decode call: (step, layer, [(rid,
     picks, output, q) per position], padded positions' outputs). micro_batches: two-batch overlap, every layer but
     the first once per half of the requests, each half padded with row 0 to one length
     (TboForwardBatchPreparer.filter_batch, ForwardBatch._pad_tbo_child_inputs)."""
-    c = w.s.coord
     if delayed is not None:
-        c.decode_split.copy_done = delayed
-        swap = c.swap_in_selected_pages
-
-        def swapping(*args):
-            table = swap(*args)
-            delayed.after_swap(args[3])
-            return table
-        c.swap_in_selected_pages = swapping
+        delayed.install()
     seen, calls = {}, []
     for step in range(steps):
         rids, idx, lens, device = w.prepare_decode()
@@ -225,12 +230,9 @@ def check(w, calls, log, da=True):
 @pytest.mark.parametrize("micro_batches", [False, True])
 def test_da_inside_sglangs_decode_is_lossless_and_merges_to_the_single_pass(flashmla, monkeypatch, micro_batches):
     monkeypatch.setenv("ESS_OVERLAP", "da")
-    w, rng = AttnWorld(seed=1), random.Random(2)
-    for rid, n in (("a", 300), ("b", 70), ("c", 260)):
-        w.prefill(rid, n)
-    assert sorted(w.collect()) == ["a", "b", "c"]
+    w = three_requests()
     delayed = DelayedCopy(w)
-    results = run(w, 8, rng, delayed, micro_batches)
+    results = run(w, 8, random.Random(2), delayed, micro_batches)
     assert delayed.waits == len(results)   # one wait for the copy per forward_decode, before Attn1
     assert check(w, results, flashmla) == {"all resident", "all fetched", "mixed"}
     for rid in list(w.reqs):
@@ -248,15 +250,21 @@ def test_without_da_one_flashmla_call_per_layer_reads_the_full_caches_bytes(flas
     assert w.s.coord.decode_split is None
 
 
+def three_requests(seed=1):
+    """An AttnWorld with three running requests (300, 70 and 260 tokens)."""
+    w = AttnWorld(seed=seed)
+    for rid, n in (("a", 300), ("b", 70), ("c", 260)):
+        w.prefill(rid, n)
+    assert sorted(w.collect()) == ["a", "b", "c"]
+    return w
+
+
 def test_attention_before_the_copys_event_fails(flashmla, monkeypatch):
     """Mutation: the wait for the copy's event dropped; Attn1 reads the fetched rows before the copy lands."""
     monkeypatch.setenv("ESS_OVERLAP", "da")
     monkeypatch.setattr(overlap.DecodeSplit, "wait_for_copy", lambda self: None)
-    w, rng = AttnWorld(seed=1), random.Random(2)
-    for rid, n in (("a", 300), ("b", 70), ("c", 260)):
-        w.prefill(rid, n)
-    w.collect()
-    results = run(w, 3, rng, DelayedCopy(w))
+    w = three_requests()
+    results = run(w, 3, random.Random(2), DelayedCopy(w))
     with pytest.raises(AssertionError, match="bytes"):
         check(w, results, flashmla)
 
@@ -267,11 +275,8 @@ def test_a_merge_taking_the_lse_as_base_two_fails(flashmla, monkeypatch):
     merge = overlap.merge_states
     monkeypatch.setattr(overlap, "merge_states",
                         lambda o0, l0, o1, l1: merge(o0, l0 * math.log(2), o1, l1 * math.log(2)))
-    w, rng = AttnWorld(seed=1), random.Random(2)
-    for rid, n in (("a", 300), ("b", 70), ("c", 260)):
-        w.prefill(rid, n)
-    w.collect()
-    results = run(w, 4, rng, DelayedCopy(w))
+    w = three_requests()
+    results = run(w, 4, random.Random(2), DelayedCopy(w))
     with pytest.raises(AssertionError, match="output"):
         check(w, results, flashmla)
 
@@ -293,37 +298,10 @@ def test_da_in_the_verify_forward_of_speculative_decoding(flashmla, monkeypatch)
     for rid, n in (("a", 300), ("b", 90), ("c", 250)):
         w.prefill(rid, n)
     assert sorted(w.collect()) == ["a", "b", "c"]
-    delayed = DelayedCopy(w)
-    c.decode_split.copy_done = delayed
-    swap = c.swap_in_selected_pages
-
-    def swapping(*args):
-        table = swap(*args)
-        delayed.after_swap(args[3])
-        return table
-    c.swap_in_selected_pages = swapping
+    delayed = DelayedCopy(w).install()
     calls, seen = [], {}
     for step in range(5):
-        rids = list(w.reqs)
-        locs = []
-        for rid in rids:   # the verify tokens' logical slots (alloc_for_spec_decode's alloc_logical_only)
-            req, L = w.reqs[rid], w.length[rid]
-            idx, have = req.kv.req_pool_idx, req.kv.kv_allocated_len
-            if have < L + 2 * T:
-                new = s.allocator.alloc_logical_only(
-                    prefix_lens=torch.tensor([have]), prefix_lens_cpu=torch.tensor([have]),
-                    seq_lens=torch.tensor([L + 2 * T]), seq_lens_cpu=torch.tensor([L + 2 * T]),
-                    last_loc=s.req_to_token_pool.req_to_token[idx, have - 1].view(1).to(torch.int64),
-                    extend_num_tokens=L + 2 * T - have)
-                s.req_to_token_pool.req_to_token[idx, have:L + 2 * T] = new.to(torch.int32)
-                req.kv.kv_allocated_len = L + 2 * T
-            locs.append(s.req_to_token_pool.req_to_token[idx, L:L + T].to(torch.int64))
-        idx = torch.tensor([w.reqs[r].kv.req_pool_idx for r in rids])
-        lens = torch.tensor([w.length[r] for r in rids])
-        batch = types.SimpleNamespace(reqs=[w.reqs[r] for r in rids], req_pool_indices=idx,
-                                      out_cache_loc=torch.cat(locs), seq_lens=lens, seq_lens_cpu=lens.clone(),
-                                      forward_mode=ForwardMode.TARGET_VERIFY)
-        c.prepare_spec_verify(batch)
+        rids, idx, lens, batch = w.prepare_verify(T, ForwardMode.TARGET_VERIFY)
         c.wait_for_pending_backup()
         c.num_real_reqs.fill_(len(rids))
         device = s.device_pool.translate_loc_from_full_to_hisparse_device(batch.out_cache_loc)

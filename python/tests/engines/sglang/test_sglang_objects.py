@@ -204,6 +204,32 @@ class World:
         s.allocator.free(s.req_to_token_pool.req_to_token[idx, :req.kv.kv_allocated_len].to(torch.int64))
         s.req_to_token_pool.free_rows([idx])   # ReqToTokenPool.free(req), which reads the Req's kv state
 
+    def prepare_verify(self, T, forward_mode):
+        """eagle_prepare_for_verify's part before the verify forward: the T verify tokens' logical slots from
+        SGLang's allocator (alloc_logical_only past what each request holds, as alloc_for_spec_decode reserves them),
+        then prepare_spec_verify. Returns (rids, req_pool_indices, seq_lens, the batch)."""
+        s = self.s
+        rids, locs = list(self.reqs), []
+        for rid in rids:
+            req, L = self.reqs[rid], self.length[rid]
+            idx, have = req.kv.req_pool_idx, req.kv.kv_allocated_len
+            if have < L + 2 * T:
+                new = s.allocator.alloc_logical_only(
+                    prefix_lens=torch.tensor([have]), prefix_lens_cpu=torch.tensor([have]),
+                    seq_lens=torch.tensor([L + 2 * T]), seq_lens_cpu=torch.tensor([L + 2 * T]),
+                    last_loc=s.req_to_token_pool.req_to_token[idx, have - 1].view(1).to(torch.int64),
+                    extend_num_tokens=L + 2 * T - have)
+                s.req_to_token_pool.req_to_token[idx, have:L + 2 * T] = new.to(torch.int32)
+                req.kv.kv_allocated_len = L + 2 * T
+            locs.append(s.req_to_token_pool.req_to_token[idx, L:L + T].to(torch.int64))
+        idx = torch.tensor([self.reqs[r].kv.req_pool_idx for r in rids])
+        lens = torch.tensor([self.length[r] for r in rids])
+        batch = types.SimpleNamespace(reqs=[self.reqs[r] for r in rids], req_pool_indices=idx,
+                                      out_cache_loc=torch.cat(locs), seq_lens=lens, seq_lens_cpu=lens.clone(),
+                                      forward_mode=forward_mode)
+        s.coord.prepare_spec_verify(batch)
+        return rids, idx, lens, batch
+
     def free_sizes(self):
         """The allocator's logical and device free sizes and the host pool's (SGLang's load reports read them)."""
         inner = self.s.allocator.hisparse_attn_allocator
@@ -479,26 +505,7 @@ def test_speculative_verify_among_sglangs_pools():
         w.prefill(rid, n)
     assert sorted(w.collect()) == ["a", "b"]
     for step in range(5):
-        rids = list(w.reqs)
-        locs = []
-        for rid in rids:
-            req, L = w.reqs[rid], w.length[rid]
-            idx, have = req.kv.req_pool_idx, req.kv.kv_allocated_len
-            if have < L + 2 * T:
-                new = s.allocator.alloc_logical_only(
-                    prefix_lens=torch.tensor([have]), prefix_lens_cpu=torch.tensor([have]),
-                    seq_lens=torch.tensor([L + 2 * T]), seq_lens_cpu=torch.tensor([L + 2 * T]),
-                    last_loc=s.req_to_token_pool.req_to_token[idx, have - 1].view(1).to(torch.int64),
-                    extend_num_tokens=L + 2 * T - have)
-                s.req_to_token_pool.req_to_token[idx, have:L + 2 * T] = new.to(torch.int32)
-                req.kv.kv_allocated_len = L + 2 * T
-            locs.append(s.req_to_token_pool.req_to_token[idx, L:L + T].to(torch.int64))
-        idx = torch.tensor([w.reqs[r].kv.req_pool_idx for r in rids])
-        lens = torch.tensor([w.length[r] for r in rids])
-        batch = types.SimpleNamespace(reqs=[w.reqs[r] for r in rids], req_pool_indices=idx,
-                                      out_cache_loc=torch.cat(locs), seq_lens=lens, seq_lens_cpu=lens.clone(),
-                                      forward_mode=types.SimpleNamespace(is_idle=lambda: False))
-        c.prepare_spec_verify(batch)
+        rids, idx, lens, batch = w.prepare_verify(T, types.SimpleNamespace(is_idle=lambda: False))
         c.num_real_reqs.fill_(len(rids))
         device = s.device_pool.translate_loc_from_full_to_hisparse_device(batch.out_cache_loc)
         expanded = (lens.view(-1, 1) + torch.arange(1, T + 1)).view(-1).to(torch.int32)
