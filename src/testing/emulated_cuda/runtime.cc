@@ -252,6 +252,7 @@ cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event, unsigned) {
 }
 
 cudaError_t cudaEventDestroy(cudaEvent_t event) {
+  ess::emu::forget_event(event);
   return dev().destroy_event(event) ? cudaSuccess
                                     : dev().fail(cudaErrorInvalidResourceHandle, "cudaEventDestroy: not a live event", true);
 }

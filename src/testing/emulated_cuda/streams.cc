@@ -90,6 +90,11 @@ class Streams {
     else non_blocking_.erase(key(s));
   }
 
+  void forget(cudaEvent_t e) {
+    std::lock_guard lock(mu_);
+    records_.erase(e);
+  }
+
   std::size_t queued() {
     std::lock_guard lock(mu_);
     return pending_.size();
@@ -210,6 +215,7 @@ cudaError_t drain_stream(cudaStream_t stream) { return Streams::get().drain_stre
 cudaError_t drain_event(cudaEvent_t event) { return Streams::get().drain_event(event); }
 cudaError_t drain_all() { return Streams::get().drain_all(); }
 void note_stream_flags(cudaStream_t stream, unsigned flags) { Streams::get().flags(stream, flags); }
+void forget_event(cudaEvent_t event) { Streams::get().forget(event); }
 std::size_t queued_operations() { return Streams::get().queued(); }
 
 }  // namespace ess::emu

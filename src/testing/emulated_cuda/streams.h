@@ -46,6 +46,8 @@ cudaError_t drain_stream(cudaStream_t stream);
 cudaError_t drain_event(cudaEvent_t event);
 cudaError_t drain_all();
 void note_stream_flags(cudaStream_t stream, unsigned flags);
+// A destroyed event's records are forgotten (a new event at its address starts unrecorded).
+void forget_event(cudaEvent_t event);
 std::size_t queued_operations();
 
 }  // namespace ess::emu

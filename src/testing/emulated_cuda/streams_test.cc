@@ -81,7 +81,9 @@ TEST_P(StreamOrderSeeds, TheLegacyStreamWaitsForBlockingStreamsOnly) {
   ASSERT_EQ(cudaMemcpy(&hy, y.get(), 1, cudaMemcpyDeviceToHost), cudaSuccess);
   EXPECT_EQ(hx, 1);
   EXPECT_EQ(hy, Device::kPoisonByte);  // the non-blocking stream's memset has not run
+  EXPECT_GT(queued_operations(), 0u);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_EQ(queued_operations(), 0u);
   ASSERT_EQ(cudaMemcpy(&hy, y.get(), 1, cudaMemcpyDeviceToHost), cudaSuccess);
   EXPECT_EQ(hy, 2);
   cudaStreamDestroy(blocking);
