@@ -2,6 +2,7 @@
 
 #include "ess/core/error.h"
 #include "ess/sim/memory_model.h"
+#include "ess/sim/inputs.h"
 #include "ess/sim/planner.h"
 #include "sim/sim_test_util.h"
 
@@ -91,6 +92,36 @@ TEST(sim_plan, InvalidRequests) {
   PlanRequest r = request(0);
   r.batch_step = 0;
   EXPECT_THROW(plan(sm, r), Error);
+}
+
+}  // namespace
+}  // namespace ess::sim
+
+namespace ess::sim {
+namespace {
+
+// With Two-Batch Overlap on in the deployment, the search covers it off too: on an H20 at 128K the
+// OTPS target leaves TBO on two requests per GPU, off sixteen (TBO's two micro-batches halve the batch
+// each layer computes, and at this context its copies and attention are no longer hidden).
+TEST(planner, TheSearchCoversTwoBatchOverlapOff) {
+  Inputs in;
+  in.hardware = "h20-141gb";
+  PlanOptions o;
+  o.contexts = {131072};
+  o.min_otps = 15;
+  const Plans p = plan_contexts(in, o);
+  ASSERT_TRUE(p.results[0].found);
+  const PlanOption& c = p.results[0].chosen;
+  EXPECT_FALSE(c.two_batch_overlap);
+  EXPECT_NE(c.label.find(", TBO off"), std::string::npos);
+  EXPECT_GE(c.best.batch, 10);
+  bool tbo_on_listed = false;
+  for (const PlanOption& a : p.results[0].alternatives) {
+    tbo_on_listed = tbo_on_listed || (a.two_batch_overlap && a.label.find("TBO off") == std::string::npos);
+  }
+  EXPECT_TRUE(tbo_on_listed);
+  in.no_tbo = true;  // off only: no TBO-on kind is tried
+  for (const PlanOption& a : plan_contexts(in, o).results[0].alternatives) EXPECT_FALSE(a.two_batch_overlap);
 }
 
 }  // namespace

@@ -29,6 +29,7 @@ struct PlanOption {
   bool found = false;    // some configuration of this kind meets every constraint
   StepResult best;       // its best (when found)
   std::string why;       // why it loses to the chosen one, or why none qualifies
+  bool two_batch_overlap = false;  // the deployment it ran in
 };
 
 struct PlanResult {
@@ -43,5 +44,9 @@ struct PlanResult {
 };
 
 PlanResult plan(const StepModel& model, const PlanRequest& request);
+// The same over several deployments of the model (Two-Batch Overlap on and off): every kind under each, the
+// labels of all but the first suffixed with `suffixes[i]` (" TBO off").
+PlanResult plan(const std::vector<const StepModel*>& models, const std::vector<std::string>& suffixes,
+                const PlanRequest& request);
 
 }  // namespace ess::sim

@@ -68,6 +68,16 @@ Plans plan_contexts(const Inputs& inputs, const PlanOptions& options) {
   const Deployment dep = inputs.load_deployment();
   const auto tables = inputs.load_tables();
   const StepModel sm(model, hw, dep, tables.get());
+  // With Two-Batch Overlap on, the search covers it off as well (a small batch may do better without it).
+  Deployment no_tbo = dep;
+  no_tbo.two_batch_overlap = false;
+  const StepModel sm_no_tbo(model, hw, no_tbo, tables.get());
+  std::vector<const StepModel*> models = {&sm};
+  std::vector<std::string> suffixes = {""};
+  if (dep.two_batch_overlap && !inputs.rig_layers) {
+    models.push_back(&sm_no_tbo);
+    suffixes.push_back(", TBO off");
+  }
   PlanRequest base;
   base.min_otps = options.min_otps;
   base.batch_step = options.batch_step;
@@ -93,7 +103,7 @@ Plans plan_contexts(const Inputs& inputs, const PlanOptions& options) {
     r.context = ctx;
     r.misses = engine_inputs.load_misses(ctx);
     r.prefix_share = inputs.prefix_share.value_or(0.0);
-    plans.results.push_back(plan(sm, r));
+    plans.results.push_back(plan(models, suffixes, r));
     const PlanResult& got = plans.results.back();
     plans.launches.push_back(options.engine.empty() || !got.found ? nlohmann::json()
                                                                  : launch_for(options.engine, model, dep, got).to_json());

@@ -107,7 +107,7 @@ Launch launch_for(const std::string& engine, const ModelSpec& model, const Deplo
     flag("--ep-size", std::to_string(d.expert_parallel));
     flag("--moe-a2a-backend", "deepep");
   }
-  if (d.two_batch_overlap) flag("--enable-two-batch-overlap");
+  if (result.chosen.two_batch_overlap) flag("--enable-two-batch-overlap");
   if (d.mtp_tokens > 1) {
     // DeepSeek's MTP head as SGLang runs it: EAGLE with one draft per step and T draft tokens per verify.
     flag("--speculative-algorithm", "EAGLE");

@@ -20,78 +20,88 @@ struct Search {
 
 }  // namespace
 
-PlanResult plan(const StepModel& model, const PlanRequest& req) {
+PlanResult plan(const StepModel& model, const PlanRequest& req) { return plan({&model}, {""}, req); }
+
+PlanResult plan(const std::vector<const StepModel*>& models, const std::vector<std::string>& suffixes,
+                const PlanRequest& req) {
   ESS_CHECK(req.min_otps >= 0, "plan: minimum OTPS = {} must be >= 0", req.min_otps);
   ESS_CHECK(req.batch_step >= 1, "plan: batch step = {} must be >= 1", req.batch_step);
   ESS_CHECK(!req.modes.empty(), "plan: no overlap mode to try");
-  const HardwareProfile& hw = model.hardware();
-  const MemoryModel mem(model.model(), hw, model.deployment(), req.context,
-                        req.misses.min_slots(model.deployment().mtp_tokens, model.model().index_topk, double(req.context)));
+  ESS_CHECK(!models.empty() && models.size() == suffixes.size(), "plan: {} deployments with {} labels", models.size(),
+            suffixes.size());
   PlanResult out;
   out.context = req.context;
   out.min_otps = req.min_otps;
 
   std::vector<Search> searches;
-  auto run_kind = [&](const std::string& label, bool offload, OverlapMode mode) {
-    Search s;
-    s.option.label = label;
-    const double slots = offload ? mem.min_slots() : double(req.context);
-    const int max_b = mem.max_batch(slots);
-    // Short contexts fit batches in the hundreds of thousands: the search is bounded by
-    // widening the step (said in the result), the largest batch always tried.
-    int step = req.batch_step;
-    if ((max_b - 1) / step + 1 > kMaxBatchesPerKind) {
-      step = (max_b + kMaxBatchesPerKind - 1) / kMaxBatchesPerKind;
-      out.notes.push_back(fmt::format("{}: up to batch {} fits; batches tried every {} (not every {}) to bound the search "
-                                      "at {} per kind", label, max_b, step, req.batch_step, kMaxBatchesPerKind));
-    }
-    for (int b = 1; b <= max_b; b = (b < max_b && b + step > max_b) ? max_b : b + step) {
-      Workload w;
-      w.context = req.context;
-      w.batch = b;
-      w.offload = offload;
-      w.overlap = mode;
-      w.misses = req.misses;
-      w.prefix_share = req.prefix_share;
-      const StepResult r = model.run(w);
-      ++out.evaluated;
-      s.best_otps_seen = std::max(s.best_otps_seen, r.otps);
-      if (offload && r.host_pool_gb_per_node > hw.host_dram_gb) {
-        ++s.host_dram;
-        continue;
+  for (std::size_t k = 0; k < models.size(); ++k) {
+    const StepModel& model = *models[k];
+    const HardwareProfile& hw = model.hardware();
+    const MemoryModel mem(model.model(), hw, model.deployment(), req.context,
+                          req.misses.min_slots(model.deployment().mtp_tokens, model.model().index_topk, double(req.context)));
+    auto run_kind = [&](const std::string& kind, bool offload, OverlapMode mode) {
+      const std::string label = kind + suffixes[k];
+      Search s;
+      s.option.label = label;
+    s.option.two_batch_overlap = model.deployment().two_batch_overlap;
+      const double slots = offload ? mem.min_slots() : double(req.context);
+      const int max_b = mem.max_batch(slots);
+      // Short contexts fit batches in the hundreds of thousands: the search is bounded by
+      // widening the step (said in the result), the largest batch always tried.
+      int step = req.batch_step;
+      if ((max_b - 1) / step + 1 > kMaxBatchesPerKind) {
+        step = (max_b + kMaxBatchesPerKind - 1) / kMaxBatchesPerKind;
+        out.notes.push_back(fmt::format("{}: up to batch {} fits; batches tried every {} (not every {}) to bound the search "
+                                        "at {} per kind", label, max_b, step, req.batch_step, kMaxBatchesPerKind));
       }
-      if (offload && r.h2d_gbps_per_node > hw.host_dram_bandwidth_gbps) {
-        ++s.host_bandwidth;
-        continue;
+      for (int b = 1; b <= max_b; b = (b < max_b && b + step > max_b) ? max_b : b + step) {
+        Workload w;
+        w.context = req.context;
+        w.batch = b;
+        w.offload = offload;
+        w.overlap = mode;
+        w.misses = req.misses;
+        w.prefix_share = req.prefix_share;
+        const StepResult r = model.run(w);
+        ++out.evaluated;
+        s.best_otps_seen = std::max(s.best_otps_seen, r.otps);
+        if (offload && r.host_pool_gb_per_node > hw.host_dram_gb) {
+          ++s.host_dram;
+          continue;
+        }
+        if (offload && r.h2d_gbps_per_node > hw.host_dram_bandwidth_gbps) {
+          ++s.host_bandwidth;
+          continue;
+        }
+        if (r.otps < req.min_otps) {
+          ++s.too_slow;
+          continue;
+        }
+        if (!s.option.found || r.throughput_tokens_per_s > s.option.best.throughput_tokens_per_s) {
+          s.option.found = true;
+          s.option.best = r;
+        }
       }
-      if (r.otps < req.min_otps) {
-        ++s.too_slow;
-        continue;
+      if (s.host_dram > 0) {
+        out.refusals.push_back(fmt::format(
+            "{}: {} batch sizes refused: the node's Total Memory Pool exceeds host DRAM ({} GB)", label,
+            s.host_dram, hw.host_dram_gb));
       }
-      if (!s.option.found || r.throughput_tokens_per_s > s.option.best.throughput_tokens_per_s) {
-        s.option.found = true;
-        s.option.best = r;
+      if (s.host_bandwidth > 0) {
+        out.refusals.push_back(fmt::format(
+            "{}: {} batch sizes refused: aggregate H2D traffic exceeds the node's host-memory bandwidth ({} GB/s)",
+            label, s.host_bandwidth, hw.host_dram_bandwidth_gbps));
       }
-    }
-    if (s.host_dram > 0) {
-      out.refusals.push_back(fmt::format(
-          "{}: {} batch sizes refused: the node's Total Memory Pool exceeds host DRAM ({} GB)", label,
-          s.host_dram, hw.host_dram_gb));
-    }
-    if (s.host_bandwidth > 0) {
-      out.refusals.push_back(fmt::format(
-          "{}: {} batch sizes refused: aggregate H2D traffic exceeds the node's host-memory bandwidth ({} GB/s)",
-          label, s.host_bandwidth, hw.host_dram_bandwidth_gbps));
-    }
-    if (!s.option.found) {
-      s.option.why = max_b < 1 ? "no batch fits in GPU memory"
-                               : fmt::format("no batch meets {:.2f} tokens/s per request (best {:.2f})",
-                                             req.min_otps, s.best_otps_seen);
-    }
-    searches.push_back(std::move(s));
-  };
-  run_kind("all-on-GPU", false, OverlapMode::kNone);
-  for (OverlapMode m : req.modes) run_kind(fmt::format("ESS {}", to_string(m)), true, m);
+      if (!s.option.found) {
+        s.option.why = max_b < 1 ? "no batch fits in GPU memory"
+                                 : fmt::format("no batch meets {:.2f} tokens/s per request (best {:.2f})",
+                                               req.min_otps, s.best_otps_seen);
+      }
+      searches.push_back(std::move(s));
+    };
+    run_kind("all-on-GPU", false, OverlapMode::kNone);
+    for (OverlapMode m : req.modes) run_kind(fmt::format("ESS {}", to_string(m)), true, m);
+  }
 
   std::sort(searches.begin(), searches.end(), [](const Search& a, const Search& b) {
     if (a.option.found != b.option.found) return a.option.found;

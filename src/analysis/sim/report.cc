@@ -70,7 +70,7 @@ nlohmann::json row_json(const StepResult& r) {
 }
 
 nlohmann::json option_json(const PlanOption& o) {
-  nlohmann::json j = {{"label", o.label}, {"found", o.found}, {"why", o.why}};
+  nlohmann::json j = {{"label", o.label}, {"found", o.found}, {"why", o.why}, {"two_batch_overlap", o.two_batch_overlap}};
   if (o.found) {
     const auto& r = o.best;
     j["batch"] = r.batch;
@@ -93,9 +93,9 @@ nlohmann::json option_json(const PlanOption& o) {
 }
 
 std::string option_line(const PlanOption& o) {
-  if (!o.found) return fmt::format("{:<16} -", o.label);
+  if (!o.found) return fmt::format("{:<22} -", o.label);
   const auto& r = o.best;
-  return fmt::format("{:<16} batch {:>4}  ratio {:.3f}  step {:>7.2f} ms  {:>8.0f} tok/s/node  {:>6.2f} OTPS", o.label,
+  return fmt::format("{:<22} batch {:>4}  ratio {:.3f}  step {:>7.2f} ms  {:>8.0f} tok/s/node  {:>6.2f} OTPS", o.label,
                      r.batch, r.ratio, ms(r.step_us), r.throughput_tokens_per_s, r.otps);
 }
 

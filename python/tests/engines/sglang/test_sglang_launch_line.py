@@ -57,7 +57,7 @@ def test_the_launch_line_is_sglangs(case, model_dir):
         assert args.max_running_requests == chosen["batch"] * dep["attention_data_parallel"]
         assert args.mem_fraction_static == dep["mem_fraction_static"]
         assert args.tp_size == dep["nodes"] * dep["gpus_per_node"]
-        assert args.enable_two_batch_overlap == dep["two_batch_overlap"]
+        assert args.enable_two_batch_overlap == chosen["two_batch_overlap"]
         if dep["mtp_tokens"] > 1:
             assert args.speculative_num_draft_tokens == dep["mtp_tokens"]
         assert args.enable_hisparse == offload and args.disable_radix_cache == offload
