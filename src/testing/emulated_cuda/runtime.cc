@@ -193,10 +193,12 @@ cudaError_t cudaMemsetAsync(void* p, int value, std::size_t bytes, cudaStream_t 
   });
 }
 
-// The synchronous calls run on the legacy stream and return when their work is done.
+// On the legacy stream; as CUDA's, asynchronous with respect to the host unless the target is
+// pinned host memory.
 cudaError_t cudaMemset(void* p, int value, std::size_t bytes) {
   if (const cudaError_t e = cudaMemsetAsync(p, value, bytes, cudaStreamLegacy); e != cudaSuccess) return e;
-  return ess::emu::drain_stream(cudaStreamLegacy);
+  const Device::Allocation* a = dev().find(p, bytes);
+  return a != nullptr && a->kind == Device::Kind::kPinnedHost ? ess::emu::drain_stream(cudaStreamLegacy) : cudaSuccess;
 }
 
 cudaError_t cudaMemcpy(void* dst, const void* src, std::size_t bytes, cudaMemcpyKind kind) {

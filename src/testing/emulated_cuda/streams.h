@@ -4,7 +4,7 @@
 // issue order and events only order what already happened. Order "lazy:SEED": an operation
 // (a kernel, an async copy or memset, an event record or wait) is queued on its stream and runs
 // only when a synchronization needs it (cudaStreamSynchronize, cudaEventSynchronize, a
-// synchronous copy or memset, cudaFree, cudaDeviceSynchronize), and then only the operations
+// synchronous copy, a memset into pinned host memory, cudaFree, cudaDeviceSynchronize), and then only the operations
 // that one needs, each after its stream's earlier work, the records its waits name and (a
 // blocking stream and the legacy stream) each other's earlier work, chosen among the ready ones
 // by a generator seeded with SEED. So work on a stream nobody waits for runs as late as the
