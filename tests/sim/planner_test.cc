@@ -121,7 +121,8 @@ TEST(planner, TheSearchCoversTwoBatchOverlapOff) {
   }
   EXPECT_TRUE(tbo_on_listed);
   in.no_tbo = true;  // off only: no TBO-on kind is tried
-  for (const PlanOption& a : plan_contexts(in, o).results[0].alternatives) EXPECT_FALSE(a.two_batch_overlap);
+  const Plans off = plan_contexts(in, o);
+  for (const PlanOption& a : off.results[0].alternatives) EXPECT_FALSE(a.two_batch_overlap);
 }
 
 }  // namespace
