@@ -2,6 +2,7 @@
 // synchronization needs it (streams.h, lazy orders), so a missing wait reads stale bytes; and each
 // CUDA call of an engine's life fails in turn (Device::fail_call), reported by name, the engine
 // unusable after, every allocation given back.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <cstring>

@@ -78,6 +78,14 @@ def _entry_rows(buf):
     return buf.view(torch.uint8).view(-1, ENTRY_BYTES)
 
 
+def _pool_slots(rows, row_base: int, out, padding) -> None:
+    """ESS buffer rows (int32, -1 = padding) as slots of SGLang's device pool: `out` = rows + row_base, -1 kept
+    (`padding`: a bool scratch of rows' shape). Device work only, into fixed tensors (CUDA-graph capturable)."""
+    torch.add(rows, row_base, out=out)
+    torch.lt(rows, 0, out=padding)
+    out.masked_fill_(padding, -1)
+
+
 def _keep(tensor, stream):
     """The caching allocator must not hand `tensor`'s memory out again before `stream`'s work on it ends."""
     if tensor.is_cuda:

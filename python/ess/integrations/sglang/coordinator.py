@@ -14,7 +14,7 @@ from ..._errors import InvalidArgument
 from ...engine import Engine
 from .. import _device
 from ._common import (ENTRY_BYTES, SGLANG_VERSION, HiSparseAct, SpecScratch, _claim_top_rows, _cuda_index,
-                      _entry_rows, _int, _int_tensor, _ints, _keep, _return_top_rows, _sglang_setting,
+                      _entry_rows, _int, _int_tensor, _ints, _keep, _pool_slots, _return_top_rows, _sglang_setting,
                       _token_stats_type)
 from ..topk_recorder import TopkRecorder
 from .forward_batches import ForwardBatches
@@ -90,9 +90,9 @@ class HiSparseCoordinator(Staging):
         max_context = req_to_token_pool.max_context_len
         self.max_batch = max_reqs
         host_bytes = self._check_settings(kvcache, max_reqs, max_context, host_to_device_ratio)
-        # ESS_OVERLAP: each layer's schedule in the DSA backend's decode (overlap.py).
-        self.overlap = schedule_from_environment(self.layer_num)
-        if "da" in self.overlap:
+        # ESS_OVERLAP: the schedule of the DSA backend's decode (overlap.py).
+        self.overlap = schedule_from_environment()
+        if self.overlap == "da":
             check_decode_backend(_sglang_setting("get_exec", "kernel.dsa_decode_backend"), "ESS_OVERLAP = da")
         rows_per_request = self.device_buffer_size + self.T
         if self.pd_decode:
@@ -183,8 +183,8 @@ class HiSparseCoordinator(Staging):
         # With a DA layer, the steps also give each query row's resident and fetched rows, and the copy runs on a
         # stream of its own (overlap.py).
         self.decode_split = None
-        if "da" in self.overlap:
-            self.decode_split = DecodeSplit(self.dev, max_reqs, self.T, self.top_k, device)
+        if self.overlap == "da":
+            self.decode_split = DecodeSplit(self.dev, max_reqs, self.T, self.top_k, device, self._padding)
             register(self.decode_split)
         # The rows and lengths of each batch a forward swaps for (the whole batch, or two-batch overlap's
         # micro-batches), each with its bound step.
@@ -528,10 +528,7 @@ class HiSparseCoordinator(Staging):
                 split.step(step, layer, B, self.row_base)
                 return
             step.step(layer, B, self.dev.handle(self.dev.current_stream()))
-            phys = self._physical[:B]
-            torch.add(phys, self.row_base, out=self._locs[:B])
-            torch.lt(phys, 0, out=self._padding[:B])
-            self._locs[:B].masked_fill_(self._padding[:B], -1)
+            _pool_slots(self._physical[:B], self.row_base, self._locs[:B], self._padding[:B])
         self.dev.launch(swap)
         if da:
             return split.leave(B, expected)

@@ -34,6 +34,7 @@ from typing import Optional
 import torch
 
 from ..._errors import InvalidArgument
+from ._common import _pool_slots
 
 MODES = ("none", "da")
 NOT_SERVED = {
@@ -45,15 +46,15 @@ DA_DECODE_BACKENDS = ("flashmla_kv",)
 FLASH_MLA_INTERFACE = "sglang.kernels.ops.attention.flash_mla_interface"
 
 
-def schedule_from_environment(layers: int) -> list:
-    """ESS_OVERLAP (none | da; default none): the schedule of each of the pool's layers."""
+def schedule_from_environment() -> str:
+    """ESS_OVERLAP (none | da; default none): the schedule of every layer's decode."""
     value = os.environ.get("ESS_OVERLAP", "none").strip().lower()
     if value in NOT_SERVED:
         raise InvalidArgument(f"ESS_OVERLAP = {value}: not served inside SGLang yet ({NOT_SERVED[value]}); "
                               f"use one of {', '.join(MODES)} (ess bench step runs dba and layerwise)")
     if value not in MODES:
         raise InvalidArgument(f"ESS_OVERLAP = {value!r}: one of {', '.join(MODES)}")
-    return [value] * layers
+    return value
 
 
 def check_decode_backend(impl: Optional[str], where: str) -> None:
@@ -101,7 +102,9 @@ class DecodeSplit:
     steps, SGLang device-pool slots after the swap), the copy stream and its event, and which layer forward_decode
     armed. The split a swap leaves is consumed by the FlashMLA call that reads its resident table."""
 
-    def __init__(self, dev, max_reqs: int, T: int, K: int, device):
+    def __init__(self, dev, max_reqs: int, T: int, K: int, device, padding):
+        """padding: the coordinator's bool scratch of [max_reqs, T, K] (the swaps run one after another on a
+        stream)."""
         i32 = dict(dtype=torch.int32, device=device)
         self.dev = dev
         self.resident = torch.full((max_reqs, T, K), -1, **i32)
@@ -110,7 +113,7 @@ class DecodeSplit:
         self.fetched_count = torch.zeros((max_reqs, T), **i32)
         self.resident_locs = torch.full((max_reqs, T, K), -1, **i32)
         self.fetched_locs = torch.full((max_reqs, T, K), -1, **i32)
-        self._padding = torch.zeros((max_reqs, T, K), dtype=torch.bool, device=device)
+        self._padding = padding
         self.copy_stream = dev.Stream()
         self.copy_done = dev.Event()
         if dev.is_cuda:
@@ -132,10 +135,8 @@ class DecodeSplit:
             step.step_async(layer, B, 0, dev.handle(dev.current_stream()), self.copy_stream, self.copy_done)
         else:
             step.step(layer, B)   # the host backend copies in the step itself
-        for ids, locs in ((self.resident, self.resident_locs), (self.fetched, self.fetched_locs)):
-            torch.add(ids[:B], row_base, out=locs[:B])
-            torch.lt(ids[:B], 0, out=self._padding[:B])
-            locs[:B].masked_fill_(self._padding[:B], -1)
+        _pool_slots(self.resident[:B], row_base, self.resident_locs[:B], self._padding[:B])
+        _pool_slots(self.fetched[:B], row_base, self.fetched_locs[:B], self._padding[:B])
 
     def leave(self, B: int, shape):
         self.pending = (self.resident_locs[:B].view(shape), self.fetched_locs[:B].view(shape))
@@ -187,28 +188,39 @@ def _wrap_flash_mla(original):
         o, lse = _merge_on_device(o0.reshape(b * s_q, h, d), lse0.transpose(1, 2).reshape(b * s_q, h),
                                   o1.reshape(b * s_q, h, d), lse1.transpose(1, 2).reshape(b * s_q, h))
         return o.view(b, s_q, h, d), lse.view(b, s_q, h).transpose(1, 2)
-    flash_mla_with_kvcache.ess_original = original
     return flash_mla_with_kvcache
+
+
+def _wrap_attribute(owner, name: str, wrap) -> None:
+    """owner.name replaced by wrap(owner.name), once (the wrapper carries its original as ess_original)."""
+    current = getattr(owner, name)
+    if getattr(current, "ess_original", None) is None:
+        wrapped = wrap(current)
+        wrapped.ess_original = current
+        setattr(owner, name, wrapped)
+
+
+def _unwrap_attribute(owner, name: str) -> None:
+    original = getattr(getattr(owner, name), "ess_original", None)
+    if original is not None:
+        setattr(owner, name, original)
 
 
 def patch_flashmla(module) -> None:
     """sglang.kernels.ops.attention.flash_mla_interface.flash_mla_with_kvcache wrapped (the DSA backend imports it
     from the module at each call); calls that do not read an armed resident table pass through unchanged."""
-    if getattr(module.flash_mla_with_kvcache, "ess_original", None) is None:
-        module.flash_mla_with_kvcache = _wrap_flash_mla(module.flash_mla_with_kvcache)
+    _wrap_attribute(module, "flash_mla_with_kvcache", _wrap_flash_mla)
 
 
 def unpatch_flashmla(module) -> None:
-    original = getattr(module.flash_mla_with_kvcache, "ess_original", None)
-    if original is not None:
-        module.flash_mla_with_kvcache = original
+    _unwrap_attribute(module, "flash_mla_with_kvcache")
 
 
 def _da_layer(backend, layer):
-    """The coordinator's DecodeSplit when its schedule for `layer` is DA (the decode backend checked), else None."""
-    coordinator = getattr(backend, "hisparse_coordinator", None)
-    split = getattr(coordinator, "decode_split", None)
-    if split is None or coordinator.overlap[layer.layer_id - coordinator.start_layer] != "da":
+    """The coordinator's DecodeSplit when it runs DA (ESS's coordinator with ESS_OVERLAP = da; the decode backend
+    checked), else None."""
+    split = getattr(getattr(backend, "hisparse_coordinator", None), "decode_split", None)
+    if split is None:
         return None
     check_decode_backend(backend.dsa_decode_impl, f"layer {layer.layer_id}")
     # The module as _forward_flashmla_kv's own import resolves it (sys.modules, by its full name).
@@ -231,43 +243,37 @@ def _armed(backend, layer, split, run):
     return out
 
 
-def _wrap_forward_decode(original):
-    def forward_decode(self, q, k, v, layer, forward_batch, *args, **kwargs):
-        split = _da_layer(self, layer)
-        if split is None:
-            return original(self, q, k, v, layer, forward_batch, *args, **kwargs)
-        return _armed(self, layer, split, lambda: original(self, q, k, v, layer, forward_batch, *args, **kwargs))
-    forward_decode.ess_original = original
-    return forward_decode
+def _armed_when(applies):
+    """A wrapper of a DSA backend forward (self, q, k, v, layer, forward_batch, ...) that arms ESS's DA for the
+    layer when `applies(forward_batch)` and the coordinator runs DA, else calls SGLang's own forward unchanged."""
+    def wrap(original):
+        def forward(self, q, k, v, layer, forward_batch, *args, **kwargs):
+            split = _da_layer(self, layer) if applies(forward_batch) else None
+            if split is None:
+                return original(self, q, k, v, layer, forward_batch, *args, **kwargs)
+            return _armed(self, layer, split, lambda: original(self, q, k, v, layer, forward_batch, *args, **kwargs))
+        return forward
+    return wrap
 
 
-def _wrap_forward_extend(original):
-    """The verify forward of speculative decoding (target verify: forward_extend swaps [bs, T, K] and FlashMLA's
-    decode kernel reads bs x T query rows) is armed as decode is; prefill and draft extends pass through."""
-    def forward_extend(self, q, k, v, layer, forward_batch, *args, **kwargs):
-        mode = getattr(forward_batch, "forward_mode", None)
-        split = _da_layer(self, layer) if mode is not None and mode.is_target_verify() else None
-        if split is None:
-            return original(self, q, k, v, layer, forward_batch, *args, **kwargs)
-        return _armed(self, layer, split, lambda: original(self, q, k, v, layer, forward_batch, *args, **kwargs))
-    forward_extend.ess_original = original
-    return forward_extend
+def _target_verify(forward_batch) -> bool:
+    mode = getattr(forward_batch, "forward_mode", None)
+    return mode is not None and mode.is_target_verify()
 
 
-_WRAPPERS = {"forward_decode": _wrap_forward_decode, "forward_extend": _wrap_forward_extend}
+# forward_decode always; forward_extend for the verify forward of speculative decoding (target verify: it swaps
+# [bs, T, K] and FlashMLA's decode kernel reads bs x T query rows), not for prefill or draft extends.
+_WRAPPERS = {"forward_decode": _armed_when(lambda forward_batch: True),
+             "forward_extend": _armed_when(_target_verify)}
 
 
 def patch_backend(cls) -> None:
     """DeepseekSparseAttnBackend.forward_decode and forward_extend wrapped: ESS's DA armed for the layers whose
     schedule is DA (decode, and the verify forward of speculative decoding), else SGLang's own methods unchanged."""
     for name, wrap in _WRAPPERS.items():
-        method = getattr(cls, name)
-        if getattr(method, "ess_original", None) is None:
-            setattr(cls, name, wrap(method))
+        _wrap_attribute(cls, name, wrap)
 
 
 def unpatch_backend(cls) -> None:
     for name in _WRAPPERS:
-        original = getattr(getattr(cls, name), "ess_original", None)
-        if original is not None:
-            setattr(cls, name, original)
+        _unwrap_attribute(cls, name)
