@@ -97,6 +97,43 @@ TEST(VerifyLoop, SharedPromptPrefixesAreLosslessAndSaveHostBytes) {
   EXPECT_THROW(run_verify(ModelSpec::deepseek_v32_exp(), c), Error);
 }
 
+// Residency: whole requests read every entry in place (no miss, no swap decision); adaptive
+// demotes request 0 when its growth finds no free row and promotes it back once the last request
+// finishes; both bit-identical, and the check still fails on a corrupted row.
+TEST(VerifyLoop, WholeAndAdaptiveResidencyAreLossless) {
+  VerifyConfig c = small();
+  c.reserve_newest = true;
+  c.residency = Residency::kWhole;
+  VerifyReport r = run_verify(ModelSpec::deepseek_v32_exp(), c);
+  EXPECT_TRUE(r.bitwise_equal) << r.first_mismatch;
+  EXPECT_EQ(r.misses, 0);
+  EXPECT_EQ(r.swap_launches, 0);
+  EXPECT_EQ(r.whole_steps, 2 * 2 * 6);
+  EXPECT_EQ(r.sparse_steps, 0);
+  EXPECT_EQ(r.pool_rows, 2 * 4);  // 312 tokens in rows of 90
+  c.inject_fault = true;
+  EXPECT_FALSE(run_verify(ModelSpec::deepseek_v32_exp(), c).bitwise_equal);
+
+  c = small();
+  c.reserve_newest = true;
+  c.residency = Residency::kAdaptive;
+  c.context = 355;  // 4 rows of 90; the third step's growth needs a fifth
+  c.slots = 90;
+  r = run_verify(ModelSpec::deepseek_v32_exp(), c);
+  EXPECT_TRUE(r.bitwise_equal) << r.first_mismatch;
+  EXPECT_EQ(r.mismatched_host_entries, 0);
+  EXPECT_EQ(r.pool_rows, 4 + 1);
+  EXPECT_EQ(r.demotions, 1);
+  EXPECT_EQ(r.promotions, 1);
+  EXPECT_GT(r.whole_steps, 0);
+  EXPECT_GT(r.sparse_steps, 0);
+  EXPECT_GT(r.misses, 0);
+  EXPECT_EQ(r.compared_outputs, (2 * 3 + 1 * 3) * 2 * 2);  // the last request finishes after 3 steps
+
+  c.reserve_newest = false;
+  EXPECT_THROW(run_verify(ModelSpec::deepseek_v32_exp(), c), Error);
+}
+
 TEST(VerifyLoop, TheCheckCanFail) {
   VerifyConfig c = small();
   c.inject_fault = true;  // one flipped bit in one slot

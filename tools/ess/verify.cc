@@ -17,6 +17,7 @@ struct VerifyArgs {
   VerifyConfig config;
   std::string model;
   std::string backend = "cpu";
+  std::string residency = "sparse";
   Format format = Format::kTable;
 };
 
@@ -56,6 +57,16 @@ void add_verify(CLI::App& app, int& exit_code) {
   cmd->add_option("--seed", c.seed, "Random seed")->capture_default_str()->check(unsigned_integer());
   cmd->add_flag("--reserve-newest", c.reserve_newest,
                "Each step's new entries in reserved rows outside the LRU, written back to the host pool");
+  cmd->add_option("--residency", args->residency,
+                  "Where requests live on the device: sparse (a Sparse Memory Pool each), whole (every entry in "
+                  "rows of its own, no swap), adaptive (whole until the pool rows run out, then demoted; the last "
+                  "request finishes halfway); whole and adaptive need --reserve-newest")
+      ->check(CLI::IsMember({"sparse", "whole", "adaptive"}))
+      ->capture_default_str();
+  cmd->add_option("--pool-rows", c.pool_rows,
+                  "Pool rows of slots each (0 = by residency: one per request for sparse, every request whole for "
+                  "whole, request 0 whole and the others sparse for adaptive)")
+      ->capture_default_str();
   cmd->add_option("--backend", args->backend,
                   "The Offload's backend: cpu, or cuda (GPU swap engine, device rows filled by FlashTrans; needs a GPU)")
       ->check(CLI::IsMember({"cpu", "cuda"}))
@@ -67,6 +78,9 @@ void add_verify(CLI::App& app, int& exit_code) {
     ESS_CHECK(cmd->count("--slots") == 0 || args->config.slots > 0, "--slots {} must be positive (or give --ratio)",
               args->config.slots);
     args->config.backend = args->backend == "cuda" ? Backend::kCuda : Backend::kCpu;
+    args->config.residency = args->residency == "whole"      ? Residency::kWhole
+                             : args->residency == "adaptive" ? Residency::kAdaptive
+                                                             : Residency::kSparse;
     const ModelSpec model = args->model.empty() ? ModelSpec::deepseek_v32_exp() : ModelSpec::from_file(args->model);
     Progress progress("verify: requests warmed + steps");
     args->config.progress = [&](std::size_t done, std::size_t total) { progress(done, total); };

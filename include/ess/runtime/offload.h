@@ -16,6 +16,12 @@
 // outside the LRU, whose rules (docs/architecture.md, "Exact semantics") hold for every other
 // id. Slot and row indices are int32 (no 32K cap); addresses are 64-bit.
 //
+// Residency (OffloadConfig::residency). A whole request's ids map to its own rows (whole_units:
+// `slots` tokens per pool row it takes), its newest T to its reserved rows, with no LRU and no
+// copy; write_back also copies the newest entries into their own rows. A demoted request's LRU
+// is LRU-Warmup over the query rows it selected while whole. Admission, growth and release move
+// requests between the two as the mode says (docs/architecture.md, "Residency").
+//
 // Streams and graphs (CUDA backend). step and write_back enqueue on the given stream and
 // return: no host synchronization, no allocation, no host-visible data dependence, so they
 // can be captured in a CUDA graph and replayed. Their argument pointers are device memory
@@ -32,9 +38,11 @@
 // Thread safety: one thread at a time per Offload.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <string_view>
 #include <vector>
 
 #include "ess/cache/host_memory.h"
@@ -48,6 +56,17 @@
 namespace ess {
 
 enum class Backend { kCpu, kCuda };
+
+// Where a request's entries live on the device (docs/architecture.md, "Residency").
+//   kSparse: every request in a Sparse Memory Pool of `slots` rows per layer, misses fetched each step.
+//   kWhole: every request whole: its entire latent cache in buffer rows, read in place, no swap and
+//     no copy; it takes ceil(length / slots) pool rows (its own and others it borrows), and an
+//     admission or growth that does not fit is refused.
+//   kAdaptive: whole while pool rows are free; when an admission (or a whole request's growth)
+//     finds none, whole requests are demoted to a Sparse Memory Pool, and promoted back when a
+//     release frees enough rows.
+enum class Residency { kSparse, kWhole, kAdaptive };
+std::string_view to_string(Residency r);
 
 // The device latent buffer of every layer: FlashMLA's KV cache viewed as buffer rows of
 // layout.bytes() bytes, one base per layer, placed by `rows` (RowLayout). Empty layer_base: ESS
@@ -73,6 +92,12 @@ struct OffloadConfig {
   ForeignPages foreign;
   int warmup_windows = 32;         // LRU-Warmup: the last this-many prefill query positions
   int copy_blocks = 0;             // FlashTrans grid of the step's copies (0 = its default)
+  // kWhole and kAdaptive need reserve_newest: a whole request's newest entries reach its rows
+  // from the reserved rows, by write_back.
+  Residency residency = Residency::kSparse;
+  // kAdaptive: a request is made whole (at admission, or promoted at a release) only if this
+  // many pool rows stay free after it, so that the next admission does not demote it at once.
+  std::int32_t whole_headroom = 1;
   Backend backend = Backend::kCpu;
   int device = 0;
 
@@ -82,6 +107,10 @@ struct OffloadConfig {
   // Throws ess::Error naming the field unless usable (slots below min(K, max_context) are refused).
   void validate() const;
   std::int32_t rows_per_request() const { return slots + (reserve_newest ? query_tokens : 0); }
+  // The pool rows a whole request of `length` tokens takes: each holds `slots` of its tokens.
+  std::int32_t whole_rows(std::int64_t length) const {
+    return static_cast<std::int32_t>(std::max<std::int64_t>(1, (length + slots - 1) / slots));
+  }
 };
 
 struct LayerStep {
@@ -148,6 +177,12 @@ struct OffloadStats {
   // prefix cache holds (retained); and what the live requests would hold without sharing.
   std::uint64_t host_bytes_shared = 0, host_bytes_retained = 0, host_bytes_unshared = 0;
   std::int32_t requests = 0;
+  // Residency: the requests whole now; position-layer-steps served whole and sparse; step calls
+  // that ran a swap decision (a step whose real positions are all whole runs none); demotions
+  // and promotions so far.
+  std::int32_t whole_requests = 0;
+  std::int64_t whole_steps = 0, sparse_steps = 0, swap_launches = 0;
+  std::int64_t demotions = 0, promotions = 0;
 };
 
 // Failures. Bad input throws ess::Error and changes nothing. A failed device call (the CUDA
@@ -197,9 +232,13 @@ class Offload {
   std::int64_t publish(RequestId id, std::span<const std::int32_t> prompt_tokens);
   // LRU-Warmup of every layer: `windows` is [layers][W][K] (the prefill's last W query
   // positions' top-k, oldest first, -1 = padding; W <= warmup_windows uses the last W); the
-  // resulting residency is loaded into the slots from the host pool.
+  // resulting residency is loaded into the slots from the host pool. A whole request instead
+  // has every entry loaded into its rows (call it, W = 0 included, once the prompt is written)
+  // and keeps the windows for a later demotion.
   void warmup(RequestId id, std::span<const std::int32_t> windows, int window_count);
-  // Appends n tokens to the request (host pages; their entries arrive by write_back).
+  // Appends n tokens to the request (host pages; their entries arrive by write_back). A whole
+  // request that needs another pool row borrows a free one; kWhole refuses (changing nothing)
+  // when none is free, kAdaptive demotes the request.
   void extend(RequestId id, std::int64_t n);
   // Takes back the last tokens an extend added that the engine did not keep (speculative
   // decoding: a step's T draft tokens, of which only some are accepted): the request's length
@@ -225,6 +264,10 @@ class Offload {
   void reset(RequestId id);
   std::int32_t row(RequestId id) const;
   std::int64_t length(RequestId id) const;
+  // Whether the request is whole now (Residency), and the pool rows it takes: its own row first,
+  // then those it borrows, each holding `slots` of its tokens in order; {row} when sparse.
+  bool whole(RequestId id) const;
+  std::vector<std::int32_t> whole_units(RequestId id) const;
   // The host pool's entry of (request, layer, token), for the engine to fill the prompt.
   std::span<std::uint8_t> host_entry(RequestId id, int layer, std::int64_t token);
 

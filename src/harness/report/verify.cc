@@ -40,6 +40,9 @@ std::string to_table(const ModelSpec& model, const VerifyConfig& c, const Verify
   add("split steps: {} of {} request-layer-steps selected more distinct ids than the {} slots and ran in query "
       "groups ({} extra step calls)\n",
       r.split_steps, static_cast<std::int64_t>(c.requests) * c.layers * r.steps, r.slots, r.group_calls);
+  add("residency {} over {} pool rows: {} request-layer-steps whole, {} sparse; {} swap decisions launched; {} "
+      "demotions, {} promotions\n",
+      to_string(c.residency), r.pool_rows, r.whole_steps, r.sparse_steps, r.swap_launches, r.demotions, r.promotions);
   if (r.bitwise_equal) {
     add("lossless: all {} attention outputs (bf16 output + fp32 LSE) are bit-identical to the "
                "all-resident cache, and every host pool entry to the generated one  [{:.2f} s]\n",
@@ -73,6 +76,14 @@ nlohmann::json to_json(const ModelSpec& model, const VerifyConfig& c, const Veri
       {"host_bytes", r.host_bytes},
       {"host_bytes_unshared", r.host_bytes_unshared},
       {"group_calls", r.group_calls},
+      {"residency",
+       {{"mode", to_string(c.residency)},
+        {"pool_rows", r.pool_rows},
+        {"whole_steps", r.whole_steps},
+        {"sparse_steps", r.sparse_steps},
+        {"swap_launches", r.swap_launches},
+        {"demotions", r.demotions},
+        {"promotions", r.promotions}}},
       {"per_layer_misses", per_layer_misses},
       {"per_layer", per_layer},
       {"misses_per_step", r.misses_per_step},

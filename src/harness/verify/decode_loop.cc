@@ -37,6 +37,16 @@ void VerifyConfig::validate(const ModelSpec& model) const {
   ESS_CHECK(prefix_share >= 0.0 && prefix_share <= 1.0, "verify: --prefix-share = {} must be in [0, 1]", prefix_share);
   ESS_CHECK(warmup_windows <= context, "verify: --warmup = {} exceeds the prefill's {} query positions", warmup_windows,
             context);
+  ESS_CHECK(residency == Residency::kSparse || reserve_newest,
+            "verify: --residency {} needs --reserve-newest (a whole request's newest entries reach its rows by the "
+            "write-back)",
+            to_string(residency));
+  ESS_CHECK(residency != Residency::kAdaptive || requests >= 2,
+            "verify: --residency adaptive needs --requests >= 2 (one request finishes halfway to free rows)");
+  ESS_CHECK(pool_rows >= 0 && pool_rows <= (1 << 20), "verify: --pool-rows = {} must be in [0, 2^20] (0 = by residency)",
+            pool_rows);
+  ESS_CHECK(pool_rows == 0 || pool_rows >= requests, "verify: --pool-rows = {} cannot hold the {} requests", pool_rows,
+            requests);
   // Per request-layer: the full latent cache and the host pool (an entry each per token), the
   // indexer's keys, and the device rows.
   const double tokens = static_cast<double>(context) + static_cast<double>(steps) * mtp;
@@ -110,6 +120,8 @@ void Loop::count_split_steps(const test::OffloadStepIn& in, std::int32_t slots) 
   const int T = cfg_.mtp, K = cfg_.topk;
   const std::size_t P = static_cast<std::size_t>(T) * K;
   for (int b = 0; b < in.batch; ++b) {
+    // Padded positions and whole requests run no query groups.
+    if (in.rows[static_cast<std::size_t>(b)] < 0 || offload_->whole(b)) continue;
     const std::int32_t newest = in.lengths[static_cast<std::size_t>(b)] - T;
     lru_ids_.assign(in.topk.begin() + static_cast<std::ptrdiff_t>(b * P), in.topk.begin() + static_cast<std::ptrdiff_t>((b + 1) * P));
     if (cfg_.reserve_newest) {
@@ -229,6 +241,23 @@ VerifyReport Loop::run() {
   oc.layers = L;
   oc.topk = K;
   oc.reserve_newest = cfg_.reserve_newest;
+  oc.residency = cfg_.residency;
+  oc.max_requests = cfg_.pool_rows;
+  if (oc.max_requests == 0) {
+    switch (cfg_.residency) {
+      case Residency::kSparse: oc.max_requests = B; break;
+      case Residency::kWhole: oc.max_requests = B * oc.whole_rows(max_len_); break;
+      // Request 0 whole on its rows, one row for each other request (sparse), none to spare and no
+      // headroom: request 0's growth demotes it, the last request's finish lets it be promoted back.
+      case Residency::kAdaptive:
+        oc.max_requests = oc.whole_rows(cfg_.context) + B - 1;
+        oc.whole_headroom = 0;
+        break;
+    }
+  }
+  report_.pool_rows = oc.max_requests;
+  // kAdaptive: the last request finishes after this many steps.
+  const int finish_at = cfg_.residency == Residency::kAdaptive ? cfg_.steps / 2 : cfg_.steps;
   oc.warmup_windows = std::max(cfg_.warmup_windows, 1);
   oc.backend = cfg_.backend;
   oc.device = cfg_.device;
@@ -292,9 +321,15 @@ VerifyReport Loop::run() {
   in.lengths.resize(static_cast<std::size_t>(B));
   in.topk.resize(static_cast<std::size_t>(B) * T * K);
   for (int s = 0; s < cfg_.steps; ++s) {
+    if (s == finish_at && in.rows[static_cast<std::size_t>(B - 1)] >= 0) {  // the last request finishes: a padded position
+      o.release(B - 1);
+      in.rows[static_cast<std::size_t>(B - 1)] = -1;
+      in.lengths[static_cast<std::size_t>(B - 1)] = 0;
+    }
     // The step's T new tokens: into the host pool directly, or (reserve_newest) into the
     // reserved rows, from which the write-back below copies them to the host pool.
     for (RequestId id = 0; id < B; ++id) {
+      if (in.rows[static_cast<std::size_t>(id)] < 0) continue;
       const std::int64_t len = o.length(id);
       o.extend(id, T);
       for (int t = 0; t < T; ++t) {
@@ -302,7 +337,7 @@ VerifyReport Loop::run() {
         for (int l = 0; l < L; ++l) {
           const std::span<const std::uint8_t> e(entries.data() + static_cast<std::size_t>(l) * E, E);
           if (cfg_.reserve_newest) {
-            io_->write_row(o, l, rows[static_cast<std::size_t>(id)] * o.rows_per_request() + slots + t, e);
+            io_->write_row(o, l, in.rows[static_cast<std::size_t>(id)] * o.rows_per_request() + slots + t, e);
           } else {
             std::memcpy(o.host_entry(id, l, len + t).data(), e.data(), E);
           }
@@ -313,7 +348,7 @@ VerifyReport Loop::run() {
     std::int64_t step_misses = 0;
     for (int l = 0; l < L; ++l) {
       for (int b = 0; b < B; ++b) {
-        for (int t = 0; t < T; ++t) {
+        for (int t = 0; t < T && in.rows[static_cast<std::size_t>(b)] >= 0; ++t) {
           const std::int64_t pos = in.lengths[static_cast<std::size_t>(b)] - T + t;
           const auto ids = select(b, l, pos);
           std::copy(ids.begin(), ids.end(), in.topk.begin() + (static_cast<std::ptrdiff_t>(b) * T + t) * K);
@@ -340,6 +375,7 @@ VerifyReport Loop::run() {
           io_->write_row(o, l, p, bytes);
         }
         for (int b = 0; b < B; ++b) {
+          if (in.rows[static_cast<std::size_t>(b)] < 0) continue;
           pl.hits += out.counts[2 * static_cast<std::size_t>(b)];
           pl.misses += out.counts[2 * static_cast<std::size_t>(b) + 1];
           step_misses += out.counts[2 * static_cast<std::size_t>(b) + 1];
@@ -350,13 +386,14 @@ VerifyReport Loop::run() {
           }
         }
       }
-      if (cfg_.reserve_newest) io_->write_back(o, l, rows, in.lengths, {});
+      if (cfg_.reserve_newest) io_->write_back(o, l, in.rows, in.lengths, {});
     }
     report_.misses_per_step.push_back(step_misses);
     report_progress(warmed() + static_cast<std::size_t>(s) + 1);
   }
   // Every entry the loop generated is in the host pool, bit for bit (the write-back included).
   for (RequestId id = 0; id < B; ++id) {
+    if (in.rows[static_cast<std::size_t>(id)] < 0) continue;  // finished
     for (int l = 0; l < L; ++l) {
       const LayerState& ls = state_[static_cast<std::size_t>(id)][static_cast<std::size_t>(l)];
       for (std::int64_t tok = 0; tok < o.length(id); ++tok) {
@@ -375,6 +412,11 @@ VerifyReport Loop::run() {
   const OffloadStats st = o.stats();
   report_.host_bytes = st.host_bytes_used;
   report_.host_bytes_unshared = st.host_bytes_unshared;
+  report_.whole_steps = st.whole_steps;
+  report_.sparse_steps = st.sparse_steps;
+  report_.swap_launches = st.swap_launches;
+  report_.demotions = st.demotions;
+  report_.promotions = st.promotions;
   for (const auto& pl : report_.per_layer) {
     report_.hits += pl.hits;
     report_.misses += pl.misses;

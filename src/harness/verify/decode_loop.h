@@ -42,6 +42,13 @@ struct VerifyConfig {
   // requests 1.. are admitted on request 0's prefix (Offload::admit_shared), its host pages
   // shared, not copied.
   double prefix_share = 0.0;
+  // OffloadConfig::residency (needs reserve_newest unless kSparse) over `pool_rows` pool rows (0:
+  // `requests` for kSparse; enough for every request whole for kWhole; for kAdaptive, request 0
+  // whole at the start and every other request sparse, so that its growth finds no free row and
+  // it is demoted). With kAdaptive the last request finishes after half the steps, freeing rows
+  // so that demoted requests may be promoted back.
+  Residency residency = Residency::kSparse;
+  std::int32_t pool_rows = 0;
   // The Offload's backend: kCuda checks the device path (swap kernels, split, FlashTrans) end to end.
   Backend backend = Backend::kCpu;
   int device = 0;
@@ -79,6 +86,10 @@ struct VerifyReport {
   std::uint64_t host_bytes_unshared = 0;  // what the requests would hold without sharing
   std::string host_memory;                    // "pinned" or "aligned"
   std::string backend;                        // the Offload's backend ("cpu", "cuda")
+  // Residency: the pool rows; position-layer-steps served whole and sparse; step calls that ran a
+  // swap decision; demotions and promotions.
+  std::int32_t pool_rows = 0;
+  std::int64_t whole_steps = 0, sparse_steps = 0, swap_launches = 0, demotions = 0, promotions = 0;
   double seconds = 0.0;
 };
 

@@ -51,9 +51,17 @@ void OffloadConfig::validate() const {
   ESS_CHECK(device >= 0, "offload: device = {} is negative", device);
   ESS_CHECK(copy_blocks >= 0 && copy_blocks <= 65535, "offload: copy_blocks = {} must be in [0, 65535] (0 = default)",
             copy_blocks);
+  ESS_CHECK(residency == Residency::kSparse || residency == Residency::kWhole || residency == Residency::kAdaptive,
+            "offload: residency = {} is not sparse, whole or adaptive", static_cast<int>(residency));
+  ESS_CHECK(residency == Residency::kSparse || reserve_newest,
+            "offload: residency {} needs reserve_newest (a whole request's newest entries reach its rows from the "
+            "reserved rows, by write_back)",
+            to_string(residency));
+  ESS_CHECK(whole_headroom >= 0 && whole_headroom <= max_requests,
+            "offload: whole_headroom = {} must be in [0, max_requests = {}]", whole_headroom, max_requests);
 }
 
-Offload::Impl::Impl(const OffloadConfig& c, LatentBuffer b, HostAllocator& host) : OffloadState{c, std::move(b), {}, {}, {}} {
+Offload::Impl::Impl(const OffloadConfig& c, LatentBuffer b, HostAllocator& host) : OffloadState{c, std::move(b), {}, {}, {}, {}, {}} {
   config.validate();
   const std::uint64_t entry = config.layout.bytes();
   const bool owned = buffer.layer_base.empty();
@@ -96,6 +104,8 @@ Offload::Impl::Impl(const OffloadConfig& c, LatentBuffer b, HostAllocator& host)
     pool = std::make_unique<TotalPool>(config.layers, config.layout, host_bytes, HostMemoryKind::kPinned, host);
   }
   request_of_row.assign(static_cast<std::size_t>(config.max_requests), -1);
+  units_of_row.assign(static_cast<std::size_t>(config.max_requests), {});
+  borrower_of_row.assign(static_cast<std::size_t>(config.max_requests), -1);
   if (config.backend == Backend::kCuda) {
     const OffloadBackendFactory make_cuda = cuda_offload_factory();
     ESS_CHECK(make_cuda != nullptr, "offload: the CUDA backend is not part of this build (nvcc was not found when it was built)");
@@ -172,22 +182,46 @@ std::int32_t Offload::Impl::admit(RequestId id, std::int64_t prompt_length, std:
   ESS_CHECK(prompt_length >= 1 && prompt_length <= x.config.max_context,
             "offload: admit of request {}: prompt length {} outside [1, max_context = {}]", id, prompt_length,
             x.config.max_context);
-  auto free = x.request_of_row.end();
+  const bool adaptive = x.config.residency == Residency::kAdaptive;
+  // The row, and the whole request to demote first when the row is one it borrows (kAdaptive).
+  std::int32_t row = -1, victim = -1;
   if (wanted_row < 0) {
     ESS_CHECK(wanted_row == -1, "offload: admit of request {}: row {} must be -1 (any) or in [0, {})", id, wanted_row,
               x.config.max_requests);
-    free = std::find(x.request_of_row.begin(), x.request_of_row.end(), RequestId{-1});
-    ESS_CHECK(free != x.request_of_row.end(), "offload: admit of request {}: all {} rows are taken", id,
-              x.config.max_requests);
+    for (std::int32_t r = 0; r < x.config.max_requests && row < 0; ++r) row = x.row_free(r) ? r : -1;
+    if (row < 0 && adaptive && (victim = x.demotion_victim()) >= 0) {
+      const auto& units = x.units_of_row[static_cast<std::size_t>(victim)];
+      row = *std::min_element(units.begin() + 1, units.end());
+    }
+    ESS_CHECK(row >= 0, "offload: admit of request {}: all {} rows are taken", id, x.config.max_requests);
   } else {
     ESS_CHECK(wanted_row < x.config.max_requests, "offload: admit of request {}: row {} outside [0, {})", id, wanted_row,
               x.config.max_requests);
-    free = x.request_of_row.begin() + wanted_row;
-    ESS_CHECK(*free == -1, "offload: admit of request {}: row {} holds request {}", id, wanted_row, *free);
+    const RequestId holder = x.request_of_row[static_cast<std::size_t>(wanted_row)];
+    ESS_CHECK(holder == -1, "offload: admit of request {}: row {} holds request {}", id, wanted_row, holder);
+    const std::int32_t borrower = x.borrower_of_row[static_cast<std::size_t>(wanted_row)];
+    ESS_CHECK(borrower < 0 || adaptive,
+              "offload: admit of request {}: row {} is borrowed by the whole request {} (residency whole)", id, wanted_row,
+              borrower < 0 ? -1 : x.request_of_row[static_cast<std::size_t>(borrower)]);
+    victim = borrower;
+    row = wanted_row;
   }
-  const auto row = static_cast<std::int32_t>(free - x.request_of_row.begin());
+  // Whole or sparse, decided on the rows free once `row` is taken (and the victim's given back).
+  const std::int32_t need = x.config.whole_rows(prompt_length);
+  const std::int32_t free_after =
+      x.free_rows() - 1 + (victim >= 0 ? static_cast<std::int32_t>(x.units_of_row[static_cast<std::size_t>(victim)].size()) - 1 : 0);
+  bool whole = false;
+  if (x.config.residency == Residency::kWhole) {
+    ESS_CHECK(need - 1 <= free_after,
+              "offload: admit of request {}: whole residency of {} tokens needs {} pool rows, {} are free", id,
+              prompt_length, need, free_after + 1);
+    whole = true;
+  } else if (adaptive) {
+    whole = need == 1 || need - 1 + x.config.whole_headroom <= free_after;
+  }
   pool_admit();  // throws, changing nothing, when the pages do not fit
   try {
+    if (victim >= 0) x.demote(victim);
     x.device("admit", [&] {
       x.backend->admit(row, id);
       x.backend->pages_added(row, id, 0);
@@ -196,8 +230,9 @@ std::int32_t Offload::Impl::admit(RequestId id, std::int64_t prompt_length, std:
     x.pool->release(id);
     throw;
   }
-  *free = id;
+  x.request_of_row[static_cast<std::size_t>(row)] = id;
   x.row_of_request.emplace(id, row);
+  if (whole) x.make_whole(row, need - 1, /*load=*/false);  // its entries arrive, then warmup loads them
   return row;
 }
 
@@ -219,7 +254,11 @@ void Offload::warmup(RequestId id, std::span<const std::int32_t> windows, int wi
                                               static_cast<std::size_t>(window_count - W)) * K);
     last.insert(last.end(), first, first + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(W) * K));
   }
-  if (W > 0) x.device("warmup", [&] { x.backend->warmup(row, id, last, W); });
+  if (x.whole(row)) {
+    x.device("warmup", [&] { x.backend->load_whole(row, id, last, W); });
+  } else if (W > 0) {
+    x.device("warmup", [&] { x.backend->warmup(row, id, last, W); });
+  }
 }
 
 void Offload::extend(RequestId id, std::int64_t n) {
@@ -231,9 +270,11 @@ void Offload::extend(RequestId id, std::int64_t n) {
   ESS_CHECK(n <= x.config.max_context - length,  // length + n may overflow: not computed
             "offload: extend of request {} ({} tokens) by {} exceeds max_context = {}", id, length, n,
             x.config.max_context);
+  x.check_growth(row, length + n, "extend");  // kWhole: refused here when the rows are not free
   const auto pages_before = std::ssize(x.pool->page_table(id, 0));  // per layer
   x.pool->extend(id, n);
   x.device("extend", [&] { x.backend->pages_added(row, id, pages_before); });
+  x.grow_whole(row, length + n);
 }
 
 void Offload::truncate(RequestId id, std::int64_t length) {
@@ -276,6 +317,7 @@ void Offload::repage(RequestId id, std::int64_t length, std::int64_t first_page,
   }
   // The pages that may change (layer 0's, from first_page on; the pool checks first_page), to
   // find the first whose id does: the device page table is uploaded from there.
+  x.check_growth(row, length, "repage");  // kWhole: refused here when the rows are not free
   const auto old = x.pool->page_table(id, 0);
   const std::vector<std::int32_t> tail(old.begin() + std::clamp<std::int64_t>(first_page, 0, std::ssize(old)), old.end());
   x.pool->repage(id, length, first_page, pages);  // checks the rest; throws changing nothing
@@ -286,6 +328,7 @@ void Offload::repage(RequestId id, std::int64_t length, std::int64_t first_page,
     ++changed;
   }
   x.device("repage", [&] { x.backend->pages_added(row, id, first_page + static_cast<std::int64_t>(changed)); });
+  x.grow_whole(row, length);
 }
 
 void Offload::release(RequestId id) {
@@ -294,15 +337,34 @@ void Offload::release(RequestId id) {
   const std::int32_t row = x.find_row(id, "release");
   x.device("release", [&] { x.backend->release(row, id); });
   x.pool->release(id);
+  auto& units = x.units_of_row[static_cast<std::size_t>(row)];
+  for (std::size_t i = 1; i < units.size(); ++i) x.borrower_of_row[static_cast<std::size_t>(units[i])] = -1;
+  units.clear();
   x.request_of_row[static_cast<std::size_t>(row)] = -1;
   x.row_of_request.erase(id);
+  x.promote_waiting();
 }
 
 void Offload::reset(RequestId id) {
   impl_->usable("reset");
   Impl& x = *impl_;
   const std::int32_t row = x.find_row(id, "reset");
-  x.device("reset", [&] { x.backend->reset(row, id); });
+  x.device("reset", [&] {
+    x.backend->reset(row, id);
+    if (x.whole(row)) x.backend->load_whole(row, id, {}, 0);  // rows the engine may have reused: read again
+  });
+}
+
+bool Offload::whole(RequestId id) const {
+  impl_->usable("whole");
+  return impl_->whole(impl_->find_row(id, "whole"));
+}
+
+std::vector<std::int32_t> Offload::whole_units(RequestId id) const {
+  impl_->usable("whole_units");
+  const std::int32_t row = impl_->find_row(id, "whole_units");
+  const auto& units = impl_->units_of_row[static_cast<std::size_t>(row)];
+  return units.empty() ? std::vector<std::int32_t>{row} : units;
 }
 
 std::int32_t Offload::row(RequestId id) const {
@@ -373,6 +435,7 @@ std::vector<int> Offload::query_groups(int batch, const std::int32_t* rows, cons
     const std::int32_t len = lengths[b];
     ESS_CHECK(len == x.pool->length(request), "offload: query_groups: position {} (request {}) has length {}, the request holds {} tokens",
               b, request, len, x.pool->length(request));
+    const bool whole = x.whole(rows[b]);  // no slots to fit: its ids are only checked
     for (std::size_t i = 0; i < P; ++i) {
       const std::int32_t id = topk[static_cast<std::size_t>(b) * P + i];
       ESS_CHECK(id >= -1 && id < len, "offload: query_groups: position {} query token {} selects token {}, outside [0, {})",
@@ -381,7 +444,7 @@ std::vector<int> Offload::query_groups(int batch, const std::int32_t* rows, cons
     }
     // Sub-ranges of a position's groups fit it too, so the union of every position's group
     // starts serves the whole batch.
-    if (T > 1) starts |= grouper.split(ids, T, K, x.config.slots);
+    if (T > 1 && !whole) starts |= grouper.split(ids, T, K, x.config.slots);
   }
   return group_bounds(starts, T);
 }
@@ -427,6 +490,9 @@ OffloadStats Offload::stats() const {
   st.host_bytes_retained = a.retained_bytes;
   st.host_bytes_unshared = a.unshared_bytes;
   st.requests = static_cast<std::int32_t>(x.row_of_request.size());
+  for (const auto& units : x.units_of_row) st.whole_requests += units.empty() ? 0 : 1;
+  st.demotions = x.demotions;
+  st.promotions = x.promotions;
   x.backend->add_stats(st);
   return st;
 }

@@ -1,5 +1,7 @@
 // Offload's CPU backend: the cache engine's SwapEngine decides, memcpy fetches, host memory
-// holds the layer buffers. The reference of the CUDA backend's contract (offload.h).
+// holds the layer buffers. The reference of the CUDA backend's contract (offload.h). A whole
+// request (OffloadState::units_of_row) skips the SwapEngine: its ids map to its rows directly,
+// and the LRU-visible ids of its steps are recorded for a later demotion's LRU-Warmup.
 #include <bit>
 #include <cstring>
 #include <unordered_set>
@@ -28,7 +30,9 @@ class NoSlotStorage final : public SlotStorage {
 
 class CpuOffload final : public OffloadBackend {
  public:
-  CpuOffload(OffloadState& state, bool owned) : x_(state), sparse_(pool_config(state.config), std::make_unique<NoSlotStorage>()) {
+  CpuOffload(OffloadState& state, bool owned)
+      : x_(state), sparse_(pool_config(state.config), std::make_unique<NoSlotStorage>()),
+        recorded_(static_cast<std::size_t>(state.config.max_requests)) {
     SwapEngine::Config ec;
     ec.warmup_windows = state.config.warmup_windows;
     engine_ = std::make_unique<SwapEngine>(*state.pool, sparse_, ec);
@@ -42,11 +46,45 @@ class CpuOffload final : public OffloadBackend {
     }
   }
 
-  void admit(std::int32_t, RequestId id) override { engine_->admit(id); }
+  void admit(std::int32_t row, RequestId id) override {
+    engine_->admit(id);
+    recorded_[static_cast<std::size_t>(row)].clear();
+  }
   void release(std::int32_t, RequestId id) override { engine_->release(id); }
-  void reset(std::int32_t, RequestId id) override {
+  void reset(std::int32_t row, RequestId id) override {
     engine_->release(id);
     engine_->admit(id);
+    recorded_[static_cast<std::size_t>(row)].clear();
+  }
+
+  void units_changed(std::int32_t, RequestId) override {}  // the rows are read from the front's state
+
+  void load_whole(std::int32_t row, RequestId id, std::span<const std::int32_t> windows, int W) override {
+    const std::int64_t length = x_.pool->length(id);
+    const std::size_t K = static_cast<std::size_t>(x_.config.topk);
+    Recorded& rec = recorded_[static_cast<std::size_t>(row)];
+    rec.clear();
+    for (int l = 0; l < x_.config.layers; ++l) {
+      for (std::int64_t t = 0; t < length; ++t) copy_in(l, id, static_cast<std::int32_t>(t), whole_row(row, static_cast<std::int32_t>(t)));
+      for (int w = 0; w < W; ++w) {
+        record(row, l, windows.subspan((static_cast<std::size_t>(l) * static_cast<std::size_t>(W) + static_cast<std::size_t>(w)) * K, K));
+      }
+    }
+  }
+
+  void demote(std::int32_t row, RequestId id) override {
+    engine_->release(id);
+    engine_->admit(id);
+    const std::int64_t length = x_.pool->length(id);
+    Recorded& rec = recorded_[static_cast<std::size_t>(row)];
+    for (int l = 0; l < x_.config.layers && !rec.empty(); ++l) {
+      const std::vector<std::int32_t> windows = rec.oldest_first(l);
+      if (windows.empty()) continue;
+      const WarmupResult r = engine_->warmup(id, l, windows, length);
+      for (const MissEntry& m : r.plan.entries) copy_in(l, id, m.token, physical(row, m.slot));
+      warmup_fills_ += static_cast<std::int64_t>(r.plan.entries.size());
+    }
+    rec.clear();
   }
   void pages_added(std::int32_t, RequestId, std::int64_t) override {}
 
@@ -82,6 +120,10 @@ class CpuOffload final : public OffloadBackend {
                 "(extend before the step)",
                 s.layer, b, id, s.lengths[b], len);
       const std::int32_t* ids = s.topk + static_cast<std::size_t>(b) * P;
+      if (x_.whole(row)) {  // no LRU: its ids are checked here, mapped below
+        check_whole_ids(s, b, id, len);
+        continue;
+      }
       for (int t = 0; t < T; ++t) {
         if (t < s.query_begin || t >= s.query_end) {  // outside this call's query group: padding
           ids_.insert(ids_.end(), static_cast<std::size_t>(K), -1);
@@ -105,7 +147,13 @@ class CpuOffload final : public OffloadBackend {
       positions_.push_back(b);
       lengths_.push_back(len);
     }
-    engine_->step({s.layer, requests_, ids_, lengths_}, result_);  // validates, or throws changing nothing
+    if (!requests_.empty()) {
+      engine_->step({s.layer, requests_, ids_, lengths_}, result_);  // validates, or throws changing nothing
+      ++swap_launches_;
+    } else {
+      result_.plan.entries.clear();
+      result_.total = {};
+    }
     // Fetch the misses; then every output.
     fetched_.assign(requests_.size(), {});
     for (const MissEntry& m : result_.plan.entries) {
@@ -117,7 +165,12 @@ class CpuOffload final : public OffloadBackend {
     std::size_t j = 0;
     for (int b = 0; b < s.batch; ++b) {
       const std::int32_t row = s.rows[b];
+      if (row >= 0 && x_.whole(row)) {
+        whole_step(s, b);
+        continue;
+      }
       const bool real = row >= 0;
+      sparse_steps_ += real ? 1 : 0;
       const std::size_t out0 = static_cast<std::size_t>(b) * P;
       std::uint32_t newest = 0;  // the reserved rows this position reads
       for (std::size_t i = 0; i < P; ++i) {
@@ -166,10 +219,14 @@ class CpuOffload final : public OffloadBackend {
     for (int b = 0; b < w.batch; ++b) {
       if (w.rows[b] < 0) continue;
       const RequestId id = x_.request_of_row[static_cast<std::size_t>(w.rows[b])];
+      const bool whole = x_.whole(w.rows[b]);
       for (int t = first_newest(w.lengths[b], T); t < T; ++t) {
         const std::int32_t src = w.source_rows != nullptr ? w.source_rows[b * T + t] : physical(w.rows[b], c.slots + t);
         const std::uint8_t* from = row_ptr(w.layer, src);
-        x_.pool->write(id, w.layer, w.lengths[b] - T + t, {from, x_.config.layout.bytes()});
+        const std::int32_t token = w.lengths[b] - T + t;
+        x_.pool->write(id, w.layer, token, {from, x_.config.layout.bytes()});
+        const std::int32_t to = whole ? whole_row(w.rows[b], token) : -1;  // its own row, read once it is not among the newest
+        if (to >= 0 && to != src) std::memcpy(const_cast<std::uint8_t*>(row_ptr(w.layer, to)), from, x_.config.layout.bytes());
       }
     }
   }
@@ -187,6 +244,9 @@ class CpuOffload final : public OffloadBackend {
     st.hits = hits_;
     st.misses = misses_;
     st.reserved_hits = reserved_hits_;
+    st.whole_steps = whole_steps_;
+    st.sparse_steps = sparse_steps_;
+    st.swap_launches = swap_launches_;
   }
 
  private:
@@ -202,6 +262,97 @@ class CpuOffload final : public OffloadBackend {
     return sc;
   }
   std::int32_t physical(std::int32_t row, std::int32_t slot) const { return row * x_.config.rows_per_request() + slot; }
+  // The buffer row of token `token` of the whole request at `row`: `slots` tokens per pool row it takes.
+  std::int32_t whole_row(std::int32_t row, std::int32_t token) const {
+    const auto& units = x_.units_of_row[static_cast<std::size_t>(row)];
+    return physical(units[static_cast<std::size_t>(token / x_.config.slots)], token % x_.config.slots);
+  }
+
+  // The LRU-visible ids of a whole request's last warmup_windows query rows per layer, as
+  // LRU-Warmup replays them at a demotion.
+  struct Recorded {
+    std::vector<std::vector<std::int32_t>> ids;  // [layer]: a ring of windows of K ids
+    std::vector<int> next, count;                // [layer]
+    bool empty() const { return ids.empty(); }
+    void clear() {
+      ids.clear();
+      next.clear();
+      count.clear();
+    }
+    std::vector<std::int32_t> oldest_first(int layer) const {
+      const auto l = static_cast<std::size_t>(layer);
+      const std::size_t K = window_k;
+      std::vector<std::int32_t> out;
+      for (int i = 0; i < count[l]; ++i) {
+        const int w = (next[l] - count[l] + i + capacity(l)) % capacity(l);
+        out.insert(out.end(), ids[l].begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(w) * K),
+                   ids[l].begin() + static_cast<std::ptrdiff_t>((static_cast<std::size_t>(w) + 1) * K));
+      }
+      return out;
+    }
+    int capacity(std::size_t l) const { return static_cast<int>(ids[l].size() / window_k); }
+    std::size_t window_k = 1;
+  };
+  void record(std::int32_t row, int layer, std::span<const std::int32_t> window) {
+    const int W = x_.config.warmup_windows;
+    if (W <= 0) return;
+    const std::size_t K = static_cast<std::size_t>(x_.config.topk);
+    Recorded& rec = recorded_[static_cast<std::size_t>(row)];
+    if (rec.empty()) {
+      rec.window_k = K;
+      rec.ids.assign(static_cast<std::size_t>(x_.config.layers), std::vector<std::int32_t>(static_cast<std::size_t>(W) * K, -1));
+      rec.next.assign(static_cast<std::size_t>(x_.config.layers), 0);
+      rec.count.assign(static_cast<std::size_t>(x_.config.layers), 0);
+    }
+    const auto l = static_cast<std::size_t>(layer);
+    std::copy(window.begin(), window.end(), rec.ids[l].begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(rec.next[l]) * K));
+    rec.next[l] = (rec.next[l] + 1) % W;
+    rec.count[l] = std::min(rec.count[l] + 1, W);
+  }
+  // A whole position's ids: each -1 or in [0, len), none twice in a query row.
+  void check_whole_ids(const LayerStep& s, int b, RequestId id, std::int64_t len) {
+    const int T = x_.config.query_tokens, K = x_.config.topk;
+    const std::int32_t* ids = s.topk + static_cast<std::size_t>(b) * T * K;
+    for (int t = s.query_begin; t < s.query_end; ++t) {
+      seen_.clear();
+      for (int k = 0; k < K; ++k) {
+        const std::int32_t tok = ids[static_cast<std::size_t>(t) * K + k];
+        if (tok == -1) continue;
+        ESS_CHECK(tok >= 0 && tok < len,
+                  "offload: step of layer {}: position {} (request {}) query token {} selects token {}, outside [0, {})",
+                  s.layer, b, id, t, tok, len);
+        ESS_CHECK(seen_.insert(tok).second, "offload: step of layer {}: position {} query token {} selects token {} twice",
+                  s.layer, b, t, tok);
+      }
+    }
+  }
+  // A whole position's outputs: every id read in place (a newest one from its reserved row), no
+  // LRU and no copy; its query rows recorded as the LRU would see them.
+  void whole_step(const LayerStep& s, int b) {
+    const OffloadConfig& c = x_.config;
+    const int T = c.query_tokens, K = c.topk;
+    const std::int32_t row = s.rows[b];
+    const std::int32_t len = s.lengths[b];
+    const std::size_t out0 = static_cast<std::size_t>(b) * T * K;
+    std::uint32_t newest = 0;
+    window_.resize(static_cast<std::size_t>(K));
+    for (int t = 0; t < T; ++t) {
+      const bool in_group = t >= s.query_begin && t < s.query_end;
+      for (int k = 0; k < K; ++k) {
+        const std::size_t i = out0 + static_cast<std::size_t>(t) * K + k;
+        const std::int32_t tok = in_group ? s.topk[i] : -1;
+        const bool reserved = tok >= 0 && tok >= len - T;
+        s.physical[i] = tok < 0 ? -1 : reserved ? physical(row, c.slots + (tok - (len - T))) : whole_row(row, tok);
+        newest |= reserved ? 1u << (tok - (len - T)) : 0u;
+        window_[static_cast<std::size_t>(k)] = reserved ? -1 : tok;
+      }
+      if (in_group) record(row, s.layer, window_);
+    }
+    reserved_hits_ += std::popcount(newest);
+    ++whole_steps_;
+    if (s.counts != nullptr) s.counts[2 * b] = s.counts[2 * b + 1] = 0;
+    if (s.resident != nullptr) split_rows(s, b, nullptr, row);
+  }
   const std::uint8_t* row_ptr(int layer, std::int32_t p) const {
     return x_.buffer.layer_base[static_cast<std::size_t>(layer)] + x_.buffer.rows.offset(p);
   }
@@ -242,8 +393,12 @@ class CpuOffload final : public OffloadBackend {
   std::vector<std::int64_t> lengths_;
   std::vector<std::int32_t> ids_, reserved_;
   std::vector<std::unordered_set<std::int32_t>> fetched_;
+  std::unordered_set<std::int32_t> seen_;
+  std::vector<std::int32_t> window_;
+  std::vector<Recorded> recorded_;  // [pool row]: whole requests' recorded windows
   SwapResult result_;
   std::int64_t steps_ = 0, warmup_fills_ = 0, hits_ = 0, misses_ = 0, reserved_hits_ = 0;
+  std::int64_t whole_steps_ = 0, sparse_steps_ = 0, swap_launches_ = 0;
 };
 
 }  // namespace

@@ -38,6 +38,9 @@ class CudaOffload final : public OffloadBackend {
  public:
   CudaOffload(OffloadState& state, bool owned) : x_(state) {
     const OffloadConfig& c = state.config;
+    ESS_CHECK(c.residency == Residency::kSparse,
+              "offload: residency {} is served by the CPU backend only; the CUDA backend keeps every request sparse",
+              to_string(c.residency));
     ESS_CUDA_CHECK(cudaSetDevice(c.device), "offload: selecting device {}", c.device);
     P_ = static_cast<std::size_t>(c.query_tokens) * static_cast<std::size_t>(c.topk);
     B_ = static_cast<std::size_t>(c.max_requests);
@@ -103,6 +106,13 @@ class CudaOffload final : public OffloadBackend {
     swap_->reset_row(row);
     ESS_CUDA_CHECK(cudaDeviceSynchronize(), "offload: reset of row {}", row);
   }
+
+  // Never called: the constructor refuses every residency but kSparse.
+  void units_changed(std::int32_t, RequestId) override { ESS_ASSERT(false, "offload: whole residency on the CUDA backend"); }
+  void load_whole(std::int32_t, RequestId, std::span<const std::int32_t>, int) override {
+    ESS_ASSERT(false, "offload: whole residency on the CUDA backend");
+  }
+  void demote(std::int32_t, RequestId) override { ESS_ASSERT(false, "offload: whole residency on the CUDA backend"); }
 
   // New host pages: their ids for every layer, contiguous in [row][page][layer].
   void pages_added(std::int32_t row, RequestId id, std::int64_t first_page) override {

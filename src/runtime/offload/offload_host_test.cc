@@ -8,6 +8,7 @@
 
 #include "ess/core/digest.h"
 #include "offload_cases.h"
+#include "offload_residency_cases.h"
 #include "testing/testing.h"
 
 namespace ess::offload_test {

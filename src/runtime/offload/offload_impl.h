@@ -31,6 +31,15 @@ class OffloadBackend {
   virtual void pages_added(std::int32_t row, RequestId id, std::int64_t first_page) = 0;
   // windows: [layers][W][K], the last W prefill positions to replay.
   virtual void warmup(std::int32_t row, RequestId id, std::span<const std::int32_t> windows, int W) = 0;
+  // Residency (OffloadState::units_of_row). The whole request at `row` now takes the pool rows
+  // units_of_row[row] (it became whole, or grew): tables only, nothing is copied.
+  virtual void units_changed(std::int32_t row, RequestId id) = 0;
+  // Every entry of the whole request at `row`, from the host pool into its rows; the windows it
+  // records for a later demotion start as `windows` ([layers][W][K], oldest first; W may be 0).
+  virtual void load_whole(std::int32_t row, RequestId id, std::span<const std::int32_t> windows, int W) = 0;
+  // The request at `row` was whole and is sparse now (units_of_row[row] is empty): every layer's
+  // LRU becomes LRU-Warmup over the windows it recorded while whole, loaded from the host pool.
+  virtual void demote(std::int32_t row, RequestId id) = 0;
   virtual void step(const LayerStep& s) = 0;
   virtual void write_back(const WriteBack& w) = 0;
   virtual std::vector<std::uint8_t> read_row(int layer, std::int32_t p) const = 0;
@@ -47,6 +56,18 @@ struct OffloadState {
   std::unique_ptr<TotalPool> pool;
   std::vector<RequestId> request_of_row;  // -1 = free
   std::unordered_map<RequestId, std::int32_t> row_of_request;
+  // Residency. units_of_row[r]: the pool rows of the whole request whose own row is r, r first,
+  // each holding `slots` of its tokens in order; empty while that request is sparse (or r is not
+  // a request's own row). borrower_of_row[r]: the own row of the whole request that borrows r, -1
+  // when none does. A row is free when it holds no request and no whole request borrows it.
+  std::vector<std::vector<std::int32_t>> units_of_row;
+  std::vector<std::int32_t> borrower_of_row;
+
+  bool whole(std::int32_t row) const { return !units_of_row[static_cast<std::size_t>(row)].empty(); }
+  bool row_free(std::int32_t row) const {
+    return request_of_row[static_cast<std::size_t>(row)] < 0 && borrower_of_row[static_cast<std::size_t>(row)] < 0;
+  }
+  std::int32_t free_rows() const;
 
   // The pool row of an admitted request; throws naming `what` when it is not admitted.
   std::int32_t find_row(RequestId id, const char* what) const;
@@ -86,6 +107,24 @@ class Offload::Impl : public OffloadState {
   // Admission with `pool_admit` taking the host pages (all-or-nothing); returns the row.
   std::int32_t admit(RequestId id, std::int64_t prompt_length, std::int32_t wanted_row,
                      const std::function<void()>& pool_admit);
+
+  // Residency (offload_residency.cc).
+  std::int64_t demotions = 0, promotions = 0;
+  // The whole request borrowing the most rows (ties: the highest own row), -1 when none borrows any.
+  std::int32_t demotion_victim() const;
+  // The whole request at `row` becomes sparse; its borrowed rows are free again.
+  void demote(std::int32_t row);
+  // The request at `row` becomes whole on its row and the `extra` highest free rows (kept clear of
+  // the lowest, which admissions take first); `load`: its entries are copied in now.
+  void make_whole(std::int32_t row, std::int32_t extra, bool load);
+  // Before a whole request at `row` grows to `length` tokens: kWhole refuses, naming `what`, when
+  // the rows it lacks are not free (kAdaptive demotes it then, in grow_whole).
+  void check_growth(std::int32_t row, std::int64_t length, const char* what) const;
+  // After it grew: borrows the rows it lacks, or is demoted when they are not free.
+  void grow_whole(std::int32_t row, std::int64_t length);
+  // kAdaptive, after a release: sparse requests made whole while rows stay free beyond the
+  // headroom, the fewest rows first.
+  void promote_waiting();
 };
 
 // A backend reads the requests and the host pool from the front's state. With `owned`, it
