@@ -58,6 +58,11 @@ typedef enum ess_backend { ESS_BACKEND_CPU = 0, ESS_BACKEND_CUDA = 1 } ess_backe
  * `ess trace analyze` compares the others on traces. */
 typedef enum ess_policy { ESS_POLICY_LRU = 0 } ess_policy;
 
+/* Where requests live on the device (docs/architecture.md, "Residency"): each in a Sparse Memory
+ * Pool; each whole (every entry in rows of its own, read in place, no swap; refused when its rows
+ * are not free); whole while pool rows are free, demoted under pressure, promoted back. */
+typedef enum ess_residency { ESS_RESIDENCY_SPARSE = 0, ESS_RESIDENCY_WHOLE = 1, ESS_RESIDENCY_ADAPTIVE = 2 } ess_residency;
+
 typedef struct ess_engine ess_engine;
 typedef struct ess_step_binding ess_step_binding;
 typedef struct ess_write_back_binding ess_write_back_binding;
@@ -120,6 +125,10 @@ typedef struct ess_config {
   int64_t host_pages_per_layer;
   uint64_t host_page_stride;
   const int64_t* host_layer_first_page;
+  /* ess_residency (whole and adaptive need reserve_newest; the CPU backend serves them), and for
+   * adaptive the pool rows left free when a request is made whole (default 1). */
+  int32_t residency;
+  int32_t whole_headroom;
 } ess_config;
 
 ESS_API void ess_config_init(ess_config* config);
@@ -201,12 +210,24 @@ typedef struct ess_stats {
   uint64_t host_bytes_shared;
   uint64_t host_bytes_retained;
   uint64_t host_bytes_unshared;
+  /* Residency: requests whole now; position-layer-steps served whole and sparse; steps that ran a
+   * swap decision; demotions and promotions. (A caller built against the layout that ends before
+   * whole_requests gets the fields it knows.) */
+  int32_t whole_requests;
+  int64_t whole_steps, sparse_steps, swap_launches;
+  int64_t demotions, promotions;
 } ess_stats;
 
 ESS_API void ess_stats_init(ess_stats* stats);
 ESS_API ess_status ess_engine_get_stats(const ess_engine* engine, ess_stats* stats);
 
 /* ---- requests (host calls between steps) ------------------------------------------------ */
+/* The pool rows the request takes, its own first: one when it is sparse, ceil(length / slots) when
+ * it is whole (each holding `slots` of its tokens in order), into `rows` (room for `capacity`);
+ * *count is set to how many, also when `capacity` is too small (then ESS_INVALID_ARGUMENT and
+ * nothing is written); *whole (may be NULL) to 1 when the request is whole. */
+ESS_API ess_status ess_request_residency(const ess_engine* engine, int64_t id, int32_t* whole, int32_t* rows,
+                                         int32_t capacity, int32_t* count);
 /* Admits request `id` (any non-negative number the engine chooses) with `prompt_length`
  * tokens into pool row `row` (-1: the lowest free row); *row_out (may be NULL) gets the row. */
 ESS_API ess_status ess_request_admit(ess_engine* engine, int64_t id, int64_t prompt_length, int32_t row,

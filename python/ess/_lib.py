@@ -38,6 +38,8 @@ class Config(ctypes.Structure):
         ("host_pages_per_layer", ctypes.c_int64),
         ("host_page_stride", ctypes.c_uint64),
         ("host_layer_first_page", ctypes.POINTER(ctypes.c_int64)),
+        ("residency", ctypes.c_int32),
+        ("whole_headroom", ctypes.c_int32),
     ]
 
 
@@ -76,6 +78,12 @@ class Stats(ctypes.Structure):
         ("host_bytes_shared", ctypes.c_uint64),
         ("host_bytes_retained", ctypes.c_uint64),
         ("host_bytes_unshared", ctypes.c_uint64),
+        ("whole_requests", ctypes.c_int32),
+        ("whole_steps", ctypes.c_int64),
+        ("sparse_steps", ctypes.c_int64),
+        ("swap_launches", ctypes.c_int64),
+        ("demotions", ctypes.c_int64),
+        ("promotions", ctypes.c_int64),
     ]
 
 
@@ -171,6 +179,8 @@ _signatures = {
     "ess_engine_host_layout": (_c.c_int, [_P, _c.POINTER(HostLayout)]),
     "ess_engine_host_layer": (_c.c_int, [_P, _c.c_int32, _c.POINTER(_P)]),
     "ess_request_host_pages": (_c.c_int, [_P, _c.c_int64, _c.POINTER(_c.c_int32), _c.c_int64, _c.POINTER(_c.c_int64)]),
+    "ess_request_residency": (_c.c_int, [_P, _c.c_int64, _c.POINTER(_c.c_int32), _c.POINTER(_c.c_int32), _c.c_int32,
+                                         _c.POINTER(_c.c_int32)]),
     "ess_stats_init": (None, [_c.POINTER(Stats)]),
     "ess_engine_get_stats": (_c.c_int, [_P, _c.POINTER(Stats)]),
     "ess_request_admit": (_c.c_int, [_P, _c.c_int64, _c.c_int64, _c.c_int32, _c.POINTER(_c.c_int32)]),

@@ -17,6 +17,7 @@ from ._lib import Config, EngineInfo, HostLayout as _HostLayout, StepTensors, St
 
 _BACKENDS = {"cpu": 0, "cuda": 1}
 _POLICIES = {"lru": 0}
+_RESIDENCIES = {"sparse": 0, "whole": 1, "adaptive": 2}
 
 
 def stream_handle(stream) -> Optional[int]:
@@ -100,6 +101,12 @@ class Stats:
     host_bytes_shared: int
     host_bytes_retained: int
     host_bytes_unshared: int
+    whole_requests: int
+    whole_steps: int
+    sparse_steps: int
+    swap_launches: int
+    demotions: int
+    promotions: int
 
 
 class Engine:
@@ -114,7 +121,10 @@ class Engine:
     host_memory_pinned: the caller registered it as pinned, mapped memory. foreign_pages (with host_memory:
     another engine's host block pool, such as vLLM's HiSparse host pool): ForeignPages(pages_per_layer,
     page_stride, layer_first_page), that engine's layout; requests then come by adopt and repage, on the
-    pages that engine hands out (ess_c.h's ess_config.host_pages_per_layer). Every value is checked;
+    pages that engine hands out (ess_c.h's ess_config.host_pages_per_layer). residency: "sparse" (a Sparse
+    Memory Pool each), "whole" (every entry in rows of its own, read in place, no swap) or "adaptive" (whole while
+    pool rows are free, demoted under pressure, promoted back with whole_headroom rows left; whole and adaptive
+    need reserve_newest and the CPU backend; Engine.residency(id) says where a request is). Every value is checked;
     a refused one raises InvalidArgument naming it (InvalidType, also a TypeError, for a wrong
     type: a float, bool or string where an integer is meant, anything but a bool for
     reserve_newest), and nothing is created. A refused call on an engine changes nothing.
@@ -129,11 +139,12 @@ class Engine:
                  topk: int = 0, reserve_newest: bool = False, warmup_windows: int = 32, policy: str = "lru",
                  backend: str = "cpu", device: int = 0, copy_blocks: int = 0, host_bytes: int = 0,
                  latent: Optional[Sequence] = None, host_memory=None, host_memory_pinned: bool = False,
-                 foreign_pages: Optional["ForeignPages"] = None):
+                 foreign_pages: Optional["ForeignPages"] = None, residency: str = "sparse", whole_headroom: int = 1):
         self._handle = None
         self._lock = threading.RLock()
         _args.choice("backend", backend, _BACKENDS)
         _args.choice("policy", policy, _POLICIES)
+        _args.choice("residency", residency, _RESIDENCIES)
         c = Config()
         lib.ess_config_init(ctypes.byref(c))
         if model is None:
@@ -148,13 +159,14 @@ class Engine:
         for name, value in (("layers", layers), ("max_requests", max_requests), ("max_context", max_context),
                             ("query_tokens", query_tokens), ("topk", topk), ("slots", slots),
                             ("warmup_windows", warmup_windows), ("device", device), ("copy_blocks", copy_blocks),
-                            ("host_bytes", host_bytes)):
+                            ("host_bytes", host_bytes), ("whole_headroom", whole_headroom)):
             field = dict(Config._fields_)[name]
             bounds = _args.I32 if field is ctypes.c_int32 else _args.I64 if field is ctypes.c_int64 else _args.U64
             setattr(c, name, _args.integer(name, value, *bounds))
         c.ratio = _args.real("ratio", ratio)
         c.reserve_newest = 1 if _args.flag("reserve_newest", reserve_newest) else 0
         c.policy = _POLICIES[policy]
+        c.residency = _RESIDENCIES[residency]
         c.backend = _BACKENDS[backend]
         if latent is not None and (isinstance(latent, (str, bytes)) or not isinstance(latent, Sequence)):
             raise InvalidType(f"latent: a sequence of tensors (one per layer) is expected, not {type(latent).__name__}")
@@ -456,6 +468,22 @@ class Engine:
         out = (ctypes.c_int32 * count.value)()
         check(lib.ess_request_host_pages(self._h(), request_id, out, count.value, ctypes.byref(count)))
         return list(out)
+
+    @_locked
+    def residency(self, request_id: int) -> tuple:
+        """(whole, rows): whether the request is whole (every entry in rows of its own, no swap), and the pool rows
+        it takes, its own first (one when sparse; for a whole request each holds `slots` of its tokens in order)."""
+        _i64(request_id=request_id)
+        whole = ctypes.c_int32()
+        count = ctypes.c_int32()
+        rows = (ctypes.c_int32 * 1)()
+        status = lib.ess_request_residency(self._h(), request_id, ctypes.byref(whole), rows, 1, ctypes.byref(count))
+        if status != 0 and count.value > 1:
+            rows = (ctypes.c_int32 * count.value)()
+            status = lib.ess_request_residency(self._h(), request_id, ctypes.byref(whole), rows, count.value,
+                                               ctypes.byref(count))
+        check(status)
+        return bool(whole.value), list(rows)[:count.value]
 
     @_locked
     def read_row(self, layer: int, row: int) -> bytes:

@@ -123,6 +123,58 @@ def test_steps_match_the_model_and_are_lossless():
     np.testing.assert_array_equal(back, full[1, :n])
 
 
+def test_whole_requests_read_in_place_and_survive_demotion():
+    """Adaptive residency through the Python API: request 9 whole (its rows, the newest in the reserved rows, nothing
+    fetched), demoted when two more requests need rows; every row it reads holds its token's entry before and after;
+    the statistics count it."""
+    T, K, slots, L = 2, 8, 16, 2
+    latent = [np.zeros((4 * (slots + T), ENTRY), np.uint8) for _ in range(L)]
+    e = small(max_requests=4, query_tokens=T, slots=slots, reserve_newest=True, residency="adaptive",
+              whole_headroom=0, latent=latent)
+    rng = np.random.default_rng(3)
+    full = rng.integers(0, 256, (L, 128, ENTRY), dtype=np.uint8)
+    row = e.admit(9, 40)
+    for layer in range(L):
+        e.write_entries(9, layer, 0, full[layer, :40])
+    e.warmup(9, np.stack([[rng.choice(40, K, replace=False) for _ in range(2)] for _ in range(L)]).astype(np.int32))
+    whole, rows_of = e.residency(9)
+    assert whole and rows_of[0] == row and len(rows_of) == 3
+    rows, lengths = np.array([row], np.int32), np.zeros(1, np.int32)
+    topk, phys = np.zeros((1, T, K), np.int32), np.zeros((1, T, K), np.int32)
+    counts = np.zeros((1, 2), np.int32)
+    step = e.bind_step(rows, topk, lengths, phys, counts=counts)
+    wb = e.bind_write_back(rows, lengths)
+    n = 40
+    for s in range(6):
+        if s == 3:  # two more requests: the last finds no free row and demotes request 9
+            e.admit(10, 10)
+            e.admit(11, 10)
+            assert e.residency(9) == (False, [row])
+        e.extend(9, T)
+        n += T
+        lengths[0] = n
+        for layer in range(L):
+            for t in range(T):  # the model writes the new entries into the reserved rows
+                latent[layer][e.info.reserved_row(row, t)] = full[layer, n - T + t]
+            for t in range(T):
+                topk[0, t] = rng.choice(n, K, replace=False)
+            step.step(layer)
+            for t in range(T):
+                for k in range(K):
+                    tok, p = int(topk[0, t, k]), int(phys[0, t, k])
+                    assert latent[layer][p].tobytes() == full[layer, tok].tobytes()
+                    if s < 3 and tok < n - T:
+                        assert p == rows_of[tok // slots] * e.info.rows_per_request + tok % slots
+            if s < 3:
+                assert tuple(counts[0]) == (0, 0)
+            wb.write_back(layer)
+    st = e.stats()
+    assert (st.demotions, st.whole_requests) == (1, 2)
+    assert st.swap_launches == 3 * L and st.whole_steps == 3 * L and st.sparse_steps == 3 * L
+    with pytest.raises(ess.InvalidArgument, match="residency whole needs reserve_newest"):
+        small(residency="whole")
+
+
 def test_query_groups_serve_steps_larger_than_the_pool():
     T, K, slots = 4, 8, 10  # below T x K = 32
     e = small(query_tokens=T, slots=slots)

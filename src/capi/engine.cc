@@ -63,6 +63,10 @@ OffloadConfig offload_config(const ess_config& c) {
     o.slots = static_cast<std::int32_t>(slots);
   }
   o.reserve_newest = c.reserve_newest != 0;
+  ESS_CHECK(c.residency >= ESS_RESIDENCY_SPARSE && c.residency <= ESS_RESIDENCY_ADAPTIVE,
+            "config: residency = {} is not ESS_RESIDENCY_SPARSE, _WHOLE or _ADAPTIVE", c.residency);
+  o.residency = static_cast<Residency>(c.residency);
+  o.whole_headroom = c.whole_headroom;
   o.warmup_windows = c.warmup_windows;
   o.backend = c.backend == ESS_BACKEND_CUDA ? Backend::kCuda : Backend::kCpu;
   o.device = c.device;
@@ -125,6 +129,8 @@ void ess_config_init(ess_config* c) {
   c->warmup_windows = 32;
   c->policy = ESS_POLICY_LRU;
   c->backend = ESS_BACKEND_CPU;
+  c->residency = ESS_RESIDENCY_SPARSE;
+  c->whole_headroom = 1;
 }
 
 namespace {
@@ -175,13 +181,14 @@ ess_config read_config(const ess_config* given) {
   constexpr std::uint32_t kLayouts[] = {
       offsetof(ess_config, host_memory),           // before the caller's host memory
       offsetof(ess_config, host_pages_per_layer),  // before foreign pages
+      offsetof(ess_config, residency),             // before residency
       sizeof(ess_config),
   };
   const std::uint32_t size = given->struct_size;
   ESS_CHECK(std::find(std::begin(kLayouts), std::end(kLayouts), size) != std::end(kLayouts),
-            "ess_config.struct_size = {}: this library knows ess_config layouts of {}, {} and {} bytes: call "
+            "ess_config.struct_size = {}: this library knows ess_config layouts of {}, {}, {} and {} bytes: call "
             "ess_config_init (a header of another ABI version?)",
-            size, kLayouts[0], kLayouts[1], kLayouts[2]);
+            size, kLayouts[0], kLayouts[1], kLayouts[2], kLayouts[3]);
   ess_config c;
   ess_config_init(&c);
   std::memcpy(&c, given, size);
@@ -364,14 +371,45 @@ ess_status ess_request_host_pages(const ess_engine* engine, int64_t id, int32_t*
   });
 }
 
+ess_status ess_request_residency(const ess_engine* engine, int64_t id, int32_t* whole, int32_t* rows, int32_t capacity,
+                                 int32_t* count) {
+  return guard("ess_request_residency", [&] {
+    const auto call = ess::capi::engine_call(engine);
+    const ess::Offload& o = call.offload();
+    ESS_CHECK(count != nullptr, "the count out-pointer is NULL");
+    ESS_CHECK(capacity >= 0, "capacity = {} is negative", capacity);
+    const std::vector<std::int32_t> units = o.whole_units(id);  // refuses a request not admitted
+    *count = static_cast<std::int32_t>(units.size());
+    ESS_CHECK(capacity >= *count, "request {} takes {} pool rows; the output has room for {}", id, units.size(),
+              capacity);
+    ESS_CHECK(rows != nullptr, "the rows output is NULL");
+    std::memcpy(rows, units.data(), units.size() * sizeof(std::int32_t));
+    if (whole != nullptr) *whole = o.whole(id) ? 1 : 0;
+  });
+}
+
 void ess_stats_init(ess_stats* stats) { ess::capi::init_struct(stats); }
 
 ess_status ess_engine_get_stats(const ess_engine* engine, ess_stats* stats) {
   return guard("ess_engine_get_stats", [&] {
     const auto call = ess::capi::engine_call(engine);
     const ess::Offload& o = call.offload();
-    ess::capi::check_struct(stats, "ess_stats", "ess_stats_init");
+    ESS_CHECK(stats != nullptr, "ess_stats is required (got NULL)");
+    // A caller built against the layout before residency gets the fields it knows.
+    constexpr std::uint32_t kBefore = offsetof(ess_stats, whole_requests);
+    ESS_CHECK(stats->struct_size == sizeof(ess_stats) || stats->struct_size == kBefore,
+              "ess_stats.struct_size = {}, this library's ess_stats has {} bytes (or {} before residency): call "
+              "ess_stats_init (a header of another ABI version?)",
+              stats->struct_size, sizeof(ess_stats), kBefore);
     const ess::OffloadStats s = o.stats();
+    if (stats->struct_size == sizeof(ess_stats)) {
+      stats->whole_requests = s.whole_requests;
+      stats->whole_steps = s.whole_steps;
+      stats->sparse_steps = s.sparse_steps;
+      stats->swap_launches = s.swap_launches;
+      stats->demotions = s.demotions;
+      stats->promotions = s.promotions;
+    }
     stats->steps = s.steps;
     stats->warmup_fills = s.warmup_fills;
     stats->hits = s.hits;

@@ -59,7 +59,7 @@ TEST(CApi, StatusesNameTheProblem) {
   EXPECT_EQ(e, nullptr);
   EXPECT_NE(last().find("policy = 7"), std::string::npos) << last();
   c = small_config();
-  c.struct_size -= 8;
+  c.struct_size -= 4;  // no layout of any header
   EXPECT_EQ(ess_engine_create(&c, &e), ESS_ERROR_INVALID_ARGUMENT);
   EXPECT_NE(last().find("struct_size"), std::string::npos) << last();
   c = small_config();
@@ -375,7 +375,8 @@ TEST(CApi, TheHostPoolInTheCallersMemory) {
 TEST(CApi, AConfigOfAnEarlierHeaderGetsTheDefaultsOfTheFieldsItLacks) {
   // A caller built before the host memory fields (and before foreign pages): its struct ends there, and
   // whatever lies past it in its memory is not read.
-  for (const std::size_t size : {offsetof(ess_config, host_memory), offsetof(ess_config, host_pages_per_layer)}) {
+  for (const std::size_t size :
+       {offsetof(ess_config, host_memory), offsetof(ess_config, host_pages_per_layer), offsetof(ess_config, residency)}) {
     std::vector<std::uint8_t> memory(sizeof(ess_config), 0xEE);
     ess_config c = small_config();
     c.struct_size = static_cast<std::uint32_t>(size);
@@ -386,6 +387,62 @@ TEST(CApi, AConfigOfAnEarlierHeaderGetsTheDefaultsOfTheFieldsItLacks) {
     EXPECT_EQ(ess_request_admit(e, 1, 100, -1, &row), ESS_OK) << last();
     ess_engine_destroy(e);
   }
+}
+
+// Residency through the C ABI: a whole request's rows (its own first, then those it borrows), its
+// steps counted whole with no swap; an adaptive admission that finds no free row demotes it; the
+// statistics for the earlier ess_stats layout too; bad values refused by name.
+TEST(CApi, ResidencyRowsAndStatistics) {
+  ess_config c = small_config();
+  c.max_requests = 4;
+  c.reserve_newest = 1;
+  c.residency = ESS_RESIDENCY_ADAPTIVE;
+  c.whole_headroom = 0;
+  ess_engine* e = nullptr;
+  ASSERT_EQ(ess_engine_create(&c, &e), ESS_OK) << last();
+  int32_t row = -1;
+  ASSERT_EQ(ess_request_admit(e, 7, 40, -1, &row), ESS_OK) << last();  // 3 rows of 16
+  int32_t whole = 0, count = 0;
+  int32_t rows[4] = {-1, -1, -1, -1};
+  ASSERT_EQ(ess_request_residency(e, 7, &whole, rows, 4, &count), ESS_OK) << last();
+  EXPECT_EQ(whole, 1);
+  ASSERT_EQ(count, 3);
+  EXPECT_EQ(rows[0], row);
+  EXPECT_EQ(ess_request_residency(e, 7, &whole, rows, 2, &count), ESS_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(last().find("takes 3 pool rows; the output has room for 2"), std::string::npos) << last();
+  EXPECT_EQ(count, 3);
+  EXPECT_EQ(ess_request_residency(e, 8, &whole, rows, 4, &count), ESS_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(last().find("request 8: not admitted"), std::string::npos) << last();
+  // Two more requests: the second finds no free row and demotes request 7.
+  ASSERT_EQ(ess_request_admit(e, 8, 10, -1, nullptr), ESS_OK) << last();
+  ASSERT_EQ(ess_request_admit(e, 9, 10, -1, nullptr), ESS_OK) << last();
+  ASSERT_EQ(ess_request_admit(e, 10, 10, -1, nullptr), ESS_OK) << last();
+  ASSERT_EQ(ess_request_residency(e, 7, &whole, rows, 4, &count), ESS_OK) << last();
+  EXPECT_EQ(whole, 0);
+  EXPECT_EQ(count, 1);
+  ess_stats st;
+  ess_stats_init(&st);
+  ASSERT_EQ(ess_engine_get_stats(e, &st), ESS_OK) << last();
+  EXPECT_EQ(st.demotions, 1);
+  EXPECT_EQ(st.whole_requests, 3);  // 8, 9 and 10 fit one row each
+  // A caller of the layout before residency gets its fields and nothing past them.
+  std::vector<std::uint8_t> memory(sizeof(ess_stats), 0xEE);
+  ess_stats old;
+  ess_stats_init(&old);
+  old.struct_size = static_cast<std::uint32_t>(offsetof(ess_stats, whole_requests));
+  std::memcpy(memory.data(), &old, old.struct_size);
+  ASSERT_EQ(ess_engine_get_stats(e, reinterpret_cast<ess_stats*>(memory.data())), ESS_OK) << last();
+  EXPECT_EQ(memory[offsetof(ess_stats, whole_requests)], 0xEE);
+  EXPECT_EQ(reinterpret_cast<ess_stats*>(memory.data())->requests, 4);
+  ess_engine_destroy(e);
+
+  c.residency = 3;
+  EXPECT_EQ(ess_engine_create(&c, &e), ESS_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(last().find("residency = 3"), std::string::npos) << last();
+  c.residency = ESS_RESIDENCY_WHOLE;
+  c.reserve_newest = 0;
+  EXPECT_EQ(ess_engine_create(&c, &e), ESS_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(last().find("residency whole needs reserve_newest"), std::string::npos) << last();
 }
 
 // Another engine's host block pool (say vLLM's): padded pages, the layers' regions out of order. ESS reads
