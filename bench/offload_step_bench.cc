@@ -89,6 +89,55 @@ void BM_SwapDecision(benchmark::State& state) {
   state.SetItemsProcessed(state.iterations() * s.B * s.T * s.K);
 }
 
+// Residency (OffloadConfig::residency): the same step with every request whole (its ids mapped to
+// its own rows: no decision, no copy) against every request sparse (the swap engine and the
+// fetch), at small batches; reserved newest rows in both.
+void BM_OffloadResidency(benchmark::State& state) {
+  const Shape s{static_cast<int>(state.range(0)), 2, 2048, 32768, 0.2, 100};
+  const bool whole = state.range(1) != 0;
+  OffloadConfig c;
+  c.layers = 1;
+  c.query_tokens = s.T;
+  c.topk = s.K;
+  c.slots = slots_for_ratio(s.ratio, s.context);
+  c.max_context = s.context + 2 * s.T;
+  c.reserve_newest = true;
+  c.residency = whole ? Residency::kWhole : Residency::kSparse;
+  c.max_requests = whole ? s.B * c.whole_rows(s.context) : s.B;
+  Offload o(c);
+  std::vector<std::int32_t> rows, lengths;
+  for (int b = 0; b < s.B; ++b) {
+    rows.push_back(o.admit(b, s.context));
+    lengths.push_back(static_cast<std::int32_t>(s.context));
+    for (std::int64_t t = 0; t < s.context; ++t) std::ranges::fill(o.host_entry(b, 0, t), static_cast<std::uint8_t>(b + t));
+    o.warmup(b, {}, 0);  // a whole request's entries into its rows
+  }
+  const auto steps = make_steps(s, 96, 1);
+  const std::size_t n = static_cast<std::size_t>(s.B) * s.T * s.K;
+  std::vector<std::int32_t> physical(n), counts(2 * static_cast<std::size_t>(s.B));
+  LayerStep st;
+  st.batch = s.B;
+  st.rows = rows.data();
+  st.lengths = lengths.data();
+  st.physical = physical.data();
+  st.counts = counts.data();
+  for (const auto& ids : steps) {  // steady state, outside the timing
+    st.topk = ids.data();
+    o.step(st);
+  }
+  std::size_t i = 0;
+  for (auto _ : state) {
+    st.topk = steps[i].data();
+    o.step(st);
+    benchmark::DoNotOptimize(physical.data());
+    i = (i + 1) % steps.size();
+  }
+  state.SetItemsProcessed(state.iterations() * static_cast<std::int64_t>(n));
+  const OffloadStats stats = o.stats();
+  state.counters["swap_launches"] = static_cast<double>(stats.swap_launches);
+  state.counters["misses"] = static_cast<double>(stats.misses);
+}
+
 // Args: B, T, context, fresh ids per query per step[, DA split, copy].
 BENCHMARK(BM_OffloadStep)
     ->ArgNames({"B", "T", "ctx", "new", "split", "copy"})
@@ -98,6 +147,10 @@ BENCHMARK(BM_OffloadStep)
     ->Args({64, 2, 32768, 100, 1, 1})
     ->Args({64, 2, 32768, 100, 0, 0})
     ->Args({64, 2, 32768, 400, 0, 1})
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_OffloadResidency)
+    ->ArgNames({"B", "whole"})
+    ->ArgsProduct({{1, 2, 8}, {0, 1}})
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_SwapDecision)
     ->ArgNames({"B", "T", "ctx", "new"})

@@ -313,16 +313,21 @@ class CpuOffload final : public OffloadBackend {
   void check_whole_ids(const LayerStep& s, int b, RequestId id, std::int64_t len) {
     const int T = x_.config.query_tokens, K = x_.config.topk;
     const std::int32_t* ids = s.topk + static_cast<std::size_t>(b) * T * K;
+    if (std::ssize(seen_) < len) seen_.resize(static_cast<std::size_t>(len), 0);
     for (int t = s.query_begin; t < s.query_end; ++t) {
-      seen_.clear();
+      if (++stamp_ == 0) {  // the stamps wrapped: start them afresh
+        std::ranges::fill(seen_, 0u);
+        stamp_ = 1;
+      }
       for (int k = 0; k < K; ++k) {
         const std::int32_t tok = ids[static_cast<std::size_t>(t) * K + k];
         if (tok == -1) continue;
         ESS_CHECK(tok >= 0 && tok < len,
                   "offload: step of layer {}: position {} (request {}) query token {} selects token {}, outside [0, {})",
                   s.layer, b, id, t, tok, len);
-        ESS_CHECK(seen_.insert(tok).second, "offload: step of layer {}: position {} query token {} selects token {} twice",
-                  s.layer, b, t, tok);
+        ESS_CHECK(seen_[static_cast<std::size_t>(tok)] != stamp_,
+                  "offload: step of layer {}: position {} query token {} selects token {} twice", s.layer, b, t, tok);
+        seen_[static_cast<std::size_t>(tok)] = stamp_;
       }
     }
   }
@@ -393,7 +398,8 @@ class CpuOffload final : public OffloadBackend {
   std::vector<std::int64_t> lengths_;
   std::vector<std::int32_t> ids_, reserved_;
   std::vector<std::unordered_set<std::int32_t>> fetched_;
-  std::unordered_set<std::int32_t> seen_;
+  std::vector<std::uint32_t> seen_;  // token -> the stamp of the query row that last selected it
+  std::uint32_t stamp_ = 0;
   std::vector<std::int32_t> window_;
   std::vector<Recorded> recorded_;  // [pool row]: whole requests' recorded windows
   SwapResult result_;

@@ -330,6 +330,23 @@ TEST(OffloadResidency, WholeRefusesWhatDoesNotFitAndChangesNothing) {
   run.admit(3, 20);  // the last row
   ESS_EXPECT_ERROR(o.extend(3, 10), "extend of request 3 to 30 tokens: whole residency needs 1 more pool rows, 0 are free");
   EXPECT_EQ(o.length(3), 20);
+  // A whole position's ids are checked as a sparse one's: refused by name, nothing recorded or counted.
+  std::vector<std::int32_t> rows{o.row(1)}, lengths{100}, ids(static_cast<std::size_t>(ResidencyRun::kT) * ResidencyRun::kK, -1),
+      physical(ids.size());
+  LayerStep st;
+  st.batch = 1;
+  st.rows = rows.data();
+  st.topk = ids.data();
+  st.lengths = lengths.data();
+  st.physical = physical.data();
+  const std::int64_t whole_steps = o.stats().whole_steps;
+  ids[3] = 100;
+  ESS_EXPECT_ERROR(o.step(st), "position 0 (request 1) query token 0 selects token 100, outside [0, 100)");
+  ids[3] = 7;
+  ids[ResidencyRun::kK + 1] = 9;
+  ids[ResidencyRun::kK + 2] = 9;
+  ESS_EXPECT_ERROR(o.step(st), "position 0 query token 1 selects token 9 twice");
+  EXPECT_EQ(o.stats().whole_steps, whole_steps);
   // A row another whole request borrows is not handed out by number.
   const std::int32_t borrowed = o.whole_units(1).back();
   o.release(3);
