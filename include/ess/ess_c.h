@@ -125,7 +125,7 @@ typedef struct ess_config {
   int64_t host_pages_per_layer;
   uint64_t host_page_stride;
   const int64_t* host_layer_first_page;
-  /* ess_residency (whole and adaptive need reserve_newest; the CPU backend serves them), and for
+  /* ess_residency (whole and adaptive need reserve_newest), and for
    * adaptive the pool rows left free when a request is made whole (default 1). */
   int32_t residency;
   int32_t whole_headroom;

@@ -124,7 +124,7 @@ class Engine:
     pages that engine hands out (ess_c.h's ess_config.host_pages_per_layer). residency: "sparse" (a Sparse
     Memory Pool each), "whole" (every entry in rows of its own, read in place, no swap) or "adaptive" (whole while
     pool rows are free, demoted under pressure, promoted back with whole_headroom rows left; whole and adaptive
-    need reserve_newest and the CPU backend; Engine.residency(id) says where a request is). Every value is checked;
+    need reserve_newest; Engine.residency(id) says where a request is). Every value is checked;
     a refused one raises InvalidArgument naming it (InvalidType, also a TypeError, for a wrong
     type: a float, bool or string where an integer is meant, anything but a bool for
     reserve_newest), and nothing is created. A refused call on an engine changes nothing.

@@ -98,6 +98,10 @@ struct OffloadConfig {
   // kAdaptive: a request is made whole (at admission, or promoted at a release) only if this
   // many pool rows stay free after it, so that the next admission does not demote it at once.
   std::int32_t whole_headroom = 1;
+  // The query rows a whole request keeps of its recent steps (per layer, at most warmup_windows),
+  // from which a demotion rebuilds its LRU by LRU-Warmup (the CUDA backend holds them on the
+  // device: max_requests x layers x this x topk int32 when residency is not kSparse).
+  int demotion_windows = 8;
   Backend backend = Backend::kCpu;
   int device = 0;
 
@@ -107,6 +111,7 @@ struct OffloadConfig {
   // Throws ess::Error naming the field unless usable (slots below min(K, max_context) are refused).
   void validate() const;
   std::int32_t rows_per_request() const { return slots + (reserve_newest ? query_tokens : 0); }
+  int recorded_windows() const { return std::min(demotion_windows, warmup_windows); }
   // The pool rows a whole request of `length` tokens takes: each holds `slots` of its tokens.
   std::int32_t whole_rows(std::int64_t length) const {
     return static_cast<std::int32_t>(std::max<std::int64_t>(1, (length + slots - 1) / slots));

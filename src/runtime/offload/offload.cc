@@ -57,6 +57,8 @@ void OffloadConfig::validate() const {
             "offload: residency {} needs reserve_newest (a whole request's newest entries reach its rows from the "
             "reserved rows, by write_back)",
             to_string(residency));
+  ESS_CHECK(demotion_windows >= 0 && demotion_windows <= 1024, "offload: demotion_windows = {} must be in [0, 1024]",
+            demotion_windows);
   ESS_CHECK(whole_headroom >= 0 && whole_headroom <= max_requests,
             "offload: whole_headroom = {} must be in [0, max_requests = {}]", whole_headroom, max_requests);
 }

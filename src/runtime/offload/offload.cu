@@ -13,34 +13,42 @@ namespace {
 using offload::kListThreads;
 using offload::kThreads;
 using ListScan = cub::BlockScan<std::int64_t, kListThreads>;
+using RowScan = cub::BlockScan<std::int64_t, kThreads>;
 
-// The CUDA primitives of the block programs (offload_cta.h).
+// The CUDA primitives of the block programs (offload_cta.h), with the block scan of `Scan`.
+template <class Scan>
 struct DevicePrims {
-  ListScan::TempStorage* scan;  // the write-back list's block only
+  typename Scan::TempStorage* scan;  // the write-back list's and the whole halves' blocks only
   __device__ int tid() const { return static_cast<int>(threadIdx.x); }
   __device__ int threads() const { return static_cast<int>(blockDim.x); }
   __device__ unsigned block() const { return blockIdx.x; }
   __device__ void sync() const { __syncthreads(); }
   __device__ void exclusive_sum(std::int64_t value, std::int64_t& rank, std::int64_t& total) const {
-    ListScan(*scan).ExclusiveSum(value, rank, total);
+    Scan(*scan).ExclusiveSum(value, rank, total);
   }
 };
 
 __global__ void __launch_bounds__(kThreads) mask_kernel(StepShape s, std::int32_t* lru_ids) {
-  DevicePrims prims{nullptr};
+  DevicePrims<RowScan> prims{nullptr};
   offload::mask_cta(s, lru_ids, prims);
 }
 
 __global__ void __launch_bounds__(kThreads) finalize_kernel(StepShape s, const std::int32_t* lru_slots, std::int32_t* slot_ids,
                                                             std::int32_t* physical) {
-  DevicePrims prims{nullptr};
+  DevicePrims<RowScan> prims{nullptr};
   offload::finalize_cta(s, lru_slots, slot_ids, physical, prims);
 }
 
 __global__ void __launch_bounds__(kListThreads) write_back_list_kernel(WriteBackList w) {
   __shared__ typename ListScan::TempStorage tmp;
-  DevicePrims prims{&tmp};
+  DevicePrims<ListScan> prims{&tmp};
   offload::write_back_list_cta(w, prims);
+}
+
+__global__ void __launch_bounds__(kThreads) whole_halves_kernel(StepShape s, WholeHalves h) {
+  __shared__ typename RowScan::TempStorage tmp;
+  DevicePrims<RowScan> prims{&tmp};
+  offload::whole_halves_cta(s, h, prims);
 }
 
 }  // namespace
@@ -55,6 +63,12 @@ int launch_finalize_rows(const StepShape& s, const std::int32_t* lru_slots, std:
                          Stream stream) {
   if (s.batch <= 0) return cudaSuccess;
   finalize_kernel<<<s.batch, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(s, lru_slots, slot_ids, physical);
+  return cudaGetLastError();
+}
+
+int launch_whole_halves(const StepShape& s, const WholeHalves& h, Stream stream) {
+  if (s.batch <= 0) return cudaSuccess;
+  whole_halves_kernel<<<s.batch, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(s, h);
   return cudaGetLastError();
 }
 

@@ -268,7 +268,7 @@ class CpuOffload final : public OffloadBackend {
     return physical(units[static_cast<std::size_t>(token / x_.config.slots)], token % x_.config.slots);
   }
 
-  // The LRU-visible ids of a whole request's last warmup_windows query rows per layer, as
+  // The LRU-visible ids of a whole request's last recorded_windows() query rows per layer, as
   // LRU-Warmup replays them at a demotion.
   struct Recorded {
     std::vector<std::vector<std::int32_t>> ids;  // [layer]: a ring of windows of K ids
@@ -294,7 +294,7 @@ class CpuOffload final : public OffloadBackend {
     std::size_t window_k = 1;
   };
   void record(std::int32_t row, int layer, std::span<const std::int32_t> window) {
-    const int W = x_.config.warmup_windows;
+    const int W = x_.config.recorded_windows();
     if (W <= 0) return;
     const std::size_t K = static_cast<std::size_t>(x_.config.topk);
     Recorded& rec = recorded_[static_cast<std::size_t>(row)];

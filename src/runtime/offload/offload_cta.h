@@ -30,16 +30,24 @@ ESS_DEVICE_INLINE bool in_group(const StepShape& s, std::int64_t i) {
   return t >= s.query_begin && t < s.query_end;
 }
 
+// The own rows of the whole request at pool row `row`, or nullptr when it is sparse (or padding).
+ESS_DEVICE_INLINE const std::int32_t* whole_units(const StepShape& s, std::int32_t row) {
+  if (s.whole_units == nullptr || row < 0) return nullptr;
+  const std::int32_t* units = s.whole_units + static_cast<std::int64_t>(row) * s.max_units;
+  return units[0] >= 0 ? units : nullptr;
+}
+
 template <class P>
 ESS_DEVICE_INLINE void mask_cta(const StepShape& s, std::int32_t* lru_ids, P& p) {
   const int b = static_cast<int>(p.block());
   const std::int64_t Pn = static_cast<std::int64_t>(s.query_tokens) * s.topk;
   const std::int32_t row = s.rows[b];
   const std::int32_t len = s.lengths[b];
+  const bool whole = whole_units(s, row) != nullptr;  // its ids go to no LRU
   for (std::int64_t i = p.tid(); i < Pn; i += p.threads()) {
     const std::int32_t id = s.topk_ids[b * Pn + i];
     const bool keep = row >= 0 && in_group(s, i) && valid_id(id, len) && newest_index(s, id, len) < 0;
-    lru_ids[b * Pn + i] = keep ? id : -1;
+    lru_ids[b * Pn + i] = keep && !whole ? id : -1;
   }
 }
 
@@ -50,15 +58,71 @@ ESS_DEVICE_INLINE void finalize_cta(const StepShape& s, const std::int32_t* lru_
   const std::int64_t Pn = static_cast<std::int64_t>(s.query_tokens) * s.topk;
   const std::int32_t row = s.rows[b];
   const std::int32_t len = s.lengths[b];
+  const std::int32_t* units = whole_units(s, row);
   for (std::int64_t i = p.tid(); i < Pn; i += p.threads()) {
     const std::int32_t id = s.topk_ids[b * Pn + i];
-    std::int32_t slot = -1;
+    std::int32_t slot = -1, phys = -1;
     if (row >= 0 && id >= 0 && in_group(s, i) && valid_id(id, len)) {
       const int newest = newest_index(s, id, len);
-      slot = newest >= 0 ? s.slots + newest : lru_slots[b * Pn + i];
+      if (newest >= 0) {
+        slot = s.slots + newest;
+        phys = row * s.rows_per_request + slot;
+      } else if (units != nullptr) {  // a whole request's own row; no slot (the split lists nothing for it)
+        phys = units[id / s.slots] * s.rows_per_request + id % s.slots;
+      } else {
+        slot = lru_slots[b * Pn + i];
+        phys = slot >= 0 ? row * s.rows_per_request + slot : -1;
+      }
     }
     slot_ids[b * Pn + i] = slot;
-    physical[b * Pn + i] = slot >= 0 ? row * s.rows_per_request + slot : -1;
+    physical[b * Pn + i] = phys;
+  }
+  if (units == nullptr || s.windows <= 0) return;
+  // A whole position records its query rows of the group, as the LRU would see them.
+  const std::int64_t ring = static_cast<std::int64_t>(row) * s.layers + s.layer;
+  std::int32_t* head = s.recorded_head + ring * 2;
+  const int next = head[0], count = head[1];
+  int g = 0;
+  for (int t = s.query_begin; t < s.query_end; ++t, ++g) {
+    std::int32_t* window = s.recorded + (ring * s.windows + (next + g) % s.windows) * s.topk;
+    for (int k = p.tid(); k < s.topk; k += p.threads()) {
+      const std::int32_t id = s.topk_ids[b * Pn + static_cast<std::int64_t>(t) * s.topk + k];
+      window[k] = id >= 0 && valid_id(id, len) && newest_index(s, id, len) < 0 ? id : -1;
+    }
+  }
+  p.sync();  // every thread has read the head
+  if (p.tid() == 0) {
+    head[0] = (next + g) % s.windows;
+    head[1] = count + g < s.windows ? count + g : s.windows;
+  }
+}
+
+// One block per position: the DA halves of a whole or padded position (offload_launch.h).
+template <class P>
+ESS_DEVICE_INLINE void whole_halves_cta(const StepShape& s, const WholeHalves& h, P& p) {
+  const int b = static_cast<int>(p.block());
+  const std::int32_t row = s.rows[b];
+  const bool whole = whole_units(s, row) != nullptr;
+  if (row >= 0 && !whole) return;  // the split's
+  const int K = s.topk;
+  for (int t = 0; t < s.query_tokens; ++t) {
+    const std::int64_t at = (static_cast<std::int64_t>(b) * s.query_tokens + t) * K;
+    std::int64_t running = 0;
+    for (int tile0 = 0; tile0 < K && whole; tile0 += p.threads()) {
+      const int i = tile0 + p.tid();
+      const std::int32_t phys = i < K ? h.physical[at + i] : -1;
+      std::int64_t rank = 0, tile = 0;
+      p.exclusive_sum(static_cast<std::int64_t>(phys >= 0 ? 1 : 0), rank, tile);
+      if (phys >= 0) h.resident[at + running + rank] = phys;
+      running += tile;
+      p.sync();  // the scan's storage is reused by the next tile
+    }
+    for (std::int64_t i = running + p.tid(); i < K; i += p.threads()) h.resident[at + i] = -1;
+    for (int i = p.tid(); i < K; i += p.threads()) h.fetched[at + i] = -1;
+    if (p.tid() == 0) {
+      h.resident_count[static_cast<std::int64_t>(b) * s.query_tokens + t] = static_cast<std::int32_t>(running);
+      h.fetched_count[static_cast<std::int64_t>(b) * s.query_tokens + t] = 0;
+    }
   }
 }
 
@@ -66,7 +130,7 @@ ESS_DEVICE_INLINE void finalize_cta(const StepShape& s, const std::int32_t* lru_
 // to their host pool entries.
 template <class P>
 ESS_DEVICE_INLINE void write_back_list_cta(const WriteBackList& w, P& p) {
-  std::int64_t running = 0;
+  std::int64_t running = 0, whole_running = 0;
   const int T = w.query_tokens;
   for (int base = 0; base < w.batch; base += p.threads()) {
     const int b = base + p.tid();
@@ -75,6 +139,14 @@ ESS_DEVICE_INLINE void write_back_list_cta(const WriteBackList& w, P& p) {
     const std::int64_t n = T - first;
     std::int64_t before = 0, tile = 0;
     p.exclusive_sum(n, before, tile);
+    p.sync();
+    const std::int32_t* units = nullptr;
+    if (w.whole_units != nullptr && row >= 0) {
+      units = w.whole_units + static_cast<std::int64_t>(row) * w.max_units;
+      units = units[0] >= 0 ? units : nullptr;
+    }
+    std::int64_t whole_before = 0, whole_tile = 0;
+    p.exclusive_sum(units != nullptr ? n : std::int64_t{0}, whole_before, whole_tile);
     for (int t = first; t < T; ++t) {
       const std::int64_t token = static_cast<std::int64_t>(w.lengths[b]) - T + t;
       const std::int32_t src = w.source_rows != nullptr ? w.source_rows[b * T + t] : row * w.rows_per_request + w.slots + t;
@@ -82,11 +154,20 @@ ESS_DEVICE_INLINE void write_back_list_cta(const WriteBackList& w, P& p) {
       const std::int64_t at = running + before + (t - first);
       w.src_offsets[at] = w.buffer.offset(src);
       w.dst_offsets[at] = static_cast<std::uint64_t>(page) * w.page_bytes + static_cast<std::uint64_t>(token % 64) * w.entry_bytes;
+      if (units != nullptr) {  // and into its own row, read there once it is not among the newest
+        const std::int64_t own = static_cast<std::int64_t>(units[token / w.slots]) * w.rows_per_request + token % w.slots;
+        w.whole_src[whole_running + whole_before + (t - first)] = w.buffer.offset(src);
+        w.whole_dst[whole_running + whole_before + (t - first)] = w.buffer.offset(own);
+      }
     }
     running += tile;
+    whole_running += whole_tile;
     p.sync();  // the scan's storage is reused by the next tile
   }
-  if (p.tid() == 0) *w.total = running;
+  if (p.tid() == 0) {
+    *w.total = running;
+    if (w.whole_total != nullptr) *w.whole_total = whole_running;
+  }
 }
 
 }  // namespace ess::cuda::offload

@@ -38,9 +38,6 @@ class CudaOffload final : public OffloadBackend {
  public:
   CudaOffload(OffloadState& state, bool owned) : x_(state) {
     const OffloadConfig& c = state.config;
-    ESS_CHECK(c.residency == Residency::kSparse,
-              "offload: residency {} is served by the CPU backend only; the CUDA backend keeps every request sparse",
-              to_string(c.residency));
     ESS_CUDA_CHECK(cudaSetDevice(c.device), "offload: selecting device {}", c.device);
     P_ = static_cast<std::size_t>(c.query_tokens) * static_cast<std::size_t>(c.topk);
     B_ = static_cast<std::size_t>(c.max_requests);
@@ -76,6 +73,20 @@ class CudaOffload final : public OffloadBackend {
       p.total = DeviceBuffer<std::int64_t>(1);
       ESS_CUDA_CHECK(cudaEventCreateWithFlags(&p.decided, cudaEventDisableTiming), "offload: events");
     }
+    if (c.residency != Residency::kSparse) {
+      max_units_ = c.whole_rows(c.max_context);
+      whole_units_ = DeviceBuffer<std::int32_t>(B_ * static_cast<std::size_t>(max_units_));
+      ESS_CUDA_CHECK(cudaMemset(whole_units_.get(), 0xff, whole_units_.size() * 4), "offload: whole rows");
+      const std::size_t W = static_cast<std::size_t>(c.recorded_windows());
+      if (W > 0) {
+        recorded_ = DeviceBuffer<std::int32_t>(B_ * static_cast<std::size_t>(c.layers) * W * static_cast<std::size_t>(c.topk));
+        recorded_head_ = DeviceBuffer<std::int32_t>(B_ * static_cast<std::size_t>(c.layers) * 2);
+        ESS_CUDA_CHECK(cudaMemset(recorded_head_.get(), 0, recorded_head_.size() * 4), "offload: recorded windows");
+      }
+      wb_whole_src_ = DeviceBuffer<std::uint64_t>(B_ * static_cast<std::size_t>(c.query_tokens));
+      wb_whole_dst_ = DeviceBuffer<std::uint64_t>(B_ * static_cast<std::size_t>(c.query_tokens));
+      wb_whole_total_ = DeviceBuffer<std::int64_t>(1);
+    }
     wb_src_ = DeviceBuffer<std::uint64_t>(B_ * static_cast<std::size_t>(c.query_tokens));
     wb_dst_ = DeviceBuffer<std::uint64_t>(B_ * static_cast<std::size_t>(c.query_tokens));
     wb_total_ = DeviceBuffer<std::int64_t>(1);
@@ -94,25 +105,100 @@ class CudaOffload final : public OffloadBackend {
 
   void admit(std::int32_t row, RequestId) override {
     swap_->reset_row(row);
+    upload_units(row);
+    clear_recorded(row);
     ESS_CUDA_CHECK(cudaDeviceSynchronize(), "offload: admit of row {}", row);
   }
 
   void release(std::int32_t row, RequestId) override {
     swap_->reset_row(row);
+    clear_units(row);
     ESS_CUDA_CHECK(cudaDeviceSynchronize(), "offload: release of row {}", row);
   }
 
   void reset(std::int32_t row, RequestId) override {
     swap_->reset_row(row);
+    clear_recorded(row);
     ESS_CUDA_CHECK(cudaDeviceSynchronize(), "offload: reset of row {}", row);
   }
 
-  // Never called: the constructor refuses every residency but kSparse.
-  void units_changed(std::int32_t, RequestId) override { ESS_ASSERT(false, "offload: whole residency on the CUDA backend"); }
-  void load_whole(std::int32_t, RequestId, std::span<const std::int32_t>, int) override {
-    ESS_ASSERT(false, "offload: whole residency on the CUDA backend");
+  void units_changed(std::int32_t row, RequestId) override { upload_units(row); }
+
+  void load_whole(std::int32_t row, RequestId id, std::span<const std::int32_t> windows, int W) override {
+    const OffloadConfig& c = x_.config;
+    upload_units(row);
+    const std::int64_t length = x_.pool->length(id);
+    const auto& units = x_.units_of_row[static_cast<std::size_t>(row)];
+    std::vector<MissEntry> fills;
+    for (int l = 0; l < c.layers; ++l) {
+      fills.clear();
+      for (std::int64_t t = 0; t < length; ++t) {
+        const auto tok = static_cast<std::int32_t>(t);
+        const std::int32_t own = units[static_cast<std::size_t>(tok / c.slots)] * rpr_ + tok % c.slots;
+        fills.push_back(MissEntry{0, row, tok, own, 0});
+      }
+      copy_from_host(id, l, fills, /*slot_is_row=*/true);
+    }
+    // The windows it records start as the given ones (their last recorded_windows()).
+    clear_recorded(row);
+    const int Wr = c.recorded_windows();
+    const int n = std::min(W, Wr);
+    if (n > 0) {
+      const std::size_t K = static_cast<std::size_t>(c.topk);
+      std::vector<std::int32_t> ring(static_cast<std::size_t>(c.layers) * static_cast<std::size_t>(Wr) * K, -1);
+      std::vector<std::int32_t> head(2 * static_cast<std::size_t>(c.layers));
+      for (int l = 0; l < c.layers; ++l) {
+        for (int w = 0; w < n; ++w) {
+          const auto from = windows.begin() + static_cast<std::ptrdiff_t>((static_cast<std::size_t>(l) * W + static_cast<std::size_t>(W - n + w)) * K);
+          std::copy(from, from + static_cast<std::ptrdiff_t>(K), ring.begin() + static_cast<std::ptrdiff_t>((static_cast<std::size_t>(l) * Wr + static_cast<std::size_t>(w)) * K));
+        }
+        head[2 * static_cast<std::size_t>(l)] = n % Wr;
+        head[2 * static_cast<std::size_t>(l) + 1] = n;
+      }
+      ESS_CUDA_CHECK(cudaMemcpy(recorded_.get() + static_cast<std::size_t>(row) * ring.size(), ring.data(), ring.size() * 4,
+                                cudaMemcpyHostToDevice),
+                     "offload: the recorded windows of row {}", row);
+      ESS_CUDA_CHECK(cudaMemcpy(recorded_head_.get() + static_cast<std::size_t>(row) * head.size(), head.data(), head.size() * 4,
+                                cudaMemcpyHostToDevice),
+                     "offload: the recorded windows of row {}", row);
+    }
+    ESS_CUDA_CHECK(cudaDeviceSynchronize(), "offload: whole residency of row {}", row);
   }
-  void demote(std::int32_t, RequestId) override { ESS_ASSERT(false, "offload: whole residency on the CUDA backend"); }
+
+  void demote(std::int32_t row, RequestId id) override {
+    const OffloadConfig& c = x_.config;
+    const int Wr = c.recorded_windows();
+    const std::size_t K = static_cast<std::size_t>(c.topk);
+    std::vector<std::int32_t> ring, head;
+    ESS_CUDA_CHECK(cudaDeviceSynchronize(), "offload: demotion of row {}", row);
+    if (Wr > 0) {
+      ring.resize(static_cast<std::size_t>(c.layers) * static_cast<std::size_t>(Wr) * K);
+      head.resize(2 * static_cast<std::size_t>(c.layers));
+      ESS_CUDA_CHECK(cudaMemcpy(ring.data(), recorded_.get() + static_cast<std::size_t>(row) * ring.size(), ring.size() * 4,
+                                cudaMemcpyDeviceToHost),
+                     "offload: the recorded windows of row {}", row);
+      ESS_CUDA_CHECK(cudaMemcpy(head.data(), recorded_head_.get() + static_cast<std::size_t>(row) * head.size(), head.size() * 4,
+                                cudaMemcpyDeviceToHost),
+                     "offload: the recorded windows of row {}", row);
+    }
+    upload_units(row);  // sparse now
+    swap_->reset_row(row);
+    for (int l = 0; l < c.layers && Wr > 0; ++l) {
+      const int next = head[2 * static_cast<std::size_t>(l)], count = head[2 * static_cast<std::size_t>(l) + 1];
+      std::vector<std::int32_t> windows;  // oldest first
+      for (int i = 0; i < count; ++i) {
+        const int w = (next - count + i + Wr) % Wr;
+        const auto from = ring.begin() + static_cast<std::ptrdiff_t>((static_cast<std::size_t>(l) * Wr + static_cast<std::size_t>(w)) * K);
+        windows.insert(windows.end(), from, from + static_cast<std::ptrdiff_t>(K));
+      }
+      if (windows.empty()) continue;
+      const std::vector<MissEntry> fills = swap_->warmup(row, l, c.topk, windows);
+      warmup_fills_ += static_cast<std::int64_t>(fills.size());
+      copy_from_host(id, l, fills, /*slot_is_row=*/false);
+    }
+    clear_recorded(row);
+    ESS_CUDA_CHECK(cudaDeviceSynchronize(), "offload: demotion of row {}", row);
+  }
 
   // New host pages: their ids for every layer, contiguous in [row][page][layer].
   void pages_added(std::int32_t row, RequestId id, std::int64_t first_page) override {
@@ -140,19 +226,8 @@ class CudaOffload final : public OffloadBackend {
     for (int l = 0; l < x_.config.layers; ++l) {
       const auto w = windows.subspan(static_cast<std::size_t>(l) * per_layer, per_layer);
       const std::vector<MissEntry> fills = swap_->warmup(row, l, x_.config.topk, std::vector<std::int32_t>(w.begin(), w.end()));
-      if (fills.empty()) continue;
       warmup_fills_ += static_cast<std::int64_t>(fills.size());
-      std::vector<std::uint64_t> offsets(2 * fills.size());
-      for (std::size_t i = 0; i < fills.size(); ++i) {
-        offsets[i] = x_.pool->offset(id, l, fills[i].token);
-        offsets[fills.size() + i] = x_.buffer.rows.offset(static_cast<std::int64_t>(row) * rpr_ + fills[i].slot);
-      }
-      DeviceBuffer<std::uint64_t> d(offsets.size());
-      ESS_CUDA_CHECK(cudaMemcpy(d.get(), offsets.data(), offsets.size() * 8, cudaMemcpyHostToDevice), "offload: warm-up list");
-      EntryCopy copy{pool_dev_, x_.buffer.layer_base[static_cast<std::size_t>(l)], d.get(), d.get() + fills.size(),
-                     static_cast<std::int64_t>(fills.size()), static_cast<int>(x_.config.layout.bytes()), nullptr, kWholeGpu};
-      ESS_LAUNCH(flashtrans_cuda(copy, nullptr), "offload: warm-up fill of row {} layer {}", row, l);
-      ESS_CUDA_CHECK(cudaDeviceSynchronize(), "offload: warm-up of row {} layer {}", row, l);
+      copy_from_host(id, l, fills, /*slot_is_row=*/false);
     }
   }
 
@@ -173,10 +248,34 @@ class CudaOffload final : public OffloadBackend {
     shape.rows = s.rows;
     shape.topk_ids = s.topk;
     shape.lengths = s.lengths;
-    // 1. The ids the LRU sees: padded positions, invalid ids and reserved newest tokens hidden.
+    shape.whole_units = whole_units_.get();
+    shape.max_units = max_units_;
+    shape.recorded = recorded_.get();
+    shape.recorded_head = recorded_head_.get();
+    shape.windows = recorded_head_.get() != nullptr ? c.recorded_windows() : 0;
+    shape.layers = c.layers;
+    shape.layer = s.layer;
+    // Residency: with every admitted request whole (the front's state), no swap decision and no
+    // copy are launched. A step being captured into a graph takes the whole path, whatever the
+    // residency now: a replay may meet sparse requests (the kernels tell them apart on the device).
+    const bool whole_path = whole_units_.get() != nullptr && !capturing(stream) && all_whole();
+    const bool any_whole = whole_units_.get() != nullptr;  // the device tells which positions are
+    std::int32_t* counts = s.counts != nullptr ? s.counts : p.counts.get();
+    if (whole_path) {
+      ESS_CUDA_CHECK(cudaMemsetAsync(counts, 0, static_cast<std::size_t>(s.batch) * 2 * 4, static_cast<cudaStream_t>(stream)),
+                     "offload: the counts of layer {}", s.layer);
+      ESS_LAUNCH(launch_finalize_rows(shape, p.lru_slots.get(), p.slot_ids.get(), s.physical, stream),
+                 "offload: the rows of layer {}", s.layer);
+      if (s.resident != nullptr) {
+        ESS_LAUNCH(launch_whole_halves(shape, {s.physical, s.resident, s.fetched, s.resident_count, s.fetched_count}, stream),
+                   "offload: the halves of layer {}", s.layer);
+      }
+      record_copy_done(s, p, stream);
+      return;
+    }
+    // 1. The ids the LRU sees: padded positions, whole requests, invalid ids and reserved newest tokens hidden.
     ESS_LAUNCH(launch_mask_ids(shape, p.lru_ids.get(), stream), "offload: masking the ids of layer {}", s.layer);
     // 2. The LRU decision for the batch.
-    std::int32_t* counts = s.counts != nullptr ? s.counts : p.counts.get();
     GpuSwapStep st;
     st.layer = s.layer;
     st.batch = s.batch;
@@ -194,6 +293,7 @@ class CudaOffload final : public OffloadBackend {
     st.page_bytes = x_.pool->page_stride();
     st.entry_bytes = x_.config.layout.bytes();
     swap_->step_async(st, stream);
+    ++swap_launches_;
     // 3. Each id's slot and physical row.
     ESS_LAUNCH(launch_finalize_rows(shape, p.lru_slots.get(), p.slot_ids.get(), s.physical, stream),
                "offload: the rows of layer {}", s.layer);
@@ -221,19 +321,34 @@ class CudaOffload final : public OffloadBackend {
       sp.fetched_count = s.fetched_count;
     }
     ESS_LAUNCH(split_misses_cuda(sp, stream), "offload: the miss list of layer {}", s.layer);
-    // 5. The fetch, on the copy stream when there is one.
-    Stream copy_stream = stream;
-    if (s.copy_stream != nullptr) {
-      ESS_CUDA_CHECK(cudaEventRecord(p.decided, static_cast<cudaStream_t>(stream)), "offload: event");
-      ESS_CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(s.copy_stream), p.decided, 0), "offload: event");
-      copy_stream = s.copy_stream;
+    if (s.resident != nullptr && any_whole) {  // whole positions read every row in place
+      ESS_LAUNCH(launch_whole_halves(shape, {s.physical, s.resident, s.fetched, s.resident_count, s.fetched_count}, stream),
+                 "offload: the halves of layer {}", s.layer);
     }
+    // 5. The fetch, on the copy stream when there is one.
+    const Stream copy_stream = on_copy_stream(s, p, stream);
     if (s.fetch) {
       EntryCopy copy{pool_dev_, x_.buffer.layer_base[static_cast<std::size_t>(s.layer)], p.src.get(), p.dst.get(),
                      static_cast<std::int64_t>(s.batch) * static_cast<std::int64_t>(P_),
                      static_cast<int>(x_.config.layout.bytes()), p.total.get(), c.copy_blocks};
       ESS_LAUNCH(flashtrans_cuda(copy, copy_stream), "offload: FlashTrans of layer {}", s.layer);
     }
+    if (s.copy_done != nullptr) {
+      ESS_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(s.copy_done), static_cast<cudaStream_t>(copy_stream)),
+                     "offload: recording copy_done");
+    }
+  }
+
+  // The stream the fetch runs on: `stream`, or the step's copy stream once it waits for the decision.
+  Stream on_copy_stream(const LayerStep& s, Part& p, Stream stream) {
+    if (s.copy_stream == nullptr) return stream;
+    ESS_CUDA_CHECK(cudaEventRecord(p.decided, static_cast<cudaStream_t>(stream)), "offload: event");
+    ESS_CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(s.copy_stream), p.decided, 0), "offload: event");
+    return s.copy_stream;
+  }
+  // With nothing to copy, copy_done is still recorded where the copy would have ended.
+  void record_copy_done(const LayerStep& s, Part& p, Stream stream) {
+    const Stream copy_stream = on_copy_stream(s, p, stream);
     if (s.copy_done != nullptr) {
       ESS_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(s.copy_done), static_cast<cudaStream_t>(copy_stream)),
                      "offload: recording copy_done");
@@ -260,11 +375,22 @@ class CudaOffload final : public OffloadBackend {
     list.src_offsets = wb_src_.get();
     list.dst_offsets = wb_dst_.get();
     list.total = wb_total_.get();
+    list.whole_units = whole_units_.get();
+    list.max_units = max_units_;
+    list.whole_src = wb_whole_src_.get();
+    list.whole_dst = wb_whole_dst_.get();
+    list.whole_total = wb_whole_total_.get();
     ESS_LAUNCH(launch_write_back_list(list, w.stream), "offload: the write-back list of layer {}", w.layer);
-    EntryCopy copy{x_.buffer.layer_base[static_cast<std::size_t>(w.layer)], const_cast<std::uint8_t*>(pool_dev_),
-                   wb_src_.get(), wb_dst_.get(), static_cast<std::int64_t>(w.batch) * c.query_tokens,
-                   static_cast<int>(c.layout.bytes()), wb_total_.get(), c.copy_blocks};
+    std::uint8_t* base = x_.buffer.layer_base[static_cast<std::size_t>(w.layer)];
+    EntryCopy copy{base, const_cast<std::uint8_t*>(pool_dev_), wb_src_.get(), wb_dst_.get(),
+                   static_cast<std::int64_t>(w.batch) * c.query_tokens, static_cast<int>(c.layout.bytes()), wb_total_.get(),
+                   c.copy_blocks};
     ESS_LAUNCH(flashtrans_cuda(copy, w.stream), "offload: write-back of layer {}", w.layer);
+    if (whole_units_.get() != nullptr) {  // whole requests' newest entries into their own rows too
+      EntryCopy own{base, base, wb_whole_src_.get(), wb_whole_dst_.get(), static_cast<std::int64_t>(w.batch) * c.query_tokens,
+                    static_cast<int>(c.layout.bytes()), wb_whole_total_.get(), c.copy_blocks};
+      ESS_LAUNCH(flashtrans_cuda(own, w.stream), "offload: write-back of layer {} into whole rows", w.layer);
+    }
   }
 
   std::vector<std::uint8_t> read_row(int layer, std::int32_t p) const override {
@@ -277,7 +403,9 @@ class CudaOffload final : public OffloadBackend {
   }
 
   std::uint64_t device_bytes() const override {
-    std::uint64_t n = swap_->device_bytes() + wb_src_.bytes() + wb_dst_.bytes() + wb_total_.bytes() + page_table_.bytes();
+    std::uint64_t n = swap_->device_bytes() + wb_src_.bytes() + wb_dst_.bytes() + wb_total_.bytes() + page_table_.bytes() +
+                      whole_units_.bytes() + recorded_.bytes() + recorded_head_.bytes() + wb_whole_src_.bytes() +
+                      wb_whole_dst_.bytes() + wb_whole_total_.bytes();
     for (const auto& b : owned_) n += b.bytes();
     for (const Part& p : parts_) {
       n += p.lru_ids.bytes() + p.lru_slots.bytes() + p.slot_ids.bytes() + p.fill_tokens.bytes() + p.fill_slots.bytes() +
@@ -290,6 +418,7 @@ class CudaOffload final : public OffloadBackend {
   void add_stats(OffloadStats& st) const override {
     st.steps = steps_;
     st.warmup_fills = warmup_fills_;
+    st.swap_launches = swap_launches_;
   }
 
  private:
@@ -306,7 +435,66 @@ class CudaOffload final : public OffloadBackend {
   DeviceBuffer<std::int64_t> wb_total_;
   DeviceBuffer<std::int32_t> page_table_;
   const std::uint8_t* pool_dev_ = nullptr;
-  std::int64_t steps_ = 0, warmup_fills_ = 0;
+  std::int64_t steps_ = 0, warmup_fills_ = 0, swap_launches_ = 0;
+  // Residency (not kSparse): each pool row's whole rows ([rows][max_units], -1 after them, all -1
+  // when sparse), the recorded windows ([rows][layers][W][K]) and their heads ([rows][layers][2]:
+  // next, count), and the write-back's second list (into whole rows).
+  int max_units_ = 0;
+  DeviceBuffer<std::int32_t> whole_units_, recorded_, recorded_head_;
+  DeviceBuffer<std::uint64_t> wb_whole_src_, wb_whole_dst_;
+  DeviceBuffer<std::int64_t> wb_whole_total_;
+
+  bool capturing(Stream stream) const {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    ESS_CUDA_CHECK(cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &status), "offload: capture status");
+    return status != cudaStreamCaptureStatusNone;
+  }
+  // Every admitted request is whole (so no position of any step is sparse).
+  bool all_whole() const {
+    for (std::size_t r = 0; r < x_.request_of_row.size(); ++r) {
+      if (x_.request_of_row[r] >= 0 && x_.units_of_row[r].empty()) return false;
+    }
+    return true;
+  }
+  void upload_units(std::int32_t row) {
+    if (whole_units_.get() == nullptr) return;
+    std::vector<std::int32_t> units(static_cast<std::size_t>(max_units_), -1);
+    const auto& own = x_.units_of_row[static_cast<std::size_t>(row)];
+    std::copy(own.begin(), own.end(), units.begin());
+    ESS_CUDA_CHECK(cudaMemcpy(whole_units_.get() + static_cast<std::size_t>(row) * units.size(), units.data(), units.size() * 4,
+                              cudaMemcpyHostToDevice),
+                   "offload: the whole rows of row {}", row);
+    ESS_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy), "offload: the whole rows of row {}", row);
+  }
+  void clear_units(std::int32_t row) {
+    if (whole_units_.get() == nullptr) return;
+    ESS_CUDA_CHECK(cudaMemset(whole_units_.get() + static_cast<std::size_t>(row) * static_cast<std::size_t>(max_units_), 0xff,
+                              static_cast<std::size_t>(max_units_) * 4),
+                   "offload: the whole rows of row {}", row);
+  }
+  void clear_recorded(std::int32_t row) {
+    if (recorded_head_.get() == nullptr) return;
+    const std::size_t n = 2 * static_cast<std::size_t>(x_.config.layers);
+    ESS_CUDA_CHECK(cudaMemset(recorded_head_.get() + static_cast<std::size_t>(row) * n, 0, n * 4),
+                   "offload: the recorded windows of row {}", row);
+  }
+  // Copies host entries into the buffer: fill i's token of `layer` into buffer row fills[i].slot
+  // (slot_is_row) or slot fills[i].slot of pool row fills[i].row; waits for it.
+  void copy_from_host(RequestId id, int layer, const std::vector<MissEntry>& fills, bool slot_is_row) {
+    if (fills.empty()) return;
+    std::vector<std::uint64_t> offsets(2 * fills.size());
+    for (std::size_t i = 0; i < fills.size(); ++i) {
+      offsets[i] = x_.pool->offset(id, layer, fills[i].token);
+      const std::int64_t to = slot_is_row ? fills[i].slot : static_cast<std::int64_t>(fills[i].row) * rpr_ + fills[i].slot;
+      offsets[fills.size() + i] = x_.buffer.rows.offset(to);
+    }
+    DeviceBuffer<std::uint64_t> d(offsets.size());
+    ESS_CUDA_CHECK(cudaMemcpy(d.get(), offsets.data(), offsets.size() * 8, cudaMemcpyHostToDevice), "offload: fill list");
+    EntryCopy copy{pool_dev_, x_.buffer.layer_base[static_cast<std::size_t>(layer)], d.get(), d.get() + fills.size(),
+                   static_cast<std::int64_t>(fills.size()), static_cast<int>(x_.config.layout.bytes()), nullptr, kWholeGpu};
+    ESS_LAUNCH(flashtrans_cuda(copy, nullptr), "offload: fill of layer {}", layer);
+    ESS_CUDA_CHECK(cudaDeviceSynchronize(), "offload: fill of layer {}", layer);
+  }
 };
 
 std::unique_ptr<OffloadBackend> make_cuda_offload(OffloadState& state, bool owned) {

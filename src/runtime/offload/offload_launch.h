@@ -18,6 +18,18 @@ struct StepShape {
   const std::int32_t* rows = nullptr;     // [B], -1 = padded
   const std::int32_t* topk_ids = nullptr; // [B][T][K]
   const std::int32_t* lengths = nullptr;  // [B]
+  // Residency: whole_units[r x max_units ..] the pool rows of the whole request whose own row is r,
+  // r first, -1 after them (all -1: a sparse request); nullptr: every request sparse. A whole
+  // position's ids go to no LRU: each maps to its own row (units[id / slots] x rows_per_request +
+  // id % slots; a newest one to its reserved row).
+  const std::int32_t* whole_units = nullptr;
+  int max_units = 0;
+  // The query rows whole positions record for a demotion (their ids as the LRU would see them):
+  // recorded[((r x layers + layer) x windows + w) x K ..], a ring of `windows` per pool row r and
+  // layer, whose next place and fill are recorded_head[(r x layers + layer) x 2 ..].
+  std::int32_t* recorded = nullptr;
+  std::int32_t* recorded_head = nullptr;
+  int windows = 0, layers = 0, layer = 0;
 };
 
 // The ids the LRU sees: padding, invalid ids (outside [-1, length)), query tokens outside the
@@ -27,6 +39,17 @@ int launch_mask_ids(const StepShape& s, std::int32_t* lru_ids, Stream stream);
 // token) and its physical row (row x rows_per_request + slot); -1 where there is none.
 int launch_finalize_rows(const StepShape& s, const std::int32_t* lru_slots, std::int32_t* slot_ids, std::int32_t* physical,
                          Stream stream);
+// The DA halves of whole and padded positions (the split's halves of sparse ones stay): a whole
+// position's query row reads every row in place (its physical rows, compacted in order) and
+// fetches none; a padded one has none.
+struct WholeHalves {
+  const std::int32_t* physical = nullptr;  // [B][T][K]
+  std::int32_t* resident = nullptr;        // [B][T][K] out
+  std::int32_t* fetched = nullptr;
+  std::int32_t* resident_count = nullptr;  // [B][T] out
+  std::int32_t* fetched_count = nullptr;
+};
+int launch_whole_halves(const StepShape& s, const WholeHalves& h, Stream stream);
 
 // The write-back's FlashTrans list: for each real position, its T newest tokens from
 // source_rows (or the reserved rows) of the layer's buffer to their host pool entries
@@ -43,6 +66,13 @@ struct WriteBackList {
   std::uint64_t* src_offsets = nullptr;       // [B x T] out
   std::uint64_t* dst_offsets = nullptr;
   std::int64_t* total = nullptr;              // [1] out
+  // Whole requests (StepShape::whole_units, nullptr: none): their newest tokens also from the
+  // same rows to their own rows of the buffer, a second list.
+  const std::int32_t* whole_units = nullptr;
+  int max_units = 0;
+  std::uint64_t* whole_src = nullptr;          // [B x T] out
+  std::uint64_t* whole_dst = nullptr;
+  std::int64_t* whole_total = nullptr;         // [1] out
 };
 int launch_write_back_list(const WriteBackList& w, Stream stream);
 

@@ -10,7 +10,8 @@
 // - the pool rows: each taken by one request, whole requests taking ceil(length / slots);
 // - the policy: a demotion only when an admission or a growth finds no free row, promotions
 //   only with the headroom left, none of either under a steady load.
-// Included by the CPU backend's test (offload_host_test.cc).
+// Included by both backends' tests (offload_host_test.cc; offload_test.cc, on the emulated CUDA
+// target in CI).
 #pragma once
 
 #include <deque>
@@ -49,12 +50,13 @@ class ResidencyRun {
     c_.reserve_newest = true;
     c_.max_context = 400;
     c_.warmup_windows = kW;
+    c_.demotion_windows = kRecorded;
     c_.residency = residency;
     c_.backend = harness().backend;
     o_ = std::make_unique<Offload>(c_);
   }
 
-  static constexpr int kLayers = 2, kT = 2, kK = 8, kW = 4;
+  static constexpr int kLayers = 2, kT = 2, kK = 8, kW = 4, kRecorded = 3;
   static constexpr std::int32_t kSlots = 24;
 
   Offload& offload() { return *o_; }
@@ -197,7 +199,7 @@ class ResidencyRun {
   void remember(ResidencyModel& m, int layer, std::span<const std::int32_t> window) {
     auto& r = m.recorded[static_cast<std::size_t>(layer)];
     r.emplace_back(window.begin(), window.end());
-    if (std::ssize(r) > kW) r.pop_front();
+    if (std::ssize(r) > kRecorded) r.pop_front();
   }
 
   void check_step(int layer, const StepIn& in, const StepOut& got) {
@@ -253,13 +255,20 @@ class ResidencyRun {
         ASSERT_EQ(0, std::memcmp(buf.data() + o_->buffer().rows.offset(phys[i]), e.data(), E))
             << "token " << ids[i] << " row " << phys[i];
       }
-      for (int t = 0; t < kT; ++t) {  // the DA halves: a whole request fetches nothing
-        std::int32_t fetched = 0;
+      for (int t = 0; t < kT; ++t) {  // the DA halves: a whole request reads every row in place
+        std::vector<std::int32_t> res, fet;
         for (int k = 0; k < kK; ++k) {
           const std::int32_t p = phys[static_cast<std::size_t>(t) * kK + k];
-          fetched += p >= 0 && !m.whole && fetched_slots.contains(p - m.row * rpr) ? 1 : 0;
+          if (p < 0) continue;
+          (!m.whole && fetched_slots.contains(p - m.row * rpr) ? fet : res).push_back(p);
         }
-        ASSERT_EQ(got.fetched_count[bz * kT + t], fetched);
+        const std::size_t row0 = (bz * kT + t) * static_cast<std::size_t>(kK);
+        ASSERT_EQ(got.resident_count[bz * kT + t], static_cast<std::int32_t>(res.size()));
+        ASSERT_EQ(got.fetched_count[bz * kT + t], static_cast<std::int32_t>(fet.size()));
+        res.resize(static_cast<std::size_t>(kK), -1);
+        fet.resize(static_cast<std::size_t>(kK), -1);
+        ASSERT_TRUE(std::equal(res.begin(), res.end(), got.resident.begin() + static_cast<std::ptrdiff_t>(row0)));
+        ASSERT_TRUE(std::equal(fet.begin(), fet.end(), got.fetched.begin() + static_cast<std::ptrdiff_t>(row0)));
       }
     }
   }
@@ -272,7 +281,10 @@ class ResidencyRun {
 
 TEST(OffloadResidency, RandomLoadsStayLosslessAndFollowTheModel) {
   ESS_REQUIRE_BACKEND(harness().info);
-  for (const std::uint32_t seed : {1u, 2u, 3u, 4u}) {
+  // (Two seeds on the CUDA backend, which CI runs on the emulated target in three stream orders.)
+  const std::vector<std::uint32_t> seeds = harness().backend == Backend::kCpu ? std::vector<std::uint32_t>{1, 2, 3, 4}
+                                                                              : std::vector<std::uint32_t>{1, 2};
+  for (const std::uint32_t seed : seeds) {
     SCOPED_TRACE(fmt::format("seed {}", seed));
     ResidencyRun run(Residency::kAdaptive, 10, seed);
     std::mt19937& rng = run.rng();
@@ -310,11 +322,13 @@ TEST(OffloadResidency, AWholeBatchRunsNoSwapAndReadsInPlace) {
   for (int s = 0; s < 6; ++s) run.step();
   const OffloadStats st = run.offload().stats();
   EXPECT_EQ(st.swap_launches, 0);
-  EXPECT_EQ(st.misses, 0);
   EXPECT_EQ(st.whole_requests, 2);
-  EXPECT_EQ(st.sparse_steps, 0);
-  EXPECT_EQ(st.whole_steps, 6 * ResidencyRun::kLayers * 2);
   EXPECT_EQ(st.warmup_fills, 0);
+  if (harness().backend == Backend::kCpu) {  // the CUDA backend counts these on the device only
+    EXPECT_EQ(st.misses, 0);
+    EXPECT_EQ(st.sparse_steps, 0);
+    EXPECT_EQ(st.whole_steps, 6 * ResidencyRun::kLayers * 2);
+  }
 }
 
 TEST(OffloadResidency, WholeRefusesWhatDoesNotFitAndChangesNothing) {
@@ -330,23 +344,26 @@ TEST(OffloadResidency, WholeRefusesWhatDoesNotFitAndChangesNothing) {
   run.admit(3, 20);  // the last row
   ESS_EXPECT_ERROR(o.extend(3, 10), "extend of request 3 to 30 tokens: whole residency needs 1 more pool rows, 0 are free");
   EXPECT_EQ(o.length(3), 20);
-  // A whole position's ids are checked as a sparse one's: refused by name, nothing recorded or counted.
-  std::vector<std::int32_t> rows{o.row(1)}, lengths{100}, ids(static_cast<std::size_t>(ResidencyRun::kT) * ResidencyRun::kK, -1),
-      physical(ids.size());
-  LayerStep st;
-  st.batch = 1;
-  st.rows = rows.data();
-  st.topk = ids.data();
-  st.lengths = lengths.data();
-  st.physical = physical.data();
-  const std::int64_t whole_steps = o.stats().whole_steps;
-  ids[3] = 100;
-  ESS_EXPECT_ERROR(o.step(st), "position 0 (request 1) query token 0 selects token 100, outside [0, 100)");
-  ids[3] = 7;
-  ids[ResidencyRun::kK + 1] = 9;
-  ids[ResidencyRun::kK + 2] = 9;
-  ESS_EXPECT_ERROR(o.step(st), "position 0 query token 1 selects token 9 twice");
-  EXPECT_EQ(o.stats().whole_steps, whole_steps);
+  // A whole position's ids are checked as a sparse one's: refused by name, nothing recorded or counted
+  // (the CPU backend's; the CUDA backend, which cannot check without synchronizing, reads them as padding).
+  if (harness().backend == Backend::kCpu) {
+    std::vector<std::int32_t> rows{o.row(1)}, lengths{100}, ids(static_cast<std::size_t>(ResidencyRun::kT) * ResidencyRun::kK, -1),
+        physical(ids.size());
+    LayerStep st;
+    st.batch = 1;
+    st.rows = rows.data();
+    st.topk = ids.data();
+    st.lengths = lengths.data();
+    st.physical = physical.data();
+    const std::int64_t whole_steps = o.stats().whole_steps;
+    ids[3] = 100;
+    ESS_EXPECT_ERROR(o.step(st), "position 0 (request 1) query token 0 selects token 100, outside [0, 100)");
+    ids[3] = 7;
+    ids[ResidencyRun::kK + 1] = 9;
+    ids[ResidencyRun::kK + 2] = 9;
+    ESS_EXPECT_ERROR(o.step(st), "position 0 query token 1 selects token 9 twice");
+    EXPECT_EQ(o.stats().whole_steps, whole_steps);
+  }
   // A row another whole request borrows is not handed out by number.
   const std::int32_t borrowed = o.whole_units(1).back();
   o.release(3);

@@ -159,6 +159,13 @@ int launch_finalize_rows(const StepShape& s, const std::int32_t* lru_slots, std:
              [=](emu::Cta& p, std::uint8_t*) { offload::finalize_cta(s, lru_slots, slot_ids, physical, p); });
 }
 
+int launch_whole_halves(const StepShape& s, const WholeHalves& h, Stream stream) {
+  if (s.batch <= 0) return cudaSuccess;
+  if (const cudaError_t e = admit("offload_whole_halves", s.batch, offload::kThreads, 0, 0, stream); e != cudaSuccess) return e;
+  return run("offload_whole_halves", s.batch, offload::kThreads, 0, stream,
+             [=](emu::Cta& p, std::uint8_t*) { offload::whole_halves_cta(s, h, p); });
+}
+
 int launch_write_back_list(const WriteBackList& w, Stream stream) {
   if (w.batch <= 0) return cudaSuccess;
   if (const cudaError_t e = admit("offload_write_back_list", 1, offload::kListThreads, 0, 0, stream); e != cudaSuccess) return e;

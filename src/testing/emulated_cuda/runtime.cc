@@ -244,6 +244,14 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned
   return cudaSuccess;
 }
 
+cudaError_t cudaStreamIsCapturing(cudaStream_t stream, cudaStreamCaptureStatus* status) {
+  if (const cudaError_t f = dev().injected("cudaStreamIsCapturing"); f != cudaSuccess) return f;
+  if (const cudaError_t e = check_stream(stream, "cudaStreamIsCapturing"); e != cudaSuccess) return e;
+  if (status == nullptr) return bad("cudaStreamIsCapturing: null");
+  *status = cudaStreamCaptureStatusNone;
+  return cudaSuccess;
+}
+
 cudaError_t cudaEventCreate(cudaEvent_t* event) { return cudaEventCreateWithFlags(event, cudaEventDefault); }
 
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event, unsigned) {
