@@ -84,6 +84,9 @@ KERNEL_RUNS = [
     ("verify-cuda", "verify --backend cuda --format json"),
     ("verify-cuda-reserved", "verify --backend cuda --reserve-newest --mtp 3 --format json"),
     ("verify-cuda-groups", "verify --backend cuda --mtp 4 --topk 128 --slots 160 --format json"),
+    # Residency: every request whole (no swap, no copy), and adaptive (a demotion, then a promotion).
+    ("verify-cuda-whole", "verify --backend cuda --reserve-newest --residency whole --format json"),
+    ("verify-cuda-adaptive", "verify --backend cuda --reserve-newest --residency adaptive --requests 3 --format json"),
     # The paper's MTP-4 deployment: top-2048 over 20 % of a 32K context (about 20 s of host work).
     ("verify-cuda-mtp4-k2048", "verify --backend cuda --mtp 4 --topk 2048 --context 32768 --ratio 0.2 --requests 2 "
                                "--layers 2 --steps 3 --reserve-newest --format json"),
