@@ -110,6 +110,7 @@ class World:
         for req in self.coord.collect_ready_reqs():
             assert not req.hisparse_staging
             self.model.admit(req.kv.req_pool_idx)
+            self.model.follow(req.kv.req_pool_idx, *self.coord.engine.residency(req.kv.req_pool_idx))
             n = self.length[req.rid]
             keep = min(n, self.SLOTS)
             ids = list(range(n - keep, n))     # the first residency: the prompt's last `slots` tokens
@@ -177,6 +178,7 @@ class World:
             idx = self.reqs[rid].kv.req_pool_idx
             queries = [rows[b]] if self.T == 1 else rows[b]
             got_rows = [table[b].tolist()] if self.T == 1 else table[b].tolist()
+            self.model.follow(idx, *self.coord.engine.residency(idx))   # ESS_RESIDENCY: whole or sparse now
             expected, _, _ = self.model.step(idx, layer, self.length[rid] + batch.grow, queries)
             for t, (query, got, exp) in enumerate(zip(queries, got_rows, expected)):
                 want = [-1 if e < 0 else e + base for e in exp]
@@ -274,6 +276,7 @@ def replay(cls=adapter.HiSparseCoordinator, seed=0, steps=14, graph_pad=True, pa
     assert inner.available_size() == inner.size, \
         f"SGLang's device allocator has {inner.size - inner.available_size()} slots still in use after every request"
     assert w.rows_checked > 100
+    w.stats = w.coord.engine.stats()
     w.coord.destroy()
     return w
 
@@ -285,6 +288,23 @@ def test_replay_in_upstream_order(seed):
 
 def test_replay_without_graph_padding():
     replay(seed=5, graph_pad=False)
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_replay_with_adaptive_residency(seed, monkeypatch):
+    """ESS_RESIDENCY=adaptive: requests whole while ESS's rows are free (their ids read in place), demoted when an
+    admission needs a row (a request arriving mid-run, a retracted one prefilled again), promoted back as requests
+    finish; the page tables follow the model, every row read holds its token's bytes, the host pool is complete."""
+    monkeypatch.setenv("ESS_RESIDENCY", "adaptive")
+    st = replay(seed=seed).stats
+    assert st.whole_steps > 0 and st.sparse_steps > 0, st
+    assert st.demotions > 0 and st.promotions > 0, st
+
+
+def test_residency_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv("ESS_RESIDENCY", "full")
+    with pytest.raises(ess.InvalidArgument, match="ESS_RESIDENCY = 'full': one of sparse, whole, adaptive"):
+        World(0)
 
 
 def test_replay_with_page_size_one():

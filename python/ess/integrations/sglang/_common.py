@@ -2,6 +2,7 @@
 what SGLang hands in, its runtime settings, and the rows ESS takes from the HiSparse device pool."""
 from __future__ import annotations
 
+import os
 from typing import List, NamedTuple
 
 import torch
@@ -76,6 +77,18 @@ def _cuda_index(device) -> int:
 def _entry_rows(buf):
     """A layer's kv_buffer ([slots, 1, kv_cache_dim] of the pool's store dtype) as [slots, 656] bytes."""
     return buf.view(torch.uint8).view(-1, ENTRY_BYTES)
+
+
+RESIDENCIES = ("sparse", "whole", "adaptive")
+
+
+def residency_from_environment() -> str:
+    """ESS_RESIDENCY (sparse | whole | adaptive; default sparse): where ESS keeps each request's entries among its
+    rows of the HiSparse device pool (ess.Engine's residency: whole requests read every entry in place, no swap)."""
+    value = os.environ.get("ESS_RESIDENCY", "sparse").strip().lower()
+    if value not in RESIDENCIES:
+        raise InvalidArgument(f"ESS_RESIDENCY = {value!r}: one of {', '.join(RESIDENCIES)}")
+    return value
 
 
 def _pool_slots(rows, row_base: int, out, padding) -> None:

@@ -15,7 +15,7 @@ from ...engine import Engine
 from .. import _device
 from ._common import (ENTRY_BYTES, SGLANG_VERSION, HiSparseAct, SpecScratch, _claim_top_rows, _cuda_index,
                       _entry_rows, _int, _int_tensor, _ints, _keep, _pool_slots, _return_top_rows, _sglang_setting,
-                      _token_stats_type)
+                      _token_stats_type, residency_from_environment)
 from ..topk_recorder import TopkRecorder
 from .forward_batches import ForwardBatches
 from .host_pool import HostPool
@@ -92,6 +92,8 @@ class HiSparseCoordinator(Staging):
         host_bytes = self._check_settings(kvcache, max_reqs, max_context, host_to_device_ratio)
         # ESS_OVERLAP: the schedule of the DSA backend's decode (overlap.py).
         self.overlap = schedule_from_environment()
+        # ESS_RESIDENCY: whether requests stay whole while ESS's rows are free (Engine's residency).
+        self.residency = residency_from_environment()
         if self.overlap == "da":
             check_decode_backend(_sglang_setting("get_exec", "kernel.dsa_decode_backend"), "ESS_OVERLAP = da")
         rows_per_request = self.device_buffer_size + self.T
@@ -142,7 +144,7 @@ class HiSparseCoordinator(Staging):
         try:
             self.engine = Engine(max_requests=max_reqs, max_context=self.req_to_token_pool.max_context_len,
                                  slots=self.device_buffer_size, layers=self.layer_num, topk=self.top_k,
-                                 query_tokens=self.T, reserve_newest=True,
+                                 query_tokens=self.T, reserve_newest=True, residency=self.residency,
                                  backend="cuda" if self.dev.is_cuda else "cpu",
                                  device=_cuda_index(device) if self.dev.is_cuda else 0,
                                  host_bytes=host_bytes, latent=latent)
