@@ -257,18 +257,24 @@ def test_staging_leaves_sglang_what_upstream_leaves(n):
     assert seen[ESS] == seen[UPSTREAM]
 
 
-@pytest.mark.parametrize("micro_batches", [False, True])
-def test_decode_serves_the_full_caches_bytes_among_sglangs_pools(micro_batches):
+@pytest.mark.parametrize("micro_batches,residency", [(False, "sparse"), (True, "sparse"), (False, "adaptive"),
+                                                     (True, "adaptive")])
+def test_decode_serves_the_full_caches_bytes_among_sglangs_pools(micro_batches, residency, monkeypatch):
     """ESS's decode among SGLang's own pools and allocator: prepare_for_decode's alloc_decode (SGLang's paged
     allocator, its real last_loc rule), map_last_loc_to_buffer, the layer's KV write at out_cache_loc through
     the real full-to-device mapping, then swap_in_selected_pages: every byte at the returned locations is the
     full cache's, step after step, and the pools are whole again after finish. micro_batches: two-batch overlap
     (batch_overlap/two_batch_overlap.py), the first layer on the whole batch (a dense layer), the others once per
     half of the requests, A then B, each half's req_pool_indices and seq_lens its own, padded with row 0 to one
-    length (TboForwardBatchPreparer.filter_batch, ForwardBatch._pad_tbo_child_inputs)."""
+    length (TboForwardBatchPreparer.filter_batch, ForwardBatch._pad_tbo_child_inputs). residency: ESS_RESIDENCY,
+    adaptive keeping requests whole among ESS's rows while they are free."""
+    monkeypatch.setenv("ESS_RESIDENCY", residency)
     w, rng = World(ESS, seed=3), random.Random(5)
     s, c = w.s, w.s.coord
-    for rid, n in (("a", 300), ("b", 70), ("c", 150)):
+    # Adaptive: prompts that fit ESS's rows whole (one row of SLOTS tokens each, then c on two), a's growth past
+    # its row borrowing a free one; a, b and c sparse at once otherwise.
+    prompts = (("a", 60), ("b", 40), ("c", 100)) if residency == "adaptive" else (("a", 300), ("b", 70), ("c", 150))
+    for rid, n in prompts:
         w.prefill(rid, n)
     assert sorted(w.collect()) == ["a", "b", "c"]
     for step in range(6):
@@ -301,6 +307,9 @@ def test_decode_serves_the_full_caches_bytes_among_sglangs_pools(micro_batches):
         for layer in range(LAYERS):
             host = c.mem_pool_host.layer_view(layer)[slots].numpy()
             assert np.array_equal(host, w.full[rid][layer, :n - 1]), (rid, layer)
+    st = c.engine.stats()
+    if residency == "adaptive":  # some steps read whole requests in place, a's row count grew
+        assert st.whole_steps > 0 and len(c.engine.residency(w.reqs["a"].kv.req_pool_idx)[1]) == 2, st
     for rid in list(w.reqs):
         w.finish(rid)
     assert w.free_sizes() == w.free_at_start
