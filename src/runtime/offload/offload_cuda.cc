@@ -126,7 +126,7 @@ class CudaOffload final : public OffloadBackend {
 
   void load_whole(std::int32_t row, RequestId id, std::span<const std::int32_t> windows, int W) override {
     const OffloadConfig& c = x_.config;
-    upload_units(row);
+    upload_units(row);  // and every write-back in flight into the host pool, which it reads, is done
     const std::int64_t length = x_.pool->length(id);
     const auto& units = x_.units_of_row[static_cast<std::size_t>(row)];
     std::vector<MissEntry> fills;
@@ -456,8 +456,11 @@ class CudaOffload final : public OffloadBackend {
     }
     return true;
   }
+  // The row's whole rows into the device table, once no step in flight can read it (a promoted
+  // request's last sparse step may still run on the engine's stream).
   void upload_units(std::int32_t row) {
     if (whole_units_.get() == nullptr) return;
+    ESS_CUDA_CHECK(cudaDeviceSynchronize(), "offload: the whole rows of row {}", row);
     std::vector<std::int32_t> units(static_cast<std::size_t>(max_units_), -1);
     const auto& own = x_.units_of_row[static_cast<std::size_t>(row)];
     std::copy(own.begin(), own.end(), units.begin());
