@@ -26,6 +26,17 @@ Shape shape_of(const benchmark::State& state) {
           static_cast<int>(state.range(3))};
 }
 
+// Admits the shape's B requests of `context` tokens (one layer), their prompts' entries written as an engine
+// writes them (the pages are then resident, as in use) and loaded by warm-up (a whole request's into its rows).
+void admit_prompts(Offload& o, const Shape& s, std::vector<std::int32_t>& rows, std::vector<std::int32_t>& lengths) {
+  for (int b = 0; b < s.B; ++b) {
+    rows.push_back(o.admit(b, s.context));
+    lengths.push_back(static_cast<std::int32_t>(s.context));
+    for (std::int64_t t = 0; t < s.context; ++t) std::ranges::fill(o.host_entry(b, 0, t), static_cast<std::uint8_t>(b + t));
+    o.warmup(b, {}, 0);
+  }
+}
+
 void BM_OffloadStep(benchmark::State& state) {
   const Shape s = shape_of(state);
   const bool split = state.range(4) != 0, fetch = state.range(5) != 0;
@@ -38,12 +49,7 @@ void BM_OffloadStep(benchmark::State& state) {
   c.max_context = s.context;
   Offload o(c);
   std::vector<std::int32_t> rows, lengths;
-  for (int b = 0; b < s.B; ++b) {
-    rows.push_back(o.admit(b, s.context));
-    lengths.push_back(static_cast<std::int32_t>(s.context));
-    // The prompt's entries, as an engine writes them (the pages are then resident, as in use).
-    for (std::int64_t t = 0; t < s.context; ++t) std::ranges::fill(o.host_entry(b, 0, t), static_cast<std::uint8_t>(b + t));
-  }
+  admit_prompts(o, s, rows, lengths);
   const auto steps = make_steps(s, 96, 1);
   const std::size_t n = static_cast<std::size_t>(s.B) * s.T * s.K;
   std::vector<std::int32_t> physical(n), resident(n), fetched(n), counts(2 * static_cast<std::size_t>(s.B));
@@ -106,12 +112,7 @@ void BM_OffloadResidency(benchmark::State& state) {
   c.max_requests = whole ? s.B * c.whole_rows(s.context) : s.B;
   Offload o(c);
   std::vector<std::int32_t> rows, lengths;
-  for (int b = 0; b < s.B; ++b) {
-    rows.push_back(o.admit(b, s.context));
-    lengths.push_back(static_cast<std::int32_t>(s.context));
-    for (std::int64_t t = 0; t < s.context; ++t) std::ranges::fill(o.host_entry(b, 0, t), static_cast<std::uint8_t>(b + t));
-    o.warmup(b, {}, 0);  // a whole request's entries into its rows
-  }
+  admit_prompts(o, s, rows, lengths);
   const auto steps = make_steps(s, 96, 1);
   const std::size_t n = static_cast<std::size_t>(s.B) * s.T * s.K;
   std::vector<std::int32_t> physical(n), counts(2 * static_cast<std::size_t>(s.B));

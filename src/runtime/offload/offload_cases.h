@@ -68,6 +68,27 @@ inline std::vector<std::uint8_t> entry_of(RequestId id, int layer, std::int64_t 
   return e;
 }
 
+// Position bz's DA halves as the step returned them: each query row's rows that `fetched(row)` says
+// the step copied, and the others (resident), each compacted to the front in order, -1 after.
+template <class Fetched>
+void expect_halves(const ess::test::OffloadStepOut& got, std::size_t bz, int T, int K, std::span<const std::int32_t> phys,
+                   Fetched fetched) {
+  for (int t = 0; t < T; ++t) {
+    std::vector<std::int32_t> res, fet;
+    for (int k = 0; k < K; ++k) {
+      const std::int32_t p = phys[static_cast<std::size_t>(t) * K + k];
+      if (p >= 0) (fetched(p) ? fet : res).push_back(p);
+    }
+    const std::size_t row0 = (bz * T + t) * static_cast<std::size_t>(K);
+    ASSERT_EQ(got.resident_count[bz * T + t], static_cast<std::int32_t>(res.size())) << "query row " << t;
+    ASSERT_EQ(got.fetched_count[bz * T + t], static_cast<std::int32_t>(fet.size())) << "query row " << t;
+    res.resize(static_cast<std::size_t>(K), -1);
+    fet.resize(static_cast<std::size_t>(K), -1);
+    ASSERT_TRUE(std::equal(res.begin(), res.end(), got.resident.begin() + static_cast<std::ptrdiff_t>(row0)));
+    ASSERT_TRUE(std::equal(fet.begin(), fet.end(), got.fetched.begin() + static_cast<std::ptrdiff_t>(row0)));
+  }
+}
+
 // The model of one request: a naive LRU per layer over the LRU slots.
 struct ModelRequest {
   RequestId id = 0;
@@ -225,21 +246,8 @@ TEST_P(OffloadShapes, MatchesTheModelAndIsLossless) {
         // The DA split: each query row's resident rows, then its fetched ones, in order.
         std::set<std::int32_t> fetched_slots;
         for (const auto& f : fills) fetched_slots.insert(f.second);
-        for (int t = 0; t < T; ++t) {
-          std::vector<std::int32_t> res, fet;
-          for (int k = 0; k < K; ++k) {
-            const std::int32_t p = phys[static_cast<std::size_t>(t) * K + k];
-            if (p < 0) continue;
-            (fetched_slots.contains(p - m.row * rpr) ? fet : res).push_back(p);
-          }
-          const std::size_t row0 = (bz * T + t) * static_cast<std::size_t>(K);
-          ASSERT_EQ(got.resident_count[bz * T + t], static_cast<std::int32_t>(res.size()));
-          ASSERT_EQ(got.fetched_count[bz * T + t], static_cast<std::int32_t>(fet.size()));
-          res.resize(static_cast<std::size_t>(K), -1);
-          fet.resize(static_cast<std::size_t>(K), -1);
-          ASSERT_TRUE(std::equal(res.begin(), res.end(), got.resident.begin() + static_cast<std::ptrdiff_t>(row0)));
-          ASSERT_TRUE(std::equal(fet.begin(), fet.end(), got.fetched.begin() + static_cast<std::ptrdiff_t>(row0)));
-        }
+        expect_halves(got, bz, T, K, phys, [&](std::int32_t p) { return fetched_slots.contains(p - m.row * rpr); });
+        if (HasFatalFailure()) return;
       }
     }
   }

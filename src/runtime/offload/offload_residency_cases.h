@@ -255,21 +255,8 @@ class ResidencyRun {
         ASSERT_EQ(0, std::memcmp(buf.data() + o_->buffer().rows.offset(phys[i]), e.data(), E))
             << "token " << ids[i] << " row " << phys[i];
       }
-      for (int t = 0; t < kT; ++t) {  // the DA halves: a whole request reads every row in place
-        std::vector<std::int32_t> res, fet;
-        for (int k = 0; k < kK; ++k) {
-          const std::int32_t p = phys[static_cast<std::size_t>(t) * kK + k];
-          if (p < 0) continue;
-          (!m.whole && fetched_slots.contains(p - m.row * rpr) ? fet : res).push_back(p);
-        }
-        const std::size_t row0 = (bz * kT + t) * static_cast<std::size_t>(kK);
-        ASSERT_EQ(got.resident_count[bz * kT + t], static_cast<std::int32_t>(res.size()));
-        ASSERT_EQ(got.fetched_count[bz * kT + t], static_cast<std::int32_t>(fet.size()));
-        res.resize(static_cast<std::size_t>(kK), -1);
-        fet.resize(static_cast<std::size_t>(kK), -1);
-        ASSERT_TRUE(std::equal(res.begin(), res.end(), got.resident.begin() + static_cast<std::ptrdiff_t>(row0)));
-        ASSERT_TRUE(std::equal(fet.begin(), fet.end(), got.fetched.begin() + static_cast<std::ptrdiff_t>(row0)));
-      }
+      // The DA halves: a whole request reads every row in place.
+      expect_halves(got, bz, kT, kK, phys, [&](std::int32_t p) { return !m.whole && fetched_slots.contains(p - m.row * rpr); });
     }
   }
 
