@@ -581,6 +581,6 @@ def test_micro_batches_reading_the_whole_batchs_rows_fail(monkeypatch):
     from ess.integrations.sglang.forward_batches import ForwardBatches
     slot, same = ForwardBatches.slot, torch.zeros(1)
     monkeypatch.setattr(ForwardBatches, "slot", lambda self, layer, req_pool_indices: slot(self, layer, same))
-    test_decode_serves_the_full_caches_bytes_among_sglangs_pools(False)
+    test_decode_serves_the_full_caches_bytes_among_sglangs_pools(False, "sparse", monkeypatch)
     with pytest.raises(AssertionError):
-        test_decode_serves_the_full_caches_bytes_among_sglangs_pools(True)
+        test_decode_serves_the_full_caches_bytes_among_sglangs_pools(True, "sparse", monkeypatch)
