@@ -173,6 +173,9 @@ TEST(sim_inputs, WorkloadJson) {
   EXPECT_NE(bad(R"({"batch": -4})").find("batch"), std::string::npos);
   EXPECT_NE(bad(R"({"overlap": "fast"})").find("overlap"), std::string::npos);
   EXPECT_NE(bad(R"({"misses": {"mean": 3}})").find("unknown field 'mean'"), std::string::npos);
+  EXPECT_EQ(Workload::from_json(nlohmann::json::parse(R"({"residency": "adaptive"})"), "w.json").residency,
+            Residency::kAdaptive);
+  EXPECT_NE(bad(R"({"residency": "whole"})").find("residency 'whole' is not sparse or adaptive"), std::string::npos);
   EXPECT_THROW(Workload::from_file("/nonexistent/w.json"), Error);
 }
 

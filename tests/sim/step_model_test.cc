@@ -116,6 +116,53 @@ TEST(sim_step, BaselineMovesNoBytes) {
   EXPECT_THROW(sm.run(w), Error);  // one more request hits the memory wall
 }
 
+// Residency adaptive at a fixed pool (ratio 0.2): while the cache memory holds every request whole
+// the step is the all-on-GPU one up to the write-back's own stream (no misses, no swap, no H2D);
+// past that the whole requests are fewer as the batch grows, and the misses the sparse ones' share.
+TEST(sim_step, AdaptiveResidencyCostsNothingWhileEverythingFits) {
+  const StepModel sm(dsv32(), paper_hw(), paper_dep());
+  for (const int batch : {1, 2, 8}) {
+    Workload w = at(batch, OverlapMode::kLayerWise);
+    w.ratio = 0.2;
+    w.residency = Residency::kAdaptive;
+    const StepResult whole = sm.run(w);
+    EXPECT_EQ(whole.whole_requests, batch);
+    EXPECT_EQ(whole.misses_per_request_layer, 0);
+    EXPECT_EQ(whole.h2d_bytes, 0);
+    Workload base = at(batch, OverlapMode::kLayerWise);
+    base.offload = false;
+    const StepResult resident = sm.run(base);
+    EXPECT_NEAR(whole.step_us, resident.step_us, 0.005 * resident.step_us) << "batch " << batch;
+    w.residency = Residency::kSparse;
+    EXPECT_GT(sm.run(w).step_us, whole.step_us) << "batch " << batch;
+  }
+  Workload w = at(0, OverlapMode::kLayerWise);
+  w.ratio = 0.2;
+  w.residency = Residency::kAdaptive;
+  const StepResult most = sm.run(w);  // the largest batch: no room for a whole request
+  EXPECT_EQ(most.whole_requests, 0);
+  // Every request whole up to some batch; past it, fewer whole ones the larger the batch, more misses.
+  int last = -1;
+  double last_misses = -1;
+  for (int batch = 8; batch <= most.batch; batch += 8) {
+    w.batch = batch;
+    const StepResult r = sm.run(w);
+    if (r.whole_requests == batch) {
+      EXPECT_EQ(last_misses, -1) << "batch " << batch << ": every request whole after a batch that was not";
+      continue;
+    }
+    if (last >= 0) {
+      EXPECT_LE(r.whole_requests, last) << "batch " << batch;
+      EXPECT_GT(r.misses_per_request_layer, last_misses) << "batch " << batch;
+    }
+    last = r.whole_requests;
+    last_misses = r.misses_per_request_layer;
+  }
+  EXPECT_GE(last, 0) << "no batch was past the room for every request";
+  w.residency = Residency::kWhole;
+  EXPECT_THROW(sm.run(w), Error);
+}
+
 TEST(sim_step, MoreMissesNeverMakeAStepFaster) {
   const StepModel sm(dsv32(), paper_hw(), paper_dep());
   double prev = 0;

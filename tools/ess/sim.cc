@@ -27,6 +27,7 @@ struct SimArgs {
   double ratio = 0;
   std::int32_t slots = 0;
   std::string overlap = "layerwise";
+  std::string residency = "sparse";
   double threshold = -1;
   std::string timeline;
   std::string workload;
@@ -57,6 +58,12 @@ void add_sim(CLI::App& app, int& exit_code) {
   cmd->add_option("--overlap", args->overlap, "Overlap mode: none, da, dba, layerwise")
       ->capture_default_str()
       ->check(CLI::IsMember({"none", "da", "dba", "layerwise"}));
+  cmd->add_option("--residency", args->residency,
+                  "sparse: every request in a Sparse Memory Pool; adaptive: as many requests whole (no misses, no "
+                  "swap) as the cache memory holds beside the others' pools, with --ratio / --slots fixed (the "
+                  "engine's pool); the table's `whole` column counts them")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"sparse", "adaptive"}));
   cmd->add_option("--miss-threshold", args->threshold,
                   "Layer-wise: DBA for layers with at least this many misses per micro-batch (default: the "
                   "faster of DA and DBA per layer)");
@@ -104,6 +111,7 @@ void add_sim(CLI::App& app, int& exit_code) {
     if (given("--ratio") && a.ratio > 0) base.slots = 0;
     if (given("--slots") && a.slots > 0) base.ratio = 0;
     if (given("--overlap")) base.overlap = parse_overlap_mode(a.overlap);
+    if (given("--residency")) base.residency = sim::parse_residency(a.residency);
     if (given("--miss-threshold")) base.layerwise_threshold = a.threshold;
     ESS_CHECK(cmd->count("--miss-threshold") == 0 || base.overlap == OverlapMode::kLayerWise,
               "--miss-threshold applies to the layer-wise overlap only (--overlap {})", to_string(base.overlap));

@@ -52,21 +52,12 @@
 #include "ess/model/model_spec.h"
 #include "ess/ops/flashtrans.h"
 #include "ess/ops/row_layout.h"
+#include "ess/runtime/residency.h"
 
 namespace ess {
 
 enum class Backend { kCpu, kCuda };
 
-// Where a request's entries live on the device (docs/architecture.md, "Residency").
-//   kSparse: every request in a Sparse Memory Pool of `slots` rows per layer, misses fetched each step.
-//   kWhole: every request whole: its entire latent cache in buffer rows, read in place, no swap and
-//     no copy; it takes ceil(length / slots) pool rows (its own and others it borrows), and an
-//     admission or growth that does not fit is refused.
-//   kAdaptive: whole while pool rows are free; when an admission (or a whole request's growth)
-//     finds none, whole requests are demoted to a Sparse Memory Pool, and promoted back when a
-//     release frees enough rows.
-enum class Residency { kSparse, kWhole, kAdaptive };
-std::string_view to_string(Residency r);
 
 // The device latent buffer of every layer: FlashMLA's KV cache viewed as buffer rows of
 // layout.bytes() bytes, one base per layer, placed by `rows` (RowLayout). Empty layer_base: ESS

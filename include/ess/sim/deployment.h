@@ -9,6 +9,7 @@
 #include <string_view>
 #include <vector>
 
+#include "ess/runtime/residency.h"
 #include "ess/sim/overlap.h"
 
 namespace ess::sim {
@@ -103,6 +104,9 @@ struct MissModel {
   void validate(const std::string& source) const;
 };
 
+// "sparse" or "adaptive" (Workload::residency); throws naming any other.
+Residency parse_residency(std::string_view name);
+
 struct Workload {
   std::int64_t context = 32768;
   int batch = 0;          // requests per GPU; 0 = the largest that fits
@@ -114,10 +118,14 @@ struct Workload {
   // The fraction of the context every request of a GPU shares (a common prompt prefix): the
   // host pool holds its pages once (docs/architecture.md, "Shared prefixes").
   double prefix_share = 0;
+  // kAdaptive: as many requests whole as the GPU's cache memory holds beside the others' pools
+  // (Offload's residency: a whole request takes ceil(context / slots) pool rows, no misses, no
+  // swap); the rest sparse. kSparse: every request sparse. (kWhole is the all-on-GPU baseline.)
+  Residency residency = Residency::kSparse;
   MissModel misses;
   void validate() const;
   // {"context", "batch" (number or "max"), "ratio", "slots", "offload", "overlap",
-  //  "layerwise_threshold", "prefix_share", "misses": {"reference_misses", "reference_slots",
+  //  "layerwise_threshold", "prefix_share", "residency" ("sparse" | "adaptive"), "misses": {"reference_misses", "reference_slots",
   //  "reference_context", "reference_tokens", "exponent", "profile" (a miss-profile file)}};
   // every field optional, unknown fields refused.
   static Workload from_json(const nlohmann::json& j, const std::string& source);

@@ -51,7 +51,9 @@ struct StepResult {
   double comm_latency_us = 0;
   double step_overhead_us = 0;
   double transfer_sm_us = 0;        // compute time lost to the SMs FlashTrans copies hold
-  double misses_per_request_layer = 0;   // mean
+  double misses_per_request_layer = 0;   // mean over every request (whole ones have none)
+  // Workload::residency kAdaptive: the requests whole (their entries in pool rows of their own).
+  int whole_requests = 0;
   // Layers whose miss model gave more than T x K (every selected entry missing): those are
   // taken as T x K, here as in the step time.
   int miss_capped_layers = 0;

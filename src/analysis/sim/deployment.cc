@@ -311,7 +311,17 @@ void Workload::validate() const {
             "layer)", layerwise_threshold);
   ESS_CHECK(std::isfinite(prefix_share) && prefix_share >= 0 && prefix_share <= 1,
             "workload: prefix share = {} must be in [0, 1]", prefix_share);
+  ESS_CHECK(residency == Residency::kSparse || residency == Residency::kAdaptive,
+            "workload: residency {} is not modelled (sparse or adaptive; every request whole is the all-on-GPU "
+            "baseline)", to_string(residency));
   misses.validate("workload miss model");
+}
+
+Residency parse_residency(std::string_view name) {
+  if (name == "sparse") return Residency::kSparse;
+  if (name == "adaptive") return Residency::kAdaptive;
+  ESS_CHECK(false, "residency '{}' is not sparse or adaptive", name);
+  return Residency::kSparse;
 }
 
 }  // namespace ess::sim
@@ -321,7 +331,7 @@ namespace ess::sim {
 Workload Workload::from_json(const json& j, const std::string& source) {
   ESS_CHECK(j.is_object(), "{}: a workload must be a JSON object", source);
   static constexpr const char* kKnown[] = {"context", "batch", "ratio", "slots", "offload", "overlap",
-                                           "layerwise_threshold", "prefix_share", "misses", "description"};
+                                           "layerwise_threshold", "prefix_share", "residency", "misses", "description"};
   for (const auto& [k, v] : j.items()) {
     (void)v;
     bool known = false;
@@ -352,6 +362,9 @@ Workload Workload::from_json(const json& j, const std::string& source) {
   if (!overlap.empty()) w.overlap = parse_overlap_mode(overlap);
   w.layerwise_threshold = json_number_or(j, "layerwise_threshold", source, w.layerwise_threshold);
   w.prefix_share = json_number_or(j, "prefix_share", source, w.prefix_share);
+  if (const std::string residency = json_string(j, "residency", source, false); !residency.empty()) {
+    w.residency = parse_residency(residency);
+  }
   if (auto it = j.find("misses"); it != j.end() && !it->is_null()) {
     ESS_CHECK(it->is_object(), "{}: field 'misses' must be an object", source);
     const std::string where = source + " misses";

@@ -20,8 +20,10 @@ namespace ess::sim {
 // send + shared expert | dispatch receive + routed experts + combine send | combine receive.
 class LayerBuilder {
  public:
-  LayerBuilder(const ModelSpec& m, const Deployment& d, std::int64_t context, bool offload, double slots)
-      : m_(m), d_(d), ctx_(static_cast<double>(context)), slots_(slots), offload_(offload) {
+  // sparse_share: the share of the requests that are sparse (the rest whole: no swap decision).
+  LayerBuilder(const ModelSpec& m, const Deployment& d, std::int64_t context, bool offload, double slots,
+               double sparse_share = 1.0)
+      : m_(m), d_(d), ctx_(static_cast<double>(context)), slots_(slots), sparse_share_(sparse_share), offload_(offload) {
     topk_ = std::min(static_cast<double>(m.index_topk), ctx_);
     ctx64_ = context;
     random_rows_ = d.rig_layers == 0;  // the rig routes tokens evenly; a deployment at random
@@ -233,12 +235,12 @@ class LayerBuilder {
     double t = s.issue(Stream::kCompute, q, e0);
     t = s.issue(Stream::kCompute, logits, t);
     t = s.issue(Stream::kCompute, topk, t);
-    if (offload_) {
+    if (offload_ && sparse_share_ > 0) {
       // The swap engine's LRU decision and the FlashTrans list for this batch (GPU swap
-      // engine + split kernel). Analytically its memory traffic only (ids in and out, 12 bytes
-      // of state per slot), with no per-kernel overhead (kernels = 0); a measured table
-      // (`ess bench profile`) gives its real time.
-      const Op swap{op::kSwap, OpKind::kMemory, 0, nn * topk_ * 4.0 * 4 + bb * slots_ * 12.0, nn, 0, 0, 0, 0};
+      // engine + split kernel), over its sparse requests. Analytically its memory traffic only
+      // (ids in and out, 12 bytes of state per slot), with no per-kernel overhead (kernels = 0);
+      // a measured table (`ess bench profile`) gives its real time.
+      const Op swap{op::kSwap, OpKind::kMemory, 0, (nn * topk_ * 4.0 * 4 + bb * slots_ * 12.0) * sparse_share_, nn, 0, 0, 0, 0};
       t = s.issue(Stream::kCompute, swap, t);
       if (mb.split_calls > 0) {
         // Each further query group: the decision again and one more attention launch.
@@ -254,6 +256,7 @@ class LayerBuilder {
   const Deployment& d_;
   double ctx_;
   double slots_;
+  double sparse_share_ = 1.0;
   double topk_;
   std::int64_t ctx64_ = 0;
   bool offload_;

@@ -55,6 +55,7 @@ nlohmann::json row_json(const StepResult& r) {
             {"step_overhead", ms(r.step_overhead_us)},
             {"transfer_sm_share", ms(r.transfer_sm_us)}}},
           {"misses_per_request_layer", r.misses_per_request_layer},
+          {"whole_requests", r.whole_requests},
           {"miss_capped_layers", r.miss_capped_layers},
           {"split_calls_per_layer", r.split_calls_per_layer},
           {"h2d_mb_per_step", r.h2d_bytes / 1e6},
@@ -230,6 +231,7 @@ nlohmann::json to_json(const Simulation& s) {
   j["gpu"] = s.hardware.gpu;
   j["deployment"] = s.deployment.to_json();
   j["context"] = s.base.context;
+  j["residency"] = std::string(to_string(s.base.residency));
   j["cache_budget_gb"] = s.cache_budget_gb;
   j["weights_gb"] = s.weights_gb;
   j["pool_floor"] = {{"slots", s.pool_floor}, {"rule", s.pool_floor_rule}};
@@ -314,10 +316,13 @@ std::string to_table(const Simulation& s) {
   // The step's columns add up: step = compute + x-comm + x-h2d + host (+ idle, shown when a row has any).
   const bool any_idle = std::any_of(s.rows.begin(), s.rows.end(),
                                     [](const SimulationRow& r) { return r.refused.empty() && other_idle_us(r.ess) > 0; });
+  const bool any_whole = s.base.residency == Residency::kAdaptive;
   add("{:>5} {:>6} {:>6} {:>8} {:>8} {:>7} {:>7} {:>7}", "batch", "ratio", "slots", "step ms", "compute", "x-comm",
       "x-h2d", "host");
   if (any_idle) add(" {:>7}", "idle");
-  add(" {:>7} {:>11} {:>7} {:>7} {:>11}", "misses", "tok/s/node", "OTPS", "gain", "all-on-GPU");
+  add(" {:>7}", "misses");
+  if (any_whole) add(" {:>5}", "whole");
+  add(" {:>11} {:>7} {:>7} {:>11}", "tok/s/node", "OTPS", "gain", "all-on-GPU");
   if (any_paper) add(" | {:>5} {:>10} {:>7} {:>6}", "paper", "tok/s", "err", "OTPS");
   add("\n");
   for (const SimulationRow& r : s.rows) {
@@ -329,8 +334,10 @@ std::string to_table(const Simulation& s) {
     add("{:>5} {:>6.3f} {:>6} {:>8.2f} {:>8.2f} {:>7.2f} {:>7.2f} {:>7.2f}", e.batch, e.ratio, e.slots, ms(e.step_us),
         ms(e.compute_us), ms(e.exposed_comm_us), ms(e.exposed_transfer_us), ms(e.step_overhead_us));
     if (any_idle) add(" {:>7.2f}", ms(other_idle_us(e)));
-    add(" {:>7.1f} {:>11.0f} {:>7.2f} {:>6.1f}% {:>11}", e.misses_per_request_layer, e.throughput_tokens_per_s, e.otps,
-        100 * s.gain(e), r.baseline_fits ? fmt::format("{:.0f}", r.baseline.throughput_tokens_per_s) : "OOM");
+    add(" {:>7.1f}", e.misses_per_request_layer);
+    if (any_whole) add(" {:>5}", e.whole_requests);
+    add(" {:>11.0f} {:>7.2f} {:>6.1f}% {:>11}", e.throughput_tokens_per_s, e.otps, 100 * s.gain(e),
+        r.baseline_fits ? fmt::format("{:.0f}", r.baseline.throughput_tokens_per_s) : "OOM");
     if (r.paper != nullptr) {
       add(" | {:>5.2f} {:>10.0f} {:>+6.1f}% {:>6.2f}", r.paper->ratio, r.paper->throughput_tokens_per_s,
           100 * (e.throughput_tokens_per_s / r.paper->throughput_tokens_per_s - 1), r.paper->otps);
@@ -360,11 +367,12 @@ std::string to_table(const Simulation& s) {
   add("\nratio: Sparse Memory Ratio that fits the batch; x-comm / x-h2d: compute stream idle waiting for the "
       "all-to-all / the misses' copy; host: the host's time between steps (scheduling, sampling bookkeeping), the "
       "step = compute + x-comm + x-h2d + host{}; misses: mean per request-layer-step (--miss-profile, else the "
-      "parametric model); gain: throughput vs the all-on-GPU baseline at its largest batch; all-on-GPU: its "
+      "parametric model){}; gain: throughput vs the all-on-GPU baseline at its largest batch; all-on-GPU: its "
       "throughput at the same batch (OOM: does not fit).\n",
       any_idle ? " + idle (compute stream idle for another reason: the other micro-batch, a D2H copy, or the step "
                  "ending on another stream)"
-               : "");
+               : "",
+      any_whole ? "; whole: requests whole on the GPU (--residency adaptive: no misses, no swap)" : "");
   return out;
 }
 

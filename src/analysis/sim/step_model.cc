@@ -13,6 +13,17 @@
 namespace ess::sim {
 namespace {
 
+// Residency kAdaptive: the requests whole at this batch. The cache memory left beside the batch's
+// indexer caches holds P pool rows of `slots` entries per layer; a whole request takes
+// ceil(context / slots) of them, a sparse one one, so w are whole where w (u - 1) + batch <= P.
+int whole_requests(const MemoryModel& mem, int batch, std::int32_t slots, std::int64_t context) {
+  if (slots >= context) return batch;
+  const double tokens = (mem.cache_budget() - batch * mem.indexer_bytes_per_request()) / mem.latent_bytes_per_request(1);
+  const double rows = std::floor(tokens / slots);
+  const double per_whole = std::ceil(double(context) / slots);
+  return static_cast<int>(std::clamp(std::floor((rows - batch) / (per_whole - 1)), 0.0, double(batch)));
+}
+
 // The batch and the pool: the batch given or the largest that fits, the slots given, from the
 // ratio or the most that fit the batch; the cache and host pool they take. The rig holds an
 // explicit batch and pool and no memory model (it holds rig_layers layers).
@@ -73,6 +84,7 @@ StepResult size_step(const ModelSpec& model, const Deployment& dep, const Worklo
   r.cache_gb = batch * (mem.indexer_bytes_per_request() + mem.latent_bytes_per_request(slots)) / 1e9;
   r.host_pool_gb_per_node = wl.offload ? mem.host_pool_bytes_per_node(batch, wl.prefix_share) / 1e9 : 0.0;
   r.host_pool_gb_per_node_unshared = wl.offload ? mem.host_pool_bytes_per_node(batch) / 1e9 : 0.0;
+  if (wl.offload && wl.residency == Residency::kAdaptive && !rig) r.whole_requests = whole_requests(mem, batch, slots, wl.context);
   return r;
 }
 
@@ -88,9 +100,10 @@ class StepRun {
         wl_(wl),
         r_(std::move(sized)),
         T_(dep.mtp_tokens),
-        offload_(wl.offload && r_.slots < wl.context),
+        offload_(wl.offload && r_.slots < wl.context && r_.whole_requests < r_.batch),
         rig_(dep.rig_layers > 0),
-        lb_(model, dep, wl.context, wl.offload, double(r_.slots)),
+        lb_(model, dep, wl.context, wl.offload, double(r_.slots),
+            r_.batch > 0 ? double(r_.batch - r_.whole_requests) / r_.batch : 1.0),
         s_(cost, r_, timeline),
         topk_eff_(static_cast<double>(std::min<std::int64_t>(model.index_topk, wl.context))),
         n_layers_(rig_ ? dep.rig_layers : model.num_hidden_layers),
@@ -135,12 +148,16 @@ class StepRun {
     return cap;
   }
 
+  // The share of the batch's requests that are sparse (Workload::residency).
+  double sparse_share() const { return r_.batch > 0 ? double(r_.batch - r_.whole_requests) / r_.batch : 1.0; }
+
   // Each layer's misses per request (capped) and their mean.
   void plan_misses() {
     layer_misses_.assign(static_cast<std::size_t>(n_layers_), 0.0);
     double miss_sum = 0;
     for (int layer = 0; layer < n_layers_; ++layer) {
-      const double m = offload_ ? capped(wl_.misses.misses(layer, r_.slots, double(wl_.context), T_), T_) : 0.0;
+      // Whole requests miss nothing: the mean over the batch is the sparse ones' share.
+      const double m = offload_ ? capped(wl_.misses.misses(layer, r_.slots, double(wl_.context), T_), T_) * sparse_share() : 0.0;
       layer_misses_[static_cast<std::size_t>(layer)] = m;
       miss_sum += m;
     }
@@ -285,9 +302,9 @@ class StepRun {
     for (int pass = 0; pass < T_ - 1; ++pass) {
       const int tokens = pass == 0 ? T_ : 1;
       double m = 0;
-      if (offload_ && pass == 0) m = capped(wl_.misses.misses(layer, r_.slots, double(wl_.context), tokens), tokens);
+      if (offload_ && pass == 0) m = capped(wl_.misses.misses(layer, r_.slots, double(wl_.context), tokens), tokens) * sparse_share();
       if (offload_ && pass > 0) {
-        if (decode_misses < 0) decode_misses = capped(wl_.misses.misses(layer, r_.slots, double(wl_.context), 1), 1);
+        if (decode_misses < 0) decode_misses = capped(wl_.misses.misses(layer, r_.slots, double(wl_.context), 1), 1) * sparse_share();
         m = decode_misses;
       }
       s_.set_label(layer, pass == 0 ? 'X' : 'D');
