@@ -69,7 +69,7 @@ ESS_DEVICE_INLINE void finalize_cta(const StepShape& s, const std::int32_t* lru_
         phys = row * s.rows_per_request + slot;
       } else if (units != nullptr) {  // a whole request's own row; no slot (the split lists nothing for it)
         phys = units[id / s.slots] * s.rows_per_request + id % s.slots;
-      } else {
+      } else if (!s.whole_only) {
         slot = lru_slots[b * Pn + i];
         phys = slot >= 0 ? row * s.rows_per_request + slot : -1;
       }
@@ -103,7 +103,7 @@ ESS_DEVICE_INLINE void whole_halves_cta(const StepShape& s, const WholeHalves& h
   const int b = static_cast<int>(p.block());
   const std::int32_t row = s.rows[b];
   const bool whole = whole_units(s, row) != nullptr;
-  if (row >= 0 && !whole) return;  // the split's
+  if (row >= 0 && !whole && !s.whole_only) return;  // the split's (without a split: none, as padding)
   const int K = s.topk;
   for (int t = 0; t < s.query_tokens; ++t) {
     const std::int64_t at = (static_cast<std::int64_t>(b) * s.query_tokens + t) * K;

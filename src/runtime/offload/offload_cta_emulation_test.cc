@@ -224,6 +224,29 @@ TEST(OffloadKernels, WholePositionsReadTheirOwnRowsAndRecordTheirQueryRows) {
     }
   }
 
+  // Without a swap decision (whole_only), a position naming a request that is not whole gets no
+  // rows but its newest tokens' reserved rows, and halves as padding; whole ones are unchanged.
+  const std::vector<std::int32_t> with_lru(physical.data(), physical.data() + x.ids.size());
+  s.whole_only = true;
+  emu::launch("offload_finalize", static_cast<unsigned>(B), cuda::offload::kThreads, 0, 4,
+              [&](emu::Cta& c, std::uint8_t*) { cuda::offload::finalize_cta(s, lru.data(), slot_ids.data(), physical.data(), c); });
+  emu::launch("offload_whole_halves", static_cast<unsigned>(B), cuda::offload::kThreads, 0, 5,
+              [&](emu::Cta& c, std::uint8_t*) { cuda::offload::whole_halves_cta(s, h, c); });
+  for (int b = 0; b < B; ++b) {
+    const std::int32_t row = x.rows[static_cast<std::size_t>(b)], len = x.lengths[static_cast<std::size_t>(b)];
+    for (int i = 0; i < T * K; ++i) {
+      const std::size_t at = static_cast<std::size_t>(b) * static_cast<std::size_t>(T * K) + static_cast<std::size_t>(i);
+      const bool other = row >= 0 && !whole[static_cast<std::size_t>(b)] && newest(x, x.ids[at], len) < 0;
+      ASSERT_EQ(physical[at], other ? -1 : with_lru[at]) << "b " << b << " i " << i;
+    }
+    if (row >= 0 && !whole[static_cast<std::size_t>(b)]) {
+      for (int t = 0; t < T; ++t) {
+        ASSERT_EQ(resident_count[static_cast<std::size_t>(b) * T + t], 0) << "b " << b;
+        ASSERT_EQ(resident[static_cast<std::size_t>(b) * T * K + static_cast<std::size_t>(t) * K], -1) << "b " << b;
+      }
+    }
+  }
+
   // The write-back list: a whole position's newest tokens also into its own rows.
   std::vector<std::int32_t> table(static_cast<std::size_t>(B) * 40 * layers);
   for (std::size_t i = 0; i < table.size(); ++i) table[i] = static_cast<std::int32_t>(i * 7 % 1000);

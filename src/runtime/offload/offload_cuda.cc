@@ -262,6 +262,7 @@ class CudaOffload final : public OffloadBackend {
     const bool any_whole = whole_units_.get() != nullptr;  // the device tells which positions are
     std::int32_t* counts = s.counts != nullptr ? s.counts : p.counts.get();
     if (whole_path) {
+      shape.whole_only = true;
       ESS_CUDA_CHECK(cudaMemsetAsync(counts, 0, static_cast<std::size_t>(s.batch) * 2 * 4, static_cast<cudaStream_t>(stream)),
                      "offload: the counts of layer {}", s.layer);
       ESS_LAUNCH(launch_finalize_rows(shape, p.lru_slots.get(), p.slot_ids.get(), s.physical, stream),

@@ -24,6 +24,9 @@ struct StepShape {
   // id % slots; a newest one to its reserved row).
   const std::int32_t* whole_units = nullptr;
   int max_units = 0;
+  // A step without a swap decision (every admitted request whole): a position that is not whole
+  // names no request, and finalize gives it no rows (the LRU's slots were not computed).
+  bool whole_only = false;
   // The query rows whole positions record for a demotion (their ids as the LRU would see them):
   // recorded[((r x layers + layer) x windows + w) x K ..], a ring of `windows` per pool row r and
   // layer, whose next place and fill are recorded_head[(r x layers + layer) x 2 ..].
