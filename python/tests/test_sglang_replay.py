@@ -301,6 +301,39 @@ def test_replay_with_adaptive_residency(seed, monkeypatch):
     assert st.demotions > 0 and st.promotions > 0, st
 
 
+def test_adaptive_residency_demotes_a_stepping_whole_request(monkeypatch):
+    """A whole request that has decoded (its query rows recorded) is demoted when later admissions need its rows;
+    the model replays what it recorded and the page tables, bytes and host pool must still agree; finishes then
+    promote requests back."""
+    monkeypatch.setenv("ESS_RESIDENCY", "adaptive")
+    w = World(7)
+    replayed = []
+    follow = w.model.follow
+
+    def counting_follow(row, whole, units):
+        if not whole and row in w.model.units and any(w.model.recorded[(row, layer)] for layer in range(LAYERS)):
+            replayed.append(row)
+        follow(row, whole, units)
+    w.model.follow = counting_follow
+    for n in (40, 60, 30, 20):      # a rising load: 2, 3, 2 and 1 rows of SLOTS tokens, REQ_SLOTS rows in all
+        w.prefill(n)
+        w.collect()
+        for _ in range(3):
+            w.step()
+    for rid in list(w.running)[:2]:  # and falling
+        w.finish(rid)
+        w.step()
+    for _ in range(3):
+        w.step()
+    w.check_host()
+    st = w.coord.engine.stats()
+    assert replayed, f"no whole request that had decoded was demoted: {st}"
+    assert st.promotions > 0 and st.whole_steps > 0 and st.sparse_steps > 0, st
+    for rid in list(w.reqs):
+        w.finish(rid)
+    w.coord.destroy()
+
+
 def test_residency_is_refused_by_name(monkeypatch):
     monkeypatch.setenv("ESS_RESIDENCY", "full")
     with pytest.raises(ess.InvalidArgument, match="ESS_RESIDENCY = 'full': one of sparse, whole, adaptive"):
