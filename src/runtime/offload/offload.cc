@@ -339,9 +339,7 @@ void Offload::release(RequestId id) {
   const std::int32_t row = x.find_row(id, "release");
   x.device("release", [&] { x.backend->release(row, id); });
   x.pool->release(id);
-  auto& units = x.units_of_row[static_cast<std::size_t>(row)];
-  for (std::size_t i = 1; i < units.size(); ++i) x.borrower_of_row[static_cast<std::size_t>(units[i])] = -1;
-  units.clear();
+  x.give_back(row);
   x.request_of_row[static_cast<std::size_t>(row)] = -1;
   x.row_of_request.erase(id);
   x.promote_waiting();

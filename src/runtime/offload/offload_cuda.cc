@@ -256,10 +256,10 @@ class CudaOffload final : public OffloadBackend {
     shape.layers = c.layers;
     shape.layer = s.layer;
     // Residency: with every admitted request whole (the front's state), no swap decision and no
-    // copy are launched. A step being captured into a graph takes the whole path, whatever the
+    // copy are launched. A step being captured into a graph takes the full path, whatever the
     // residency now: a replay may meet sparse requests (the kernels tell them apart on the device).
-    const bool whole_path = whole_units_.get() != nullptr && !capturing(stream) && all_whole();
-    const bool any_whole = whole_units_.get() != nullptr;  // the device tells which positions are
+    const bool residency = whole_units_.get() != nullptr;  // positions may be whole: the device tells which
+    const bool whole_path = residency && !capturing(stream) && all_whole();
     std::int32_t* counts = s.counts != nullptr ? s.counts : p.counts.get();
     if (whole_path) {
       shape.whole_only = true;
@@ -322,7 +322,7 @@ class CudaOffload final : public OffloadBackend {
       sp.fetched_count = s.fetched_count;
     }
     ESS_LAUNCH(split_misses_cuda(sp, stream), "offload: the miss list of layer {}", s.layer);
-    if (s.resident != nullptr && any_whole) {  // whole positions read every row in place
+    if (s.resident != nullptr && residency) {  // whole positions read every row in place
       ESS_LAUNCH(launch_whole_halves(shape, {s.physical, s.resident, s.fetched, s.resident_count, s.fetched_count}, stream),
                  "offload: the halves of layer {}", s.layer);
     }

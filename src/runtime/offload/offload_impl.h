@@ -112,10 +112,14 @@ class Offload::Impl : public OffloadState {
   std::int64_t demotions = 0, promotions = 0;
   // The whole request borrowing the most rows (ties: the highest own row), -1 when none borrows any.
   std::int32_t demotion_victim() const;
+  // The whole request at `row` borrows the `n` highest free rows (kept clear of the lowest, which
+  // admissions take first); give_back: its borrowed rows are free again, and it holds none.
+  void borrow(std::int32_t row, std::int32_t n);
+  void give_back(std::int32_t row);
   // The whole request at `row` becomes sparse; its borrowed rows are free again.
   void demote(std::int32_t row);
-  // The request at `row` becomes whole on its row and the `extra` highest free rows (kept clear of
-  // the lowest, which admissions take first); `load`: its entries are copied in now.
+  // The request at `row` becomes whole on its row and `extra` borrowed ones; `load`: its entries
+  // are copied in now.
   void make_whole(std::int32_t row, std::int32_t extra, bool load);
   // Before a whole request at `row` grows to `length` tokens: kWhole refuses, naming `what`, when
   // the rows it lacks are not free (kAdaptive demotes it then, in grow_whole).

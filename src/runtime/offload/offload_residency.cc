@@ -34,27 +34,35 @@ std::int32_t Offload::Impl::demotion_victim() const {
   return victim;
 }
 
-void Offload::Impl::demote(std::int32_t row) {
+void Offload::Impl::borrow(std::int32_t row, std::int32_t n) {
   auto& units = units_of_row[static_cast<std::size_t>(row)];
-  ESS_ASSERT(!units.empty(), "offload: demotion of a sparse request");
+  for (std::int32_t r = config.max_requests - 1; r >= 0 && n > 0; --r) {
+    if (!row_free(r)) continue;
+    units.push_back(r);
+    borrower_of_row[static_cast<std::size_t>(r)] = row;
+    --n;
+  }
+  ESS_ASSERT(n == 0, "offload: whole residency without the free rows it was checked for");
+}
+
+void Offload::Impl::give_back(std::int32_t row) {
+  auto& units = units_of_row[static_cast<std::size_t>(row)];
   for (std::size_t i = 1; i < units.size(); ++i) borrower_of_row[static_cast<std::size_t>(units[i])] = -1;
   units.clear();
+}
+
+void Offload::Impl::demote(std::int32_t row) {
+  ESS_ASSERT(whole(row), "offload: demotion of a sparse request");
+  give_back(row);
   ++demotions;
   const RequestId id = request_of_row[static_cast<std::size_t>(row)];
   device("demotion", [&] { backend->demote(row, id); });
 }
 
 void Offload::Impl::make_whole(std::int32_t row, std::int32_t extra, bool load) {
-  auto& units = units_of_row[static_cast<std::size_t>(row)];
-  ESS_ASSERT(units.empty(), "offload: a whole request made whole again");
-  units.push_back(row);
-  for (std::int32_t r = config.max_requests - 1; r >= 0 && extra > 0; --r) {
-    if (!row_free(r)) continue;
-    units.push_back(r);
-    borrower_of_row[static_cast<std::size_t>(r)] = row;
-    --extra;
-  }
-  ESS_ASSERT(extra == 0, "offload: whole residency without the free rows it was checked for");
+  ESS_ASSERT(!whole(row), "offload: a whole request made whole again");
+  units_of_row[static_cast<std::size_t>(row)].push_back(row);
+  borrow(row, extra);
   const RequestId id = request_of_row[static_cast<std::size_t>(row)];
   device("whole residency", [&] {
     backend->units_changed(row, id);
@@ -72,19 +80,14 @@ void Offload::Impl::check_growth(std::int32_t row, std::int64_t length, const ch
 
 void Offload::Impl::grow_whole(std::int32_t row, std::int64_t length) {
   if (!whole(row)) return;
-  auto& units = units_of_row[static_cast<std::size_t>(row)];
-  std::int32_t lack = config.whole_rows(length) - static_cast<std::int32_t>(units.size());
+  const std::int32_t lack =
+      config.whole_rows(length) - static_cast<std::int32_t>(units_of_row[static_cast<std::size_t>(row)].size());
   if (lack <= 0) return;
   if (lack > free_rows()) {
     demote(row);
     return;
   }
-  for (std::int32_t r = config.max_requests - 1; r >= 0 && lack > 0; --r) {
-    if (!row_free(r)) continue;
-    units.push_back(r);
-    borrower_of_row[static_cast<std::size_t>(r)] = row;
-    --lack;
-  }
+  borrow(row, lack);
   const RequestId id = request_of_row[static_cast<std::size_t>(row)];
   device("whole residency", [&] { backend->units_changed(row, id); });
 }
