@@ -28,7 +28,7 @@ for key, args in {
     "@OUT_128K@": ["sim", "--context", "131072", "--batch", "13,16,24,32,48,64"],
     "@OUT_128K_NO_TBO@": ["sim", "--context", "131072", "--batch", "13,16,24,32,48,64", "--no-tbo"],
     "@OUT_PLAN@": ["plan", "--min-otps", "15", "--context", "32768,131072"],
-    "@OUT_RESIDENCY@": ["sim", "--hardware", "h200", "--ratio", "0.2", "--batch", "1,2,8,32,64,96,128", "--residency", "adaptive"],
+    "@OUT_RESIDENCY@": ["sim", "--hardware", "h200", "--concurrency"],
 }.items():
     out = out.replace(key, run(*args))
 # The sparse MLA model per query token: one call over `rows` query tokens (MTP 1, whole cache,

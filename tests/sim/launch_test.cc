@@ -52,7 +52,10 @@ TEST(sim_launch, TheLaunchLineCarriesThePlansChoice) {
   EXPECT_NE(value("--hisparse-config").find(fmt::format("\"device_buffer_size\": {}", c.slots)), std::string::npos);
   EXPECT_EQ(std::count(argv.begin(), argv.end(), "--enable-two-batch-overlap"), 1);
   const bool da = c.overlap == OverlapMode::kDualAttention;
-  EXPECT_EQ(l["env"].size(), da ? 1u : 0u);
+  const std::vector<std::string> env = l["env"];
+  EXPECT_EQ(env.size(), da ? 2u : 1u);
+  EXPECT_EQ(std::count(env.begin(), env.end(), "ESS_OVERLAP=da"), da ? 1 : 0);
+  EXPECT_EQ(std::count(env.begin(), env.end(), "ESS_RESIDENCY=adaptive"), 1);
   EXPECT_EQ(value("--dsa-decode-backend"), da ? "flashmla_kv" : "(absent)");
   EXPECT_NE(to_table(p).find("launch (sglang 0.5.23):"), std::string::npos);
   // The host pool holds every request's context whatever else SGLang's device pool keeps.

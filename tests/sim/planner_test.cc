@@ -38,6 +38,37 @@ TEST(sim_plan, PicksTheHighestThroughputThatMeetsTheTarget) {
   EXPECT_GT(loose.chosen.best.batch, 54);
 }
 
+// The chosen ESS configuration at low load: requests whole at its pool up to a batch (no more than
+// the all-on-GPU step holds: a whole request takes at least its context), every request whole just
+// below it and not all just above; batch 1 costs next to nothing whole, more with every request sparse.
+TEST(sim_plan, TheChosenPoolAtLowLoadKeepsRequestsWhole) {
+  const StepModel sm(dsv32(), paper_hw(), paper_dep());
+  const PlanResult p = plan(sm, request(0));
+  ASSERT_TRUE(p.found && p.chosen.best.offload);
+  const LowLoad& l = p.low_load;
+  ASSERT_TRUE(l.found);
+  const MemoryModel mem(dsv32(), paper_hw(), paper_dep(), 32768);
+  EXPECT_GE(l.all_whole_up_to, 1);
+  EXPECT_LE(l.all_whole_up_to, mem.max_batch(32768.0));
+  Workload w;
+  w.slots = p.chosen.best.slots;
+  w.overlap = p.chosen.best.overlap;
+  w.residency = Residency::kAdaptive;
+  w.batch = l.all_whole_up_to;
+  EXPECT_EQ(sm.run(w).whole_requests, w.batch);
+  w.batch = l.all_whole_up_to + 1;
+  EXPECT_LT(sm.run(w).whole_requests, w.batch);
+  EXPECT_GE(l.batch1_adaptive, 0.99);
+  EXPECT_LE(l.batch1_adaptive, 1.0);
+  EXPECT_LT(l.batch1_sparse, l.batch1_adaptive);
+  // All-on-GPU chosen (a short context): nothing to say.
+  PlanRequest short_context = request(15);
+  short_context.context = 4096;
+  const PlanResult q = plan(sm, short_context);
+  ASSERT_TRUE(q.found);
+  EXPECT_EQ(q.low_load.found, q.chosen.best.offload);
+}
+
 TEST(sim_plan, ImpossibleTargetFindsNothingAndSaysWhy) {
   const StepModel sm(dsv32(), paper_hw(), paper_dep());
   const PlanResult p = plan(sm, request(1000));

@@ -4,7 +4,9 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <fmt/format.h>
 
 #include "ess/sim/memory_model.h"
 
@@ -39,6 +41,63 @@ TEST(sim_report, RowsStandBesideTheMemoryWall) {
   EXPECT_NE(to_table(s).find("OOM"), std::string::npos);
   base.context = 65536;  // not the paper's setup: no paper columns
   EXPECT_EQ(simulate(sm, base, {64}).rows[0].paper, nullptr);
+}
+
+// A load sweep (`ess sim --concurrency`): from one request past the memory wall at one pool; with
+// adaptive residency the rows below the wall cost only the write-back, and the summary names
+// where offload starts to pay.
+TEST(sim_report, ALoadSweepRisesPastTheMemoryWallAndSaysWhereOffloadPays) {
+  const StepModel sm(ModelSpec::deepseek_v32_exp(), HardwareProfile::shipped("h200"), Deployment::shipped("paper-table1"));
+  Workload base;
+  base.slots = 4096;  // T x top-k: the floor without a measured working set
+  base.residency = Residency::kAdaptive;
+  const MemoryModel mem(sm.model(), sm.hardware(), sm.deployment(), base.context);
+  const int wall = mem.max_batch(double(base.context));
+  const int top = mem.max_batch(4096.0);
+  const std::vector<int> batches = load_batches(sm, base);
+  ASSERT_GE(batches.size(), 4u);
+  EXPECT_EQ(batches.front(), 1);
+  EXPECT_EQ(batches.back(), top);
+  EXPECT_TRUE(std::is_sorted(batches.begin(), batches.end()));
+  EXPECT_EQ(std::adjacent_find(batches.begin(), batches.end()), batches.end());  // no batch twice
+  EXPECT_NE(std::find(batches.begin(), batches.end(), wall), batches.end());
+  EXPECT_NE(std::find(batches.begin(), batches.end(), wall + 1), batches.end());
+  EXPECT_NE(std::find(batches.begin(), batches.end(), 2), batches.end());
+
+  const Simulation s = simulate(sm, base, batches);
+  for (const SimulationRow& r : s.rows) {
+    ASSERT_TRUE(r.refused.empty()) << r.refused;
+    EXPECT_EQ(r.baseline_fits, r.ess.batch <= wall) << "batch " << r.ess.batch;
+    if (r.ess.whole_requests == r.ess.batch) {
+      // Every request whole: the step is all-on-GPU's plus the write-back's SM time, nothing else.
+      EXPECT_EQ(r.ess.h2d_bytes, 0) << "batch " << r.ess.batch;
+      EXPECT_GT(r.ess.transfer_sm_us, 0) << "batch " << r.ess.batch;
+      EXPECT_NEAR(r.ess.step_us - r.baseline.step_us, r.ess.transfer_sm_us, 1e-6 * r.baseline.step_us)
+          << "batch " << r.ess.batch;
+      EXPECT_GE(Simulation::same_batch(r), 0.995) << "batch " << r.ess.batch;
+    }
+  }
+  EXPECT_EQ(s.rows[0].ess.whole_requests, 1);
+  const int pays = s.offload_pays_from();
+  ASSERT_GT(pays, wall);
+  for (const SimulationRow& r : s.rows) {
+    if (r.ess.batch > wall && r.ess.batch < pays) {
+      EXPECT_LE(s.gain(r.ess), 0) << "batch " << r.ess.batch;
+    }
+  }
+  const std::string table = to_table(s);
+  EXPECT_NE(table.find("vs same"), std::string::npos) << table;
+  EXPECT_NE(table.find("low load: with every request whole, ESS runs at >= 0.99"), std::string::npos) << table;
+  EXPECT_NE(table.find(fmt::format("offload pays from batch {} (the all-on-GPU memory wall is batch {})", pays, wall)),
+            std::string::npos)
+      << table;
+  const nlohmann::json j = to_json(s);
+  EXPECT_EQ(j["offload_pays_from_batch"], pays);
+  EXPECT_DOUBLE_EQ(j["rows"][0]["vs_all_on_gpu_at_batch"].get<double>(), Simulation::same_batch(s.rows[0]));
+  EXPECT_EQ(j["rows"].back()["vs_all_on_gpu_at_batch"], nullptr);
+
+  base.slots = 0;  // the engine's pool is fixed at launch: a sweep needs one
+  EXPECT_NE(test::error_of([&] { load_batches(sm, base); }).find("needs the engine's pool"), std::string::npos);
 }
 
 TEST(sim_report, ABatchThatCannotRunIsARowSayingWhyAndTheOthersRun) {

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -28,6 +29,7 @@ struct SimArgs {
   std::int32_t slots = 0;
   std::string overlap = "layerwise";
   std::string residency = "sparse";
+  bool concurrency = false;
   double threshold = -1;
   std::string timeline;
   std::string workload;
@@ -48,10 +50,15 @@ void add_sim(CLI::App& app, int& exit_code) {
   cmd->add_option("--context,-c", args->context, "Context length (tokens per request)")
       ->capture_default_str()
       ->check(in_range(1, 1 << 24));
-  add_list_option(*cmd, "--batch,-b", args->batches,
-                  "Requests per GPU: list, ranges A-B, or max (the largest that fits the given --ratio / --slots; "
-                  "without either, the largest ESS batch: every request-layer at the pool floor)")
-      ->default_str("52,64,96,128,160");
+  auto* batch = add_list_option(*cmd, "--batch,-b", args->batches,
+                                "Requests per GPU: list, ranges A-B, or max (the largest that fits the given --ratio / "
+                                "--slots; without either, the largest ESS batch: every request-layer at the pool floor)")
+                    ->default_str("52,64,96,128,160");
+  cmd->add_flag("--concurrency", args->concurrency,
+                "A load sweep: batches from 1 past the all-on-GPU memory wall to the largest ESS batch (1, 2, 4, ..., "
+                "the wall, the wall + 1, doubling, the largest) at one pool (--ratio / --slots, default the pool "
+                "floor), --residency adaptive unless given: where ESS costs nothing and where offload starts to pay")
+      ->excludes(batch);
   auto* slots = cmd->add_option("--slots", args->slots, "Sparse Memory Pool slots per request-layer (fixed)");
   cmd->add_option("--ratio", args->ratio, "Sparse Memory Ratio (fixed; default: the most that fits each batch)")
       ->excludes(slots);
@@ -122,11 +129,20 @@ void add_sim(CLI::App& app, int& exit_code) {
     if (base.misses.working_set_max <= 0) base.misses = sim::MissModel::with_builtin_working_set(base.context, base.misses);
     a.inputs.apply_pool_floor(base.misses);
     if (a.inputs.prefix_share) base.prefix_share = *a.inputs.prefix_share;
+    if (a.concurrency) {
+      // One engine under a rising load: its pool is fixed at launch, the floor's unless given.
+      if (cmd->count("--residency") == 0) base.residency = Residency::kAdaptive;
+      if (base.slots == 0 && base.ratio == 0) {
+        const double floor = base.misses.min_slots(dep.mtp_tokens, model.index_topk, double(base.context));
+        base.slots = static_cast<std::int32_t>(std::min<double>(std::ceil(floor), double(base.context)));
+      }
+    }
     Progress progress("configurations");
     sim::SimulateOptions options;
     options.timeline = a.timeline;
     options.progress = [&](std::size_t done, std::size_t total) { progress(done, total); };
-    const sim::Simulation result = sim::simulate(sm, base, sim::parse_batches(batch_items), options);
+    const std::vector<int> batches = a.concurrency ? sim::load_batches(sm, base) : sim::parse_batches(batch_items);
+    const sim::Simulation result = sim::simulate(sm, base, batches, options);
     if (a.format == Format::kJson) {
       fmt::print("{}\n", sim::to_json(result).dump(2));
     } else if (a.format == Format::kCsv) {

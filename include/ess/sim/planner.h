@@ -32,6 +32,15 @@ struct PlanOption {
   bool two_batch_overlap = false;  // the deployment it ran in
 };
 
+// The chosen ESS configuration at low load, with adaptive residency (Workload::residency) at its
+// pool: up to which batch every request stays whole, and batch 1 beside the all-on-GPU step.
+struct LowLoad {
+  bool found = false;           // the chosen configuration offloads (else nothing to say)
+  int all_whole_up_to = 0;      // the largest batch whose requests are all whole (0: not even one)
+  double batch1_adaptive = 0;   // ESS's throughput at batch 1 over all-on-GPU's, adaptive residency
+  double batch1_sparse = 0;     // the same with every request in a Sparse Memory Pool
+};
+
 struct PlanResult {
   std::int64_t context = 0;
   double min_otps = 0;
@@ -40,6 +49,7 @@ struct PlanResult {
   std::vector<PlanOption> alternatives;  // one per kind, best first
   std::vector<std::string> refusals;     // host-side limits that cut the search
   std::vector<std::string> notes;        // how the search was bounded (a widened batch step)
+  LowLoad low_load;                      // the chosen configuration at low load
   std::size_t evaluated = 0;
 };
 

@@ -37,6 +37,11 @@ struct Simulation {
   std::vector<SimulationRow> rows;
 
   double gain(const StepResult& r) const;  // throughput vs the memory wall - 1 (0 without one)
+  // ESS's throughput over the all-on-GPU step's at the row's own batch; 0 where that does not fit.
+  static double same_batch(const SimulationRow& r);
+  // The smallest batch that runs past the memory wall with more throughput than the wall's
+  // (where offload starts to pay); 0 when no row shows one.
+  int offload_pays_from() const;
 };
 
 struct SimulateOptions {
@@ -48,6 +53,11 @@ struct SimulateOptions {
 // baseline at its memory wall and at the same batch.
 Simulation simulate(const StepModel& model, const Workload& base, const std::vector<int>& batches,
                     const SimulateOptions& options = {});
+
+// The batches of a load sweep (`ess sim --concurrency`): 1, 2, 4, ... below the all-on-GPU
+// memory wall, the wall and the batch after it, then doubling to the largest ESS batch at
+// base's pool (ratio or slots, required), and that batch.
+std::vector<int> load_batches(const StepModel& model, const Workload& base);
 
 // Batch lists as the command line gives them: "52", ranges "1-200", "max" (0). Throws
 // ess::Error naming the item that is none of these.

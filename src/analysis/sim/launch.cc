@@ -84,6 +84,15 @@ Launch launch_for(const std::string& engine, const ModelSpec& model, const Deplo
   const int dp = d.attention_data_parallel;
   const int per_gpu = c.batch;
   if (c.offload && c.overlap != OverlapMode::kNone) l.env.push_back(fmt::format("ESS_OVERLAP={}", to_string(c.overlap)));
+  if (c.offload) {
+    // Requests stay whole among ESS's rows while they are free: a light load pays no offload.
+    l.env.push_back("ESS_RESIDENCY=adaptive");
+    if (result.low_load.found) {
+      l.notes.push_back(fmt::format("ESS_RESIDENCY=adaptive: up to {} requests per GPU stay whole (no swap, no misses); "
+                                    "past them, requests are demoted to pools of {} slots as they arrive",
+                                    result.low_load.all_whole_up_to, c.slots));
+    }
+  }
   l.argv = {"python", "-m", c.offload ? "ess.integrations.sglang_launch" : "sglang.launch_server", "--model-path",
             model.name};
   auto flag = [&l](const std::string& name, const std::string& value = "") {

@@ -12,11 +12,56 @@ constexpr int kMaxBatchesPerKind = 4096;
 
 struct Search {
   PlanOption option;
+  const StepModel* model = nullptr;  // the deployment it ran in
   int too_slow = 0;          // feasible in memory, below the OTPS target
   int host_dram = 0;         // refused: host pool > host DRAM
   int host_bandwidth = 0;    // refused: H2D demand > host-memory bandwidth
   double best_otps_seen = 0;
 };
+
+// The chosen configuration's pool under a light load, requests whole while the pool's rows hold
+// them (Residency::kAdaptive): the largest batch with every request whole (whole-ness falls with
+// the batch: a binary search), and batch 1 with and without residency beside all-on-GPU.
+LowLoad low_load(const StepModel& model, const PlanRequest& req, const StepResult& chosen) {
+  LowLoad out;
+  if (!chosen.offload) return out;
+  out.found = true;
+  Workload w;
+  w.context = req.context;
+  w.offload = true;
+  w.overlap = chosen.overlap;
+  w.slots = chosen.slots;
+  w.misses = req.misses;
+  w.prefix_share = req.prefix_share;
+  w.residency = Residency::kAdaptive;
+  auto all_whole = [&](int batch) {
+    w.batch = batch;
+    return model.run(w).whole_requests == batch;
+  };
+  int lo = 0, hi = chosen.batch;  // all_whole(lo) holds (vacuously at 0); find the largest
+  while (lo < hi) {
+    const int mid = lo + (hi - lo + 1) / 2;
+    if (all_whole(mid)) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  out.all_whole_up_to = lo;
+  Workload resident;
+  resident.context = req.context;
+  resident.batch = 1;
+  resident.offload = false;
+  resident.misses = req.misses;
+  const MemoryModel mem(model.model(), model.hardware(), model.deployment(), req.context);
+  if (mem.max_batch(double(req.context)) < 1) return out;  // no all-on-GPU step to compare with
+  const double base = model.run(resident).throughput_tokens_per_s;
+  w.batch = 1;
+  out.batch1_adaptive = model.run(w).throughput_tokens_per_s / base;
+  w.residency = Residency::kSparse;
+  out.batch1_sparse = model.run(w).throughput_tokens_per_s / base;
+  return out;
+}
 
 }  // namespace
 
@@ -43,7 +88,8 @@ PlanResult plan(const std::vector<const StepModel*>& models, const std::vector<s
       const std::string label = kind + suffixes[k];
       Search s;
       s.option.label = label;
-    s.option.two_batch_overlap = model.deployment().two_batch_overlap;
+      s.option.two_batch_overlap = model.deployment().two_batch_overlap;
+      s.model = &model;
       const double slots = offload ? mem.min_slots() : double(req.context);
       const int max_b = mem.max_batch(slots);
       // Short contexts fit batches in the hundreds of thousands: the search is bounded by
@@ -110,6 +156,7 @@ PlanResult plan(const std::vector<const StepModel*>& models, const std::vector<s
   if (searches.front().option.found) {
     out.found = true;
     out.chosen = searches.front().option;
+    out.low_load = low_load(*searches.front().model, req, out.chosen.best);
     const StepResult& c = out.chosen.best;
     for (std::size_t i = 1; i < searches.size(); ++i) {
       PlanOption& o = searches[i].option;

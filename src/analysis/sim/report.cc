@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <iterator>
 
+#include "ess/cache/sparse_pool.h"
 #include "ess/core/error.h"
 #include "ess/sim/memory_model.h"
 #include "ess/sim/timeline.h"
@@ -104,6 +105,40 @@ std::string option_line(const PlanOption& o) {
 
 double Simulation::gain(const StepResult& r) const {
   return wall_fits ? r.throughput_tokens_per_s / wall.throughput_tokens_per_s - 1.0 : 0.0;
+}
+
+double Simulation::same_batch(const SimulationRow& r) {
+  return r.refused.empty() && r.baseline_fits && r.baseline.throughput_tokens_per_s > 0
+             ? r.ess.throughput_tokens_per_s / r.baseline.throughput_tokens_per_s
+             : 0.0;
+}
+
+int Simulation::offload_pays_from() const {
+  if (!wall_fits) return 0;
+  int best = 0;
+  for (const SimulationRow& r : rows) {
+    if (r.refused.empty() && r.ess.batch > wall.batch && gain(r.ess) > 0 && (best == 0 || r.ess.batch < best)) {
+      best = r.ess.batch;
+    }
+  }
+  return best;
+}
+
+std::vector<int> load_batches(const StepModel& sm, const Workload& base) {
+  ESS_CHECK(base.slots > 0 || base.ratio > 0, "a load sweep needs the engine's pool: a ratio or slots");
+  const MemoryModel mem(sm.model(), sm.hardware(), sm.deployment(), base.context);
+  const std::int32_t slots = base.slots > 0 ? base.slots : slots_for_ratio(base.ratio, base.context);
+  const int wall = mem.max_batch(static_cast<double>(base.context));
+  const int top = std::max(mem.max_batch(static_cast<double>(slots)), 1);
+  std::vector<int> out;
+  for (int b = 1; b < std::min(wall, top); b *= 2) out.push_back(b);
+  if (wall >= 1 && wall <= top) out.push_back(wall);
+  int b = std::max(wall + 1, 1);
+  for (; b < top; b *= 2) out.push_back(b);
+  out.push_back(top);
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  return out;
 }
 
 Simulation simulate(const StepModel& sm, const Workload& base_in, const std::vector<int>& batches,
@@ -247,6 +282,7 @@ nlohmann::json to_json(const Simulation& s) {
     e["host_bandwidth_fits"] = r.ess.h2d_gbps_per_node <= s.hardware.host_dram_bandwidth_gbps;
     e["gain_vs_baseline"] = s.wall_fits ? nlohmann::json(s.gain(r.ess)) : nlohmann::json(nullptr);
     e["all_on_gpu_at_batch"] = r.baseline_fits ? row_json(r.baseline) : nlohmann::json(nullptr);
+    e["vs_all_on_gpu_at_batch"] = r.baseline_fits ? nlohmann::json(Simulation::same_batch(r)) : nlohmann::json(nullptr);
     if (r.paper != nullptr) {
       e["paper"] = {{"ratio", r.paper->ratio},
                     {"throughput_tokens_per_s", r.paper->throughput_tokens_per_s},
@@ -255,6 +291,7 @@ nlohmann::json to_json(const Simulation& s) {
     arr.push_back(e);
   }
   j["rows"] = arr;
+  j["offload_pays_from_batch"] = s.offload_pays_from() > 0 ? nlohmann::json(s.offload_pays_from()) : nlohmann::json(nullptr);
   return j;
 }
 
@@ -283,6 +320,45 @@ std::string to_csv(const Simulation& s) {
   }
   return out;
 }
+
+namespace {
+
+// Adaptive residency over a load: what ESS costs while the all-on-GPU step still fits, and from
+// which batch offload pays.
+std::string load_summary(const Simulation& s) {
+  std::string out;
+  // The lowest same-batch ratio among the rows whose requests are all whole, and among the others.
+  const SimulationRow* worst[2] = {nullptr, nullptr};
+  for (const SimulationRow& r : s.rows) {
+    const double v = Simulation::same_batch(r);
+    const SimulationRow*& w = worst[r.ess.whole_requests == r.ess.batch ? 0 : 1];
+    if (v > 0 && (w == nullptr || v < Simulation::same_batch(*w))) w = &r;
+  }
+  if (const SimulationRow* r = worst[0]) {
+    fmt::format_to(std::back_inserter(out),
+                   "low load: with every request whole, ESS runs at >= {:.3f}x of all-on-GPU (batch {}): whole "
+                   "requests still write their newest entries back ({:.2f} ms of SM time per step), so that the host "
+                   "pool stays complete for a demotion\n",
+                   Simulation::same_batch(*r), r->ess.batch, ms(r->ess.transfer_sm_us));
+  }
+  if (const SimulationRow* r = worst[1]) {
+    fmt::format_to(std::back_inserter(out),
+                   "near the memory wall: batch {} holds {} of its {} requests whole beside the others' pools and runs "
+                   "at {:.3f}x of all-on-GPU (the sparse ones fetch their misses)\n",
+                   r->ess.batch, r->ess.whole_requests, r->ess.batch, Simulation::same_batch(*r));
+  }
+  if (const int b = s.offload_pays_from(); b > 0) {
+    fmt::format_to(std::back_inserter(out), "offload pays from batch {} (the all-on-GPU memory wall is batch {})\n", b,
+                   s.wall.batch);
+  } else if (s.wall_fits) {
+    fmt::format_to(std::back_inserter(out),
+                   "offload does not pay in these rows: none past the all-on-GPU memory wall (batch {}) beats it\n",
+                   s.wall.batch);
+  }
+  return out;
+}
+
+}  // namespace
 
 std::string to_table(const Simulation& s) {
   std::string out;
@@ -323,6 +399,7 @@ std::string to_table(const Simulation& s) {
   add(" {:>7}", "misses");
   if (any_whole) add(" {:>5}", "whole");
   add(" {:>11} {:>7} {:>7} {:>11}", "tok/s/node", "OTPS", "gain", "all-on-GPU");
+  if (any_whole) add(" {:>7}", "vs same");
   if (any_paper) add(" | {:>5} {:>10} {:>7} {:>6}", "paper", "tok/s", "err", "OTPS");
   add("\n");
   for (const SimulationRow& r : s.rows) {
@@ -338,6 +415,7 @@ std::string to_table(const Simulation& s) {
     if (any_whole) add(" {:>5}", e.whole_requests);
     add(" {:>11.0f} {:>7.2f} {:>6.1f}% {:>11}", e.throughput_tokens_per_s, e.otps, 100 * s.gain(e),
         r.baseline_fits ? fmt::format("{:.0f}", r.baseline.throughput_tokens_per_s) : "OOM");
+    if (any_whole) add(" {:>7}", r.baseline_fits ? fmt::format("{:.3f}x", Simulation::same_batch(r)) : "");
     if (r.paper != nullptr) {
       add(" | {:>5.2f} {:>10.0f} {:>+6.1f}% {:>6.2f}", r.paper->ratio, r.paper->throughput_tokens_per_s,
           100 * (e.throughput_tokens_per_s / r.paper->throughput_tokens_per_s - 1), r.paper->otps);
@@ -368,11 +446,13 @@ std::string to_table(const Simulation& s) {
       "all-to-all / the misses' copy; host: the host's time between steps (scheduling, sampling bookkeeping), the "
       "step = compute + x-comm + x-h2d + host{}; misses: mean per request-layer-step (--miss-profile, else the "
       "parametric model){}; gain: throughput vs the all-on-GPU baseline at its largest batch; all-on-GPU: its "
-      "throughput at the same batch (OOM: does not fit).\n",
+      "throughput at the same batch (OOM: does not fit){}.\n",
       any_idle ? " + idle (compute stream idle for another reason: the other micro-batch, a D2H copy, or the step "
                  "ending on another stream)"
                : "",
-      any_whole ? "; whole: requests whole on the GPU (--residency adaptive: no misses, no swap)" : "");
+      any_whole ? "; whole: requests whole on the GPU (--residency adaptive: no misses, no swap)" : "",
+      any_whole ? "; vs same: ESS's throughput over all-on-GPU's at the same batch" : "");
+  if (any_whole) add("{}", load_summary(s));
   return out;
 }
 
@@ -393,6 +473,13 @@ nlohmann::json to_json(const Plans& p) {
                    {"refusals", r.refusals},
                    {"notes", r.notes},
                    {"evaluated", r.evaluated}});
+    if (r.low_load.found) {
+      const LowLoad& l = r.low_load;
+      arr.back()["low_load"] = {{"residency", "adaptive"},
+                                {"all_whole_up_to_batch", l.all_whole_up_to},
+                                {"batch1_vs_all_on_gpu", l.batch1_adaptive > 0 ? nlohmann::json(l.batch1_adaptive) : nlohmann::json(nullptr)},
+                                {"batch1_sparse_vs_all_on_gpu", l.batch1_sparse > 0 ? nlohmann::json(l.batch1_sparse) : nlohmann::json(nullptr)}};
+    }
     if (!p.engine.empty()) arr.back()["launch"] = p.launches.at(arr.size() - 1);
   }
   nlohmann::json j = {{"model", p.model.name}, {"hardware", p.hardware.name}, {"gpu", p.hardware.gpu},
@@ -440,6 +527,14 @@ std::string to_table(const Plans& p) {
       if (r.chosen.best.offload && r.chosen.best.overlap == OverlapMode::kLayerWise) {
         add("          layer-wise: {} micro-batch layers DA, {} DBA; per layer (micro-batch A B; a = DA, b = DBA): {}\n",
             r.chosen.best.layers_da, r.chosen.best.layers_dba, r.chosen.best.layer_modes);
+      }
+      if (const LowLoad& l = r.low_load; l.found) {
+        add("          low load (ESS_RESIDENCY=adaptive): every request whole up to batch {} per GPU", l.all_whole_up_to);
+        if (l.batch1_adaptive > 0) {
+          add("; batch 1 at {:.3f}x of all-on-GPU ({:.3f}x with every request sparse)", l.batch1_adaptive,
+              l.batch1_sparse);
+        }
+        add("\n");
       }
       if (r.chosen.best.offload) {
         const StepResult& b = r.chosen.best;

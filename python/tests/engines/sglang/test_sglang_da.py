@@ -240,6 +240,25 @@ def test_da_inside_sglangs_decode_is_lossless_and_merges_to_the_single_pass(flas
     assert w.free_sizes() == w.free_at_start
 
 
+def test_da_with_adaptive_residency_reads_whole_requests_in_place(flashmla, monkeypatch):
+    """ESS_OVERLAP=da with ESS_RESIDENCY=adaptive (the planner's launch line): requests that fit ESS's rows whole
+    read every pick in place (Attn1 over nothing), the sparse one splits as before; lossless either way."""
+    monkeypatch.setenv("ESS_OVERLAP", "da")
+    monkeypatch.setenv("ESS_RESIDENCY", "adaptive")
+    w = AttnWorld(seed=1)
+    for rid, n in (("a", 60), ("b", 40), ("c", 300)):   # a and b fit a row whole; c is sparse beside them
+        w.prefill(rid, n)
+    assert sorted(w.collect()) == ["a", "b", "c"]
+    results = run(w, 6, random.Random(2), DelayedCopy(w))
+    kinds = check(w, results, flashmla)
+    assert "all resident" in kinds and kinds & {"all fetched", "mixed"}, kinds
+    st = w.s.coord.engine.stats()
+    assert st.whole_steps > 0 and st.sparse_steps > 0, st
+    for rid in list(w.reqs):
+        w.finish(rid)
+    assert w.free_sizes() == w.free_at_start
+
+
 def test_without_da_one_flashmla_call_per_layer_reads_the_full_caches_bytes(flashmla, monkeypatch):
     monkeypatch.setenv("ESS_OVERLAP", "none")
     w, rng = AttnWorld(seed=4), random.Random(5)

@@ -32,7 +32,7 @@ def model_dir(tmp_path):
 
 
 @pytest.mark.parametrize("case", CASES, ids=["8xH200", "4x8-128K", "no-MTP", "all-on-GPU"])
-def test_the_launch_line_is_sglangs(case, model_dir):
+def test_the_launch_line_is_sglangs(case, model_dir, monkeypatch):
     from sglang.srt.server_args import prepare_server_args
     plan = ess.plan(engine="sglang", **case)
     assert plan["engine"] == "sglang"
@@ -69,5 +69,14 @@ def test_the_launch_line_is_sglangs(case, model_dir):
         assert config["device_buffer_size"] >= max(1, dep["mtp_tokens"]) * 2048 or dep["mtp_tokens"] == 1
         overlap = chosen["overlap"]
         assert (f"ESS_OVERLAP={overlap}" in launch["env"]) == (overlap != "none")
+        assert "ESS_RESIDENCY=adaptive" in launch["env"]
+        # Every ESS setting of the line is one the adapter reads as the plan meant it.
+        from ess.integrations.sglang._common import residency_from_environment
+        from ess.integrations.sglang.overlap import schedule_from_environment
+        for setting in launch["env"]:
+            name, value = setting.split("=", 1)
+            monkeypatch.setenv(name, value)
+        assert residency_from_environment() == "adaptive"
+        assert schedule_from_environment() == overlap
         if overlap == "da":
             assert args.dsa_decode_backend == "flashmla_kv"
