@@ -56,7 +56,8 @@ DEVICE_TESTS = ["cuda_flashtrans_test", "cuda_swap_engine_test", "cuda_split_tes
 # racecheck and synccheck: the kernels with shared memory and barriers.
 SAN_RUNS = [
     ("memcheck", "cuda_flashtrans_test", "*"),
-    ("memcheck", "cuda_swap_engine_test", "*WarmupMatches*:*BitForBit/1:*Smaller*"),
+    # BitForBit/1: a cluster of 2 blocks per request (forced); /5: 8 by the engine's choice (MTP 3, K 2048).
+    ("memcheck", "cuda_swap_engine_test", "*WarmupMatches*:*BitForBit/1:*BitForBit/5:*Smaller*"),
     ("memcheck", "cuda_sparse_mla_test", "*K64_bad*:*K41_some*:*RowLengths*:*MergeStates*"),
     ("memcheck", "cuda_indexer_test", "*B3_T2_H64_exact*:*ReportsTheFirstRow*"),
     ("memcheck", "cuda_split_test", "*SplitShapes*/1:*SplitShapes*/3"),
@@ -78,6 +79,11 @@ SAN_RUNS = [
 KERNEL_RUNS = [
     ("transfer", "bench transfer --format json --blocks 4,8,16,24,32,48,64,132,264,1056 --concurrent"),
     ("swap", "bench swap --format json"),
+    # Batch 1 and 2: a request's step on a cluster of blocks (the engine's choice) against one block.
+    ("swap-b1", "bench swap --format json --requests 1"),
+    ("swap-b1-one-block", "bench swap --format json --requests 1 --cluster 1"),
+    ("swap-b2", "bench swap --format json --requests 2"),
+    ("swap-b2-one-block", "bench swap --format json --requests 2 --cluster 1"),
     ("attention", "bench attention --format json --batches 1,2,8,32,64,128"),
     ("indexer-32k", "bench indexer --format json --requests 64 --context 32768"),
     ("indexer-128k", "bench indexer --format json --requests 16 --context 131072"),

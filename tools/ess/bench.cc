@@ -75,7 +75,7 @@ void add_bench(CLI::App& app, int& exit_code) {
       "swap", "Time the GPU swap engine: one launch decides hits, misses and victims for a whole batch");
   struct SwapArgs {
     BenchOptions o;
-    int fresh = 100, layers = 61;
+    int fresh = 100, layers = 61, cluster = 0;
   };
   auto sa = std::make_shared<SwapArgs>();
   sa->o.requests = 128;
@@ -90,6 +90,11 @@ void add_bench(CLI::App& app, int& exit_code) {
   sa->o.add_repeats(*swap, "Timed steps (each launches every layer)");
   swap->add_option("--layers", sa->layers, "Layers whose state the launches walk")->capture_default_str()
       ->check(in_range(1, 4096));
+  swap->add_option("--cluster", sa->cluster,
+                   "Blocks that decide each request's step (a thread-block cluster): 0 = the engine's choice (up to 8 "
+                   "at a small batch, 1 at a large one), or 1, 2, 4, 8")
+      ->capture_default_str()
+      ->check(CLI::IsMember({0, 1, 2, 4, 8}));
   sa->o.add_run(*swap);
   swap->callback([sa] {
     cuda::SwapEngineBenchConfig c;
@@ -103,6 +108,7 @@ void add_bench(CLI::App& app, int& exit_code) {
     c.layers = sa->layers;
     c.device = sa->o.device;
     c.seed = sa->o.seed;
+    c.cluster = sa->cluster;
     print_report(c, harness::gpu_benchmarks("bench swap").swap(c), sa->o.format);
   });
   add_bench_kernels(*bench, exit_code);

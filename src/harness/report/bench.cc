@@ -122,7 +122,9 @@ nlohmann::json to_json(const cuda::SwapEngineBenchConfig& c, const cuda::SwapEng
         {"slots", c.slots},
         {"context", c.context},
         {"fresh_per_query", c.fresh_per_query},
-        {"layers", c.layers}}},
+        {"layers", c.layers},
+        {"cluster", c.cluster}}},
+      {"blocks_per_request", r.blocks_per_request},
       {"us_per_layer", {{"median", r.us_per_layer.median}, {"min", r.us_per_layer.min}, {"max", r.us_per_layer.max}}},
       {"target_us_per_layer", 20},
       {"hits_per_request_step", r.hits_per_request_step},
@@ -136,8 +138,10 @@ std::string to_table(const cuda::SwapEngineBenchConfig& c, const cuda::SwapEngin
   auto add = [&out]<typename... A>(fmt::format_string<A...> f, A&&... a) {
     fmt::format_to(std::back_inserter(out), f, std::forward<A>(a)...);
   };
-  add("ess bench swap on {} ({}): batch {} x T {} x top-k {}, {} slots, {:.1f} misses per request-step\n", r.device,
-             r.date, c.requests, c.query_tokens, c.topk, c.slots, r.misses_per_request_step);
+  add("ess bench swap on {} ({}): batch {} x T {} x top-k {}, {} slots, {:.1f} misses per request-step, {} block{} per "
+      "request{}\n",
+      r.device, r.date, c.requests, c.query_tokens, c.topk, c.slots, r.misses_per_request_step, r.blocks_per_request,
+      r.blocks_per_request == 1 ? "" : "s (a thread-block cluster)", c.cluster == 0 ? " (the engine's choice)" : " (--cluster)");
   add("us per layer (one launch for the batch; {} layers back to back per timed step): median {:.2f}, min {:.2f}, "
       "max {:.2f} over {} steps (target <= 20); outputs of {} requests checked against the LRU model\n",
       c.layers, r.us_per_layer.median, r.us_per_layer.min, r.us_per_layer.max, c.repeats, r.checked_requests);

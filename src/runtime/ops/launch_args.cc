@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <climits>
 #include <cmath>
 
@@ -147,7 +148,9 @@ std::string check_args(const GpuSwapConfig& c) {
   k.require(c.rows > 0 && c.layers > 0 && c.slots > 0 && c.max_positions > 0,
             "rows {}, layers {}, slots {}, max_positions {} must be positive", c.rows, c.layers, c.slots,
             c.max_positions)
-      .require(c.device >= 0, "device = {} is negative", c.device);
+      .require(c.device >= 0, "device = {} is negative", c.device)
+      .require(c.cluster == 0 || c.cluster == 1 || c.cluster == 2 || c.cluster == 4 || c.cluster == 8,
+               "cluster = {} must be 0 (by the step), 1, 2, 4 or 8 (blocks per request)", c.cluster);
   return k.error();
 }
 
@@ -186,14 +189,28 @@ double indexer_flops(double keys, int heads, int head_dim) {
 }
 
 int swap_hash_capacity(int positions) {
-  int h = 1;
+  int h = kSwapMaxCluster;  // at least one entry per block of the largest cluster
   while (h < 2 * positions) h <<= 1;
   return h;
 }
 
-std::size_t swap_step_smem_bytes(int positions, std::int32_t slots) {
-  return (2 * static_cast<std::size_t>(swap_hash_capacity(positions)) + static_cast<std::size_t>(positions)) * 4 +
-         static_cast<std::size_t>(slots);
+std::size_t swap_step_smem_bytes(int positions, std::int32_t slots, int ranks) {
+  const auto r = static_cast<std::size_t>(ranks);
+  const std::size_t hash = static_cast<std::size_t>(swap_hash_capacity(positions)) / r;
+  const std::size_t misses = (static_cast<std::size_t>(positions) + r - 1) / r;
+  const std::size_t flags = (static_cast<std::size_t>(slots) + r - 1) / r;
+  return (2 * hash + misses + (ranks > 1 ? 1 : 0)) * 4 + flags;
+}
+
+int swap_cluster_size(int batch, int positions, std::int32_t slots, int multiprocessors, int max_cluster) {
+  const int most = std::min(max_cluster, kSwapMaxCluster);
+  const long long items = static_cast<long long>(positions) + slots;
+  int ranks = 1;
+  while (2 * ranks <= most && static_cast<long long>(batch) * 2 * ranks <= static_cast<long long>(multiprocessors) &&
+         items >= 2LL * ranks * kSwapStepThreads) {
+    ranks *= 2;
+  }
+  return ranks;
 }
 
 }  // namespace ess::cuda

@@ -36,11 +36,20 @@ struct FlashTransGrid {
 FlashTransGrid flashtrans_grid(const EntryCopy& copy);
 
 // The GPU swap engine's step kernel: the shared-memory hash of T x K = `positions`
-// selections (a power of two, at least twice the positions), and the dynamic shared memory
-// of one block (per hash entry a token and its state; the miss tokens; a flag per slot:
+// selections (a power of two, at least twice the positions and at least kSwapMaxCluster), and
+// the dynamic shared memory of one block of a request's `ranks` (per hash entry a token and its state; the miss tokens; a
+// flag per slot; each spread over the ranks in equal parts; the cluster scan's exchange:
 // swap_engine_cta.h).
 int swap_hash_capacity(int positions);
-std::size_t swap_step_smem_bytes(int positions, std::int32_t slots);
+std::size_t swap_step_smem_bytes(int positions, std::int32_t slots, int ranks = 1);
+// The blocks that decide one request's step together (a thread-block cluster): the largest of
+// 1, 2, 4, 8 up to max_cluster with batch x ranks <= multiprocessors and at least one item (a
+// selection or a slot: positions + slots) per thread of each block, so a small batch spreads over
+// the SMs, a large one keeps one block per request, and a small step is not spread thinner than
+// its barriers are worth.
+inline constexpr int kSwapMaxCluster = 8;  // the portable cluster size
+inline constexpr int kSwapStepThreads = 1024;  // threads of a step block (swap::kStepThreads)
+int swap_cluster_size(int batch, int positions, std::int32_t slots, int multiprocessors, int max_cluster);
 // Static shared memory of the step kernel (its block scan's storage) is at most this; the
 // kernel asserts it at compile time, so host code can bound a block's total.
 inline constexpr std::size_t kSwapStepStaticSmemBound = 8192;

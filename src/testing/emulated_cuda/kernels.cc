@@ -62,6 +62,19 @@ cudaError_t run(const char* kernel, long long blocks, int threads, std::size_t s
   });
 }
 
+// The same for a launch in clusters of `cluster` blocks (cudaLaunchKernelEx with a cluster dimension).
+template <typename Program>
+cudaError_t run_clusters(const char* kernel, long long blocks, int cluster, int threads, std::size_t smem, Stream stream,
+                         Program program) {
+  const std::uint64_t seed = Device::get().next_seed();
+  return emu::enqueue(static_cast<cudaStream_t>(stream), kernel, [=]() -> cudaError_t {
+    emu::launch_clusters(kernel, static_cast<unsigned>(blocks), cluster, threads, smem, seed, program);
+    return Device::get().check_guards(std::string("after ") + kernel)
+               ? cudaSuccess
+               : Device::get().fail(cudaErrorIllegalAddress, std::string(kernel) + ": out-of-range write", false);
+  });
+}
+
 // FlashTrans's policy: 16-byte accesses, each inside one allocation (the first stray one of
 // a launch is reported).
 class FlashTransPrims {
@@ -116,17 +129,25 @@ int swap_step_raise_smem_limit() {
   return limit.raise(swap_step_marker);
 }
 
-int launch_swap_step(const GpuSwapStep& step, const SwapState& state, Stream stream) {
+int swap_step_cluster_limit(int, std::int32_t) { return kSwapMaxCluster; }  // the emulator holds any
+
+int launch_swap_step(const GpuSwapStep& step, const SwapState& state, int ranks, Stream stream) {
   const int positions = step.query_tokens * step.topk;
-  const std::size_t smem = swap_step_smem_bytes(positions, state.slots);
-  if (const cudaError_t e = admit("swap_step", step.batch, swap::kStepThreads, smem, kSwapStepStaticSmemBound, stream);
+  const std::size_t smem = swap_step_smem_bytes(positions, state.slots, ranks);
+  const int hash_cap = swap_hash_capacity(positions);
+  if (ranks < 1 || ranks > kSwapMaxCluster || (ranks & (ranks - 1)) != 0 || hash_cap % ranks != 0) {
+    return Device::get().fail(cudaErrorInvalidValue, "swap_step: a cluster of " + std::to_string(ranks) + " blocks", false);
+  }
+  const long long blocks = static_cast<long long>(step.batch) * ranks;
+  if (const cudaError_t e = admit("swap_step", blocks, swap::kStepThreads, smem, kSwapStepStaticSmemBound, stream);
       e != cudaSuccess) {
     return e;
   }
-  const int hash_cap = swap_hash_capacity(positions);
-  return run("swap_step", step.batch, swap::kStepThreads, smem, stream, [=](emu::Cta& p, std::uint8_t* sm) {
+  auto program = [=](emu::Cta& p, std::uint8_t* sm) {
     swap::swap_step_cta(step, state.slots, state.layers, hash_cap, state.order, state.stamp, state.token, state.clock, sm, p);
-  });
+  };
+  if (ranks == 1) return run("swap_step", blocks, swap::kStepThreads, smem, stream, program);
+  return run_clusters("swap_step_cluster", blocks, ranks, swap::kStepThreads, smem, stream, program);
 }
 
 int launch_swap_reset(const SwapState& state, int row, Stream stream) {

@@ -21,11 +21,13 @@
 
 #include <gtest/gtest.h>
 #include <boost/context/fiber.hpp>
+#include <sys/mman.h>
 
 #include <algorithm>
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <functional>
@@ -42,14 +44,22 @@ namespace ess::emu {
 
 // ---- fibers ----------------------------------------------------------------------------------
 // Boost.Context fibers: a switch saves a few registers (no signal-mask system call, as
-// swapcontext makes); stacks come from a per-OS-thread pool, reused block after block.
+// swapcontext makes); stacks come from a per-OS-thread pool, reused block after block, carved
+// from 2 MiB slabs the kernel may back with huge pages: a block's (or a cluster's) thousands of
+// fibers then touch a few hundred TLB entries rather than one page each per switch.
 class StackPool {
  public:
+  static constexpr std::size_t kSlab = std::size_t{2} << 20;
   explicit StackPool(std::size_t bytes) : bytes_(bytes) {}
   boost::context::stack_context allocate() {
     if (free_.empty()) {
-      blocks_.push_back(std::unique_ptr<char[]>(new char[bytes_]));  // not zeroed: a fiber touches a few pages
-      free_.push_back(blocks_.back().get());
+      const std::size_t per_slab = std::max<std::size_t>(1, kSlab / bytes_);
+      const std::size_t slab = (per_slab * bytes_ + kSlab - 1) / kSlab * kSlab;
+      char* p = static_cast<char*>(std::aligned_alloc(kSlab, slab));  // not zeroed: a fiber touches a few pages
+      if (p == nullptr) throw std::bad_alloc();
+      madvise(p, slab, MADV_HUGEPAGE);  // a hint: without it the stacks are ordinary pages
+      blocks_.emplace_back(p);
+      for (std::size_t i = 0; i < per_slab; ++i) free_.push_back(p + i * bytes_);
     }
     char* base = free_.back();
     free_.pop_back();
@@ -71,8 +81,11 @@ class StackPool {
   }
 
  private:
+  struct Free {
+    void operator()(char* p) const { std::free(p); }
+  };
   std::size_t bytes_;
-  std::vector<std::unique_ptr<char[]>> blocks_;
+  std::vector<std::unique_ptr<char, Free>> blocks_;
   std::vector<char*> free_;
 };
 
@@ -98,6 +111,17 @@ class Fibers {
     }
   }
 
+  // Groups run one at a time (fiber i in group i / group_size, the groups in a seeded order): a
+  // group's fibers run until each is blocked or done before the next group's run at all, so one
+  // block of a cluster runs ahead of the others as far as its own barriers let it.
+  void run_groups_ahead(int group_size) {
+    group_size_ = group_size;
+    const int groups = (static_cast<int>(fibers_.size()) + group_size - 1) / group_size;
+    group_order_.resize(static_cast<std::size_t>(groups));
+    for (int g = 0; g < groups; ++g) group_order_[static_cast<std::size_t>(g)] = g;
+    std::shuffle(group_order_.begin(), group_order_.end(), rng_);
+  }
+
   // Runs every fiber to completion; false (with a test failure) on a deadlock.
   bool run() {
     std::vector<int> order(fibers_.size());
@@ -106,6 +130,19 @@ class Fibers {
       order.clear();
       for (std::size_t i = 0; i < fibers_.size(); ++i) {
         if (!fibers_[i].done && !fibers_[i].blocked) order.push_back(static_cast<int>(i));
+      }
+      if (group_size_ > 0 && !order.empty()) {  // only the first group in group_order_ that can run
+        int pick = -1;
+        for (int g : group_order_) {
+          for (int i : order) {
+            if (i / group_size_ == g) {
+              pick = g;
+              break;
+            }
+          }
+          if (pick >= 0) break;
+        }
+        std::erase_if(order, [&](int i) { return i / group_size_ != pick; });
       }
       if (order.empty()) {
         for (const auto& f : fibers_) {
@@ -166,6 +203,8 @@ class Fibers {
   StackPool& pool_;
   std::vector<Fiber> fibers_;
   int current_ = -1;
+  int group_size_ = 0;  // run_groups_ahead; 0 = every fiber in every round
+  std::vector<int> group_order_;
 };
 
 class Barrier {
@@ -319,10 +358,20 @@ struct CtaState {
   bool scan_reuse_reported = false;
 };
 
+// A thread-block cluster (sm_90): its blocks run together on one set of fibers; a cluster barrier
+// over all their threads; each block's shared memory reachable from the others (distributed
+// shared memory).
+struct ClusterState {
+  explicit ClusterState(int threads) : all(threads) {}
+  Barrier all;
+  std::vector<CtaState*> ctas;  // by rank
+};
+
 // The policy of a CTA program on the emulator (one object per thread).
 class Cta {
  public:
-  Cta(CtaState& s, int tid, unsigned block, unsigned blocks) : s_(s), tid_(tid), block_(block), blocks_(blocks) {}
+  Cta(CtaState& s, int tid, unsigned block, unsigned blocks, ClusterState* cluster = nullptr, int rank = 0)
+      : s_(s), tid_(tid), block_(block), blocks_(blocks), cluster_(cluster), rank_(rank) {}
   int tid() const { return tid_; }
   int threads() const { return s_.threads; }
   unsigned block() const { return block_; }
@@ -330,6 +379,31 @@ class Cta {
   void sync() const {
     s_.scan_pending[static_cast<std::size_t>(tid_)] = 0;
     s_.all.arrive_and_wait(s_.fibers);
+  }
+  // The cluster (cooperative_groups::this_cluster()): block_rank(), num_blocks(), sync() (every
+  // thread of every block of the cluster; a __syncthreads as well), map_shared_rank(p, rank).
+  // A launch without clusters is a cluster of one block.
+  int rank() const { return rank_; }
+  int ranks() const { return cluster_ == nullptr ? 1 : static_cast<int>(cluster_->ctas.size()); }
+  void cluster_sync() const {
+    if (cluster_ == nullptr) return sync();
+    s_.scan_pending[static_cast<std::size_t>(tid_)] = 0;
+    cluster_->all.arrive_and_wait(s_.fibers);
+  }
+  template <typename T>
+  T* remote(T* p, int rank) const {
+    const auto* at = reinterpret_cast<const std::uint8_t*>(p);
+    const std::uint8_t* base = s_.smem.data();
+    if (at < base || at + sizeof(T) > base + s_.smem.size()) {
+      ADD_FAILURE() << "map_shared_rank of an address outside the block's shared memory";
+      return p;
+    }
+    if (rank < 0 || rank >= ranks()) {
+      ADD_FAILURE() << "map_shared_rank to rank " << rank << " of a cluster of " << ranks();
+      return p;
+    }
+    if (cluster_ == nullptr) return p;
+    return reinterpret_cast<T*>(cluster_->ctas[static_cast<std::size_t>(rank)]->smem.data() + (at - base));
   }
   void sync_warp() const { s_.warp[static_cast<std::size_t>(tid_ / 32)]->arrive_and_wait(s_.fibers); }
   // __ballot_sync(full mask, v): every lane of the warp takes part.
@@ -404,6 +478,8 @@ class Cta {
   CtaState& s_;
   int tid_;
   unsigned block_, blocks_;
+  ClusterState* cluster_;
+  int rank_;
 };
 
 // Runs `program(cta, smem)` as `blocks` blocks of `threads` threads, one block after another,
@@ -426,6 +502,45 @@ void launch(const std::string& kernel, unsigned blocks, int threads, std::size_t
     fibers.run();
     const std::string damage = state->smem.damage();
     EXPECT_TRUE(damage.empty()) << kernel << " block " << b << ": shared memory " << damage;
+  }
+}
+
+// Runs `program(cta, smem)` as `blocks` blocks of `threads` threads in clusters of `cluster`
+// consecutive blocks (cudaLaunchAttributeClusterDimension): the blocks of a cluster run together,
+// one cluster after another, each in one of two seeded schedules: every thread of the cluster
+// interleaved, or its blocks one after another as far as each can go before a cluster barrier
+// (so a block that reads what another has not written yet, for want of a cluster barrier, reads
+// it unwritten). Fails the test on a deadlock or a write outside a block's shared memory.
+template <typename Program>
+void launch_clusters(const std::string& kernel, unsigned blocks, int cluster, int threads, std::size_t smem_bytes,
+                     std::uint64_t seed, Program&& program) {
+  Coverage::ran(kernel);
+  if (cluster < 1 || blocks % static_cast<unsigned>(cluster) != 0) {
+    ADD_FAILURE() << kernel << ": " << blocks << " blocks are not whole clusters of " << cluster;
+    return;
+  }
+  const auto n = static_cast<unsigned>(cluster);
+  for (unsigned first = 0; first < blocks; first += n) {
+    std::vector<std::unique_ptr<CtaState>> states;
+    ClusterState cs(cluster * threads);
+    Fibers fibers(
+        cluster * threads,
+        [&](int f) {
+          const int rank = f / threads;
+          Cta cta(*states[static_cast<std::size_t>(rank)], f % threads, first + static_cast<unsigned>(rank), blocks, &cs, rank);
+          program(cta, states[static_cast<std::size_t>(rank)]->smem.data());
+        },
+        seed * 0x9E3779B97F4A7C15ull + first, 64 * 1024);
+    for (int r = 0; r < cluster; ++r) {
+      states.push_back(std::make_unique<CtaState>(threads, smem_bytes, fibers));
+      cs.ctas.push_back(states.back().get());
+    }
+    if (((seed + first) * 0x9E3779B97F4A7C15ull) >> 63) fibers.run_groups_ahead(threads);
+    fibers.run();
+    for (int r = 0; r < cluster; ++r) {
+      const std::string damage = states[static_cast<std::size_t>(r)]->smem.damage();
+      EXPECT_TRUE(damage.empty()) << kernel << " block " << first + static_cast<unsigned>(r) << ": shared memory " << damage;
+    }
   }
 }
 

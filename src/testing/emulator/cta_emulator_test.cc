@@ -49,6 +49,51 @@ TEST(CtaEmulator, TheBlockedScanRanksThreadContiguousItems) {
   EXPECT_EQ(total, run);
 }
 
+// A cluster: each block writes its rank into every block's shared memory (distributed shared
+// memory), a cluster barrier, then each reads what the others wrote.
+TEST(CtaEmulator, AClusterBarrierMakesEveryBlocksWritesVisible) {
+  constexpr int kBlocks = 8, kCluster = 4, kThreads = 32;
+  std::vector<int> seen(kBlocks * kCluster, -1);
+  launch_clusters("test_cluster", kBlocks, kCluster, kThreads, kCluster * 4, 9, [&](Cta& p, std::uint8_t* smem) {
+    auto* slot = reinterpret_cast<std::int32_t*>(smem);
+    EXPECT_EQ(p.ranks(), kCluster);
+    EXPECT_EQ(static_cast<int>(p.block()) % kCluster, p.rank());
+    if (p.tid() < kCluster) *p.remote(slot + p.rank(), p.tid()) = p.rank();
+    p.cluster_sync();
+    if (p.tid() == 0) {
+      for (int q = 0; q < kCluster; ++q) seen[p.block() * kCluster + static_cast<unsigned>(q)] = slot[q];
+    }
+  });
+  for (int b = 0; b < kBlocks; ++b) {
+    for (int q = 0; q < kCluster; ++q) EXPECT_EQ(seen[static_cast<std::size_t>(b * kCluster + q)], q) << b;
+  }
+}
+
+// Without the cluster barrier (a block barrier in its place), a block that runs ahead reads
+// another's shared memory unwritten: some seed's schedule shows it.
+TEST(CtaEmulator, ABlockBarrierInPlaceOfTheClustersLetsABlockReadAheadOfTheOthers) {
+  int stale = 0;
+  for (std::uint64_t seed = 0; seed < 16 && stale == 0; ++seed) {
+    launch_clusters("test_cluster_race", 2, 2, 32, 4, seed, [&](Cta& p, std::uint8_t* smem) {
+      auto* slot = reinterpret_cast<std::int32_t*>(smem);
+      if (p.tid() == 0) *slot = 1;
+      p.sync();  // not p.cluster_sync()
+      if (p.tid() == 0 && *p.remote(slot, 1 - p.rank()) != 1) ++stale;
+      p.cluster_sync();  // no block exits while the other may read its shared memory
+    });
+  }
+  EXPECT_GT(stale, 0);
+}
+
+TEST(CtaEmulator, AClusterAddressOutsideSharedMemoryFails) {
+  int outside = 0;
+  EXPECT_NONFATAL_FAILURE(launch_clusters("test_cluster_range", 2, 2, 1, 4, 1,
+                                          [&](Cta& p, std::uint8_t*) {
+                                            if (p.rank() == 0) (void)p.remote(&outside, 1);
+                                          }),
+                          "outside the block's shared memory");
+}
+
 TEST(CtaEmulator, AScanReusedWithoutABarrierFails) {
   EXPECT_NONFATAL_FAILURE(launch("test_reuse", 1, 64, 0, 1,
                                  [](Cta& p, std::uint8_t*) {

@@ -63,6 +63,7 @@ SwapEngineBenchResult run_swap_engine_bench(const SwapEngineBenchConfig& c) {
   gc.slots = c.slots;
   gc.max_positions = T * K;
   gc.device = c.device;
+  gc.cluster = c.cluster;
   cudaStream_t stream = nullptr;
   ESS_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
   const std::unique_ptr<CUstream_st, decltype(&cudaStreamDestroy)> stream_owner(stream, &cudaStreamDestroy);
@@ -146,6 +147,7 @@ SwapEngineBenchResult run_swap_engine_bench(const SwapEngineBenchConfig& c) {
               want_misses[static_cast<std::size_t>(b)]);
   }
   res.checked_requests = checked;
+  res.blocks_per_request = engine.cluster_size(s);
   res.us_per_layer = test::summarize(us);
   res.hits_per_request_step = static_cast<double>(hits) / static_cast<double>(request_steps);
   res.misses_per_request_step = static_cast<double>(misses) / static_cast<double>(request_steps);

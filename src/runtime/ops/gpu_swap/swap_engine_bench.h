@@ -24,6 +24,7 @@ struct SwapEngineBenchConfig {
   int repeats = 50;
   std::uint64_t seed = 1;
   int device = 0;
+  int cluster = 0;            // blocks per request (GpuSwapConfig::cluster; 0 = the engine's choice)
 };
 
 struct SwapEngineBenchResult {
@@ -33,6 +34,7 @@ struct SwapEngineBenchResult {
   double misses_per_request_step = 0;
   double hits_per_request_step = 0;
   int checked_requests = 0;   // requests whose last slot ids and misses matched the LRU model
+  int blocks_per_request = 1; // the cluster each request's step ran on
 };
 
 SwapEngineBenchResult run_swap_engine_bench(const SwapEngineBenchConfig& config);

@@ -74,12 +74,12 @@ inline void expect_fits_the_device(const cuda::GpuSwapConfig& gc) {
       << gc.max_positions << " positions, " << gc.slots << " slots";
 }
 
-// (batch, T, K, extra slots)
-class GpuSwapShapes : public testing::TestWithParam<std::tuple<int, int, int, int>> {};
+// (batch, T, K, extra slots, blocks per request: GpuSwapConfig::cluster, 0 = by the step)
+class GpuSwapShapes : public testing::TestWithParam<std::tuple<int, int, int, int, int>> {};
 
 TEST_P(GpuSwapShapes, MatchesTheCpuEngineBitForBit) {
   ESS_REQUIRE_BACKEND(swap_backend().info);
-  const auto [B, T, K, extra] = GetParam();
+  const auto [B, T, K, extra, cluster] = GetParam();
   const std::int32_t S = T * K + extra;
   const std::int64_t len = std::max<std::int64_t>(4 * S, 64);
   const int layers = 2;
@@ -89,6 +89,7 @@ TEST_P(GpuSwapShapes, MatchesTheCpuEngineBitForBit) {
   gc.layers = layers;
   gc.slots = S;
   gc.max_positions = T * K;
+  gc.cluster = cluster;
   expect_fits_the_device(gc);
   const std::unique_ptr<EngineUnderTest> gpu = swap_backend().make(gc);
   std::vector<RequestId> batch;
@@ -136,11 +137,39 @@ TEST_P(GpuSwapShapes, MatchesTheCpuEngineBitForBit) {
   }
 }
 
+// By the step (0): one block per request at these sizes but MTP 3 at K = 2048 (a cluster of 8 at
+// batch 2); clusters forced on small shapes (parts of a block empty: 1 slot over 4 blocks), on MTP
+// 4 at K = 2048 (the paper's MTP-4 deployment) and over scans of two tiles (17,064 slots on 2
+// blocks of 8,192 items each).
 INSTANTIATE_TEST_SUITE_P(Awkward, GpuSwapShapes,
-                         testing::Values(std::make_tuple(1, 1, 1, 0), std::make_tuple(3, 2, 41, 7), std::make_tuple(127, 1, 41, 0),
-                                         std::make_tuple(3, 2, 256, 300), std::make_tuple(127, 2, 2048, 2458),
-                                         // MTP 3 and 4 at K = 2048 (the paper's MTP-4 deployment)
-                                         std::make_tuple(2, 3, 2048, 0), std::make_tuple(3, 4, 2048, 1000)));
+                         testing::Values(std::make_tuple(1, 1, 1, 0, 4), std::make_tuple(3, 2, 41, 7, 2),
+                                         std::make_tuple(127, 1, 41, 0, 0), std::make_tuple(3, 2, 256, 300, 2),
+                                         std::make_tuple(127, 2, 2048, 2458, 0), std::make_tuple(2, 3, 2048, 0, 0),
+                                         std::make_tuple(3, 4, 2048, 1000, 2), std::make_tuple(1, 1, 64, 17000, 2)));
+
+// The blocks per request the engine picks: many at a small batch of a production-size step, one
+// at a large batch or a small step.
+TEST(GpuSwapEngine, ClusterSizeFollowsTheBatchAndTheStep) {
+  constexpr int kSms = 132;  // H100 SXM
+  EXPECT_EQ(cuda::swap_cluster_size(1, 2 * 2048, 6554, kSms, 8), 8);
+  EXPECT_EQ(cuda::swap_cluster_size(2, 2 * 2048, 6554, kSms, 8), 8);  // 10,650 items: over 1,024 per block
+  EXPECT_EQ(cuda::swap_cluster_size(1, 2 * 2048, 2000, kSms, 8), 4);  // 6,096 items: 8 blocks would hold fewer
+  EXPECT_EQ(cuda::swap_cluster_size(16, 4 * 2048, 9192, kSms, 8), 8);
+  EXPECT_EQ(cuda::swap_cluster_size(17, 4 * 2048, 9192, kSms, 8), 4);   // 17 x 8 > 132 SMs
+  EXPECT_EQ(cuda::swap_cluster_size(66, 4 * 2048, 9192, kSms, 8), 2);
+  EXPECT_EQ(cuda::swap_cluster_size(67, 4 * 2048, 9192, kSms, 8), 1);
+  EXPECT_EQ(cuda::swap_cluster_size(128, 2 * 2048, 6554, kSms, 8), 1);
+  EXPECT_EQ(cuda::swap_cluster_size(1, 2 * 41, 89, kSms, 8), 1);        // fewer items than one block's threads
+  EXPECT_EQ(cuda::swap_cluster_size(1, 2 * 2048, 6554, kSms, 2), 2);    // at most max_cluster
+  cuda::GpuSwapConfig gc;
+  gc.rows = 1;
+  gc.layers = 1;
+  gc.slots = 64;
+  gc.cluster = 3;
+  EXPECT_NE(cuda::check_args(gc).find("cluster = 3"), std::string::npos);
+  gc.cluster = 16;
+  EXPECT_NE(cuda::check_args(gc).find("cluster = 16"), std::string::npos);
+}
 
 TEST(GpuSwapEngine, WarmupMatchesTheCpuEngine) {
   ESS_REQUIRE_BACKEND(swap_backend().info);

@@ -2,9 +2,12 @@
 // that supplies the GPU primitives: p.tid(), p.threads(), p.block(), p.blocks(), p.sync()
 // (__syncthreads), p.exclusive_sum(items[kScanItems], ranks[kScanItems], total) (a block-wide
 // exclusive sum over each thread's items: cub's BlockScan; its storage is reused only after a
-// p.sync()), p.atomic_cas and p.atomic_min on
-// shared int32. swap_engine_gpu.cu instantiates them with CUDA's primitives;
-// the emulated CUDA target runs the same code on the CPU (cta_emulator.h; cuda_swap_engine_emulated_test).
+// p.sync() or p.cluster_sync()), p.atomic_cas and p.atomic_min on shared int32 (local or another
+// block's of the cluster), and the cluster (cooperative_groups::this_cluster()): p.rank() and
+// p.ranks() (block_rank, num_blocks; a launch without clusters: 0 and 1), p.cluster_sync()
+// (every thread of the cluster, with release / acquire order) and p.remote(ptr, rank)
+// (map_shared_rank). swap_engine_gpu.cu instantiates them with CUDA's primitives; the emulated
+// CUDA target runs the same code on the CPU (cta_emulator.h; cuda_swap_engine_emulated_test).
 #pragma once
 
 #include <climits>
@@ -12,12 +15,14 @@
 
 #include "runtime/cuda/device_inline.h"
 #include "runtime/ops/gpu_swap/swap_engine_gpu.h"
+#include "runtime/ops/launch_args.h"
 
 namespace ess::cuda::swap {
 
-// The launch shapes (swap_engine_gpu.cu; the emulated launchers use the same): the step and
-// the diff one block of kStepThreads, the reset kResetBlocks of kResetThreads.
-inline constexpr int kStepThreads = 1024;
+// The launch shapes (swap_engine_gpu.cu; the emulated launchers use the same): the step one
+// block of kStepThreads per request, or a cluster of them (swap_cluster_size), the diff one
+// block of kStepThreads, the reset kResetBlocks of kResetThreads.
+inline constexpr int kStepThreads = kSwapStepThreads;
 inline constexpr int kResetBlocks = 64;
 inline constexpr int kResetThreads = 256;
 
@@ -25,8 +30,22 @@ ESS_DEVICE_INLINE int hash_home(std::int32_t tok, int mask) {
   return static_cast<int>((static_cast<std::uint32_t>(tok) * 0x9E3779B1u) >> 7) & mask;
 }
 
+// n values of one type spread over the cluster's blocks in equal parts: value i lives at
+// local[i % part] of block i / part (one block: local[i]).
+template <typename T, class P>
+struct Spread {
+  T* local;
+  int part;
+  const P* p;
+  ESS_DEVICE_INLINE T& operator[](int i) const {
+    if (p->ranks() == 1) return local[i];
+    return *p->remote(local + i % part, i / part);
+  }
+};
+
 // Open-addressing probe for `tok`; -1 when absent.
-ESS_DEVICE_INLINE int hash_find(const std::int32_t* keys, std::int32_t tok, int mask) {
+template <class Keys>
+ESS_DEVICE_INLINE int hash_find(const Keys& keys, std::int32_t tok, int mask) {
   int h = hash_home(tok, mask);
   while (true) {
     const std::int32_t k = keys[h];
@@ -36,78 +55,104 @@ ESS_DEVICE_INLINE int hash_find(const std::int32_t* keys, std::int32_t tok, int 
   }
 }
 
-// The step's shared memory (swap_step_smem_bytes): per hash entry a token and its state; the
-// misses' tokens; a flag per slot.
+// The step's shared memory (swap_step_smem_bytes), each array spread over the request's blocks:
+// per hash entry a token and its state; the misses' tokens; the cluster scan's exchange (one
+// int32, with more than one block); a flag per slot.
 //   state[h]: >= 0            the token's slot (a hit, or its victim once filled)
 //             -2 - m          miss m, waiting for its victim
 //             INT_MIN + i     not ranked yet; i = its first (canonical) position
 //             -1              no token
+template <class P>
 struct SwapShared {
-  std::int32_t* key;       // [H] token, -1 = empty
-  std::int32_t* state;     // [H]
-  std::int32_t* miss_tok;  // [P]
-  std::uint8_t* flag;      // [S] 1 = slot holds a working-set token this step
+  Spread<std::int32_t, P> key;       // [H] token, -1 = empty
+  Spread<std::int32_t, P> state;     // [H]
+  Spread<std::int32_t, P> miss_tok;  // [P]
+  std::int32_t* exchange;            // this block's total of a cluster scan's tile
+  Spread<std::uint8_t, P> flag;      // [S] 1 = slot holds a working-set token this step
 };
 
-ESS_DEVICE_INLINE SwapShared swap_shared(std::uint8_t* smem, int hash_cap, int positions) {
-  SwapShared sh;
-  sh.key = reinterpret_cast<std::int32_t*>(smem);
-  sh.state = sh.key + hash_cap;
-  sh.miss_tok = sh.state + hash_cap;
-  sh.flag = reinterpret_cast<std::uint8_t*>(sh.miss_tok + positions);
-  return sh;
+template <class P>
+ESS_DEVICE_INLINE SwapShared<P> swap_shared(std::uint8_t* smem, int hash_cap, int positions, int slots, const P& p) {
+  const int r = p.ranks();
+  const int hash_part = hash_cap / r, miss_part = (positions + r - 1) / r, flag_part = (slots + r - 1) / r;
+  auto* key = reinterpret_cast<std::int32_t*>(smem);
+  std::int32_t* state = key + hash_part;
+  std::int32_t* miss = state + hash_part;
+  std::int32_t* exchange = miss + miss_part;
+  auto* flag = reinterpret_cast<std::uint8_t*>(exchange + (r > 1 ? 1 : 0));
+  return SwapShared<P>{{key, hash_part, &p}, {state, hash_part, &p}, {miss, miss_part, &p}, exchange, {flag, flag_part, &p}};
 }
 
-// Items per thread of a scan tile: a tile of p.threads() x kScanItems indices (8,192 at 1,024
-// threads) covers a step's T x K <= 8,192 selections, or a pool of up to 8,192 slots, in one
-// block scan, so a step runs 3 dependent scans instead of one per 1,024 indices.
+// Items per thread of a scan tile: a block's share of a tile is p.threads() x kScanItems indices
+// (8,192 at 1,024 threads), so one block covers a step's T x K <= 8,192 selections, or a pool of
+// up to 8,192 slots, in one block scan: a step runs 3 dependent scans instead of one per 1,024
+// indices.
 inline constexpr int kScanItems = 8;
 
-// An exclusive prefix sum over n predicates in tiles of p.threads() x kScanItems, in index
-// order (thread t of a tile holds its indices t x kScanItems .. + kScanItems - 1: cub's blocked
-// arrangement): calls on_rank(i, rank, value) for every i whose predicate holds; returns the
-// total. `pred(i, value)` is evaluated (and may read memory that on_rank of the same tile
-// writes) before any on_rank call of its tile.
+// An exclusive prefix sum over n predicates in tiles of p.ranks() shares of at most p.threads() x
+// kScanItems indices (n split evenly over the blocks, in whole kScanItems; block r of the cluster
+// takes the r-th share of each tile; thread t of a share holds its indices t x kScanItems .. +
+// kScanItems - 1: cub's blocked arrangement), in index order: calls
+// on_rank(i, rank, value) for every i whose predicate holds; returns the total. `pred(i, value)`
+// is evaluated (and may read memory that on_rank of the same tile writes, in any block) before
+// any on_rank call of its tile; a tile's on_rank calls finish before the next tile's preds. With
+// more than one block, each block's total goes through its `exchange` and a cluster barrier.
 template <class P, typename Pred, typename OnRank>
-ESS_DEVICE_INLINE int scan_tiles(P& p, int n, Pred pred, OnRank on_rank) {
+ESS_DEVICE_INLINE int scan_tiles(P& p, std::int32_t* exchange, int n, Pred pred, OnRank on_rank) {
   int running = 0;
-  const int tile = p.threads() * kScanItems;
+  const int ranks = p.ranks(), me = p.rank();
+  const int per_rank = ((n + ranks - 1) / ranks + kScanItems - 1) / kScanItems * kScanItems;
+  const int share = per_rank < p.threads() * kScanItems ? per_rank : p.threads() * kScanItems;
+  const int tile = ranks * share;
   for (int base = 0; base < n; base += tile) {
-    const int first = base + p.tid() * kScanItems;
+    const int own = p.tid() * kScanItems;  // this thread's first index within the block's share
+    const int first = base + me * share + own;
     int flag[kScanItems], value[kScanItems], rank[kScanItems];
     ESS_UNROLL
     for (int u = 0; u < kScanItems; ++u) {
       value[u] = 0;
-      flag[u] = (first + u < n && pred(first + u, value[u])) ? 1 : 0;
+      flag[u] = (own + u < share && first + u < n && pred(first + u, value[u])) ? 1 : 0;
     }
     int total = 0;
     p.exclusive_sum(flag, rank, total);
+    int before = 0;  // the totals of the blocks of lower rank
+    if (ranks > 1) {
+      if (p.tid() == 0) *exchange = total;
+      p.cluster_sync();
+      total = 0;
+      for (int q = 0; q < ranks; ++q) {
+        const int t = *p.remote(exchange, q);
+        if (q < me) before += t;
+        total += t;
+      }
+    }
     ESS_UNROLL
     for (int u = 0; u < kScanItems; ++u) {
-      if (flag[u]) on_rank(first + u, running + rank[u], value[u]);
+      if (flag[u]) on_rank(first + u, running + before + rank[u], value[u]);
     }
     running += total;
-    p.sync();  // the scan's storage is reused by the next tile
+    p.cluster_sync();  // the scan's storage and the exchange are reused by the next tile
   }
   return running;
 }
 
-// One block per batch position b = p.block().
+// One request per block, or per cluster of p.ranks() consecutive blocks: request b = p.block() /
+// p.ranks(). Every loop strides over the cluster's threads; a barrier is the cluster's.
 template <class P>
-ESS_DEVICE_INLINE void swap_step_cta(const GpuSwapStep& p_, int S, int layers, int hash_cap, std::int32_t* order_all,
-                                   std::int32_t* stamp_all, std::int32_t* token_all, std::int32_t* clock_all,
-                                   std::uint8_t* smem, P& p) {
-  const GpuSwapStep& a = p_;
+ESS_DEVICE_INLINE void swap_step_cta(const GpuSwapStep& a, int S, int layers, int hash_cap, std::int32_t* order_all,
+                                     std::int32_t* stamp_all, std::int32_t* token_all, std::int32_t* clock_all,
+                                     std::uint8_t* smem, P& p) {
   const int P_ = a.query_tokens * a.topk;
   const int mask = hash_cap - 1;
-  const int threads = p.threads();
-  const SwapShared sh = swap_shared(smem, hash_cap, P_);
+  const int ranks = p.ranks();
+  const int stride = ranks * p.threads();                  // the cluster's threads
+  const int tid = p.rank() * p.threads() + p.tid();        // this thread among them
+  const SwapShared<P> sh = swap_shared(smem, hash_cap, P_, S, p);
 
-  const int b = static_cast<int>(p.block());
+  const int b = static_cast<int>(p.block()) / ranks;
   const int row = a.rows[b];
-  const int tid = p.tid();
   if (row < 0) {  // a padded batch position: no state, no misses, every slot id -1
-    for (int i = tid; i < P_; i += threads) a.slot_ids[static_cast<std::int64_t>(b) * P_ + i] = -1;
+    for (int i = tid; i < P_; i += stride) a.slot_ids[static_cast<std::int64_t>(b) * P_ + i] = -1;
     if (tid == 0) {
       a.counts[2 * b] = 0;
       a.counts[2 * b + 1] = 0;
@@ -120,16 +165,17 @@ ESS_DEVICE_INLINE void swap_step_cta(const GpuSwapStep& p_, int S, int layers, i
   std::int32_t* token_of_slot = token_all + state * S;
   const std::int32_t* ids = a.ids + static_cast<std::int64_t>(b) * P_;
 
-  for (int i = tid; i < hash_cap; i += threads) {
-    sh.key[i] = -1;
-    sh.state[i] = -1;
+  // Each block clears its own parts.
+  for (int i = p.tid(); i < sh.key.part; i += p.threads()) {
+    sh.key.local[i] = -1;
+    sh.state.local[i] = -1;
   }
-  for (int s = tid; s < S; s += threads) sh.flag[s] = 0;
-  p.sync();
+  for (int s = p.tid(); s < sh.flag.part; s += p.threads()) sh.flag.local[s] = 0;
+  p.cluster_sync();
 
   // 1. The working set: every selected token once, with its first canonical position
   //    (the smallest INT_MIN + i).
-  for (int i = tid; i < P_; i += threads) {
+  for (int i = tid; i < P_; i += stride) {
     const std::int32_t tok = ids[i];
     if (tok < 0) continue;
     int h = hash_home(tok, mask);
@@ -142,10 +188,10 @@ ESS_DEVICE_INLINE void swap_step_cta(const GpuSwapStep& p_, int S, int layers, i
       h = (h + 1) & mask;
     }
   }
-  p.sync();
+  p.cluster_sync();
 
   // 2. Hits: resident slots whose token is in the working set.
-  for (int s = tid; s < S; s += threads) {
+  for (int s = tid; s < S; s += stride) {
     const std::int32_t tok = token_of_slot[s];
     if (tok < 0) continue;
     const int h = hash_find(sh.key, tok, mask);
@@ -154,11 +200,11 @@ ESS_DEVICE_INLINE void swap_step_cta(const GpuSwapStep& p_, int S, int layers, i
       sh.state[h] = s;
     }
   }
-  p.sync();
+  p.cluster_sync();
 
   // 3. Misses, ranked by first occurrence (the canonical order).
   const int n_miss = scan_tiles(
-      p, P_,
+      p, sh.exchange, P_,
       [&](int i, int& h) {
         const std::int32_t tok = ids[i];
         if (tok < 0) return false;
@@ -174,7 +220,7 @@ ESS_DEVICE_INLINE void swap_step_cta(const GpuSwapStep& p_, int S, int layers, i
   //    the rest of the non-working-set slots move to the front, keeping their order (in
   //    place: writes land at or before the index being read).
   const int non_hits = scan_tiles(
-      p, S,
+      p, sh.exchange, S,
       [&](int i, int& s) {
         s = order[i];
         return sh.flag[s] == 0;
@@ -193,7 +239,7 @@ ESS_DEVICE_INLINE void swap_step_cta(const GpuSwapStep& p_, int S, int layers, i
   const int n_fill = n_miss < non_hits ? n_miss : non_hits;
 
   // 5. Fill: miss m takes its victim.
-  for (int m = tid; m < n_fill; m += threads) {
+  for (int m = tid; m < n_fill; m += stride) {
     const std::int32_t tok = sh.miss_tok[m];
     const std::int32_t v = sh.state[hash_find(sh.key, tok, mask)];
     sh.flag[v] = 1;
@@ -206,20 +252,22 @@ ESS_DEVICE_INLINE void swap_step_cta(const GpuSwapStep& p_, int S, int layers, i
       a.fill_host_offsets[o] = static_cast<std::uint64_t>(page) * a.page_bytes + static_cast<std::uint64_t>(tok % 64) * a.entry_bytes;
     }
   }
-  p.sync();
+  p.cluster_sync();
 
   // 6. Slot ids for every position (a miss without a victim reads -1).
-  for (int i = tid; i < P_; i += threads) {
+  for (int i = tid; i < P_; i += stride) {
     const std::int32_t tok = ids[i];
     const std::int32_t slot = tok < 0 ? -1 : sh.state[hash_find(sh.key, tok, mask)];
     a.slot_ids[static_cast<std::int64_t>(b) * P_ + i] = slot < 0 ? -1 : slot;
   }
 
-  // 7. The working set becomes the most recent, in ascending slot order.
+  // 7. The working set becomes the most recent, in ascending slot order. (Every block reads the
+  //    clock before the scan's first barrier; it is advanced after the last, when no block
+  //    reads another's shared memory any more, so each may exit.)
   const int ws = hits + n_fill;
   const std::int32_t clock = clock_all[state];
   scan_tiles(
-      p, S, [&](int s, int&) { return sh.flag[s] != 0; },
+      p, sh.exchange, S, [&](int s, int&) { return sh.flag[s] != 0; },
       [&](int s, int r, int) {
         order[S - ws + r] = s;
         stamp[s] = clock;
@@ -253,7 +301,7 @@ template <class P>
 ESS_DEVICE_INLINE void swap_diff_cta(const std::int32_t* before, const std::int32_t* after, int S, std::int32_t* out_tokens,
                                    std::int32_t* out_slots, std::int32_t* count, P& p) {
   const int n = scan_tiles(
-      p, S, [&](int s, int&) { return after[s] >= 0 && after[s] != before[s]; },
+      p, nullptr, S, [&](int s, int&) { return after[s] >= 0 && after[s] != before[s]; },
       [&](int s, int r, int) {
         out_tokens[r] = after[s];
         out_slots[r] = s;

@@ -2,6 +2,8 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
+
 #include "runtime/cuda/check.h"
 #include "runtime/cuda/device_buffer.h"
 #include "runtime/ops/gpu_swap/swap_engine_launch.h"
@@ -19,6 +21,13 @@ GpuSwapEngine::GpuSwapEngine(const GpuSwapConfig& config, Stream stream) : confi
             "gpu swap engine: {} slots and {} positions need {} bytes of shared memory per block; the device allows {}",
             config.slots, config.max_positions, smem, optin);
   ESS_CUDA_CHECK(static_cast<cudaError_t>(swap_step_raise_smem_limit()), "gpu swap engine: raising the shared-memory limit");
+  ESS_CUDA_CHECK(cudaDeviceGetAttribute(&multiprocessors_, cudaDevAttrMultiProcessorCount, config.device),
+                 "gpu swap engine: the device's multiprocessors");
+  cluster_limit_ = swap_step_cluster_limit(config.max_positions, config.slots);
+  ESS_CHECK(config.cluster <= cluster_limit_,
+            "gpu swap engine: cluster = {} blocks per request, but device {} holds clusters of at most {} step blocks "
+            "({} positions, {} slots)",
+            config.cluster, config.device, cluster_limit_, config.max_positions, config.slots);
   const std::size_t n = static_cast<std::size_t>(config.rows) * config.layers * config.slots;
   try {
     ESS_CUDA_CHECK(cudaMalloc(&order_, n * 4), "gpu swap engine: order");
@@ -58,12 +67,18 @@ void GpuSwapEngine::reset_row(int row) {
 
 void GpuSwapEngine::step_async(const GpuSwapStep& s) { step_async(s, stream_); }
 
+int GpuSwapEngine::cluster_size(const GpuSwapStep& s) const {
+  if (config_.cluster > 0) return config_.cluster;
+  return swap_cluster_size(s.batch, s.query_tokens * s.topk, config_.slots, multiprocessors_, cluster_limit_);
+}
+
 void GpuSwapEngine::step_async(const GpuSwapStep& s, Stream stream) {
   const std::string bad = check_args(config_, s);
   ESS_CHECK(bad.empty(), "{}", bad);
   if (s.batch == 0) return;
-  ESS_CUDA_CHECK(static_cast<cudaError_t>(launch_swap_step(s, state(), stream)),
-                 "gpu swap engine: step of layer {} for {} requests", s.layer, s.batch);
+  const int ranks = cluster_size(s);
+  ESS_CUDA_CHECK(static_cast<cudaError_t>(launch_swap_step(s, state(), ranks, stream)),
+                 "gpu swap engine: step of layer {} for {} requests on {} blocks each", s.layer, s.batch, ranks);
 }
 
 GpuSwapEngine::HostResult GpuSwapEngine::step(int layer, const std::vector<std::int32_t>& rows, int T, int K,

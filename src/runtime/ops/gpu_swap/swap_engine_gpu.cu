@@ -1,6 +1,7 @@
 #include <cuda_runtime.h>
 
 #include <climits>
+#include <cooperative_groups.h>
 #include <cstdint>
 #include <cub/block/block_scan.cuh>
 
@@ -15,7 +16,8 @@ constexpr int kThreads = swap::kStepThreads;
 using BlockScan = cub::BlockScan<int, kThreads>;
 static_assert(sizeof(BlockScan::TempStorage) <= kSwapStepStaticSmemBound, "launch_args.h bounds the static shared memory");
 
-// The CUDA primitives of the CTA programs (swap_engine_cta.h).
+// The CUDA primitives of the CTA programs (swap_engine_cta.h), for launches without clusters:
+// a request's step is one block's.
 struct DevicePrims {
   BlockScan::TempStorage* scan;  // kThreads-thread blocks only
   __device__ int tid() const { return static_cast<int>(threadIdx.x); }
@@ -30,14 +32,34 @@ struct DevicePrims {
     return atomicCAS(p, compare, value);
   }
   __device__ void atomic_min(std::int32_t* p, std::int32_t value) const { atomicMin(p, value); }
+  __device__ int rank() const { return 0; }
+  __device__ constexpr int ranks() const { return 1; }
+  __device__ void cluster_sync() const { __syncthreads(); }
+  template <typename T>
+  __device__ T* remote(T* p, int) const {
+    return p;
+  }
 };
 
+// Launches in thread-block clusters (sm_90): a request's step shared by the cluster's blocks,
+// their shared memories one distributed array (atomics included).
+struct ClusterPrims : DevicePrims {
+  __device__ int rank() const { return static_cast<int>(cooperative_groups::this_cluster().block_rank()); }
+  __device__ int ranks() const { return static_cast<int>(cooperative_groups::this_cluster().num_blocks()); }
+  __device__ void cluster_sync() const { cooperative_groups::this_cluster().sync(); }
+  template <typename T>
+  __device__ T* remote(T* p, int rank) const {
+    return cooperative_groups::this_cluster().map_shared_rank(p, static_cast<unsigned>(rank));
+  }
+};
+
+template <class Prims>
 __global__ void __launch_bounds__(kThreads, 1) swap_step_kernel(GpuSwapStep p, int S, int layers, int hash_cap,
                                                                 std::int32_t* order_all, std::int32_t* stamp_all,
                                                                 std::int32_t* token_all, std::int32_t* clock_all) {
   extern __shared__ __align__(16) std::uint8_t smem[];
   __shared__ BlockScan::TempStorage scan_tmp;
-  DevicePrims prims{&scan_tmp};
+  Prims prims{&scan_tmp};
   swap::swap_step_cta(p, S, layers, hash_cap, order_all, stamp_all, token_all, clock_all, smem, prims);
 }
 
@@ -58,15 +80,56 @@ __global__ void __launch_bounds__(kThreads, 1) diff_kernel(const std::int32_t* b
 }  // namespace
 
 int swap_step_raise_smem_limit() {
-  static DynamicSmemLimit limit;
-  return limit.raise(swap_step_kernel);
+  static DynamicSmemLimit plain, cluster;
+  if (const int e = plain.raise(swap_step_kernel<DevicePrims>); e != cudaSuccess) return e;
+  return cluster.raise(swap_step_kernel<ClusterPrims>);
 }
 
-int launch_swap_step(const GpuSwapStep& step, const SwapState& state, Stream stream) {
+int swap_step_cluster_limit(int positions, std::int32_t slots) {
+  for (int ranks = kSwapMaxCluster; ranks > 1; ranks /= 2) {
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(static_cast<unsigned>(ranks));
+    config.blockDim = dim3(kThreads);
+    config.dynamicSmemBytes = swap_step_smem_bytes(positions, slots, ranks);
+    cudaLaunchAttribute cluster[1];
+    cluster[0].id = cudaLaunchAttributeClusterDimension;
+    cluster[0].val.clusterDim.x = static_cast<unsigned>(ranks);
+    cluster[0].val.clusterDim.y = 1;
+    cluster[0].val.clusterDim.z = 1;
+    config.attrs = cluster;
+    config.numAttrs = 1;
+    int active = 0;
+    if (cudaOccupancyMaxActiveClusters(&active, swap_step_kernel<ClusterPrims>, &config) == cudaSuccess && active >= 1) {
+      return ranks;
+    }
+    (void)cudaGetLastError();  // a size the device cannot hold is not an error of the next call
+  }
+  return 1;
+}
+
+int launch_swap_step(const GpuSwapStep& step, const SwapState& state, int ranks, Stream stream) {
   const int positions = step.query_tokens * step.topk;
-  swap_step_kernel<<<step.batch, kThreads, swap_step_smem_bytes(positions, state.slots), static_cast<cudaStream_t>(stream)>>>(
-      step, state.slots, state.layers, swap_hash_capacity(positions), state.order, state.stamp, state.token, state.clock);
-  return cudaGetLastError();
+  const int hash_cap = swap_hash_capacity(positions);
+  const std::size_t smem = swap_step_smem_bytes(positions, state.slots, ranks);
+  if (ranks == 1) {
+    swap_step_kernel<DevicePrims><<<step.batch, kThreads, smem, static_cast<cudaStream_t>(stream)>>>(
+        step, state.slots, state.layers, hash_cap, state.order, state.stamp, state.token, state.clock);
+    return cudaGetLastError();
+  }
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(step.batch * ranks));
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = smem;
+  config.stream = static_cast<cudaStream_t>(stream);
+  cudaLaunchAttribute cluster[1];
+  cluster[0].id = cudaLaunchAttributeClusterDimension;
+  cluster[0].val.clusterDim.x = static_cast<unsigned>(ranks);
+  cluster[0].val.clusterDim.y = 1;
+  cluster[0].val.clusterDim.z = 1;
+  config.attrs = cluster;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, swap_step_kernel<ClusterPrims>, step, state.slots, state.layers, hash_cap, state.order,
+                            state.stamp, state.token, state.clock);
 }
 
 int launch_swap_reset(const SwapState& state, int row, Stream stream) {

@@ -11,7 +11,10 @@
 //   clock             the next step index
 // Per step each block hashes its request's T x K selections in shared memory, scans the
 // slots for hits, ranks the misses by first occurrence, takes victims from the front of
-// `order`, and re-appends the working set in slot order -- O(T x K + S) per request.
+// `order`, and re-appends the working set in slot order -- O(T x K + S) per request. At a
+// small batch a request's step is shared by a cluster of 2 to 8 blocks (the hash, the miss
+// tokens and the slot flags spread over their shared memories, the scans joined across them),
+// so batch 1 is decided on up to 8 SMs rather than one.
 //
 // Plain C++ declarations; kernels in swap_engine_gpu.cu.
 #pragma once
@@ -33,6 +36,10 @@ struct GpuSwapConfig {
   // misses get no slot.
   int max_positions = 4096;
   int device = 0;
+  // The blocks (a thread-block cluster) that decide one request's step: 0 = by the batch and the
+  // step's size (swap_cluster_size: up to 8 at a small batch, 1 at a large one); 1, 2, 4 or 8 =
+  // always that many (1: one block per request whatever the batch).
+  int cluster = 0;
 };
 
 // One launch. Every pointer is device memory. Row r's state of `layer` is used.
@@ -95,11 +102,15 @@ class GpuSwapEngine {
   HostState download(int row, int layer) const;
 
   const GpuSwapConfig& config() const { return config_; }
+  // The blocks that decide each request of a step (GpuSwapConfig::cluster).
+  int cluster_size(const GpuSwapStep& step) const;
 
  private:
   SwapState state() const;
   GpuSwapConfig config_;
   Stream stream_;
+  int multiprocessors_ = 1;
+  int cluster_limit_ = 1;  // the largest cluster the device holds (swap_step_cluster_limit)
   void free_state();
   std::int32_t* order_ = nullptr;
   std::int32_t* stamp_ = nullptr;

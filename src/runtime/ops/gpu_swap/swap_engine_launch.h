@@ -24,7 +24,11 @@ struct SwapState {
 // device; smem_limit.h), so that engines of any size coexist.
 int swap_step_raise_smem_limit();
 
-int launch_swap_step(const GpuSwapStep& step, const SwapState& state, Stream stream);
+// The largest cluster (1, 2, 4 or 8 blocks of the step kernel with the shared memory of
+// `positions` and `slots`) of which the device can hold one at a time (cudaOccupancyMaxActiveClusters).
+int swap_step_cluster_limit(int positions, std::int32_t slots);
+// One request's step on `ranks` blocks (a cluster; swap_cluster_size), step.batch x ranks in all.
+int launch_swap_step(const GpuSwapStep& step, const SwapState& state, int ranks, Stream stream);
 int launch_swap_reset(const SwapState& state, int row, Stream stream);
 int launch_swap_diff(const std::int32_t* before, const std::int32_t* after, std::int32_t slots, std::int32_t* out_tokens,
                      std::int32_t* out_slots, std::int32_t* count, Stream stream);
