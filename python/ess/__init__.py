@@ -38,7 +38,8 @@ def cuda_device_count() -> int:
 
 
 _PLAN_INTEGERS = ("batch_step", "mtp", "nodes", "gpus_per_node", "ep")
-_PLAN_NUMBERS = ("accept", "mem_fraction", "misses", "miss_exponent", "pool_floor_margin", "prefix_share")
+_PLAN_NUMBERS = ("accept", "mem_fraction", "misses", "miss_exponent", "pool_floor_margin", "prefix_share",
+                 "host_reserve")
 _PLAN_TEXTS = ("model", "deployment", "miss_profile", "op_table", "pool_floor", "engine")
 
 
@@ -47,7 +48,8 @@ def plan(*, contexts: Iterable[int] = (32768,), min_otps: float = 0.0, hardware:
     """`ess plan --format json` as a call: per context, the batch, Sparse Memory Ratio and overlap mode with the
     highest throughput that meets `min_otps`. Other options as `ess plan`'s flags with underscores (model,
     deployment, modes, batch_step, mtp, accept, nodes, gpus_per_node, ep, mem_fraction, no_tbo, misses,
-    miss_exponent, miss_profile, pool_floor, pool_floor_margin, prefix_share, op_table, engine: "sglang" for the search
+    miss_exponent, miss_profile, pool_floor, pool_floor_margin, prefix_share, host_reserve, op_table, engine: "sglang"
+    for the search
     limited to what ESS serves inside SGLang and each context's "launch" line); unknown ones are refused
     by the library. Integers must be ints (a context of 32768.5 is refused, not planned), numbers finite, no_tbo
     a bool; a refusal is InvalidType or InvalidArgument naming the option."""

@@ -50,7 +50,7 @@ TEST(sim_launch, TheLaunchLineCarriesThePlansChoice) {
   EXPECT_EQ(value("--context-length"), "131072");
   EXPECT_EQ(value("--speculative-num-draft-tokens"), "2");
   EXPECT_NE(value("--hisparse-config").find(fmt::format("\"device_buffer_size\": {}", c.slots)), std::string::npos);
-  EXPECT_EQ(std::count(argv.begin(), argv.end(), "--enable-two-batch-overlap"), 1);
+  EXPECT_EQ(std::count(argv.begin(), argv.end(), "--enable-two-batch-overlap"), p.results[0].chosen.two_batch_overlap ? 1 : 0);
   const bool da = c.overlap == OverlapMode::kDualAttention;
   const std::vector<std::string> env = l["env"];
   EXPECT_EQ(env.size(), da ? 2u : 1u);

@@ -80,12 +80,39 @@ TEST(sim_plan, HostLimitsRefuseConfigurations) {
   HardwareProfile small_host = paper_hw();
   small_host.host_dram_gb = 600;  // 8 GPUs x batch x 1.33 GB: ~56 requests per GPU at most
   const StepModel sm(dsv32(), small_host, paper_dep());
-  const PlanResult p = plan(sm, request(0));
+  PlanRequest every_batch = request(0);
+  every_batch.batch_step = 1;
+  const PlanResult p = plan(sm, every_batch);
   ASSERT_FALSE(p.refusals.empty());
   EXPECT_NE(p.refusals.front().find("host DRAM"), std::string::npos) << p.refusals.front();
-  if (p.chosen.best.offload) {
-    EXPECT_LE(p.chosen.best.host_pool_gb_per_node, 600);
+  // ESS's host pool stays within the DRAM left after the reserve (10 % by default), which is what
+  // binds it; without the reserve it takes more.
+  auto ess_best = [](const PlanResult& r) {
+    const PlanOption* best = r.chosen.best.offload ? &r.chosen : nullptr;
+    for (const auto& o : r.alternatives) {
+      if (best == nullptr && o.found && o.best.offload) best = &o;
+    }
+    return best;
+  };
+  const PlanOption* e = ess_best(p);
+  ASSERT_NE(e, nullptr);
+  EXPECT_LE(e->best.host_pool_gb_per_node, 600 * 0.9);
+  EXPECT_NE(e->limit.find("host DRAM: batch"), std::string::npos) << e->limit;
+  EXPECT_NE(e->limit.find("more than the 540 GB it may use"), std::string::npos) << e->limit;
+  HardwareProfile no_reserve = small_host;
+  no_reserve.host_dram_reserve = 0;
+  const PlanResult all = plan(StepModel(dsv32(), no_reserve, paper_dep()), every_batch);
+  const PlanOption* f = nullptr;  // the same kind without the reserve
+  for (const PlanOption* o : {&all.chosen}) {
+    if (o->label == e->label) f = o;
   }
+  for (const auto& o : all.alternatives) {
+    if (o.label == e->label) f = &o;
+  }
+  ASSERT_TRUE(f != nullptr && f->found);
+  EXPECT_GT(f->best.batch, e->best.batch);
+  EXPECT_GT(f->best.host_pool_gb_per_node, e->best.host_pool_gb_per_node);
+  EXPECT_LE(f->best.host_pool_gb_per_node, 600);
 
   HardwareProfile slow_host = paper_hw();
   slow_host.host_dram_bandwidth_gbps = 20;
@@ -115,6 +142,43 @@ TEST(sim_plan, SharedPrefixesLowerHostMemoryAndRaiseTheBatch) {
   EXPECT_DOUBLE_EQ(mem.host_pool_bytes_per_node(10, 0.5), (16384 + 10 * 16384.0) * per_token);
   EXPECT_DOUBLE_EQ(mem.host_pool_bytes_per_node(10, 0.001), (0 + 10 * 32768.0) * per_token);  // no whole page
   EXPECT_THROW(mem.host_pool_bytes_per_node(10, 1.5), Error);
+}
+
+// Every option says what stops its best from a larger batch, with the numbers.
+TEST(sim_plan, EveryOptionNamesItsBindingLimit) {
+  const StepModel sm(dsv32(), paper_hw(), paper_dep());
+  const PlanResult p = plan(sm, request(0));
+  ASSERT_TRUE(p.found);
+  bool gpu_memory = false;
+  for (const auto& o : p.alternatives) {
+    if (!o.found) continue;
+    EXPECT_FALSE(o.limit.empty()) << o.label;
+    EXPECT_GT(o.cache_budget_gb, 0) << o.label;
+    EXPECT_LE(o.indexer_gb + o.latent_gb, o.cache_budget_gb * 1.0001) << o.label;
+    if (!o.best.offload) {  // all-on-GPU stops where the whole context no longer fits
+      EXPECT_NE(o.limit.find("GPU memory: batch 54 takes"), std::string::npos) << o.limit;
+      EXPECT_NE(o.limit.find("the latent cache the larger part"), std::string::npos) << o.limit;
+      EXPECT_NE(o.why.find(o.limit), std::string::npos) << o.why;
+      gpu_memory = true;
+    }
+  }
+  EXPECT_TRUE(gpu_memory);
+  // A target above the larger batches' OTPS binds there.
+  const PlanResult q = plan(sm, request(20));
+  ASSERT_TRUE(q.found);
+  EXPECT_NE(q.chosen.limit.find("OTPS: batch"), std::string::npos) << q.chosen.limit;
+  EXPECT_NE(q.chosen.limit.find("below 20.00"), std::string::npos) << q.chosen.limit;
+  // At 128K ESS's GPU memory is mostly the indexer cache (the figures --explain prints), and a
+  // batch past the peak says so.
+  PlanRequest r = request(0);
+  r.context = 131072;
+  r.modes = {OverlapMode::kNone};
+  HardwareProfile big_host = paper_hw();
+  big_host.host_dram_gb = 1e5;  // host DRAM out of the way
+  const PlanResult l = plan(StepModel(dsv32(), big_host, paper_dep()), r);
+  ASSERT_TRUE(l.found && l.chosen.best.offload);
+  EXPECT_GT(l.chosen.indexer_gb, l.chosen.latent_gb);
+  EXPECT_NE(l.chosen.limit.find("throughput: the larger batches tried give less"), std::string::npos) << l.chosen.limit;
 }
 
 TEST(sim_plan, InvalidRequests) {

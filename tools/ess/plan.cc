@@ -18,6 +18,7 @@ struct PlanArgs {
   SimInputs inputs;
   sim::PlanOptions options;
   Format format = Format::kTable;
+  bool explain = false;
 };
 
 }  // namespace
@@ -45,13 +46,17 @@ void add_plan(CLI::App& app, int& exit_code) {
   cmd->add_option("--batch-step", args->options.batch_step, "Batch sizes tried: 1, 1 + step, ...")
       ->capture_default_str()
       ->check(in_range(1, 1 << 20));
+  cmd->add_flag("--explain", args->explain,
+                "Show every option's figures behind its limit: the GPU's cache memory (indexer and latent), the node's "
+                "host pool against the host DRAM it may use, H2D against host-memory bandwidth, OTPS");
   add_format_option(*cmd, args->format);
   cmd->callback([args, modes, &exit_code] {
     PlanArgs& a = *args;
     a.options.modes_given = modes->count() > 0;
     Progress progress("contexts planned");
     a.options.progress = [&](std::size_t done, std::size_t total) { progress(done, total); };
-    const sim::Plans plans = sim::plan_contexts(a.inputs, a.options);
+    sim::Plans plans = sim::plan_contexts(a.inputs, a.options);
+    plans.explain = a.explain;
     a.options.progress = nullptr;
     if (a.format == Format::kJson) {
       fmt::print("{}\n", sim::to_json(plans).dump(2));

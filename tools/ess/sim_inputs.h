@@ -51,6 +51,10 @@ struct SimInputs : sim::Inputs {
                    "Fraction of the context every request of a GPU shares (a common prompt prefix): its host "
                    "pages are held once")
         ->check(in_range(0.0, 1.0));
+    cmd.add_option("--host-reserve", host_reserve,
+                   "Share of host DRAM the host pool leaves to the OS and the serving engine (default: the hardware "
+                   "profile's host_dram_reserve, 0.1)")
+        ->check(in_range(0.0, 0.9));
     cmd.add_option("--op-table", op_table, "Measured op times: CSV op,context,tokens,time_us (see docs/simulator.md)");
   }
 };

@@ -48,6 +48,10 @@ struct HardwareProfile {
   // Host, per node.
   double host_dram_gb = 0;
   double host_dram_bandwidth_gbps = 0;
+  // The share of host DRAM ESS's host pool leaves to everything else on the node (the OS, the
+  // serving engine's processes, pinned staging buffers, the page cache).
+  double host_dram_reserve = 0.1;
+  double host_dram_usable_gb() const { return host_dram_gb * (1.0 - host_dram_reserve); }
   // Memory the CUDA context, NCCL/DeepEP buffers and allocator take outside the model's pools.
   double cuda_context_gb = 0;
 

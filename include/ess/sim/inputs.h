@@ -38,6 +38,7 @@ struct Inputs {
   std::optional<std::string> pool_floor;   // MissModel::pool_floor
   std::optional<double> pool_floor_margin;
   std::optional<double> prefix_share;      // Workload::prefix_share
+  std::optional<double> host_reserve;      // HardwareProfile::host_dram_reserve
   std::string op_table;
 
   ModelSpec load_model() const;
@@ -68,7 +69,7 @@ Plans plan_contexts(const Inputs& inputs, const PlanOptions& options);
 // A plan request as JSON (the C ABI's ess_plan): optional keys named like the fields above
 // (contexts, min_otps, modes, batch_step, model, hardware, deployment, mtp, accept, nodes,
 // gpus_per_node, ep, mem_fraction, no_tbo, misses, miss_exponent, miss_profile, pool_floor,
-// pool_floor_margin, prefix_share, op_table);
+// pool_floor_margin, prefix_share, host_reserve, op_table);
 // an unknown key or a value of the wrong type is refused by name.
 void read_plan_request(const nlohmann::json& request, Inputs& inputs, PlanOptions& options);
 

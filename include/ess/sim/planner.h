@@ -29,6 +29,13 @@ struct PlanOption {
   bool found = false;    // some configuration of this kind meets every constraint
   StepResult best;       // its best (when found)
   std::string why;       // why it loses to the chosen one, or why none qualifies
+  // What stops its best from a larger batch: GPU memory (the indexer cache or the latent pool the
+  // larger share), host DRAM capacity, host-memory bandwidth, the OTPS target, or throughput
+  // falling past the best; each with its numbers.
+  std::string limit;
+  // The memory behind it, per GPU at the best batch: the caches' budget and its two parts.
+  double cache_budget_gb = 0, indexer_gb = 0, latent_gb = 0;
+  double host_dram_usable_gb = 0;
   bool two_batch_overlap = false;  // the deployment it ran in
 };
 

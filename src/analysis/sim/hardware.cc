@@ -65,6 +65,9 @@ constexpr Field kFields[] = {
     {"rdma_latency_us", &HardwareProfile::rdma_latency_us, 0, 1e4},
     {"host_dram_gb", &HardwareProfile::host_dram_gb, 1, 1e6},
     {"host_dram_bandwidth_gbps", &HardwareProfile::host_dram_bandwidth_gbps, 1, 1e5},
+    {"host_dram_reserve", &HardwareProfile::host_dram_reserve, 0, 0.9, 0.1,
+     "default for profiles without it: 10 % of host DRAM left to the OS, the serving engine's processes and their "
+     "pinned buffers (--host-reserve changes it)"},
     {"cuda_context_gb", &HardwareProfile::cuda_context_gb, 0, 1e3},
 };
 

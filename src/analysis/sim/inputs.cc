@@ -13,7 +13,15 @@ namespace ess::sim {
 
 ModelSpec Inputs::load_model() const { return model.empty() ? ModelSpec::deepseek_v32_exp() : ModelSpec::from_file(model); }
 
-HardwareProfile Inputs::load_hardware() const { return HardwareProfile::load(hardware); }
+HardwareProfile Inputs::load_hardware() const {
+  HardwareProfile hw = HardwareProfile::load(hardware);
+  if (host_reserve) {
+    hw.host_dram_reserve = *host_reserve;
+    hw.sources["host_dram_reserve"] = "--host-reserve";
+    hw.validate("hardware (after --host-reserve)");
+  }
+  return hw;
+}
 
 Deployment Inputs::load_deployment() const {
   Deployment d = Deployment::load(deployment);
@@ -130,7 +138,7 @@ void read_plan_request(const nlohmann::json& j, Inputs& in, PlanOptions& opt) {
   json_check_keys(j,
                   {"contexts", "min_otps", "modes", "batch_step", "model", "hardware", "deployment", "mtp", "accept",
                    "nodes", "gpus_per_node", "ep", "mem_fraction", "no_tbo", "misses", "miss_exponent", "miss_profile",
-                   "pool_floor", "pool_floor_margin", "prefix_share",
+                   "pool_floor", "pool_floor_margin", "prefix_share", "host_reserve",
                    "op_table", "engine"},
                   source, "request");
   json_read(j, "contexts", opt.contexts, source);
@@ -154,6 +162,7 @@ void read_plan_request(const nlohmann::json& j, Inputs& in, PlanOptions& opt) {
   read_optional(j, "pool_floor", in.pool_floor, source);
   read_optional(j, "pool_floor_margin", in.pool_floor_margin, source);
   read_optional(j, "prefix_share", in.prefix_share, source);
+  read_optional(j, "host_reserve", in.host_reserve, source);
   json_read(j, "miss_profile", in.miss_profile, source);
   json_read(j, "op_table", in.op_table, source);
 }

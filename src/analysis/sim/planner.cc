@@ -1,6 +1,8 @@
 #include "ess/sim/planner.h"
 
 #include <algorithm>
+#include <utility>
+#include <vector>
 
 #include "ess/core/error.h"
 #include "ess/sim/memory_model.h"
@@ -10,8 +12,12 @@ namespace {
 
 constexpr int kMaxBatchesPerKind = 4096;
 
+// What happened to one batch of a kind's search.
+enum class Outcome { kRuns, kHostDram, kHostBandwidth, kTooSlow };
+
 struct Search {
   PlanOption option;
+  std::vector<std::pair<StepResult, Outcome>> tried;  // in batch order
   const StepModel* model = nullptr;  // the deployment it ran in
   int too_slow = 0;          // feasible in memory, below the OTPS target
   int host_dram = 0;         // refused: host pool > host DRAM
@@ -63,6 +69,51 @@ LowLoad low_load(const StepModel& model, const PlanRequest& req, const StepResul
   return out;
 }
 
+// Why a kind's best batch is its largest: the first batch tried past it, or memory when none is.
+void binding_limit(Search& s, const MemoryModel& mem, const HardwareProfile& hw, const PlanRequest& req, int max_b) {
+  PlanOption& o = s.option;
+  const StepResult& b = o.best;
+  o.cache_budget_gb = mem.cache_budget() / 1e9;
+  o.indexer_gb = b.batch * mem.indexer_bytes_per_request() / 1e9;
+  o.latent_gb = b.batch * mem.latent_bytes_per_request(double(b.slots)) / 1e9;
+  o.host_dram_usable_gb = hw.host_dram_usable_gb();
+  const std::pair<StepResult, Outcome>* next = nullptr;
+  for (const auto& t : s.tried) {
+    if (t.first.batch > b.batch) {
+      next = &t;
+      break;
+    }
+  }
+  if (next == nullptr || b.batch >= max_b) {
+    const bool indexer = mem.indexer_bytes_per_request() > mem.latent_bytes_per_request(double(b.slots));
+    o.limit = fmt::format(
+        "GPU memory: batch {} takes {:.1f} of the {:.1f} GB for the caches per GPU, {} the larger part ({:.1f} GB "
+        "indexer cache, {:.1f} GB latent{})",
+        b.batch, o.indexer_gb + o.latent_gb, o.cache_budget_gb, indexer ? "the indexer cache" : "the latent cache",
+        o.indexer_gb, o.latent_gb,
+        b.offload ? fmt::format(" at the pool floor of {} slots", b.slots) : std::string(" for the whole context"));
+    return;
+  }
+  const StepResult& n = next->first;
+  switch (next->second) {
+    case Outcome::kHostDram:
+      o.limit = fmt::format("host DRAM: batch {} needs a {:.0f} GB host pool per node, more than the {:.0f} GB it may use",
+                            n.batch, n.host_pool_gb_per_node, hw.host_dram_usable_gb());
+      break;
+    case Outcome::kHostBandwidth:
+      o.limit = fmt::format("host-memory bandwidth: batch {} needs {:.0f} GB/s of H2D per node, more than {} GB/s", n.batch,
+                            n.h2d_gbps_per_node, hw.host_dram_bandwidth_gbps);
+      break;
+    case Outcome::kTooSlow:
+      o.limit = fmt::format("OTPS: batch {} runs at {:.2f} tokens/s per request, below {:.2f}", n.batch, n.otps, req.min_otps);
+      break;
+    case Outcome::kRuns:
+      o.limit = fmt::format("throughput: the larger batches tried give less (batch {}: {:.0f} tok/s/node)", n.batch,
+                            n.throughput_tokens_per_s);
+      break;
+  }
+}
+
 }  // namespace
 
 PlanResult plan(const StepModel& model, const PlanRequest& req) { return plan({&model}, {""}, req); }
@@ -111,18 +162,22 @@ PlanResult plan(const std::vector<const StepModel*>& models, const std::vector<s
         const StepResult r = model.run(w);
         ++out.evaluated;
         s.best_otps_seen = std::max(s.best_otps_seen, r.otps);
-        if (offload && r.host_pool_gb_per_node > hw.host_dram_gb) {
+        if (offload && r.host_pool_gb_per_node > hw.host_dram_usable_gb()) {
           ++s.host_dram;
+          s.tried.emplace_back(r, Outcome::kHostDram);
           continue;
         }
         if (offload && r.h2d_gbps_per_node > hw.host_dram_bandwidth_gbps) {
           ++s.host_bandwidth;
+          s.tried.emplace_back(r, Outcome::kHostBandwidth);
           continue;
         }
         if (r.otps < req.min_otps) {
           ++s.too_slow;
+          s.tried.emplace_back(r, Outcome::kTooSlow);
           continue;
         }
+        s.tried.emplace_back(r, Outcome::kRuns);
         if (!s.option.found || r.throughput_tokens_per_s > s.option.best.throughput_tokens_per_s) {
           s.option.found = true;
           s.option.best = r;
@@ -130,14 +185,16 @@ PlanResult plan(const std::vector<const StepModel*>& models, const std::vector<s
       }
       if (s.host_dram > 0) {
         out.refusals.push_back(fmt::format(
-            "{}: {} batch sizes refused: the node's Total Memory Pool exceeds host DRAM ({} GB)", label,
-            s.host_dram, hw.host_dram_gb));
+            "{}: {} batch sizes refused: the node's Total Memory Pool exceeds the host DRAM it may use ({:.0f} of {} "
+            "GB, {:.0f} % reserved)",
+            label, s.host_dram, hw.host_dram_usable_gb(), hw.host_dram_gb, 100 * hw.host_dram_reserve));
       }
       if (s.host_bandwidth > 0) {
         out.refusals.push_back(fmt::format(
             "{}: {} batch sizes refused: aggregate H2D traffic exceeds the node's host-memory bandwidth ({} GB/s)",
             label, s.host_bandwidth, hw.host_dram_bandwidth_gbps));
       }
+      if (s.option.found) binding_limit(s, mem, hw, req, max_b);
       if (!s.option.found) {
         s.option.why = max_b < 1 ? "no batch fits in GPU memory"
                                  : fmt::format("no batch meets {:.2f} tokens/s per request (best {:.2f})",
@@ -167,7 +224,7 @@ PlanResult plan(const std::vector<const StepModel*>& models, const std::vector<s
         o.why = fmt::format("ties with the chosen configuration (within 0.05%: batch {}, step {:.2f} ms)", r.batch,
                             r.step_us / 1e3);
       } else if (r.batch < c.batch) {
-        o.why = fmt::format("{:.1f}% less throughput: at most batch {} meets the target (memory or OTPS)", gap, r.batch);
+        o.why = fmt::format("{:.1f}% less throughput: at most batch {} ({})", gap, r.batch, o.limit);
       } else if (r.exposed_transfer_us > c.exposed_transfer_us) {
         o.why = fmt::format("{:.1f}% less throughput: {:.2f} ms of exposed H2D transfer per step", gap,
                             r.exposed_transfer_us / 1e3);

@@ -75,6 +75,9 @@ nlohmann::json option_json(const PlanOption& o) {
   nlohmann::json j = {{"label", o.label}, {"found", o.found}, {"why", o.why}, {"two_batch_overlap", o.two_batch_overlap}};
   if (o.found) {
     const auto& r = o.best;
+    j["limit"] = o.limit;
+    j["memory_gb_per_gpu"] = {{"cache_budget", o.cache_budget_gb}, {"indexer", o.indexer_gb}, {"latent", o.latent_gb}};
+    j["host_dram_usable_gb_per_node"] = o.host_dram_usable_gb;
     j["batch"] = r.batch;
     j["ratio"] = r.ratio;
     j["slots"] = r.slots;
@@ -92,6 +95,20 @@ nlohmann::json option_json(const PlanOption& o) {
     j["h2d_gbps_per_node"] = r.h2d_gbps_per_node;
   }
   return j;
+}
+
+// `ess plan --explain`: the figures behind an option's limit.
+std::string explain_line(const PlanOption& o, const HardwareProfile& hw, std::string_view indent) {
+  const StepResult& r = o.best;
+  std::string out = fmt::format("{}per GPU: {:.1f} GB indexer cache + {:.1f} GB latent of {:.1f} GB for the caches", indent,
+                                o.indexer_gb, o.latent_gb, o.cache_budget_gb);
+  if (r.offload) {
+    out += fmt::format("; per node: host pool {:.0f} of {:.0f} GB usable ({} GB, {:.0f} % reserved), H2D {:.0f} of {} GB/s",
+                       r.host_pool_gb_per_node, o.host_dram_usable_gb, hw.host_dram_gb, 100 * hw.host_dram_reserve,
+                       r.h2d_gbps_per_node, hw.host_dram_bandwidth_gbps);
+  }
+  out += fmt::format("; {:.2f} tokens/s per request\n", r.otps);
+  return out;
 }
 
 std::string option_line(const PlanOption& o) {
@@ -278,7 +295,7 @@ nlohmann::json to_json(const Simulation& s) {
       continue;
     }
     nlohmann::json e = row_json(r.ess);
-    e["host_dram_fits"] = r.ess.host_pool_gb_per_node <= s.hardware.host_dram_gb;
+    e["host_dram_fits"] = r.ess.host_pool_gb_per_node <= s.hardware.host_dram_usable_gb();
     e["host_bandwidth_fits"] = r.ess.h2d_gbps_per_node <= s.hardware.host_dram_bandwidth_gbps;
     e["gain_vs_baseline"] = s.wall_fits ? nlohmann::json(s.gain(r.ess)) : nlohmann::json(nullptr);
     e["all_on_gpu_at_batch"] = r.baseline_fits ? row_json(r.baseline) : nlohmann::json(nullptr);
@@ -425,9 +442,10 @@ std::string to_table(const Simulation& s) {
   for (const SimulationRow& r : s.rows) {
     const StepResult& e = r.ess;
     if (!r.refused.empty()) continue;
-    if (e.host_pool_gb_per_node > hw.host_dram_gb) {
-      add("\nwarning: batch {}: the node's Total Memory Pool ({:.0f} GB) exceeds host DRAM ({} GB)", e.batch,
-          e.host_pool_gb_per_node, hw.host_dram_gb);
+    if (e.host_pool_gb_per_node > hw.host_dram_usable_gb()) {
+      add("\nwarning: batch {}: the node's Total Memory Pool ({:.0f} GB) exceeds the host DRAM it may use ({:.0f} of {} GB, "
+          "{:.0f} % reserved: --host-reserve)",
+          e.batch, e.host_pool_gb_per_node, hw.host_dram_usable_gb(), hw.host_dram_gb, 100 * hw.host_dram_reserve);
     }
     if (e.miss_capped_layers > 0) {
       add("\nnote: batch {}: at {} slots the miss model exceeds T x top-k in {} layers; taken as T x top-k (every "
@@ -524,6 +542,8 @@ std::string to_table(const Plans& p) {
     add("\ncontext {} ({} configurations evaluated)\n", r.context, r.evaluated);
     if (r.found) {
       add("  chosen: {}\n", option_line(r.chosen));
+      add("          limit: {}\n", r.chosen.limit);
+      if (p.explain) add("{}", explain_line(r.chosen, p.hardware, "          "));
       if (r.chosen.best.offload && r.chosen.best.overlap == OverlapMode::kLayerWise) {
         add("          layer-wise: {} micro-batch layers DA, {} DBA; per layer (micro-batch A B; a = DA, b = DBA): {}\n",
             r.chosen.best.layers_da, r.chosen.best.layers_dba, r.chosen.best.layer_modes);
@@ -546,7 +566,13 @@ std::string to_table(const Plans& p) {
     } else {
       add("  no configuration meets {} tokens/s per request\n", r.min_otps);
     }
-    for (const auto& o : r.alternatives) add("  {}\n      {}\n", option_line(o), o.why);
+    for (const auto& o : r.alternatives) {
+      add("  {}\n      {}\n", option_line(o), o.why);
+      if (p.explain && o.found) {
+        if (o.why.find(o.limit) == std::string::npos) add("      limit: {}\n", o.limit);
+        add("{}", explain_line(o, p.hardware, "      "));
+      }
+    }
     for (const auto& s : r.refusals) add("  refused: {}\n", s);
     for (const auto& s : r.notes) add("  note: {}\n", s);
     if (!p.engine.empty() && r.found) {
