@@ -91,7 +91,7 @@ void binding_limit(Search& s, const MemoryModel& mem, const HardwareProfile& hw,
         "indexer cache, {:.1f} GB latent{})",
         b.batch, o.indexer_gb + o.latent_gb, o.cache_budget_gb, indexer ? "the indexer cache" : "the latent cache",
         o.indexer_gb, o.latent_gb,
-        b.offload ? fmt::format(" at the pool floor of {} slots", b.slots) : std::string(" for the whole context"));
+        b.offload ? fmt::format(" at {} slots per request-layer", b.slots) : std::string(" for the whole context"));
     return;
   }
   const StepResult& n = next->first;

@@ -80,3 +80,42 @@ def test_the_launch_line_is_sglangs(case, model_dir, monkeypatch):
         assert schedule_from_environment() == overlap
         if overlap == "da":
             assert args.dsa_decode_backend == "flashmla_kv"
+
+
+def test_the_recipes_launch_lines_are_sglangs(model_dir, monkeypatch):
+    """Every launch line of docs/recipes.md (ESS's and stock HiSparse's beside it) read by SGLang's own parser, as
+    above; stock HiSparse's with upstream's default hisparse config (mem_cache/sparsity/factory.py)."""
+    import pathlib
+    import shlex
+    from sglang.srt.server_args import prepare_server_args
+    page = (pathlib.Path(__file__).resolve().parents[4] / "docs" / "recipes.md").read_text()
+    lines, command = [], None
+    for line in page.splitlines():   # a command starts with its settings or `python -m`, continues after a `\`
+        text = line.strip()
+        if command is None and (text.startswith("python -m ") or text.startswith("ESS_OVERLAP=")
+                                or text.startswith("ESS_RESIDENCY=")):
+            command = ""
+        if command is not None:
+            command += " " + text.removesuffix("\\")
+            if not text.endswith("\\"):
+                lines.append(shlex.split(command))
+                command = None
+    stock = [argv for argv in lines if argv[:3] == ["python", "-m", "sglang.launch_server"]]
+    ess_lines = [argv for argv in lines if "ess.integrations.sglang_launch" in argv]
+    # One ESS line per context planned for SGLang (two recipes of two contexts), stock HiSparse beside each.
+    assert len(ess_lines) == 4 and len(stock) == len(ess_lines), (len(ess_lines), len(stock))
+    for argv in lines:
+        start = argv.index("-m") + 2
+        env = [a for a in argv[:start - 2] if "=" in a]
+        flags = argv[start:]
+        flags[flags.index("--model-path") + 1] = str(model_dir)
+        for placeholder, value in (("<rank>", "0"), ("<host:port>", "127.0.0.1:5000")):
+            if placeholder in flags:
+                flags[flags.index(placeholder)] = value
+        args = prepare_server_args(flags + ["--device", "cpu", "--skip-tokenizer-init"])
+        assert args.enable_hisparse
+        config = json.loads(args.hisparse_config)
+        if argv in stock:
+            assert env == [] and config == {"top_k": 2048, "device_buffer_size": 4096, "host_to_device_ratio": 2}
+        else:
+            assert "ESS_RESIDENCY=adaptive" in env and config["device_buffer_size"] >= 4096
