@@ -1,13 +1,14 @@
 // The GPU swap engine's CTA programs (design: swap_engine_gpu.h), written against a policy `P`
-// that supplies the GPU primitives: p.tid(), p.threads(), p.block(), p.blocks(), p.sync()
-// (__syncthreads), p.exclusive_sum(items[kScanItems], ranks[kScanItems], total) (a block-wide
-// exclusive sum over each thread's items: cub's BlockScan; its storage is reused only after a
-// p.sync() or p.cluster_sync()), p.atomic_cas and p.atomic_min on shared int32 (local or another
-// block's of the cluster), and the cluster (cooperative_groups::this_cluster()): p.rank() and
-// p.ranks() (block_rank, num_blocks; a launch without clusters: 0 and 1), p.cluster_sync()
-// (every thread of the cluster, with release / acquire order) and p.remote(ptr, rank)
-// (map_shared_rank). swap_engine_gpu.cu instantiates them with CUDA's primitives; the emulated
-// CUDA target runs the same code on the CPU (cta_emulator.h; cuda_swap_engine_emulated_test).
+// that supplies the GPU primitives: p.tid(), p.threads(), p.block(), p.blocks(),
+// p.exclusive_sum(items[kScanItems], ranks[kScanItems], total) (a block-wide exclusive sum over
+// each thread's items: cub's BlockScan; its storage is reused only after a p.cluster_sync()),
+// p.atomic_cas and p.atomic_min on shared int32 (local or another block's of the cluster), and
+// the cluster (cooperative_groups::this_cluster()): p.rank() and p.ranks() (block_rank,
+// num_blocks; a launch without clusters: 0 and 1), p.cluster_sync() (every thread of the
+// cluster, with release / acquire order; a launch without clusters: __syncthreads) and
+// p.remote(ptr, rank) (map_shared_rank). swap_engine_gpu.cu instantiates them with CUDA's
+// primitives; the emulated CUDA target runs the same code on the CPU (cta_emulator.h;
+// cuda_swap_engine_emulated_test).
 #pragma once
 
 #include <climits>

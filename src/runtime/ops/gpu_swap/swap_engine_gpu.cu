@@ -24,7 +24,6 @@ struct DevicePrims {
   __device__ int threads() const { return static_cast<int>(blockDim.x); }
   __device__ unsigned block() const { return blockIdx.x; }
   __device__ unsigned blocks() const { return gridDim.x; }
-  __device__ void sync() const { __syncthreads(); }
   __device__ void exclusive_sum(int (&items)[swap::kScanItems], int (&ranks)[swap::kScanItems], int& total) const {
     BlockScan(*scan).ExclusiveSum(items, ranks, total);
   }
@@ -85,19 +84,27 @@ int swap_step_raise_smem_limit() {
   return cluster.raise(swap_step_kernel<ClusterPrims>);
 }
 
+// A launch of `blocks` step blocks in clusters of `ranks` (the attribute lives in `cluster`).
+static cudaLaunchConfig_t cluster_launch(int blocks, int ranks, std::size_t smem, Stream stream, cudaLaunchAttribute& cluster) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(blocks));
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = smem;
+  config.stream = static_cast<cudaStream_t>(stream);
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = static_cast<unsigned>(ranks);
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = 1;
+  config.attrs = &cluster;
+  config.numAttrs = 1;
+  return config;
+}
+
 int swap_step_cluster_limit(int positions, std::int32_t slots) {
   for (int ranks = kSwapMaxCluster; ranks > 1; ranks /= 2) {
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(static_cast<unsigned>(ranks));
-    config.blockDim = dim3(kThreads);
-    config.dynamicSmemBytes = swap_step_smem_bytes(positions, slots, ranks);
-    cudaLaunchAttribute cluster[1];
-    cluster[0].id = cudaLaunchAttributeClusterDimension;
-    cluster[0].val.clusterDim.x = static_cast<unsigned>(ranks);
-    cluster[0].val.clusterDim.y = 1;
-    cluster[0].val.clusterDim.z = 1;
-    config.attrs = cluster;
-    config.numAttrs = 1;
+    cudaLaunchAttribute cluster;
+    const cudaLaunchConfig_t config =
+        cluster_launch(ranks, ranks, swap_step_smem_bytes(positions, slots, ranks), nullptr, cluster);
     int active = 0;
     if (cudaOccupancyMaxActiveClusters(&active, swap_step_kernel<ClusterPrims>, &config) == cudaSuccess && active >= 1) {
       return ranks;
@@ -116,18 +123,8 @@ int launch_swap_step(const GpuSwapStep& step, const SwapState& state, int ranks,
         step, state.slots, state.layers, hash_cap, state.order, state.stamp, state.token, state.clock);
     return cudaGetLastError();
   }
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>(step.batch * ranks));
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = smem;
-  config.stream = static_cast<cudaStream_t>(stream);
-  cudaLaunchAttribute cluster[1];
-  cluster[0].id = cudaLaunchAttributeClusterDimension;
-  cluster[0].val.clusterDim.x = static_cast<unsigned>(ranks);
-  cluster[0].val.clusterDim.y = 1;
-  cluster[0].val.clusterDim.z = 1;
-  config.attrs = cluster;
-  config.numAttrs = 1;
+  cudaLaunchAttribute cluster;
+  const cudaLaunchConfig_t config = cluster_launch(step.batch * ranks, ranks, smem, stream, cluster);
   return cudaLaunchKernelEx(&config, swap_step_kernel<ClusterPrims>, step, state.slots, state.layers, hash_cap, state.order,
                             state.stamp, state.token, state.clock);
 }
