@@ -133,8 +133,9 @@ void add_sim(CLI::App& app, int& exit_code) {
       // One engine under a rising load: its pool is fixed at launch, the floor's unless given.
       if (cmd->count("--residency") == 0) base.residency = Residency::kAdaptive;
       if (base.slots == 0 && base.ratio == 0) {
-        const double floor = base.misses.min_slots(dep.mtp_tokens, model.index_topk, double(base.context));
-        base.slots = static_cast<std::int32_t>(std::min<double>(std::ceil(floor), double(base.context)));
+        // MissModel::min_slots is at most the context already.
+        base.slots = static_cast<std::int32_t>(std::ceil(base.misses.min_slots(dep.mtp_tokens, model.index_topk,
+                                                                               double(base.context))));
       }
     }
     Progress progress("configurations");

@@ -1,7 +1,6 @@
 #include "ess/sim/planner.h"
 
 #include <algorithm>
-#include <utility>
 #include <vector>
 
 #include "ess/core/error.h"
@@ -12,17 +11,22 @@ namespace {
 
 constexpr int kMaxBatchesPerKind = 4096;
 
-// What happened to one batch of a kind's search.
+// What happened to one batch of a kind's search, with the figures its limit would name.
 enum class Outcome { kRuns, kHostDram, kHostBandwidth, kTooSlow };
+struct Tried {
+  int batch = 0;
+  Outcome outcome = Outcome::kRuns;
+  double host_pool_gb_per_node = 0, h2d_gbps_per_node = 0, otps = 0, throughput_tokens_per_s = 0;
+};
 
 struct Search {
   PlanOption option;
-  std::vector<std::pair<StepResult, Outcome>> tried;  // in batch order
+  std::vector<Tried> tried;  // in batch order
   const StepModel* model = nullptr;  // the deployment it ran in
-  int too_slow = 0;          // feasible in memory, below the OTPS target
-  int host_dram = 0;         // refused: host pool > host DRAM
-  int host_bandwidth = 0;    // refused: H2D demand > host-memory bandwidth
   double best_otps_seen = 0;
+  long count(Outcome o) const {
+    return std::count_if(tried.begin(), tried.end(), [o](const Tried& t) { return t.outcome == o; });
+  }
 };
 
 // The chosen configuration's pool under a light load, requests whole while the pool's rows hold
@@ -77,9 +81,9 @@ void binding_limit(Search& s, const MemoryModel& mem, const HardwareProfile& hw,
   o.indexer_gb = b.batch * mem.indexer_bytes_per_request() / 1e9;
   o.latent_gb = b.batch * mem.latent_bytes_per_request(double(b.slots)) / 1e9;
   o.host_dram_usable_gb = hw.host_dram_usable_gb();
-  const std::pair<StepResult, Outcome>* next = nullptr;
-  for (const auto& t : s.tried) {
-    if (t.first.batch > b.batch) {
+  const Tried* next = nullptr;
+  for (const Tried& t : s.tried) {
+    if (t.batch > b.batch) {
       next = &t;
       break;
     }
@@ -94,8 +98,8 @@ void binding_limit(Search& s, const MemoryModel& mem, const HardwareProfile& hw,
         b.offload ? fmt::format(" at {} slots per request-layer", b.slots) : std::string(" for the whole context"));
     return;
   }
-  const StepResult& n = next->first;
-  switch (next->second) {
+  const Tried& n = *next;
+  switch (n.outcome) {
     case Outcome::kHostDram:
       o.limit = fmt::format("host DRAM: batch {} needs a {:.0f} GB host pool per node, more than the {:.0f} GB it may use",
                             n.batch, n.host_pool_gb_per_node, hw.host_dram_usable_gb());
@@ -162,37 +166,31 @@ PlanResult plan(const std::vector<const StepModel*>& models, const std::vector<s
         const StepResult r = model.run(w);
         ++out.evaluated;
         s.best_otps_seen = std::max(s.best_otps_seen, r.otps);
+        Tried t{r.batch, Outcome::kRuns, r.host_pool_gb_per_node, r.h2d_gbps_per_node, r.otps, r.throughput_tokens_per_s};
         if (offload && r.host_pool_gb_per_node > hw.host_dram_usable_gb()) {
-          ++s.host_dram;
-          s.tried.emplace_back(r, Outcome::kHostDram);
-          continue;
+          t.outcome = Outcome::kHostDram;
+        } else if (offload && r.h2d_gbps_per_node > hw.host_dram_bandwidth_gbps) {
+          t.outcome = Outcome::kHostBandwidth;
+        } else if (r.otps < req.min_otps) {
+          t.outcome = Outcome::kTooSlow;
         }
-        if (offload && r.h2d_gbps_per_node > hw.host_dram_bandwidth_gbps) {
-          ++s.host_bandwidth;
-          s.tried.emplace_back(r, Outcome::kHostBandwidth);
-          continue;
-        }
-        if (r.otps < req.min_otps) {
-          ++s.too_slow;
-          s.tried.emplace_back(r, Outcome::kTooSlow);
-          continue;
-        }
-        s.tried.emplace_back(r, Outcome::kRuns);
+        s.tried.push_back(t);
+        if (t.outcome != Outcome::kRuns) continue;
         if (!s.option.found || r.throughput_tokens_per_s > s.option.best.throughput_tokens_per_s) {
           s.option.found = true;
           s.option.best = r;
         }
       }
-      if (s.host_dram > 0) {
+      if (const long host_dram = s.count(Outcome::kHostDram); host_dram > 0) {
         out.refusals.push_back(fmt::format(
             "{}: {} batch sizes refused: the node's Total Memory Pool exceeds the host DRAM it may use ({:.0f} of {} "
             "GB, {:.0f} % reserved)",
-            label, s.host_dram, hw.host_dram_usable_gb(), hw.host_dram_gb, 100 * hw.host_dram_reserve));
+            label, host_dram, hw.host_dram_usable_gb(), hw.host_dram_gb, 100 * hw.host_dram_reserve));
       }
-      if (s.host_bandwidth > 0) {
+      if (const long host_bandwidth = s.count(Outcome::kHostBandwidth); host_bandwidth > 0) {
         out.refusals.push_back(fmt::format(
             "{}: {} batch sizes refused: aggregate H2D traffic exceeds the node's host-memory bandwidth ({} GB/s)",
-            label, s.host_bandwidth, hw.host_dram_bandwidth_gbps));
+            label, host_bandwidth, hw.host_dram_bandwidth_gbps));
       }
       if (s.option.found) binding_limit(s, mem, hw, req, max_b);
       if (!s.option.found) {

@@ -308,7 +308,8 @@ nlohmann::json to_json(const Simulation& s) {
     arr.push_back(e);
   }
   j["rows"] = arr;
-  j["offload_pays_from_batch"] = s.offload_pays_from() > 0 ? nlohmann::json(s.offload_pays_from()) : nlohmann::json(nullptr);
+  const int pays = s.offload_pays_from();
+  j["offload_pays_from_batch"] = pays > 0 ? nlohmann::json(pays) : nlohmann::json(nullptr);
   return j;
 }
 

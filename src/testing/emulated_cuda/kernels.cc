@@ -49,23 +49,12 @@ cudaError_t admit(const char* kernel, long long blocks, int threads, std::size_t
 }
 
 // Issues `program` as the launch on `stream` (streams.h: it runs at once, or when a synchronization
-// needs it), then checks the device's guards. The program holds copies of its arguments, as a
-// launch's parameters are copied when it is issued.
+// needs it), in clusters of `cluster` blocks (1: a launch without clusters; cudaLaunchKernelEx with
+// a cluster dimension otherwise), then checks the device's guards. The program holds copies of its
+// arguments, as a launch's parameters are copied when it is issued.
 template <typename Program>
-cudaError_t run(const char* kernel, long long blocks, int threads, std::size_t smem, Stream stream, Program program) {
-  const std::uint64_t seed = Device::get().next_seed();
-  return emu::enqueue(static_cast<cudaStream_t>(stream), kernel, [=]() -> cudaError_t {
-    emu::launch(kernel, static_cast<unsigned>(blocks), threads, smem, seed, program);
-    return Device::get().check_guards(std::string("after ") + kernel)
-               ? cudaSuccess
-               : Device::get().fail(cudaErrorIllegalAddress, std::string(kernel) + ": out-of-range write", false);
-  });
-}
-
-// The same for a launch in clusters of `cluster` blocks (cudaLaunchKernelEx with a cluster dimension).
-template <typename Program>
-cudaError_t run_clusters(const char* kernel, long long blocks, int cluster, int threads, std::size_t smem, Stream stream,
-                         Program program) {
+cudaError_t run(const char* kernel, long long blocks, int threads, std::size_t smem, Stream stream, Program program,
+                int cluster = 1) {
   const std::uint64_t seed = Device::get().next_seed();
   return emu::enqueue(static_cast<cudaStream_t>(stream), kernel, [=]() -> cudaError_t {
     emu::launch_clusters(kernel, static_cast<unsigned>(blocks), cluster, threads, smem, seed, program);
@@ -146,8 +135,7 @@ int launch_swap_step(const GpuSwapStep& step, const SwapState& state, int ranks,
   auto program = [=](emu::Cta& p, std::uint8_t* sm) {
     swap::swap_step_cta(step, state.slots, state.layers, hash_cap, state.order, state.stamp, state.token, state.clock, sm, p);
   };
-  if (ranks == 1) return run("swap_step", blocks, swap::kStepThreads, smem, stream, program);
-  return run_clusters("swap_step_cluster", blocks, ranks, swap::kStepThreads, smem, stream, program);
+  return run(ranks == 1 ? "swap_step" : "swap_step_cluster", blocks, swap::kStepThreads, smem, stream, program, ranks);
 }
 
 int launch_swap_reset(const SwapState& state, int row, Stream stream) {

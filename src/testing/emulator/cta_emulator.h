@@ -482,35 +482,12 @@ class Cta {
   int rank_;
 };
 
-// Runs `program(cta, smem)` as `blocks` blocks of `threads` threads, one block after another,
-// each with its own seeded order; records `kernel` as run. Fails the test on a deadlock or a
-// write outside the block's shared memory.
-template <typename Program>
-void launch(const std::string& kernel, unsigned blocks, int threads, std::size_t smem_bytes, std::uint64_t seed,
-            Program&& program) {
-  Coverage::ran(kernel);
-  for (unsigned b = 0; b < blocks; ++b) {
-    std::unique_ptr<CtaState> state;
-    Fibers fibers(
-        threads,
-        [&](int tid) {
-          Cta cta(*state, tid, b, blocks);
-          program(cta, state->smem.data());
-        },
-        seed * 0x9E3779B97F4A7C15ull + b, 64 * 1024);
-    state = std::make_unique<CtaState>(threads, smem_bytes, fibers);
-    fibers.run();
-    const std::string damage = state->smem.damage();
-    EXPECT_TRUE(damage.empty()) << kernel << " block " << b << ": shared memory " << damage;
-  }
-}
-
 // Runs `program(cta, smem)` as `blocks` blocks of `threads` threads in clusters of `cluster`
 // consecutive blocks (cudaLaunchAttributeClusterDimension): the blocks of a cluster run together,
-// one cluster after another, each in one of two seeded schedules: every thread of the cluster
-// interleaved, or its blocks one after another as far as each can go before a cluster barrier
-// (so a block that reads what another has not written yet, for want of a cluster barrier, reads
-// it unwritten). Fails the test on a deadlock or a write outside a block's shared memory.
+// one cluster after another, each in one of two seeded schedules when it has more than one block:
+// every thread of the cluster interleaved, or its blocks one after another as far as each can go
+// before a cluster barrier (so a block that reads what another has not written yet, for want of a
+// cluster barrier, reads it unwritten). Fails the test on a deadlock or a write outside a block's shared memory.
 template <typename Program>
 void launch_clusters(const std::string& kernel, unsigned blocks, int cluster, int threads, std::size_t smem_bytes,
                      std::uint64_t seed, Program&& program) {
@@ -535,13 +512,22 @@ void launch_clusters(const std::string& kernel, unsigned blocks, int cluster, in
       states.push_back(std::make_unique<CtaState>(threads, smem_bytes, fibers));
       cs.ctas.push_back(states.back().get());
     }
-    if (((seed + first) * 0x9E3779B97F4A7C15ull) >> 63) fibers.run_groups_ahead(threads);
+    if (cluster > 1 && ((seed + first) * 0x9E3779B97F4A7C15ull) >> 63) fibers.run_groups_ahead(threads);
     fibers.run();
     for (int r = 0; r < cluster; ++r) {
       const std::string damage = states[static_cast<std::size_t>(r)]->smem.damage();
       EXPECT_TRUE(damage.empty()) << kernel << " block " << first + static_cast<unsigned>(r) << ": shared memory " << damage;
     }
   }
+}
+
+// Runs `program(cta, smem)` as `blocks` blocks of `threads` threads, one block after another
+// (clusters of one), each with its own seeded order; records `kernel` as run. Fails the test on a
+// deadlock or a write outside the block's shared memory.
+template <typename Program>
+void launch(const std::string& kernel, unsigned blocks, int threads, std::size_t smem_bytes, std::uint64_t seed,
+            Program&& program) {
+  launch_clusters(kernel, blocks, 1, threads, smem_bytes, seed, std::forward<Program>(program));
 }
 
 }  // namespace ess::emu

@@ -31,9 +31,20 @@ def model_dir(tmp_path):
     return tmp_path
 
 
+def server_args(flags, model_dir):
+    """A launch line's flags through SGLang's own parser (server_args.prepare_server_args), the model's
+    config.json from `model_dir`, the placeholders of a multi-node line filled in, `--device cpu` added."""
+    from sglang.srt.server_args import prepare_server_args
+    flags = list(flags)
+    flags[flags.index("--model-path") + 1] = str(model_dir)
+    for placeholder, value in (("<rank>", "0"), ("<host:port>", "127.0.0.1:5000")):
+        if placeholder in flags:
+            flags[flags.index(placeholder)] = value
+    return prepare_server_args(flags + ["--device", "cpu", "--skip-tokenizer-init"])
+
+
 @pytest.mark.parametrize("case", CASES, ids=["8xH200", "4x8-128K", "no-MTP", "all-on-GPU"])
 def test_the_launch_line_is_sglangs(case, model_dir, monkeypatch):
-    from sglang.srt.server_args import prepare_server_args
     plan = ess.plan(engine="sglang", **case)
     assert plan["engine"] == "sglang"
     for p in plan["plans"]:
@@ -44,13 +55,7 @@ def test_the_launch_line_is_sglangs(case, model_dir, monkeypatch):
         offload = chosen["offload"]
         # ESS's launcher takes sglang.launch_server's arguments; all-on-GPU is SGLang's own server.
         assert argv[:3] == ["python", "-m", "ess.integrations.sglang_launch" if offload else "sglang.launch_server"]
-        flags = argv[3:]
-        i = flags.index("--model-path")
-        flags[i + 1] = str(model_dir)
-        for placeholder, value in (("<rank>", "0"), ("<host:port>", "127.0.0.1:5000")):
-            if placeholder in flags:
-                flags[flags.index(placeholder)] = value
-        args = prepare_server_args(flags + ["--device", "cpu", "--skip-tokenizer-init"])
+        args = server_args(argv[3:], model_dir)
         dep = plan["deployment"]
         assert args.kv_cache_dtype == "fp8_e4m3"
         assert args.context_length == p["context"]
@@ -82,12 +87,11 @@ def test_the_launch_line_is_sglangs(case, model_dir, monkeypatch):
             assert args.dsa_decode_backend == "flashmla_kv"
 
 
-def test_the_recipes_launch_lines_are_sglangs(model_dir, monkeypatch):
+def test_the_recipes_launch_lines_are_sglangs(model_dir):
     """Every launch line of docs/recipes.md (ESS's and stock HiSparse's beside it) read by SGLang's own parser, as
     above; stock HiSparse's with upstream's default hisparse config (mem_cache/sparsity/factory.py)."""
     import pathlib
     import shlex
-    from sglang.srt.server_args import prepare_server_args
     page = (pathlib.Path(__file__).resolve().parents[4] / "docs" / "recipes.md").read_text()
     lines, command = [], None
     for line in page.splitlines():   # a command starts with its settings or `python -m`, continues after a `\`
@@ -107,12 +111,7 @@ def test_the_recipes_launch_lines_are_sglangs(model_dir, monkeypatch):
     for argv in lines:
         start = argv.index("-m") + 2
         env = [a for a in argv[:start - 2] if "=" in a]
-        flags = argv[start:]
-        flags[flags.index("--model-path") + 1] = str(model_dir)
-        for placeholder, value in (("<rank>", "0"), ("<host:port>", "127.0.0.1:5000")):
-            if placeholder in flags:
-                flags[flags.index(placeholder)] = value
-        args = prepare_server_args(flags + ["--device", "cpu", "--skip-tokenizer-init"])
+        args = server_args(argv[start:], model_dir)
         assert args.enable_hisparse
         config = json.loads(args.hisparse_config)
         if argv in stock:
