@@ -26,8 +26,19 @@
 // return: no host synchronization, no allocation, no host-visible data dependence, so they
 // can be captured in a CUDA graph and replayed. Their argument pointers are device memory
 // and must stay valid (same addresses) for every replay. The lifecycle calls (admit, warmup,
-// extend, release) are host calls made between steps; they synchronize with the device
-// where they must and are never captured.
+// extend, release, ...) are host calls made between steps and are never captured. By default
+// each waits for the device before it returns (the device is idle before and after it). With
+// set_lifecycle_stream they are stream-ordered instead: their device work (the LRU resets,
+// table uploads from pinned staging, LRU-Warmup on the GPU swap engine, the loads from the host
+// pool) is enqueued on that stream and they return without waiting, so an admission does not
+// wait for the forward in flight. The engine issues its steps on that stream, or orders them
+// after it; work it issued on other streams that touches a request's rows or host pages
+// (a write-back on a side stream) it orders before the lifecycle stream before calling. Two
+// calls still wait for the stream: truncate (it zeroes and frees host entries a write-back
+// enqueued earlier may still write) and a demotion (it reads back the query rows the request
+// recorded while whole). A released request's host pages return to the pool once the stream
+// has passed the release (checked without waiting at later calls; waited for when an admission
+// or growth needs them).
 //
 // Backends. kCpu keeps everything in host memory and runs synchronously (the stream is
 // ignored, every pointer is host memory); kCuda needs the CUDA backend and a device. For
@@ -200,6 +211,13 @@ class Offload {
   Offload& operator=(const Offload&) = delete;
 
   // ---- request lifecycle (host calls between steps) ----
+  // The lifecycle calls' stream (CUDA backend; "Streams and graphs" above): from now on their
+  // device work is enqueued on `stream` (nullptr: the legacy default stream) and not waited for.
+  // Changing it orders the new stream after the old one's work (an event, no wait).
+  // clear_lifecycle_stream: back to the default, each call waiting for the device (it waits for
+  // the old stream's work once). kCpu ignores both.
+  void set_lifecycle_stream(cuda::Stream stream);
+  void clear_lifecycle_stream();
   // A request with `prompt_length` tokens in the host pool (entries zeroed): returns its pool
   // row, the lowest free one, or `row` when given (an engine that numbers its request slots
   // itself, as SGLang's req_pool_indices, keeps its numbers; it must be free). The engine

@@ -129,6 +129,16 @@ Offload::Offload(const OffloadConfig& config, LatentBuffer buffer, HostAllocator
 
 Offload::~Offload() = default;
 
+void Offload::set_lifecycle_stream(cuda::Stream stream) {
+  impl_->usable("set_lifecycle_stream");
+  impl_->device("set_lifecycle_stream", [&] { impl_->backend->set_lifecycle_stream(stream, true); });
+}
+
+void Offload::clear_lifecycle_stream() {
+  impl_->usable("clear_lifecycle_stream");
+  impl_->device("clear_lifecycle_stream", [&] { impl_->backend->set_lifecycle_stream(nullptr, false); });
+}
+
 std::int32_t Offload::admit(RequestId id, std::int64_t prompt_length, std::int32_t wanted_row) {
   impl_->usable("admit");
   return impl_->admit(id, prompt_length, wanted_row, [&] { impl_->pool->admit(id, prompt_length); });
@@ -167,6 +177,37 @@ std::int64_t Offload::publish(RequestId id, std::span<const std::int32_t> prompt
   const auto own = std::max<std::int64_t>(0, length - x.config.query_tokens) / kPageTokens;
   if (std::ssize(hashes) > own) hashes.resize(static_cast<std::size_t>(own));
   return x.pool->publish(id, hashes);
+}
+
+void Offload::Impl::retire_host(RequestId id) {
+  const std::uint64_t fence = device("release", [&] { return backend->fence(); });
+  if (fence == 0) {
+    pool->release(id);
+  } else {
+    retiring.push_back(Retiring{id, fence});
+  }
+}
+
+void Offload::Impl::reap(bool wait) {
+  device("release", [&] {
+    std::erase_if(retiring, [&](const Retiring& r) {
+      if (wait) backend->wait_fence(r.fence);
+      if (!wait && !backend->fence_passed(r.fence)) return false;
+      pool->release(r.id);
+      return true;
+    });
+  });
+}
+
+void Offload::Impl::with_retired_pages(const std::function<void()>& take) {
+  reap(false);
+  try {
+    take();
+  } catch (const Error&) {
+    if (retiring.empty()) throw;
+    reap(true);
+    take();
+  }
 }
 
 void Offload::Impl::usable(const char* call) const {
@@ -221,7 +262,7 @@ std::int32_t Offload::Impl::admit(RequestId id, std::int64_t prompt_length, std:
   } else if (adaptive) {
     whole = need == 1 || need - 1 + x.config.whole_headroom <= free_after;
   }
-  pool_admit();  // throws, changing nothing, when the pages do not fit
+  x.with_retired_pages(pool_admit);  // throws, changing nothing, when the pages do not fit
   try {
     if (victim >= 0) x.demote(victim);
     x.device("admit", [&] {
@@ -274,7 +315,7 @@ void Offload::extend(RequestId id, std::int64_t n) {
             x.config.max_context);
   x.check_growth(row, length + n, "extend");  // kWhole: refused here when the rows are not free
   const auto pages_before = std::ssize(x.pool->page_table(id, 0));  // per layer
-  x.pool->extend(id, n);
+  x.with_retired_pages([&] { x.pool->extend(id, n); });
   x.device("extend", [&] { x.backend->pages_added(row, id, pages_before); });
   x.grow_whole(row, length + n);
 }
@@ -290,6 +331,9 @@ void Offload::truncate(RequestId id, std::int64_t length) {
   ESS_CHECK(length >= lowest && length <= current,
             "offload: truncate of request {} to {} tokens: outside [{}, {}] (its length less at most T = {})", id, length,
             lowest, current, x.config.query_tokens);
+  // The entries taken back are zeroed and their pages freed on the host: after the lifecycle
+  // work enqueued so far (a write-back of them may be pending on an ordered lifecycle stream).
+  x.device("truncate", [&] { x.backend->wait_fence(x.backend->fence()); });
   x.pool->truncate(id, length);
 }
 
@@ -338,7 +382,7 @@ void Offload::release(RequestId id) {
   Impl& x = *impl_;
   const std::int32_t row = x.find_row(id, "release");
   x.device("release", [&] { x.backend->release(row, id); });
-  x.pool->release(id);
+  x.retire_host(id);
   x.give_back(row);
   x.request_of_row[static_cast<std::size_t>(row)] = -1;
   x.row_of_request.erase(id);

@@ -45,6 +45,11 @@ __global__ void __launch_bounds__(kListThreads) write_back_list_kernel(WriteBack
   offload::write_back_list_cta(w, prims);
 }
 
+__global__ void __launch_bounds__(kListThreads) host_fill_list_kernel(HostFillList f) {
+  DevicePrims<ListScan> prims{nullptr};
+  offload::host_fill_list_cta(f, prims);
+}
+
 __global__ void __launch_bounds__(kThreads) whole_halves_kernel(StepShape s, WholeHalves h) {
   __shared__ typename RowScan::TempStorage tmp;
   DevicePrims<RowScan> prims{&tmp};
@@ -75,6 +80,12 @@ int launch_whole_halves(const StepShape& s, const WholeHalves& h, Stream stream)
 int launch_write_back_list(const WriteBackList& w, Stream stream) {
   if (w.batch <= 0) return cudaSuccess;
   write_back_list_kernel<<<1, kListThreads, 0, static_cast<cudaStream_t>(stream)>>>(w);
+  return cudaGetLastError();
+}
+
+int launch_host_fill_list(const HostFillList& f, Stream stream) {
+  if (f.units == nullptr ? f.max_count <= 0 : f.length <= 0) return cudaMemsetAsync(f.total, 0, 8, static_cast<cudaStream_t>(stream));
+  host_fill_list_kernel<<<1, kListThreads, 0, static_cast<cudaStream_t>(stream)>>>(f);
   return cudaGetLastError();
 }
 

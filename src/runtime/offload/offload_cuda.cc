@@ -5,12 +5,15 @@
 // links the runtime by `--undefined=ess_cuda_offload_anchor` (src/runtime/CMakeLists.txt).
 #include <cuda_runtime.h>
 
+#include <map>
 #include <memory>
+#include <numeric>
 
 #include "ess/core/error.h"
 #include "runtime/cuda/backend_impl.h"
 #include "runtime/cuda/check.h"
 #include "runtime/cuda/device_buffer.h"
+#include "runtime/cuda/pinned_staging.h"
 #include "runtime/cuda/runtime.h"
 #include "runtime/offload/offload_impl.h"
 #include "runtime/offload/offload_launch.h"
@@ -92,112 +95,193 @@ class CudaOffload final : public OffloadBackend {
     wb_total_ = DeviceBuffer<std::int64_t>(1);
     page_table_ = DeviceBuffer<std::int32_t>(B_ * static_cast<std::size_t>(max_pages_) * static_cast<std::size_t>(c.layers));
     ESS_CUDA_CHECK(cudaMemset(page_table_.get(), 0xff, page_table_.size() * 4), "offload: page tables");
+    // The lifecycle's loads: a request's windows, the GPU swap engine's warm-up outputs, one list.
+    const std::size_t S = static_cast<std::size_t>(c.slots), K = static_cast<std::size_t>(c.topk);
+    row_index_ = DeviceBuffer<std::int32_t>(B_);
+    warm_ids_ = DeviceBuffer<std::int32_t>(static_cast<std::size_t>(std::max(c.warmup_windows, 1)) * K);
+    warm_before_ = DeviceBuffer<std::int32_t>(S);
+    warm_tokens_ = DeviceBuffer<std::int32_t>(S);
+    warm_slots_ = DeviceBuffer<std::int32_t>(S);
+    warm_count_ = DeviceBuffer<std::int32_t>(1);
+    warm_step_slots_ = DeviceBuffer<std::int32_t>(K);
+    warm_step_tokens_ = DeviceBuffer<std::int32_t>(K);
+    warm_step_fill_slots_ = DeviceBuffer<std::int32_t>(K);
+    warm_step_counts_ = DeviceBuffer<std::int32_t>(2);
+    const std::size_t list = c.residency != Residency::kSparse ? std::max<std::size_t>(S, static_cast<std::size_t>(c.max_context)) : S;
+    fill_src_ = DeviceBuffer<std::uint64_t>(list);
+    fill_dst_ = DeviceBuffer<std::uint64_t>(list);
+    fill_total_ = DeviceBuffer<std::int64_t>(1);
+    warmup_tally_ = DeviceBuffer<std::int64_t>(1);
+    ESS_CUDA_CHECK(cudaMemset(warmup_tally_.get(), 0, 8), "offload: the warm-up tally");
+    std::vector<std::int32_t> rows(B_);
+    std::iota(rows.begin(), rows.end(), 0);
+    ESS_CUDA_CHECK(cudaMemcpy(row_index_.get(), rows.data(), B_ * 4, cudaMemcpyHostToDevice), "offload: the row index");
+    ESS_CUDA_CHECK(cudaEventCreateWithFlags(&handoff_, cudaEventDisableTiming), "offload: events");
+    ESS_CUDA_CHECK(cudaStreamCreateWithFlags(&stats_stream_, cudaStreamNonBlocking), "offload: the statistics stream");
     pool_dev_ = device_view_cuda(state.pool->base());
     ESS_CHECK(pool_dev_ != nullptr, "offload: the host pool is not mapped into the device's address space");
     ESS_CUDA_CHECK(cudaDeviceSynchronize(), "offload: set-up");
   }
 
   ~CudaOffload() override {
+    cudaDeviceSynchronize();  // nothing of this engine's may still run: its memory goes below
     for (Part& p : parts_) {
       if (p.decided != nullptr) cudaEventDestroy(p.decided);
     }
+    for (const auto& [serial, e] : fences_) cudaEventDestroy(e);
+    if (handoff_ != nullptr) cudaEventDestroy(handoff_);
+    if (stats_stream_ != nullptr) cudaStreamDestroy(stats_stream_);
+  }
+
+  // ---- lifecycle: each call's device work on the lifecycle stream (begin .. end) ----
+  void set_lifecycle_stream(Stream stream, bool ordered) override {
+    if (ordered_ && (!ordered || stream != lifecycle_)) {  // the new stream (or the host) after the old one's work
+      ESS_CUDA_CHECK(cudaEventRecord(handoff_, static_cast<cudaStream_t>(lifecycle_)), "offload: lifecycle stream handoff");
+      if (ordered) {
+        ESS_CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), handoff_, 0), "offload: lifecycle stream handoff");
+      } else {
+        ESS_CUDA_CHECK(cudaEventSynchronize(handoff_), "offload: lifecycle stream handoff");
+      }
+    }
+    lifecycle_ = ordered ? stream : nullptr;
+    ordered_ = ordered;
+  }
+
+  std::uint64_t fence() override {
+    if (!ordered_) return 0;  // each call waited for the device
+    cudaEvent_t e = nullptr;
+    ESS_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "offload: a release fence");
+    if (const cudaError_t r = cudaEventRecord(e, static_cast<cudaStream_t>(lifecycle_)); r != cudaSuccess) {
+      cudaEventDestroy(e);
+      ESS_CUDA_CHECK(r, "offload: recording a release fence");
+    }
+    fences_.emplace(++fence_serial_, e);
+    return fence_serial_;
+  }
+
+  bool fence_passed(std::uint64_t fence) override {
+    const auto it = fences_.find(fence);
+    if (it == fences_.end()) return true;
+    const cudaError_t e = cudaEventQuery(it->second);
+    if (e == cudaErrorNotReady) return false;
+    ESS_CUDA_CHECK(e, "offload: querying a release fence");
+    cudaEventDestroy(it->second);
+    fences_.erase(it);
+    return true;
+  }
+
+  void wait_fence(std::uint64_t fence) override {
+    const auto it = fences_.find(fence);
+    if (it == fences_.end()) return;
+    ESS_CUDA_CHECK(cudaEventSynchronize(it->second), "offload: waiting for a release fence");
+    cudaEventDestroy(it->second);
+    fences_.erase(it);
   }
 
   void admit(std::int32_t row, RequestId) override {
-    swap_->reset_row(row);
-    upload_units(row);
-    clear_recorded(row);
-    ESS_CUDA_CHECK(cudaDeviceSynchronize(), "offload: admit of row {}", row);
+    const Stream s = begin();
+    swap_->reset_row(row, s);
+    upload_units(row, s);
+    clear_recorded(row, s);
+    end("admit of row {}", row);
   }
 
   void release(std::int32_t row, RequestId) override {
-    swap_->reset_row(row);
-    clear_units(row);
-    ESS_CUDA_CHECK(cudaDeviceSynchronize(), "offload: release of row {}", row);
+    const Stream s = begin();
+    swap_->reset_row(row, s);
+    clear_units(row, s);
+    end("release of row {}", row);
   }
 
   void reset(std::int32_t row, RequestId) override {
-    swap_->reset_row(row);
-    clear_recorded(row);
-    ESS_CUDA_CHECK(cudaDeviceSynchronize(), "offload: reset of row {}", row);
+    const Stream s = begin();
+    swap_->reset_row(row, s);
+    clear_recorded(row, s);
+    end("reset of row {}", row);
   }
 
-  void units_changed(std::int32_t row, RequestId) override { upload_units(row); }
+  void units_changed(std::int32_t row, RequestId) override {
+    const Stream s = begin();
+    upload_units(row, s);
+    end("the whole rows of row {}", row);
+  }
 
   void load_whole(std::int32_t row, RequestId id, std::span<const std::int32_t> windows, int W) override {
     const OffloadConfig& c = x_.config;
-    upload_units(row);  // and every write-back in flight into the host pool, which it reads, is done
+    const Stream s = begin();
+    upload_units(row, s);
     const std::int64_t length = x_.pool->length(id);
-    const auto& units = x_.units_of_row[static_cast<std::size_t>(row)];
-    std::vector<MissEntry> fills;
     for (int l = 0; l < c.layers; ++l) {
-      fills.clear();
-      for (std::int64_t t = 0; t < length; ++t) {
-        const auto tok = static_cast<std::int32_t>(t);
-        const std::int32_t own = units[static_cast<std::size_t>(tok / c.slots)] * rpr_ + tok % c.slots;
-        fills.push_back(MissEntry{0, row, tok, own, 0});
-      }
-      copy_from_host(id, l, fills, /*slot_is_row=*/true);
+      HostFillList f = fill_list(row, l);
+      f.units = whole_units_.get() + static_cast<std::size_t>(row) * static_cast<std::size_t>(max_units_);
+      f.length = length;
+      load(f, length, l, s);
     }
     // The windows it records start as the given ones (their last recorded_windows()).
-    clear_recorded(row);
+    clear_recorded(row, s);
     const int Wr = c.recorded_windows();
     const int n = std::min(W, Wr);
     if (n > 0) {
       const std::size_t K = static_cast<std::size_t>(c.topk);
-      std::vector<std::int32_t> ring(static_cast<std::size_t>(c.layers) * static_cast<std::size_t>(Wr) * K, -1);
-      std::vector<std::int32_t> head(2 * static_cast<std::size_t>(c.layers));
+      const std::size_t ring_size = static_cast<std::size_t>(c.layers) * static_cast<std::size_t>(Wr) * K;
+      std::int32_t* ring = staging_.take<std::int32_t>(ring_size);
+      std::int32_t* head = staging_.take<std::int32_t>(2 * static_cast<std::size_t>(c.layers));
+      std::fill(ring, ring + ring_size, -1);
       for (int l = 0; l < c.layers; ++l) {
         for (int w = 0; w < n; ++w) {
           const auto from = windows.begin() + static_cast<std::ptrdiff_t>((static_cast<std::size_t>(l) * W + static_cast<std::size_t>(W - n + w)) * K);
-          std::copy(from, from + static_cast<std::ptrdiff_t>(K), ring.begin() + static_cast<std::ptrdiff_t>((static_cast<std::size_t>(l) * Wr + static_cast<std::size_t>(w)) * K));
+          std::copy(from, from + static_cast<std::ptrdiff_t>(K), ring + (static_cast<std::size_t>(l) * Wr + static_cast<std::size_t>(w)) * K);
         }
         head[2 * static_cast<std::size_t>(l)] = n % Wr;
         head[2 * static_cast<std::size_t>(l) + 1] = n;
       }
-      ESS_CUDA_CHECK(cudaMemcpy(recorded_.get() + static_cast<std::size_t>(row) * ring.size(), ring.data(), ring.size() * 4,
-                                cudaMemcpyHostToDevice),
+      ESS_CUDA_CHECK(cudaMemcpyAsync(recorded_.get() + static_cast<std::size_t>(row) * ring_size, ring, ring_size * 4,
+                                     cudaMemcpyHostToDevice, static_cast<cudaStream_t>(s)),
                      "offload: the recorded windows of row {}", row);
-      ESS_CUDA_CHECK(cudaMemcpy(recorded_head_.get() + static_cast<std::size_t>(row) * head.size(), head.data(), head.size() * 4,
-                                cudaMemcpyHostToDevice),
+      ESS_CUDA_CHECK(cudaMemcpyAsync(recorded_head_.get() + static_cast<std::size_t>(row) * 2 * static_cast<std::size_t>(c.layers), head,
+                                     2 * static_cast<std::size_t>(c.layers) * 4, cudaMemcpyHostToDevice, static_cast<cudaStream_t>(s)),
                      "offload: the recorded windows of row {}", row);
     }
-    ESS_CUDA_CHECK(cudaDeviceSynchronize(), "offload: whole residency of row {}", row);
+    end("whole residency of row {}", row);
   }
 
+  // The one lifecycle call that reads the device: the windows the request recorded while whole
+  // come back to the host (a wait for the lifecycle stream) to be replayed by LRU-Warmup.
   void demote(std::int32_t row, RequestId id) override {
     const OffloadConfig& c = x_.config;
     const int Wr = c.recorded_windows();
     const std::size_t K = static_cast<std::size_t>(c.topk);
-    std::vector<std::int32_t> ring, head;
-    ESS_CUDA_CHECK(cudaDeviceSynchronize(), "offload: demotion of row {}", row);
+    const Stream s = begin();
+    const std::size_t ring_size = static_cast<std::size_t>(c.layers) * static_cast<std::size_t>(Wr) * K;
+    std::int32_t* ring = nullptr;
+    std::int32_t* head = nullptr;
     if (Wr > 0) {
-      ring.resize(static_cast<std::size_t>(c.layers) * static_cast<std::size_t>(Wr) * K);
-      head.resize(2 * static_cast<std::size_t>(c.layers));
-      ESS_CUDA_CHECK(cudaMemcpy(ring.data(), recorded_.get() + static_cast<std::size_t>(row) * ring.size(), ring.size() * 4,
-                                cudaMemcpyDeviceToHost),
+      ring = staging_.take<std::int32_t>(ring_size);
+      head = staging_.take<std::int32_t>(2 * static_cast<std::size_t>(c.layers));
+      ESS_CUDA_CHECK(cudaMemcpyAsync(ring, recorded_.get() + static_cast<std::size_t>(row) * ring_size, ring_size * 4,
+                                     cudaMemcpyDeviceToHost, static_cast<cudaStream_t>(s)),
                      "offload: the recorded windows of row {}", row);
-      ESS_CUDA_CHECK(cudaMemcpy(head.data(), recorded_head_.get() + static_cast<std::size_t>(row) * head.size(), head.size() * 4,
-                                cudaMemcpyDeviceToHost),
+      ESS_CUDA_CHECK(cudaMemcpyAsync(head, recorded_head_.get() + static_cast<std::size_t>(row) * 2 * static_cast<std::size_t>(c.layers),
+                                     2 * static_cast<std::size_t>(c.layers) * 4, cudaMemcpyDeviceToHost, static_cast<cudaStream_t>(s)),
                      "offload: the recorded windows of row {}", row);
+      ESS_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(s)), "offload: demotion of row {}", row);
     }
-    upload_units(row);  // sparse now
-    swap_->reset_row(row);
+    upload_units(row, s);  // sparse now
+    swap_->reset_row(row, s);
+    std::vector<std::int32_t> windows;  // [layers][Wr][K], each layer's oldest first
+    std::vector<int> counts(static_cast<std::size_t>(c.layers), 0);
     for (int l = 0; l < c.layers && Wr > 0; ++l) {
       const int next = head[2 * static_cast<std::size_t>(l)], count = head[2 * static_cast<std::size_t>(l) + 1];
-      std::vector<std::int32_t> windows;  // oldest first
+      counts[static_cast<std::size_t>(l)] = count;
       for (int i = 0; i < count; ++i) {
         const int w = (next - count + i + Wr) % Wr;
-        const auto from = ring.begin() + static_cast<std::ptrdiff_t>((static_cast<std::size_t>(l) * Wr + static_cast<std::size_t>(w)) * K);
-        windows.insert(windows.end(), from, from + static_cast<std::ptrdiff_t>(K));
+        const std::int32_t* from = ring + (static_cast<std::size_t>(l) * Wr + static_cast<std::size_t>(w)) * K;
+        windows.insert(windows.end(), from, from + K);
       }
-      if (windows.empty()) continue;
-      const std::vector<MissEntry> fills = swap_->warmup(row, l, c.topk, windows);
-      warmup_fills_ += static_cast<std::int64_t>(fills.size());
-      copy_from_host(id, l, fills, /*slot_is_row=*/false);
     }
-    clear_recorded(row);
-    ESS_CUDA_CHECK(cudaDeviceSynchronize(), "offload: demotion of row {}", row);
+    replay_windows(row, id, windows, counts, s);
+    clear_recorded(row, s);
+    end("demotion of row {}", row);
   }
 
   // New host pages: their ids for every layer, contiguous in [row][page][layer].
@@ -205,7 +289,9 @@ class CudaOffload final : public OffloadBackend {
     const int L = x_.config.layers;
     const auto pages = std::ssize(x_.pool->page_table(id, 0));  // pages per layer
     if (pages <= first_page) return;
-    std::vector<std::int32_t> ids(static_cast<std::size_t>(pages - first_page) * static_cast<std::size_t>(L));
+    const Stream s = begin();
+    const std::size_t n = static_cast<std::size_t>(pages - first_page) * static_cast<std::size_t>(L);
+    std::int32_t* ids = staging_.take<std::int32_t>(n);
     for (int l = 0; l < L; ++l) {
       const auto table = x_.pool->page_table(id, l);  // arena pages: offset / page_stride
       for (std::int64_t p = first_page; p < pages; ++p) {
@@ -214,21 +300,15 @@ class CudaOffload final : public OffloadBackend {
     }
     const std::size_t at = (static_cast<std::size_t>(row) * static_cast<std::size_t>(max_pages_) + static_cast<std::size_t>(first_page)) *
                            static_cast<std::size_t>(L);
-    ESS_CUDA_CHECK(cudaMemcpy(page_table_.get() + at, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice),
+    ESS_CUDA_CHECK(cudaMemcpyAsync(page_table_.get() + at, ids, n * 4, cudaMemcpyHostToDevice, static_cast<cudaStream_t>(s)),
                    "offload: page table of row {}", row);
-    // A pageable cudaMemcpy may return before its DMA lands, on the legacy stream, which the
-    // steps' non-blocking streams do not wait for: the entries are in place once it drains.
-    ESS_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy), "offload: page table of row {}", row);
+    end("page table of row {}", row);
   }
 
   void warmup(std::int32_t row, RequestId id, std::span<const std::int32_t> windows, int W) override {
-    const std::size_t per_layer = static_cast<std::size_t>(W) * static_cast<std::size_t>(x_.config.topk);
-    for (int l = 0; l < x_.config.layers; ++l) {
-      const auto w = windows.subspan(static_cast<std::size_t>(l) * per_layer, per_layer);
-      const std::vector<MissEntry> fills = swap_->warmup(row, l, x_.config.topk, std::vector<std::int32_t>(w.begin(), w.end()));
-      warmup_fills_ += static_cast<std::int64_t>(fills.size());
-      copy_from_host(id, l, fills, /*slot_is_row=*/false);
-    }
+    const Stream s = begin();
+    replay_windows(row, id, windows, std::vector<int>(static_cast<std::size_t>(x_.config.layers), W), s);
+    end("warmup of row {}", row);
   }
 
   void step(const LayerStep& s) override {
@@ -408,6 +488,9 @@ class CudaOffload final : public OffloadBackend {
                       whole_units_.bytes() + recorded_.bytes() + recorded_head_.bytes() + wb_whole_src_.bytes() +
                       wb_whole_dst_.bytes() + wb_whole_total_.bytes();
     for (const auto& b : owned_) n += b.bytes();
+    n += row_index_.bytes() + warm_ids_.bytes() + warm_before_.bytes() + warm_tokens_.bytes() + warm_slots_.bytes() +
+         warm_count_.bytes() + warm_step_slots_.bytes() + warm_step_tokens_.bytes() + warm_step_fill_slots_.bytes() +
+         warm_step_counts_.bytes() + fill_src_.bytes() + fill_dst_.bytes() + fill_total_.bytes() + warmup_tally_.bytes();
     for (const Part& p : parts_) {
       n += p.lru_ids.bytes() + p.lru_slots.bytes() + p.slot_ids.bytes() + p.fill_tokens.bytes() + p.fill_slots.bytes() +
            p.counts.bytes() + p.fill_host.bytes() + p.src.bytes() + p.dst.bytes() + p.flags.bytes() +
@@ -418,7 +501,11 @@ class CudaOffload final : public OffloadBackend {
 
   void add_stats(OffloadStats& st) const override {
     st.steps = steps_;
-    st.warmup_fills = warmup_fills_;
+    // The loads the device has run so far (a read on a stream of its own: no wait for the others).
+    std::int64_t tally = 0;
+    ESS_CUDA_CHECK(cudaMemcpyAsync(&tally, warmup_tally_.get(), 8, cudaMemcpyDeviceToHost, stats_stream_), "offload: statistics");
+    ESS_CUDA_CHECK(cudaStreamSynchronize(stats_stream_), "offload: statistics");
+    st.warmup_fills = tally;
     st.swap_launches = swap_launches_;
   }
 
@@ -436,7 +523,22 @@ class CudaOffload final : public OffloadBackend {
   DeviceBuffer<std::int64_t> wb_total_;
   DeviceBuffer<std::int32_t> page_table_;
   const std::uint8_t* pool_dev_ = nullptr;
-  std::int64_t steps_ = 0, warmup_fills_ = 0, swap_launches_ = 0;
+  std::int64_t steps_ = 0, swap_launches_ = 0;
+  // The lifecycle (begin, end): its stream, whether its calls return without waiting for the
+  // device, the stream handoff, the release fences, the pinned staging of its uploads, and the
+  // device scratch of its loads (row_index_[r] = r; one layer's windows; the warm-up's outputs;
+  // one FlashTrans list; the warm-up's loads so far, read on the statistics stream).
+  Stream lifecycle_ = nullptr;
+  bool ordered_ = false;
+  cudaEvent_t handoff_ = nullptr;
+  std::map<std::uint64_t, cudaEvent_t> fences_;
+  std::uint64_t fence_serial_ = 0;
+  PinnedStaging staging_;
+  cudaStream_t stats_stream_ = nullptr;
+  DeviceBuffer<std::int32_t> row_index_, warm_ids_, warm_before_, warm_tokens_, warm_slots_, warm_count_, warm_step_slots_,
+      warm_step_tokens_, warm_step_fill_slots_, warm_step_counts_;
+  DeviceBuffer<std::uint64_t> fill_src_, fill_dst_;
+  DeviceBuffer<std::int64_t> fill_total_, warmup_tally_;
   // Residency (not kSparse): each pool row's whole rows ([rows][max_units], -1 after them, all -1
   // when sparse), the recorded windows ([rows][layers][W][K]) and their heads ([rows][layers][2]:
   // next, count), and the write-back's second list (into whole rows).
@@ -457,47 +559,98 @@ class CudaOffload final : public OffloadBackend {
     }
     return true;
   }
-  // The row's whole rows into the device table, once no step in flight can read it (a promoted
-  // request's last sparse step may still run on the engine's stream).
-  void upload_units(std::int32_t row) {
+  // A lifecycle call's stream: the lifecycle stream, or (not ordered) the legacy stream once the
+  // device is idle, so that no step in flight reads what the call changes.
+  Stream begin() {
+    if (!ordered_) ESS_CUDA_CHECK(cudaDeviceSynchronize(), "offload: waiting for the device before a lifecycle call");
+    return lifecycle_;
+  }
+  // Its pinned staging is free once the stream passes; not ordered: waits for the device.
+  template <typename... Args>
+  void end(fmt::format_string<Args...> what, Args&&... args) {
+    staging_.retire(lifecycle_);
+    if (!ordered_) {
+      ESS_CUDA_CHECK(cudaDeviceSynchronize(), "offload: {}", fmt::format(what, std::forward<Args>(args)...));
+    }
+  }
+  // The row's whole rows into the device table (all -1 when sparse).
+  void upload_units(std::int32_t row, Stream s) {
     if (whole_units_.get() == nullptr) return;
-    ESS_CUDA_CHECK(cudaDeviceSynchronize(), "offload: the whole rows of row {}", row);
-    std::vector<std::int32_t> units(static_cast<std::size_t>(max_units_), -1);
+    std::int32_t* units = staging_.take<std::int32_t>(static_cast<std::size_t>(max_units_));
+    std::fill(units, units + max_units_, -1);
     const auto& own = x_.units_of_row[static_cast<std::size_t>(row)];
-    std::copy(own.begin(), own.end(), units.begin());
-    ESS_CUDA_CHECK(cudaMemcpy(whole_units_.get() + static_cast<std::size_t>(row) * units.size(), units.data(), units.size() * 4,
-                              cudaMemcpyHostToDevice),
+    std::copy(own.begin(), own.end(), units);
+    ESS_CUDA_CHECK(cudaMemcpyAsync(whole_units_.get() + static_cast<std::size_t>(row) * static_cast<std::size_t>(max_units_), units,
+                                   static_cast<std::size_t>(max_units_) * 4, cudaMemcpyHostToDevice, static_cast<cudaStream_t>(s)),
                    "offload: the whole rows of row {}", row);
-    ESS_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy), "offload: the whole rows of row {}", row);
   }
-  void clear_units(std::int32_t row) {
+  void clear_units(std::int32_t row, Stream s) {
     if (whole_units_.get() == nullptr) return;
-    ESS_CUDA_CHECK(cudaMemset(whole_units_.get() + static_cast<std::size_t>(row) * static_cast<std::size_t>(max_units_), 0xff,
-                              static_cast<std::size_t>(max_units_) * 4),
+    ESS_CUDA_CHECK(cudaMemsetAsync(whole_units_.get() + static_cast<std::size_t>(row) * static_cast<std::size_t>(max_units_), 0xff,
+                                   static_cast<std::size_t>(max_units_) * 4, static_cast<cudaStream_t>(s)),
                    "offload: the whole rows of row {}", row);
   }
-  void clear_recorded(std::int32_t row) {
+  void clear_recorded(std::int32_t row, Stream s) {
     if (recorded_head_.get() == nullptr) return;
     const std::size_t n = 2 * static_cast<std::size_t>(x_.config.layers);
-    ESS_CUDA_CHECK(cudaMemset(recorded_head_.get() + static_cast<std::size_t>(row) * n, 0, n * 4),
+    ESS_CUDA_CHECK(cudaMemsetAsync(recorded_head_.get() + static_cast<std::size_t>(row) * n, 0, n * 4, static_cast<cudaStream_t>(s)),
                    "offload: the recorded windows of row {}", row);
   }
-  // Copies host entries into the buffer: fill i's token of `layer` into buffer row fills[i].slot
-  // (slot_is_row) or slot fills[i].slot of pool row fills[i].row; waits for it.
-  void copy_from_host(RequestId id, int layer, const std::vector<MissEntry>& fills, bool slot_is_row) {
-    if (fills.empty()) return;
-    std::vector<std::uint64_t> offsets(2 * fills.size());
-    for (std::size_t i = 0; i < fills.size(); ++i) {
-      offsets[i] = x_.pool->offset(id, layer, fills[i].token);
-      const std::int64_t to = slot_is_row ? fills[i].slot : static_cast<std::int64_t>(fills[i].row) * rpr_ + fills[i].slot;
-      offsets[fills.size() + i] = x_.buffer.rows.offset(to);
+  // The list's shape for a load into `row`'s rows of `layer` (tokens and destinations to set).
+  HostFillList fill_list(std::int32_t row, int layer) const {
+    HostFillList f;
+    f.layers = x_.config.layers;
+    f.layer = layer;
+    f.max_pages = max_pages_;
+    f.row = row;
+    f.slots = x_.config.slots;
+    f.rows_per_request = rpr_;
+    f.page_table = page_table_.get();
+    f.page_bytes = x_.pool->page_stride();
+    f.entry_bytes = x_.config.layout.bytes();
+    f.buffer = x_.buffer.rows;
+    f.src_offsets = fill_src_.get();
+    f.dst_offsets = fill_dst_.get();
+    f.total = fill_total_.get();
+    return f;
+  }
+  // The list, then FlashTrans from the host pool into the layer's buffer (at most `max` entries).
+  void load(const HostFillList& f, std::int64_t max, int layer, Stream s) {
+    ESS_LAUNCH(launch_host_fill_list(f, s), "offload: the load list of layer {}", layer);
+    EntryCopy copy{pool_dev_, x_.buffer.layer_base[static_cast<std::size_t>(layer)], fill_src_.get(), fill_dst_.get(), max,
+                   static_cast<int>(x_.config.layout.bytes()), fill_total_.get(), kWholeGpu};
+    ESS_LAUNCH(flashtrans_cuda(copy, s), "offload: the load of layer {}", layer);
+  }
+  // LRU-Warmup of every layer of `row`: layer l replays counts[l] windows of `windows`
+  // ([layers][..][K], each layer's windows after the previous layer's, oldest first) on the GPU
+  // swap engine, then loads the slots whose token changed from the host pool.
+  void replay_windows(std::int32_t row, RequestId, std::span<const std::int32_t> windows, const std::vector<int>& counts, Stream s) {
+    const OffloadConfig& c = x_.config;
+    const std::size_t K = static_cast<std::size_t>(c.topk);
+    if (windows.empty()) return;
+    std::int32_t* staged = staging_.take<std::int32_t>(windows.size());
+    std::copy(windows.begin(), windows.end(), staged);
+    std::size_t at = 0;
+    for (int l = 0; l < c.layers; ++l) {
+      const int W = counts[static_cast<std::size_t>(l)];
+      if (W <= 0) continue;
+      ESS_CUDA_CHECK(cudaMemcpyAsync(warm_ids_.get(), staged + at, static_cast<std::size_t>(W) * K * 4, cudaMemcpyHostToDevice,
+                                     static_cast<cudaStream_t>(s)),
+                     "offload: the warm-up windows of row {} layer {}", row, l);
+      at += static_cast<std::size_t>(W) * K;
+      swap_->warmup_async(row, l, c.topk, row_index_.get() + row, warm_ids_.get(), W,
+                          GpuSwapEngine::WarmupOut{warm_before_.get(), warm_tokens_.get(), warm_slots_.get(), warm_count_.get(),
+                                                   warm_step_slots_.get(), warm_step_tokens_.get(), warm_step_fill_slots_.get(),
+                                                   warm_step_counts_.get()},
+                          s);
+      HostFillList f = fill_list(row, l);
+      f.tokens = warm_tokens_.get();
+      f.token_slots = warm_slots_.get();
+      f.count = warm_count_.get();
+      f.max_count = c.slots;
+      f.tally = warmup_tally_.get();
+      load(f, c.slots, l, s);
     }
-    DeviceBuffer<std::uint64_t> d(offsets.size());
-    ESS_CUDA_CHECK(cudaMemcpy(d.get(), offsets.data(), offsets.size() * 8, cudaMemcpyHostToDevice), "offload: fill list");
-    EntryCopy copy{pool_dev_, x_.buffer.layer_base[static_cast<std::size_t>(layer)], d.get(), d.get() + fills.size(),
-                   static_cast<std::int64_t>(fills.size()), static_cast<int>(x_.config.layout.bytes()), nullptr, kWholeGpu};
-    ESS_LAUNCH(flashtrans_cuda(copy, nullptr), "offload: fill of layer {}", layer);
-    ESS_CUDA_CHECK(cudaDeviceSynchronize(), "offload: fill of layer {}", layer);
   }
 };
 

@@ -40,6 +40,14 @@ class OffloadBackend {
   // The request at `row` was whole and is sparse now (units_of_row[row] is empty): every layer's
   // LRU becomes LRU-Warmup over the windows it recorded while whole, loaded from the host pool.
   virtual void demote(std::int32_t row, RequestId id) = 0;
+  // The lifecycle calls' device work from now on: enqueued on `stream` and not waited for
+  // (ordered), or waited for by each call (the default). A backend without a device ignores it.
+  virtual void set_lifecycle_stream(cuda::Stream, bool) {}
+  // A mark after the lifecycle work enqueued so far; 0 when none can be pending (each call waited).
+  virtual std::uint64_t fence() { return 0; }
+  // Whether the work before `fence` has run (never waits; a passed fence is forgotten), and a wait for it.
+  virtual bool fence_passed(std::uint64_t) { return true; }
+  virtual void wait_fence(std::uint64_t) {}
   virtual void step(const LayerStep& s) = 0;
   virtual void write_back(const WriteBack& w) = 0;
   virtual std::vector<std::uint8_t> read_row(int layer, std::int32_t p) const = 0;
@@ -103,6 +111,21 @@ class Offload::Impl : public OffloadState {
       throw;
     }
   }
+
+  // Released requests whose host pages wait for the lifecycle work before their release (an
+  // ordered lifecycle stream: a write-back or fetch enqueued earlier may still touch them).
+  struct Retiring {
+    RequestId id = -1;
+    std::uint64_t fence = 0;
+  };
+  std::vector<Retiring> retiring;
+  // Hands the released request's host pages back to the pool, now or once its fence has passed.
+  void retire_host(RequestId id);
+  // Releases the host pages of retiring requests whose fence has passed; `wait`: of all of them.
+  void reap(bool wait);
+  // Runs a host pool change that takes pages; when it is refused and requests are retiring,
+  // waits for them, releases their pages and runs it once more.
+  void with_retired_pages(const std::function<void()>& take);
 
   // Admission with `pool_admit` taking the host pages (all-or-nothing); returns the row.
   std::int32_t admit(RequestId id, std::int64_t prompt_length, std::int32_t wanted_row,

@@ -79,4 +79,29 @@ struct WriteBackList {
 };
 int launch_write_back_list(const WriteBackList& w, Stream stream);
 
+// The FlashTrans list of a lifecycle load, from the host pool into one request's buffer rows of
+// a layer: the first *count of `tokens` into slots `token_slots` of pool row `row` (an
+// LRU-Warmup's changed slots; *count <= max_count), or, with `units`, every token [0, length)
+// of the whole request at `row` into its own rows (units[t / slots] x rows_per_request +
+// t % slots). Sources as the write-back's destinations (page_table, page_bytes, entry_bytes);
+// *total = the entries listed. One block.
+struct HostFillList {
+  int layers = 0, layer = 0, max_pages = 0;
+  std::int32_t row = 0, slots = 0, rows_per_request = 0;
+  const std::int32_t* page_table = nullptr;
+  std::uint64_t page_bytes = 0, entry_bytes = 0;
+  RowLayout buffer;
+  const std::int32_t* tokens = nullptr;       // [max_count]
+  const std::int32_t* token_slots = nullptr;  // [max_count]
+  const std::int32_t* count = nullptr;        // [1]
+  std::int64_t max_count = 0;
+  const std::int32_t* units = nullptr;        // [max_units] of the row, or nullptr
+  std::int64_t length = 0;
+  std::uint64_t* src_offsets = nullptr;       // out: [max_count], or [length] with units
+  std::uint64_t* dst_offsets = nullptr;
+  std::int64_t* total = nullptr;              // [1] out
+  std::int64_t* tally = nullptr;              // [1], optional: += the entries listed
+};
+int launch_host_fill_list(const HostFillList& f, Stream stream);
+
 }  // namespace ess::cuda

@@ -1,4 +1,5 @@
-// The per-layer step on the CUDA backend (offload_cases.h, offload_residency_cases.h; the CPU backend runs the same cases
+// The per-layer step on the CUDA backend (offload_cases.h, offload_residency_cases.h; the CPU backend runs the same cases;
+// offload_lifecycle_cases.h: the stream-ordered lifecycle, CUDA only
 // in offload_host_test.cc): every pointer of a step is device memory, the step runs on a
 // stream (testing/offload_io_cuda.cc), nothing synchronizes until the outputs are
 // read. Skipped without a CUDA device.
@@ -8,6 +9,7 @@
 
 #include "ess/runtime/backend.h"
 #include "offload_cases.h"
+#include "offload_lifecycle_cases.h"
 #include "offload_residency_cases.h"
 #include "runtime/cuda/device_buffer.h"
 

@@ -136,6 +136,7 @@ const char* cudaGetErrorString(cudaError_t error) {
     case cudaErrorMemoryAllocation: return "out of memory";
     case cudaErrorInvalidDevice: return "invalid device ordinal";
     case cudaErrorInvalidResourceHandle: return "invalid resource handle";
+    case cudaErrorNotReady: return "device not ready";
     case cudaErrorIllegalAddress: return "an illegal memory access was encountered";
     case cudaErrorLaunchFailure: return "unspecified launch failure";
     case cudaErrorNotSupported: return "operation not supported";
@@ -279,4 +280,10 @@ cudaError_t cudaEventSynchronize(cudaEvent_t event) {
   if (const cudaError_t f = dev().injected("cudaEventSynchronize"); f != cudaSuccess) return f;
   if (!dev().valid_event(event)) return dev().fail(cudaErrorInvalidResourceHandle, "cudaEventSynchronize: not a live event", true);
   return after(ess::emu::drain_event(event), "cudaEventSynchronize");
+}
+
+cudaError_t cudaEventQuery(cudaEvent_t event) {
+  if (const cudaError_t f = dev().injected("cudaEventQuery"); f != cudaSuccess) return f;
+  if (!dev().valid_event(event)) return dev().fail(cudaErrorInvalidResourceHandle, "cudaEventQuery: not a live event", true);
+  return ess::emu::event_done(event) ? cudaSuccess : cudaErrorNotReady;
 }

@@ -79,6 +79,12 @@ class Streams {
     return it == records_.end() ? take_error() : run_until_locked({it->second});
   }
 
+  bool done(cudaEvent_t e) {
+    std::lock_guard lock(mu_);
+    const auto it = records_.find(e);
+    return it == records_.end() || pending_.count(it->second) == 0;
+  }
+
   cudaError_t drain_all() {
     std::lock_guard lock(mu_);
     return run_until_locked(all_pending());
@@ -214,6 +220,7 @@ void wait_event(cudaStream_t stream, cudaEvent_t event) { Streams::get().wait(st
 cudaError_t drain_stream(cudaStream_t stream) { return Streams::get().drain_stream(stream); }
 cudaError_t drain_event(cudaEvent_t event) { return Streams::get().drain_event(event); }
 cudaError_t drain_all() { return Streams::get().drain_all(); }
+bool event_done(cudaEvent_t event) { return Streams::get().done(event); }
 void note_stream_flags(cudaStream_t stream, unsigned flags) { Streams::get().flags(stream, flags); }
 void forget_event(cudaEvent_t event) { Streams::get().forget(event); }
 std::size_t queued_operations() { return Streams::get().queued(); }

@@ -45,6 +45,8 @@ void wait_event(cudaStream_t stream, cudaEvent_t event);
 cudaError_t drain_stream(cudaStream_t stream);
 cudaError_t drain_event(cudaEvent_t event);
 cudaError_t drain_all();
+// Whether the event's latest record has run (true when it was never recorded); runs nothing.
+bool event_done(cudaEvent_t event);
 void note_stream_flags(cudaStream_t stream, unsigned flags);
 // A destroyed event's records are forgotten (a new event at its address starts unrecorded).
 void forget_event(cudaEvent_t event);

@@ -135,6 +135,26 @@ TEST_P(StreamOrderSeeds, TheFetchOnTheCopyStreamIsReadOnlyAfterCopyDone) {
   }
 }
 
+// cudaEventQuery runs nothing: in a lazy order an event is not ready until a synchronization ran
+// the work before its record; an event never recorded is ready, as CUDA's.
+TEST_P(StreamOrderSeeds, AnEventQueryRunsNothing) {
+  LazyOrder lazy(GetParam());
+  cuda::DeviceBuffer<std::uint8_t> buf(64);
+  cudaStream_t a = nullptr;
+  cudaEvent_t ev = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_EQ(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), cudaSuccess);
+  EXPECT_EQ(cudaEventQuery(ev), cudaSuccess) << "never recorded";
+  ASSERT_EQ(cudaMemsetAsync(buf.get(), 3, 64, a), cudaSuccess);
+  ASSERT_EQ(cudaEventRecord(ev, a), cudaSuccess);
+  EXPECT_EQ(cudaEventQuery(ev), cudaErrorNotReady);
+  EXPECT_EQ(cudaEventQuery(ev), cudaErrorNotReady) << "a query ran the work";
+  ASSERT_EQ(cudaStreamSynchronize(a), cudaSuccess);
+  EXPECT_EQ(cudaEventQuery(ev), cudaSuccess);
+  ASSERT_EQ(cudaEventDestroy(ev), cudaSuccess);
+  ASSERT_EQ(cudaStreamDestroy(a), cudaSuccess);
+}
+
 INSTANTIATE_TEST_SUITE_P(Lazy, StreamOrderSeeds, ::testing::Values(1u, 2u, 3u));
 
 // ---- faults: every CUDA call of an engine's life fails in turn ----

@@ -60,9 +60,11 @@ SwapState GpuSwapEngine::state() const {
 
 GpuSwapEngine::~GpuSwapEngine() { free_state(); }
 
-void GpuSwapEngine::reset_row(int row) {
+void GpuSwapEngine::reset_row(int row) { reset_row(row, stream_); }
+
+void GpuSwapEngine::reset_row(int row, Stream stream) {
   ESS_CHECK(row >= 0 && row < config_.rows, "gpu swap engine: row {} out of [0, {})", row, config_.rows);
-  ESS_CUDA_CHECK(static_cast<cudaError_t>(launch_swap_reset(state(), row, stream_)), "gpu swap engine: reset of row {}", row);
+  ESS_CUDA_CHECK(static_cast<cudaError_t>(launch_swap_reset(state(), row, stream)), "gpu swap engine: reset of row {}", row);
 }
 
 void GpuSwapEngine::step_async(const GpuSwapStep& s) { step_async(s, stream_); }
@@ -127,34 +129,16 @@ std::vector<MissEntry> GpuSwapEngine::warmup(int row, int layer, int K, const st
   ESS_CHECK(K > 0 && windows.size() % static_cast<std::size_t>(K) == 0,
             "gpu swap engine: warmup of row {} layer {}: {} ids is not a whole number of top-{} windows", row, layer,
             windows.size(), K);
-  ESS_CHECK(row >= 0 && row < config_.rows && layer >= 0 && layer < config_.layers,
-            "gpu swap engine: warmup row {} layer {} out of range", row, layer);
   const auto stream = static_cast<cudaStream_t>(stream_);
   const std::size_t S = static_cast<std::size_t>(config_.slots);
-  const std::int32_t* after = token_ + (static_cast<std::size_t>(row) * config_.layers + static_cast<std::size_t>(layer)) * S;
-  DeviceBuffer<std::int32_t> before(S), out_t(S), out_s(S), count(1);
-  ESS_CUDA_CHECK(cudaMemcpyAsync(before.get(), after, S * 4, cudaMemcpyDeviceToDevice, stream), "warmup snapshot");
   const int W = static_cast<int>(windows.size() / static_cast<std::size_t>(K));
-  DeviceBuffer<std::int32_t> d_row(1), d_ids(windows.size() + 1), d_slots(static_cast<std::size_t>(K)), d_ft(static_cast<std::size_t>(K)),
-      d_fs(static_cast<std::size_t>(K)), d_counts(2);
+  DeviceBuffer<std::int32_t> d_row(1), d_ids(windows.size() + 1), before(S), out_t(S), out_s(S), count(1),
+      d_slots(static_cast<std::size_t>(K)), d_ft(static_cast<std::size_t>(K)), d_fs(static_cast<std::size_t>(K)), d_counts(2);
   ESS_CUDA_CHECK(cudaMemcpyAsync(d_row.get(), &row, 4, cudaMemcpyHostToDevice, stream), "upload row");
   ESS_CUDA_CHECK(cudaMemcpyAsync(d_ids.get(), windows.data(), windows.size() * 4, cudaMemcpyHostToDevice, stream), "upload windows");
-  for (int w = 0; w < W; ++w) {
-    GpuSwapStep s;
-    s.layer = layer;
-    s.batch = 1;
-    s.query_tokens = 1;
-    s.topk = K;
-    s.rows = d_row.get();
-    s.ids = d_ids.get() + static_cast<std::size_t>(w) * K;
-    s.slot_ids = d_slots.get();
-    s.fill_tokens = d_ft.get();
-    s.fill_slots = d_fs.get();
-    s.counts = d_counts.get();
-    step_async(s);
-  }
-  ESS_CUDA_CHECK(static_cast<cudaError_t>(launch_swap_diff(before.get(), after, config_.slots, out_t.get(), out_s.get(), count.get(), stream_)),
-                 "gpu swap engine: warmup diff");
+  warmup_async(row, layer, K, d_row.get(), d_ids.get(), W,
+               WarmupOut{before.get(), out_t.get(), out_s.get(), count.get(), d_slots.get(), d_ft.get(), d_fs.get(), d_counts.get()},
+               stream_);
   std::int32_t n = 0;
   ESS_CUDA_CHECK(cudaMemcpyAsync(&n, count.get(), 4, cudaMemcpyDeviceToHost, stream), "download");
   ESS_CUDA_CHECK(cudaStreamSynchronize(stream), "gpu warmup");
@@ -164,6 +148,33 @@ std::vector<MissEntry> GpuSwapEngine::warmup(int row, int layer, int K, const st
   std::vector<MissEntry> fills;
   for (std::int32_t i = 0; i < n; ++i) fills.push_back(MissEntry{0, row, t[static_cast<std::size_t>(i)], sl[static_cast<std::size_t>(i)], 0});
   return fills;
+}
+
+void GpuSwapEngine::warmup_async(int row, int layer, int K, const std::int32_t* row_index, const std::int32_t* ids, int W,
+                                 const WarmupOut& out, Stream stream) {
+  ESS_CHECK(row >= 0 && row < config_.rows && layer >= 0 && layer < config_.layers,
+            "gpu swap engine: warmup row {} layer {} out of range", row, layer);
+  ESS_CHECK(K > 0 && W >= 0, "gpu swap engine: warmup of row {} layer {}: {} windows of top-{}", row, layer, W, K);
+  const std::size_t S = static_cast<std::size_t>(config_.slots);
+  const std::int32_t* after = token_ + (static_cast<std::size_t>(row) * config_.layers + static_cast<std::size_t>(layer)) * S;
+  ESS_CUDA_CHECK(cudaMemcpyAsync(out.before, after, S * 4, cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream)),
+                 "gpu swap engine: warmup snapshot of row {} layer {}", row, layer);
+  for (int w = 0; w < W; ++w) {
+    GpuSwapStep s;
+    s.layer = layer;
+    s.batch = 1;
+    s.query_tokens = 1;
+    s.topk = K;
+    s.rows = row_index;
+    s.ids = ids + static_cast<std::size_t>(w) * static_cast<std::size_t>(K);
+    s.slot_ids = out.step_slots;
+    s.fill_tokens = out.step_fill_tokens;
+    s.fill_slots = out.step_fill_slots;
+    s.counts = out.step_counts;
+    step_async(s, stream);
+  }
+  ESS_CUDA_CHECK(static_cast<cudaError_t>(launch_swap_diff(out.before, after, config_.slots, out.tokens, out.slots, out.count, stream)),
+                 "gpu swap engine: warmup diff of row {} layer {}", row, layer);
 }
 
 GpuSwapEngine::HostState GpuSwapEngine::download(int row, int layer) const {

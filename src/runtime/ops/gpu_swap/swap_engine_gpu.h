@@ -76,8 +76,9 @@ class GpuSwapEngine {
   // The device memory of the LRU state (order, recency, residency, clocks), as allocated.
   std::uint64_t device_bytes() const;
 
-  // A fresh LRU for every layer of `row` (asynchronous on the stream).
+  // A fresh LRU for every layer of `row` (asynchronous on the engine's stream, or `stream`).
   void reset_row(int row);
+  void reset_row(int row, Stream stream);
   // Launches one step on the engine's stream (or `stream`); returns at once. Throws only for
   // invalid shapes. A padded position (rows[b] = -1) gets slot ids -1 and counts 0.
   void step_async(const GpuSwapStep& step);
@@ -93,6 +94,22 @@ class GpuSwapEngine {
   // LRU-Warmup of one request-layer: the windows ([W][K], oldest first) replayed on the
   // device as W steps with T = 1; returns one fill per slot whose token changed, in slot order.
   std::vector<MissEntry> warmup(int row, int layer, int K, const std::vector<std::int32_t>& windows);
+  // The same enqueued on `stream`, every pointer device memory: `row_index` holds `row` (a step
+  // reads its rows from the device), `ids` [W][K]; `before` is scratch of `slots` int32. Out:
+  // the slots whose token changed, in slot order (`tokens`, `slots_out`, `count` of them).
+  struct WarmupOut {
+    std::int32_t* before = nullptr;
+    std::int32_t* tokens = nullptr;
+    std::int32_t* slots = nullptr;
+    std::int32_t* count = nullptr;
+    // The step's per-window outputs, scratch of K each (slot ids, miss tokens and slots) and 2 (counts).
+    std::int32_t* step_slots = nullptr;
+    std::int32_t* step_fill_tokens = nullptr;
+    std::int32_t* step_fill_slots = nullptr;
+    std::int32_t* step_counts = nullptr;
+  };
+  void warmup_async(int row, int layer, int K, const std::int32_t* row_index, const std::int32_t* ids, int W,
+                    const WarmupOut& out, Stream stream);
 
   struct HostState {
     std::vector<std::int32_t> order, token_of_slot;

@@ -19,6 +19,7 @@ enum cudaError_t {
   cudaErrorMemoryAllocation = 2,
   cudaErrorInvalidDevice = 101,
   cudaErrorInvalidResourceHandle = 400,
+  cudaErrorNotReady = 600,
   cudaErrorIllegalAddress = 700,
   cudaErrorLaunchFailure = 719,
   cudaErrorNotSupported = 801,
@@ -112,6 +113,9 @@ cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event, unsigned flags);
 cudaError_t cudaEventDestroy(cudaEvent_t event);
 cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream = nullptr);
 cudaError_t cudaEventSynchronize(cudaEvent_t event);
+// cudaSuccess once the work the event's latest record follows has run (or it was never
+// recorded), else cudaErrorNotReady; runs nothing.
+cudaError_t cudaEventQuery(cudaEvent_t event);
 
 // The typed overloads of <cuda_runtime.h>.
 template <typename T>

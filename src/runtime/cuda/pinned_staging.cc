@@ -1,0 +1,62 @@
+#include "runtime/cuda/pinned_staging.h"
+
+#include <bit>
+
+#include "runtime/cuda/check.h"
+
+namespace ess::cuda {
+
+PinnedStaging::~PinnedStaging() {
+  for (Block& b : blocks_) {
+    if (b.event != nullptr) {
+      if (b.state == Block::State::kRetired) cudaEventSynchronize(b.event);
+      cudaEventDestroy(b.event);
+    }
+    cudaFreeHost(b.data);
+  }
+}
+
+void* PinnedStaging::take(std::size_t bytes) {
+  Block* pick = nullptr;
+  for (Block& b : blocks_) {
+    if (b.state == Block::State::kRetired) {
+      const cudaError_t e = cudaEventQuery(b.event);
+      if (e == cudaSuccess) {
+        b.state = Block::State::kFree;
+      } else if (e != cudaErrorNotReady) {
+        ESS_CUDA_CHECK(e, "pinned staging: querying a block's event");
+      }
+    }
+    if (b.state == Block::State::kFree && b.bytes >= bytes && (pick == nullptr || b.bytes < pick->bytes)) pick = &b;
+  }
+  if (pick == nullptr) {
+    Block b;
+    b.bytes = std::bit_ceil(std::max<std::size_t>(bytes, 64 * 1024));
+    ESS_CUDA_CHECK(cudaHostAlloc(&b.data, b.bytes, cudaHostAllocDefault), "pinned staging: {} bytes of pinned host memory",
+                   b.bytes);
+    if (const cudaError_t e = cudaEventCreateWithFlags(&b.event, cudaEventDisableTiming); e != cudaSuccess) {
+      cudaFreeHost(b.data);
+      ESS_CUDA_CHECK(e, "pinned staging: an event");
+    }
+    blocks_.push_back(b);
+    pick = &blocks_.back();
+  }
+  pick->state = Block::State::kTaken;
+  return pick->data;
+}
+
+void PinnedStaging::retire(Stream stream) {
+  for (Block& b : blocks_) {
+    if (b.state != Block::State::kTaken) continue;
+    ESS_CUDA_CHECK(cudaEventRecord(b.event, static_cast<cudaStream_t>(stream)), "pinned staging: recording a block's event");
+    b.state = Block::State::kRetired;
+  }
+}
+
+std::size_t PinnedStaging::bytes() const {
+  std::size_t n = 0;
+  for (const Block& b : blocks_) n += b.bytes;
+  return n;
+}
+
+}  // namespace ess::cuda
