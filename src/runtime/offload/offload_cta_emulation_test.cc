@@ -1,4 +1,5 @@
-// The CUDA backend's own step kernels (offload_cta.h: mask, finalize, the whole halves, the write-back list)
+// The CUDA backend's own step kernels (offload_cta.h: mask, finalize, the whole halves, the write-back list,
+// the lifecycle's load list)
 // run on the CPU by the CTA emulator (cta_emulator.h) with the launches offload.cu makes,
 // against references written here from their contract (offload_launch.h), over seeded
 // shapes: MTP batches with padded positions, invalid ids, the T newest tokens, query groups,
@@ -367,6 +368,84 @@ TEST_P(WriteBackListShapes, ListsEachPositionsNewestTokensInOrder) {
 INSTANTIATE_TEST_SUITE_P(Shapes, WriteBackListShapes,
                          testing::Values(std::make_tuple(1, 1, false, false), std::make_tuple(7, 2, true, false),
                                          std::make_tuple(1500, 1, false, true), std::make_tuple(2100, 4, true, true)));
+
+
+// (whole: every token of a whole request into its own rows; else a warm-up's changed slots;
+// entries, paged buffer)
+class HostFillListShapes : public testing::TestWithParam<std::tuple<bool, int, bool>> {};
+
+TEST_P(HostFillListShapes, ListsEachTokensHostEntryAndBufferRow) {
+  const auto [whole, n, paged] = GetParam();
+  std::mt19937 rng(static_cast<std::uint32_t>(n * 3 + (whole ? 1 : 0)));
+  const int layers = 3, layer = 2, max_pages = 70, max_units = 80;
+  const std::int32_t row = 5, slots = 64, rpr = slots + 2;
+  std::vector<std::int32_t> table(static_cast<std::size_t>(8) * max_pages * layers), tokens, token_slots, units;
+  for (auto& p : table) p = static_cast<std::int32_t>(rng() % 100000);
+  for (int i = 0; i < n; ++i) {
+    tokens.push_back(static_cast<std::int32_t>(rng() % (max_pages * 64)));
+    token_slots.push_back(static_cast<std::int32_t>(rng() % slots));
+  }
+  for (int u = 0; u < max_units; ++u) units.push_back(u == 0 ? row : static_cast<std::int32_t>(rng() % 40));
+  emu::Guarded<std::int32_t> g_table, g_tokens, g_slots, g_count, g_units;
+  g_table.assign(table);
+  g_tokens.assign(tokens);
+  g_slots.assign(token_slots);
+  g_count.assign(std::vector<std::int32_t>{n});
+  g_units.assign(units);
+  const std::size_t listed = static_cast<std::size_t>(n);
+  emu::Guarded<std::uint64_t> src_off(listed), dst_off(listed);
+  emu::Guarded<std::int64_t> total(1), tally(1);
+  tally[0] = 1000;
+  cuda::HostFillList f;
+  f.layers = layers;
+  f.layer = layer;
+  f.max_pages = max_pages;
+  f.row = row;
+  f.slots = slots;
+  f.rows_per_request = rpr;
+  f.page_table = g_table.data();
+  f.page_bytes = 64 * 656 + 512;
+  f.entry_bytes = 656;
+  f.buffer.row_stride = 656;
+  if (paged) {
+    f.buffer.block_rows = 64;
+    f.buffer.block_stride = 64 * 656 + 4096;
+  }
+  if (whole) {
+    f.units = g_units.data();
+    f.length = n;
+  } else {
+    f.tokens = g_tokens.data();
+    f.token_slots = g_slots.data();
+    f.count = g_count.data();
+    f.max_count = n;
+  }
+  f.src_offsets = src_off.data();
+  f.dst_offsets = dst_off.data();
+  f.total = total.data();
+  f.tally = tally.data();
+  emu::launch("offload_host_fill_list", 1, cuda::offload::kListThreads, 0, 5,
+              [&](emu::Cta& c, std::uint8_t*) { cuda::offload::host_fill_list_cta(f, c); });
+  for (const std::string& d : {g_table.damage(), g_tokens.damage(), g_slots.damage(), g_count.damage(), g_units.damage(),
+                               src_off.damage(), dst_off.damage(), total.damage(), tally.damage()}) {
+    EXPECT_TRUE(d.empty()) << d;
+  }
+  for (std::size_t i = 0; i < listed; ++i) {
+    const std::int64_t token = whole ? static_cast<std::int64_t>(i) : tokens[i];
+    const std::int64_t dest = whole ? std::int64_t{units[static_cast<std::size_t>(token / slots)]} * rpr + token % slots
+                                    : std::int64_t{row} * rpr + token_slots[i];
+    const std::int32_t page = table[static_cast<std::size_t>((std::int64_t{row} * max_pages + token / 64) * layers + layer)];
+    ASSERT_EQ(src_off[i], static_cast<std::uint64_t>(page) * (64 * 656 + 512) + static_cast<std::uint64_t>(token % 64) * 656)
+        << "entry " << i;
+    ASSERT_EQ(dst_off[i], f.buffer.offset(dest)) << "entry " << i;
+  }
+  EXPECT_EQ(total[0], n);
+  EXPECT_EQ(tally[0], 1000 + n);
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, HostFillListShapes,
+                         testing::Values(std::make_tuple(false, 1, false), std::make_tuple(false, 64, true),
+                                         std::make_tuple(true, 1, false), std::make_tuple(true, 3000, true)));
 
 }  // namespace
 }  // namespace ess
