@@ -165,6 +165,15 @@ ESS_API ess_status ess_engine_layer_data(const ess_engine* engine, int32_t layer
  * cudaMalloc: the GPU swap engine's state, the step scratch, the write-back lists, the page tables
  * and the layer buffers when ESS allocated them (not the caller's). 0 on the CPU backend. */
 ESS_API ess_status ess_engine_device_bytes(const ess_engine* engine, uint64_t* bytes);
+/* The lifecycle calls' stream (CUDA backend). ordered = 1: from now on the device work of
+ * admit, warmup, extend, release, reset, adopt and repage is enqueued on `stream` (a
+ * cudaStream_t; NULL: the legacy default stream) and they return without waiting for the device,
+ * so an admission does not wait for the forward in flight; the engine issues its steps on that
+ * stream or orders them after it. truncate and a demotion still wait for that stream; a released
+ * request's host pages return to the pool once the stream has passed the release. ordered = 0:
+ * each call waits for the device (the default; `stream` must be NULL). Changing the stream orders
+ * the new one after the old one's work. The CPU backend accepts and ignores both. */
+ESS_API ess_status ess_engine_set_lifecycle_stream(ess_engine* engine, void* stream, int32_t ordered);
 /* A copy of physical row `row` of a layer: `bytes` must be the entry size. */
 ESS_API ess_status ess_engine_read_row(const ess_engine* engine, int32_t layer, int32_t row, void* out, size_t bytes);
 

@@ -199,6 +199,7 @@ _signatures = {
     "ess_request_repage": (_c.c_int, [_P, _c.c_int64, _c.c_int64, _c.c_int64, _c.POINTER(_c.c_int32), _c.c_int64]),
     "ess_request_release": (_c.c_int, [_P, _c.c_int64]),
     "ess_request_reset": (_c.c_int, [_P, _c.c_int64]),
+    "ess_engine_set_lifecycle_stream": (_c.c_int, [_P, _P, _c.c_int32]),
     "ess_request_get": (_c.c_int, [_P, _c.c_int64, _c.POINTER(_c.c_int32), _c.POINTER(_c.c_int64)]),
     "ess_step_tensors_init": (None, [_c.POINTER(StepTensors)]),
     "ess_step_bind": (_c.c_int, [_P, _c.POINTER(StepTensors), _c.POINTER(_P)]),

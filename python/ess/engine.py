@@ -351,6 +351,16 @@ class Engine:
         check(lib.ess_request_release(self._h(), request_id))
 
     @_locked
+    def set_lifecycle_stream(self, stream):
+        """The CUDA stream of the lifecycle calls (admit, warmup, extend, release, reset, adopt, repage): from now on
+        their device work is enqueued on it (an int handle, a torch.cuda.Stream, a CuPy stream; 0: the legacy default
+        stream) and they return without waiting for the device; steps run on it or after it. None: back to the
+        default, each call waiting for the device. The CPU backend ignores it."""
+        handle = stream_handle(stream) or 0   # checked even when 0
+        ordered = 0 if stream is None else 1
+        check(lib.ess_engine_set_lifecycle_stream(self._h(), ctypes.c_void_p(handle) if handle else None, ordered))
+
+    @_locked
     def reset(self, request_id: int):
         _i64(request_id=request_id)
         check(lib.ess_request_reset(self._h(), request_id))

@@ -49,6 +49,17 @@ def test_unavailable_backend():
         small(backend="cuda")
 
 
+def test_the_cpu_backend_takes_a_lifecycle_stream_and_ignores_it():
+    e = small()
+    for stream in (0, 0x1234, None):   # 0: the legacy default stream; None: each call waits (the default)
+        e.set_lifecycle_stream(stream)
+        row = e.admit(4, 20)
+        e.extend(4, 3)
+        assert e.request(4) == (row, 23)
+        e.release(4)   # the host pages at once: nothing is pending on a CPU
+        assert e.stats().requests == 0 and e.stats().host_bytes_used == 0
+
+
 def test_ratio_sets_the_slots():
     e = small(slots=0, ratio=0.2, max_context=100)
     assert e.info.slots == 20 and e.info.rows_per_request == 20

@@ -6,7 +6,7 @@ backend relies on and the CPU replay cannot see.
   stream and for the producer (forward) stream, and records the backup event after the write-back;
 - the forward (model_runner._forward_raw, on the forward stream) waits for that event before its KV write;
 - request_finished makes the schedule stream wait for the producer stream and the pending backup before
-  the retire event it releases the request's host pages after;
+  it releases the request in ESS on that stream (no host wait);
 - the staging copy runs on write_staging_stream after waiting for an event recorded on the schedule stream;
 - the top-k recorder's copy (ESS_RECORD_TRACE) runs on decode_backup_stream after the schedule and producer
   streams, and the next forward waits for it."""
@@ -136,8 +136,14 @@ def test_backups_wait_for_schedule_and_producer_and_the_forward_waits_for_them(w
         assert ("wait_event", producer, event) in entries[j + 1:k]
 
 
-def test_request_finished_waits_before_it_releases(world):
+def test_request_finished_waits_before_it_releases(world, monkeypatch):
     coord, log = world.coord, world.coord.dev.log
+    release = coord.engine.release
+
+    def logged_release(idx):
+        log.add("release", coord.dev.current_stream(), idx)
+        release(idx)
+    monkeypatch.setattr(coord.engine, "release", logged_release)
     world.step()
     world.step()
     world.prepare_decode()            # a backup in flight (a request finished or aborted before the forward)
@@ -148,8 +154,11 @@ def test_request_finished_waits_before_it_releases(world):
     schedule = coord.dev.current_stream()
     i_producer = entries.index(("wait_stream", schedule, coord.decode_producer_stream))
     i_backup = entries.index(("wait_event", schedule, coord._backup_done_event))
-    i_retire = next(i for i, e in enumerate(entries) if e[0] == "record" and e[1] is not coord._backup_done_event)
-    assert i_producer < i_backup < i_retire, kinds
+    # ESS's release is ordered on the schedule stream after both waits (on CUDA its work is enqueued there).
+    i_release = next(i for i, e in enumerate(entries) if e[0] == "release")
+    assert entries[i_release][1] is schedule
+    assert i_producer < i_backup < i_release, kinds
+    assert not any(e[0] in ("sync_event", "sync_stream") for e in entries), "a finish waited on the host"
 
 
 def test_staging_copies_after_the_schedule_streams_event(world):

@@ -595,6 +595,20 @@ ess_status ess_request_release(ess_engine* engine, int64_t id) {
   return guard("ess_request_release", [&] { ess::capi::engine_call(engine).offload().release(id); });
 }
 
+ess_status ess_engine_set_lifecycle_stream(ess_engine* engine, void* stream, int32_t ordered) {
+  return guard("ess_engine_set_lifecycle_stream", [&] {
+    ESS_CHECK(ordered == 0 || ordered == 1, "ess_engine_set_lifecycle_stream: ordered = {} must be 0 or 1", ordered);
+    ESS_CHECK(ordered == 1 || stream == nullptr,
+              "ess_engine_set_lifecycle_stream: stream {} given with ordered = 0 (each call waits for the device)", stream);
+    ess::Offload& o = ess::capi::engine_call(engine).offload();
+    if (ordered == 1) {
+      o.set_lifecycle_stream(stream);
+    } else {
+      o.clear_lifecycle_stream();
+    }
+  });
+}
+
 ess_status ess_request_reset(ess_engine* engine, int64_t id) {
   return guard("ess_request_reset", [&] { ess::capi::engine_call(engine).offload().reset(id); });
 }

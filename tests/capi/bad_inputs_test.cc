@@ -424,6 +424,12 @@ const std::vector<Case>& cases() {
          std::vector<std::uint8_t> out(1000);
          return ess_engine_read_row(f.e, 0, 0, out.data(), out.size());
        }},
+      {"lifecycle stream: ordered 2", kInvalid, "ordered = 2", [](Fixture& f) {
+         return ess_engine_set_lifecycle_stream(f.e, nullptr, 2);
+       }},
+      {"lifecycle stream given without ordering", kInvalid, "with ordered = 0", [](Fixture& f) {
+         return ess_engine_set_lifecycle_stream(f.e, reinterpret_cast<void*>(0x10), 0);
+       }},
       // ---- ids: unknown, released, duplicate
       {"unknown request", kInvalid, "request 99", [](Fixture& f) { return ess_request_release(f.e, 99); }},
       {"released request", kInvalid, "request 5", [](Fixture& f) { return ess_request_extend(f.e, kReleased, 1); }},

@@ -217,7 +217,6 @@ class HiSparseCoordinator(Staging):
         self._backup_due = None
         self._dropped_rows: List[int] = []   # rows finished since that step: not backed up
         self._length = {}             # req_pool_idx -> tokens ESS holds
-        self._retiring = []           # (req_pool_idx, event): released once the event's work is done
         self.tp_world_size = 1
         if tp_group is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
             self.tp_world_size = torch.distributed.get_world_size(group=tp_group)
@@ -251,7 +250,7 @@ class HiSparseCoordinator(Staging):
         page = self.page_size
         for row in rows:
             old = self._length[row]
-            self.engine.extend(row, T)
+            self._ess().extend(row, T)
             self._length[row] = old + T
             # The published slots reach at least the old length's last page (truncation leaves them): only a
             # request that enters a new page has slots to add, once a page, not a table read per step.
@@ -297,7 +296,6 @@ class HiSparseCoordinator(Staging):
         if pending:
             raise InvalidArgument(f"prepare_spec_verify: request slots {pending} have a verify step not committed "
                                   "yet (commit_spec_accept_tokens)")
-        self._retire()
         self._extend_into_reserved(rows, batch.req_pool_indices, batch.out_cache_loc.to(torch.int64))
         self._verifying.update(rows)
         if self._recorder is not None:
@@ -350,7 +348,7 @@ class HiSparseCoordinator(Staging):
         # The entries past each kept length are taken back once the write-back, which writes all T, is done.
         self._backup_done_event.synchronize()
         for row, n in zip(rows, kept.tolist()):
-            self.engine.truncate(row, self._length[row] - T + n)
+            self._ess().truncate(row, self._length[row] - T + n)
             self._length[row] += n - T
             self._verifying.discard(row)
         self._backup_done_event.wait(current)
@@ -379,7 +377,6 @@ class HiSparseCoordinator(Staging):
             self._recorder.close()
         self.write_staging_stream.synchronize()
         self.decode_backup_stream.synchronize()
-        self._retire(force=True)
         self.mem_pool_host.close()
         self.engine.close()
 
@@ -411,7 +408,6 @@ class HiSparseCoordinator(Staging):
                                   "(prepare_spec_verify)")
         self._check_batch("map_last_loc_to_buffer", rows, lengths, grow=self.T)
         self._batches.new_forward()
-        self._retire()
         self._backup_previous_step()
         locs = self.token_to_kv_pool_allocator.get_last_loc_compressed(out_cache_loc).to(torch.int64)
         if self.page_size == 1:

@@ -4,7 +4,6 @@ writes ESS's host pages through HostPool.alloc_paged_token_slots, admit_request_
 retract and release (a row is released once its last device work is done)."""
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 
@@ -54,8 +53,7 @@ class Staging:
         """The request enters ESS with n tokens (host pages, zeroed; all-or-nothing) and, as upstream's
         alloc_paged_token_slots, its token slots in the host pool's layer regions go to req_to_host_pool,
         page-rounded, with req_to_host_pool_allocated_len the rounded length."""
-        self._retire(row=idx)
-        self.engine.admit(idx, n, row=idx)
+        self._ess().admit(idx, n, row=idx)
         self._publish_host_slots(idx, n)
 
     def _publish_host_slots(self, idx: int, n: int) -> None:
@@ -111,7 +109,7 @@ class Staging:
 
     def _join_decode(self, req, idx: int, n: int):
         """The request's first residency (warmed up from its host pages) and newest entries: it decodes from here."""
-        self.engine.warmup(idx, self._warmup_windows(n))
+        self._ess().warmup(idx, self._warmup_windows(n))
         self._load_newest(idx, n)
         self._direct.pop(idx, None)
         self._length[idx] = n
@@ -182,7 +180,7 @@ class Staging:
         self.write_staging_stream.synchronize()
         idx = _int("req_pool_idx", req.kv.req_pool_idx)
         self.token_to_kv_pool_allocator.free_hisparse(self.req_to_token_pool.req_to_token[idx, :_int("extend_end", req.extend_end)])
-        self.engine.release(idx)
+        self._ess().release(idx)
         self._forget_host_slots(idx)
         req.hisparse_staging = False
 
@@ -200,7 +198,7 @@ class Staging:
         if idx in self._direct:   # PD: received (or receiving failed) but never admitted; no device work of ours
             del self._direct[idx]
             self._forget_host_slots(idx)
-            self.engine.release(idx)
+            self._ess().release(idx)
             return
         if idx not in self._length:
             if getattr(req, "hisparse_staging", False):
@@ -218,25 +216,18 @@ class Staging:
         self._forget_host_slots(idx)
         if self._backup_due is not None:
             self._dropped_rows.append(idx)
-        done = self.dev.Event()
-        done.record()
-        self._retiring.append((idx, done))
-        self._retire()
+        # After the waits above: ESS resets its rows in the current stream's order and holds its host pages until
+        # that stream has passed the release (nothing waits on the host).
+        self._ess().release(idx)
 
     def _forget_host_slots(self, idx: int):
         if self._req_to_host_pool is not None and int(self.req_to_host_pool_allocated_len[idx]) > 0:
             self._req_to_host_pool[idx].fill_(-1)
         self.req_to_host_pool_allocated_len[idx] = 0
 
-    def _retire(self, row: Optional[int] = None, force: bool = False):
-        """Releases finished requests whose last device work is done; `row` (about to be reused) or every
-        one with `force` waits for it."""
-        keep = []
-        for idx, event in self._retiring:
-            if force or idx == row:
-                event.synchronize()
-            if event.query():
-                self.engine.release(idx)
-            else:
-                keep.append((idx, event))
-        self._retiring = keep
+    def _ess(self):
+        """The engine, its lifecycle calls ordered on the current stream: on CUDA their device work is enqueued there
+        and not waited for (Engine.set_lifecycle_stream), as upstream's admission and release enqueue theirs."""
+        if self.dev.is_cuda:
+            self.engine.set_lifecycle_stream(self.dev.current_stream())
+        return self.engine

@@ -571,7 +571,8 @@ def test_req_to_host_pool_left_unfilled_fails(monkeypatch):
 
 def test_a_pool_not_restored_after_finish_fails(monkeypatch):
     """A finished request's ESS pages never released: the host pool's free size stays short."""
-    monkeypatch.setattr(adapter.HiSparseCoordinator, "_retire", lambda self, row=None, force=False: None)
+    import ess
+    monkeypatch.setattr(ess.Engine, "release", lambda self, request_id: None)
     with pytest.raises(AssertionError):
         test_every_pool_is_whole_again_as_upstreams_is("finish", 300)
 
