@@ -248,7 +248,9 @@ class Offload {
   // positions' top-k, oldest first, -1 = padding; W <= warmup_windows uses the last W); the
   // resulting residency is loaded into the slots from the host pool. A whole request instead
   // has every entry loaded into its rows (call it, W = 0 included, once the prompt is written)
-  // and keeps the windows for a later demotion.
+  // and keeps the windows for a later demotion. With reserve_newest the reserved rows also get
+  // the request's newest min(T, length) entries (token length - T + t in reserved row t), so a
+  // step at the prompt's own length reads them.
   void warmup(RequestId id, std::span<const std::int32_t> windows, int window_count);
   // Appends n tokens to the request (host pages; their entries arrive by write_back). A whole
   // request that needs another pool row borrows a free one; kWhole refuses (changing nothing)

@@ -297,11 +297,14 @@ void Offload::warmup(RequestId id, std::span<const std::int32_t> windows, int wi
                                               static_cast<std::size_t>(window_count - W)) * K);
     last.insert(last.end(), first, first + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(W) * K));
   }
-  if (x.whole(row)) {
-    x.device("warmup", [&] { x.backend->load_whole(row, id, last, W); });
-  } else if (W > 0) {
-    x.device("warmup", [&] { x.backend->warmup(row, id, last, W); });
-  }
+  x.device("warmup", [&] {
+    if (x.whole(row)) {
+      x.backend->load_whole(row, id, last, W);
+    } else if (W > 0) {
+      x.backend->warmup(row, id, last, W);
+    }
+    if (x.config.reserve_newest) x.backend->load_newest(row, id);
+  });
 }
 
 void Offload::extend(RequestId id, std::int64_t n) {

@@ -84,7 +84,9 @@ int launch_write_back_list(const WriteBackList& w, Stream stream) {
 }
 
 int launch_host_fill_list(const HostFillList& f, Stream stream) {
-  if (f.units == nullptr ? f.max_count <= 0 : f.length <= 0) return cudaMemsetAsync(f.total, 0, 8, static_cast<cudaStream_t>(stream));
+  if (f.units == nullptr && !f.reserved ? f.max_count <= 0 : f.length <= f.first) {
+    return cudaMemsetAsync(f.total, 0, 8, static_cast<cudaStream_t>(stream));
+  }
   host_fill_list_kernel<<<1, kListThreads, 0, static_cast<cudaStream_t>(stream)>>>(f);
   return cudaGetLastError();
 }

@@ -877,6 +877,54 @@ TEST(OffloadEngineBuffer, RowsLandWhereTheEnginesStridesPutThem) {
   }
 }
 
+// With reserve_newest, warmup leaves a request's newest entries in its reserved rows (token
+// length - T + t in reserved row t), for a prompt of T tokens or more and for a shorter one, a
+// whole request as a sparse one, and with no warm-up windows: a step at the prompt's own length
+// reads them there.
+TEST(OffloadWarmup, LoadsTheNewestEntriesIntoTheReservedRows) {
+  ESS_REQUIRE_BACKEND(harness().info);
+  for (const Residency residency : {Residency::kSparse, Residency::kAdaptive}) {
+    OffloadConfig c;
+    c.layers = 2;
+    c.layout = test::small_layout();
+    c.max_requests = 4;
+    c.query_tokens = 3;
+    c.topk = 8;
+    c.slots = 24;
+    c.reserve_newest = true;
+    c.max_context = 256;
+    c.residency = residency;
+    c.backend = harness().backend;
+    Offload o(c);
+    const std::size_t E = c.layout.bytes();
+    const std::int32_t rpr = c.rows_per_request();
+    for (const auto& [id, length, W] : {std::tuple<RequestId, std::int64_t, int>{3, 100, 2}, {4, 2, 1}, {5, 40, 0}}) {
+      const std::int32_t row = o.admit(id, length);
+      for (int l = 0; l < c.layers; ++l) {
+        for (std::int64_t t = 0; t < length; ++t) {
+          const auto e = entry_of(id, l, t, E);
+          std::memcpy(o.host_entry(id, l, t).data(), e.data(), E);
+        }
+      }
+      std::vector<std::int32_t> windows(static_cast<std::size_t>(c.layers * W * c.topk), -1);
+      for (std::size_t i = 0; i < windows.size(); ++i) {  // distinct within a window, -1 past the prompt
+        const auto k = static_cast<std::int64_t>(i % static_cast<std::size_t>(c.topk));
+        windows[i] = k < length ? static_cast<std::int32_t>(k) : -1;
+      }
+      o.warmup(id, windows, W);
+      for (int l = 0; l < c.layers; ++l) {
+        const auto buf = io().dump(o, l);
+        for (std::int64_t t = std::max<std::int64_t>(0, length - c.query_tokens); t < length; ++t) {
+          const std::int64_t p = static_cast<std::int64_t>(row) * rpr + c.slots + (t - (length - c.query_tokens));
+          const auto want = entry_of(id, l, t, E);
+          EXPECT_EQ(0, std::memcmp(buf.data() + o.buffer().rows.offset(p), want.data(), E))
+              << "residency " << static_cast<int>(residency) << " request " << id << " layer " << l << " token " << t;
+        }
+      }
+    }
+  }
+}
+
 // reset forgets the residency, not the host entries: the same ids miss again and still read
 // exactly their tokens' entries.
 TEST(OffloadReset, ForgetsResidencyKeepsHostEntries) {

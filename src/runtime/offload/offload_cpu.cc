@@ -98,6 +98,16 @@ class CpuOffload final : public OffloadBackend {
     }
   }
 
+  void load_newest(std::int32_t row, RequestId id) override {
+    const std::int64_t length = x_.pool->length(id);
+    const int T = x_.config.query_tokens;
+    for (int l = 0; l < x_.config.layers; ++l) {
+      for (std::int64_t t = std::max<std::int64_t>(0, length - T); t < length; ++t) {
+        copy_in(l, id, static_cast<std::int32_t>(t), physical(row, x_.config.slots + static_cast<std::int32_t>(t - (length - T))));
+      }
+    }
+  }
+
   void step(const LayerStep& s) override {
     const OffloadConfig& c = x_.config;
     const int T = c.query_tokens, K = c.topk;

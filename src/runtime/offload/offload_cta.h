@@ -173,12 +173,17 @@ ESS_DEVICE_INLINE void write_back_list_cta(const WriteBackList& w, P& p) {
 // One block: a lifecycle load's list (offload_launch.h, HostFillList).
 template <class P>
 ESS_DEVICE_INLINE void host_fill_list_cta(const HostFillList& f, P& p) {
-  const bool whole = f.units != nullptr;
-  const std::int64_t n = whole ? f.length : *f.count;
+  const bool range = f.units != nullptr || f.reserved;
+  const std::int64_t n = range ? f.length - f.first : *f.count;
+  const std::int64_t own = static_cast<std::int64_t>(f.row) * f.rows_per_request;
   for (std::int64_t i = p.tid(); i < n; i += p.threads()) {
-    const auto token = whole ? static_cast<std::int32_t>(i) : f.tokens[i];
-    const std::int64_t dest = whole ? static_cast<std::int64_t>(f.units[token / f.slots]) * f.rows_per_request + token % f.slots
-                                    : static_cast<std::int64_t>(f.row) * f.rows_per_request + f.token_slots[i];
+    const auto token = range ? static_cast<std::int32_t>(f.first + i) : f.tokens[i];
+    std::int64_t dest = own + (range ? 0 : f.token_slots[i]);
+    if (f.reserved) {
+      dest = own + f.slots + (token - (f.length - f.query_tokens));
+    } else if (f.units != nullptr) {
+      dest = static_cast<std::int64_t>(f.units[token / f.slots]) * f.rows_per_request + token % f.slots;
+    }
     const std::int32_t page = f.page_table[(static_cast<std::int64_t>(f.row) * f.max_pages + token / 64) * f.layers + f.layer];
     f.src_offsets[i] = static_cast<std::uint64_t>(page) * f.page_bytes + static_cast<std::uint64_t>(token % 64) * f.entry_bytes;
     f.dst_offsets[i] = f.buffer.offset(dest);

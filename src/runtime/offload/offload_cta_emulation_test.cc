@@ -370,15 +370,19 @@ INSTANTIATE_TEST_SUITE_P(Shapes, WriteBackListShapes,
                                          std::make_tuple(1500, 1, false, true), std::make_tuple(2100, 4, true, true)));
 
 
-// (whole: every token of a whole request into its own rows; else a warm-up's changed slots;
-// entries, paged buffer)
-class HostFillListShapes : public testing::TestWithParam<std::tuple<bool, int, bool>> {};
+// (what is listed: a warm-up's changed slots, a whole request's tokens into its own rows, or the
+// newest tokens into the reserved rows; entries, paged buffer)
+enum class Fill { kSlots, kWhole, kReserved };
+class HostFillListShapes : public testing::TestWithParam<std::tuple<Fill, int, bool>> {};
 
 TEST_P(HostFillListShapes, ListsEachTokensHostEntryAndBufferRow) {
-  const auto [whole, n, paged] = GetParam();
-  std::mt19937 rng(static_cast<std::uint32_t>(n * 3 + (whole ? 1 : 0)));
+  const auto [mode, n, paged] = GetParam();
+  const bool whole = mode == Fill::kWhole, reserved = mode == Fill::kReserved;
+  std::mt19937 rng(static_cast<std::uint32_t>(n * 3 + static_cast<int>(mode)));
   const int layers = 3, layer = 2, max_pages = 70, max_units = 80;
-  const std::int32_t row = 5, slots = 64, rpr = slots + 2;
+  const int T = 4;
+  const std::int32_t row = 5, slots = 64, rpr = slots + T;
+  const std::int64_t length = 900, first = reserved ? length - n : 0;  // reserved: the newest n <= T
   std::vector<std::int32_t> table(static_cast<std::size_t>(8) * max_pages * layers), tokens, token_slots, units;
   for (auto& p : table) p = static_cast<std::int32_t>(rng() % 100000);
   for (int i = 0; i < n; ++i) {
@@ -414,6 +418,11 @@ TEST_P(HostFillListShapes, ListsEachTokensHostEntryAndBufferRow) {
   if (whole) {
     f.units = g_units.data();
     f.length = n;
+  } else if (reserved) {
+    f.reserved = true;
+    f.query_tokens = T;
+    f.first = first;
+    f.length = length;
   } else {
     f.tokens = g_tokens.data();
     f.token_slots = g_slots.data();
@@ -431,9 +440,10 @@ TEST_P(HostFillListShapes, ListsEachTokensHostEntryAndBufferRow) {
     EXPECT_TRUE(d.empty()) << d;
   }
   for (std::size_t i = 0; i < listed; ++i) {
-    const std::int64_t token = whole ? static_cast<std::int64_t>(i) : tokens[i];
-    const std::int64_t dest = whole ? std::int64_t{units[static_cast<std::size_t>(token / slots)]} * rpr + token % slots
-                                    : std::int64_t{row} * rpr + token_slots[i];
+    const std::int64_t token = whole ? static_cast<std::int64_t>(i) : reserved ? first + static_cast<std::int64_t>(i) : tokens[i];
+    std::int64_t dest = std::int64_t{row} * rpr + token_slots[i];
+    if (whole) dest = std::int64_t{units[static_cast<std::size_t>(token / slots)]} * rpr + token % slots;
+    if (reserved) dest = std::int64_t{row} * rpr + slots + (token - (length - T));
     const std::int32_t page = table[static_cast<std::size_t>((std::int64_t{row} * max_pages + token / 64) * layers + layer)];
     ASSERT_EQ(src_off[i], static_cast<std::uint64_t>(page) * (64 * 656 + 512) + static_cast<std::uint64_t>(token % 64) * 656)
         << "entry " << i;
@@ -444,8 +454,9 @@ TEST_P(HostFillListShapes, ListsEachTokensHostEntryAndBufferRow) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, HostFillListShapes,
-                         testing::Values(std::make_tuple(false, 1, false), std::make_tuple(false, 64, true),
-                                         std::make_tuple(true, 1, false), std::make_tuple(true, 3000, true)));
+                         testing::Values(std::make_tuple(Fill::kSlots, 1, false), std::make_tuple(Fill::kSlots, 64, true),
+                                         std::make_tuple(Fill::kWhole, 1, false), std::make_tuple(Fill::kWhole, 3000, true),
+                                         std::make_tuple(Fill::kReserved, 4, false), std::make_tuple(Fill::kReserved, 1, true)));
 
 }  // namespace
 }  // namespace ess

@@ -107,7 +107,8 @@ class CudaOffload final : public OffloadBackend {
     warm_step_tokens_ = DeviceBuffer<std::int32_t>(K);
     warm_step_fill_slots_ = DeviceBuffer<std::int32_t>(K);
     warm_step_counts_ = DeviceBuffer<std::int32_t>(2);
-    const std::size_t list = c.residency != Residency::kSparse ? std::max<std::size_t>(S, static_cast<std::size_t>(c.max_context)) : S;
+    const std::size_t list = std::max({S, static_cast<std::size_t>(c.query_tokens),
+                                       c.residency != Residency::kSparse ? static_cast<std::size_t>(c.max_context) : 0});
     fill_src_ = DeviceBuffer<std::uint64_t>(list);
     fill_dst_ = DeviceBuffer<std::uint64_t>(list);
     fill_total_ = DeviceBuffer<std::int64_t>(1);
@@ -243,6 +244,21 @@ class CudaOffload final : public OffloadBackend {
                      "offload: the recorded windows of row {}", row);
     }
     end("whole residency of row {}", row);
+  }
+
+  void load_newest(std::int32_t row, RequestId id) override {
+    const OffloadConfig& c = x_.config;
+    const Stream s = begin();
+    const std::int64_t length = x_.pool->length(id);
+    for (int l = 0; l < c.layers; ++l) {
+      HostFillList f = fill_list(row, l);
+      f.reserved = true;
+      f.query_tokens = c.query_tokens;
+      f.first = std::max<std::int64_t>(0, length - c.query_tokens);
+      f.length = length;
+      load(f, c.query_tokens, l, s);
+    }
+    end("the newest entries of row {}", row);
   }
 
   // The one lifecycle call that reads the device: the windows the request recorded while whole

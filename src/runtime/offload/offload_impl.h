@@ -31,6 +31,9 @@ class OffloadBackend {
   virtual void pages_added(std::int32_t row, RequestId id, std::int64_t first_page) = 0;
   // windows: [layers][W][K], the last W prefill positions to replay.
   virtual void warmup(std::int32_t row, RequestId id, std::span<const std::int32_t> windows, int W) = 0;
+  // reserve_newest: the request's newest min(T, length) entries from the host pool into its
+  // reserved rows (token length - T + t in reserved row t), as a step at that length reads them.
+  virtual void load_newest(std::int32_t row, RequestId id) = 0;
   // Residency (OffloadState::units_of_row). The whole request at `row` now takes the pool rows
   // units_of_row[row] (it became whole, or grew): tables only, nothing is copied.
   virtual void units_changed(std::int32_t row, RequestId id) = 0;

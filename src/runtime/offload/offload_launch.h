@@ -81,10 +81,11 @@ int launch_write_back_list(const WriteBackList& w, Stream stream);
 
 // The FlashTrans list of a lifecycle load, from the host pool into one request's buffer rows of
 // a layer: the first *count of `tokens` into slots `token_slots` of pool row `row` (an
-// LRU-Warmup's changed slots; *count <= max_count), or, with `units`, every token [0, length)
+// LRU-Warmup's changed slots; *count <= max_count); or, with `units`, the tokens [first, length)
 // of the whole request at `row` into its own rows (units[t / slots] x rows_per_request +
-// t % slots). Sources as the write-back's destinations (page_table, page_bytes, entry_bytes);
-// *total = the entries listed. One block.
+// t % slots); or, with `reserved`, the tokens [first, length) into the reserved rows (token
+// length - query_tokens + t into slot slots + t). Sources as the write-back's destinations
+// (page_table, page_bytes, entry_bytes); *total = the entries listed. One block.
 struct HostFillList {
   int layers = 0, layer = 0, max_pages = 0;
   std::int32_t row = 0, slots = 0, rows_per_request = 0;
@@ -96,8 +97,10 @@ struct HostFillList {
   const std::int32_t* count = nullptr;        // [1]
   std::int64_t max_count = 0;
   const std::int32_t* units = nullptr;        // [max_units] of the row, or nullptr
-  std::int64_t length = 0;
-  std::uint64_t* src_offsets = nullptr;       // out: [max_count], or [length] with units
+  bool reserved = false;
+  int query_tokens = 1;
+  std::int64_t first = 0, length = 0;
+  std::uint64_t* src_offsets = nullptr;       // out: [max_count], or [length - first]
   std::uint64_t* dst_offsets = nullptr;
   std::int64_t* total = nullptr;              // [1] out
   std::int64_t* tally = nullptr;              // [1], optional: += the entries listed

@@ -176,7 +176,9 @@ int launch_whole_halves(const StepShape& s, const WholeHalves& h, Stream stream)
 }
 
 int launch_host_fill_list(const HostFillList& f, Stream stream) {
-  if (f.units == nullptr ? f.max_count <= 0 : f.length <= 0) return cudaMemsetAsync(f.total, 0, 8, static_cast<cudaStream_t>(stream));
+  if (f.units == nullptr && !f.reserved ? f.max_count <= 0 : f.length <= f.first) {
+    return cudaMemsetAsync(f.total, 0, 8, static_cast<cudaStream_t>(stream));
+  }
   if (const cudaError_t e = admit("offload_host_fill_list", 1, offload::kListThreads, 0, 0, stream); e != cudaSuccess) return e;
   return run("offload_host_fill_list", 1, offload::kListThreads, 0, stream,
              [=](emu::Cta& p, std::uint8_t*) { offload::host_fill_list_cta(f, p); });

@@ -109,27 +109,14 @@ class Staging:
 
     def _join_decode(self, req, idx: int, n: int):
         """The request's first residency (warmed up from its host pages) and newest entries: it decodes from here."""
+        # ESS's warm-up also puts the prompt's newest entries into the reserved rows (token n - T + t in reserved
+        # row t), so a swap at the prompt's own length, before SGLang extends the request, serves them.
         self._ess().warmup(idx, self._warmup_windows(n))
-        self._load_newest(idx, n)
         self._direct.pop(idx, None)
         self._length[idx] = n
         req.hisparse_staging = False
         if self._recorder is not None:
             self._recorder.begin(idx, req.rid, n)
-
-    def _load_newest(self, idx: int, n: int):
-        """The reserved rows hold a request's newest T tokens (token n - T + t in reserved row t): at admission they
-        get the prompt's last entries from its host pages, so that a swap at length n (before SGLang extends the
-        request) serves them as upstream does; the next step's tokens then overwrite them."""
-        T = self.T
-        first = max(0, n - T)
-        tokens = torch.arange(first, n, dtype=torch.int64)
-        slots = self.req_to_host_pool[idx, first:n].to("cpu", torch.int64)
-        rows = (idx * self.info.rows_per_request + self.info.slots + (tokens - (n - T))).to(self._latent[0].device)
-        for layer in range(self.layer_num):
-            entries = self.mem_pool_host.layer_view(layer).index_select(0, slots)
-            dest = self._latent[layer]
-            self.dev.launch(lambda d=dest, e=entries: d.index_copy_(0, rows, e.to(d.device)))
 
     def _warmup_windows(self, n: int):
         """The first residency: the prompt's last min(n, slots) tokens, oldest first (SGLang hands over no
