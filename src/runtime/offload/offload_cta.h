@@ -30,6 +30,15 @@ ESS_DEVICE_INLINE bool in_group(const StepShape& s, std::int64_t i) {
   return t >= s.query_begin && t < s.query_end;
 }
 
+// The host pool byte offset of (pool row `row`, token) in `layer`, through the device's page
+// tables: page_table[(row x max_pages + token / 64) x layers + layer] is the token's arena page.
+ESS_DEVICE_INLINE std::uint64_t host_offset(const std::int32_t* page_table, std::int64_t row, int max_pages, int layers,
+                                            int layer, std::int64_t token, std::uint64_t page_bytes,
+                                            std::uint64_t entry_bytes) {
+  const std::int32_t page = page_table[(row * max_pages + token / 64) * layers + layer];
+  return static_cast<std::uint64_t>(page) * page_bytes + static_cast<std::uint64_t>(token % 64) * entry_bytes;
+}
+
 // The own rows of the whole request at pool row `row`, or nullptr when it is sparse (or padding).
 ESS_DEVICE_INLINE const std::int32_t* whole_units(const StepShape& s, std::int32_t row) {
   if (s.whole_units == nullptr || row < 0) return nullptr;
@@ -150,10 +159,9 @@ ESS_DEVICE_INLINE void write_back_list_cta(const WriteBackList& w, P& p) {
     for (int t = first; t < T; ++t) {
       const std::int64_t token = static_cast<std::int64_t>(w.lengths[b]) - T + t;
       const std::int32_t src = w.source_rows != nullptr ? w.source_rows[b * T + t] : row * w.rows_per_request + w.slots + t;
-      const std::int32_t page = w.page_table[(static_cast<std::int64_t>(row) * w.max_pages + token / 64) * w.layers + w.layer];
       const std::int64_t at = running + before + (t - first);
       w.src_offsets[at] = w.buffer.offset(src);
-      w.dst_offsets[at] = static_cast<std::uint64_t>(page) * w.page_bytes + static_cast<std::uint64_t>(token % 64) * w.entry_bytes;
+      w.dst_offsets[at] = host_offset(w.page_table, row, w.max_pages, w.layers, w.layer, token, w.page_bytes, w.entry_bytes);
       if (units != nullptr) {  // and into its own row, read there once it is not among the newest
         const std::int64_t own = static_cast<std::int64_t>(units[token / w.slots]) * w.rows_per_request + token % w.slots;
         w.whole_src[whole_running + whole_before + (t - first)] = w.buffer.offset(src);
@@ -184,8 +192,7 @@ ESS_DEVICE_INLINE void host_fill_list_cta(const HostFillList& f, P& p) {
     } else if (f.units != nullptr) {
       dest = static_cast<std::int64_t>(f.units[token / f.slots]) * f.rows_per_request + token % f.slots;
     }
-    const std::int32_t page = f.page_table[(static_cast<std::int64_t>(f.row) * f.max_pages + token / 64) * f.layers + f.layer];
-    f.src_offsets[i] = static_cast<std::uint64_t>(page) * f.page_bytes + static_cast<std::uint64_t>(token % 64) * f.entry_bytes;
+    f.src_offsets[i] = host_offset(f.page_table, f.row, f.max_pages, f.layers, f.layer, token, f.page_bytes, f.entry_bytes);
     f.dst_offsets[i] = f.buffer.offset(dest);
   }
   if (p.tid() == 0) {
