@@ -312,9 +312,10 @@ class Offload {
   OffloadStats stats() const;
   // The device memory this Offload allocated at construction and holds until it is destroyed,
   // as asked of cudaMalloc (the driver rounds each allocation up): the GPU swap engine's state,
-  // both parts' step scratch, the write-back lists, the page tables and, when ESS allocated
-  // them, the layer buffers. 0 on kCpu. Lifecycle calls (admit, warmup, adopt, repage) add
-  // short-lived allocations of their own while they run.
+  // both parts' step scratch, the write-back lists, the page tables, the lifecycle's load
+  // scratch (one layer's warm-up windows and outputs, one load list) and, when ESS allocated
+  // them, the layer buffers. 0 on kCpu. Lifecycle calls allocate no device memory; their
+  // uploads are staged in pinned host memory (reused once the device has read it).
   std::uint64_t device_bytes() const;
 
   class Impl;
