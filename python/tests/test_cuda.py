@@ -5,7 +5,6 @@ import numpy as np
 import pytest
 
 import ess
-from ess.integrations.sglang import HiSparseCoordinator
 from mock_engine import ENTRY, World
 
 torch = pytest.importorskip("torch")
@@ -37,43 +36,69 @@ def test_device_bytes_are_what_cuda_lost():
     e.close()
 
 
-def test_sglang_adapter_on_cuda_matches_the_cpu_backend():
+def test_ordered_lifecycle_matches_the_cpu_backend():
+    """The CUDA engine with its lifecycle calls on torch's current stream (Engine.set_lifecycle_stream: admit,
+    warmup, extend and release enqueued, not waited for) gives the CPU backend's rows and bytes step by step,
+    through a release and a new request in the same row."""
     (cpu, host), (gpu, dev) = engines()
-    like = torch.empty(0, dtype=torch.int32, device="cuda")
-    c_cpu, c_gpu = HiSparseCoordinator(cpu, 4), HiSparseCoordinator(gpu, 4, like=like)
-    world = World(seed=5, layers=LAYERS, topk=K, query_tokens=T, max_context=CTX)
-    order = [0, 3, 5]
-    for idx, n in zip(order, [300, 700, 150]):
-        entries = world.new_request(idx, n)
-        windows = world.warmup_topk(idx, 6)
-        for c in (c_cpu, c_gpu):
-            c.admit_request_direct(type("Req", (), {"req_pool_idx": idx, "seqlen": n})(), entries=entries,
-                                   warmup_topk=windows)
-    for step in range(6):
-        for idx in order:
-            world.length[idx] += T
-        rpi = np.array(order, np.int64)
-        lens = np.array([world.length[i] for i in order], np.int64)
-        r_cpu = c_cpu.map_last_loc_to_buffer(lens, None, rpi, lens)
-        r_gpu = c_gpu.map_last_loc_to_buffer(torch.from_numpy(lens).cuda(), None, torch.from_numpy(rpi).cuda(), lens,
-                                             rpi)
-        assert np.array_equal(r_cpu, r_gpu.cpu().numpy())
-        for b, idx in enumerate(order):
-            for t in range(T):
-                for layer in range(LAYERS):
-                    entry = world.full[idx][layer][world.length[idx] - T + t]
-                    host[layer][r_cpu[b, t]] = entry
-                    dev[layer][int(r_cpu[b, t])] = torch.from_numpy(entry).cuda()
-        for layer in range(LAYERS):
-            rows = np.stack([world.query_rows(idx) for idx in order]).reshape(-1, K)
-            p_cpu = c_cpu.swap_in_selected_pages(rpi, lens, rows.astype(np.int32), layer).copy()
-            p_gpu = c_gpu.swap_in_selected_pages(None, None, torch.from_numpy(rows).cuda(), layer)
-            torch.cuda.synchronize()
-            np.testing.assert_array_equal(p_gpu.cpu().numpy(), p_cpu, err_msg=f"step {step} layer {layer}")
-            valid = p_cpu >= 0
-            got = dev[layer][torch.from_numpy(p_cpu[valid]).long().cuda()].cpu().numpy()
-            want = host[layer][p_cpu[valid]]
-            np.testing.assert_array_equal(got, want)
+    stream = torch.cuda.current_stream()
+    gpu.set_lifecycle_stream(stream)
+    world = World(seed=7, layers=LAYERS, topk=K, query_tokens=T, max_context=CTX)
+    B = 2
+    rows_h, lens_h = np.empty(B, np.int32), np.empty(B, np.int32)
+    topk_h, phys_h = np.zeros((B, T, K), np.int32), np.zeros((B, T, K), np.int32)
+    rows_d = torch.zeros(B, dtype=torch.int32, device="cuda")
+    lens_d = torch.zeros(B, dtype=torch.int32, device="cuda")
+    topk_d = torch.zeros((B, T, K), dtype=torch.int32, device="cuda")
+    phys_d = torch.zeros_like(topk_d)
+    s_cpu = cpu.bind_step(rows_h, topk_h, lens_h, phys_h)
+    s_gpu = gpu.bind_step(rows_d, topk_d, lens_d, phys_d)
+    live = {}   # batch position -> request
+
+    def admit(b, request, n, row=-1):
+        entries = world.new_request(request, n)
+        windows = world.warmup_topk(request, 4)
+        for e in (cpu, gpu):
+            rows_h[b] = e.admit(request, n, row=row)
+            for layer in range(LAYERS):
+                e.write_entries(request, layer, 0, entries[layer])
+            e.warmup(request, windows)
+        live[b] = request
+
+    def steps(count, label):
+        for step in range(count):
+            for b, request in live.items():
+                for e in (cpu, gpu):
+                    e.extend(request, T)
+                world.length[request] += T
+                lens_h[b] = world.length[request]
+                topk_h[b] = world.query_rows(request)
+            rows_d.copy_(torch.from_numpy(rows_h))
+            lens_d.copy_(torch.from_numpy(lens_h))
+            topk_d.copy_(torch.from_numpy(topk_h))
+            for layer in range(LAYERS):
+                for b, request in live.items():   # the model's KV write of the new tokens
+                    for t in range(T):
+                        entry = world.full[request][layer][world.length[request] - T + t]
+                        r = cpu.info.reserved_row(int(rows_h[b]), t)
+                        host[layer][r] = entry
+                        dev[layer][r] = torch.from_numpy(entry).cuda()
+                s_cpu.step(layer)
+                s_gpu.step(layer, stream=stream)
+                torch.cuda.synchronize()
+                np.testing.assert_array_equal(phys_d.cpu().numpy(), phys_h, err_msg=f"{label} step {step} layer {layer}")
+                valid = phys_h >= 0
+                got = dev[layer][torch.from_numpy(phys_h[valid]).long().cuda()].cpu().numpy()
+                np.testing.assert_array_equal(got, host[layer][phys_h[valid]], err_msg=f"{label} step {step}")
+
+    admit(0, 10, 300)
+    admit(1, 11, 700)
+    steps(3, "first requests")
+    row = int(rows_h[0])
+    for e in (cpu, gpu):
+        e.release(10)
+    admit(0, 12, 500, row=row)   # the released request's row, at once
+    steps(3, "after the release")
 
 
 def test_step_replays_in_a_cuda_graph():
