@@ -162,8 +162,9 @@ ESS_API ess_status ess_engine_get_info(const ess_engine* engine, ess_engine_info
 /* The base address of a layer's buffer (the engine's own, or the one ESS allocated). */
 ESS_API ess_status ess_engine_layer_data(const ess_engine* engine, int32_t layer, void** data);
 /* The device memory the engine allocated at creation and holds until it is destroyed, as asked of
- * cudaMalloc: the GPU swap engine's state, the step scratch, the write-back lists, the page tables
- * and the layer buffers when ESS allocated them (not the caller's). 0 on the CPU backend. */
+ * cudaMalloc: the GPU swap engine's state, the step scratch, the write-back lists, the page tables,
+ * the lifecycle's load scratch and the layer buffers when ESS allocated them (not the caller's). 0 on
+ * the CPU backend. */
 ESS_API ess_status ess_engine_device_bytes(const ess_engine* engine, uint64_t* bytes);
 /* The lifecycle calls' stream (CUDA backend). ordered = 1: from now on the device work of
  * admit, warmup, extend, release, reset, adopt and repage is enqueued on `stream` (a

@@ -37,8 +37,10 @@
 // calls still wait for the stream: truncate (it zeroes and frees host entries a write-back
 // enqueued earlier may still write) and a demotion (it reads back the query rows the request
 // recorded while whole). A released request's host pages return to the pool once the stream
-// has passed the release (checked without waiting at later calls; waited for when an admission
-// or growth needs them).
+// has passed the release (checked without waiting at later admissions and growth; waited for
+// when one needs them, or re-admits that id). A release's promotion and an admission's demotion
+// change other requests' rows: steps or write-backs of those in flight on other streams the
+// engine orders before the lifecycle stream too.
 //
 // Backends. kCpu keeps everything in host memory and runs synchronously (the stream is
 // ignored, every pointer is host memory); kCuda needs the CUDA backend and a device. For

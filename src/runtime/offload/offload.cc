@@ -289,6 +289,21 @@ void Offload::warmup(RequestId id, std::span<const std::int32_t> windows, int wi
             "offload: warmup of request {}: {} ids for [layers {}][windows {}][topk {}]", id, windows.size(),
             x.config.layers, window_count, K);
   const int W = std::min(window_count, x.config.warmup_windows);
+  // Every id the warm-up replays is a token of the request (the CUDA backend looks it up in the
+  // device page table unchecked): refused before anything changes.
+  const std::int64_t length = x.pool->length(id);
+  for (int l = 0; l < x.config.layers; ++l) {
+    for (int w = window_count - W; w < window_count; ++w) {
+      for (std::size_t k = 0; k < K; ++k) {
+        const std::int32_t t = windows[(static_cast<std::size_t>(l) * static_cast<std::size_t>(window_count) +
+                                        static_cast<std::size_t>(w)) * K + k];
+        ESS_CHECK(t >= -1 && t < length,
+                  "offload: warmup of request {}: layer {} window {} position {} selects token {}, outside [0, {}) "
+                  "(-1 = padding)",
+                  id, l, w, k, t, length);
+      }
+    }
+  }
   std::vector<std::int32_t> last;  // [layers][W][K]: each layer's last W windows
   last.reserve(static_cast<std::size_t>(x.config.layers) * static_cast<std::size_t>(W) * K);
   for (int l = 0; l < x.config.layers; ++l) {

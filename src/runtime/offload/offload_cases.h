@@ -925,6 +925,39 @@ TEST(OffloadWarmup, LoadsTheNewestEntriesIntoTheReservedRows) {
   }
 }
 
+// A warm-up id outside the request's tokens is refused by name before anything changes, on both
+// backends (the CUDA backend would otherwise look it up in the device page table unchecked).
+TEST(OffloadWarmup, RefusesAnIdOutsideTheRequest) {
+  ESS_REQUIRE_BACKEND(harness().info);
+  OffloadConfig c;
+  c.layers = 2;
+  c.layout = test::small_layout();
+  c.max_requests = 2;
+  c.topk = 4;
+  c.slots = 8;
+  c.max_context = 128;
+  c.backend = harness().backend;
+  Offload o(c);
+  o.admit(1, 40);
+  std::vector<std::int32_t> windows = {0, 1, 2, -1, 3, 4, 5, 6};  // [layers 2][W 1][K 4]
+  windows[6] = 40;                                                  // layer 1: one past the prompt
+  const std::int64_t fills = o.stats().warmup_fills;
+  EXPECT_THROW(
+      {
+        try {
+          o.warmup(1, windows, 1);
+        } catch (const Error& e) {
+          EXPECT_NE(std::string(e.what()).find("layer 1 window 0 position 2 selects token 40"), std::string::npos) << e.what();
+          throw;
+        }
+      },
+      Error);
+  EXPECT_EQ(o.stats().warmup_fills, fills);
+  windows[6] = 39;
+  o.warmup(1, windows, 1);  // the engine is still usable
+  EXPECT_GT(o.stats().warmup_fills, fills);
+}
+
 // reset forgets the residency, not the host entries: the same ids miss again and still read
 // exactly their tokens' entries.
 TEST(OffloadReset, ForgetsResidencyKeepsHostEntries) {
