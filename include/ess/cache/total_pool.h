@@ -123,6 +123,9 @@ class TotalPool {
   void repage(RequestId id, std::int64_t length, std::int64_t first_page, std::span<const std::int32_t> pages);
   // Frees the request's pages; the ones the prefix cache holds stay, retained.
   void release(RequestId id);
+  // The request `from` is known as `to` from now on (its pages, length and holds unchanged); `to`
+  // must be free. For a request whose release waits for the device while its id is reused.
+  void rename(RequestId from, RequestId to);
   // Evicts retained pages, least recently used chain leaves first, until `pages` (in [0,
   // capacity_pages()]) more are free or none is left; returns the pages freed.
   std::int64_t evict(std::int64_t pages);

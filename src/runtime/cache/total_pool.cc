@@ -186,6 +186,14 @@ void TotalPool::check_token(RequestId id, const Request& r, int layer, std::int6
             r.length);
 }
 
+void TotalPool::rename(RequestId from, RequestId to) {
+  ESS_CHECK(!requests_.contains(to), "total pool: rename of request {} to {}: {} is already admitted", from, to, to);
+  auto node = requests_.extract(from);
+  ESS_CHECK(!node.empty(), "total pool: rename of unknown request {}", from);
+  node.key() = to;
+  requests_.insert(std::move(node));
+}
+
 std::uint64_t TotalPool::offset(RequestId id, int layer, std::int64_t token) const {
   const Request& r = find(id, "offset");
   check_token(id, r, layer, token, "offset");

@@ -183,8 +183,10 @@ void Offload::Impl::retire_host(RequestId id) {
   const std::uint64_t fence = device("release", [&] { return backend->fence(); });
   if (fence == 0) {
     pool->release(id);
-  } else {
-    retiring.push_back(Retiring{id, fence});
+  } else {  // under an id no caller uses, so that the engine may admit `id` again at once
+    const RequestId hidden = -(++retired_serial);
+    pool->rename(id, hidden);
+    retiring.push_back(Retiring{hidden, fence});
   }
 }
 

@@ -122,6 +122,7 @@ class Offload::Impl : public OffloadState {
     std::uint64_t fence = 0;
   };
   std::vector<Retiring> retiring;
+  RequestId retired_serial = 0;  // retiring requests are renamed -1, -2, ...: their ids are free at once
   // Hands the released request's host pages back to the pool, now or once its fence has passed.
   void retire_host(RequestId id);
   // Releases the host pages of retiring requests whose fence has passed; `wait`: of all of them.

@@ -356,6 +356,39 @@ TEST(OffloadOrderedLifecycleHostPool, AnAdmissionShortOfPagesTakesAReleasedReque
   EXPECT_THROW(o.admit(24, 300), Error);  // no room even after every release: refused, nothing taken
 }
 
+// An engine that numbers requests by their slot (SGLang's req_pool_idx) admits an id again right
+// after releasing it: the released request's pages wait under another id, and nothing waits for the
+// forward in flight.
+TEST(OffloadOrderedLifecycleReuse, AnIdReleasedAndAdmittedAgainWaitsForNothing) {
+  ESS_REQUIRE_BACKEND(harness().info);
+  const OffloadConfig c = ordered_config(Residency::kSparse);
+  Offload o(c);
+  OrderedLoop loop(o);
+  o.set_lifecycle_stream(loop.stream());
+  std::mt19937 rng(53);
+  o.admit(41, 120);
+  write_prompt(o, 41);
+  o.warmup(41, prompt_windows(c, 120, 2, rng), 2);
+  decode_step(o, loop, {41}, rng);
+  cuda::DeviceBuffer<std::uint8_t> forward(1 << 16);
+  cudaEvent_t after_forward = nullptr;
+  ESS_CUDA_CHECK(cudaEventCreateWithFlags(&after_forward, cudaEventDisableTiming), "event");
+  ESS_CUDA_CHECK(cudaMemsetAsync(forward.get(), 1, 1 << 16, loop.stream()), "the forward");
+  ESS_CUDA_CHECK(cudaEventRecord(after_forward, loop.stream()), "event");
+  const bool pending = forward_still_pending(after_forward);
+  o.release(41);
+  o.admit(41, 90);  // the same id, another prompt
+  write_prompt(o, 41);
+  o.warmup(41, prompt_windows(c, 90, 2, rng), 2);
+  if (pending) {
+    EXPECT_TRUE(forward_still_pending(after_forward)) << "admitting a released id again waited for the forward in flight";
+  }
+  decode_step(o, loop, {41}, rng);
+  EXPECT_GT(loop.check(), 50);
+  EXPECT_EQ(o.stats().requests, 1);
+  cudaEventDestroy(after_forward);
+}
+
 // Speculative decoding's take-back on the ordered stream: the rejected tokens' entries are
 // zeroed once the write-back that wrote them has run, and a released request's pages stay out of
 // reach until then.
