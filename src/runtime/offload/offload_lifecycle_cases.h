@@ -183,18 +183,32 @@ class OrderedLoop {
   std::vector<Kept> kept_;
 };
 
-// Whether `e`, recorded after a stand-in for the forward in flight, still waits: on the emulated
-// target in a lazy order nothing runs until a synchronization needs it, so a lifecycle call that
-// waited for the device (or the stream) would have run it. Elsewhere the device may finish it
-// on its own: unknown (false).
-inline bool forward_still_pending(cudaEvent_t e) {
+// A stand-in for the forward in flight: work on the stream, and an event after it. pending():
+// whether that work has still not run. On the emulated target in a lazy order nothing runs until a
+// synchronization needs it, so a lifecycle call that waited for the device (or the stream) would
+// have run it. Elsewhere the device may finish it on its own: unknown (false).
+class StandInForward {
+ public:
+  explicit StandInForward(cudaStream_t stream) : work_(1 << 16) {
+    ESS_CUDA_CHECK(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming), "event");
+    ESS_CUDA_CHECK(cudaMemsetAsync(work_.get(), 1, 1 << 16, stream), "the forward");
+    ESS_CUDA_CHECK(cudaEventRecord(done_, stream), "event");
+  }
+  ~StandInForward() { cudaEventDestroy(done_); }
+  StandInForward(const StandInForward&) = delete;
+  StandInForward& operator=(const StandInForward&) = delete;
+  bool pending() const {
 #if defined(ESS_EMULATED_CUDA)
-  return cudaEventQuery(e) == cudaErrorNotReady;
+    return cudaEventQuery(done_) == cudaErrorNotReady;
 #else
-  (void)e;
-  return false;
+    return false;
 #endif
-}
+  }
+
+ private:
+  cuda::DeviceBuffer<std::uint8_t> work_;
+  cudaEvent_t done_ = nullptr;
+};
 
 // Writes a prompt's entries into the host pool (the prefill's, as an engine's transfer would).
 inline void write_prompt(Offload& o, RequestId id) {
@@ -213,6 +227,14 @@ inline std::vector<std::int32_t> prompt_windows(const OffloadConfig& c, std::int
   std::uniform_int_distribution<std::int64_t> pick(0, length - 1);
   for (int i = 0; i < c.layers * W * c.topk; ++i) v.push_back(i % 5 == 4 ? -1 : static_cast<std::int32_t>(pick(rng)));
   return v;
+}
+
+// Admits request `id` with a prompt of `length` tokens, writes its entries and warms it up over W
+// windows.
+inline void admit_written(Offload& o, RequestId id, std::int64_t length, int W, std::mt19937& rng) {
+  o.admit(id, length);
+  write_prompt(o, id);
+  o.warmup(id, prompt_windows(o.config(), length, W, rng), W);
 }
 
 inline OffloadConfig ordered_config(Residency residency) {
@@ -278,22 +300,16 @@ TEST_P(OffloadOrderedLifecycle, IsLosslessAndWaitsForNothing) {
   o.set_lifecycle_stream(loop.stream());
   std::mt19937 rng(41);
   // A stand-in for the forward in flight, before any lifecycle call.
-  cuda::DeviceBuffer<std::uint8_t> forward(1 << 16);
-  cudaEvent_t after_forward = nullptr;
-  ESS_CUDA_CHECK(cudaEventCreateWithFlags(&after_forward, cudaEventDisableTiming), "event");
-  ESS_CUDA_CHECK(cudaMemsetAsync(forward.get(), 1, 1 << 16, loop.stream()), "the forward");
-  ESS_CUDA_CHECK(cudaEventRecord(after_forward, loop.stream()), "event");
-  const bool pending = forward_still_pending(after_forward);
+  const StandInForward forward(loop.stream());
+  const bool pending = forward.pending();
 
   std::vector<RequestId> live;
   for (const RequestId id : {11, 12}) {
-    o.admit(id, 90 + 40 * (id - 11));
-    write_prompt(o, id);
-    o.warmup(id, prompt_windows(c, o.length(id), 3, rng), 3);
+    admit_written(o, id, 90 + 40 * (id - 11), 3, rng);
     live.push_back(id);
   }
   if (pending) {
-    EXPECT_TRUE(forward_still_pending(after_forward)) << "an admission or warm-up waited for the forward in flight";
+    EXPECT_TRUE(forward.pending()) << "an admission or warm-up waited for the forward in flight";
   }
   for (int step = 0; step < 4; ++step) decode_step(o, loop, live, rng);
   // The first request finishes; the next admissions take its row, and its host pages once the
@@ -301,9 +317,7 @@ TEST_P(OffloadOrderedLifecycle, IsLosslessAndWaitsForNothing) {
   o.release(11);
   live.erase(live.begin());
   for (const RequestId id : {13, 14, 15}) {
-    o.admit(id, 100 + 30 * (id - 13));
-    write_prompt(o, id);
-    o.warmup(id, prompt_windows(c, o.length(id), 2, rng), 2);
+    admit_written(o, id, 100 + 30 * (id - 13), 2, rng);
     live.push_back(id);
   }
   for (int step = 0; step < 3; ++step) decode_step(o, loop, live, rng);
@@ -316,7 +330,6 @@ TEST_P(OffloadOrderedLifecycle, IsLosslessAndWaitsForNothing) {
   if (GetParam() == Residency::kAdaptive) {
     EXPECT_GT(st.demotions, 0) << "no demotion ran";
   }
-  cudaEventDestroy(after_forward);
 }
 
 INSTANTIATE_TEST_SUITE_P(Residency, OffloadOrderedLifecycle, testing::Values(Residency::kSparse, Residency::kAdaptive),
@@ -337,9 +350,7 @@ TEST(OffloadOrderedLifecycleHostPool, AnAdmissionShortOfPagesTakesAReleasedReque
   std::mt19937 rng(43);
   std::vector<RequestId> live;
   for (const RequestId id : {21, 22}) {
-    o.admit(id, 200);
-    write_prompt(o, id);
-    o.warmup(id, prompt_windows(c, 200, 2, rng), 2);
+    admit_written(o, id, 200, 2, rng);
     live.push_back(id);
   }
   for (int step = 0; step < 3; ++step) decode_step(o, loop, live, rng);
@@ -366,27 +377,18 @@ TEST(OffloadOrderedLifecycleReuse, AnIdReleasedAndAdmittedAgainWaitsForNothing) 
   OrderedLoop loop(o);
   o.set_lifecycle_stream(loop.stream());
   std::mt19937 rng(53);
-  o.admit(41, 120);
-  write_prompt(o, 41);
-  o.warmup(41, prompt_windows(c, 120, 2, rng), 2);
+  admit_written(o, 41, 120, 2, rng);
   decode_step(o, loop, {41}, rng);
-  cuda::DeviceBuffer<std::uint8_t> forward(1 << 16);
-  cudaEvent_t after_forward = nullptr;
-  ESS_CUDA_CHECK(cudaEventCreateWithFlags(&after_forward, cudaEventDisableTiming), "event");
-  ESS_CUDA_CHECK(cudaMemsetAsync(forward.get(), 1, 1 << 16, loop.stream()), "the forward");
-  ESS_CUDA_CHECK(cudaEventRecord(after_forward, loop.stream()), "event");
-  const bool pending = forward_still_pending(after_forward);
+  const StandInForward forward(loop.stream());
+  const bool pending = forward.pending();
   o.release(41);
-  o.admit(41, 90);  // the same id, another prompt
-  write_prompt(o, 41);
-  o.warmup(41, prompt_windows(c, 90, 2, rng), 2);
+  admit_written(o, 41, 90, 2, rng);  // the same id, another prompt
   if (pending) {
-    EXPECT_TRUE(forward_still_pending(after_forward)) << "admitting a released id again waited for the forward in flight";
+    EXPECT_TRUE(forward.pending()) << "admitting a released id again waited for the forward in flight";
   }
   decode_step(o, loop, {41}, rng);
   EXPECT_GT(loop.check(), 50);
   EXPECT_EQ(o.stats().requests, 1);
-  cudaEventDestroy(after_forward);
 }
 
 // Speculative decoding's take-back on the ordered stream: the rejected tokens' entries are
@@ -399,9 +401,7 @@ TEST(OffloadOrderedLifecycleTruncate, TakesBackAfterTheQueuedWriteBack) {
   OrderedLoop loop(o);
   o.set_lifecycle_stream(loop.stream());
   std::mt19937 rng(47);
-  o.admit(31, 150);
-  write_prompt(o, 31);
-  o.warmup(31, prompt_windows(c, 150, 2, rng), 2);
+  admit_written(o, 31, 150, 2, rng);
   decode_step(o, loop, {31}, rng);
   o.truncate(31, o.length(31) - 1);  // the last draft token rejected
   const std::size_t E = c.layout.bytes();
