@@ -290,5 +290,42 @@ TEST(TotalPoolPrefix, RetainedPrefixesAreReusedThenEvictedWhenSpaceIsNeeded) {
   pool.check_invariants();
 }
 
+// retire(): the first half of a release. The prefix-cache holds end at once (the entries become
+// evictable in the order a release would make them), the pages stay held under the new id until
+// release(new id), and the old id is free for another admission at once. With eviction held off, an
+// admission short of pages is refused and evicts nothing.
+TEST(TotalPoolPrefix, RetireEndsTheCacheHoldsNowAndFreesThePagesAtRelease) {
+  TotalPool pool(kLayers, test::small_layout(), 10ull * 64 * 144);  // 5 pages per layer
+  std::vector<std::int32_t> prompt(200);
+  for (std::size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<std::int32_t>(i * 5 % 29);
+  const auto hashes = prefix_page_hashes(prompt);
+  pool.admit(1, 200);  // 4 pages per layer
+  EXPECT_EQ(pool.publish(1, hashes), 3);
+  pool.retire(1, -1);
+  pool.check_invariants();
+  EXPECT_FALSE(pool.contains(1));
+  EXPECT_EQ(pool.length(-1), 200);
+  EXPECT_EQ(pool.free_pages(), 2);
+  EXPECT_EQ(pool.account().retained_bytes, 0u);  // the retiring request still holds the cached pages
+  // Its pages are not freed by eviction while retiring: 3 pages per layer do not fit.
+  EXPECT_NE(error_of([&] { pool.admit(2, 3 * 64); }).find("total pool full"), std::string::npos);
+  EXPECT_FALSE(pool.contains(2));
+  EXPECT_NE(error_of([&] { pool.retire(-1, -1); }).find("already admitted"), std::string::npos);
+  pool.admit(1, 10);  // the id is free again
+  pool.release(1);
+  pool.release(-1);
+  pool.check_invariants();
+  EXPECT_EQ(pool.account().retained_bytes, 6 * pool.page_bytes());
+  EXPECT_EQ(pool.free_pages(), 4);
+  // Held off, an admission that would need eviction is refused, changing nothing; allowed, it evicts.
+  pool.evict_when_full(false);
+  EXPECT_NE(error_of([&] { pool.admit(3, 3 * 64); }).find("eviction held off"), std::string::npos);
+  EXPECT_EQ(pool.account().retained_bytes, 6 * pool.page_bytes());
+  pool.evict_when_full(true);
+  pool.admit(3, 3 * 64);  // 6 pages, 4 free: the chain's leaf (a page in each layer) is evicted
+  EXPECT_EQ(pool.account().retained_bytes, 4 * pool.page_bytes());
+  pool.check_invariants();
+}
+
 }  // namespace
 }  // namespace ess

@@ -123,9 +123,14 @@ class TotalPool {
   void repage(RequestId id, std::int64_t length, std::int64_t first_page, std::span<const std::int32_t> pages);
   // Frees the request's pages; the ones the prefix cache holds stay, retained.
   void release(RequestId id);
-  // The request `from` is known as `to` from now on (its pages, length and holds unchanged); `to`
-  // must be free. For a request whose release waits for the device while its id is reused.
-  void rename(RequestId from, RequestId to);
+  // The first half of release(from), for a request whose pages the device may still touch: its
+  // prefix-cache holds end now, as release would end them (its cached entries without other users
+  // become evictable, in the same order), and its pages stay held, under the id `to` (which must be
+  // free: `from` may be admitted again at once), until release(to).
+  void retire(RequestId from, RequestId to);
+  // Whether an admission or growth that does not fit evicts retained pages (the default) or is
+  // refused, changing nothing. Off while pages the caller will free soon may make eviction needless.
+  void evict_when_full(bool on) { evict_when_full_ = on; }
   // Evicts retained pages, least recently used chain leaves first, until `pages` (in [0,
   // capacity_pages()]) more are free or none is left; returns the pages freed.
   std::int64_t evict(std::int64_t pages);
@@ -241,6 +246,7 @@ class TotalPool {
   std::unordered_map<std::uint64_t, CacheEntry> cache_;
   std::set<std::pair<std::uint64_t, std::uint64_t>> evictable_;  // (last_use, hash): no users, no children
   std::uint64_t clock_ = 0;
+  bool evict_when_full_ = true;
 };
 
 }  // namespace ess

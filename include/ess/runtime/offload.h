@@ -37,10 +37,14 @@
 // calls still wait for the stream: truncate (it zeroes and frees host entries a write-back
 // enqueued earlier may still write) and a demotion (it reads back the query rows the request
 // recorded while whole). A released request's host pages return to the pool once the stream
-// has passed the release (checked without waiting at later admissions and growth; waited for
-// when one needs them, or re-admits that id). A release's promotion and an admission's demotion
-// change other requests' rows: steps or write-backs of those in flight on other streams the
-// engine orders before the lifecycle stream too.
+// has passed the release (checked without waiting at later releases, admissions and growth;
+// waited for only when an admission or growth needs them; until then they count in
+// stats().host_bytes_used; the id itself may be admitted again at once). Its prefix-cache holds
+// end at the release itself, and retained prefix pages are evicted for room only when the
+// retiring pages would not be enough either, so the prefix cache evolves as with a waiting
+// lifecycle. A release's promotion and an admission's demotion change other requests' rows:
+// steps or write-backs of those in flight on other streams the engine orders before the
+// lifecycle stream too.
 //
 // Backends. kCpu keeps everything in host memory and runs synchronously (the stream is
 // ignored, every pointer is host memory); kCuda needs the CUDA backend and a device. For
@@ -217,7 +221,9 @@ class Offload {
   // device work is enqueued on `stream` (nullptr: the legacy default stream) and not waited for.
   // Changing it orders the new stream after the old one's work (an event, no wait).
   // clear_lifecycle_stream: back to the default, each call waiting for the device (it waits for
-  // the old stream's work once). kCpu ignores both.
+  // the old stream's work once). kCpu ignores both. `stream` must be a live stream of the
+  // engine's device (CUDA cannot tell a destroyed handle reliably; a failure of the handoff makes
+  // the engine unusable, as any failed device call does).
   void set_lifecycle_stream(cuda::Stream stream);
   void clear_lifecycle_stream();
   // A request with `prompt_length` tokens in the host pool (entries zeroed): returns its pool
@@ -311,6 +317,8 @@ class Offload {
   std::vector<std::uint8_t> read_row(int layer, std::int32_t p) const;
   // The Total Memory Pool (host accounting, entry offsets).
   const TotalPool& host_pool() const;
+  // Counters and host accounting; on kCuda, warmup_fills is read from the device (the loads
+  // it has run so far). Once the engine is unusable, the device counters as last read.
   OffloadStats stats() const;
   // The device memory this Offload allocated at construction and holds until it is destroyed,
   // as asked of cudaMalloc (the driver rounds each allocation up): the GPU swap engine's state,

@@ -186,12 +186,16 @@ void TotalPool::check_token(RequestId id, const Request& r, int layer, std::int6
             r.length);
 }
 
-void TotalPool::rename(RequestId from, RequestId to) {
-  ESS_CHECK(!requests_.contains(to), "total pool: rename of request {} to {}: {} is already admitted", from, to, to);
-  auto node = requests_.extract(from);
-  ESS_CHECK(!node.empty(), "total pool: rename of unknown request {}", from);
+void TotalPool::retire(RequestId from, RequestId to) {
+  ESS_CHECK(!requests_.contains(to), "total pool: retire of request {} as {}: {} is already admitted", from, to, to);
+  auto it = requests_.find(from);
+  ESS_CHECK(it != requests_.end(), "total pool: retire of unknown request {}", from);
+  auto node = requests_.extract(it);  // no allocation: the node moves
   node.key() = to;
+  std::vector<std::uint64_t> cached = std::move(node.mapped().cached);
+  node.mapped().cached.clear();
   requests_.insert(std::move(node));
+  for (auto h = cached.rbegin(); h != cached.rend(); ++h) unuse_entry(*h);
 }
 
 std::uint64_t TotalPool::offset(RequestId id, int layer, std::int64_t token) const {

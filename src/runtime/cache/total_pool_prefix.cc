@@ -65,6 +65,9 @@ std::int64_t TotalPool::evictable_pages(std::span<const std::uint64_t> keep) con
 
 void TotalPool::make_room(std::int64_t need, std::span<const std::uint64_t> keep, const char* what, RequestId id) {
   if (need <= free_pages()) return;
+  ESS_CHECK(evict_when_full_,
+            "total pool full: {} of request {} needs {} pages ({} B) but only {} of {} pages are free (eviction held off)",
+            what, id, need, static_cast<std::uint64_t>(need) * page_bytes_, free_pages(), capacity_pages_);
   const std::int64_t evictable = evictable_pages(keep);
   ESS_CHECK(need <= free_pages() + evictable,
             "total pool full: {} of request {} needs {} pages ({} B) but only {} of {} pages are free and {} retained "

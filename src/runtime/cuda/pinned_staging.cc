@@ -1,6 +1,8 @@
 #include "runtime/cuda/pinned_staging.h"
 
+#include <algorithm>
 #include <bit>
+#include <cstdint>
 
 #include "runtime/cuda/check.h"
 
@@ -17,6 +19,14 @@ PinnedStaging::~PinnedStaging() {
 }
 
 void* PinnedStaging::take(std::size_t bytes) {
+  bytes = (std::max<std::size_t>(bytes, 1) + kAlign - 1) / kAlign * kAlign;
+  for (Block& b : blocks_) {  // room left in a block taken since the last retire
+    if (b.state == Block::State::kTaken && b.bytes - b.used >= bytes) {
+      void* p = static_cast<std::uint8_t*>(b.data) + b.used;
+      b.used += bytes;
+      return p;
+    }
+  }
   Block* pick = nullptr;
   for (Block& b : blocks_) {
     if (b.state == Block::State::kRetired) {
@@ -30,8 +40,9 @@ void* PinnedStaging::take(std::size_t bytes) {
     if (b.state == Block::State::kFree && b.bytes >= bytes && (pick == nullptr || b.bytes < pick->bytes)) pick = &b;
   }
   if (pick == nullptr) {
+    blocks_.reserve(blocks_.size() + 1);  // no throw once the memory is taken
     Block b;
-    b.bytes = std::bit_ceil(std::max<std::size_t>(bytes, 64 * 1024));
+    b.bytes = std::bit_ceil(std::max(bytes, kMinBlock));
     ESS_CUDA_CHECK(cudaHostAlloc(&b.data, b.bytes, cudaHostAllocDefault), "pinned staging: {} bytes of pinned host memory",
                    b.bytes);
     if (const cudaError_t e = cudaEventCreateWithFlags(&b.event, cudaEventDisableTiming); e != cudaSuccess) {
@@ -42,6 +53,7 @@ void* PinnedStaging::take(std::size_t bytes) {
     pick = &blocks_.back();
   }
   pick->state = Block::State::kTaken;
+  pick->used = bytes;
   return pick->data;
 }
 

@@ -185,9 +185,10 @@ void Offload::Impl::retire_host(RequestId id) {
     pool->release(id);
   } else {  // under an id no caller uses, so that the engine may admit `id` again at once
     const RequestId hidden = -(++retired_serial);
-    pool->rename(id, hidden);
+    pool->retire(id, hidden);
     retiring.push_back(Retiring{hidden, fence});
   }
+  reap(false);  // earlier releases whose work has run since
 }
 
 void Offload::Impl::reap(bool wait) {
@@ -203,10 +204,22 @@ void Offload::Impl::reap(bool wait) {
 
 void Offload::Impl::with_retired_pages(const std::function<void()>& take) {
   reap(false);
+  if (retiring.empty()) {
+    take();
+    return;
+  }
+  // Retained prefix-cache pages are evicted only when the pages of every retiring request would not
+  // be enough either, as if each release had freed its pages at once: without a wait first, then
+  // after one.
+  struct HeldOff {
+    TotalPool& pool;
+    explicit HeldOff(TotalPool& p) : pool(p) { pool.evict_when_full(false); }
+    ~HeldOff() { pool.evict_when_full(true); }
+  };
   try {
+    const HeldOff held(*pool);
     take();
   } catch (const Error&) {
-    if (retiring.empty()) throw;
     reap(true);
     take();
   }
@@ -557,7 +570,11 @@ OffloadStats Offload::stats() const {
   for (const auto& units : x.units_of_row) st.whole_requests += units.empty() ? 0 : 1;
   st.demotions = x.demotions;
   st.promotions = x.promotions;
-  x.backend->add_stats(st);
+  if (x.broken.empty()) {
+    x.device("stats", [&] { x.backend->add_stats(st, true); });
+  } else {
+    x.backend->add_stats(st, false);
+  }
   return st;
 }
 

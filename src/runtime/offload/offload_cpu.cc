@@ -248,7 +248,7 @@ class CpuOffload final : public OffloadBackend {
 
   std::uint64_t device_bytes() const override { return 0; }
 
-  void add_stats(OffloadStats& st) const override {
+  void add_stats(OffloadStats& st, bool) const override {
     st.steps = steps_;
     st.warmup_fills = warmup_fills_;
     st.hits = hits_;

@@ -515,13 +515,16 @@ class CudaOffload final : public OffloadBackend {
     return n;
   }
 
-  void add_stats(OffloadStats& st) const override {
+  void add_stats(OffloadStats& st, bool read_device) const override {
     st.steps = steps_;
-    // The loads the device has run so far (a read on a stream of its own: no wait for the others).
-    std::int64_t tally = 0;
-    ESS_CUDA_CHECK(cudaMemcpyAsync(&tally, warmup_tally_.get(), 8, cudaMemcpyDeviceToHost, stats_stream_), "offload: statistics");
-    ESS_CUDA_CHECK(cudaStreamSynchronize(stats_stream_), "offload: statistics");
-    st.warmup_fills = tally;
+    if (read_device) {  // the loads the device has run so far (a read on a stream of its own: no wait for the others)
+      std::int64_t tally = 0;
+      ESS_CUDA_CHECK(cudaMemcpyAsync(&tally, warmup_tally_.get(), 8, cudaMemcpyDeviceToHost, stats_stream_),
+                     "offload: statistics");
+      ESS_CUDA_CHECK(cudaStreamSynchronize(stats_stream_), "offload: statistics");
+      warmup_fills_read_ = tally;
+    }
+    st.warmup_fills = warmup_fills_read_;
     st.swap_launches = swap_launches_;
   }
 
@@ -540,6 +543,7 @@ class CudaOffload final : public OffloadBackend {
   DeviceBuffer<std::int32_t> page_table_;
   const std::uint8_t* pool_dev_ = nullptr;
   std::int64_t steps_ = 0, swap_launches_ = 0;
+  mutable std::int64_t warmup_fills_read_ = 0;  // the device's warm-up tally when stats last read it
   // The lifecycle (begin, end): its stream, whether its calls return without waiting for the
   // device, the stream handoff, the release fences, the pinned staging of its uploads, and the
   // device scratch of its loads (row_index_[r] = r; one layer's windows; the warm-up's outputs;

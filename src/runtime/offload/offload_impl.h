@@ -54,7 +54,8 @@ class OffloadBackend {
   virtual void step(const LayerStep& s) = 0;
   virtual void write_back(const WriteBack& w) = 0;
   virtual std::vector<std::uint8_t> read_row(int layer, std::int32_t p) const = 0;
-  virtual void add_stats(OffloadStats& stats) const = 0;
+  // `read_device`: false once the engine is unusable (the counters last read from the device, then).
+  virtual void add_stats(OffloadStats& stats, bool read_device) const = 0;
   virtual std::uint64_t device_bytes() const = 0;  // Offload::device_bytes
 };
 
@@ -98,12 +99,12 @@ class Offload::Impl : public OffloadState {
 
   // The first device failure of a backend call (its device state may be half-updated): from then
   // on every call is refused, naming it. Empty while the engine is usable.
-  std::string broken;
+  mutable std::string broken;
   // Throws ess::DeviceError naming `call` and that failure once the engine is unusable.
   void usable(const char* call) const;
   // Runs a backend call; a DeviceError or OutOfMemory from it makes the engine unusable.
   template <typename F>
-  decltype(auto) device(const char* call, F&& f) {
+  decltype(auto) device(const char* call, F&& f) const {
     try {
       return f();
     } catch (const DeviceError& e) {

@@ -354,9 +354,9 @@ TEST(OffloadOrderedLifecycleHostPool, AnAdmissionShortOfPagesTakesAReleasedReque
     live.push_back(id);
   }
   for (int step = 0; step < 3; ++step) decode_step(o, loop, live, rng);
+  const std::uint64_t held = o.stats().host_bytes_used;  // both requests' pages: the whole pool
   o.release(21);
   live.erase(live.begin());
-  const std::uint64_t held = o.stats().host_bytes_used;
   o.admit(23, 200);  // only the released request's pages are free
   EXPECT_LE(o.stats().host_bytes_used, held) << "the released pages were not reused";
   write_prompt(o, 23);
@@ -365,6 +365,39 @@ TEST(OffloadOrderedLifecycleHostPool, AnAdmissionShortOfPagesTakesAReleasedReque
   for (int step = 0; step < 3; ++step) decode_step(o, loop, live, rng);
   EXPECT_GT(loop.check(), 500);
   EXPECT_THROW(o.admit(24, 300), Error);  // no room even after every release: refused, nothing taken
+}
+
+// The prefix cache under an ordered lifecycle evolves as under a waiting one: a finished request's
+// published prefix stays retained while an admission short of pages can take those of a request
+// released earlier whose work is still queued (it waits for that work rather than evict).
+TEST(OffloadOrderedLifecycleHostPool, KeepsARetainedPrefixWhileAReleasedRequestsPagesWouldDo) {
+  ESS_REQUIRE_BACKEND(harness().info);
+  OffloadConfig c = ordered_config(Residency::kSparse);
+  c.host_bytes = static_cast<std::uint64_t>(8 * c.layers) * 64 * c.layout.bytes();  // 8 pages per layer
+  Offload o(c);
+  OrderedLoop loop(o);
+  o.set_lifecycle_stream(loop.stream());
+  std::mt19937 rng(59);
+  std::vector<std::int32_t> prompt(256);
+  for (std::size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<std::int32_t>(1000 + 7 * i);
+  // A request whose prompt's first 3 pages are published, then finished: they stay retained.
+  EXPECT_EQ(o.admit_cached(51, prompt).reused_tokens, 0);
+  write_prompt(o, 51);
+  EXPECT_EQ(o.publish(51, prompt), 3);
+  o.release(51);
+  ESS_CUDA_CHECK(cudaStreamSynchronize(loop.stream()), "the device catching up");
+  // Another request decodes, then finishes with its last write-backs queued.
+  admit_written(o, 52, 200, 2, rng);  // 4 pages
+  decode_step(o, loop, {52}, rng);
+  o.release(52);
+  const std::uint64_t retained = static_cast<std::uint64_t>(3 * c.layers) * 64 * c.layout.bytes();
+  // 4 pages: fewer are free until the released request's pages are, and the retained prefix could
+  // be evicted for them; a waiting lifecycle would have had them free.
+  admit_written(o, 53, 200, 2, rng);
+  EXPECT_EQ(o.stats().host_bytes_retained, retained) << "the retained prefix was evicted";
+  EXPECT_EQ(o.admit_cached(54, prompt).reused_tokens, 192);
+  decode_step(o, loop, {53}, rng);
+  EXPECT_GT(loop.check(), 50);
 }
 
 // An engine that numbers requests by their slot (SGLang's req_pool_idx) admits an id again right
