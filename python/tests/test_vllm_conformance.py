@@ -177,7 +177,9 @@ def assigned_on_self(rel, cls):
 # What vllm_connector.py (and scheduled_from_output) read on vLLM's objects: each must be in the release.
 READ = [
     ("distributed/kv_transfer/kv_connector/v1/hisparse/worker.py", "HiSparseConnectorWorker",
-     {"vllm_config", "cache_handles", "host_caches", "_group_leaders", "register_kv_caches", "shutdown"}),
+     {"vllm_config", "kv_cache_config", "cache_handles", "host_caches", "_group_leaders", "register_kv_caches",
+      "shutdown"}),
+    ("v1/kv_cache_interface.py", "KVCacheConfig", {"host_group_ids"}),
     ("v1/hisparse/runtime.py", "HiSparseCacheHandle", {"runtime", "draft_layer", "source_block_table"}),
     ("v1/hisparse/runtime.py", "HiSparseRuntime",
      {"region_stride", "device", "index_group", "registered_host_pool", "is_group_leader"}),
@@ -191,8 +193,9 @@ READ = [
     ("v1/core/sched/output.py", "SchedulerOutput",
      {"scheduled_new_reqs", "scheduled_cached_reqs", "num_scheduled_tokens", "finished_req_ids",
       "preempted_req_ids"}),
-    ("v1/core/sched/output.py", "NewRequestData", {"req_id", "num_computed_tokens"}),
-    ("v1/core/sched/output.py", "CachedRequestData", {"req_ids", "num_computed_tokens", "resumed_req_ids"}),
+    ("v1/core/sched/output.py", "NewRequestData", {"req_id", "num_computed_tokens", "block_ids"}),
+    ("v1/core/sched/output.py", "CachedRequestData",
+     {"req_ids", "num_computed_tokens", "resumed_req_ids", "new_block_ids"}),
     ("config/attention.py", "HiSparseConfig", {"eager_host_mirror"}),
     ("config/attention.py", "AttentionConfig", {"hisparse_config"}),
     ("config/vllm.py", "VllmConfig", {"attention_config", "scheduler_config", "model_config", "parallel_config",
@@ -203,7 +206,7 @@ READ = [
     ("forward_context.py", "ForwardContext", {"attn_metadata"}),
     ("model_executor/layers/attention/sparse_mla_attention.py", "SparseMLACommonMetadata",
      {"num_decodes", "num_decode_tokens", "seq_lens"}),
-    ("config/scheduler.py", "SchedulerConfig", {"max_num_seqs"}),
+    ("config/scheduler.py", "SchedulerConfig", {"max_num_seqs", "async_scheduling"}),
     ("config/model.py", "ModelConfig", {"max_model_len"}),
 ]
 
@@ -245,6 +248,26 @@ def test_start_load_kv_gets_what_the_connector_reads():
     assert {"scheduler_output", "request_state_indices", "request_ids", "attn_metadata"} <= keys, keys
     assert parameters(upstream_def("distributed/kv_transfer/kv_connector/v1/hisparse/connector.py",
                                    "HiSparseConnector", "start_load_kv"))[3]
+
+
+def test_the_host_block_table_is_kept_from_the_scheduler_output_as_vllms_runner_keeps_it():
+    """source_blocks_from_output follows the GPU model runner (v1/worker/gpu/model_runner.py): a new request's
+    block_ids overwrite its table, a cached request's new_block_ids are appended; the table the handles read is the
+    host source group's (v1/hisparse/binding.py); and the counts run ahead under upstream's condition."""
+    runner = "v1/worker/gpu/model_runner.py"
+    add = ast.unparse(upstream_def(runner, "GPUModelRunner", "add_requests"))
+    assert "self.block_tables.append_block_ids(req_index, new_req_data.block_ids, overwrite=True)" in add
+    update = ast.unparse(upstream_def(runner, "GPUModelRunner", "update_requests"))
+    assert "zip(reqs.req_ids, reqs.num_computed_tokens, reqs.new_block_ids)" in update
+    assert "self.block_tables.append_block_ids(req_index, req_new_block_ids, overwrite=False)" in update
+    binding = open(path("v1/hisparse/binding.py"), encoding="utf-8").read()
+    assert "(source_group_id,) = kv_cache_config.host_group_ids" in binding
+    assert "cache_handle.source_block_table = block_tables.input_block_tables[\n            source_group_id\n" \
+        in binding
+    connector = ast.unparse(ast.parse(open(path("distributed/kv_transfer/kv_connector/v1/hisparse/connector.py"),
+                                           encoding="utf-8").read()))
+    assert ("async_speculative=bool(vllm_config.scheduler_config.async_scheduling and speculative_config is not "
+            "None)") in connector
 
 
 def test_the_forward_metadata_reaches_start_load_kv():

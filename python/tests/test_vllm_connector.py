@@ -105,6 +105,7 @@ class World:
         self.host = [self.registered[l * rows * 656:(l + 1) * rows * 656].view(rows, 656) for l in range(4)]
         self.state_blocks = torch.from_numpy(rng.permutation(STATES * BLOCKS).reshape(STATES, BLOCKS).astype(np.int32))
         self.source = torch.zeros((STATES, BLOCKS), dtype=torch.int32)
+        self.host_group_ids = (0,)   # KVCacheConfig's: the host source group
         self.handles = []
         for layer in range(4):
             handle = UP["HiSparseCacheHandle"](types.SimpleNamespace(
@@ -129,26 +130,36 @@ class World:
         return self.host[layer][torch.from_numpy(rows)].numpy()
 
 
-def config(eager=True, instance="t"):
+def config(eager=True, instance="t", speculative=False):
     return types.SimpleNamespace(
         kv_transfer_config=types.SimpleNamespace(kv_connector_extra_config={}),
         attention_config=types.SimpleNamespace(hisparse_config=types.SimpleNamespace(eager_host_mirror=eager)),
-        scheduler_config=types.SimpleNamespace(max_num_seqs=STATES),
+        scheduler_config=types.SimpleNamespace(max_num_seqs=STATES, async_scheduling=True),
         model_config=types.SimpleNamespace(max_model_len=CTX), instance_id=f"{instance}-{os.getpid()}",
         parallel_config=types.SimpleNamespace(data_parallel_index=0, use_ubatching=False),
-        speculative_config=None)
+        speculative_config=types.SimpleNamespace(enable_adaptive_verification=False) if speculative else None)
 
 
-def scheduler_output(new=(), cached=(), finished=(), resumed=()):
-    """SchedulerOutput's fields the connector reads: new and cached requests as (id, computed, scheduled), and the
-    cached ones marked resumed."""
+def scheduler_output(new=(), cached=(), finished=(), resumed=(), blocks=None):
+    """SchedulerOutput's fields the connector reads: new and cached requests as (id, computed, scheduled), the
+    cached ones marked resumed, and the host source group's blocks (group 0 here) of the new and resumed ones
+    (blocks: {id: blocks}; a cached request gets none)."""
+    blocks = blocks or {}
     return types.SimpleNamespace(
-        scheduled_new_reqs=[types.SimpleNamespace(req_id=r, num_computed_tokens=c) for r, c, _ in new],
+        scheduled_new_reqs=[types.SimpleNamespace(req_id=r, num_computed_tokens=c, block_ids=(blocks[r],))
+                            for r, c, _ in new],
         scheduled_cached_reqs=types.SimpleNamespace(req_ids=[r for r, _, _ in cached],
                                                     num_computed_tokens=[c for _, c, _ in cached],
+                                                    new_block_ids=[(blocks[r],) if r in resumed else None
+                                                                   for r, _, _ in cached],
                                                     resumed_req_ids=set(resumed)),
         num_scheduled_tokens={r: n for r, _, n in list(new) + list(cached)}, finished_req_ids=set(finished),
         preempted_req_ids=None)
+
+
+def owned(world, **states):
+    """Each request's host blocks: those of its state in the world."""
+    return {r: world.state_blocks[s].tolist() for r, s in states.items()}
 
 
 def attn(*seq_lens, decodes=None):
@@ -170,9 +181,11 @@ def test_register_start_load_and_shutdown(connector_module):
     world = World()
     upstream = [h.runtime for h in world.handles]
     before = world.registered.clone()
-    c = module.HiSparseConnector(config(), "worker", world)
+    # Async scheduling with speculative decoding: the scheduler's counts run ahead, the forward's seq_lens are read.
+    c = module.HiSparseConnector(config(speculative=True), "worker", world)
     c.register_kv_caches({})
     worker = c.connector_worker
+    assert worker.ess.counts_run_ahead
     info = worker.ess_engine.info
     assert (info.layers, info.slots, info.query_tokens, info.topk, info.backend) == (3, SLOTS, T, K, "cpu")
     assert all(isinstance(h.runtime, adapter.HiSparseRuntime) and h.runtime.upstream is u
@@ -184,7 +197,7 @@ def test_register_start_load_and_shutdown(connector_module):
     # Two requests decode at states 2 and 0 after their prefill: ESS adopts their blocks, batch row b's from row b
     # of the forward's table.
     world.gather([2, 0])
-    out = scheduler_output(cached=[("a", 150, T), ("b", 70, T)])
+    out = scheduler_output(new=[("a", 150, T), ("b", 70, T)], blocks=owned(world, a=2, b=0))
     c.start_load_kv(None, scheduler_output=out, request_ids=["a", "b"],
                     request_state_indices=torch.tensor([2, 0], dtype=torch.int32), attn_metadata=attn(151, 71))
     assert c.loads and worker.ess.state_of == {"a": 2, "b": 0}
@@ -209,6 +222,34 @@ def test_register_start_load_and_shutdown(connector_module):
     assert worker.ess_engine is None
 
 
+def test_without_speculative_decoding_a_decode_step_reads_nothing_back(connector_module):
+    """Async scheduling without drafts: the scheduler's counts are the device's, so a step whose decode requests ESS
+    holds already reads neither state indices nor seq_lens nor block table entries (the blocks come from the
+    scheduler's output); the first step of a request reads its state index, once."""
+    module, _ = connector_module
+    world = World()
+    c = module.HiSparseConnector(config(), "worker", world)
+    c.register_kv_caches({})
+    decode = c.connector_worker.ess
+    assert not decode.counts_run_ahead
+    world.gather([2, 0])
+    c.start_load_kv(eager(151, 71), scheduler_output=scheduler_output(new=[("a", 150, T), ("b", 70, T)],
+                                                                      blocks=owned(world, a=2, b=0)),
+                    request_ids=["a", "b"], request_state_indices=torch.tensor([2, 0], dtype=torch.int32))
+    assert decode.device_reads == 1 and decode.state_of == {"a": 2, "b": 0}
+    world.source.fill_(-5)   # the forward's table is not read: entries there would be refused
+    for step in range(3):
+        out = scheduler_output(cached=[("b", 71 + step, T), ("a", 151 + step, T)])
+        c.start_load_kv(eager(72 + step, 152 + step), scheduler_output=out, request_ids=["b", "a"],
+                        request_state_indices=torch.tensor([0, 2], dtype=torch.int32))
+    assert decode.device_reads == 1
+    assert c.connector_worker.ess_engine.request(2) == (2, 154)
+    for layer in range(3):
+        got = c.connector_worker.ess_engine.read_entries(0, layer, 0, np.empty((74, 656), np.uint8))
+        np.testing.assert_array_equal(got, world.host_rows(layer, 0, 0, 74))
+    c.connector_worker.shutdown()
+
+
 def test_a_request_finished_in_a_step_without_a_forward_is_released(connector_module):
     """A step without a forward brings no start_load_kv, only get_finished (ActiveKVConnector.no_forward ->
     post_forward); its finished requests are released at the next forward's start_load_kv."""
@@ -218,7 +259,8 @@ def test_a_request_finished_in_a_step_without_a_forward_is_released(connector_mo
     c.register_kv_caches({})
     worker = c.connector_worker
     world.gather([2, 0])
-    c.start_load_kv(eager(151, 71), scheduler_output=scheduler_output(cached=[("a", 150, T), ("b", 70, T)]),
+    c.start_load_kv(eager(151, 71), scheduler_output=scheduler_output(new=[("a", 150, T), ("b", 70, T)],
+                                                                      blocks=owned(world, a=2, b=0)),
                     request_ids=["a", "b"], request_state_indices=torch.tensor([2, 0], dtype=torch.int32))
     assert c.get_finished({"b", "never-seen"}) == (None, None)
     assert worker.ess.state_of == {"a": 2, "b": 0}   # released with the next step's other releases
@@ -241,7 +283,8 @@ def test_a_request_preempted_in_a_step_without_a_forward_starts_over_when_it_ret
         c.register_kv_caches({})
         worker = c.connector_worker
         world.gather([2])
-        c.start_load_kv(eager(151), scheduler_output=scheduler_output(cached=[("a", 150, T)]), request_ids=["a"],
+        c.start_load_kv(eager(151), scheduler_output=scheduler_output(new=[("a", 150, T)], blocks=owned(world, a=2)),
+                        request_ids=["a"],
                         request_state_indices=torch.tensor([2], dtype=torch.int32))
         c.start_load_kv(None)   # the step "a" was preempted in: no forward
         assert worker.ess.state_of == {"a": 2}
@@ -249,7 +292,8 @@ def test_a_request_preempted_in_a_step_without_a_forward_starts_over_when_it_ret
         world.state_blocks[2] = torch.flip(world.state_blocks[2], [0])
         world.gather([2])
         row = ("a", 150, T)
-        out = scheduler_output(new=[row]) if returns == "new" else scheduler_output(cached=[row], resumed=["a"])
+        out = scheduler_output(new=[row], blocks=owned(world, a=2)) if returns == "new" else \
+            scheduler_output(cached=[row], resumed=["a"], blocks=owned(world, a=2))
         c.start_load_kv(eager(151), scheduler_output=out, request_ids=["a"],
                         request_state_indices=torch.tensor([2], dtype=torch.int32))
         assert worker.ess.state_of == {"a": 2}
@@ -283,7 +327,7 @@ def test_the_forward_metadata_is_the_leaders_and_required(connector_module):
     c = module.HiSparseConnector(config(), "worker", world)
     c.register_kv_caches({})
     world.gather([2])
-    out = scheduler_output(cached=[("a", 150, T)])
+    out = scheduler_output(new=[("a", 150, T)], blocks=owned(world, a=2))
     kwargs = dict(scheduler_output=out, request_ids=["a"], request_state_indices=torch.tensor([2], dtype=torch.int32))
     with pytest.raises(ValueError, match="attention metadata is NoneType"):
         c.start_load_kv(types.SimpleNamespace(attn_metadata=None), **kwargs)

@@ -176,11 +176,12 @@ class VllmWorld:
 
 class Replay:
     def __init__(self, T, slots, seed=1, region=None, mirror=True, barrier=None, uniform=True,
-                 async_scheduling=True):
+                 async_scheduling=True, counts_run_ahead=True):
         """region, mirror, barrier: a rank of a node whose ranks share vLLM's host pool (a shared-memory region
         rank 0's mirror writes, every rank's ESS reads); barrier() runs at the start of every step, after the
         previous step's mirror. uniform: the backend's require_uniform_decodes (FlashMLA sparse's: True).
-        async_scheduling: vLLM's default (config/vllm.py), the scheduler's counts a step behind on rejections."""
+        async_scheduling: vLLM's default (config/vllm.py), the scheduler's counts a step behind on rejections.
+        counts_run_ahead: EssDecode's (the connector sets it under async scheduling with speculative decoding)."""
         self.T, self.barrier, self.uniform, self.async_scheduling = T, barrier, uniform, async_scheduling
         self.rejected = {}   # request -> drafts its last verify step rejected, which the scheduler still counts
         self.world = VllmWorld(seed, T, region, mirror)
@@ -191,7 +192,8 @@ class Replay:
         self.engine = ess.Engine(layers=LAYERS, max_requests=STATES, max_context=CTX, topk=K, query_tokens=T,
                                  slots=slots, reserve_newest=True, latent=latent,
                                  host_memory=self.world.backing.numpy(), foreign_pages=pages)
-        self.decode = adapter.EssDecode(self.engine, latent, STATES, self.world.source_block_table)
+        self.decode = adapter.EssDecode(self.engine, latent, STATES, self.world.source_block_table,
+                                        counts_run_ahead=counts_run_ahead)
         self.model = EngineModel(LAYERS, slots, T, reserve_newest=True)
         self.model_rows = {}   # request -> state the model admitted it at
         # vllm/v1/hisparse/binding.py bind_hisparse_kv_caches: each layer's handle bound to the resident cache
@@ -241,7 +243,7 @@ class Replay:
 
     # ---- one step ----
     def step(self, batch, states, scheduled, finished=(), preempted=(), all_resident=False, pad_reqs=None,
-             accepted=None):
+             accepted=None, new_blocks=None):
         """batch: request ids in batch order (decodes first); states: their request-state indices; scheduled:
         {rid: (tokens computed before this step, tokens scheduled)}; pad_reqs: a FULL CUDA graph captured for this
         many requests (a uniform decode batch only); accepted: {rid: tokens of its verify step kept}."""
@@ -301,7 +303,7 @@ class Replay:
         self.decode.start_step(batch, torch.tensor(states, dtype=torch.int32), sched, finished=finished,
                                preempted=preempted, fresh=self.seen_fresh(fresh),
                                all_context_pages_resident=all_resident,
-                               attn_metadata=self.seen_metadata(attn, sched, batch))
+                               attn_metadata=self.seen_metadata(attn, sched, batch), new_blocks=new_blocks)
         served = self.decode.batch
         assert served == (0 if all_resident and len(decodes) < R else len(decodes)), "ESS staged other decode rows"
         # connector.py start_step sets all_context_pages_resident on every handle; worker.py prepare_forward ->
@@ -526,6 +528,10 @@ def test_preemption_and_a_reused_state():
     T = 1
     r = Replay(T, 24, seed=11)
     w = r.world
+
+    def waited():   # releases and adoptions are ordered on the forward's stream: no row waits on the host
+        raise AssertionError("start_step waited for the device")
+    r.decode.synchronize = waited
     prefill(r, "a", 1, 100, 60)
     prefill(r, "b", 3, 80, 200, others=["a"], other_states=[1])
     for _ in range(3):

@@ -38,7 +38,8 @@ from . import _device
 from .topk_recorder import TopkRecorder
 
 __all__ = ["VLLM_VERSION", "HotView", "latent_bytes", "latent_buffers", "host_pool_layout", "Scheduled",
-           "scheduled_from_output", "fresh_from_output", "EssDecode", "HiSparseRuntime"]
+           "scheduled_from_output", "source_blocks_from_output", "fresh_from_output", "EssDecode",
+           "HiSparseRuntime"]
 
 VLLM_VERSION = "0.33.0"   # the release whose call sites these classes are checked against
 ENTRY_BYTES = 656         # vLLM's fp8_ds_mla row (FP8_DS_MLA_ROW_BYTES), ESS's DeepSeek-V3.2 entry
@@ -114,6 +115,22 @@ def scheduled_from_output(scheduler_output) -> Dict[str, Scheduled]:
     return {rid: Scheduled(int(computed[rid]), int(n)) for rid, n in scheduler_output.num_scheduled_tokens.items()}
 
 
+def source_blocks_from_output(scheduler_output, group: int) -> Dict[str, tuple]:
+    """vllm/v1/core/sched/output.py SchedulerOutput -> {request id: (host blocks of KV cache group `group` (the
+    HiSparse host source group, kv_cache_config.host_group_ids), whether they replace the request's blocks)}: a new
+    request's block_ids replace, a cached request's new_block_ids are appended (None: none), unless it is in
+    resumed_req_ids, whose new_block_ids are its whole list (CachedRequestData's contract; the GPU model runner's
+    BlockTables.append_block_ids keeps its tables the same way). The host block table of every request, kept on
+    the host from the scheduler's own output: start_step reads no block table entry back from the device."""
+    blocks = {r.req_id: (list(r.block_ids[group]), True) for r in scheduler_output.scheduled_new_reqs}
+    cached = scheduler_output.scheduled_cached_reqs
+    resumed = set(cached.resumed_req_ids)
+    for rid, new in zip(cached.req_ids, cached.new_block_ids):
+        if new is not None:
+            blocks[rid] = (list(new[group]), rid in resumed)
+    return blocks
+
+
 def fresh_from_output(scheduler_output) -> set:
     """The requests whose blocks vLLM's scheduler hands out afresh this step: its new requests (scheduled_new_reqs,
     which under the GPU model runner v2 carry the ones resumed after preemption too: v1/core/sched/scheduler.py
@@ -131,11 +148,20 @@ class EssDecode:
 
     block_table: vLLM's host block table as the forward reads it (the handles' source_block_table: int32
     [batch rows, blocks], row b the blocks of batch row b's request). synchronize(): waits for the device work
-    already enqueued, vLLM's row mirror included (before entries are read on the host, and before requests whose
-    rows the last forward used are released)."""
+    already enqueued, vLLM's row mirror included (before a short row's older entries are read on the host).
+    Under CUDA the engine's lifecycle calls are ordered on the forward's stream (Engine.set_lifecycle_stream), so
+    releases and adoptions wait for nothing on the host. counts_run_ahead: whether the scheduler's
+    num_computed_tokens may exceed the device's (async scheduling with speculative decoding: upstream's
+    HiSparseConnectorScheduler async_speculative); when not, they are the true counts and the forward's seq_lens
+    are not read back (when they do, one read a step remains: the engine takes true lengths).
+
+    What start_step reads from the device: each batch row's state index only in a step where a decode request is
+    new to ESS (a request keeps its state index while vLLM holds it); the decode rows' seq_lens only when the counts
+    run ahead; block table entries only when it is not given the scheduler's new blocks (source_blocks_from_output).
+    Its staged tensors go to the device from pinned memory without a wait."""
 
     def __init__(self, engine: Engine, latent: Sequence[torch.Tensor], max_num_reqs: int, block_table: torch.Tensor,
-                 device="cpu", synchronize: Callable[[], None] = lambda: None):
+                 device="cpu", synchronize: Callable[[], None] = lambda: None, counts_run_ahead: bool = True):
         info = engine.info
         if not info.reserve_newest:
             raise InvalidArgument("EssDecode: the engine needs reserve_newest=True (each step's newest entries are "
@@ -150,7 +176,8 @@ class EssDecode:
                                   "[batch rows, blocks] expected")
         self.engine, self.info, self.latent = engine, info, list(latent)
         self.max_num_reqs, self.block_table, self.device = max_num_reqs, block_table, torch.device(device)
-        self.synchronize = synchronize
+        self.synchronize, self.counts_run_ahead = synchronize, bool(counts_run_ahead)
+        self.pinned = self.device.type == "cuda"   # host staging pinned: its copies need no wait
         T, K = info.query_tokens, info.topk
         i32 = dict(dtype=torch.int32, device=self.device)
         self.rows = torch.full((max_num_reqs,), -1, **i32)          # batch row -> state index (ESS row), -1
@@ -176,6 +203,9 @@ class EssDecode:
         self.state_of: Dict[str, int] = {}     # vLLM request id -> state index (ESS request id and row)
         self.length_of: Dict[int, int] = {}    # state index -> tokens in ESS
         self.finished_since = set()            # ESS's requests vLLM finished since the last start_step
+        self.blocks_of: Dict[str, list] = {}   # vLLM request id -> its host blocks (from the scheduler's output)
+        self.lifecycle_stream = None           # the engine's lifecycle stream (CUDA: the forward's, set per step)
+        self.device_reads = 0                  # start_steps that read state indices, seq_lens or blocks back
         # ESS_RECORD_TRACE: the top-k vLLM hands the swap, recorded as a trace (topk_recorder.py), by state index.
         self.recorder = TopkRecorder.from_environment(
             layers=info.layers, T=T, K=K, max_reqs=max_num_reqs, device=self.device,
@@ -184,19 +214,25 @@ class EssDecode:
     def note_finished(self, request_ids: Iterable[str]):
         """Requests vLLM finished (the connector's get_finished, after every step, one without a forward
         included): released at the next start_step, with its other releases."""
+        request_ids = set(request_ids)
         self.finished_since.update(rid for rid in request_ids if rid in self.state_of)
+        for rid in request_ids:
+            self.blocks_of.pop(rid, None)
 
     # ---- before each forward (the connector's start_load_kv) ----
     def start_step(self, request_ids: Sequence[str], request_state_indices, scheduled: Mapping[str, Scheduled],
                    finished: Iterable[str] = (), preempted: Iterable[str] = (), fresh: Iterable[str] = (),
-                   all_context_pages_resident: bool = False, attn_metadata=None):
+                   all_context_pages_resident: bool = False, attn_metadata=None,
+                   new_blocks: Optional[Mapping[str, tuple]] = None):
         """request_ids: the batch's request ids in batch order (input_batch.req_ids); request_state_indices: each
         batch row's state index (input_batch.idx_mapping, on the device or the host); scheduled: this step's
         requests; finished / preempted: the scheduler output's finished_req_ids / preempted_req_ids; fresh: the
         requests whose blocks the scheduler hands out afresh this step (fresh_from_output: new and resumed), any of
         which ESS still holds is released first (preempted in a step without a forward, whose preempted_req_ids
         never reach ESS, then resumed, most likely on the same state index and over other blocks);
-        all_context_pages_resident: the connector metadata's; attn_metadata: the forward's sparse MLA metadata of
+        all_context_pages_resident: the connector metadata's; new_blocks: this step's host blocks of the scheduled
+        requests (source_blocks_from_output), kept per request so that no block table entry is read back (None:
+        the entries ESS needs are read from block_table, as the forward's); attn_metadata: the forward's sparse MLA metadata of
         an index-group leader layer (model_executor/layers/attention/sparse_mla_attention.py build: num_decodes,
         num_decode_tokens, seq_lens), padded under a FULL CUDA graph.
 
@@ -248,35 +284,55 @@ class EssDecode:
                 raise InvalidArgument(f"start_step: the forward has {num_decodes} decode rows of {num_decode_tokens} "
                                       f"tokens; the batch's first {decodes} rows hold {tokens} tokens (only padded "
                                       "rows may add tokens, after every batch row)")
-        # The state indices and the decode rows' true lengths, read in one copy (on the device under CUDA).
-        states = torch.as_tensor(request_state_indices).reshape(-1)
-        if states.shape[0] < R:
-            raise InvalidArgument(f"start_step: {R} batch requests but {states.shape[0]} state indices")
-        parts = [states[:R].to(torch.int64)]
+        finished, preempted = set(finished) | self.finished_since, set(preempted) | set(fresh)
+        if new_blocks is not None:
+            for rid, entry in new_blocks.items():
+                if not (isinstance(entry, tuple) and len(entry) == 2):
+                    raise InvalidType(f"start_step: new_blocks[{rid!r}] = {entry!r}: (blocks, replace) expected "
+                                      "(source_blocks_from_output)")
+                if not entry[1] and (rid not in self.blocks_of or rid in finished or rid in preempted):
+                    raise InvalidArgument(f"start_step: new_blocks appends to request {rid!r}, whose blocks ESS was "
+                                          "never given (a new request's replace them)")
+        states_in = torch.as_tensor(request_state_indices).reshape(-1)
+        if states_in.shape[0] < R:
+            raise InvalidArgument(f"start_step: {R} batch requests but {states_in.shape[0]} state indices")
         if attn_metadata is not None and decodes:
             if getattr(attn_metadata, "seq_lens", None) is None:
                 raise InvalidArgument("start_step: the forward's attention metadata has no seq_lens")
-            seq_lens = attn_metadata.seq_lens.reshape(-1)
-            if seq_lens.shape[0] < decodes:
-                raise InvalidArgument(f"start_step: the forward's seq_lens has {seq_lens.shape[0]} rows for "
-                                      f"{decodes} decode rows")
-            parts.append(seq_lens[:decodes].to(device=states.device, dtype=torch.int64))
-        host = [int(v) for v in torch.cat(parts).cpu().tolist()]
-        states, seq_lens = host[:R], host[R:]
-        finished, preempted = set(finished) | self.finished_since, set(preempted) | set(fresh)
-        seen = {}
-        for b, rid in enumerate(request_ids):
-            s = states[b]
-            if not 0 <= s < self.max_num_reqs:
-                raise InvalidArgument(f"start_step: batch row {b} (request {rid!r}): state index {s} outside "
-                                      f"[0, {self.max_num_reqs})")
-            if s in seen:
-                raise InvalidArgument(f"start_step: state index {s} is batch rows {seen[s]} and {b}")
-            seen[s] = b
+            if attn_metadata.seq_lens.reshape(-1).shape[0] < decodes:
+                raise InvalidArgument(f"start_step: the forward's seq_lens has "
+                                      f"{attn_metadata.seq_lens.reshape(-1).shape[0]} rows for {decodes} decode rows")
+        # The state indices are read back only when a decode request is new to ESS (a request keeps its state
+        # index while vLLM holds it: a preempted or resumed one is released first), the true lengths only when
+        # the scheduler's counts run ahead of the device's; both in one copy (on the device under CUDA).
         swap_path = not (all_context_pages_resident and decodes < R)
+        served = decodes if swap_path else 0   # the decode rows ESS serves this step
+        read_lengths = attn_metadata is not None and served > 0 and self.counts_run_ahead
+        known = all(request_ids[b] in self.state_of and request_ids[b] not in finished and
+                    request_ids[b] not in preempted for b in range(served))
+        states, seq_lens = None, []
+        if not known or read_lengths:
+            parts = [states_in[:R].to(torch.int64)]
+            if read_lengths:
+                parts.append(attn_metadata.seq_lens.reshape(-1)[:decodes].to(device=states_in.device,
+                                                                             dtype=torch.int64))
+            host = [int(v) for v in torch.cat(parts).cpu().tolist()]
+            self.device_reads += 1
+            states, seq_lens = host[:R], host[R:]
+        if states is not None:
+            seen = {}
+            for b, rid in enumerate(request_ids):
+                s = states[b]
+                if not 0 <= s < self.max_num_reqs:
+                    raise InvalidArgument(f"start_step: batch row {b} (request {rid!r}): state index {s} outside "
+                                          f"[0, {self.max_num_reqs})")
+                if s in seen:
+                    raise InvalidArgument(f"start_step: state index {s} is batch rows {seen[s]} and {b}")
+                seen[s] = b
+        decode_state = [states[b] if states is not None else self.state_of[request_ids[b]] for b in range(served)]
         positions = []     # (batch row, request id, state, tokens before this step, tokens this step)
-        for b in range(decodes if swap_path else 0):
-            rid, s = request_ids[b], states[b]
+        for b in range(served):
+            rid, s = request_ids[b], decode_state[b]
             c, n = scheduled[rid]
             if seq_lens:
                 if not 0 <= seq_lens[b] - n <= c:
@@ -295,14 +351,29 @@ class EssDecode:
         if positions and max(p[0] for p in positions) >= self.block_table.shape[0]:
             raise InvalidArgument(f"start_step: {len(positions)} decode rows; vLLM's host block table has "
                                   f"{self.block_table.shape[0]} rows")
-        if any(rid in finished or rid in preempted for rid in self.state_of) or \
-                any((rid in self.state_of and (self.state_of[rid] != s or c < self.length_of[s] - T)) or
-                    (rid not in self.state_of and s in self.length_of) for _, rid, s, c, _ in positions):
-            self.synchronize()   # rows are released below; the previous forward may still be using them
+        mirror = None
+        if new_blocks is not None:   # vLLM's host block table by request, as its model runner keeps its own
+            mirror = {rid: b for rid, b in self.blocks_of.items() if rid not in finished and rid not in preempted}
+            for rid, (blocks, replace) in new_blocks.items():
+                mirror[rid] = ([] if replace else mirror[rid]) + [int(v) for v in blocks]
+            for b, rid, _, c, n in positions:
+                if len(mirror.get(rid, ())) < -(-(c + n) // KERNEL_BLOCK):
+                    raise InvalidArgument(f"start_step: batch row {b} (request {rid!r}) reaches {c + n} tokens; "
+                                          f"vLLM's scheduler gave it {len(mirror.get(rid, ()))} host blocks of "
+                                          f"{KERNEL_BLOCK}")
+        # ESS's lifecycle calls (releases, adoptions, repages) on the forward's stream, after the forwards before it,
+        # without a wait: a row released below may still be read by the forward in flight.
+        if self.device.type == "cuda":
+            stream = torch.cuda.current_stream(self.device)
+            if stream.cuda_stream != self.lifecycle_stream:
+                self.engine.set_lifecycle_stream(stream)
+                self.lifecycle_stream = stream.cuda_stream
         for rid in list(self.state_of):
             if rid in finished or rid in preempted:
                 self._release(rid)
         self.finished_since.clear()
+        if mirror is not None:
+            self.blocks_of = mirror
         plans = []   # (batch row, request, state, new length, first page to give, pages in all)
         for b, rid, s, c, n in positions:
             if self.state_of.get(rid, s) != s:     # vLLM gave the request another state index
@@ -316,12 +387,19 @@ class EssDecode:
             # the drafts taken back); the blocks before it are vLLM's computed ones, which stay.
             first = min(self.length_of[s], c) // KERNEL_BLOCK if rid in self.state_of else 0
             plans.append((b, rid, s, c + n, first, pages))
-        # Every block entry this step gives ESS, read in one copy (the table is on the device under CUDA).
-        rows = [b for b, *_, first, pages in plans for _ in range(first, pages)]
-        cols = [p for *_, first, pages in plans for p in range(first, pages)]
-        table = self.block_table
-        blocks = table[torch.tensor(rows, dtype=torch.int64, device=table.device),
-                       torch.tensor(cols, dtype=torch.int64, device=table.device)].cpu().tolist() if rows else []
+        if new_blocks is None:
+            # Every block entry this step gives ESS, read in one copy (the table is on the device under CUDA).
+            rows = [b for b, *_, first, pages in plans for _ in range(first, pages)]
+            cols = [p for *_, first, pages in plans for p in range(first, pages)]
+            table = self.block_table
+            if rows:
+                self.device_reads += 1
+            blocks = table[torch.tensor(rows, dtype=torch.int64, device=table.device),
+                           torch.tensor(cols, dtype=torch.int64, device=table.device)].cpu().tolist() if rows else []
+        else:
+            blocks = []
+            for _, rid, _, _, first, pages in plans:
+                blocks += self.blocks_of[rid][first:pages]
         at = 0
         for b, rid, s, length, first, pages in plans:
             given = blocks[at:at + pages - first]
@@ -334,19 +412,21 @@ class EssDecode:
                 if self.recorder is not None:
                     self.recorder.begin(s, rid, length)
             self.length_of[s] = length
-        self._stage(request_ids, states, positions)
+        self._stage(len(request_ids), states if states is not None else states_in[:R], positions)
         if self.recorder is not None:
             self.recorder.step([s for _, _, s, _, _ in positions], [c + n for *_, c, n in positions])
 
-    def _stage(self, request_ids, states, positions):
-        """The step's rows, lengths and per-token maps, and the older tokens of short rows in the reserved rows."""
+    def _stage(self, R, states, positions):
+        """The step's rows, lengths and per-token maps, and the older tokens of short rows in the reserved rows.
+        states: the R batch rows' state indices, a list read back or vLLM's tensor (copied on the device)."""
         T, rpr, S = self.info.query_tokens, self.info.rows_per_request, self.info.slots
-        rows = torch.full((self.max_num_reqs,), -1, dtype=torch.int32)
-        lengths = torch.zeros((self.max_num_reqs,), dtype=torch.int32)
-        token_row = torch.full((self.max_swap_rows,), -1, dtype=torch.int64)
-        token_flat = torch.zeros((self.max_swap_rows,), dtype=torch.int64)
-        token_slot = torch.full((self.max_swap_rows,), self.scratch_row, dtype=torch.int64)
-        query_token = torch.full((self.max_swap_rows,), -1, dtype=torch.int64)
+        host = dict(pin_memory=self.pinned)
+        rows = torch.full((self.max_num_reqs,), -1, dtype=torch.int32, **host)
+        lengths = torch.zeros((self.max_num_reqs,), dtype=torch.int32, **host)
+        token_row = torch.full((self.max_swap_rows,), -1, dtype=torch.int64, **host)
+        token_flat = torch.zeros((self.max_swap_rows,), dtype=torch.int64, **host)
+        token_slot = torch.full((self.max_swap_rows,), self.scratch_row, dtype=torch.int64, **host)
+        query_token = torch.full((self.max_swap_rows,), -1, dtype=torch.int64, **host)
         if any(n < T and c > 0 for *_, c, n in positions):
             self.synchronize()   # the older tokens read below are vLLM's mirror of earlier steps' rows
         i = 0
@@ -364,12 +444,17 @@ class EssDecode:
                         entry = self.engine.read_entries(s, layer, position, torch.empty((1, ENTRY_BYTES),
                                                                                          dtype=torch.uint8))
                         self.latent[layer].view(-1, ENTRY_BYTES)[s * rpr + S + q].copy_(entry[0])
-        state_rows = torch.full((self.max_num_reqs,), -1, dtype=torch.int32)
-        state_rows[: len(request_ids)] = torch.tensor(states[: len(request_ids)], dtype=torch.int32)
+        # From pinned memory without a wait (torch's pinned allocator keeps each buffer until its copy has run).
         for staged, value in ((self.rows, rows), (self.lengths, lengths), (self.token_row, token_row),
                               (self.token_flat, token_flat), (self.slot_mapping, token_slot),
-                              (self.query_token, query_token), (self.request_state_indices, state_rows)):
-            staged.copy_(value)
+                              (self.query_token, query_token)):
+            staged.copy_(value, non_blocking=self.pinned)
+        if isinstance(states, torch.Tensor):
+            self.request_state_indices[:R].copy_(states.to(self.device, torch.int32), non_blocking=True)
+        else:
+            self.request_state_indices[:R].copy_(torch.tensor(states[:R], dtype=torch.int32, **host),
+                                                 non_blocking=self.pinned)
+        self.request_state_indices[R:].fill_(-1)
         self.batch = len(positions)
 
     def close(self):

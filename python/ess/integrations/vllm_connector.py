@@ -27,7 +27,7 @@ from vllm.v1.attention.backend import max_decode_query_len
 
 from ..engine import Engine
 from .vllm import (VLLM_VERSION, EssDecode, HiSparseRuntime, fresh_from_output, host_pool_layout, latent_buffers,
-                   latent_bytes, scheduled_from_output)
+                   latent_bytes, scheduled_from_output, source_blocks_from_output)
 
 logger = logging.getLogger("ess.integrations.vllm")
 
@@ -72,8 +72,14 @@ class EssConnectorWorker(HiSparseConnectorWorker):
                 self.ess_engine = None
                 raise
         synchronize = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
+        # The scheduler's computed-token counts run ahead of the device's only under async scheduling with
+        # speculative decoding (upstream's HiSparseConnectorScheduler async_speculative, connector.py).
+        speculative = config.speculative_config
+        run_ahead = bool(config.scheduler_config.async_scheduling and speculative is not None)
         self.ess = EssDecode(self.ess_engine, latent, max_num_reqs, targets[0][1].source_block_table, device=device,
-                             synchronize=synchronize)
+                             synchronize=synchronize, counts_run_ahead=run_ahead)
+        # The host source group (v1/hisparse/binding.py: the handles' source_block_table is its block table).
+        (self.ess_source_group,) = self.kv_cache_config.host_group_ids
         self.ess_upstream_runtimes = {}
         for layer, (i, handle) in enumerate(targets):
             self.ess_upstream_runtimes[i] = handle.runtime
@@ -205,4 +211,5 @@ class HiSparseConnector(_upstream.HiSparseConnector):
                               finished=output.finished_req_ids, preempted=output.preempted_req_ids or (),
                               fresh=fresh_from_output(output),
                               all_context_pages_resident=metadata.all_context_pages_resident,
-                              attn_metadata=leader_metadata(worker, forward_context, kwargs.get("attn_metadata")))
+                              attn_metadata=leader_metadata(worker, forward_context, kwargs.get("attn_metadata")),
+                              new_blocks=source_blocks_from_output(output, worker.ess_source_group))

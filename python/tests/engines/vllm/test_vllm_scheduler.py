@@ -193,7 +193,17 @@ class Driven:
 
     def __init__(self, tmp_path, device_bytes, seed=3):
         self.vllm = VllmScheduler(tmp_path, device_bytes)
-        self.replay = Replay(T=1, slots=24, seed=seed, async_scheduling=True)
+        # Async scheduling without speculative decoding: the connector takes the scheduler's counts as true.
+        self.replay = Replay(T=1, slots=24, seed=seed, async_scheduling=True, counts_run_ahead=False)
+        # Every adoption (a request's first decode step in ESS): the only steps that may read the device.
+        self.adoptions, engine = 0, self.replay.decode.engine
+        adopt = engine.adopt
+
+        def counted(*args, **kwargs):
+            self.adoptions += 1
+            return adopt(*args, **kwargs)
+        engine.adopt = counted
+        self.device_reads_checked = 0
         world = self.replay.world
         world.allocate = lambda rid, tokens: None           # vLLM's KV cache manager allocates
         world.free = lambda rid: world.blocks.__setitem__(rid, [])
@@ -275,9 +285,19 @@ class Driven:
             resident = metadata.all_context_pages_resident
             self.all_resident_steps += resident
             self.host_read_steps += not resident
+            decode, reads, adoptions = self.replay.decode, self.replay.decode.device_reads, self.adoptions
+            # The connector's start_load_kv: the host source group's blocks from vLLM's own output.
+            new_blocks = adapter.source_blocks_from_output(output, self.vllm.coordinator.host_group_id)
             self.replay.step(batch, [self.state[r] for r in batch],
                              {r: tuple(scheduled[r]) for r in batch}, finished=finished, preempted=preempted,
-                             all_resident=resident)
+                             all_resident=resident, new_blocks=new_blocks)
+            # ESS's copy of vLLM's host block table is the scheduler's, and the device is read back only in a step
+            # that adopts a request (its state index).
+            for rid in batch:
+                assert decode.blocks_of[rid] == world.blocks[rid], f"{rid}: ESS's host blocks are not vLLM's"
+            assert decode.device_reads - reads == (self.adoptions > adoptions), \
+                f"{decode.device_reads - reads} device reads in a step with {self.adoptions - adoptions} adoptions"
+            self.device_reads_checked += 1
         transfers = [t.transfer_id for t in (metadata.command.page_transfers if metadata.command else [])]
         self.transfers += len(transfers)
         if self.pending is not None:
@@ -357,6 +377,7 @@ def test_decode_under_vllms_scheduler_serves_the_full_caches_bytes(tmp_path, dev
     rows and bytes against the model and the full cache (the replay's checks)."""
     driven = serve(tmp_path, device_bytes)
     assert driven.replay.forwards_served > 50
+    assert driven.device_reads_checked > 50 and driven.replay.decode.device_reads < driven.device_reads_checked / 3
     assert driven.mirror_rows_checked >= 300 + 190 + 250 - 128 + 120 + 70
     assert not driven.vllm.scheduler.has_requests()
     assert driven.transfers > 0   # the coordinator's page transfers, acknowledged as the worker does
