@@ -270,6 +270,25 @@ def test_the_host_block_table_is_kept_from_the_scheduler_output_as_vllms_runner_
             "None)") in connector
 
 
+def test_a_multiconnector_hands_esss_connector_every_call_it_serves_by():
+    """A disaggregated decode instance runs ESS's connector inside vLLM's MultiConnector beside a transfer connector
+    (engines/vllm/test_vllm_scheduler.py builds one with NIXL's): MultiConnector (multi_connector.py) forwards to
+    each of its connectors the calls ESS's serves by (its KV caches registered, its own metadata bound, start_load_kv
+    with every keyword, the transfer results that reach get_finished, the capture reset, the shutdown)."""
+    rel = "distributed/kv_transfer/kv_connector/v1/multi_connector.py"
+    calls = {
+        "register_kv_caches": "c.register_kv_caches(kv_caches)",
+        "bind_connector_metadata": "c.bind_connector_metadata(cm)",
+        "start_load_kv": "c.start_load_kv(forward_context, **kwargs)",
+        "get_transfer_results": "connector.get_transfer_results(finished_req_ids)",
+        "reset_capture_state": "c.reset_capture_state()",
+        "shutdown": ".shutdown()",
+    }
+    for method, call in calls.items():
+        fn = upstream_def(rel, "MultiConnector", method)
+        assert fn is not None and call in ast.unparse(fn), f"MultiConnector.{method} no longer does {call}"
+
+
 def test_the_forward_metadata_reaches_start_load_kv():
     """v1/worker/gpu/model_runner.py execute_model: under a FULL graph pre_forward gets attn_metadata= (which
     _build_load_kwargs passes on); eager and piecewise, pre_forward runs inside set_forward_context(attn_metadata,

@@ -48,6 +48,8 @@ from vllm.config.attention import HiSparseConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.hisparse.connector import HiSparseConnectorWorkerMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (MultiConnector,
+                                                                          MultiKVConnectorWorkerMetadata)
 from vllm.platforms import current_platform
 from vllm.sampling_params import SamplingParams
 from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseBackend
@@ -120,17 +122,21 @@ def layer_specs():
     return specs
 
 
+def hisparse_extra_config():
+    """ESS's connector's kv_connector_extra_config: vLLM's host pool, at most the replay world's host blocks."""
+    return {"host_pool_gib": HOST_BLOCKS * LAYERS * BLOCK * ENTRY / 2**30}
+
+
 class VllmScheduler:
     """vLLM's configuration, KV cache plan and scheduler, in the engine core's order; device_bytes: the memory the
     workers report for the KV cache (small: requests move to host reads)."""
 
-    def __init__(self, tmp_path, device_bytes, **config):
-        host_pool_gib = HOST_BLOCKS * LAYERS * BLOCK * ENTRY / 2**30   # at most the replay world's host blocks
+    def __init__(self, tmp_path, device_bytes, transfer=None, **config):
         model = ModelConfig(model=str(model_folder(tmp_path)), skip_tokenizer_init=True, max_model_len=CTX,
                             dtype="bfloat16")
-        transfer = KVTransferConfig(kv_connector="HiSparseConnector", kv_role="kv_both",
-                                    kv_connector_module_path="ess.integrations.vllm_connector",
-                                    kv_connector_extra_config={"host_pool_gib": host_pool_gib})
+        transfer = transfer or KVTransferConfig(kv_connector="HiSparseConnector", kv_role="kv_both",
+                                                kv_connector_module_path="ess.integrations.vllm_connector",
+                                                kv_connector_extra_config=hisparse_extra_config())
         with cuda_configuration():
             config = VllmConfig(
                 model_config=model, kv_transfer_config=transfer,
@@ -166,7 +172,23 @@ class VllmScheduler:
         init_none_hash(hash_fn)
         self.hasher = get_request_block_hasher(hash_block_size, hash_fn, config.num_hash_lookahead_tokens)
         self.connector = self.scheduler.connector
-        self.coordinator = self.connector.connector_scheduler.coordinator
+        # ESS's connector: the scheduler's, or one of a MultiConnector's (multi_connector.py sub_connectors).
+        subs = self.connector.sub_connectors if isinstance(self.connector, MultiConnector) else [self.connector]
+        self.hisparse_index = next(i for i, c in enumerate(subs) if type(c).__module__ == "ess.integrations.vllm_connector")
+        self.parts = len(subs) if isinstance(self.connector, MultiConnector) else None
+        self.coordinator = subs[self.hisparse_index].connector_scheduler.coordinator
+
+    def hisparse_metadata(self, metadata):
+        """The connector metadata of ESS's connector (MultiConnector's build_connector_meta: one per connector)."""
+        return metadata if self.parts is None else metadata.metadata[self.hisparse_index]
+
+    def worker_metadata(self, meta):
+        """ESS's connector's worker metadata as the worker's connector returns it (MultiConnector's
+        build_connector_worker_meta: one per connector, None for the others)."""
+        if self.parts is None or meta is None:
+            return meta
+        return MultiKVConnectorWorkerMetadata(
+            metadata=tuple(meta if i == self.hisparse_index else None for i in range(self.parts)))
 
     def add(self, rid, prompt, max_tokens):
         self.scheduler.add_request(Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
@@ -189,10 +211,11 @@ def mirrored_rows(mirrors):
 
 
 class Driven:
-    """vLLM's scheduler driving the replay: its outputs become the replay's batches, its host blocks the world's."""
+    """vLLM's scheduler driving the replay: its outputs become the replay's batches, its host blocks the world's.
+    transfer: vLLM's KV transfer configuration (default: ESS's connector alone)."""
 
-    def __init__(self, tmp_path, device_bytes, seed=3):
-        self.vllm = VllmScheduler(tmp_path, device_bytes)
+    def __init__(self, tmp_path, device_bytes, seed=3, transfer=None):
+        self.vllm = VllmScheduler(tmp_path, device_bytes, transfer=transfer)
         # Async scheduling without speculative decoding: the connector takes the scheduler's counts as true.
         self.replay = Replay(T=1, slots=24, seed=seed, async_scheduling=True, counts_run_ahead=False)
         # Every adoption (a request's first decode step in ESS): the only steps that may read the device.
@@ -242,7 +265,7 @@ class Driven:
         if not scheduler.has_requests():
             return False
         output = scheduler.schedule()
-        metadata = output.kv_connector_metadata
+        metadata = self.vllm.hisparse_metadata(output.kv_connector_metadata)
         finished, preempted = set(output.finished_req_ids), set(output.preempted_req_ids or ())
         self.preempted |= preempted
         for rid in finished | preempted:
@@ -317,7 +340,8 @@ class Driven:
                 if transfers or copied else None)
         result = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
                                    sampled_token_ids=sampled,
-                                   kv_connector_output=KVConnectorOutput(kv_connector_worker_meta=meta))
+                                   kv_connector_output=KVConnectorOutput(
+                                       kv_connector_worker_meta=self.vllm.worker_metadata(meta)))
         self.vllm.scheduler.update_from_output(output, result)
 
     def run(self, limit=400):
@@ -357,9 +381,9 @@ def test_micro_batching_with_hisparse_is_refused_by_vllm_itself(tmp_path):
         VllmScheduler(tmp_path, 32 << 20, parallel_config=ParallelConfig(enable_dbo=True))
 
 
-def serve(tmp_path, device_bytes):
+def serve(tmp_path, device_bytes, transfer=None):
     rng = np.random.default_rng(11)
-    driven = Driven(tmp_path, device_bytes)
+    driven = Driven(tmp_path, device_bytes, transfer=transfer)
     driven.add("a", 300, 40, rng)
     driven.add("b", 190, 60, rng)
     driven.add("c", 250, 30, rng, prefix_of="a", prefix=128)
@@ -389,6 +413,34 @@ def test_decode_under_vllms_scheduler_serves_the_full_caches_bytes(tmp_path, dev
         # c on a's prefix; a preempted request resumed on its own cached pages
         assert driven.preempted and driven.prefix_hits["c"] == 128
         assert set(driven.prefix_hits) - {"c"} <= driven.preempted
+
+
+def pd_decode_transfer():
+    """A disaggregated decode instance's KV transfer configuration, as vLLM's docs and its HiSparse check
+    (config/vllm.py: NixlConnector, MooncakeStoreConnector or MultiConnector are HiSparse's validated paths) have
+    it: MultiConnector over NIXL's transfer connector (the prefill's KV) and ESS's HiSparse connector."""
+    return KVTransferConfig(kv_connector="MultiConnector", kv_role="kv_consumer", kv_connector_extra_config={
+        "connectors": [
+            {"kv_connector": "NixlConnector", "kv_role": "kv_consumer"},
+            {"kv_connector": "HiSparseConnector", "kv_role": "kv_consumer",
+             "kv_connector_module_path": "ess.integrations.vllm_connector",
+             "kv_connector_extra_config": hisparse_extra_config()}]})
+
+
+def test_inside_a_multiconnector_beside_nixl_ess_serves_the_decode(tmp_path):
+    """vLLM's MultiConnector (multi_connector.py) builds NIXL's connector and ESS's (by module path) on the scheduler,
+    binds both to its KV cache manager (ESS's to the HiSparse coordinator), and hands each its own metadata every
+    step; ESS's serves every decode step lossless as it does alone. (The worker side of NIXL's connector needs the
+    NIXL library and a GPU: the prefill's KV arriving over NIXL is not replayed here.)"""
+    driven = serve(tmp_path, 2 << 20, transfer=pd_decode_transfer())
+    connector = driven.vllm.connector
+    assert isinstance(connector, MultiConnector)
+    nixl, ess_connector = connector.sub_connectors   # "NixlConnector" names NIXL's pull connector in 0.33.0
+    assert type(nixl).__module__.startswith("vllm.distributed.kv_transfer.kv_connector.v1.nixl")
+    assert type(ess_connector).__module__ == "ess.integrations.vllm_connector"
+    assert driven.vllm.config.attention_config.hisparse_config is not None   # inferred through MultiConnector
+    assert driven.replay.forwards_served > 50 and driven.host_read_steps > 40 and driven.transfers > 0
+    assert not driven.vllm.scheduler.has_requests()
 
 
 def test_entries_missing_from_vllms_host_pool_fail(tmp_path, monkeypatch):
