@@ -294,7 +294,8 @@ typedef struct ess_step_tensors {
   uint32_t struct_size;
   const DLTensor* rows;           /* [B] pool row of each position, -1 = padded */
   const DLTensor* topk;           /* [B, T, K] or [B x T, K]: logical token ids, -1 = padding */
-  const DLTensor* lengths;        /* [B] each position's tokens after this step's extend */
+  const DLTensor* lengths;        /* [B] each position's tokens after this step's extend (on foreign
+                                   * pages from 1 to what the request holds: its first lengths[b]) */
   const DLTensor* physical;       /* like topk, out: rows of the layer's buffer, -1 = padding */
   /* Optional outputs (NULL: not produced). */
   const DLTensor* counts;         /* [B, 2]: the LRU's distinct hits and misses per position */

@@ -204,17 +204,14 @@ def test_register_start_load_and_shutdown(connector_module):
     for layer in range(3):
         got = worker.ess_engine.read_entries(2, layer, 0, np.empty((150, 656), np.uint8))
         np.testing.assert_array_equal(got, world.host_rows(layer, 2, 0, 150))
-    # The batch condensed: "b" finished, "a" at batch row 0. A forward whose seq_lens put "a" past the scheduler's
-    # count is refused before anything changes; then the step runs.
+    # The batch condensed: "b" finished, "a" at batch row 0; the scheduler still counts a draft the device did not
+    # keep: ESS holds the scheduler's count, its step serves the forward's seq_len.
     world.gather([2])
-    out = scheduler_output(cached=[("a", 151, T)], finished=["b"])
-    with pytest.raises(ess.InvalidArgument, match="seq_len 160 for 1 tokens"):
-        c.start_load_kv(None, scheduler_output=out, request_ids=["a"],
-                        request_state_indices=torch.tensor([2], dtype=torch.int32), attn_metadata=attn(160))
-    assert worker.ess.state_of == {"a": 2, "b": 0}
+    out = scheduler_output(cached=[("a", 152, T)], finished=["b"])
     c.start_load_kv(None, scheduler_output=out, request_ids=["a"],
                     request_state_indices=torch.tensor([2], dtype=torch.int32), attn_metadata=attn(152))
-    assert worker.ess.state_of == {"a": 2} and worker.ess_engine.request(2) == (2, 152)
+    assert worker.ess.state_of == {"a": 2} and worker.ess_engine.request(2) == (2, 153)
+    assert int(worker.ess.lengths[0]) == 152
     c.start_load_kv(None)   # no forward this step: nothing staged
     assert torch.equal(world.registered, before), "ESS wrote vLLM's host pool"
     c.connector_worker.shutdown()

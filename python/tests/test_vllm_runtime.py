@@ -135,31 +135,44 @@ def metadata(num_decodes, num_decode_tokens, seq_lens):
                                  seq_lens=torch.tensor(seq_lens, dtype=torch.int32))
 
 
-@pytest.mark.parametrize("forward,match", [
-    (metadata(2, T - 1, [90 + T, 0]), "the forward has 2 decode rows of 1 tokens"),       # padded, too few
-    (metadata(1, T - 1, [90 + T]), "the forward has 1 decode rows of 1 tokens"),          # fewer than the row's
-    (metadata(1, T, []), "seq_lens has 0 rows"),
-    (metadata(1, T, [90 + T + 1]), "seq_len 93 for 2 tokens puts its computed tokens at 91, outside"),
-    (metadata(1, T, [T - 1]), "outside \\[0, the scheduler's 90\\]"),
+@pytest.mark.parametrize("forward,n,match", [
+    (metadata(2, T - 1, [90 + T, 0]), T, "the forward has 2 decode rows of 1 tokens"),       # padded, too few
+    (metadata(1, T - 1, [90 + T]), T, "the forward has 1 decode rows of 1 tokens"),          # fewer than the row's
+    (metadata(1, T, []), T, "seq_lens has 0 rows"),
+    # seq_lens are read (and checked) where the host needs the true count: a row of fewer than T tokens
+    (metadata(1, 1, [90 + 1 + 1]), 1, "seq_len 92 for 1 tokens puts its computed tokens at 91, outside"),
+    (metadata(1, 1, [0]), 1, "outside \\[0, the scheduler's 90\\]"),
 ])
-def test_a_forward_that_does_not_fit_the_batch_is_refused(forward, match):
+def test_a_forward_that_does_not_fit_the_batch_is_refused(forward, n, match):
     """The forward's decode split and seq_lens (its attention metadata) must fit the scheduled batch: padded rows
     only add rows and tokens after every batch row, and a decode row's computed tokens are at most the
     scheduler's count (an upper bound under async scheduling)."""
     r = Replay(T, 40, seed=23)
     prefill(r, "a", 3, 90, 100)
-    scheduled = {"a": adapter.Scheduled(90, T)}
+    scheduled = {"a": adapter.Scheduled(90, n)}
     before = (dict(r.decode.length_of), r.engine.stats())
     with pytest.raises(ess.InvalidArgument, match=match):
         r.decode.start_step(["a"], torch.tensor([3], dtype=torch.int32), scheduled, attn_metadata=forward)
     assert before == (dict(r.decode.length_of), r.engine.stats())
+
+
+def test_counts_that_run_ahead_stay_on_the_host_and_the_step_takes_the_forwards():
+    """Async scheduling with drafts: the scheduler still counts a draft the last verify step rejected. ESS's host
+    keeps that count (the request holds the blocks of its drafts) and its step serves the forward's seq_len, copied
+    on the device, with nothing read back."""
+    r = Replay(T, 40, seed=23)
+    prefill(r, "a", 3, 90, 100)
+    scheduled = {"a": adapter.Scheduled(90, T)}
+    blocks = {"a": (list(r.world.blocks["a"]), True)}   # the host blocks from the scheduler's output
     r.decode.start_step(["a"], torch.tensor([3], dtype=torch.int32), scheduled,
-                        attn_metadata=metadata(4, 4 * T, [90 + T, 0, 0, 0]))   # a FULL graph of 4 requests
+                        attn_metadata=metadata(4, 4 * T, [90 + T, 0, 0, 0]), new_blocks=blocks)   # a FULL graph
     assert r.decode.length_of == {3: 90 + T}
+    reads = r.decode.device_reads
     scheduled = {"a": adapter.Scheduled(90 + T + 1, T)}   # the scheduler still counts a rejected draft
     r.decode.start_step(["a"], torch.tensor([3], dtype=torch.int32), scheduled,
-                        attn_metadata=metadata(1, T, [90 + 2 * T]))
-    assert r.decode.length_of == {3: 90 + 2 * T}
+                        attn_metadata=metadata(1, T, [90 + 2 * T]), new_blocks={})
+    assert r.decode.length_of == {3: 90 + 2 * T + 1} and r.engine.request(3) == (3, 90 + 2 * T + 1)
+    assert int(r.decode.lengths[0]) == 90 + 2 * T and r.decode.device_reads == reads
 
 
 class WholeViewGuard(torch.Tensor):

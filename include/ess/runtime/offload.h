@@ -10,7 +10,9 @@
 // Shapes. A step serves a static batch of B positions (padded positions included, so shapes
 // stay fixed under CUDA graphs): position b is pool row rows[b] (-1 = padded: skipped, its
 // outputs -1), holds lengths[b] tokens and has T query tokens (MTP) of K ids each; ids are
-// -1 (padding) or in [0, lengths[b]). Pool row r's slots are the buffer rows [r x rows_per_request(), ... + slots) of
+// -1 (padding) or in [0, lengths[b]). lengths[b] is the request's length, or on foreign pages from
+// 1 to it (the other engine may give the pages of tokens its device has not confirmed yet, vLLM's
+// async scheduling with drafts: the step serves the first lengths[b], its newest T before that). Pool row r's slots are the buffer rows [r x rows_per_request(), ... + slots) of
 // each layer's buffer; with reserve_newest, the T buffer rows after them (its reserved rows) hold the step's newest
 // tokens (HiSparse's reserved slot): an id among a position's T newest tokens maps there,
 // outside the LRU, whose rules (docs/architecture.md, "Exact semantics") hold for every other

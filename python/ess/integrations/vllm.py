@@ -152,12 +152,14 @@ class EssDecode:
     Under CUDA the engine's lifecycle calls are ordered on the forward's stream (Engine.set_lifecycle_stream), so
     releases and adoptions wait for nothing on the host. counts_run_ahead: whether the scheduler's
     num_computed_tokens may exceed the device's (async scheduling with speculative decoding: upstream's
-    HiSparseConnectorScheduler async_speculative); when not, they are the true counts and the forward's seq_lens
-    are not read back (when they do, one read a step remains: the engine takes true lengths).
+    HiSparseConnectorScheduler async_speculative); the host then keeps them (a request holds the blocks of its
+    drafts) and the step takes the forward's seq_lens on the device (the engine on foreign pages serves a step
+    below what a request holds).
 
     What start_step reads from the device: each batch row's state index only in a step where a decode request is
     new to ESS (a request keeps its state index while vLLM holds it); the decode rows' seq_lens only when the counts
-    run ahead; block table entries only when it is not given the scheduler's new blocks (source_blocks_from_output).
+    run ahead and a decode row has fewer than T tokens (its older tokens are read on the host) or the recorder is
+    on; block table entries only when it is not given the scheduler's new blocks (source_blocks_from_output).
     Its staged tensors go to the device from pinned memory without a wait."""
 
     def __init__(self, engine: Engine, latent: Sequence[torch.Tensor], max_num_reqs: int, block_table: torch.Tensor,
@@ -307,7 +309,13 @@ class EssDecode:
         # the scheduler's counts run ahead of the device's; both in one copy (on the device under CUDA).
         swap_path = not (all_context_pages_resident and decodes < R)
         served = decodes if swap_path else 0   # the decode rows ESS serves this step
-        read_lengths = attn_metadata is not None and served > 0 and self.counts_run_ahead
+        # Counts that run ahead are read back only where the host needs the true ones: a short row's older tokens
+        # (read on the host) and the recorder's lengths. Otherwise the host keeps the scheduler's counts (an upper
+        # bound: the blocks of its drafts are given, and ESS on foreign pages serves a step below what a request
+        # holds) and the step's lengths are the forward's seq_lens, copied on the device.
+        ahead = attn_metadata is not None and served > 0 and self.counts_run_ahead
+        read_lengths = ahead and (self.recorder is not None or
+                                  any(scheduled[request_ids[b]][1] < T for b in range(served)))
         known = all(request_ids[b] in self.state_of and request_ids[b] not in finished and
                     request_ids[b] not in preempted for b in range(served))
         states, seq_lens = None, []
@@ -413,6 +421,9 @@ class EssDecode:
                     self.recorder.begin(s, rid, length)
             self.length_of[s] = length
         self._stage(len(request_ids), states if states is not None else states_in[:R], positions)
+        if ahead and not read_lengths:   # the decode rows are batch rows 0 .. served - 1, every one staged
+            self.lengths[:served].copy_(attn_metadata.seq_lens.reshape(-1)[:served].to(self.lengths.dtype),
+                                        non_blocking=True)
         if self.recorder is not None:
             self.recorder.step([s for _, _, s, _, _ in positions], [c + n for *_, c, n in positions])
 

@@ -510,8 +510,7 @@ std::vector<int> Offload::query_groups(int batch, const std::int32_t* rows, cons
     if (x.padding(rows[b], "query_groups", b)) continue;
     const RequestId request = x.request_at(rows[b], "query_groups", b);
     const std::int32_t len = lengths[b];
-    ESS_CHECK(len == x.pool->length(request), "offload: query_groups: position {} (request {}) has length {}, the request holds {} tokens",
-              b, request, len, x.pool->length(request));
+    x.check_step_length("query_groups", -1, b, request, len);
     const bool whole = x.whole(rows[b]);  // no slots to fit: its ids are only checked
     for (std::size_t i = 0; i < P; ++i) {
       const std::int32_t id = topk[static_cast<std::size_t>(b) * P + i];

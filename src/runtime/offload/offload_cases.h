@@ -613,7 +613,8 @@ TEST(OffloadPrefix, RequestsOnASharedPrefixReadItsEntries) {
 
 // Another engine's host block pool as the Total Memory Pool (foreign pages: padded pages,
 // layer regions out of order): every fetched row holds the entry that engine wrote on the page
-// its block table names, through growth, a page moved to a copy, a draft taken back and a
+// its block table names, through growth, a page moved to a copy, a draft taken back, a count that
+// runs ahead of the steps (pages of tokens not confirmed yet) and a
 // shared prefix page; ESS writes none of that engine's bytes.
 TEST(OffloadForeignPages, StepsReadTheOtherEnginesPagesLosslessly) {
   ESS_REQUIRE_BACKEND(harness().info);
@@ -721,6 +722,20 @@ TEST(OffloadForeignPages, StepsReadTheOtherEnginesPagesLosslessly) {
   EXPECT_NE(test::error_of([&] { o.adopt(3, 10, std::vector<std::int32_t>{static_cast<std::int32_t>(G)}); }).find("outside [0, 12)"), std::string::npos);
   EXPECT_EQ(o.length(1), 199);
   check_steps(4);
+  // The other engine's count runs ahead of its device's (vLLM's async scheduling with drafts): it gives the
+  // page of a token not confirmed yet, and the steps serve the first 199 tokens, as before.
+  o.repage(1, 200, 4, {});
+  EXPECT_EQ(o.length(1), 200);
+  check_steps(5);
+  {  // but never past what it holds, nor below 1
+    const std::vector<std::int32_t> rows = {o.row(1)}, ids(static_cast<std::size_t>(K), 0);
+    for (const std::int32_t bad : {201, 0}) {
+      const std::vector<std::int32_t> lengths = {bad};
+      EXPECT_NE(test::error_of([&] { (void)o.query_groups(1, rows.data(), ids.data(), lengths.data()); })
+                    .find(fmt::format("has length {}; on foreign pages from 1 to the 200 tokens", bad)),
+                std::string::npos);
+    }
+  }
   EXPECT_TRUE(std::equal(shadow.begin(), shadow.end(), block.data)) << "the steps wrote into the other engine's pool";
   o.release(1);
   o.release(2);

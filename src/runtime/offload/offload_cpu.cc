@@ -124,11 +124,8 @@ class CpuOffload final : public OffloadBackend {
       const std::int32_t row = s.rows[b];
       if (x_.padding(row, "step", b)) continue;
       const RequestId id = x_.request_at(row, "step", b);
-      const std::int64_t len = x_.pool->length(id);
-      ESS_CHECK(s.lengths[b] == len,
-                "offload: step of layer {}: position {} (request {}) has length {}, the request holds {} tokens "
-                "(extend before the step)",
-                s.layer, b, id, s.lengths[b], len);
+      const std::int64_t len = s.lengths[b];
+      x_.check_step_length("step", s.layer, b, id, len);
       const std::int32_t* ids = s.topk + static_cast<std::size_t>(b) * P;
       if (x_.whole(row)) {  // no LRU: its ids are checked here, mapped below
         check_whole_ids(s, b, id, len);

@@ -86,6 +86,10 @@ struct OffloadState {
   // The request at pool row `row`, which batch position `position` names; throws naming them
   // when the row is out of range or free.
   RequestId request_at(std::int32_t row, const char* what, int position) const;
+  // A step's length of a request against what it holds: equal, or on foreign pages from 1 to it (the
+  // other engine may give the pages of tokens its device has not confirmed yet; a step reads the first
+  // `length`). Throws naming the call (`what`, of `layer` when >= 0), the position, the request and both lengths.
+  void check_step_length(const char* what, int layer, int position, RequestId id, std::int64_t length) const;
   // Whether batch position `position` is padding (row -1); any other negative row throws, naming
   // `what`, the position and the row.
   bool padding(std::int32_t row, const char* what, int position) const;

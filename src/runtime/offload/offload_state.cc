@@ -19,6 +19,21 @@ RequestId OffloadState::request_at(std::int32_t row, const char* what, int posit
   return id;
 }
 
+void OffloadState::check_step_length(const char* what, int layer, int position, RequestId id,
+                                     std::int64_t length) const {
+  const std::int64_t held = pool->length(id);
+  if (pool->foreign() ? length >= 1 && length <= held : length == held) [[likely]] return;
+  const std::string where = layer >= 0 ? fmt::format("offload: {} of layer {}", what, layer) : fmt::format("offload: {}", what);
+  if (pool->foreign()) {
+    throw Error(fmt::format("{}: position {} (request {}) has length {}; on foreign pages from 1 to the {} tokens the "
+                            "request holds",
+                            where, position, id, length, held));
+  }
+  throw Error(fmt::format("{}: position {} (request {}) has length {}, the request holds {} tokens (extend before the "
+                          "step)",
+                          where, position, id, length, held));
+}
+
 bool OffloadState::padding(std::int32_t row, const char* what, int position) const {
   ESS_CHECK(row >= -1, "offload: {}: position {} names row {}; -1 marks padding, other negative rows are refused",
             what, position, row);
