@@ -26,29 +26,54 @@ def run(args, ok=True):
     return p
 
 
+def stock_vllm(argv, deployment):
+    """Stock HiSparse under vLLM 0.33.0: the same `vllm serve` with upstream's HiSparseConnector (no module path),
+    HiSparse's default device buffer ((T + 1) x top-k: no --attention-config) and vLLM's budget at the plan's memory
+    fraction (no ESS rows beside it)."""
+    stock, skip = [], False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if a == "--attention-config":
+            skip = True
+            continue
+        if i > 0 and argv[i - 1] == "--kv-transfer-config":
+            config = json.loads(a)
+            config.pop("kv_connector_module_path")
+            a = json.dumps(config)
+        if i > 0 and argv[i - 1] == "--gpu-memory-utilization":
+            a = str(deployment["mem_fraction_static"])
+        stock.append(a)
+    return stock
+
+
 def stock_lines(args):
     """Stock HiSparse's launch line beside each context's ESS line (from the JSON plan): SGLang's own server,
     `--hisparse-config` at upstream's defaults, no ESS settings."""
-    plans = json.loads(run([*args, "--format", "json"]).stdout)["plans"]
+    plan = json.loads(run([*args, "--format", "json"]).stdout)
     out = []
-    for p in plans:
+    for p in plan["plans"]:
         launch = p.get("launch")
         if not launch or not p["chosen"]["offload"]:
             continue
         argv = list(launch["argv"])
-        argv[2] = "sglang.launch_server"
-        stock, skip = [], False
-        for i, a in enumerate(argv):
-            if skip:
-                skip = False
-                continue
-            if a in ESS_ONLY_FLAGS:
-                skip = True
-                continue
-            if i > 0 and argv[i - 1] == "--hisparse-config":
-                a = json.dumps(STOCK_HISPARSE)
-            stock.append(a)
-        lines = [" ".join(shlex.quote(a) for a in stock[:3])]  # python -m sglang.launch_server
+        if argv[0] == "vllm":
+            stock = stock_vllm(argv, plan["deployment"])
+        else:
+            argv[2] = "sglang.launch_server"
+            stock, skip = [], False
+            for i, a in enumerate(argv):
+                if skip:
+                    skip = False
+                    continue
+                if a in ESS_ONLY_FLAGS:
+                    skip = True
+                    continue
+                if i > 0 and argv[i - 1] == "--hisparse-config":
+                    a = json.dumps(STOCK_HISPARSE)
+                stock.append(a)
+        lines = [" ".join(shlex.quote(a) for a in stock[:3])]  # python -m sglang.launch_server / vllm serve MODEL
         for a in stock[3:]:
             if a.startswith("--") or not lines[-1].lstrip().startswith("--"):
                 lines.append(shlex.quote(a))

@@ -49,8 +49,8 @@ def plan(*, contexts: Iterable[int] = (32768,), min_otps: float = 0.0, hardware:
     highest throughput that meets `min_otps`. Other options as `ess plan`'s flags with underscores (model,
     deployment, modes, batch_step, mtp, accept, nodes, gpus_per_node, ep, mem_fraction, no_tbo, misses,
     miss_exponent, miss_profile, pool_floor, pool_floor_margin, prefix_share, host_reserve, op_table, engine: "sglang"
-    for the search
-    limited to what ESS serves inside SGLang and each context's "launch" line); unknown ones are refused
+    or "vllm" for the search limited to what ESS serves inside that engine and each context's "launch" line); unknown
+    ones are refused
     by the library. Integers must be ints (a context of 32768.5 is refused, not planned), numbers finite, no_tbo
     a bool; a refusal is InvalidType or InvalidArgument naming the option."""
     if isinstance(contexts, (str, bytes)) or not isinstance(contexts, Iterable):

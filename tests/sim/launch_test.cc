@@ -24,8 +24,60 @@ TEST(sim_launch, SglangLimitsTheModesAndThePoolFloor) {
                 .find("overlap mode dba is not served inside SGLang"), std::string::npos);
   EXPECT_NE(test::error_of([&] { engine_limits("sglang", all, false, "p99", true, 2); }).find("use --pool-floor tk"),
             std::string::npos);
-  EXPECT_NE(test::error_of([&] { engine_limits("vllm", all, false, "", false, 2); }).find("sglang (0.5.23) only"),
+  EXPECT_NE(test::error_of([&] { engine_limits("tgi", all, false, "", false, 2); }).find("sglang (0.5.23) and vllm"),
             std::string::npos);
+}
+
+TEST(sim_launch, VllmRunsModeNoneWithoutTboAndEveryRequestSparse) {
+  const std::vector<std::string> all = {"none", "da", "dba", "layerwise"};
+  const EngineLimits l = engine_limits("vllm", all, false, "", false, 2);
+  EXPECT_EQ(l.modes, (std::vector<std::string>{"none"}));
+  EXPECT_FALSE(l.two_batch_overlap);
+  EXPECT_FALSE(l.whole_residency);
+  EXPECT_EQ(l.pool_floor, "tk");
+  EXPECT_NE(test::error_of([&] { engine_limits("vllm", {"none", "da"}, true, "", false, 2); })
+                .find("overlap mode da is not served inside vLLM"), std::string::npos);
+  EXPECT_TRUE(engine_limits("sglang", all, false, "", false, 2).two_batch_overlap);
+}
+
+TEST(sim_launch, TheVllmLaunchLineCarriesThePlansChoiceAndLeavesRoomForEsssRows) {
+  Inputs in;
+  in.hardware = "h200";
+  in.nodes = 1;
+  in.gpus_per_node = 8;
+  in.ep = 8;
+  PlanOptions o;
+  o.contexts = {32768};
+  o.min_otps = 15;
+  o.engine = "vllm";
+  const Plans p = plan_contexts(in, o);
+  EXPECT_FALSE(p.deployment.two_batch_overlap);
+  ASSERT_TRUE(p.results[0].found);
+  EXPECT_FALSE(p.results[0].chosen.two_batch_overlap);
+  EXPECT_FALSE(p.results[0].low_load.found);
+  const StepResult& c = p.results[0].chosen.best;
+  ASSERT_TRUE(c.offload);
+  EXPECT_EQ(c.overlap, OverlapMode::kNone);
+  const std::vector<std::string> argv = p.launches[0]["argv"];
+  ASSERT_GE(argv.size(), 3u);
+  EXPECT_EQ(argv[0] + " " + argv[1], "vllm serve");
+  auto value = [&](const std::string& flag) {
+    const auto it = std::find(argv.begin(), argv.end(), flag);
+    return it == argv.end() || it + 1 == argv.end() ? std::string("(absent)") : *(it + 1);
+  };
+  EXPECT_EQ(value("--max-num-seqs"), std::to_string(c.batch));
+  EXPECT_EQ(value("--max-model-len"), "32768");
+  EXPECT_EQ(value("--data-parallel-size"), "8");
+  EXPECT_EQ(value("--tensor-parallel-size"), "1");
+  EXPECT_NE(value("--attention-config").find(fmt::format("\"device_buffer_size\": {}", c.slots)), std::string::npos);
+  EXPECT_NE(value("--kv-transfer-config").find("\"kv_connector_module_path\": \"ess.integrations.vllm_connector\""),
+            std::string::npos);
+  // ESS's rows (and its engine's state) outside vLLM's budget: the utilization drops by at least their share.
+  const double rows = 61.0 * c.batch * (c.slots + 2) * 656;
+  const double utilization = std::stod(value("--gpu-memory-utilization"));
+  EXPECT_LE(utilization, p.deployment.mem_fraction_static - rows / (p.hardware.hbm_capacity_gb * 1e9));
+  EXPECT_GT(utilization, p.deployment.mem_fraction_static - (rows + 2e9) / (p.hardware.hbm_capacity_gb * 1e9));
+  EXPECT_NE(to_table(p).find("launch (vllm 0.33.0):"), std::string::npos);
 }
 
 TEST(sim_launch, TheLaunchLineCarriesThePlansChoice) {

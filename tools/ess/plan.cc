@@ -40,8 +40,9 @@ void add_plan(CLI::App& app, int& exit_code) {
   auto* modes = add_list_option(*cmd, "--modes", args->options.modes, "Overlap modes to try (none, da, dba, layerwise)",
                                 item_of({"none", "da", "dba", "layerwise"}));
   cmd->add_option("--engine", args->options.engine,
-                  "Plan for a serving engine: sglang (0.5.23): the search limited to what ESS serves inside it (modes "
-                  "none and da; the T x top-k pool floor with MTP) and each context's launch line")
+                  "Plan for a serving engine: sglang (0.5.23; modes none and da) or vllm (0.33.0; mode none, TBO "
+                  "off): the search limited to what ESS serves inside it (the T x top-k pool floor with MTP) and each "
+                  "context's launch line")
       ->check(CLI::IsMember({"sglang", "vllm"}));
   cmd->add_option("--batch-step", args->options.batch_step, "Batch sizes tried: 1, 1 + step, ...")
       ->capture_default_str()

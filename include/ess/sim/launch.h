@@ -10,6 +10,7 @@
 
 #include "ess/model/model_spec.h"
 #include "ess/sim/deployment.h"
+#include "ess/sim/hardware.h"
 #include "ess/sim/planner.h"
 
 namespace ess::sim {
@@ -17,6 +18,7 @@ namespace ess::sim {
 // The engines `ess plan --engine` knows; "" is ESS's own model (every overlap mode, the pool
 // floor as given).
 inline constexpr const char* kSglangEngine = "sglang";
+inline constexpr const char* kVllmEngine = "vllm";
 
 // What an engine's adapter serves, applied to a plan before the search: its overlap modes and
 // its pool floor rule. Refuses, by name, an engine this build does not plan for and a request
@@ -24,13 +26,15 @@ inline constexpr const char* kSglangEngine = "sglang";
 struct EngineLimits {
   std::vector<std::string> modes;  // the modes to try (those asked for, less none of them)
   std::string pool_floor;          // the floor rule to use ("" = as given)
+  bool two_batch_overlap = true;   // whether the engine runs it with ESS (false: the search keeps it off)
+  bool whole_residency = true;     // whether its adapter keeps requests whole at low load (ESS_RESIDENCY)
   std::vector<std::string> notes;  // what the engine changed, for the output
 };
 EngineLimits engine_limits(const std::string& engine, const std::vector<std::string>& modes, bool modes_given,
                            const std::string& pool_floor, bool pool_floor_given, int mtp_tokens);
 
 struct Launch {
-  std::string engine;                 // "sglang"
+  std::string engine;                 // "sglang" or "vllm"
   std::string release;                // the release the adapter is checked against
   std::vector<std::string> env;       // NAME=value settings of ESS
   std::vector<std::string> argv;      // the command and its flags, one element each
@@ -39,8 +43,9 @@ struct Launch {
   nlohmann::json to_json() const;
 };
 
-// The launch of `result`'s chosen configuration (found) on `engine`, for one node of the deployment.
-Launch launch_for(const std::string& engine, const ModelSpec& model, const Deployment& deployment,
-                  const PlanResult& result);
+// The launch of `result`'s chosen configuration (found) on `engine`, for one node of the deployment
+// (`hardware`: vLLM's memory budget leaves ESS's rows outside it).
+Launch launch_for(const std::string& engine, const ModelSpec& model, const HardwareProfile& hardware,
+                  const Deployment& deployment, const PlanResult& result);
 
 }  // namespace ess::sim

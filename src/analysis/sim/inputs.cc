@@ -99,12 +99,16 @@ Plans plan_contexts(const Inputs& inputs, const PlanOptions& options) {
       engine_limits(options.engine, options.modes, options.modes_given, inputs.pool_floor.value_or(""),
                     inputs.pool_floor.has_value(), dep.mtp_tokens);
   ESS_CHECK(!limits.modes.empty(), "plan: no overlap mode to try");
+  if (!limits.two_batch_overlap) {  // the engine runs none: the search without it
+    models = {&sm_no_tbo};
+    suffixes = {""};
+  }
   base.modes.clear();
   for (const auto& m : limits.modes) base.modes.push_back(parse_overlap_mode(m));
   Inputs engine_inputs = inputs;
   if (!limits.pool_floor.empty()) engine_inputs.pool_floor = limits.pool_floor;
   ESS_CHECK(!options.contexts.empty(), "plan: no context length given");
-  Plans plans{model, hw, dep, options.min_otps, {}, options.engine, limits.notes, {}};
+  Plans plans{model, hw, limits.two_batch_overlap ? dep : no_tbo, options.min_otps, {}, options.engine, limits.notes, {}};
   for (std::int64_t ctx : options.contexts) {
     ESS_CHECK(ctx >= 1 && ctx <= (std::int64_t{1} << 24), "plan: context {} must be in [1, 2^24]", ctx);
     PlanRequest r = base;
@@ -112,9 +116,10 @@ Plans plan_contexts(const Inputs& inputs, const PlanOptions& options) {
     r.misses = engine_inputs.load_misses(ctx);
     r.prefix_share = inputs.prefix_share.value_or(0.0);
     plans.results.push_back(plan(models, suffixes, r));
+    if (!limits.whole_residency) plans.results.back().low_load = {};
     const PlanResult& got = plans.results.back();
     plans.launches.push_back(options.engine.empty() || !got.found ? nlohmann::json()
-                                                                 : launch_for(options.engine, model, dep, got).to_json());
+                                                                 : launch_for(options.engine, model, hw, plans.deployment, got).to_json());
     if (options.progress) options.progress(plans.results.size(), options.contexts.size());
   }
   return plans;

@@ -11,8 +11,10 @@
 namespace ess::sim {
 namespace {
 
-// The overlap modes SGLang 0.5.23 runs with ESS (python/ess/integrations/sglang/overlap.py).
+// The overlap modes SGLang 0.5.23 runs with ESS (python/ess/integrations/sglang/overlap.py), and
+// vLLM 0.33.0 (python/ess/integrations/vllm.py: the swap, then attention).
 const std::vector<std::string> kSglangModes = {"none", "da"};
+const std::vector<std::string> kVllmModes = {"none"};
 
 std::string shell_quote(const std::string& s) {
   if (!s.empty() &&
@@ -32,28 +34,37 @@ EngineLimits engine_limits(const std::string& engine, const std::vector<std::str
   out.modes = modes;
   out.pool_floor = pool_floor_given ? pool_floor : "";
   if (engine.empty()) return out;
-  ESS_CHECK(engine == kSglangEngine,
-            "plan: --engine {}: this build plans for sglang (0.5.23) only; vLLM 0.33.0's connector serves no overlap "
-            "mode and no micro-batching yet, so plan it with --modes none --no-tbo", engine);
+  ESS_CHECK(engine == kSglangEngine || engine == kVllmEngine,
+            "plan: --engine {}: this build plans for sglang (0.5.23) and vllm (0.33.0)", engine);
+  const bool vllm = engine == kVllmEngine;
+  const std::vector<std::string>& served = vllm ? kVllmModes : kSglangModes;
+  const char* name = vllm ? "vLLM" : "SGLang";
   out.modes.clear();
   for (const std::string& m : modes) {
-    if (std::find(kSglangModes.begin(), kSglangModes.end(), m) != kSglangModes.end()) {
+    if (std::find(served.begin(), served.end(), m) != served.end()) {
       out.modes.push_back(m);
     } else {
-      ESS_CHECK(!modes_given, "plan: --engine sglang: overlap mode {} is not served inside SGLang (it runs {}); "
-                "leave it out of --modes", m, fmt::join(kSglangModes, ", "));
+      ESS_CHECK(!modes_given, "plan: --engine {}: overlap mode {} is not served inside {} (it runs {}); leave it out "
+                "of --modes", engine, m, name, fmt::join(served, ", "));
     }
   }
-  if (!modes_given) out.notes.push_back(fmt::format("modes: {} (what ESS runs inside SGLang)", fmt::join(out.modes, ", ")));
+  if (!modes_given) out.notes.push_back(fmt::format("modes: {} (what ESS runs inside {})", fmt::join(out.modes, ", "), name));
+  if (vllm) {
+    out.two_batch_overlap = false;
+    out.whole_residency = false;
+    out.notes.push_back("TBO off (vLLM 0.33.0's HiSparse needs Model Runner V2, which runs no dual-batch overlap)");
+    out.notes.push_back("every request sparse (the connector keeps no request whole at low load)");
+  }
   if (mtp_tokens > 1) {
     // One swap serves a verify step's T query tokens (FlashMLA runs once after it): the pool holds their union.
     ESS_CHECK(!pool_floor_given || pool_floor == "tk",
-              "plan: --engine sglang with MTP {}: --pool-floor {} may give a pool below what SGLang's verify step "
-              "needs (one swap of T x top-k ids: the adapter refuses device_buffer_size < T x top_k); use --pool-floor "
-              "tk",
-              mtp_tokens, pool_floor);
+              "plan: --engine {} with MTP {}: --pool-floor {} may give a pool below what {}'s verify step needs (one "
+              "swap of T x top-k ids); use --pool-floor tk",
+              engine, mtp_tokens, pool_floor, name);
     out.pool_floor = "tk";
-    if (!pool_floor_given) out.notes.push_back("pool floor: tk (SGLang's verify step swaps T x top-k ids at once)");
+    if (!pool_floor_given) {
+      out.notes.push_back(fmt::format("pool floor: tk ({}'s verify step swaps T x top-k ids at once)", name));
+    }
   }
   return out;
 }
@@ -73,9 +84,103 @@ nlohmann::json Launch::to_json() const {
           {"command_line", command_line()}};
 }
 
-Launch launch_for(const std::string& engine, const ModelSpec& model, const Deployment& d, const PlanResult& result) {
-  ESS_CHECK(engine == kSglangEngine, "plan: no launch line for engine '{}'", engine);
+namespace {
+
+// vLLM 0.33.0's `vllm serve` with ESS's HiSparse connector (python/ess/integrations/vllm_connector.py).
+Launch vllm_launch(const ModelSpec& model, const HardwareProfile& hw, const Deployment& d, const PlanResult& result) {
+  const StepResult& c = result.chosen.best;
+  Launch l;
+  l.engine = kVllmEngine;
+  l.release = "0.33.0";
+  const int gpus = d.gpus();
+  const int dp = std::max(1, d.attention_data_parallel);
+  const int per_gpu = c.batch;
+  l.argv = {"vllm", "serve", model.name};
+  auto flag = [&l](const std::string& name, const std::string& value = "") {
+    l.argv.push_back(name);
+    if (!value.empty()) l.argv.push_back(value);
+  };
+  flag("--tensor-parallel-size", std::to_string(gpus / dp));
+  if (dp > 1) flag("--data-parallel-size", std::to_string(dp));
+  if (d.expert_parallel > 1) flag("--enable-expert-parallel");
+  if (d.nodes > 1 && dp > 1) {  // data parallel over the nodes: each node runs its own DP ranks
+    const int local = dp / d.nodes;
+    flag("--data-parallel-size-local", std::to_string(local));
+    flag("--data-parallel-start-rank", "<start>");
+    flag("--data-parallel-address", "<host>");
+    flag("--data-parallel-rpc-port", "<port>");
+    l.notes.push_back(fmt::format("run it on each of the {} nodes, --data-parallel-start-rank 0, {}, .. {} (node rank "
+                                  "x {}), --data-parallel-address the first node's address, and `vllm serve "
+                                  "--headless` on every node but the first",
+                                  d.nodes, local, (d.nodes - 1) * local, local));
+  } else if (d.nodes > 1) {  // one TP group over the nodes
+    flag("--nnodes", std::to_string(d.nodes));
+    flag("--node-rank", "<rank>");
+    flag("--master-addr", "<host>");
+    l.notes.push_back(fmt::format("run it on each of the {} nodes, --node-rank 0 .. {}, --master-addr the first "
+                                  "node's address",
+                                  d.nodes, d.nodes - 1));
+  }
+  if (d.mtp_tokens > 1) {
+    flag("--speculative-config",
+         fmt::format(R"({{"method": "mtp", "num_speculative_tokens": {}}})", d.mtp_tokens - 1));
+  }
+  flag("--max-model-len", std::to_string(result.context));
+  flag("--max-num-seqs", std::to_string(per_gpu));  // per engine: a DP rank, or the TP group
+  flag("--kv-cache-dtype", "fp8_ds_mla");
+  const double hbm = hw.hbm_capacity_gb * 1e9;
+  double utilization = d.mem_fraction_static;
+  if (c.offload) {
+    // ESS's rows are a device buffer beside vLLM's KV cache, outside its budget (the connector refuses at start-up,
+    // naming the utilization that fits, when they do not fit): layers x batch x (slots + T) rows of the latent
+    // entry, and about 1 GiB of the engine's own state.
+    const double rows = double(model.num_hidden_layers) * double(per_gpu) * double(c.slots + d.mtp_tokens) *
+                        double(model.latent_entry_bytes());
+    const double engine_state = double(1ull << 30);
+    utilization = std::floor((d.mem_fraction_static - (rows + engine_state) / hbm) * 1000.0) / 1000.0;
+    ESS_CHECK(utilization > 0, "plan: context {}: ESS's rows ({:.1f} GiB) leave vLLM no memory", result.context,
+              rows / double(1ull << 30));
+    // vLLM's host pool per engine (HiSparseConnector's host_pool_gib: a DP rank's, or the TP group's, shared by its
+    // ranks on a node): every request's context in 64-token blocks, and the pool's null and copy-on-write blocks.
+    const double pages = std::ceil(double(result.context) / 64.0) + 2.0;
+    const double host = double(per_gpu) * pages * 64.0 * double(model.num_hidden_layers) *
+                        double(model.latent_entry_bytes());
+    const double host_gib = std::ceil(host / double(1ull << 30) * 10.0) / 10.0;
+    // vLLM's LRU positions are int16 (v1/hisparse/runtime.py: device_buffer_size <= 32768).
+    ESS_CHECK(c.slots <= 32768,
+              "plan: context {}: the chosen pool of {} slots is above vLLM's device_buffer_size limit of 32768; plan "
+              "a shorter context or fewer slots (--pool-floor)",
+              result.context, c.slots);
+    flag("--gpu-memory-utilization", fmt::format("{}", utilization));
+    flag("--kv-transfer-config",
+         fmt::format(R"({{"kv_connector": "HiSparseConnector", "kv_connector_module_path": )"
+                     R"("ess.integrations.vllm_connector", "kv_role": "kv_both", "kv_connector_extra_config": )"
+                     R"({{"host_pool_gib": {}}}}})",
+                     host_gib));
+    flag("--attention-config", fmt::format(R"({{"hisparse_config": {{"device_buffer_size": {}}}}})", c.slots));
+    l.notes.push_back(fmt::format(
+        "--gpu-memory-utilization {}: the plan's {} less ESS's rows ({:.1f} GiB: {} layers x {} requests x ({} + {}) "
+        "rows of {} B) and about 1 GiB of its engine, which sit outside vLLM's budget",
+        utilization, d.mem_fraction_static, rows / double(1ull << 30), model.num_hidden_layers, per_gpu, c.slots,
+        d.mtp_tokens, model.latent_entry_bytes()));
+    l.notes.push_back(fmt::format("host_pool_gib {}: vLLM's host pool per engine ({} requests of {} tokens); {} per node",
+                                  host_gib, per_gpu, result.context,
+                                  dp > 1 ? fmt::format("{} of them", dp / d.nodes) : std::string("one, shared by the TP ranks,")));
+  } else {
+    flag("--gpu-memory-utilization", fmt::format("{}", utilization));
+  }
+  l.notes.push_back(fmt::format("{}: the model's Hugging Face id or a local copy ({} is its config's name)", model.name,
+                                model.name));
+  return l;
+}
+
+}  // namespace
+
+Launch launch_for(const std::string& engine, const ModelSpec& model, const HardwareProfile& hw, const Deployment& d,
+                  const PlanResult& result) {
+  ESS_CHECK(engine == kSglangEngine || engine == kVllmEngine, "plan: no launch line for engine '{}'", engine);
   ESS_CHECK(result.found, "plan: context {}: no configuration was found, so there is no launch line", result.context);
+  if (engine == kVllmEngine) return vllm_launch(model, hw, d, result);
   const StepResult& c = result.chosen.best;
   Launch l;
   l.engine = engine;
