@@ -289,6 +289,14 @@ def test_a_multiconnector_hands_esss_connector_every_call_it_serves_by():
         assert fn is not None and call in ast.unparse(fn), f"MultiConnector.{method} no longer does {call}"
 
 
+def test_the_lazy_host_mirror_is_refused_for_upstreams_reason():
+    """The connector refuses eager_host_mirror=False with the reason vLLM's own HiSparseConfig gives: decode rows then
+    stay resident-only and reach the host pool only at a spill (ESS reads its misses from the host pool)."""
+    doc = " ".join(open(path("config/attention.py"), encoding="utf-8").read().split())
+    assert "When disabled, decode rows stay resident-only and evicted pages are copied to host at spill time." in doc
+    assert "decode rows resident-only" in open(CONNECTOR, encoding="utf-8").read()
+
+
 def test_the_forward_metadata_reaches_start_load_kv():
     """v1/worker/gpu/model_runner.py execute_model: under a FULL graph pre_forward gets attn_metadata= (which
     _build_load_kwargs passes on); eager and piecewise, pre_forward runs inside set_forward_context(attn_metadata,

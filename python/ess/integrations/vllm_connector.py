@@ -186,9 +186,10 @@ class HiSparseConnector(_upstream.HiSparseConnector):
                 raise ValueError("ESS's HiSparse connector does not serve micro-batching (enable_dbo / ubatch_size "
                                  "> 1): start_step reads one forward's attention metadata")
             if not vllm_config.attention_config.hisparse_config.eager_host_mirror:
-                raise ValueError("ESS's HiSparse connector needs eager_host_mirror=True: ESS reads every decoded "
-                                 "token's entry from vLLM's host pool, which holds decode rows only with the eager "
-                                 "mirror")
+                raise ValueError("ESS's HiSparse connector needs eager_host_mirror=True: without it vLLM keeps "
+                                 "decode rows resident-only and copies a page to its host pool only when it spills it "
+                                 "(config/attention.py HiSparseConfig.eager_host_mirror), while ESS reads every "
+                                 "decoded token's entry it misses from that host pool")
             self.connector_worker = EssConnectorWorker(vllm_config, kv_cache_config)
 
     def get_finished(self, finished_req_ids):
