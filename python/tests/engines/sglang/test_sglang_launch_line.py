@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+import deepseek_v32_config
 import ess
 
 CASES = [
@@ -19,16 +20,7 @@ CASES = [
 
 @pytest.fixture
 def model_dir(tmp_path):
-    """DeepSeek-V3.2-Exp's config.json fields ServerArgs reads (its architecture, the DSA index sizes)."""
-    (tmp_path / "config.json").write_text(json.dumps({
-        "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32", "num_hidden_layers": 61,
-        "hidden_size": 7168, "intermediate_size": 18432, "num_attention_heads": 128, "num_key_value_heads": 128,
-        "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
-        "v_head_dim": 128, "index_topk": 2048, "index_n_heads": 64, "index_head_dim": 128, "vocab_size": 129280,
-        "max_position_embeddings": 163840, "torch_dtype": "bfloat16", "n_routed_experts": 256,
-        "num_experts_per_tok": 8, "moe_intermediate_size": 2048, "first_k_dense_replace": 3,
-        "num_nextn_predict_layers": 1}))
-    return tmp_path
+    return deepseek_v32_config.write(tmp_path)
 
 
 def server_args(flags, model_dir):

@@ -4,10 +4,9 @@ the configuration vLLM builds from them (EngineArgs.create_engine_config, with i
 name, the host pool, Model Runner V2, the CUDA-graph mode) holds what the plan meant, over a local copy of the
 model's config.json (vLLM reads the config, never the weights). CUDA's platform answers while the configuration is
 built (test_vllm_scheduler.py's cuda_configuration: vLLM's HiSparse refuses any other)."""
-import json
-
 import pytest
 
+import deepseek_v32_config
 import ess
 from test_vllm_scheduler import cuda_configuration
 
@@ -23,19 +22,7 @@ PLACEHOLDERS = {"<start>": "0", "<host>": "127.0.0.1", "<port>": "5000", "<rank>
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    """DeepSeek-V3.2-Exp's config.json (the fields vLLM's ModelConfig and its MTP draft config read)."""
-    folder = tmp_path_factory.mktemp("deepseek-v3.2")
-    (folder / "config.json").write_text(json.dumps({
-        "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32", "num_hidden_layers": 61,
-        "hidden_size": 7168, "intermediate_size": 18432, "num_attention_heads": 128, "num_key_value_heads": 128,
-        "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
-        "v_head_dim": 128, "index_topk": 2048, "index_n_heads": 64, "index_head_dim": 128, "vocab_size": 129280,
-        "max_position_embeddings": 163840, "torch_dtype": "bfloat16", "n_routed_experts": 256,
-        "num_experts_per_tok": 8, "moe_intermediate_size": 2048, "first_k_dense_replace": 3,
-        "num_nextn_predict_layers": 1, "n_group": 8, "topk_group": 4, "n_shared_experts": 1, "rope_theta": 10000,
-        "rms_norm_eps": 1e-6, "hidden_act": "silu", "scoring_func": "sigmoid", "topk_method": "noaux_tc",
-        "norm_topk_prob": True, "routed_scaling_factor": 2.5, "tie_word_embeddings": False}))
-    return folder
+    return deepseek_v32_config.write(tmp_path_factory.mktemp("deepseek-v3.2"))
 
 
 def engine_args(argv, model_dir):
