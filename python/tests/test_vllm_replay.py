@@ -176,14 +176,18 @@ class VllmWorld:
 
 class Replay:
     def __init__(self, T, slots, seed=1, region=None, mirror=True, barrier=None, uniform=True,
-                 async_scheduling=True, counts_run_ahead=True):
+                 async_scheduling=True, counts_run_ahead=True, blocks_from_output=False):
         """region, mirror, barrier: a rank of a node whose ranks share vLLM's host pool (a shared-memory region
         rank 0's mirror writes, every rank's ESS reads); barrier() runs at the start of every step, after the
         previous step's mirror. uniform: the backend's require_uniform_decodes (FlashMLA sparse's: True).
         async_scheduling: vLLM's default (config/vllm.py), the scheduler's counts a step behind on rejections.
-        counts_run_ahead: EssDecode's (the connector sets it under async scheduling with speculative decoding)."""
+        counts_run_ahead: EssDecode's (the connector sets it under async scheduling with speculative decoding).
+        blocks_from_output: ESS is given each step's new host blocks as the scheduler output has them (the
+        connector's source_blocks_from_output: a new request's whole list, a cached one's new blocks), not the
+        forward's table."""
         self.T, self.barrier, self.uniform, self.async_scheduling = T, barrier, uniform, async_scheduling
         self.rejected = {}   # request -> drafts its last verify step rejected, which the scheduler still counts
+        self.blocks_from_output, self.blocks_given = blocks_from_output, {}
         self.world = VllmWorld(seed, T, region, mirror)
         rows_per_request = slots + T
         latent = adapter.latent_buffers(LAYERS, STATES, rows_per_request)
@@ -263,6 +267,16 @@ class Replay:
         for rid in batch:
             w.allocate(rid, sum(scheduled[rid]) + self.rejected.get(rid, 0))
         w.gather(batch)
+        if self.blocks_from_output and new_blocks is None:   # v1/core/sched/output.py: block_ids / new_block_ids
+            new_blocks = {}
+            for rid in tuple(finished) + tuple(preempted):
+                self.blocks_given.pop(rid, None)
+            for rid in batch:
+                blocks, given = w.blocks[rid], 0 if rid in fresh else self.blocks_given.get(rid, 0)
+                if rid in fresh or len(blocks) > given:
+                    new_blocks[rid] = (list(blocks[given:]), rid in fresh)
+                self.blocks_given[rid] = len(blocks)
+            new_blocks = self.seen_new_blocks(new_blocks)
         # v1/core/sched/scheduler.py: num_computed_tokens counts a verify step's drafts as kept until its output
         # returns; with async scheduling that is after the next step is scheduled (the scheduler rolls back
         # then), so the next step's count is over by the drafts the previous step rejected. The device's
@@ -387,6 +401,10 @@ class Replay:
         """The metadata ESS's start_step is given (the connector's leader_metadata); a mutation replaces it."""
         return attn
 
+    def seen_new_blocks(self, new_blocks):
+        """The new host blocks ESS's start_step is given (blocks_from_output); a mutation replaces them."""
+        return new_blocks
+
     def seen_fresh(self, fresh):
         """The requests ESS's start_step is told are handed their blocks afresh; a mutation replaces them."""
         return fresh
@@ -426,10 +444,13 @@ def three_requests(r):
     return ["a", "b", "c"], [2, 0, 4]
 
 
-@pytest.mark.parametrize("T,slots,async_scheduling", [(1, 24, True), (3, 56, True), (3, 56, False)])
-def test_decode_replay_matches_the_model_and_the_full_cache(T, slots, async_scheduling, **rank):
-    """rank: Replay's host_memory / writer / barrier, when a rank of a shared pool runs it (test_vllm_shared_pool)."""
-    r = Replay(T, slots, seed=3 + T, async_scheduling=async_scheduling, **rank)
+@pytest.mark.parametrize("T,slots,async_scheduling,from_output",
+                         [(1, 24, True, False), (3, 56, True, False), (3, 56, False, False), (3, 56, True, True)])
+def test_decode_replay_matches_the_model_and_the_full_cache(T, slots, async_scheduling, from_output, **rank):
+    """rank: Replay's host_memory / writer / barrier, when a rank of a shared pool runs it (test_vllm_shared_pool).
+    from_output: the host blocks from the scheduler's output, and then (async scheduling with drafts) a step of T
+    tokens per request reads nothing back from the device."""
+    r = Replay(T, slots, seed=3 + T, async_scheduling=async_scheduling, blocks_from_output=from_output, **rank)
     w = r.world
     batch, states = three_requests(r)
     for step in range(10):
@@ -444,7 +465,10 @@ def test_decode_replay_matches_the_model_and_the_full_cache(T, slots, async_sche
         uniform = len({n for _, n in scheduled.values()}) == 1
         pad = len(batch) + 1 if uniform and step % 3 == 0 else None   # a FULL graph captured for a larger batch
         accepted = {rid: int(rng.integers(1, n + 1)) for rid, (_, n) in scheduled.items()} if T > 1 else None
+        reads = r.decode.device_reads
         assert r.step(batch, states, scheduled, pad_reqs=pad, accepted=accepted) >= 1
+        if from_output and step > 0 and counts is None:   # every request known, every row T tokens
+            assert r.decode.device_reads == reads, f"step {step} read the device back"
     assert r.forwards_served == 13   # 3 steps decoded beside the prefills of "b" and "c"
     assert all(h.runtime.steps_served == r.forwards_served for h in r.handles)
     if w.mirror:
@@ -643,7 +667,7 @@ def test_the_host_block_table_read_by_state_fails_the_replay(monkeypatch):
     monkeypatch.setattr(VllmWorld, "gather", by_state)
     monkeypatch.setattr(Replay, "step", remember)
     with pytest.raises(AssertionError, match="holds other bytes than the full cache"):
-        test_decode_replay_matches_the_model_and_the_full_cache(1, 24, True)
+        test_decode_replay_matches_the_model_and_the_full_cache(1, 24, True, False)
 
 
 def test_a_second_copy_of_the_host_pool_fails_the_replay(monkeypatch):
@@ -659,7 +683,7 @@ def test_a_second_copy_of_the_host_pool_fails_the_replay(monkeypatch):
 
     monkeypatch.setattr(adapter, "host_pool_layout", copied)
     with pytest.raises(AssertionError, match="holds other bytes than the full cache"):
-        test_decode_replay_matches_the_model_and_the_full_cache(1, 24, True)
+        test_decode_replay_matches_the_model_and_the_full_cache(1, 24, True, False)
 
 
 def test_a_stale_state_mapping_fails_the_replay(monkeypatch):
@@ -671,7 +695,7 @@ def test_a_stale_state_mapping_fails_the_replay(monkeypatch):
 
     monkeypatch.setattr(adapter.EssDecode, "start_step", batch_rows)
     with pytest.raises((AssertionError, ess.EssError)):
-        test_decode_replay_matches_the_model_and_the_full_cache(1, 24, True)
+        test_decode_replay_matches_the_model_and_the_full_cache(1, 24, True, False)
 
 
 def test_a_layer_counter_mix_up_fails_the_replay(monkeypatch):
@@ -688,7 +712,7 @@ def test_a_layer_counter_mix_up_fails_the_replay(monkeypatch):
 
     monkeypatch.setattr(adapter.HiSparseRuntime, "swap_in", counted)
     with pytest.raises((AssertionError, ess.EssError)):
-        test_decode_replay_matches_the_model_and_the_full_cache(1, 24, True)
+        test_decode_replay_matches_the_model_and_the_full_cache(1, 24, True, False)
 
 
 def test_lengths_from_the_scheduler_fail_the_replay(monkeypatch):
@@ -700,9 +724,9 @@ def test_lengths_from_the_scheduler_fail_the_replay(monkeypatch):
         return types.SimpleNamespace(**{**vars(attn), "seq_lens": seq_lens})
 
     monkeypatch.setattr(Replay, "seen_metadata", from_scheduler)
-    test_decode_replay_matches_the_model_and_the_full_cache(3, 56, False)   # synchronous: the counts are true
+    test_decode_replay_matches_the_model_and_the_full_cache(3, 56, False, False)   # synchronous: the counts are true
     with pytest.raises((AssertionError, ess.EssError)):
-        test_decode_replay_matches_the_model_and_the_full_cache(3, 56, True)
+        test_decode_replay_matches_the_model_and_the_full_cache(3, 56, True, False)
 
 
 def test_the_batchs_own_decode_split_fails_the_replay(monkeypatch):
@@ -711,4 +735,13 @@ def test_the_batchs_own_decode_split_fails_the_replay(monkeypatch):
     padded graph is refused."""
     monkeypatch.setattr(Replay, "seen_metadata", lambda self, attn, sched, batch: None)
     with pytest.raises((AssertionError, ess.EssError)):
-        test_decode_replay_matches_the_model_and_the_full_cache(3, 56, False)
+        test_decode_replay_matches_the_model_and_the_full_cache(3, 56, False, False)
+
+
+def test_new_blocks_taken_for_the_whole_list_fail_the_replay(monkeypatch):
+    """Mutation: a cached request's new blocks taken as its whole list (replace where the scheduler output appends):
+    ESS's copy of the host block table loses the request's earlier blocks, and the replay says so."""
+    monkeypatch.setattr(Replay, "seen_new_blocks",
+                        lambda self, new_blocks: {rid: (blocks, True) for rid, (blocks, _) in new_blocks.items()})
+    with pytest.raises((AssertionError, ess.EssError)):
+        test_decode_replay_matches_the_model_and_the_full_cache(3, 56, True, True)

@@ -34,7 +34,7 @@ def rank_main(rank, name, barrier, results, private):
             pool = shared.SharedHostPool(name + "-own" if private else name, replay.HOST_BYTES, create=private)
         try:
             replay.test_decode_replay_matches_the_model_and_the_full_cache(
-                3, 56, True, region=pool.buffer, mirror=rank == 0, barrier=wait)
+                3, 56, True, False, region=pool.buffer, mirror=rank == 0, barrier=wait)
             wait()   # rank 0 keeps the region until rank 1 is done
         finally:
             import gc
