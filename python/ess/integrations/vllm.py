@@ -234,9 +234,9 @@ class EssDecode:
         never reach ESS, then resumed, most likely on the same state index and over other blocks);
         all_context_pages_resident: the connector metadata's; new_blocks: this step's host blocks of the scheduled
         requests (source_blocks_from_output), kept per request so that no block table entry is read back (None:
-        the entries ESS needs are read from block_table, as the forward's); attn_metadata: the forward's sparse MLA metadata of
-        an index-group leader layer (model_executor/layers/attention/sparse_mla_attention.py build: num_decodes,
-        num_decode_tokens, seq_lens), padded under a FULL CUDA graph.
+        the entries ESS needs are read from block_table, as the forward's); attn_metadata: the forward's sparse
+        MLA metadata of an index-group leader layer (model_executor/layers/attention/sparse_mla_attention.py
+        build: num_decodes, num_decode_tokens, seq_lens), padded under a FULL CUDA graph.
 
         Decode rows are the forward's: its first num_decodes rows (vLLM's split, split_decodes_and_prefills;
         under a FULL graph num_decodes and num_decode_tokens count the padded rows and tokens too, which follow
@@ -304,9 +304,9 @@ class EssDecode:
             if attn_metadata.seq_lens.reshape(-1).shape[0] < decodes:
                 raise InvalidArgument(f"start_step: the forward's seq_lens has "
                                       f"{attn_metadata.seq_lens.reshape(-1).shape[0]} rows for {decodes} decode rows")
-        # The state indices are read back only when a decode request is new to ESS (a request keeps its state
-        # index while vLLM holds it: a preempted or resumed one is released first), the true lengths only when
-        # the scheduler's counts run ahead of the device's; both in one copy (on the device under CUDA).
+        # Read back from the device (one copy) only what the host lacks: the state indices when a decode request
+        # is new to ESS (a request keeps its state index while vLLM holds it: a preempted or resumed one is released
+        # first), and the true lengths below.
         swap_path = not (all_context_pages_resident and decodes < R)
         served = decodes if swap_path else 0   # the decode rows ESS serves this step
         # Counts that run ahead are read back only where the host needs the true ones: a short row's older tokens

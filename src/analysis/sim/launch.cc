@@ -48,7 +48,9 @@ EngineLimits engine_limits(const std::string& engine, const std::vector<std::str
                 "of --modes", engine, m, name, fmt::join(served, ", "));
     }
   }
-  if (!modes_given) out.notes.push_back(fmt::format("modes: {} (what ESS runs inside {})", fmt::join(out.modes, ", "), name));
+  if (!modes_given) {
+    out.notes.push_back(fmt::format("modes: {} (what ESS runs inside {})", fmt::join(out.modes, ", "), name));
+  }
   if (vllm) {
     out.two_batch_overlap = false;
     out.whole_residency = false;
@@ -163,9 +165,11 @@ Launch vllm_launch(const ModelSpec& model, const HardwareProfile& hw, const Depl
         "rows of {} B) and about 1 GiB of its engine, which sit outside vLLM's budget",
         utilization, d.mem_fraction_static, rows / double(1ull << 30), model.num_hidden_layers, per_gpu, c.slots,
         d.mtp_tokens, model.latent_entry_bytes()));
-    l.notes.push_back(fmt::format("host_pool_gib {}: vLLM's host pool per engine ({} requests of {} tokens); {} per node",
-                                  host_gib, per_gpu, result.context,
-                                  dp > 1 ? fmt::format("{} of them", dp / d.nodes) : std::string("one, shared by the TP ranks,")));
+    const std::string per_node =
+        dp > 1 ? fmt::format("{} of them", dp / d.nodes) : std::string("one, shared by the TP ranks,");
+    l.notes.push_back(fmt::format("host_pool_gib {}: vLLM's host pool per engine ({} requests of {} tokens); {} per "
+                                  "node",
+                                  host_gib, per_gpu, result.context, per_node));
   } else {
     flag("--gpu-memory-utilization", fmt::format("{}", utilization));
   }

@@ -174,7 +174,8 @@ class VllmScheduler:
         self.connector = self.scheduler.connector
         # ESS's connector: the scheduler's, or one of a MultiConnector's (multi_connector.py sub_connectors).
         subs = self.connector.sub_connectors if isinstance(self.connector, MultiConnector) else [self.connector]
-        self.hisparse_index = next(i for i, c in enumerate(subs) if type(c).__module__ == "ess.integrations.vllm_connector")
+        self.hisparse_index = next(i for i, c in enumerate(subs)
+                                   if type(c).__module__ == "ess.integrations.vllm_connector")
         self.parts = len(subs) if isinstance(self.connector, MultiConnector) else None
         self.coordinator = subs[self.hisparse_index].connector_scheduler.coordinator
 
