@@ -372,8 +372,10 @@ def test_plan_for_sglang_gives_its_launch_line():
     assert "launch" not in ess.plan(hardware="h200", contexts=[32768])["plans"][0]
     with pytest.raises(ess.InvalidArgument, match="overlap mode dba is not served inside SGLang"):
         ess.plan(engine="sglang", modes=["none", "dba"])
-    with pytest.raises(ess.InvalidArgument, match="sglang"):
-        ess.plan(engine="vllm")
+    with pytest.raises(ess.InvalidArgument, match="plans for sglang \\(0.5.23\\) and vllm \\(0.33.0\\)"):
+        ess.plan(engine="tgi")
+    v = ess.plan(engine="vllm", hardware="h200", contexts=[32768], min_otps=15)["plans"][0]
+    assert v["launch"]["argv"][:2] == ["vllm", "serve"] and v["chosen"]["overlap"] == "none"
     with pytest.raises(ess.InvalidType, match="engine"):
         ess.plan(engine=3)
 

@@ -129,7 +129,7 @@ class TotalPool {
   // free: `from` may be admitted again at once), until release(to).
   void retire(RequestId from, RequestId to);
   // Whether an admission or growth that does not fit evicts retained pages (the default) or is
-  // refused, changing nothing. Off while pages the caller will free soon may make eviction needless.
+  // refused (ess::PoolFull, as when even eviction would not make room), changing nothing. Off while pages the caller will free soon may make eviction needless.
   void evict_when_full(bool on) { evict_when_full_ = on; }
   // Evicts retained pages, least recently used chain leaves first, until `pages` (in [0,
   // capacity_pages()]) more are free or none is left; returns the pages freed.

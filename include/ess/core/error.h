@@ -29,6 +29,13 @@ class OutOfMemory : public Error {
   using Error::Error;
 };
 
+// A pool has no room for what a call asks (the Total Memory Pool's pages for an admission or
+// growth): a refusal, nothing changed.
+class PoolFull : public Error {
+ public:
+  using Error::Error;
+};
+
 [[noreturn]] void throw_error(std::string message);
 [[noreturn]] void throw_device_error(std::string message);
 [[noreturn]] void throw_out_of_memory(std::string message);

@@ -338,21 +338,26 @@ class EssDecode:
                     raise InvalidArgument(f"start_step: state index {s} is batch rows {seen[s]} and {b}")
                 seen[s] = b
         decode_state = [states[b] if states is not None else self.state_of[request_ids[b]] for b in range(served)]
-        positions = []     # (batch row, request id, state, tokens before this step, tokens this step)
+        # Per decode row: its batch row, request, state, tokens before this step as the host keeps them (the
+        # scheduler's count: true, or run ahead by drafts not kept, whose blocks the request holds), tokens this
+        # step, and tokens before this step as the device has them (read back, or the host's count when true or
+        # when the step takes the forward's seq_lens on the device).
+        positions = []
         for b in range(served):
             rid, s = request_ids[b], decode_state[b]
             c, n = scheduled[rid]
+            true = c
             if seq_lens:
                 if not 0 <= seq_lens[b] - n <= c:
                     raise InvalidArgument(f"start_step: batch row {b} (request {rid!r}): the forward's seq_len "
                                           f"{seq_lens[b]} for {n} tokens puts its computed tokens at "
                                           f"{seq_lens[b] - n}, outside [0, the scheduler's {c}]")
-                c = seq_lens[b] - n
+                true = seq_lens[b] - n
             if c + n > self.info.max_context:
                 raise InvalidArgument(f"start_step: request {rid!r} reaches {c + n} tokens; the engine holds "
                                       f"max_context = {self.info.max_context}")
-            positions.append((b, rid, s, c, n))
-        longest = max((c + n for *_, c, n in positions), default=0)
+            positions.append((b, rid, s, c, n, true))
+        longest = max((c + n for _, _, _, c, n, _ in positions), default=0)
         if -(-longest // KERNEL_BLOCK) > self.block_table.shape[1]:
             raise InvalidArgument(f"start_step: a request reaches {longest} tokens, past the "
                                   f"{self.block_table.shape[1]} blocks of vLLM's host block table")
@@ -364,7 +369,7 @@ class EssDecode:
             mirror = {rid: b for rid, b in self.blocks_of.items() if rid not in finished and rid not in preempted}
             for rid, (blocks, replace) in new_blocks.items():
                 mirror[rid] = ([] if replace else mirror[rid]) + [int(v) for v in blocks]
-            for b, rid, _, c, n in positions:
+            for b, rid, _, c, n, _ in positions:
                 if len(mirror.get(rid, ())) < -(-(c + n) // KERNEL_BLOCK):
                     raise InvalidArgument(f"start_step: batch row {b} (request {rid!r}) reaches {c + n} tokens; "
                                           f"vLLM's scheduler gave it {len(mirror.get(rid, ()))} host blocks of "
@@ -383,7 +388,7 @@ class EssDecode:
         if mirror is not None:
             self.blocks_of = mirror
         plans = []   # (batch row, request, state, new length, first page to give, pages in all)
-        for b, rid, s, c, n in positions:
+        for b, rid, s, c, n, _ in positions:
             if self.state_of.get(rid, s) != s:     # vLLM gave the request another state index
                 self._release(rid)
             if rid not in self.state_of and s in self.length_of:
@@ -425,7 +430,7 @@ class EssDecode:
             self.lengths[:served].copy_(attn_metadata.seq_lens.reshape(-1)[:served].to(self.lengths.dtype),
                                         non_blocking=True)
         if self.recorder is not None:
-            self.recorder.step([s for _, _, s, _, _ in positions], [c + n for *_, c, n in positions])
+            self.recorder.step([p[2] for p in positions], [true + n for *_, n, true in positions])
 
     def _stage(self, R, states, positions):
         """The step's rows, lengths and per-token maps, and the older tokens of short rows in the reserved rows.
@@ -438,18 +443,18 @@ class EssDecode:
         token_flat = torch.zeros((self.max_swap_rows,), dtype=torch.int64, **host)
         token_slot = torch.full((self.max_swap_rows,), self.scratch_row, dtype=torch.int64, **host)
         query_token = torch.full((self.max_swap_rows,), -1, dtype=torch.int64, **host)
-        if any(n < T and c > 0 for *_, c, n in positions):
+        if any(n < T and true > 0 for *_, n, true in positions):
             self.synchronize()   # the older tokens read below are vLLM's mirror of earlier steps' rows
         i = 0
-        for b, _, s, c, n in positions:
-            rows[b], lengths[b] = s, c + n
+        for b, _, s, _, n, true in positions:
+            rows[b], lengths[b] = s, true + n
             for t in range(n):
                 q = T - n + t                       # the n queries are the last n of the row's T
                 token_row[i], token_flat[i], token_slot[i] = b, b * T + q, s * rpr + S + q
                 query_token[b * T + q] = i
                 i += 1
             for q in range(T - n):                  # the row's older tokens among its T newest
-                position = c + n - T + q
+                position = true + n - T + q
                 if position >= 0:
                     for layer in range(self.info.layers):
                         entry = self.engine.read_entries(s, layer, position, torch.empty((1, ENTRY_BYTES),

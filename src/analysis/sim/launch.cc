@@ -105,23 +105,28 @@ Launch vllm_launch(const ModelSpec& model, const HardwareProfile& hw, const Depl
   flag("--tensor-parallel-size", std::to_string(gpus / dp));
   if (dp > 1) flag("--data-parallel-size", std::to_string(dp));
   if (d.expert_parallel > 1) flag("--enable-expert-parallel");
-  if (d.nodes > 1 && dp > 1) {  // data parallel over the nodes: each node runs its own DP ranks
+  if (d.nodes > 1 && dp > 1) {  // data parallel over the nodes: the first node serves, the others run engines
     const int local = dp / d.nodes;
     flag("--data-parallel-size-local", std::to_string(local));
-    flag("--data-parallel-start-rank", "<start>");
     flag("--data-parallel-address", "<host>");
     flag("--data-parallel-rpc-port", "<port>");
-    l.notes.push_back(fmt::format("run it on each of the {} nodes, --data-parallel-start-rank 0, {}, .. {} (node rank "
-                                  "x {}), --data-parallel-address the first node's address, and `vllm serve "
-                                  "--headless` on every node but the first",
-                                  d.nodes, local, (d.nodes - 1) * local, local));
+    l.notes.push_back(fmt::format("this is the first node's line (its API server balances over every DP rank); on node "
+                                  "k = 1 .. {} add --headless --data-parallel-start-rank {} x k (a start rank without "
+                                  "--headless would serve its own node's ranks only); --data-parallel-address: the "
+                                  "first node's address",
+                                  d.nodes - 1, local));
   } else if (d.nodes > 1) {  // one TP group over the nodes
     flag("--nnodes", std::to_string(d.nodes));
     flag("--node-rank", "<rank>");
     flag("--master-addr", "<host>");
-    l.notes.push_back(fmt::format("run it on each of the {} nodes, --node-rank 0 .. {}, --master-addr the first "
-                                  "node's address",
+    l.notes.push_back(fmt::format("run it on each of the {} nodes, --node-rank 0 .. {} (with --headless on every node "
+                                  "but the first), --master-addr the first node's address",
                                   d.nodes, d.nodes - 1));
+  }
+  if (d.expert_parallel > 1 && d.expert_parallel != gpus) {
+    l.notes.push_back(fmt::format("--enable-expert-parallel spans every GPU of the deployment ({}), not the plan's EP "
+                                  "{}: vLLM's expert-parallel group is DP x TP",
+                                  gpus, d.expert_parallel));
   }
   if (d.mtp_tokens > 1) {
     flag("--speculative-config",
@@ -144,9 +149,10 @@ Launch vllm_launch(const ModelSpec& model, const HardwareProfile& hw, const Depl
               rows / double(1ull << 30));
     // vLLM's host pool per engine (HiSparseConnector's host_pool_gib: a DP rank's, or the TP group's, shared by its
     // ranks on a node): every request's context in 64-token blocks, and the pool's null and copy-on-write blocks.
+    // The MTP draft layers' host caches are in the same pool (v1/hisparse/binding.py).
+    const int host_layers = model.num_hidden_layers + (d.mtp_tokens > 1 ? model.num_nextn_predict_layers : 0);
     const double pages = std::ceil(double(result.context) / 64.0) + 2.0;
-    const double host = double(per_gpu) * pages * 64.0 * double(model.num_hidden_layers) *
-                        double(model.latent_entry_bytes());
+    const double host = double(per_gpu) * pages * 64.0 * double(host_layers) * double(model.latent_entry_bytes());
     const double host_gib = std::ceil(host / double(1ull << 30) * 10.0) / 10.0;
     // vLLM's LRU positions are int16 (v1/hisparse/runtime.py: device_buffer_size <= 32768).
     ESS_CHECK(c.slots <= 32768,
@@ -165,6 +171,15 @@ Launch vllm_launch(const ModelSpec& model, const HardwareProfile& hw, const Depl
         "rows of {} B) and about 1 GiB of its engine, which sit outside vLLM's budget",
         utilization, d.mem_fraction_static, rows / double(1ull << 30), model.num_hidden_layers, per_gpu, c.slots,
         d.mtp_tokens, model.latent_entry_bytes()));
+    // vLLM 0.33.0 still gives a request it moves to host reads a hot region of device_buffer_size rows per layer in
+    // its own pool (v1/hisparse/layout.py hot_blocks_per_request), which ESS does not read.
+    const double hot = double(host_layers) * double(per_gpu) * double(c.slots) * double(model.latent_entry_bytes());
+    l.notes.push_back(fmt::format(
+        "vLLM also reserves, inside its budget, a hot region of device_buffer_size rows per layer for each request it "
+        "moves to host reads (up to {:.1f} GiB for {} requests), which ESS does not read, and its budget holds the "
+        "activations and CUDA graphs that the plan's memory fraction leaves out: vLLM may run fewer than "
+        "--max-num-seqs requests at once (its log's KV cache size says how many fit)",
+        hot / double(1ull << 30), per_gpu));
     const std::string per_node =
         dp > 1 ? fmt::format("{} of them", dp / d.nodes) : std::string("one, shared by the TP ranks,");
     l.notes.push_back(fmt::format("host_pool_gib {}: vLLM's host pool per engine ({} requests of {} tokens); {} per "

@@ -65,14 +65,18 @@ std::int64_t TotalPool::evictable_pages(std::span<const std::uint64_t> keep) con
 
 void TotalPool::make_room(std::int64_t need, std::span<const std::uint64_t> keep, const char* what, RequestId id) {
   if (need <= free_pages()) return;
-  ESS_CHECK(evict_when_full_,
-            "total pool full: {} of request {} needs {} pages ({} B) but only {} of {} pages are free (eviction held off)",
-            what, id, need, static_cast<std::uint64_t>(need) * page_bytes_, free_pages(), capacity_pages_);
+  if (!evict_when_full_) {
+    throw PoolFull(fmt::format(
+        "total pool full: {} of request {} needs {} pages ({} B) but only {} of {} pages are free (eviction held off)",
+        what, id, need, static_cast<std::uint64_t>(need) * page_bytes_, free_pages(), capacity_pages_));
+  }
   const std::int64_t evictable = evictable_pages(keep);
-  ESS_CHECK(need <= free_pages() + evictable,
-            "total pool full: {} of request {} needs {} pages ({} B) but only {} of {} pages are free and {} retained "
-            "pages could be evicted",
-            what, id, need, static_cast<std::uint64_t>(need) * page_bytes_, free_pages(), capacity_pages_, evictable);
+  if (need > free_pages() + evictable) {
+    throw PoolFull(fmt::format(
+        "total pool full: {} of request {} needs {} pages ({} B) but only {} of {} pages are free and {} retained pages "
+        "could be evicted",
+        what, id, need, static_cast<std::uint64_t>(need) * page_bytes_, free_pages(), capacity_pages_, evictable));
+  }
   while (free_pages() < need) {
     auto it = evictable_.begin();
     while (it != evictable_.end() && std::find(keep.begin(), keep.end(), it->second) != keep.end()) ++it;

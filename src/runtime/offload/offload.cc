@@ -185,6 +185,7 @@ void Offload::Impl::retire_host(RequestId id) {
     pool->release(id);
   } else {  // under an id no caller uses, so that the engine may admit `id` again at once
     const RequestId hidden = -(++retired_serial);
+    retiring.reserve(retiring.size() + 1);  // the push below cannot throw once the pool changed
     pool->retire(id, hidden);
     retiring.push_back(Retiring{hidden, fence});
   }
@@ -219,7 +220,7 @@ void Offload::Impl::with_retired_pages(const std::function<void()>& take) {
   try {
     const HeldOff held(*pool);
     take();
-  } catch (const Error&) {
+  } catch (const PoolFull&) {  // other refusals are the caller's input: nothing to wait for
     reap(true);
     take();
   }

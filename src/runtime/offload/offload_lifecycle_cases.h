@@ -416,8 +416,11 @@ TEST(OffloadOrderedLifecycleReuse, AnIdReleasedAndAdmittedAgainWaitsForNothing) 
   const bool pending = forward.pending();
   o.release(41);
   admit_written(o, 41, 90, 2, rng);  // the same id, another prompt
+  // Bad input the host pool refuses (a shared prefix longer than the prompt) waits for nothing either.
+  EXPECT_THROW(o.admit_shared(42, 50, 41, 60), Error);
   if (pending) {
-    EXPECT_TRUE(forward.pending()) << "admitting a released id again waited for the forward in flight";
+    EXPECT_TRUE(forward.pending()) << "admitting a released id again, or a refused admission, waited for the forward "
+                                      "in flight";
   }
   decode_step(o, loop, {41}, rng);
   EXPECT_GT(loop.check(), 50);

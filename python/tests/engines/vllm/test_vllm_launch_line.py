@@ -62,7 +62,7 @@ def test_the_launch_line_is_vllms(case, model_dir):
             ("HiSparseConnector", "ess.integrations.vllm_connector")
         # vLLM's host pool holds every request of the engine at the full context.
         host = transfer.kv_connector_extra_config["host_pool_gib"] * 2**30
-        assert host >= chosen["batch"] * p["context"] * 61 * 656
+        assert host >= chosen["batch"] * p["context"] * (61 + (dep["mtp_tokens"] > 1)) * 656   # + the MTP layer
         assert args.attention_config.hisparse_config.device_buffer_size == chosen["slots"]
         assert chosen["slots"] >= max(1, dep["mtp_tokens"]) * 2048 or dep["mtp_tokens"] == 1
         # ESS's rows sit outside vLLM's budget: the utilization leaves them room.
