@@ -298,12 +298,14 @@ class EssDecode:
         states_in = torch.as_tensor(request_state_indices).reshape(-1)
         if states_in.shape[0] < R:
             raise InvalidArgument(f"start_step: {R} batch requests but {states_in.shape[0]} state indices")
+        forward_lengths = None   # the forward's seq_lens, one per batch row (the device's counts)
         if attn_metadata is not None and decodes:
             if getattr(attn_metadata, "seq_lens", None) is None:
                 raise InvalidArgument("start_step: the forward's attention metadata has no seq_lens")
-            if attn_metadata.seq_lens.reshape(-1).shape[0] < decodes:
-                raise InvalidArgument(f"start_step: the forward's seq_lens has "
-                                      f"{attn_metadata.seq_lens.reshape(-1).shape[0]} rows for {decodes} decode rows")
+            forward_lengths = attn_metadata.seq_lens.reshape(-1)
+            if forward_lengths.shape[0] < decodes:
+                raise InvalidArgument(f"start_step: the forward's seq_lens has {forward_lengths.shape[0]} rows for "
+                                      f"{decodes} decode rows")
         # Read back from the device (one copy) only what the host lacks: the state indices when a decode request
         # is new to ESS (a request keeps its state index while vLLM holds it: a preempted or resumed one is released
         # first), and the true lengths below.
@@ -322,8 +324,7 @@ class EssDecode:
         if not known or read_lengths:
             parts = [states_in[:R].to(torch.int64)]
             if read_lengths:
-                parts.append(attn_metadata.seq_lens.reshape(-1)[:decodes].to(device=states_in.device,
-                                                                             dtype=torch.int64))
+                parts.append(forward_lengths[:decodes].to(device=states_in.device, dtype=torch.int64))
             host = [int(v) for v in torch.cat(parts).cpu().tolist()]
             self.device_reads += 1
             states, seq_lens = host[:R], host[R:]
@@ -427,8 +428,7 @@ class EssDecode:
             self.length_of[s] = length
         self._stage(len(request_ids), states if states is not None else states_in[:R], positions)
         if ahead and not read_lengths:   # the decode rows are batch rows 0 .. served - 1, every one staged
-            self.lengths[:served].copy_(attn_metadata.seq_lens.reshape(-1)[:served].to(self.lengths.dtype),
-                                        non_blocking=True)
+            self.lengths[:served].copy_(forward_lengths[:served].to(self.lengths.dtype), non_blocking=True)
         if self.recorder is not None:
             self.recorder.step([p[2] for p in positions], [true + n for *_, n, true in positions])
 
