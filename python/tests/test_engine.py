@@ -368,10 +368,10 @@ def test_plan_for_sglang_gives_its_launch_line():
     assert p["engine"] == "sglang" and launch["release"] == "0.5.23"
     assert launch["argv"][:3] == ["python", "-m", "ess.integrations.sglang_launch"]
     assert "--enable-hisparse" in launch["argv"] and "--enable-two-batch-overlap" not in launch["argv"]
-    assert p["plans"][0]["chosen"]["overlap"] in ("none", "da")
+    assert p["plans"][0]["chosen"]["overlap"] in ("none", "da", "dba", "layerwise")
     assert "launch" not in ess.plan(hardware="h200", contexts=[32768])["plans"][0]
-    with pytest.raises(ess.InvalidArgument, match="overlap mode dba is not served inside SGLang"):
-        ess.plan(engine="sglang", modes=["none", "dba"])
+    with pytest.raises(ess.InvalidArgument, match="overlap mode dba is not served inside vLLM"):
+        ess.plan(engine="vllm", modes=["none", "dba"])
     with pytest.raises(ess.InvalidArgument, match="plans for sglang \\(0.5.23\\) and vllm \\(0.33.0\\)"):
         ess.plan(engine="tgi")
     v = ess.plan(engine="vllm", hardware="h200", contexts=[32768], min_otps=15)["plans"][0]

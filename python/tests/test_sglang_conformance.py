@@ -257,3 +257,47 @@ def test_the_da_hooks_bind_to_the_release():
     # The backend's __init__ sets the attribute forward_decode dispatches on.
     init = ast.unparse(_function(dsa, "DeepseekSparseAttnBackend", "__init__"))
     assert "self.dsa_decode_impl: _DSA_IMPL_T = get_exec().kernel.dsa_decode_backend" in init
+
+
+def test_the_dba_hooks_bind_to_the_release():
+    """What indexer_split.py relies on in the release's DSA indexer (layers/attention/dsa/dsa_indexer.py):
+    forward_cuda calls self._get_topk_paged(forward_batch, layer_id, q_fp8, weights, metadata) for decode and target
+    verify, metadata from get_attn_backend().get_indexer_metadata, then broadcasts the result only under
+    SGLANG_DSA_TOPK_BROADCAST; _get_topk_paged reads of the metadata exactly the getters HalfIndexerMetadata narrows
+    and its top-k transform with (logits, topk) only; q_offset is the sum of the extend lengths and B the seqlens'
+    rows; rows past q_offset are padded with -1; the unfused top-k transform takes ke_offset as the lengths; the
+    forward context gives the backend (has_forward_context, get_attn_backend)."""
+    from ess.integrations.sglang import indexer_split
+    path = os.path.join("srt", "layers", "attention", "dsa", "dsa_indexer.py")
+    paged = _function(path, "Indexer", "_get_topk_paged")
+    assert [a.arg for a in paged.args.args] == ["self", "forward_batch", "layer_id", "q_fp8", "weights", "metadata"]
+    read = {n.attr for n in ast.walk(paged) if isinstance(n, ast.Attribute) and getattr(n.value, "id", "") == "metadata"}
+    narrowed = {"get_seqlens_int32", "get_page_table_64", "get_page_table_1", "get_seqlens_expanded",
+                "get_dsa_extend_len_cpu", "topk_transform"}
+    assert read == narrowed, read ^ narrowed
+    source = ast.unparse(paged)
+    for needed in ("getattr(metadata, 'paged_mqa_schedule_metadata', None)",
+                   "getattr(metadata, 'paged_mqa_ctx_lens_2d', None)",
+                   "q_offset = sum(metadata.get_dsa_extend_len_cpu())", "B = metadata.get_seqlens_int32().shape[0]",
+                   "topk_result = metadata.topk_transform(logits, self.index_topk)",
+                   "if schedule_metadata is None:", "if not _is_hip and q_offset < q_fp8.shape[0]:"):
+        assert needed in source, needed
+    forward = ast.unparse(_function(path, "Indexer", "forward_cuda"))
+    for needed in ("metadata = get_attn_backend().get_indexer_metadata(layer_id, forward_batch)",
+                   "topk_result = self._get_topk_paged(forward_batch, layer_id, q_fp8, weights, metadata)",
+                   "forward_batch.forward_mode.is_target_verify()",
+                   "topk_result = _broadcast_indexer_topk_from_rank0(topk_result)"):
+        assert needed in forward, needed
+    broadcast = ast.unparse(_function(path, None, "_broadcast_indexer_topk_from_rank0"))
+    assert "envs.SGLANG_DSA_TOPK_BROADCAST.get()" in broadcast
+    meta = ast.unparse(_function(os.path.join("srt", "layers", "attention", "dsa", "dsa_indexer_metadata.py"),
+                                 "DSAIndexerMetadata", "topk_transform"))
+    assert "seq_lens_topk = ke_offset" in meta and "force_unfused_topk=self.force_unfused_topk" in meta
+    topk = ast.unparse(_function(os.path.join("srt", "layers", "attention", "dsa", "dsa_topk_backend.py"),
+                                 "DSATopKBackend", "topk_transform"))
+    assert "if not envs.SGLANG_DSA_FUSE_TOPK.get() or force_unfused_topk:" in topk
+    assert "return self.topk_func(logits, lengths, topk, row_starts=row_starts)" in topk
+    context = os.path.join("srt", "model_executor", "forward_context.py")
+    for name in ("has_forward_context", "get_attn_backend"):
+        _function(context, None, name)
+    assert indexer_split.INDEXER_MODULE == "sglang.srt.layers.attention.dsa.dsa_indexer"

@@ -16,12 +16,12 @@ namespace {
 TEST(sim_launch, SglangLimitsTheModesAndThePoolFloor) {
   const std::vector<std::string> all = {"none", "da", "dba", "layerwise"};
   EngineLimits l = engine_limits("sglang", all, false, "", false, 2);
-  EXPECT_EQ(l.modes, (std::vector<std::string>{"none", "da"}));
+  EXPECT_EQ(l.modes, all);  // every mode: DA and DBA inside its decode, layer-wise by ESS_OVERLAP_LAYERS
+  EXPECT_FALSE(l.preattn_in_copy_window);  // its model computes q before the indexer
+  EXPECT_TRUE(engine_limits("", all, false, "", false, 2).preattn_in_copy_window);
   EXPECT_EQ(l.pool_floor, "tk");  // MTP: the verify step swaps T x top-k at once
   EXPECT_EQ(engine_limits("sglang", all, false, "", false, 1).pool_floor, "");
   EXPECT_EQ(engine_limits("", all, false, "max", true, 2).modes, all);  // no engine: as asked
-  EXPECT_NE(test::error_of([&] { engine_limits("sglang", {"none", "dba"}, true, "", false, 2); })
-                .find("overlap mode dba is not served inside SGLang"), std::string::npos);
   EXPECT_NE(test::error_of([&] { engine_limits("sglang", all, false, "p99", true, 2); }).find("use --pool-floor tk"),
             std::string::npos);
   EXPECT_NE(test::error_of([&] { engine_limits("tgi", all, false, "", false, 2); }).find("sglang (0.5.23) and vllm"),
@@ -103,18 +103,43 @@ TEST(sim_launch, TheLaunchLineCarriesThePlansChoice) {
   EXPECT_EQ(value("--speculative-num-draft-tokens"), "2");
   EXPECT_NE(value("--hisparse-config").find(fmt::format("\"device_buffer_size\": {}", c.slots)), std::string::npos);
   EXPECT_EQ(std::count(argv.begin(), argv.end(), "--enable-two-batch-overlap"), p.results[0].chosen.two_batch_overlap ? 1 : 0);
-  const bool da = c.overlap == OverlapMode::kDualAttention;
+  const bool overlap = c.overlap != OverlapMode::kNone;
   const std::vector<std::string> env = l["env"];
-  EXPECT_EQ(env.size(), da ? 2u : 1u);
-  EXPECT_EQ(std::count(env.begin(), env.end(), "ESS_OVERLAP=da"), da ? 1 : 0);
+  EXPECT_EQ(env.size(), overlap ? 2u : 1u);
+  EXPECT_EQ(std::count(env.begin(), env.end(), fmt::format("ESS_OVERLAP={}", to_string(c.overlap))), overlap ? 1 : 0);
   EXPECT_EQ(std::count(env.begin(), env.end(), "ESS_RESIDENCY=adaptive"), 1);
-  EXPECT_EQ(value("--dsa-decode-backend"), da ? "flashmla_kv" : "(absent)");
+  EXPECT_EQ(value("--dsa-decode-backend"), overlap ? "flashmla_kv" : "(absent)");
   EXPECT_NE(to_table(p).find("launch (sglang 0.5.23):"), std::string::npos);
   // The host pool holds every request's context whatever else SGLang's device pool keeps.
   const std::string config = value("--hisparse-config");
   const auto at = config.find("\"host_to_device_ratio\": ") + 24;
   const long long ratio = std::stoll(config.substr(at));
   EXPECT_GE(double(ratio) * c.batch * (c.slots + 2), double(c.batch) * 131072);
+}
+
+TEST(sim_launch, SglangLayerWiseLineCarriesEachLayersSchedule) {
+  Inputs in;
+  in.hardware = "h200";
+  PlanOptions o;
+  o.contexts = {131072};
+  o.min_otps = 10;
+  o.engine = "sglang";
+  o.modes = {"layerwise"};
+  o.modes_given = true;
+  const Plans p = plan_contexts(in, o);
+  ASSERT_TRUE(p.results[0].found);
+  const StepResult& c = p.results[0].chosen.best;
+  ASSERT_TRUE(c.offload);
+  ASSERT_EQ(c.overlap, OverlapMode::kLayerWise);
+  const std::vector<std::string> env = p.launches[0]["env"];
+  const std::string layers = "ESS_OVERLAP_LAYERS=" + c.layer_modes;
+  EXPECT_EQ(std::count(env.begin(), env.end(), layers), 1);
+  EXPECT_EQ(std::count(env.begin(), env.end(), "ESS_OVERLAP=layerwise"), 1);
+  // One group per layer (and the MTP draft layer), codes the adapter reads: a (DA), b (DBA), - (no misses).
+  EXPECT_EQ(c.layer_modes.find_first_not_of("ab- "), std::string::npos) << c.layer_modes;
+  // The shell line quotes the value, not the name: a quoted NAME=value would not be an assignment.
+  const std::string line = p.launches[0]["command_line"];
+  EXPECT_NE(line.find("ESS_OVERLAP_LAYERS='" + c.layer_modes + "'"), std::string::npos) << line;
 }
 
 }  // namespace

@@ -70,6 +70,25 @@ TEST(sim_step, TransferThatFitsUnderAttn0IsFullyHidden) {
   EXPECT_NEAR(none.exposed_transfer_us, none.h2d_us, 1e-6 * none.h2d_us);
 }
 
+// SGLang computes q (PreAttn) before the indexer: under DA / DBA it no longer hides the copy, so
+// more of it is exposed, never less; None, which runs PreAttn first anyway, is unchanged.
+TEST(sim_step, PreAttnBeforeTheIndexerExposesMoreOfTheCopy) {
+  Deployment sglang = without_tbo();
+  sglang.preattn_in_copy_window = false;
+  const StepModel paper(dsv32(), paper_hw(), without_tbo()), engine(dsv32(), paper_hw(), sglang);
+  for (OverlapMode mode : {OverlapMode::kDualAttention, OverlapMode::kDualBatchAttention}) {
+    for (double m : {200.0, 800.0, 3000.0}) {
+      const StepResult in_window = paper.run(at(128, mode, m)), before = engine.run(at(128, mode, m));
+      EXPECT_GE(before.exposed_transfer_us, in_window.exposed_transfer_us) << to_string(mode) << " " << m;
+      EXPECT_GE(before.step_us, in_window.step_us * (1 - 1e-12)) << to_string(mode) << " " << m;
+    }
+    const StepResult in_window = paper.run(at(128, mode, 3000)), before = engine.run(at(128, mode, 3000));
+    EXPECT_GT(before.exposed_transfer_us, in_window.exposed_transfer_us) << to_string(mode);  // the window shrank
+  }
+  EXPECT_DOUBLE_EQ(engine.run(at(128, OverlapMode::kNone, 800)).step_us,
+                   paper.run(at(128, OverlapMode::kNone, 800)).step_us);
+}
+
 TEST(sim_step, LayerWiseIsAtLeastAsGoodAsEitherMode) {
   const StepModel sm(dsv32(), paper_hw(), paper_dep());
   for (double m : {20.0, 200.0, 1500.0}) {

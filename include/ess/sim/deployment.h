@@ -25,6 +25,10 @@ struct Deployment {
   int mtp_tokens = 2;                // T: query tokens per request per step (1 = no MTP)
   double accept_ratio = 1.7;         // tokens kept per request per step, in [1, T]
   bool two_batch_overlap = true;     // TBO: two micro-batches, compute of one over comm of other
+  // Where PreAttn (q_b_proj, absorb bmm) runs under DA / DBA: after the indexer, inside the copy
+  // window (the paper, the rig), or before the indexer (false), where SGLang 0.5.23's model
+  // computes q (forward_prepare) and ESS's adapter leaves it.
+  bool preattn_in_copy_window = true;
   // Fraction of HBM for weights + caches (SGLang's mem_fraction_static); the rest holds
   // activations, CUDA graphs and workspace.
   double mem_fraction_static = 0.9;

@@ -73,7 +73,14 @@ std::unique_ptr<MeasuredTables> Inputs::load_tables() const {
 Plans plan_contexts(const Inputs& inputs, const PlanOptions& options) {
   const ModelSpec model = inputs.load_model();
   const HardwareProfile hw = inputs.load_hardware();
-  const Deployment dep = inputs.load_deployment();
+  Deployment dep = inputs.load_deployment();
+  ESS_CHECK(!options.modes.empty(), "plan: no overlap mode to try");
+  for (const auto& m : options.modes) (void)parse_overlap_mode(m);  // each named mode checked first
+  const EngineLimits limits =
+      engine_limits(options.engine, options.modes, options.modes_given, inputs.pool_floor.value_or(""),
+                    inputs.pool_floor.has_value(), dep.mtp_tokens);
+  ESS_CHECK(!limits.modes.empty(), "plan: no overlap mode to try");
+  dep.preattn_in_copy_window = dep.preattn_in_copy_window && limits.preattn_in_copy_window;
   const auto tables = inputs.load_tables();
   const StepModel sm(model, hw, dep, tables.get());
   // With Two-Batch Overlap on, the search covers it off as well (a small batch may do better without it).
@@ -93,12 +100,6 @@ Plans plan_contexts(const Inputs& inputs, const PlanOptions& options) {
   ESS_CHECK(std::isfinite(options.min_otps) && options.min_otps >= 0, "plan: min_otps = {} must be a finite number >= 0",
             options.min_otps);
   ESS_CHECK(!inputs.rig_layers, "plan: --rig-layers models the single-GPU rig of `ess bench step`; plan a deployment");
-  ESS_CHECK(!options.modes.empty(), "plan: no overlap mode to try");
-  for (const auto& m : options.modes) (void)parse_overlap_mode(m);  // each named mode checked first
-  const EngineLimits limits =
-      engine_limits(options.engine, options.modes, options.modes_given, inputs.pool_floor.value_or(""),
-                    inputs.pool_floor.has_value(), dep.mtp_tokens);
-  ESS_CHECK(!limits.modes.empty(), "plan: no overlap mode to try");
   if (!limits.two_batch_overlap) {  // the engine runs none: the search without it
     models = {&sm_no_tbo};
     suffixes = {""};

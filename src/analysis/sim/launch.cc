@@ -11,9 +11,9 @@
 namespace ess::sim {
 namespace {
 
-// The overlap modes SGLang 0.5.23 runs with ESS (python/ess/integrations/sglang/overlap.py), and
-// vLLM 0.33.0 (python/ess/integrations/vllm.py: the swap, then attention).
-const std::vector<std::string> kSglangModes = {"none", "da"};
+// The overlap modes SGLang 0.5.23 runs with ESS (python/ess/integrations/sglang/overlap.py and
+// indexer_split.py), and vLLM 0.33.0 (python/ess/integrations/vllm.py: the swap, then attention).
+const std::vector<std::string> kSglangModes = {"none", "da", "dba", "layerwise"};
 const std::vector<std::string> kVllmModes = {"none"};
 
 std::string shell_quote(const std::string& s) {
@@ -51,6 +51,11 @@ EngineLimits engine_limits(const std::string& engine, const std::vector<std::str
   if (!modes_given) {
     out.notes.push_back(fmt::format("modes: {} (what ESS runs inside {})", fmt::join(out.modes, ", "), name));
   }
+  if (!vllm) {
+    out.preattn_in_copy_window = false;
+    out.notes.push_back("PreAttn before the indexer (SGLang's model computes q in forward_prepare): DA and DBA hide "
+                        "the copy under attention over the resident entries and DBA's second indexer half only");
+  }
   if (vllm) {
     out.two_batch_overlap = false;
     out.whole_residency = false;
@@ -73,7 +78,11 @@ EngineLimits engine_limits(const std::string& engine, const std::vector<std::str
 
 std::string Launch::command_line() const {
   std::string out;
-  for (const std::string& e : env) out += shell_quote(e) + " ";
+  for (const std::string& e : env) {  // NAME=value, the value quoted (a quoted name is not an assignment)
+    const std::size_t eq = e.find('=');
+    out += eq == std::string::npos ? shell_quote(e) : e.substr(0, eq + 1) + shell_quote(e.substr(eq + 1));
+    out += " ";
+  }
   for (std::size_t i = 0; i < argv.size(); ++i) {
     if (i > 0) out += argv[i].rfind("--", 0) == 0 ? " \\\n    " : " ";
     out += shell_quote(argv[i]);
@@ -208,6 +217,10 @@ Launch launch_for(const std::string& engine, const ModelSpec& model, const Hardw
   const int dp = d.attention_data_parallel;
   const int per_gpu = c.batch;
   if (c.offload && c.overlap != OverlapMode::kNone) l.env.push_back(fmt::format("ESS_OVERLAP={}", to_string(c.overlap)));
+  if (c.offload && c.overlap == OverlapMode::kLayerWise) {
+    // The simulator's choice per layer and micro-batch, in the adapter's codes (a DA, b DBA, - no misses).
+    l.env.push_back(fmt::format("ESS_OVERLAP_LAYERS={}", c.layer_modes));
+  }
   if (c.offload) {
     // Requests stay whole among ESS's rows while they are free: a light load pays no offload.
     l.env.push_back("ESS_RESIDENCY=adaptive");
@@ -256,7 +269,7 @@ Launch launch_for(const std::string& engine, const ModelSpec& model, const Hardw
   if (c.offload) {
     flag("--disable-radix-cache");
     flag("--enable-hisparse");
-    if (c.overlap == OverlapMode::kDualAttention) flag("--dsa-decode-backend", "flashmla_kv");
+    if (c.overlap != OverlapMode::kNone) flag("--dsa-decode-backend", "flashmla_kv");
     // The host pool is SGLang's HiSparse device pool (at least ESS's rows: batch x (slots + T)) times the
     // ratio: the smallest ratio that holds every request's context whatever else the device pool keeps.
     const double rows = double(per_gpu) * double(c.slots + d.mtp_tokens);

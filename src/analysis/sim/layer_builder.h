@@ -61,6 +61,11 @@ class LayerBuilder {
       if (misses > 0) mb.fetched = s.issue(Stream::kH2D, h2d_all, e);
       return;
     }
+    const bool pre_first = !d_.preattn_in_copy_window;  // SGLang: q before the indexer, outside the window
+    if (pre_first) {
+      e = s.issue(Stream::kCompute, pre_q, e);
+      e = s.issue(Stream::kCompute, pre_bmm, e);
+    }
     if (mb.mode == OverlapMode::kDualAttention) {
       e = indexer(s, mb, e, 1.0);
       mb.fetched = s.issue(Stream::kH2D, h2d_all, e);
@@ -70,6 +75,7 @@ class LayerBuilder {
       e = indexer(s, mb, e, 0.5);
       mb.fetched = s.issue(Stream::kH2D, Op{op::kH2DMissesHalf1, OpKind::kH2D, 0, 0.5 * misses * entry, 0, 0, 0, 0, 1}, e);
     }
+    if (pre_first) return;
     e = s.issue(Stream::kCompute, pre_q, e);
     s.issue(Stream::kCompute, pre_bmm, e);
   }

@@ -33,9 +33,11 @@ forward swaps for (the whole batch, each micro-batch) has its rows staged apart 
 
 The package: coordinator.py (the class: construction, the decode swap and its backup, speculative
 decoding), forward_batches.py (the rows and lengths of each batch a forward swaps for), overlap.py (ESS_OVERLAP=da:
-the DA overlap inside the DSA backend's decode), staging.py (admission:
-the prefill staged to the host, PD direct admission, release), host_pool.py (ESS's Total Memory Pool as SGLang's PD host pool), install.py (the class put where
-SGLang imports it), _common.py (what they share: SGLang's types, argument checks, settings)."""
+the DA overlap inside the DSA backend's decode; layerwise: each layer's schedule), indexer_split.py (ESS_OVERLAP=dba:
+the DSA indexer run per half of the batch, the first half's copy under the second's indexer), staging.py
+(admission: the prefill staged to the host, PD direct admission, release), host_pool.py (ESS's Total Memory Pool as
+SGLang's PD host pool), install.py (the class and the wrappers put where SGLang imports them), _common.py (what they
+share: SGLang's types, argument checks, settings)."""
 from ._common import (ENTRY_BYTES, SGLANG_VERSION, HiSparseAct, HiSparseTokenStats, SpecScratch, _sglang_setting,
                       _token_stats_type)
 from .coordinator import HiSparseCoordinator

@@ -19,7 +19,9 @@ from ._common import (ENTRY_BYTES, SGLANG_VERSION, HiSparseAct, SpecScratch, _cl
 from ..topk_recorder import TopkRecorder
 from .forward_batches import ForwardBatches
 from .host_pool import HostPool
-from .overlap import DecodeSplit, check_decode_backend, register, schedule_from_environment, unregister
+from .indexer_split import topk_broadcast_refusal
+from .overlap import (DecodeSplit, check_decode_backend, layers_from_environment, register,
+                      schedule_from_environment, unregister)
 from .staging import Staging
 
 logger = logging.getLogger("ess.integrations.sglang")
@@ -94,8 +96,18 @@ class HiSparseCoordinator(Staging):
         self.overlap = schedule_from_environment()
         # ESS_RESIDENCY: whether requests stay whole while ESS's rows are free (Engine's residency).
         self.residency = residency_from_environment()
-        if self.overlap == "da":
-            check_decode_backend(_sglang_setting("get_exec", "kernel.dsa_decode_backend"), "ESS_OVERLAP = da")
+        # ESS_OVERLAP_LAYERS: layer-wise, each layer's schedule per micro-batch.
+        self._layer_schedules = (layers_from_environment(self.start_layer, self.layer_num)
+                                 if self.overlap == "layerwise" else None)
+        used = ({m for group in self._layer_schedules for m in group} if self._layer_schedules is not None
+                else {self.overlap})
+        if used & {"da", "dba"}:
+            check_decode_backend(_sglang_setting("get_exec", "kernel.dsa_decode_backend"),
+                                 f"ESS_OVERLAP = {self.overlap}", self.overlap)
+        if "dba" in used and topk_broadcast_refusal() is not None:
+            which = "" if self.overlap == "dba" else " (its DBA layers)"
+            raise InvalidArgument(f"ESS_OVERLAP = {self.overlap}{which}: {topk_broadcast_refusal()}; unset it, or "
+                                  "use ESS_OVERLAP = da")
         rows_per_request = self.device_buffer_size + self.T
         if self.pd_decode:
             keep_min, why = max_reqs, "one slot per request: SGLang's PD transfer budget"
@@ -185,8 +197,9 @@ class HiSparseCoordinator(Staging):
         # With a DA layer, the steps also give each query row's resident and fetched rows, and the copy runs on a
         # stream of its own (overlap.py).
         self.decode_split = None
-        if self.overlap == "da":
-            self.decode_split = DecodeSplit(self.dev, max_reqs, self.T, self.top_k, device, self._padding)
+        if self.overlap != "none":
+            self.decode_split = DecodeSplit(self.dev, max_reqs, self.T, self.top_k, device, self._padding,
+                                            self.overlap, self._layer_schedules)
             register(self.decode_split)
         # The rows and lengths of each batch a forward swaps for (the whole batch, or two-batch overlap's
         # micro-batches), each with its bound step.
@@ -475,55 +488,93 @@ class HiSparseCoordinator(Staging):
         self._backup_done_event.wait(self.dev.current_stream())
         self._has_pending_backup = False
 
+    def _check_swap(self, where, req_pool_indices, seq_lens, top_k, layer_id):
+        """(layer, B, expected top-k shape of the whole batch) after the checks every swap makes."""
+        layer = self._layer(layer_id)
+        for name, t in (("req_pool_indices", req_pool_indices), ("compressed_seq_lens", seq_lens),
+                        ("top_k_result", top_k)):
+            _int_tensor(f"{where}: {name}", t)
+        if top_k.dtype != torch.int32:
+            # The indexer's top-k is int32 (upstream's swap kernel reads it so); a wider id would be narrowed.
+            raise InvalidArgument(f"{where}: top_k_result is {top_k.dtype}; the DSA indexer's top-k positions are "
+                                  "int32 (wider ids would be cut to 32 bits)")
+        B = int(req_pool_indices.shape[0])
+        if B > self.max_batch:
+            raise InvalidArgument(f"{where}: batch {B} exceeds the {self.max_batch} request slots")
+        T = self.T
+        if seq_lens.numel() != B * T:
+            raise InvalidArgument(f"{where}: {seq_lens.numel()} seq_lens for {B} requests x {T} query tokens")
+        return layer, B, ((B, self.top_k) if T == 1 else (B, T, self.top_k))
+
+    def _stage(self, rows, lengths, req_pool_indices, seq_lens, B):
+        """A batch's rows and lengths, at its first swap of the forward (device work only: a CUDA graph replays it
+        without this Python; num_real_reqs read when it runs).
+
+        Padding: positions at or past num_real_reqs, and SGLang's padding row 0 (req_to_token_pool never gives it to
+        a request; graph capture, DP padding and two-batch overlap's micro-batches point positions at it). A
+        micro-batch's positions are its own: num_real_reqs counts the whole batch's, so past it a micro-batch's
+        positions are padding too, and its other padding is row 0."""
+        T = self.T
+        rows[:B].copy_(req_pool_indices)
+        torch.ge(self._arange[:B], self.num_real_reqs, out=self._padded_rows[:B])
+        torch.eq(rows[:B], 0, out=self._row_zero[:B])
+        self._padded_rows[:B].logical_or_(self._row_zero[:B])
+        rows[:B].masked_fill_(self._padded_rows[:B], -1)
+        # A verify step's seq_lens are per query token (L + t + 1): ESS takes each request's last, L + T.
+        lengths[:B].copy_(seq_lens.view(B, T)[:, T - 1])
+
+    def swap_first_half(self, req_pool_indices, seq_lens, top_k_half, layer_id):
+        """DBA (indexer_split.py): the swap of the batch's first positions (as many as top_k_half has rows), from
+        the indexer, before the other half's indexer runs; the layer's swap_in_selected_pages then swaps the rest.
+        req_pool_indices and seq_lens are the whole batch's, as swap_in_selected_pages gets them."""
+        split = self.decode_split
+        if split is None or split.schedule(layer_id) != "dba":
+            raise InvalidArgument(f"swap_first_half: layer {layer_id} does not run DBA now (ESS_OVERLAP = "
+                                  f"{self.overlap})")
+        layer, B, expected = self._check_swap("swap_first_half", req_pool_indices, seq_lens, top_k_half, layer_id)
+        b0 = int(top_k_half.shape[0])
+        if not 0 < b0 < B or tuple(top_k_half.shape[1:]) != expected[1:]:
+            raise InvalidArgument(f"swap_first_half: top-k of shape {tuple(top_k_half.shape)} is not the first "
+                                  f"positions of a batch of {list(expected)}")
+        if split.first_half is not None:
+            raise InvalidArgument(f"swap_first_half: layer {layer_id}'s first half comes before layer "
+                                  f"{split.first_half[0]}'s forward_decode took its own")
+        rows, lengths, step, first = self._batches.slot(layer, req_pool_indices)
+
+        def swap():
+            if first:
+                self._stage(rows, lengths, req_pool_indices, seq_lens, B)
+            self._topk[:b0].view(top_k_half.shape).copy_(top_k_half)
+            split.step_part(step, layer, b0, 0, split.first_copy_done)
+        self.dev.launch(swap)
+        split.first_half = (layer_id, ForwardBatches.key(req_pool_indices), b0)
+
     def swap_in_selected_pages(self, req_pool_indices, compressed_seq_lens, top_k_result, layer_id):
         """The dsa backend's decode, per layer: top_k_result [bs, K] logical token positions (-1 = padding) ->
         int32 [bs, K] slots of SGLang's device pool (FlashMLA's page_table_1), the misses fetched into them.
         bs may be a CUDA-graph batch: positions at or past num_real_reqs are padding."""
-        layer = self._layer(layer_id)
-        for name, t in (("req_pool_indices", req_pool_indices), ("compressed_seq_lens", compressed_seq_lens),
-                        ("top_k_result", top_k_result)):
-            _int_tensor(f"swap_in_selected_pages: {name}", t)
-        if top_k_result.dtype != torch.int32:
-            # The indexer's top-k is int32 (upstream's swap kernel reads it so); a wider id would be narrowed.
-            raise InvalidArgument(f"swap_in_selected_pages: top_k_result is {top_k_result.dtype}; the DSA indexer's "
-                                  "top-k positions are int32 (wider ids would be cut to 32 bits)")
-        B = int(req_pool_indices.shape[0])
-        if B > self.max_batch:
-            raise InvalidArgument(f"swap_in_selected_pages: batch {B} exceeds the {self.max_batch} request slots")
-        T = self.T
-        expected = (B, self.top_k) if T == 1 else (B, T, self.top_k)
+        layer, B, expected = self._check_swap("swap_in_selected_pages", req_pool_indices, compressed_seq_lens,
+                                              top_k_result, layer_id)
         if tuple(top_k_result.shape) != expected:
             raise InvalidArgument(f"swap_in_selected_pages: top_k_result has shape {tuple(top_k_result.shape)}; "
                                   f"expected {list(expected)}")
-        if compressed_seq_lens.numel() != B * T:
-            raise InvalidArgument(f"swap_in_selected_pages: {compressed_seq_lens.numel()} seq_lens for {B} requests x "
-                                  f"{T} query tokens")
-
         rows, lengths, step, first = self._batches.slot(layer, req_pool_indices)
-        # DA: forward_decode armed this layer (overlap.py); its FlashMLA call reads the split this swap leaves.
+        # DA / DBA: forward_decode armed this layer (overlap.py); its FlashMLA call reads the split this swap leaves.
+        # Under DBA the indexer swapped the first b0 positions already (indexer_split.py).
         split = self.decode_split
         da = split is not None and split.armed == layer_id
+        b0 = split.take_first_half(layer_id, ForwardBatches.key(req_pool_indices), B) if da else 0
+        rest = self._batches.offset_step(req_pool_indices, b0) if b0 else step
 
         def swap():
-            # Device work only (a CUDA graph replays it without this Python): the batch's rows and lengths at its
-            # first swap of the forward, num_real_reqs read here, when the swap runs.
             if first:
-                # Padding: positions at or past num_real_reqs, and SGLang's padding row 0 (req_to_token_pool
-                # never gives it to a request; graph capture, DP padding and two-batch overlap's micro-batches
-                # point positions at it). A micro-batch's positions are its own: num_real_reqs counts the whole
-                # batch's, so past it a micro-batch's positions are padding too, and its other padding is row 0.
-                rows[:B].copy_(req_pool_indices)
-                torch.ge(self._arange[:B], self.num_real_reqs, out=self._padded_rows[:B])
-                torch.eq(rows[:B], 0, out=self._row_zero[:B])
-                self._padded_rows[:B].logical_or_(self._row_zero[:B])
-                rows[:B].masked_fill_(self._padded_rows[:B], -1)
-                # A verify step's seq_lens are per query token (L + t + 1): ESS takes each request's last, L + T.
-                lengths[:B].copy_(compressed_seq_lens.view(B, T)[:, T - 1])
-            self._topk[:B].view(top_k_result.shape).copy_(top_k_result)
+                self._stage(rows, lengths, req_pool_indices, compressed_seq_lens, B)
+            self._topk[b0:B].view(top_k_result[b0:].shape).copy_(top_k_result[b0:])
             if self._recorder is not None:
                 self._recorder.record(layer, req_pool_indices, top_k_result)
             if da:
-                split.step(step, layer, B, self.row_base)
+                split.step_part(rest, layer, B - b0, 1 if b0 else 0, split.copy_done)
+                split.finish(B, self.row_base)
                 return
             step.step(layer, B, self.dev.handle(self.dev.current_stream()))
             _pool_slots(self._physical[:B], self.row_base, self._locs[:B], self._padding[:B])

@@ -33,6 +33,11 @@ class ForwardBatches:
         self._slots: List[Tuple[torch.Tensor, torch.Tensor, object]] = []
         self._seen = {}   # (address, size) -> slot, this forward
         self._last_layer = None
+        self._offset_steps = {}   # (slot, first position) -> step bound to the slot's positions from there on
+
+    @staticmethod
+    def key(req_pool_indices: torch.Tensor):
+        return (req_pool_indices.data_ptr(), int(req_pool_indices.shape[0]))
 
     def new_forward(self) -> None:
         self._seen.clear()
@@ -43,7 +48,7 @@ class ForwardBatches:
         if layer == 0 and self._last_layer not in (None, 0):
             self.new_forward()
         self._last_layer = layer
-        key = (req_pool_indices.data_ptr(), int(req_pool_indices.shape[0]))
+        key = self.key(req_pool_indices)
         index = self._seen.get(key)
         if index is not None:
             return self._slots[index] + (False,)
@@ -60,3 +65,15 @@ class ForwardBatches:
                                                                     **self._outputs)))
         self._seen[key] = index
         return self._slots[index] + (True,)
+
+    def offset_step(self, req_pool_indices: torch.Tensor, first: int):
+        """A step bound to positions [first, ...) of this forward's batch (staged already): a DBA layer's second half
+        (the engine's step takes a batch's first positions). Bound once per slot and first position."""
+        index = self._seen[self.key(req_pool_indices)]
+        step = self._offset_steps.get((index, first))
+        if step is None:
+            rows, lengths, _ = self._slots[index]
+            step = self._engine.bind_step(rows[first:], self._topk[first:], lengths[first:], self._physical[first:],
+                                          **{name: t[first:] for name, t in self._outputs.items()})
+            self._offset_steps[(index, first)] = step
+        return step

@@ -1,5 +1,5 @@
-"""install(): ESS's coordinator where SGLang's ModelRunner imports HiSparse's, and the DSA backend's decode wrapped
-for ESS's DA overlap (overlap.py)."""
+"""install(): ESS's coordinator where SGLang's ModelRunner imports HiSparse's, the DSA backend's decode wrapped for
+ESS's DA overlap (overlap.py) and the DSA indexer's paged top-k for its DBA overlap (indexer_split.py)."""
 from __future__ import annotations
 
 import logging
@@ -7,6 +7,7 @@ import logging
 from ..._errors import InvalidArgument
 from ._common import SGLANG_VERSION
 from .coordinator import HiSparseCoordinator
+from .indexer_split import INDEXER_MODULE, patch_indexer
 from .overlap import patch_backend
 
 logger = logging.getLogger("ess.integrations.sglang")
@@ -37,7 +38,13 @@ def _wrap_decode(module):
     patch_backend(module.DeepseekSparseAttnBackend)
 
 
-_PATCHES = {UPSTREAM_MODULE: _replace, DSA_BACKEND_MODULE: _wrap_decode}
+def _wrap_indexer(module):
+    """Indexer._get_topk_paged: SGLang's own unless ESS's coordinator runs DBA on the layer."""
+    _check_release()
+    patch_indexer(module.Indexer)
+
+
+_PATCHES = {UPSTREAM_MODULE: _replace, DSA_BACKEND_MODULE: _wrap_decode, INDEXER_MODULE: _wrap_indexer}
 
 
 class _Finder:
@@ -63,9 +70,10 @@ class _Finder:
 
 def install():
     """Puts ESS's coordinator where SGLang's ModelRunner takes HiSparse's from
-    (sglang.srt.managers.hisparse_coordinator.HiSparseCoordinator) and wraps the DSA backend's forward_decode for
-    ESS_OVERLAP = da, in this process: at once for a module already imported, else when it is. SGLang builds its
-    model runners in spawned processes, which do not inherit this: launch with
+    (sglang.srt.managers.hisparse_coordinator.HiSparseCoordinator), wraps the DSA backend's forward_decode for
+    ESS_OVERLAP = da / dba and the DSA indexer's _get_topk_paged for dba, in this process: at once for a module
+    already imported, else when it is. SGLang builds its model runners in spawned processes, which do not inherit
+    this: launch with
     `python -m ess.integrations.sglang_launch ...` (every process of the server then installs it at start-up), or
     call install() at the start of each process. Refuses another sglang release."""
     import sys

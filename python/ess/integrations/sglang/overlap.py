@@ -36,33 +36,51 @@ import torch
 from ..._errors import InvalidArgument
 from ._common import _pool_slots
 
-MODES = ("none", "da")
-NOT_SERVED = {
-    "dba": "DBA splits the indexer along the batch, which runs in the model's forward_prepare, outside the "
-           "attention backend ESS hooks",
-    "layerwise": "layer-wise chooses DA or DBA per layer, and DBA is not served inside SGLang",
-}
+MODES = ("none", "da", "dba", "layerwise")
 DA_DECODE_BACKENDS = ("flashmla_kv",)
 FLASH_MLA_INTERFACE = "sglang.kernels.ops.attention.flash_mla_interface"
+LAYER_CODES = {"a": "da", "b": "dba", "-": "none"}
 
 
 def schedule_from_environment() -> str:
-    """ESS_OVERLAP (none | da; default none): the schedule of every layer's decode."""
+    """ESS_OVERLAP (none | da | dba | layerwise; default none): the schedule of every layer's decode (dba:
+    indexer_split.py), or layer by layer from ESS_OVERLAP_LAYERS (layers_from_environment)."""
     value = os.environ.get("ESS_OVERLAP", "none").strip().lower()
-    if value in NOT_SERVED:
-        raise InvalidArgument(f"ESS_OVERLAP = {value}: not served inside SGLang yet ({NOT_SERVED[value]}); "
-                              f"use one of {', '.join(MODES)} (ess bench step runs dba and layerwise)")
     if value not in MODES:
         raise InvalidArgument(f"ESS_OVERLAP = {value!r}: one of {', '.join(MODES)}")
     return value
 
 
-def check_decode_backend(impl: Optional[str], where: str) -> None:
+def layers_from_environment(first_layer: int, layers: int):
+    """ESS_OVERLAP_LAYERS for ESS_OVERLAP = layerwise: the schedule of every layer of the model, as `ess plan` prints
+    it (its launch line's value): one group per layer from layer 0, separated by spaces, each one code per micro-batch
+    (a: DA, b: DBA, -: none, the simulator's code for a layer without misses); a group of one serves both of
+    two-batch overlap's micro-batches. Groups past the last layer (the MTP draft layer's) are not read. Returns a
+    tuple of per-micro-batch schedule tuples, indexed by layer id."""
+    text = os.environ.get("ESS_OVERLAP_LAYERS")
+    if text is None or not text.strip():
+        raise InvalidArgument("ESS_OVERLAP = layerwise needs ESS_OVERLAP_LAYERS: the schedule per layer, as the "
+                              "launch line of `ess plan --engine sglang` gives it (e.g. 'a a b b ...')")
+    groups = text.split()
+    if len(groups) < first_layer + layers:
+        raise InvalidArgument(f"ESS_OVERLAP_LAYERS has {len(groups)} layers; this pool serves layers "
+                              f"[{first_layer}, {first_layer + layers})")
+    out = []
+    for layer, group in enumerate(groups[:first_layer + layers]):
+        bad = [c for c in group if c not in LAYER_CODES]
+        if bad or len(group) > 2:
+            raise InvalidArgument(f"ESS_OVERLAP_LAYERS: layer {layer}'s schedule {group!r} is not one or two of "
+                                  f"a (DA), b (DBA), - (none)")
+        out.append(tuple(LAYER_CODES[c] for c in group))
+    return tuple(out)
+
+
+def check_decode_backend(impl: Optional[str], where: str, schedule: str = "da") -> None:
     if impl is not None and impl not in DA_DECODE_BACKENDS:
         raise InvalidArgument(
-            f"{where}: ESS_OVERLAP = da needs the dsa decode backend {' or '.join(DA_DECODE_BACKENDS)} (FlashMLA's "
-            f"FP8 sparse decode, which returns the log-sum-exp the two parts are merged by); this server runs "
-            f"{impl!r}: pass --dsa-decode-backend flashmla_kv, or ESS_OVERLAP = none")
+            f"{where}: ESS_OVERLAP = {schedule} needs the dsa decode backend {' or '.join(DA_DECODE_BACKENDS)} "
+            f"(FlashMLA's FP8 sparse decode, which returns the log-sum-exp the two parts are merged by); this server "
+            f"runs {impl!r}: pass --dsa-decode-backend flashmla_kv, or ESS_OVERLAP = none")
 
 
 def merge_states(o0, lse0, o1, lse1):
@@ -98,15 +116,21 @@ def _merge_on_device(o0, lse0, o1, lse1):
 
 
 class DecodeSplit:
-    """A coordinator's DA state: the resident and fetched tables of the layer swapped last (bound outputs of its
-    steps, SGLang device-pool slots after the swap), the copy stream and its event, and which layer forward_decode
-    armed. The split a swap leaves is consumed by the FlashMLA call that reads its resident table."""
+    """A coordinator's DA / DBA state: the resident and fetched tables of the layer swapped last (bound outputs of
+    its steps, SGLang device-pool slots after the swap), the copy stream and its events, which layer forward_decode
+    armed, and under DBA the first half the indexer swapped. The split a swap leaves is consumed by the FlashMLA
+    call that reads its resident table."""
 
-    def __init__(self, dev, max_reqs: int, T: int, K: int, device, padding):
+    def __init__(self, dev, max_reqs: int, T: int, K: int, device, padding, schedule: str = "da", layers=None):
         """padding: the coordinator's bool scratch of [max_reqs, T, K] (the swaps run one after another on a
-        stream)."""
+        stream). schedule: da or dba, every layer's; or layerwise, `layers` (layers_from_environment) then giving
+        each layer's per micro-batch."""
         i32 = dict(dtype=torch.int32, device=device)
         self.dev = dev
+        self._schedule = schedule
+        self._layers = layers
+        self._calls = {}         # layer id -> its decode forwards so far in this forward (the micro-batch's index)
+        self._last_layer = None
         self.resident = torch.full((max_reqs, T, K), -1, **i32)
         self.fetched = torch.full((max_reqs, T, K), -1, **i32)
         self.resident_count = torch.zeros((max_reqs, T), **i32)
@@ -115,28 +139,71 @@ class DecodeSplit:
         self.fetched_locs = torch.full((max_reqs, T, K), -1, **i32)
         self._padding = padding
         self.copy_stream = dev.Stream()
-        self.copy_done = dev.Event()
+        self.copy_done = dev.Event()          # after the layer's last copy: what Attn1 waits for
+        self.first_copy_done = dev.Event()    # after a DBA layer's first-half copy (its step records one)
         if dev.is_cuda:
             # torch creates a CUDA event at its first record: until then its handle is 0, which ESS's step would take
             # for "no event" and the wait for would skip.
             self.copy_done.record(dev.current_stream())
-        self.armed = None      # the layer id forward_decode armed, or None
-        self.pending = None    # (resident view, fetched view) the swap left for the FlashMLA call
+            self.first_copy_done.record(dev.current_stream())
+        self.armed = None        # the layer id forward_decode armed, or None
+        self.pending = None      # (resident view, fetched view) the swap left for the FlashMLA call
+        self.first_half = None   # DBA: (layer id, batch key, positions) the indexer swapped, for forward_decode
+
+    def _observe(self, layer_id) -> None:
+        # A forward visits layers in order (two-batch overlap: A(l), B(l), A(l + 1), ...): a lower layer id begins
+        # the next forward.
+        if self._last_layer is not None and layer_id < self._last_layer:
+            self._calls.clear()
+        self._last_layer = layer_id
+
+    def schedule(self, layer_id) -> str:
+        """The schedule of the layer's next decode forward (none, da or dba): layer-wise, its micro-batch's."""
+        if self._layers is None:
+            return self._schedule
+        self._observe(layer_id)
+        group = self._layers[layer_id]
+        return group[min(self._calls.get(layer_id, 0), len(group) - 1)]
+
+    def forward_done(self, layer_id) -> None:
+        """A decode forward of the layer ran (layer-wise: the next one is the next micro-batch's)."""
+        if self._layers is not None:
+            self._observe(layer_id)
+            self._calls[layer_id] = self._calls.get(layer_id, 0) + 1
 
     def outputs(self) -> dict:
         return dict(resident=self.resident, fetched=self.fetched, resident_count=self.resident_count,
                     fetched_count=self.fetched_count)
 
-    def step(self, step, layer: int, B: int, row_base: int) -> None:
-        """The swap's device work (inside the coordinator's launch): the decision on the current stream, the copy on
-        the copy stream, its event recorded after it; then both tables as device-pool slots (-1 kept)."""
+    def step_part(self, step, layer: int, n: int, part: int, done) -> None:
+        """A step's device work (inside the coordinator's launch) over a bound batch's first n positions: the
+        decision on the current stream, the copy on the copy stream, `done` recorded when it ends. part: the
+        engine's scratch set (0, and 1 for a DBA layer's second half)."""
         dev = self.dev
         if dev.is_cuda:
-            step.step_async(layer, B, 0, dev.handle(dev.current_stream()), self.copy_stream, self.copy_done)
+            step.step_async(layer, n, part, dev.handle(dev.current_stream()), self.copy_stream, done)
         else:
-            step.step(layer, B)   # the host backend copies in the step itself
+            step.step_async(layer, n, part)   # the host backend copies in the step itself
+
+    def finish(self, B: int, row_base: int) -> None:
+        """Both tables of positions [0, B) as device-pool slots (-1 kept)."""
         _pool_slots(self.resident[:B], row_base, self.resident_locs[:B], self._padding[:B])
         _pool_slots(self.fetched[:B], row_base, self.fetched_locs[:B], self._padding[:B])
+
+    def step(self, step, layer: int, B: int, row_base: int) -> None:
+        """The whole batch's swap as one part."""
+        self.step_part(step, layer, B, 0, self.copy_done)
+        self.finish(B, row_base)
+
+    def take_first_half(self, layer_id, key, B: int) -> int:
+        """The positions the indexer swapped already for this layer and batch (0: none); consumed."""
+        half, self.first_half = self.first_half, None
+        if half is None:
+            return 0
+        if half[0] != layer_id or half[1] != key or not 0 < half[2] < B:
+            raise RuntimeError(f"layer {layer_id}: ESS's DBA swapped the first half of another batch or layer "
+                               f"({half}) before this forward_decode")
+        return half[2]
 
     def leave(self, B: int, shape):
         self.pending = (self.resident_locs[:B].view(shape), self.fetched_locs[:B].view(shape))
@@ -216,13 +283,17 @@ def unpatch_flashmla(module) -> None:
     _unwrap_attribute(module, "flash_mla_with_kvcache")
 
 
-def _da_layer(backend, layer):
-    """The coordinator's DecodeSplit when it runs DA (ESS's coordinator with ESS_OVERLAP = da; the decode backend
-    checked), else None."""
-    split = getattr(getattr(backend, "hisparse_coordinator", None), "decode_split", None)
-    if split is None:
+def _decode_split(backend):
+    """The coordinator's DecodeSplit (ESS's coordinator with ESS_OVERLAP = da, dba or layerwise), else None."""
+    return getattr(getattr(backend, "hisparse_coordinator", None), "decode_split", None)
+
+
+def _da_layer(backend, layer, split):
+    """`split` when it runs DA or DBA on this forward of the layer (the decode backend checked), else None."""
+    schedule = split.schedule(layer.layer_id)
+    if schedule == "none":
         return None
-    check_decode_backend(backend.dsa_decode_impl, f"layer {layer.layer_id}")
+    check_decode_backend(backend.dsa_decode_impl, f"layer {layer.layer_id}", schedule)
     # The module as _forward_flashmla_kv's own import resolves it (sys.modules, by its full name).
     patch_flashmla(importlib.import_module(FLASH_MLA_INTERFACE))
     return split
@@ -235,6 +306,7 @@ def _armed(backend, layer, split, run):
         out = run()
     finally:
         split.armed = None
+        split.first_half = None
     if split.pending is not None:
         split.pending = None
         raise RuntimeError(f"layer {layer.layer_id}: ESS's DA swap returned the resident rows only, and the "
@@ -248,10 +320,17 @@ def _armed_when(applies):
     layer when `applies(forward_batch)` and the coordinator runs DA, else calls SGLang's own forward unchanged."""
     def wrap(original):
         def forward(self, q, k, v, layer, forward_batch, *args, **kwargs):
-            split = _da_layer(self, layer) if applies(forward_batch) else None
+            split = _decode_split(self) if applies(forward_batch) else None
             if split is None:
                 return original(self, q, k, v, layer, forward_batch, *args, **kwargs)
-            return _armed(self, layer, split, lambda: original(self, q, k, v, layer, forward_batch, *args, **kwargs))
+            armed = _da_layer(self, layer, split)
+            if armed is None:
+                out = original(self, q, k, v, layer, forward_batch, *args, **kwargs)
+            else:
+                out = _armed(self, layer, split, lambda: original(self, q, k, v, layer, forward_batch, *args,
+                                                                  **kwargs))
+            split.forward_done(layer.layer_id)
+            return out
         return forward
     return wrap
 

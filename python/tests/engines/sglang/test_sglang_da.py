@@ -367,7 +367,7 @@ def test_da_in_the_verify_forward_of_speculative_decoding(flashmla, monkeypatch)
     assert w.free_sizes() == w.free_at_start
 
 
-@pytest.mark.parametrize("value", ["dba", "layerwise", "fast"])
+@pytest.mark.parametrize("value", ["fast", "da-dba"])
 def test_schedules_not_served_are_refused_before_anything_is_taken(flashmla, monkeypatch, value):
     monkeypatch.setenv("ESS_OVERLAP", "none")
     w = AttnWorld()

@@ -75,7 +75,7 @@ def test_the_launch_line_is_sglangs(case, model_dir, monkeypatch):
             monkeypatch.setenv(name, value)
         assert residency_from_environment() == "adaptive"
         assert schedule_from_environment() == overlap
-        if overlap == "da":
+        if overlap in ("da", "dba"):
             assert args.dsa_decode_backend == "flashmla_kv"
 
 
