@@ -374,6 +374,10 @@ def stage_step(kit: Kit):
     # Each point is appended to step.jsonl as soon as it is measured (--points).
     kit.ess_run("step", "step", ["bench", "step", "--format", "json", "--batch", "1,2,16,64,128",
                                  "--points", str(kit.out / "step.jsonl"), *pred])
+    # DA and DBA as ESS runs them inside SGLang 0.5.23 (PreAttn before the indexer, outside the copy window).
+    kit.ess_run("step", "step-sglang", ["bench", "step", "--format", "json", "--batch", "16,64,128", "--overlap",
+                                        "da,dba", "--preattn-before-indexer", "--no-resident", "--no-gain",
+                                        "--points", str(kit.out / "step-sglang.jsonl"), *pred])
 
 
 def stage_python(kit: Kit):

@@ -88,6 +88,13 @@ TEST(pipeline_predict, LayerWiseThresholdIsPerRequest) {
   const sim::Deployment d = rig_deployment(c, report(true, 2, {400, 100}));
   EXPECT_EQ(d.rig_layers, 2);
   EXPECT_FALSE(d.two_batch_overlap);
+  EXPECT_TRUE(d.preattn_in_copy_window);
+}
+
+TEST(pipeline_predict, PreAttnPlacementIsTheRigs) {
+  ExecutorConfig c;
+  c.preattn_in_copy_window = false;  // ess bench step --preattn-before-indexer: as SGLang runs it
+  EXPECT_FALSE(rig_deployment(c, report(true, 2, {400, 100})).preattn_in_copy_window);
 }
 
 }  // namespace

@@ -22,7 +22,7 @@ namespace {
 struct ExecutorArgs {
   rig::ExecutorConfig c;
   std::string overlap_list = "none,da,dba,layerwise";
-  bool no_graph = false, no_gemms = false, no_warmup = false;
+  bool no_graph = false, no_gemms = false, no_warmup = false, preattn_before_indexer = false;
 
   void add_to(CLI::App& cmd) {
     cmd.add_option("--layers", c.layers, "Decoder layers per step (MoE layers)")->capture_default_str()
@@ -62,6 +62,7 @@ struct ExecutorArgs {
     r.graph = !no_graph;
     r.stand_in_gemms = !no_gemms;
     r.warmup = !no_warmup;
+    r.preattn_in_copy_window = !preattn_before_indexer;
     return r;
   }
 };
@@ -87,6 +88,8 @@ void add_bench_step(CLI::App& bench, int& exit_code) {
   step->add_option("--batch,-b", sa->batches, "Batches (comma-separated)")->capture_default_str();
   step->add_option("--overlap", sa->ex.overlap_list, "Schedules of the offloaded step: none,da,dba,layerwise")
       ->capture_default_str();
+  step->add_flag("--preattn-before-indexer", sa->ex.preattn_before_indexer,
+                 "Under DA / DBA, PreAttn before the indexer, outside the copy window (as SGLang 0.5.23 runs it)");
   step->add_flag("--no-resident", sa->no_resident, "Skip the all-resident baseline");
   step->add_flag("--no-exposed", sa->no_exposed, "Skip the runs without transfers (exposed transfer time)");
   step->add_flag("--no-gain", sa->no_gain, "Skip the two max-batch runs (throughput gain)");

@@ -66,6 +66,7 @@ nlohmann::json StepBenchResult::to_json(const StepBenchConfig& sc) const {
             {"graph", b.graph},
             {"copy_blocks", b.copy_blocks > 0 ? b.copy_blocks : cuda::kFlashTransDefaultBlocks},
             {"reserve_newest", b.reserve_newest},
+            {"preattn_in_copy_window", b.preattn_in_copy_window},
             {"inputs", points.empty() ? std::string() : points.front().report.inputs}}},
           {"points", pts},
           {"max_batch",

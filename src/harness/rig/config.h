@@ -35,6 +35,10 @@ struct ExecutorConfig {
   // Offloaded: each step's newest T tokens read from reserved rows outside the LRU
   // (OffloadConfig::reserve_newest), so the H2D no longer waits for their D2H.
   bool reserve_newest = false;
+  // Under DA / DBA, PreAttn (q_b_proj, absorb bmm) after the indexer, inside the copy window (the
+  // paper); false: before the indexer, where SGLang 0.5.23's model computes q and ESS's adapter
+  // leaves it (sim::Deployment::preattn_in_copy_window).
+  bool preattn_in_copy_window = true;
   bool graph = true;               // capture each step in a CUDA graph
   int copy_blocks = 0;             // FlashTrans grid of the step's copies (0 = its default)
   std::string trace;               // top-k trace file; empty: synthetic, default profile

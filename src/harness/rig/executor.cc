@@ -181,6 +181,7 @@ void StepExecutor::Impl::enqueue(int s) {
       ESS_CUDA_CHECK(cudaStreamWaitEvent(cs, ev_h2d[2 * lz], 0), "executor: attention waits for the copy");
       attention(l, slot_ids.get(), nullptr, o16, nullptr, layer_lse(l));
     } else {
+      if (!c.preattn_in_copy_window) pre_attention();  // where SGLang's model runs it: before the indexer
       int last = 0;
       if (mode == OverlapMode::kDualBatchAttention && B >= 2) {
         const int b_half = (B + 1) / 2;
@@ -190,7 +191,7 @@ void StepExecutor::Impl::enqueue(int s) {
       } else {
         indexer_half(s, l, 0, B, 0);
       }
-      pre_attention();
+      if (c.preattn_in_copy_window) pre_attention();
       attention(l, resident.get(), resident_count.get(), nullptr, o_a.get(), lse_a.get());  // Attn0: resident, under the copy
       ESS_CUDA_CHECK(cudaStreamWaitEvent(cs, ev_h2d[2 * lz + static_cast<std::size_t>(last)], 0),
                      "executor: Attn1 waits for the copy");

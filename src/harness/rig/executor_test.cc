@@ -131,6 +131,11 @@ TEST(executor, DualAttentionSchedulesMatchResident) {
   ExecutorConfig dba_reserved = tiny(OverlapMode::kDualBatchAttention);
   dba_reserved.reserve_newest = true;
   expect_close(res, run(dba_reserved, in), "DBA with reserved newest rows");
+  for (const OverlapMode mode : {OverlapMode::kDualAttention, OverlapMode::kDualBatchAttention}) {
+    ExecutorConfig sglang = tiny(mode);  // PreAttn before the indexer, as SGLang runs it
+    sglang.preattn_in_copy_window = false;
+    expect_close(res, run(sglang, in), fmt::format("{} with PreAttn before the indexer", to_string(mode)).c_str());
+  }
 }
 
 TEST(executor, GraphReplayEqualsEagerLaunches) {

@@ -14,6 +14,7 @@ sim::Deployment rig_deployment(const ExecutorConfig& c, const ExecutorReport& r)
   d.mtp_tokens = r.mtp;
   d.accept_ratio = 1.0;
   d.two_batch_overlap = false;
+  d.preattn_in_copy_window = c.preattn_in_copy_window;
   d.rig_layers = r.layers;
   d.validate("executor rig");
   return d;
