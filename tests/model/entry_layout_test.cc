@@ -151,6 +151,13 @@ TEST(IndexerLayout, PinsThePageLayout) {
   EXPECT_EQ(back[2], 0.0f);
   EXPECT_THROW(quantize_indexer_key(l, key, page, 64), Error);
   EXPECT_THROW((IndexerLayout{256}.validate()), Error);
+  // A small key (amax 0.01) takes the model's act_quant scale, 2^-15: 0.01 / 2^-15 = 327.68 -> 320.
+  std::fill(key.begin(), key.end(), 0.0f);
+  key[0] = 0.01f;
+  quantize_indexer_key(l, key, page, 6);
+  std::memcpy(&s, page.data() + l.scale_offset(6), 4);
+  EXPECT_EQ(s, std::ldexp(1.0f, -15));
+  EXPECT_EQ(fp8_e4m3_to_float(page[l.key_offset(6)]), 320.0f);
 }
 
 }  // namespace

@@ -107,5 +107,29 @@ TEST(Pow2BlockScale, IsTheSmallestPowerOfTwoThatFits) {
   }
 }
 
+// The indexer keys' scale is the model's act_quant (ue8m0): amax floored at 1e-4 before the
+// division by 448. It agrees with pow2_block_scale from amax = 448 x 1e-4 up, and keeps shrinking
+// below it where that one stops at 2^-13.
+TEST(Ue8m0ActScale, FloorsAmaxNotTheRatio) {
+  EXPECT_EQ(ue8m0_act_scale(448.0f), 1.0f);
+  EXPECT_EQ(ue8m0_act_scale(449.0f), 2.0f);
+  EXPECT_EQ(ue8m0_act_scale(0.01f), std::ldexp(1.0f, -15));   // 0.01 / 448 = 2.2e-5 -> 2^-15 (not 2^-13)
+  EXPECT_EQ(ue8m0_act_scale(0.0f), std::ldexp(1.0f, -22));    // 1e-4 / 448 = 2.2e-7 -> 2^-22
+  EXPECT_EQ(ue8m0_act_scale(1e-5f), ue8m0_act_scale(1e-4f));  // the floor
+  std::mt19937 rng(4);
+  std::uniform_real_distribution<float> e(-16.0f, 20.0f);
+  for (int i = 0; i < 10000; ++i) {
+    const float amax = std::exp2(e(rng));
+    const float s = ue8m0_act_scale(amax);
+    int ex = 0;
+    EXPECT_EQ(std::frexp(s, &ex), 0.5f) << "not a power of two";
+    EXPECT_LE(std::fmax(amax, 1e-4f) / s, 448.0f);
+    EXPECT_GT(std::fmax(amax, 1e-4f) / s, 224.0f) << "amax " << amax << " scale " << s;
+    if (amax >= 448.0f * 1e-4f) {
+      EXPECT_EQ(s, pow2_block_scale(amax)) << "amax " << amax;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace ess

@@ -62,7 +62,8 @@ void quantize_latent(const LatentLayout& layout, std::span<const float> nope,
 void dequantize_latent(const LatentLayout& layout, std::span<const std::uint8_t> entry,
                        std::span<float> nope, std::span<float> rope);
 
-// Quantizes one indexer key (head_dim floats) into token j of an indexer page.
+// Quantizes one indexer key (head_dim floats) into token j of an indexer page, with the model's
+// own scale (ue8m0_act_scale).
 void quantize_indexer_key(const IndexerLayout& layout, std::span<const float> key,
                           std::span<std::uint8_t> page, int j);
 // Dequantizes token j of an indexer page: key[d] = fp8 * scale. Exact.

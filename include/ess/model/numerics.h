@@ -28,9 +28,15 @@ inline std::uint16_t bf16_from_float(float x) {
   return static_cast<std::uint16_t>((u + rounding) >> 16);
 }
 
-// The block scale of the latent and indexer caches: a power of two,
+// The block scale of the latent cache, FlashMLA's quantizer (tests/quant.py): a power of two,
 // scale = 2^ceil(log2(max(amax / 448, 1e-4))), so that amax / scale <= 448 and
 // dequantization (fp8 * scale) is exact in fp32.
 float pow2_block_scale(float amax);
+
+// The block scale of the indexer keys, the model's own act_quant with scale_fmt "ue8m0"
+// (DeepSeek-V3.2's inference kernel.py): amax floored at 1e-4 before the division,
+// scale = 2^ceil(log2(max(amax, 1e-4) / 448)). Differs from pow2_block_scale for amax below
+// 0.0448 (448 x 1e-4), where that one's floor applies to the ratio.
+float ue8m0_act_scale(float amax);
 
 }  // namespace ess

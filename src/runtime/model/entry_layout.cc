@@ -19,13 +19,13 @@ void check_finite(std::span<const float> v, const char* what) {
 }
 
 // Quantizes `values` (a multiple of 128 long) into FP8 bytes with one power-of-two scale per
-// 128-value tile.
-void quantize_tiles(std::span<const float> values, std::uint8_t* fp8, float* scales) {
+// 128-value tile, `scale_of(amax)`.
+void quantize_tiles(std::span<const float> values, std::uint8_t* fp8, float* scales, float (*scale_of)(float)) {
   for (std::size_t t = 0; t * kQuantTile < values.size(); ++t) {
     const auto tile = values.subspan(t * kQuantTile, kQuantTile);
     float amax = 0.0f;
     for (float v : tile) amax = std::fmax(amax, std::fabs(v));
-    const float scale = pow2_block_scale(amax);
+    const float scale = scale_of(amax);
     scales[t] = scale;
     for (int i = 0; i < kQuantTile; ++i) {
       fp8[t * kQuantTile + i] = fp8_e4m3_from_float(tile[i] / scale);  // exact division by 2^k
@@ -75,7 +75,7 @@ void quantize_latent(const LatentLayout& layout, std::span<const float> nope,
   check_finite(nope, "latent nope");
   check_finite(rope, "latent rope");
   std::vector<float> scales(static_cast<std::size_t>(layout.num_scales()));
-  quantize_tiles(nope, out.data() + layout.nope_offset(), scales.data());
+  quantize_tiles(nope, out.data() + layout.nope_offset(), scales.data(), pow2_block_scale);
   std::memcpy(out.data() + layout.scale_offset(), scales.data(), scales.size() * sizeof(float));
   for (int i = 0; i < layout.rope_dim; ++i) {
     const std::uint16_t b = bf16_from_float(rope[i]);
@@ -117,7 +117,7 @@ void quantize_indexer_key(const IndexerLayout& layout, std::span<const float> ke
   layout.validate();
   check_finite(key, "indexer key");
   float scale = 0.0f;
-  quantize_tiles(key, page.data() + layout.key_offset(j), &scale);
+  quantize_tiles(key, page.data() + layout.key_offset(j), &scale, ue8m0_act_scale);
   std::memcpy(page.data() + layout.scale_offset(j), &scale, 4);
 }
 

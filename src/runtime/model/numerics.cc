@@ -63,14 +63,21 @@ std::uint8_t fp8_e4m3_from_float(float x) {
   return static_cast<std::uint8_t>(sign | code);
 }
 
-float pow2_block_scale(float amax) {
-  // ceil(log2(r)) computed exactly: r = m * 2^e with m in [0.5, 1), so the answer is
-  // e - 1 when r is a power of two (m == 0.5) and e otherwise. (std::log2 can round a value
-  // just above a power of two down to the integer, which would give a scale one step too small.)
-  const float ratio = std::fmax(amax / kFp8E4m3Max, 1e-4f);
+namespace {
+
+// 2^ceil(log2(r)) for r > 0, computed exactly: r = m * 2^e with m in [0.5, 1), so the exponent
+// is e - 1 when r is a power of two (m == 0.5) and e otherwise. (std::log2 can round a value
+// just above a power of two down to the integer, which would give a scale one step too small.)
+float pow2_ceil(float ratio) {
   int e = 0;
   const float m = std::frexp(ratio, &e);
   return std::ldexp(1.0f, m == 0.5f ? e - 1 : e);
 }
+
+}  // namespace
+
+float pow2_block_scale(float amax) { return pow2_ceil(std::fmax(amax / kFp8E4m3Max, 1e-4f)); }
+
+float ue8m0_act_scale(float amax) { return pow2_ceil(std::fmax(amax, 1e-4f) / kFp8E4m3Max); }
 
 }  // namespace ess
