@@ -89,6 +89,30 @@ TEST(sim_step, PreAttnBeforeTheIndexerExposesMoreOfTheCopy) {
                    paper.run(at(128, OverlapMode::kNone, 800)).step_us);
 }
 
+// The one description of the attention block the simulator and the rig follow (and the SGLang
+// adapter's order): None serial; DA splits attention around the copy; DBA also splits the indexer,
+// but only a batch of two or more (one request runs as DA, as the rig and the adapter run it);
+// PreAttn first unless it sits in the copy window.
+TEST(sim_step, AttentionScheduleIsWhatEveryRunnerFollows) {
+  const AttentionSchedule none = attention_schedule(OverlapMode::kNone, true, 8, true);
+  EXPECT_TRUE(none.preattn_first);
+  EXPECT_EQ(none.indexer_parts, 1);
+  EXPECT_FALSE(none.split_attention);
+  const AttentionSchedule da = attention_schedule(OverlapMode::kDualAttention, true, 8, true);
+  EXPECT_FALSE(da.preattn_first);
+  EXPECT_EQ(da.indexer_parts, 1);
+  EXPECT_TRUE(da.split_attention);
+  EXPECT_EQ(attention_schedule(OverlapMode::kDualBatchAttention, true, 8, true).indexer_parts, 2);
+  EXPECT_EQ(attention_schedule(OverlapMode::kDualBatchAttention, true, 1, true).indexer_parts, 1);
+  EXPECT_TRUE(attention_schedule(OverlapMode::kDualBatchAttention, true, 8, false).preattn_first);
+  EXPECT_FALSE(attention_schedule(OverlapMode::kDualBatchAttention, false, 8, true).split_attention);  // no copy
+  EXPECT_THROW(attention_schedule(OverlapMode::kLayerWise, true, 8, true), Error);
+  // In the step model: DBA over one request per micro-batch is DA.
+  const StepModel sm(dsv32(), paper_hw(), without_tbo());
+  EXPECT_DOUBLE_EQ(sm.run(at(1, OverlapMode::kDualBatchAttention, 800)).step_us,
+                   sm.run(at(1, OverlapMode::kDualAttention, 800)).step_us);
+}
+
 TEST(sim_step, LayerWiseIsAtLeastAsGoodAsEitherMode) {
   const StepModel sm(dsv32(), paper_hw(), paper_dep());
   for (double m : {20.0, 200.0, 1500.0}) {

@@ -54,19 +54,14 @@ class LayerBuilder {
     const double misses = offload_ ? mb.misses : 0;
     const Op h2d_all{op::kH2DMisses, OpKind::kH2D, 0, misses * entry, 0, 0, 0, 0, 1};
     mb.fetched = 0;
-    if (misses <= 0 || mb.mode == OverlapMode::kNone) {
-      e = s.issue(Stream::kCompute, pre_q, e);
-      e = s.issue(Stream::kCompute, pre_bmm, e);
-      e = indexer(s, mb, e, 1.0);
-      if (misses > 0) mb.fetched = s.issue(Stream::kH2D, h2d_all, e);
-      return;
-    }
-    const bool pre_first = !d_.preattn_in_copy_window;  // SGLang: q before the indexer, outside the window
-    if (pre_first) {
+    const AttentionSchedule sched = attention_schedule(mb.mode, misses > 0, mb.requests, d_.preattn_in_copy_window);
+    if (sched.preattn_first) {
       e = s.issue(Stream::kCompute, pre_q, e);
       e = s.issue(Stream::kCompute, pre_bmm, e);
     }
-    if (mb.mode == OverlapMode::kDualAttention) {
+    if (misses <= 0) {
+      indexer(s, mb, e, 1.0);
+    } else if (sched.indexer_parts == 1) {
       e = indexer(s, mb, e, 1.0);
       mb.fetched = s.issue(Stream::kH2D, h2d_all, e);
     } else {  // DBA: two halves of the batch; the first half's copy runs under the second's indexer
@@ -75,7 +70,7 @@ class LayerBuilder {
       e = indexer(s, mb, e, 0.5);
       mb.fetched = s.issue(Stream::kH2D, Op{op::kH2DMissesHalf1, OpKind::kH2D, 0, 0.5 * misses * entry, 0, 0, 0, 0, 1}, e);
     }
-    if (pre_first) return;
+    if (sched.preattn_first) return;
     e = s.issue(Stream::kCompute, pre_q, e);
     s.issue(Stream::kCompute, pre_bmm, e);
   }
@@ -101,7 +96,7 @@ class LayerBuilder {
     const double miss_per_token = std::min(topk_, misses / std::max(n, 1.0));
     const double now = s.compute_end();
     double e = 0;
-    if (misses <= 0 || mb.mode == OverlapMode::kNone) {
+    if (!attention_schedule(mb.mode, misses > 0, mb.requests, d_.preattn_in_copy_window).split_attention) {
       e = s.issue(Stream::kCompute, attn(op::kSparseMla, topk_), std::max(now, mb.fetched), Wait::kTransfer);
     } else {
       e = s.issue(Stream::kCompute, attn(op::kAttn0, topk_ - miss_per_token), now);

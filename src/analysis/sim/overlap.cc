@@ -22,4 +22,14 @@ OverlapMode parse_overlap_mode(std::string_view text) {
   ESS_THROW("unknown overlap mode '{}': expected none, da, dba or layerwise", text);
 }
 
+AttentionSchedule attention_schedule(OverlapMode mode, bool fetch, double requests, bool preattn_in_copy_window) {
+  ESS_CHECK(mode != OverlapMode::kLayerWise, "attention_schedule: a layer-wise layer runs DA or DBA; pass its choice");
+  AttentionSchedule s;
+  if (!fetch || mode == OverlapMode::kNone) return s;  // serial: PreAttn, indexer, copy, attention
+  s.preattn_first = !preattn_in_copy_window;
+  s.split_attention = true;
+  s.indexer_parts = mode == OverlapMode::kDualBatchAttention && requests >= 2 ? 2 : 1;
+  return s;
+}
+
 }  // namespace ess

@@ -14,6 +14,7 @@
 #include "ess/ops/indexer.h"
 #include "ess/ops/sparse_mla.h"
 #include "ess/runtime/offload.h"
+#include "ess/sim/overlap.h"
 #include "harness/rig/executor_impl.h"
 #include "harness/rig/fills.h"
 #include "harness/rig/gemm.h"
@@ -171,19 +172,20 @@ void StepExecutor::Impl::enqueue(int s) {
       }
     };
     const std::int32_t* token_ids = ids.get() + (static_cast<std::size_t>(s) * L + lz) * B * P;
+    // The order of the block: sim::attention_schedule, which the simulator follows too.
+    const AttentionSchedule sched = attention_schedule(c.offload ? mode : OverlapMode::kNone, c.offload, B,
+                                                       c.preattn_in_copy_window);
+    if (sched.preattn_first) pre_attention();
     if (!c.offload) {
-      pre_attention();
       indexer_half(s, l, 0, B, 0);
       attention(l, token_ids, nullptr, o16, nullptr, layer_lse(l));
-    } else if (mode == OverlapMode::kNone) {
-      pre_attention();
+    } else if (!sched.split_attention) {
       indexer_half(s, l, 0, B, 0);
       ESS_CUDA_CHECK(cudaStreamWaitEvent(cs, ev_h2d[2 * lz], 0), "executor: attention waits for the copy");
       attention(l, slot_ids.get(), nullptr, o16, nullptr, layer_lse(l));
     } else {
-      if (!c.preattn_in_copy_window) pre_attention();  // where SGLang's model runs it: before the indexer
       int last = 0;
-      if (mode == OverlapMode::kDualBatchAttention && B >= 2) {
+      if (sched.indexer_parts == 2) {
         const int b_half = (B + 1) / 2;
         indexer_half(s, l, 0, b_half, 0);
         indexer_half(s, l, b_half, B - b_half, 1);
@@ -191,7 +193,7 @@ void StepExecutor::Impl::enqueue(int s) {
       } else {
         indexer_half(s, l, 0, B, 0);
       }
-      if (c.preattn_in_copy_window) pre_attention();
+      if (!sched.preattn_first) pre_attention();
       attention(l, resident.get(), resident_count.get(), nullptr, o_a.get(), lse_a.get());  // Attn0: resident, under the copy
       ESS_CUDA_CHECK(cudaStreamWaitEvent(cs, ev_h2d[2 * lz + static_cast<std::size_t>(last)], 0),
                      "executor: Attn1 waits for the copy");
