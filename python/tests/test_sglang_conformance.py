@@ -297,6 +297,8 @@ def test_the_dba_hooks_bind_to_the_release():
                                  "DSATopKBackend", "topk_transform"))
     assert "if not envs.SGLANG_DSA_FUSE_TOPK.get() or force_unfused_topk:" in topk
     assert "return self.topk_func(logits, lengths, topk, row_starts=row_starts)" in topk
+    for mode in ("is_decode", "is_target_verify"):   # the forward modes the split applies to
+        _function(os.path.join("srt", "model_executor", "forward_batch_info.py"), "ForwardMode", mode)
     context = os.path.join("srt", "model_executor", "forward_context.py")
     for name in ("has_forward_context", "get_attn_backend"):
         _function(context, None, name)
