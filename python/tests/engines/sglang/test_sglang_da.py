@@ -367,19 +367,29 @@ def test_da_in_the_verify_forward_of_speculative_decoding(flashmla, monkeypatch)
     assert w.free_sizes() == w.free_at_start
 
 
-@pytest.mark.parametrize("value", ["fast", "da-dba"])
-def test_schedules_not_served_are_refused_before_anything_is_taken(flashmla, monkeypatch, value):
+def refused_before_anything_is_taken(monkeypatch, settings, message):
+    """A coordinator built under `settings` (environment: value, None to unset) over SGLang's pools is refused
+    with `message`, and the HiSparse device allocator keeps every row it had."""
     monkeypatch.setenv("ESS_OVERLAP", "none")
     w = AttnWorld()
     w.s.coord.destroy()
     adapter._common._return_top_rows(w.s.allocator)
     free = w.s.allocator.hisparse_attn_allocator.available_size()
-    monkeypatch.setenv("ESS_OVERLAP", value)
-    with pytest.raises(ess.InvalidArgument, match=f"ESS_OVERLAP = '?{value}"):
+    for name, value in settings.items():
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    with pytest.raises(ess.InvalidArgument, match=message):
         adapter.HiSparseCoordinator(req_to_token_pool=w.s.req_to_token_pool,
                                     token_to_kv_pool_allocator=w.s.allocator, top_k=K, device_buffer_size=64,
                                     device="cpu", tp_group=None, host_to_device_ratio=2)
     assert w.s.allocator.hisparse_attn_allocator.available_size() == free
+
+
+@pytest.mark.parametrize("value", ["fast", "da-dba"])
+def test_schedules_not_served_are_refused_before_anything_is_taken(flashmla, monkeypatch, value):
+    refused_before_anything_is_taken(monkeypatch, {"ESS_OVERLAP": value}, f"ESS_OVERLAP = '?{value}")
 
 
 def test_da_under_a_decode_kernel_without_an_lse_is_refused_by_name(flashmla, monkeypatch):

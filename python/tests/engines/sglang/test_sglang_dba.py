@@ -41,10 +41,9 @@ from sglang.srt.layers.attention.dsa.paged_mqa_logits_backend import DSAPagedMQA
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 
-import ess
-from ess.integrations import sglang as adapter
 from ess.integrations.sglang import forward_batches, indexer_split
-from test_sglang_da import HEADS, AttnWorld, DelayedCopy, check, flashmla  # noqa: F401
+from test_sglang_da import (HEADS, AttnWorld, DelayedCopy, check, flashmla,  # noqa: F401
+                            refused_before_anything_is_taken)
 from test_sglang_objects import CTX, K, LAYERS, PAGE, cpu_kernels, host_memory_unregistered  # noqa: F401
 
 INDEX_HEADS, INDEX_DIM = 4, 128
@@ -238,18 +237,8 @@ def test_a_half_reading_the_other_halfs_page_table_fails(indexer, monkeypatch):
 
 
 def test_dba_with_sglangs_topk_broadcast_is_refused_before_anything_is_taken(flashmla, monkeypatch):
-    monkeypatch.setenv("ESS_OVERLAP", "none")
-    w = AttnWorld()
-    w.s.coord.destroy()
-    adapter._common._return_top_rows(w.s.allocator)
-    free = w.s.allocator.hisparse_attn_allocator.available_size()
-    monkeypatch.setenv("ESS_OVERLAP", "dba")
-    monkeypatch.setenv("SGLANG_DSA_TOPK_BROADCAST", "1")
-    with pytest.raises(ess.InvalidArgument, match="ESS_OVERLAP = dba: SGLANG_DSA_TOPK_BROADCAST"):
-        adapter.HiSparseCoordinator(req_to_token_pool=w.s.req_to_token_pool,
-                                    token_to_kv_pool_allocator=w.s.allocator, top_k=K, device_buffer_size=64,
-                                    device="cpu", tp_group=None, host_to_device_ratio=2)
-    assert w.s.allocator.hisparse_attn_allocator.available_size() == free
+    refused_before_anything_is_taken(monkeypatch, {"ESS_OVERLAP": "dba", "SGLANG_DSA_TOPK_BROADCAST": "1"},
+                                     "ESS_OVERLAP = dba: SGLANG_DSA_TOPK_BROADCAST")
 
 
 @pytest.mark.parametrize("layers,micro_batches,expected", [
@@ -293,21 +282,7 @@ def test_a_layer_without_misses_runs_sglangs_own_decode(indexer, monkeypatch):
     ("a aab", "layer 1's schedule 'aab'"),
 ])
 def test_layerwise_settings_are_checked_before_anything_is_taken(flashmla, monkeypatch, layers, message):
-    monkeypatch.setenv("ESS_OVERLAP", "none")
-    w = AttnWorld()
-    w.s.coord.destroy()
-    adapter._common._return_top_rows(w.s.allocator)
-    free = w.s.allocator.hisparse_attn_allocator.available_size()
-    monkeypatch.setenv("ESS_OVERLAP", "layerwise")
-    if layers is None:
-        monkeypatch.delenv("ESS_OVERLAP_LAYERS", raising=False)
-    else:
-        monkeypatch.setenv("ESS_OVERLAP_LAYERS", layers)
-    with pytest.raises(ess.InvalidArgument, match=message):
-        adapter.HiSparseCoordinator(req_to_token_pool=w.s.req_to_token_pool,
-                                    token_to_kv_pool_allocator=w.s.allocator, top_k=K, device_buffer_size=64,
-                                    device="cpu", tp_group=None, host_to_device_ratio=2)
-    assert w.s.allocator.hisparse_attn_allocator.available_size() == free
+    refused_before_anything_is_taken(monkeypatch, {"ESS_OVERLAP": "layerwise", "ESS_OVERLAP_LAYERS": layers}, message)
 
 
 def test_dba_in_the_verify_forward_of_speculative_decoding(indexer, monkeypatch):
