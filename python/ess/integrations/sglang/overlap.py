@@ -190,11 +190,6 @@ class DecodeSplit:
         _pool_slots(self.resident[:B], row_base, self.resident_locs[:B], self._padding[:B])
         _pool_slots(self.fetched[:B], row_base, self.fetched_locs[:B], self._padding[:B])
 
-    def step(self, step, layer: int, B: int, row_base: int) -> None:
-        """The whole batch's swap as one part."""
-        self.step_part(step, layer, B, 0, self.copy_done)
-        self.finish(B, row_base)
-
     def take_first_half(self, layer_id, key, B: int) -> int:
         """The positions the indexer swapped already for this layer and batch (0: none); consumed."""
         half, self.first_half = self.first_half, None
