@@ -369,6 +369,8 @@ def test_plan_for_sglang_gives_its_launch_line():
     assert launch["argv"][:3] == ["python", "-m", "ess.integrations.sglang_launch"]
     assert "--enable-hisparse" in launch["argv"] and "--enable-two-batch-overlap" not in launch["argv"]
     assert p["plans"][0]["chosen"]["overlap"] in ("none", "da", "dba", "layerwise")
+    stock = p["plans"][0]["stock_hisparse"]   # SGLang's own HiSparse at its defaults, beside the plan
+    assert stock["config"]["device_buffer_size"] == 4096 and 1 <= stock["batch"] <= stock["admitted"]
     assert "launch" not in ess.plan(hardware="h200", contexts=[32768])["plans"][0]
     with pytest.raises(ess.InvalidArgument, match="overlap mode dba is not served inside vLLM"):
         ess.plan(engine="vllm", modes=["none", "dba"])

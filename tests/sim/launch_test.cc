@@ -6,8 +6,10 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 
 #include "ess/sim/inputs.h"
+#include "ess/sim/memory_model.h"
 #include "testing/testing.h"
 
 namespace ess::sim {
@@ -140,6 +142,48 @@ TEST(sim_launch, SglangLayerWiseLineCarriesEachLayersSchedule) {
   // The shell line quotes the value, not the name: a quoted NAME=value would not be an assignment.
   const std::string line = p.launches[0]["command_line"];
   EXPECT_NE(line.find("ESS_OVERLAP_LAYERS='" + c.layer_modes + "'"), std::string::npos) << line;
+}
+
+// Stock HiSparse beside the plan, sized by SGLang 0.5.23's rules at its defaults: a device token
+// costs every cache layer's latent entry and host_to_device_ratio (2) indexer entries, the logical
+// pool is twice the device pool, a request takes device_buffer_size + one page (+ the speculative
+// scratch with MTP).
+TEST(sim_launch, StockHiSparseIsSizedAsSglangSizesIt) {
+  Inputs in;
+  in.hardware = "h200";
+  PlanOptions o;
+  o.contexts = {32768};
+  o.min_otps = 0;
+  o.engine = "sglang";
+  const Plans p = plan_contexts(in, o);
+  ASSERT_TRUE(p.results[0].found);
+  const nlohmann::json& s = p.stock.at(0);
+  ASSERT_FALSE(s.is_null());
+  const ModelSpec m = ModelSpec::deepseek_v32_exp();
+  const MemoryModel mem(m, p.hardware, p.deployment, 32768);
+  const double per_token = mem.cache_layers() * (656.0 + 2 * 132.0);
+  const double device = std::floor(mem.cache_budget() / per_token / 64) * 64;
+  EXPECT_DOUBLE_EQ(s["device_tokens"].get<double>(), device);
+  EXPECT_DOUBLE_EQ(s["logical_tokens"].get<double>(), 2 * device);
+  EXPECT_DOUBLE_EQ(s["slots_per_request"].get<double>(), 4096 + 64 + 1024);  // MTP 2: min(4096, max(1024, 0))
+  const int admitted = std::min(static_cast<int>(2 * device / 32768), static_cast<int>(device / 5184));
+  EXPECT_EQ(s["admitted"].get<int>(), admitted);
+  EXPECT_EQ(s["batch"].get<int>(), admitted);  // no OTPS target
+  EXPECT_GT(s["throughput_tokens_per_s_per_node"].get<double>(), 0);
+  EXPECT_NE(to_table(p).find("stock HiSparse (SGLang 0.5.23's defaults"), std::string::npos);
+  // An OTPS target above what its admitted batch runs at lowers its batch, and says so.
+  o.min_otps = s["otps"].get<double>() + 1;
+  const Plans q = plan_contexts(in, o);
+  if (q.results[0].found && !q.stock.at(0).is_null()) {
+    EXPECT_LT(q.stock[0]["batch"].get<int>(), admitted);
+    EXPECT_NE(q.stock[0]["limit"].get<std::string>().find("OTPS"), std::string::npos);
+  }
+  // Not modelled for vLLM (its own budget and hot regions), nor without an engine.
+  o.min_otps = 0;
+  o.engine = "vllm";
+  EXPECT_TRUE(plan_contexts(in, o).stock.at(0).is_null());
+  o.engine = "";
+  EXPECT_TRUE(plan_contexts(in, o).stock.at(0).is_null());
 }
 
 }  // namespace

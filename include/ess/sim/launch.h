@@ -49,4 +49,29 @@ struct Launch {
 Launch launch_for(const std::string& engine, const ModelSpec& model, const HardwareProfile& hardware,
                   const Deployment& deployment, const PlanResult& result);
 
+// Stock HiSparse on the same GPU at SGLang 0.5.23's defaults (srt/mem_cache/sparsity/factory.py:
+// top_k 2048, device_buffer_size 2 x top_k, host_to_device_ratio 2), sized as SGLang sizes it: its
+// device pool of D tokens costs, per token, every cache layer's latent entry and
+// host_to_device_ratio indexer entries (model_executor/pool_configurator.py: the indexer cache
+// covers the logical pool); the logical pool, host_to_device_ratio x D tokens, holds every admitted
+// request's context; each request takes padded_buffer_size (device_buffer_size + one page) device
+// slots, and with MTP the speculative swap's scratch, min(T x top-k, max(1024, T x top-k -
+// device_buffer_size)) (managers/hisparse_coordinator.py). Its step is simulated as the serial
+// swap over a pool of device_buffer_size, at the largest batch both pools admit that meets the
+// OTPS target.
+struct StockHiSparse {
+  bool found = false;
+  int top_k = 0, device_buffer_size = 0;  // the coordinator's (top_k: the model's index_topk)
+  int batch = 0;                // requests per GPU
+  int admitted = 0;             // what its pools admit, before the OTPS target
+  std::string limit;            // which pool bounds `admitted`, with its numbers (or the OTPS target)
+  double device_tokens = 0;     // D
+  double logical_tokens = 0;    // host_to_device_ratio x D
+  double slots_per_request = 0; // padded_buffer_size (+ the scratch with MTP)
+  StepResult step;              // at `batch`
+  nlohmann::json to_json() const;
+};
+// For engine sglang (else not found); `model` runs the deployment as planned (its TBO).
+StockHiSparse stock_hisparse(const std::string& engine, const StepModel& model, const PlanRequest& request);
+
 }  // namespace ess::sim

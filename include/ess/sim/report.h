@@ -77,6 +77,7 @@ struct Plans {
   std::string engine;                 // "" or the engine planned for (PlanOptions::engine)
   std::vector<std::string> engine_notes;
   std::vector<nlohmann::json> launches;  // per result: its launch (Launch::to_json), null when none was found
+  std::vector<nlohmann::json> stock;     // per result: stock HiSparse beside it (StockHiSparse::to_json), or null
   bool explain = false;                  // the table shows every option's memory, host and OTPS figures
   bool all_found() const;
 };

@@ -109,7 +109,7 @@ Plans plan_contexts(const Inputs& inputs, const PlanOptions& options) {
   Inputs engine_inputs = inputs;
   if (!limits.pool_floor.empty()) engine_inputs.pool_floor = limits.pool_floor;
   ESS_CHECK(!options.contexts.empty(), "plan: no context length given");
-  Plans plans{model, hw, limits.two_batch_overlap ? dep : no_tbo, options.min_otps, {}, options.engine, limits.notes, {}};
+  Plans plans{model, hw, limits.two_batch_overlap ? dep : no_tbo, options.min_otps, {}, options.engine, limits.notes, {}, {}};
   for (std::int64_t ctx : options.contexts) {
     ESS_CHECK(ctx >= 1 && ctx <= (std::int64_t{1} << 24), "plan: context {} must be in [1, 2^24]", ctx);
     PlanRequest r = base;
@@ -121,6 +121,7 @@ Plans plan_contexts(const Inputs& inputs, const PlanOptions& options) {
     const PlanResult& got = plans.results.back();
     plans.launches.push_back(options.engine.empty() || !got.found ? nlohmann::json()
                                                                  : launch_for(options.engine, model, hw, plans.deployment, got).to_json());
+    plans.stock.push_back(got.found ? stock_hisparse(options.engine, *models.front(), r).to_json() : nlohmann::json());
     if (options.progress) options.progress(plans.results.size(), options.contexts.size());
   }
   return plans;

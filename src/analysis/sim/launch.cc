@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "ess/core/error.h"
+#include "ess/sim/memory_model.h"
 #include "ess/sim/overlap.h"
 
 namespace ess::sim {
@@ -285,6 +286,70 @@ Launch launch_for(const std::string& engine, const ModelSpec& model, const Hardw
   l.notes.push_back(fmt::format("--model-path: the model's Hugging Face id or a local copy ({} is its config's name)",
                                 model.name));
   return l;
+}
+
+StockHiSparse stock_hisparse(const std::string& engine, const StepModel& model, const PlanRequest& req) {
+  StockHiSparse out;
+  if (engine != kSglangEngine) return out;
+  const ModelSpec& m = model.model();
+  const Deployment& d = model.deployment();
+  const MemoryModel mem(m, model.hardware(), d, req.context);
+  constexpr double kRatio = 2, kPage = 64;  // host_to_device_ratio; the DSA page (padded_buffer_size)
+  // The coordinator's top_k is the model's index_topk; device_buffer_size defaults to 2 x the config's
+  // top_k, 2048 unless given, whatever the model's.
+  const double topk = m.index_topk, buffer = 2 * 2048, T = std::max(1, d.mtp_tokens);
+  out.top_k = m.index_topk;
+  out.device_buffer_size = 2 * 2048;
+  const double per_token = mem.cache_layers() * (double(m.latent_entry_bytes()) + kRatio * double(m.indexer_entry_bytes()));
+  out.device_tokens = std::floor(mem.cache_budget() / per_token / kPage) * kPage;
+  out.logical_tokens = kRatio * out.device_tokens;
+  out.slots_per_request = buffer + kPage + (T > 1 ? std::min(T * topk, std::max(1024.0, T * topk - buffer)) : 0.0);
+  const int by_logical = static_cast<int>(out.logical_tokens / double(req.context));
+  const int by_device = static_cast<int>(out.device_tokens / out.slots_per_request);
+  out.admitted = std::min(by_logical, by_device);
+  out.limit = by_logical <= by_device
+                  ? fmt::format("its logical pool, host_to_device_ratio 2 x a device pool of {:.0f} tokens, holds {} "
+                                "contexts of {}",
+                                out.device_tokens, by_logical, req.context)
+                  : fmt::format("its device pool of {:.0f} tokens holds {} requests of {:.0f} slots", out.device_tokens,
+                                by_device, out.slots_per_request);
+  Workload w;
+  w.context = req.context;
+  w.offload = true;
+  w.overlap = OverlapMode::kNone;
+  w.slots = static_cast<std::int32_t>(std::min<double>(buffer, double(req.context)));
+  w.misses = req.misses;
+  w.prefix_share = req.prefix_share;
+  for (int b = out.admitted; b >= 1; --b) {  // the step time rises with the batch: the first that meets the target
+    w.batch = b;
+    try {
+      const StepResult r = model.run(w);
+      if (r.otps + 1e-9 < req.min_otps) continue;
+      out.found = true;
+      out.batch = b;
+      out.step = r;
+      if (b < out.admitted) out.limit = fmt::format("OTPS {:.2f} at batch {} ({})", req.min_otps, b + 1, out.limit);
+      break;
+    } catch (const Error&) {
+      continue;  // e.g. activations at this batch: a smaller one
+    }
+  }
+  return out;
+}
+
+nlohmann::json StockHiSparse::to_json() const {
+  if (!found) return nullptr;
+  return {{"config", {{"top_k", top_k}, {"device_buffer_size", device_buffer_size}, {"host_to_device_ratio", 2}}},
+          {"batch", batch},
+          {"admitted", admitted},
+          {"limit", limit},
+          {"device_tokens", device_tokens},
+          {"logical_tokens", logical_tokens},
+          {"slots_per_request", slots_per_request},
+          {"step_ms", step.step_us / 1e3},
+          {"throughput_tokens_per_s_per_node", step.throughput_tokens_per_s},
+          {"otps", step.otps},
+          {"source", "simulated: SGLang 0.5.23's HiSparse sizing at its defaults, the serial swap"}};
 }
 
 }  // namespace ess::sim

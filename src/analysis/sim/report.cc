@@ -500,6 +500,9 @@ nlohmann::json to_json(const Plans& p) {
                                 {"batch1_sparse_vs_all_on_gpu", l.batch1_sparse > 0 ? nlohmann::json(l.batch1_sparse) : nlohmann::json(nullptr)}};
     }
     if (!p.engine.empty()) arr.back()["launch"] = p.launches.at(arr.size() - 1);
+    if (arr.size() <= p.stock.size() && !p.stock[arr.size() - 1].is_null()) {
+      arr.back()["stock_hisparse"] = p.stock[arr.size() - 1];
+    }
   }
   nlohmann::json j = {{"model", p.model.name}, {"hardware", p.hardware.name}, {"gpu", p.hardware.gpu},
                       {"deployment", p.deployment.to_json()}, {"plans", arr}};
@@ -581,6 +584,16 @@ std::string to_table(const Plans& p) {
       add("  launch ({} {}):\n    {}\n", l["engine"].get<std::string>(), l["release"].get<std::string>(),
           l["command_line"].get<std::string>());
       for (const auto& n : l["notes"]) add("    ({})\n", n.get<std::string>());
+    }
+    if (i < p.stock.size() && !p.stock[i].is_null() && r.found) {
+      const nlohmann::json& s = p.stock[i];
+      const double tput = s["throughput_tokens_per_s_per_node"].get<double>();
+      add("  stock HiSparse (SGLang {}'s defaults: device_buffer_size {}, host_to_device_ratio 2; simulated, serial swap): "
+          "batch {} per GPU, step {:.2f} ms, {:.0f} tok/s/node, {:.2f} OTPS; ESS's choice gives {:.2f}x its throughput\n"
+          "      limit: {}\n",
+          "0.5.23", s["config"]["device_buffer_size"].get<int>(), s["batch"].get<int>(), s["step_ms"].get<double>(), tput,
+          s["otps"].get<double>(), tput > 0 ? r.chosen.best.throughput_tokens_per_s / tput : 0.0,
+          s["limit"].get<std::string>());
     }
   }
   return out;
