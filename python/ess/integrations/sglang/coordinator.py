@@ -275,6 +275,13 @@ class HiSparseCoordinator(Staging):
         mapping = self.mem_pool_device.full_to_hisparse_device_index_mapping
         self.dev.launch(lambda: mapping.index_copy_(0, locs, reserved.view(-1)))
 
+    def _new_forward(self) -> None:
+        """A step's preparation: the next forward's batches are new, and so is the DA / DBA state (a forward that
+        failed between a DBA first half and its forward_decode left one behind)."""
+        self._batches.new_forward()
+        if self.decode_split is not None:
+            self.decode_split.new_forward()
+
     def _layer(self, layer_id: int) -> int:
         layer = _int("layer_id", layer_id) - self.start_layer
         if not 0 <= layer < self.layer_num:
@@ -304,7 +311,7 @@ class HiSparseCoordinator(Staging):
         seq_lens_cpu = getattr(batch, "seq_lens_cpu", None)
         lengths = None if seq_lens_cpu is None else _ints("seq_lens_cpu", seq_lens_cpu)
         self._check_batch("prepare_spec_verify", rows, lengths, grow=0)
-        self._batches.new_forward()
+        self._new_forward()
         pending = [row for row in rows if row in self._verifying]
         if pending:
             raise InvalidArgument(f"prepare_spec_verify: request slots {pending} have a verify step not committed "
@@ -420,7 +427,7 @@ class HiSparseCoordinator(Staging):
             raise InvalidArgument("map_last_loc_to_buffer: with speculative decoding every step is a verify step "
                                   "(prepare_spec_verify)")
         self._check_batch("map_last_loc_to_buffer", rows, lengths, grow=self.T)
-        self._batches.new_forward()
+        self._new_forward()
         self._backup_previous_step()
         locs = self.token_to_kv_pool_allocator.get_last_loc_compressed(out_cache_loc).to(torch.int64)
         if self.page_size == 1:
@@ -537,8 +544,11 @@ class HiSparseCoordinator(Staging):
             raise InvalidArgument(f"swap_first_half: top-k of shape {tuple(top_k_half.shape)} is not the first "
                                   f"positions of a batch of {list(expected)}")
         if split.first_half is not None:
-            raise InvalidArgument(f"swap_first_half: layer {layer_id}'s first half comes before layer "
-                                  f"{split.first_half[0]}'s forward_decode took its own")
+            # Only a forward that raised between a first half and its forward_decode leaves one (forward_decode
+            # always takes it): that forward's work is abandoned, and its swap left the engine consistent.
+            logger.warning("ESS: layer %s's DBA first half was never taken (its forward failed); dropped",
+                           split.first_half[0])
+            split.first_half = None
         rows, lengths, step, first = self._batches.slot(layer, req_pool_indices)
 
         def swap():

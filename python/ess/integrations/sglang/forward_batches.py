@@ -55,8 +55,8 @@ class ForwardBatches:
         index = len(self._seen)
         if index == self.LIMIT:
             raise InvalidArgument(
-                f"swap_in_selected_pages: layer {layer} brings a fourth batch to one forward (its req_pool_indices "
-                "are neither the whole batch's nor one of its two micro-batches')")
+                f"a swap at layer {layer} brings a fourth batch to one forward (its req_pool_indices are neither "
+                "the whole batch's nor one of its two micro-batches')")
         if index == len(self._slots):
             i32 = dict(dtype=torch.int32, device=self._device)
             rows = torch.full((self._max_reqs,), -1, **i32)

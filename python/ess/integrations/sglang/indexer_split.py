@@ -84,7 +84,12 @@ class HalfIndexerMetadata:
         return self._rows(self._whole.get_seqlens_expanded(), "seqlens_expanded")
 
     def get_dsa_extend_len_cpu(self):
-        return list(self._whole.get_dsa_extend_len_cpu())[self._b0:self._b1]
+        """Per request ([n] x B: an eager verify or decode) or per query row ([1] x B x n: SGLang's captured
+        verify graph, dsa_backend's init_forward_metadata_capture_cuda_graph), the half's."""
+        extend = list(self._whole.get_dsa_extend_len_cpu())
+        if len(extend) == self._B:
+            return extend[self._b0:self._b1]
+        return extend[self._b0 * self._n:self._b1 * self._n]
 
     def topk_transform(self, logits, topk: int, **kwargs):
         if kwargs:
@@ -103,10 +108,17 @@ def _layout(forward_batch, metadata, q_fp8):
         return None
     B = int(metadata.get_seqlens_int32().shape[0])
     extend = list(metadata.get_dsa_extend_len_cpu())
-    if B < 2 or len(extend) != B:
+    if B < 2 or not extend:
         return None
-    n = extend[0]
-    if n < 1 or any(e != n for e in extend) or B * n > q_fp8.shape[0]:
+    if len(extend) == B:   # n query rows per request
+        n = extend[0]
+        if any(e != n for e in extend):
+            return None
+    elif len(extend) % B == 0 and all(e == 1 for e in extend):   # a captured verify graph: one per query row
+        n = len(extend) // B
+    else:
+        return None
+    if n < 1 or B * n > q_fp8.shape[0]:
         return None
     return B, n
 

@@ -150,6 +150,13 @@ class DecodeSplit:
         self.pending = None      # (resident view, fetched view) the swap left for the FlashMLA call
         self.first_half = None   # DBA: (layer id, batch key, positions) the indexer swapped, for forward_decode
 
+    def new_forward(self) -> None:
+        """A step's preparation begins the next forward: the micro-batch counts restart, and a DBA first half a
+        failed forward left behind is dropped."""
+        self._calls.clear()
+        self._last_layer = None
+        self.first_half = None
+
     def _observe(self, layer_id) -> None:
         # A forward visits layers in order (two-batch overlap: A(l), B(l), A(l + 1), ...): a lower layer id begins
         # the next forward.

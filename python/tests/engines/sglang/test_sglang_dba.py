@@ -285,11 +285,14 @@ def test_layerwise_settings_are_checked_before_anything_is_taken(flashmla, monke
     refused_before_anything_is_taken(monkeypatch, {"ESS_OVERLAP": "layerwise", "ESS_OVERLAP_LAYERS": layers}, message)
 
 
-def test_dba_in_the_verify_forward_of_speculative_decoding(indexer, monkeypatch):
+@pytest.mark.parametrize("captured", [False, True])
+def test_dba_in_the_verify_forward_of_speculative_decoding(indexer, monkeypatch, captured):
     """The verify forward (TARGET_VERIFY, T = 2): SGLang's _get_topk_paged over bs x T query rows with the per-token
     lengths and the page table expanded per token (the target-verify metadata), split per half of the requests;
     the first half swapped as forward_extend's HiSparse branch swaps ([b0, T, K], per-token seq_lens), then
-    forward_extend swaps the rest. The top-k equals the unsplit call's, the order holds, lossless per query row."""
+    forward_extend swaps the rest. The top-k equals the unsplit call's, the order holds, lossless per query row.
+    captured: the extend lengths as SGLang's captured verify graph has them, one per query row ([1] x bs x T,
+    dsa_backend.init_forward_metadata_capture_cuda_graph), not [T] x bs."""
     from sglang.srt.layers.attention import dsa_backend
     from sglang.test.kernels.dsa_transform_index import transform_index_page_table_prefill_ref
     monkeypatch.setattr(dsa_backend, "transform_index_page_table_prefill",
@@ -320,7 +323,8 @@ def test_dba_in_the_verify_forward_of_speculative_decoding(indexer, monkeypatch)
         attn = types.SimpleNamespace(
             cache_seqlens_int32=(lens + T).to(torch.int32), real_page_table=(table[:, ::PAGE] // PAGE).repeat_interleave(
                 T, dim=0), page_table_1=table.repeat_interleave(T, dim=0), dsa_seqlens_expanded=expanded,
-            dsa_extend_seq_lens_list=[T] * B, cu_seqlens_q=torch.arange(0, B * T + 1, T, dtype=torch.int32),
+            dsa_extend_seq_lens_list=[1] * B * T if captured else [T] * B,
+            cu_seqlens_q=torch.arange(0, B * T + 1, T, dtype=torch.int32),
             topk_indices_offset=None, indexer_logical_page_table=None, dsa_cache_seqlens_int32=expanded.clamp_max(K),
             flashmla_metadata=types.SimpleNamespace(flashmla_metadata=torch.zeros(1, dtype=torch.int32),
                                                     num_splits=torch.zeros(B * T + 1, dtype=torch.int32)))
@@ -355,3 +359,19 @@ def test_dba_in_the_verify_forward_of_speculative_decoding(indexer, monkeypatch)
     for rid in list(w.reqs):
         w.finish(rid)
     assert w.free_sizes() == w.free_at_start
+
+
+def test_a_step_preparation_forgets_what_a_failed_forward_left(indexer, monkeypatch):
+    """A forward that raised after a DBA first half (before its forward_decode) leaves the first half and the
+    layer-wise counts behind; the next step's preparation (map_last_loc_to_buffer) drops both, and that step is
+    lossless."""
+    ix, log, flash = indexer
+    monkeypatch.setenv("ESS_OVERLAP", "layerwise")
+    monkeypatch.setenv("ESS_OVERLAP_LAYERS", "ab ab")   # micro-batch A: DA, B: DBA; without micro-batches, DA
+    w = four_requests()
+    split = w.s.coord.decode_split
+    split.first_half = (1, (0, 4), 2)   # as a failed forward leaves them
+    split._calls[0], split._last_layer = 1, 0
+    calls, orders = run(w, ix, log, 2, delayed=DelayedCopy(w))
+    assert all(len(order) == 1 for order in orders), orders   # every layer DA again: the counts restarted
+    check(w, calls, flash)
