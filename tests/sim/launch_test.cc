@@ -15,6 +15,21 @@
 namespace ess::sim {
 namespace {
 
+// The paper's deployment on the h200 profile, and a plan for SGLang at one context.
+Inputs h200() {
+  Inputs in;
+  in.hardware = "h200";
+  return in;
+}
+
+PlanOptions sglang_options(std::int64_t context, double min_otps) {
+  PlanOptions o;
+  o.contexts = {context};
+  o.min_otps = min_otps;
+  o.engine = "sglang";
+  return o;
+}
+
 TEST(sim_launch, SglangLimitsTheModesAndThePoolFloor) {
   const std::vector<std::string> all = {"none", "da", "dba", "layerwise"};
   EngineLimits l = engine_limits("sglang", all, false, "", false, 2);
@@ -83,12 +98,8 @@ TEST(sim_launch, TheVllmLaunchLineCarriesThePlansChoiceAndLeavesRoomForEsssRows)
 }
 
 TEST(sim_launch, TheLaunchLineCarriesThePlansChoice) {
-  Inputs in;
-  in.hardware = "h200";
-  PlanOptions o;
-  o.contexts = {131072};
-  o.min_otps = 10;
-  o.engine = "sglang";
+  const Inputs in = h200();
+  PlanOptions o = sglang_options(131072, 10);
   const Plans p = plan_contexts(in, o);
   ASSERT_TRUE(p.results[0].found);
   const StepResult& c = p.results[0].chosen.best;
@@ -120,12 +131,8 @@ TEST(sim_launch, TheLaunchLineCarriesThePlansChoice) {
 }
 
 TEST(sim_launch, SglangLayerWiseLineCarriesEachLayersSchedule) {
-  Inputs in;
-  in.hardware = "h200";
-  PlanOptions o;
-  o.contexts = {131072};
-  o.min_otps = 10;
-  o.engine = "sglang";
+  const Inputs in = h200();
+  PlanOptions o = sglang_options(131072, 10);
   o.modes = {"layerwise"};
   o.modes_given = true;
   const Plans p = plan_contexts(in, o);
@@ -149,12 +156,8 @@ TEST(sim_launch, SglangLayerWiseLineCarriesEachLayersSchedule) {
 // pool is twice the device pool, a request takes device_buffer_size + one page (+ the speculative
 // scratch with MTP).
 TEST(sim_launch, StockHiSparseIsSizedAsSglangSizesIt) {
-  Inputs in;
-  in.hardware = "h200";
-  PlanOptions o;
-  o.contexts = {32768};
-  o.min_otps = 0;
-  o.engine = "sglang";
+  const Inputs in = h200();
+  PlanOptions o = sglang_options(32768, 0);
   const Plans p = plan_contexts(in, o);
   ASSERT_TRUE(p.results[0].found);
   const nlohmann::json& s = p.stock.at(0);
