@@ -91,16 +91,16 @@ class AttnWorld(World):
         rope = torch.randn((n, 64), generator=self.torch_rng)
         return flashmla_standin.quantize(latent, rope).view(LAYERS, CTX, ENTRY).numpy()
 
-    def forward_decode(self, layer, idx, lens, topk):
+    def forward_decode(self, layer, idx, lens, topk, **batch_fields):
         """dsa_backend.forward_decode of one layer (the KV write done by the caller), as the model's attention calls
-        it with a concatenated q; returns (output [bs, heads x 512], q)."""
+        it with a concatenated q; returns (output [bs, heads x 512], q). batch_fields: more of the ForwardBatch."""
         bs = idx.shape[0]
         q = torch.randn((bs, HEADS * 576), generator=self.torch_rng).to(torch.bfloat16) * 4
         self.backend.forward_metadata = types.SimpleNamespace(
             dsa_cache_seqlens_int32=lens.to(torch.int32).clamp_max(K),
             flashmla_metadata=types.SimpleNamespace(flashmla_metadata=torch.zeros(1, dtype=torch.int32),
                                                     num_splits=torch.zeros(bs + 1, dtype=torch.int32)))
-        batch = types.SimpleNamespace(req_pool_indices=idx, seq_lens=lens)
+        batch = types.SimpleNamespace(req_pool_indices=idx, seq_lens=lens, **batch_fields)
         out = self.backend.forward_decode(q, None, None, self.layers[layer], batch, topk_indices=topk)
         return out, q
 
@@ -154,6 +154,27 @@ class DelayedCopy:
         return self
 
 
+def write_step_kv(w, rids, device, layer):
+    """set_mla_kv_buffer of the step's token: each request's newest entry at its device slot."""
+    for r, d in zip(rids, device.tolist()):
+        w.s.rows(layer)[d] = torch.from_numpy(w.full[r][layer, w.length[r] - 1])
+
+
+def forward_batches_of(rids, idx, lens, layer, micro_batches):
+    """The batches a layer's forward runs, as (lo, hi, req_pool_indices, seq_lens): the whole batch, or with
+    two-batch overlap (every layer but the first) each half of the requests, padded with row 0 (seq_len 1) to one
+    length (TboForwardBatchPreparer.filter_batch, ForwardBatch._pad_tbo_child_inputs)."""
+    n = len(rids)
+    if not micro_batches or layer == 0:
+        yield 0, n, idx, lens
+        return
+    width = n - n // 2
+    for lo, hi in ((0, n // 2), (n // 2, n)):
+        pad = width - (hi - lo)
+        yield (lo, hi, torch.cat([idx[lo:hi], torch.zeros(pad, dtype=idx.dtype)]),
+               torch.cat([lens[lo:hi], torch.ones(pad, dtype=lens.dtype)]))
+
+
 def run(w, steps, rng, delayed=None, micro_batches=False):
     """Decode steps over every running request; returns one entry per forward_decode call: (step, layer, [(rid,
     picks, output, q) per position], padded positions' outputs). micro_batches: two-batch overlap, every layer but
@@ -164,13 +185,10 @@ def run(w, steps, rng, delayed=None, micro_batches=False):
     seen, calls = {}, []
     for step in range(steps):
         rids, idx, lens, device = w.prepare_decode()
-        half, width = len(rids) // 2, len(rids) - len(rids) // 2
         for layer in range(LAYERS):
-            for r, d in zip(rids, device.tolist()):   # set_mla_kv_buffer of the step's token
-                w.s.rows(layer)[d] = torch.from_numpy(w.full[r][layer, w.length[r] - 1])
-            parts = [(0, len(rids))] if not micro_batches or layer == 0 else [(0, half), (half, len(rids))]
-            for lo, hi in parts:
-                pad = 0 if len(parts) == 1 else width - (hi - lo)
+            write_step_kv(w, rids, device, layer)
+            for lo, hi, part_idx, part_lens in forward_batches_of(rids, idx, lens, layer, micro_batches):
+                pad = part_idx.shape[0] - (hi - lo)
                 picks = []
                 for r in rids[lo:hi]:
                     n, kind = w.length[r], rng.choice(["repeat", "old", "random"])
@@ -185,8 +203,6 @@ def run(w, steps, rng, delayed=None, micro_batches=False):
                     picks.append(p)
                 topk = torch.tensor([p + [-1] * (K - len(p)) for p in picks] + [[0] + [-1] * (K - 1)] * pad,
                                     dtype=torch.int32)
-                part_idx = torch.cat([idx[lo:hi], torch.zeros(pad, dtype=idx.dtype)])
-                part_lens = torch.cat([lens[lo:hi], torch.ones(pad, dtype=lens.dtype)])
                 out, q = w.forward_decode(layer, part_idx, part_lens, topk)
                 n = hi - lo
                 calls.append((step, layer, [(r, picks[b], out[b].view(HEADS, 512), q[b])

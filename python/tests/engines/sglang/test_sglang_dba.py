@@ -43,7 +43,7 @@ from sglang.srt.model_executor.forward_context import ForwardContext, forward_co
 
 from ess.integrations.sglang import forward_batches, indexer_split
 from test_sglang_da import (HEADS, AttnWorld, DelayedCopy, check, flashmla,  # noqa: F401
-                            refused_before_anything_is_taken)
+                            forward_batches_of, refused_before_anything_is_taken, write_step_kv)
 from test_sglang_objects import CTX, K, LAYERS, PAGE, cpu_kernels, host_memory_unregistered  # noqa: F401
 
 INDEX_HEADS, INDEX_DIM = 4, 128
@@ -116,16 +116,6 @@ def indexer_metadata(w, idx, lens):
                               topk_backend=DSATopKBackend.TORCH, force_unfused_topk=True)
 
 
-def forward_decode(w, layer, batch, topk):
-    bs = batch.req_pool_indices.shape[0]
-    q = torch.randn((bs, HEADS * 576), generator=w.torch_rng).to(torch.bfloat16) * 4
-    w.backend.forward_metadata = types.SimpleNamespace(
-        dsa_cache_seqlens_int32=batch.seq_lens.to(torch.int32).clamp_max(K),
-        flashmla_metadata=types.SimpleNamespace(flashmla_metadata=torch.zeros(1, dtype=torch.int32),
-                                                num_splits=torch.zeros(bs + 1, dtype=torch.int32)))
-    return w.backend.forward_decode(q, None, None, w.layers[layer], batch, topk_indices=topk), q
-
-
 def run(w, ix, log, steps, micro_batches=False, delayed=None):
     """Decode steps, the top-k from SGLang's indexer; returns test_sglang_da.run's entries and the per-call
     order of logits calls and first-half swaps."""
@@ -144,15 +134,9 @@ def run(w, ix, log, steps, micro_batches=False, delayed=None):
         rids, idx, lens, device = w.prepare_decode()
         for r in rids:
             w.write_keys(r, w.length[r] - 1, w.length[r])
-        half, width = len(rids) // 2, len(rids) - len(rids) // 2
         for layer in range(LAYERS):
-            for r, d in zip(rids, device.tolist()):   # set_mla_kv_buffer of the step's token
-                w.s.rows(layer)[d] = torch.from_numpy(w.full[r][layer, w.length[r] - 1])
-            parts = [(0, len(rids))] if not micro_batches or layer == 0 else [(0, half), (half, len(rids))]
-            for lo, hi in parts:
-                pad = 0 if len(parts) == 1 else width - (hi - lo)
-                part_idx = torch.cat([idx[lo:hi], torch.zeros(pad, dtype=idx.dtype)])
-                part_lens = torch.cat([lens[lo:hi], torch.ones(pad, dtype=lens.dtype)])
+            write_step_kv(w, rids, device, layer)
+            for lo, hi, part_idx, part_lens in forward_batches_of(rids, idx, lens, layer, micro_batches):
                 batch = types.SimpleNamespace(req_pool_indices=part_idx, seq_lens=part_lens,
                                               forward_mode=ForwardMode.DECODE)
                 metadata = indexer_metadata(w, part_idx, part_lens)
@@ -165,7 +149,7 @@ def run(w, ix, log, steps, micro_batches=False, delayed=None):
                     topk = ix._get_topk_paged(batch, layer, q_fp8, weights, metadata)
                     assert torch.equal(topk, whole), ("top-k", step, layer)
                     orders.append(list(log))
-                    out, q = forward_decode(w, layer, batch, topk)
+                    out, q = w.forward_decode(layer, part_idx, part_lens, topk, forward_mode=ForwardMode.DECODE)
                 del log[:]
                 n = hi - lo
                 picks = [[p for p in topk[b].tolist() if p >= 0] for b in range(n)]
