@@ -15,6 +15,7 @@ CASES = [
     dict(hardware="h200", contexts=[131072], min_otps=10, no_tbo=True),                         # the paper's 4 x 8
     dict(hardware="paper-table1", contexts=[32768], min_otps=15, mtp=1),
     dict(hardware="h200", contexts=[4096], min_otps=15),                                         # all-on-GPU wins
+    dict(hardware="h200", contexts=[131072], min_otps=10, no_tbo=True, modes=["layerwise"]),     # ESS_OVERLAP_LAYERS
 ]
 
 
@@ -35,7 +36,7 @@ def server_args(flags, model_dir):
     return prepare_server_args(flags + ["--device", "cpu", "--skip-tokenizer-init"])
 
 
-@pytest.mark.parametrize("case", CASES, ids=["8xH200", "4x8-128K", "no-MTP", "all-on-GPU"])
+@pytest.mark.parametrize("case", CASES, ids=["8xH200", "4x8-128K", "no-MTP", "all-on-GPU", "layer-wise"])
 def test_the_launch_line_is_sglangs(case, model_dir, monkeypatch):
     plan = ess.plan(engine="sglang", **case)
     assert plan["engine"] == "sglang"
@@ -75,6 +76,11 @@ def test_the_launch_line_is_sglangs(case, model_dir, monkeypatch):
             monkeypatch.setenv(name, value)
         assert residency_from_environment() == "adaptive"
         assert schedule_from_environment() == overlap
+        assert overlap == "layerwise" or case.get("modes") != ["layerwise"], overlap
+        if overlap == "layerwise":   # every layer's codes, as the adapter reads them for a pool of the model's layers
+            from ess.integrations.sglang.overlap import layers_from_environment
+            layers = layers_from_environment(0, deepseek_v32_config.CONFIG["num_hidden_layers"])
+            assert len(layers) == 61 and all(set(g) <= {"none", "da", "dba"} for g in layers), layers
         if overlap in ("da", "dba"):
             assert args.dsa_decode_backend == "flashmla_kv"
 
