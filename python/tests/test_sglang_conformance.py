@@ -303,3 +303,34 @@ def test_the_dba_hooks_bind_to_the_release():
     for name in ("has_forward_context", "get_attn_backend"):
         _function(context, None, name)
     assert indexer_split.INDEXER_MODULE == "sglang.srt.layers.attention.dsa.dsa_indexer"
+
+
+def test_the_shared_index_facts_are_the_releases():
+    """What shared_index.py relies on: model_runner passes resolve_shared_index_layers(hf_text_config=...) as the
+    coordinator's shared_index_layers (one flag per layer, from dsa_layer_skips_topk); a shared (skip_topk) layer runs
+    no indexer and carries the previous layer's top-k tensor through unchanged (forward_mla.py should_run_indexer,
+    maybe_capture_indexer_topk passing its argument back), so a follower's swap gets its leader's selection;
+    upstream's own swap serves a shared layer from the prefetch its anchor started (the event wait, no swap kernel),
+    and its grouping asserts on a shared layer with no anchor before it (ESS refuses that pattern by name)."""
+    runner = ast.unparse(_function(os.path.join("srt", "model_executor", "model_runner.py"), "ModelRunner",
+                                   "maybe_init_hisparse_coordinator"))
+    assert "shared_index_layers=resolve_shared_index_layers(hf_text_config=self.model_config.hf_text_config)" \
+        in runner
+    coordinator = os.path.join("srt", "managers", "hisparse_coordinator.py")
+    resolve = ast.unparse(_function(coordinator, None, "resolve_shared_index_layers"))
+    assert "pattern = [dsa_layer_skips_topk(hf_text_config, i) for i in range(num_layers)]" in resolve
+    swap = ast.unparse(_function(coordinator, "HiSparseCoordinator", "swap_in_selected_pages"))
+    for needed in ("if self._is_shared_index_layer[layer_id]:",
+                   "self._prefetch_events[slot].wait(device_module.current_stream())",
+                   "group = self._prefetch_groups.get(layer_id)"):
+        assert needed in swap, needed
+    groups = ast.unparse(_function(coordinator, None, "_build_prefetch_groups"))
+    assert "assert anchor is not None" in groups
+    mla = os.path.join("srt", "models", "deepseek_common", "attention_forward_methods", "forward_mla.py")
+    gate = ast.unparse(_function(mla, "DeepseekMLAForwardMixin", "should_run_indexer"))
+    assert "return not self.skip_topk or (self.is_nextn and prev_topk_indices is None)" in gate
+    prepare = ast.unparse(_function(mla, "DeepseekMLAForwardMixin", "forward_absorb_prepare"))
+    assert prepare.count("topk_indices = maybe_capture_indexer_topk(self.layer_id, prev_topk_indices)") >= 2
+    capture = ast.unparse(_function(os.path.join("srt", "state_capturer", "indexer_topk.py"), None,
+                                    "maybe_capture_indexer_topk"))
+    assert capture.rstrip().endswith("return topk_indices")

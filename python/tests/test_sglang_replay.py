@@ -53,6 +53,10 @@ class World:
 
     T = 1            # query tokens per request per step (the draft tokens of a verify step)
     SLOTS = SLOTS
+    # resolve_shared_index_layers' pattern (GLM-5.2's index sharing): a shared layer reuses the top-k tensor of the
+    # layer before it (forward_mla.py: prev_topk_indices), None for a model without sharing.
+    SHARED = None
+    shared_swaps = 0   # swaps of shared layers
 
     def __init__(self, seed, cls=adapter.HiSparseCoordinator, graph_pad=True, page=PAGE):
         self.rng = np.random.default_rng(seed)
@@ -62,7 +66,7 @@ class World:
         # model_runner.maybe_init_hisparse_coordinator: the keywords it passes.
         self.coord = cls(req_to_token_pool=self.req_to_token_pool, token_to_kv_pool_allocator=self.allocator,
                          top_k=K, device_buffer_size=self.SLOTS, device="cpu", tp_group=None,
-                         host_to_device_ratio=RATIO, swap_in_block_size=960, shared_index_layers=None,
+                         host_to_device_ratio=RATIO, swap_in_block_size=960, shared_index_layers=self.SHARED,
                          num_draft_tokens=0 if self.T == 1 else self.T)
         # scheduler.init_hisparse_coordinator
         self.coord.set_decode_producer_stream(self.coord.dev.Stream())
@@ -156,8 +160,11 @@ class World:
             # The layer's KV write of this step's token, then the indexer's top-k and the swap.
             new = torch.from_numpy(np.stack([self.full[r][layer, self.length[r] - 1] for r in batch.rids]))
             self.device_pool.set_mla_kv_buffer(layer, batch.out_cache_loc, new)
-            rows = [self.query(r) for r in batch.rids] + [[0] + [-1] * (K - 1)] * pad
-            topk = torch.tensor(rows, dtype=torch.int32)   # dsa_indexer.py: the top-k positions are int32
+            if not (self.SHARED and self.SHARED[layer]):
+                rows = [self.query(r) for r in batch.rids] + [[0] + [-1] * (K - 1)] * pad
+                topk = torch.tensor(rows, dtype=torch.int32)   # dsa_indexer.py: the top-k positions are int32
+            else:
+                self.shared_swaps += 1
             table = coord.swap_in_selected_pages(idx, seq_lens, topk, layer)
             assert table.dtype == torch.int32 and tuple(table.shape) == (bs + pad, K)
             self.check(layer, batch, rows, table)
@@ -364,6 +371,7 @@ class TboWorld(World):
         coord.wait_for_pending_backup()
         coord.num_real_reqs.fill_(bs)
         whole, halves = micro_batches(self.rng, batch.idx, batch.seq_lens, 1)
+        carried = {}   # micro-batch -> its last indexer's (rows, top-k tensor)
         for layer in range(LAYERS):
             for part_idx, part_lens, positions in ([whole] if layer < self.DENSE else halves):
                 real = [p for p in positions if p is not None and p < bs]
@@ -371,9 +379,13 @@ class TboWorld(World):
                 if real:   # the micro-batch's layer writes its own tokens' KV, then its indexer and swap
                     new = torch.from_numpy(np.stack([self.full[r][layer, self.length[r] - 1] for r in part.rids]))
                     self.device_pool.set_mla_kv_buffer(layer, batch.out_cache_loc[real], new)
-                rows = [self.query(r) for r in part.rids] + [[0] + [-1] * (K - 1)] * (len(positions) - len(real))
-                table = coord.swap_in_selected_pages(part_idx, part_lens, torch.tensor(rows, dtype=torch.int32),
-                                                     layer)
+                if not (self.SHARED and self.SHARED[layer]):
+                    rows = [self.query(r) for r in part.rids] + [[0] + [-1] * (K - 1)] * (len(positions) - len(real))
+                    carried[id(positions)] = rows, torch.tensor(rows, dtype=torch.int32)
+                else:
+                    self.shared_swaps += 1
+                rows, topk = carried[id(positions)]
+                table = coord.swap_in_selected_pages(part_idx, part_lens, topk, layer)
                 assert tuple(table.shape) == (len(positions), K)
                 self.check(layer, part, rows, table)
             self.tbo_layers += layer >= self.DENSE
@@ -411,6 +423,22 @@ def test_replay_with_two_batch_overlap(seed):
     """Each micro-batch's swap serves its own requests' bytes, eager and under a CUDA graph's views."""
     w = replay(seed=seed, world=TboWorld)
     assert w.tbo_layers > 20
+
+
+class SharedIndexWorld(World):
+    SHARED = [False, True, True]   # layer 0's indexer serves layers 1 and 2
+
+
+class SharedIndexTboWorld(TboWorld):
+    SHARED = [False, False, True]  # the dense layer 0 on the whole batch; layer 1 leads layer 2 per micro-batch
+
+
+@pytest.mark.parametrize("world,seed", [(SharedIndexWorld, 0), (SharedIndexWorld, 4), (SharedIndexTboWorld, 0)])
+def test_replay_with_shared_index_layers(world, seed):
+    """GLM-5.2's index sharing: a shared layer's step starts at its leader's swap (shared_index.py) and serves what
+    the independent LRU model of that layer's pool says, with CUDA-graph padding and under two-batch overlap."""
+    w = replay(seed=seed, world=world)
+    assert w.shared_swaps > 20 and w.coord.shared_index.prefetched == w.shared_swaps
 
 
 class StagesOncePerForward(adapter.HiSparseCoordinator):

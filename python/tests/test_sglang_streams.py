@@ -11,6 +11,7 @@ backend relies on and the CPU replay cannot see.
 - the top-k recorder's copy (ESS_RECORD_TRACE) runs on decode_backup_stream after the schedule and producer
   streams, and the next forward waits for it."""
 import pytest
+import torch
 
 from ess.integrations import _device
 from ess.integrations import sglang as adapter
@@ -197,3 +198,69 @@ def test_the_recorders_copy_runs_after_the_forward_and_before_the_next(monkeypat
                  coord._backup_done_event)
         k = next(k for k in range(j + 1, len(entries)) if entries[k][0] == "launch" and entries[k][1] is producer)
         assert ("wait_event", producer, coord._backup_done_event) in entries[j + 1:k]
+
+
+class SharedIndexStreamWorld(StreamWorld):
+    SHARED = [False, True, True]
+
+
+def test_shared_layers_steps_run_on_the_prefetch_stream_after_the_leaders_swap(monkeypatch):
+    """GLM-5.2's index sharing (shared_index.py): after the leader's swap is enqueued, the prefetch stream waits for the
+    forward's stream, runs the followers' steps and records one event per follower; each follower's swap only makes
+    the forward's stream wait for its event (no swap of its own)."""
+    monkeypatch.setattr(_device, "for_device", lambda device: RecordingDevice(device))
+    w = SharedIndexStreamWorld(13)
+    for n in (40, 70):
+        w.prefill(n)
+    w.collect()
+    coord, log = w.coord, w.coord.dev.log
+    producer, prefetch = coord.decode_producer_stream, coord.shared_index.stream
+    start = len(log.entries)
+    w.step()
+    entries = log.entries[start:]
+    swaps = [i for i, e in enumerate(entries) if e[0] == "launch" and e[2] == "swap"]
+    assert len(swaps) == 1 and entries[swaps[0]][1] is producer, "only the leader swaps on the forward's stream"
+    i = next(i for i, e in enumerate(entries) if e[0] == "launch" and e[1] is prefetch)
+    assert i > swaps[0] and ("wait_stream", prefetch, producer) in preceding(entries, i, prefetch)
+    records = [e[1] for e in entries[i:] if e[0] == "record" and e[2] is prefetch]
+    assert len(records) == 2
+    waits = [e for e in entries[i:] if e[0] == "wait_event" and e[2] in records]
+    assert waits == [("wait_event", producer, records[0]), ("wait_event", producer, records[1])]
+
+
+def test_a_dba_second_half_waits_for_the_other_micro_batchs_prefetch(monkeypatch):
+    """The prefetch's steps use the engine's scratch set 1, as a DBA layer's second half does: with two-batch
+    overlap, micro-batch A's leader starts its followers' steps and B's DBA second half at the same layer runs
+    while they may still copy, so the forward's stream waits for the prefetch stream before that second half."""
+    from test_sglang_replay import K, micro_batches
+    monkeypatch.setenv("ESS_OVERLAP", "dba")
+    monkeypatch.setattr(_device, "for_device", lambda device: RecordingDevice(device))
+
+    class World3(StreamWorld):
+        SHARED = [False, False, True]
+    w = World3(14)
+    for n in (40, 70, 55, 90):
+        w.prefill(n)
+    w.collect()
+    coord, log = w.coord, w.coord.dev.log
+    producer, prefetch, split = coord.decode_producer_stream, coord.shared_index.stream, coord.decode_split
+    batch = w.prepare_decode()
+    coord.wait_for_pending_backup()
+    coord.num_real_reqs.fill_(len(batch.rids))
+    with coord.dev.stream(producer):
+        _, halves = micro_batches(w.rng, batch.idx, batch.seq_lens, 1)
+        assert len(halves) == 2
+        start = len(log.entries)
+        for part_idx, part_lens, positions in halves:   # layer 1, A then B, each split in two by DBA
+            bs = int(part_idx.shape[0])
+            topk = torch.full((bs, K), -1, dtype=torch.int32)
+            topk[:, 0] = 0
+            split.armed = 1
+            coord.swap_first_half(part_idx, part_lens, topk[:bs // 2], 1)
+            coord.swap_in_selected_pages(part_idx, part_lens, topk, 1)
+            split.armed, split.pending = None, None
+    entries = log.entries[start:]
+    swaps = [i for i, e in enumerate(entries) if e[0] == "launch" and e[2] == "swap"]
+    assert len(swaps) == 4   # A's halves, B's halves
+    assert ("wait_stream", producer, prefetch) not in preceding(entries, swaps[1], producer)
+    assert ("wait_stream", producer, prefetch) in preceding(entries, swaps[3], producer)

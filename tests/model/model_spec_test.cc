@@ -6,6 +6,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
 
 #include "ess/core/error.h"
 #include "testing/testing.h"
@@ -94,6 +95,93 @@ TEST(ModelSpec, RejectsMissingWrongAndOutOfRangeFields) {
     EXPECT_NE(error_of([&] { ModelSpec::from_json(j); }).find("out of range"), std::string::npos);
   }
   EXPECT_THROW(ModelSpec::from_json(json::array()), Error);
+}
+
+TEST(ModelSpec, ShippedGlm5HasOneIndexerPerLayer) {
+  const ModelSpec m = ModelSpec::from_file(ESS_SOURCE_DIR "/configs/models/glm-5.json");
+  EXPECT_EQ(m.name, "zai-org/GLM-5");
+  EXPECT_EQ(m.num_hidden_layers, 78);
+  EXPECT_EQ(m.latent_entry_bytes(), 656u);  // kv_lora_rank 512 + rope 64: DeepSeek-V3.2's entry
+  EXPECT_EQ(m.indexer_entry_bytes(), 132u);
+  EXPECT_TRUE(m.shared_index.empty());
+  EXPECT_EQ(m.indexer_layers(78), 78);
+  EXPECT_EQ(m.index_leader(40), 40);
+  EXPECT_DOUBLE_EQ(m.softmax_scale(), 1.0 / std::sqrt(256.0));  // no YaRN: 1 / sqrt(192 + 64)
+}
+
+std::vector<int> full_layers(const ModelSpec& m) {
+  std::vector<int> out;
+  for (int l = 0; l < m.num_hidden_layers; ++l) {
+    if (!m.index_shared(l)) out.push_back(l);
+  }
+  return out;
+}
+
+TEST(ModelSpec, Glm52SharesItsIndexersAsItsConfigSays) {
+  const ModelSpec m = ModelSpec::from_file(ESS_SOURCE_DIR "/configs/models/glm-5.2.json");
+  // The published indexer_types: full at 0, 1, 2, then every fourth layer from 6.
+  std::vector<int> expected = {0, 1, 2};
+  for (int l = 6; l < 78; l += 4) expected.push_back(l);
+  EXPECT_EQ(full_layers(m), expected);
+  EXPECT_EQ(m.indexer_layers(78), 21);
+  EXPECT_EQ(m.indexer_layers(6), 3);
+  EXPECT_EQ(m.index_leader(3), 2);
+  EXPECT_EQ(m.index_leader(5), 2);
+  EXPECT_EQ(m.index_leader(6), 6);
+  EXPECT_EQ(m.index_leader(77), 74);
+  // The same pattern from index_topk_freq 4 and index_skip_topk_offset 3 alone (SGLang's rule when
+  // the config has no indexer_types), and through to_json.
+  json j = m.to_json();
+  j.erase("indexer_types");
+  j["index_topk_freq"] = 4;
+  j["index_skip_topk_offset"] = 3;
+  EXPECT_EQ(full_layers(ModelSpec::from_json(j)), expected);
+  EXPECT_EQ(ModelSpec::from_json(m.to_json()).shared_index, m.shared_index);
+}
+
+TEST(ModelSpec, IndexSharingFollowsSglangsOrderOfFields) {
+  json base = ModelSpec::deepseek_v32_exp().to_json();
+  base["num_hidden_layers"] = 8;
+  base["first_k_dense_replace"] = 1;
+  const auto pattern = [&](const json& extra) {
+    json j = base;
+    j.update(extra);
+    std::string out;
+    for (const bool s : ModelSpec::from_json(j).shared_index) out += s ? 'S' : 'F';
+    return out;
+  };
+  EXPECT_EQ(pattern(json::object()), "");                              // no field: every layer its own
+  EXPECT_EQ(pattern({{"index_topk_freq", 1}}), "");
+  EXPECT_EQ(pattern({{"index_topk_freq", 2}}), "FFSFSFSF");           // offset 2 when absent
+  EXPECT_EQ(pattern({{"index_topk_freq", 3}, {"index_skip_topk_offset", 1}}), "FSSFSSFS");
+  EXPECT_EQ(pattern({{"index_topk_pattern", "FSFFSS"}}), "FSFFSSFF");  // past its end: full
+  EXPECT_EQ(pattern({{"cli_factor", 4}}), "FSSSFSSS");
+  EXPECT_EQ(pattern({{"indexer_types", {"full", "shared", "shared"}}}), "FSSFFFFF");
+  // The first field present decides: indexer_types, cli_factor, index_topk_pattern, the frequency.
+  EXPECT_EQ(pattern({{"indexer_types", {"full", "shared"}}, {"cli_factor", 4}, {"index_topk_freq", 2}}), "FSFFFFFF");
+  EXPECT_EQ(pattern({{"cli_factor", 4}, {"index_topk_pattern", "FS"}}), "FSSSFSSS");
+  EXPECT_EQ(pattern({{"cli_factor", 1}, {"index_topk_pattern", "FS"}}), "FSFFFFFF");
+  EXPECT_EQ(pattern({{"index_topk_pattern", nullptr}, {"index_topk_freq", 2}}), "FFSFSFSF");  // null: absent
+}
+
+TEST(ModelSpec, IndexSharingFieldsOutOfRangeAreRefusedByName) {
+  json base = ModelSpec::deepseek_v32_exp().to_json();
+  const auto error = [&](const json& extra) {
+    json j = base;
+    j.update(extra);
+    return error_of([&] { ModelSpec::from_json(j, "cfg.json"); });
+  };
+  EXPECT_NE(error({{"indexer_types", {"full", "Shared"}}}).find("'indexer_types'[1] = \"Shared\""), std::string::npos);
+  EXPECT_NE(error({{"indexer_types", "FS"}}).find("'indexer_types' must be a list"), std::string::npos);
+  EXPECT_NE(error({{"index_topk_pattern", "FSX"}}).find("character 2 is 'X'"), std::string::npos);
+  EXPECT_NE(error({{"index_topk_freq", 0}}).find("'index_topk_freq' = 0"), std::string::npos);
+  EXPECT_NE(error({{"index_topk_freq", 2}, {"index_skip_topk_offset", 0}}).find("'index_skip_topk_offset' = 0"),
+            std::string::npos);
+  EXPECT_NE(error({{"cli_factor", -2}}).find("'cli_factor' = -2"), std::string::npos);
+  for (const json& first_shared : {json{{"index_topk_pattern", "SF"}}, json{{"indexer_types", {"shared"}}}}) {
+    const std::string msg = error(first_shared);
+    EXPECT_NE(msg.find("cfg.json: layer 0 reuses a top-k"), std::string::npos) << msg;
+  }
 }
 
 TEST(ModelSpec, FileErrorsNameThePath) {

@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <vector>
+
 #include "ess/core/error.h"
 
 namespace ess {
@@ -132,6 +134,49 @@ TEST(VerifyLoop, WholeAndAdaptiveResidencyAreLossless) {
 
   c.reserve_newest = false;
   EXPECT_THROW(run_verify(ModelSpec::deepseek_v32_exp(), c), Error);
+}
+
+// GLM-5.2's index sharing (layers 3, 4, 5 and 7 of the first 8 reuse the top-k of layers 2 and
+// 6): each follower's step issued right after its leader's, or at its own turn; both lossless,
+// with the same decisions (a follower's pool sees its leader's ids from the warm-up on, so its
+// hits and misses are its leader's), and the check still fails on a corrupted follower row.
+TEST(VerifyLoop, SharedIndexLayersPrefetchedAtTheirLeadersStepAreLossless) {
+  const ModelSpec m = ModelSpec::from_file(ESS_SOURCE_DIR "/configs/models/glm-5.2.json");
+  VerifyConfig c = small();
+  c.layers = 8;
+  c.reserve_newest = true;
+  const VerifyReport on = run_verify(m, c);
+  EXPECT_TRUE(on.bitwise_equal) << on.first_mismatch;
+  EXPECT_EQ(on.mismatched_host_entries, 0);
+  EXPECT_EQ(on.shared_layers, (std::vector<int>{3, 4, 5, 7}));
+  EXPECT_EQ(on.prefetched_steps, 4 * 6);
+  EXPECT_EQ(on.compared_outputs, 2 * 8 * 6 * 2);
+  c.shared_index_prefetch = false;
+  const VerifyReport off = run_verify(m, c);
+  EXPECT_TRUE(off.bitwise_equal) << off.first_mismatch;
+  EXPECT_EQ(off.prefetched_steps, 0);
+  for (int l = 0; l < 8; ++l) {
+    const auto& a = on.per_layer[static_cast<std::size_t>(l)];
+    const auto& b = off.per_layer[static_cast<std::size_t>(l)];
+    const auto& leader = on.per_layer[static_cast<std::size_t>(m.index_leader(l))];
+    EXPECT_EQ(a.hits, b.hits) << l;
+    EXPECT_EQ(a.misses, b.misses) << l;
+    EXPECT_EQ(a.hits, leader.hits) << l;
+    EXPECT_EQ(a.misses, leader.misses) << l;
+  }
+  EXPECT_GT(on.misses, 0);
+  c.shared_index_prefetch = true;
+  c.inject_fault = true;  // a flipped bit in layer 7's rows, which its leader's step filled
+  EXPECT_FALSE(run_verify(m, c).bitwise_equal);
+  // A leader split into query groups: its followers step at their own turn, still lossless.
+  c.inject_fault = false;
+  c.mtp = 4;
+  c.slots = 40;
+  c.query_drift = 0.4;
+  const VerifyReport split = run_verify(m, c);
+  EXPECT_TRUE(split.bitwise_equal) << split.first_mismatch;
+  EXPECT_GT(split.split_steps, 0);
+  EXPECT_LT(split.prefetched_steps, 4 * 6);
 }
 
 TEST(VerifyLoop, TheCheckCanFail) {

@@ -31,7 +31,7 @@ void add_verify(CLI::App& app, int& exit_code) {
       "top-k -> Offload::step: swap decision, misses fetched -> sparse attention over the rows it returns) "
       "beside attention over the full cache, and check every output is bit-identical. Exit status 1 if not.");
   VerifyConfig& c = args->config;
-  cmd->add_option("--model", args->model, "Model config.json (default: the shipped DeepSeek-V3.2-Exp)");
+  cmd->add_option("--model", args->model, "Model config.json (default: the shipped DeepSeek-V3.2-Exp; configs/models/ has the others)");
   cmd->add_option("--requests,-b", c.requests, "Requests in the batch")->capture_default_str();
   cmd->add_option("--layers,-l", c.layers, "Layers (the model's first N)")->capture_default_str();
   cmd->add_option("--context,-c", c.context, "Prompt length at the prefill -> decode hand-over")->capture_default_str();
@@ -57,6 +57,9 @@ void add_verify(CLI::App& app, int& exit_code) {
   cmd->add_option("--seed", c.seed, "Random seed")->capture_default_str()->check(unsigned_integer());
   cmd->add_flag("--reserve-newest", c.reserve_newest,
                "Each step's new entries in reserved rows outside the LRU, written back to the host pool");
+  cmd->add_flag("!--no-prefetch", c.shared_index_prefetch,
+               "With a model whose layers share an indexer's top-k (GLM-5.2): run each shared layer's step at its "
+               "own turn instead of right after its leader's");
   cmd->add_option("--residency", args->residency,
                   "Where requests live on the device: sparse (a Sparse Memory Pool each), whole (every entry in "
                   "rows of its own, no swap), adaptive (whole until the pool rows run out, then demoted; the last "

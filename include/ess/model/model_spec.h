@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace ess {
 
@@ -41,6 +42,15 @@ struct ModelSpec {
   // YaRN softmax correction (rope_scaling.factor / mscale_all_dim); 1 / 0 when absent.
   double rope_scaling_factor = 1.0;
   double rope_mscale_all_dim = 0.0;
+  // Index sharing (GLM-5.2's): shared_index[l] says layer l runs no indexer and attends over the
+  // top-k of the last layer before it that runs one (its leader). Empty when every layer runs its
+  // own. Derived as SGLang derives each layer's `skip_topk` (configs/model_config.py,
+  // dsa_layer_skips_topk), the first field present deciding: `indexer_types` ("full" / "shared"
+  // per layer; layers past its end are full), `cli_factor` > 1 (a fresh top-k every cli_factor
+  // layers), `index_topk_pattern` ("F" / "S" per layer), else `index_topk_freq` with
+  // `index_skip_topk_offset` (layer l shared unless max(l - offset + 1, 0) is a multiple of the
+  // frequency; offset 2 when absent).
+  std::vector<bool> shared_index;
 
   static ModelSpec from_json(const nlohmann::json& j, const std::string& source = "<json>");
   static ModelSpec from_file(const std::string& path);
@@ -55,6 +65,13 @@ struct ModelSpec {
   int mla_head_dim() const { return kv_lora_rank + qk_rope_head_dim; }  // absorbed q/k width (576)
   std::size_t latent_entry_bytes() const;   // 656 for DeepSeek-V3.2
   std::size_t indexer_entry_bytes() const;  // 132 for DeepSeek-V3.2
+  bool index_shared(int layer) const {
+    return layer >= 0 && static_cast<std::size_t>(layer) < shared_index.size() && shared_index[static_cast<std::size_t>(layer)];
+  }
+  // The layer whose indexer's top-k `layer` attends over: itself, or its leader when shared.
+  int index_leader(int layer) const;
+  // Of the first `layers` layers, those that run an indexer.
+  int indexer_layers(int layers) const;
   // Softmax scale of the absorbed MLA: mscale^2 / sqrt(qk_nope_head_dim + qk_rope_head_dim),
   // mscale = 0.1 * mscale_all_dim * ln(factor) + 1 under YaRN (as DeepSeek's reference code).
   double softmax_scale() const;

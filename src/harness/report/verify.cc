@@ -43,6 +43,10 @@ std::string to_table(const ModelSpec& model, const VerifyConfig& c, const Verify
   add("residency {} over {} pool rows: {} request-layer-steps whole, {} sparse; {} swap decisions launched; {} "
       "demotions, {} promotions\n",
       to_string(c.residency), r.pool_rows, r.whole_steps, r.sparse_steps, r.swap_launches, r.demotions, r.promotions);
+  if (!r.shared_layers.empty()) {
+    add("index sharing: layers {} reuse their leader's top-k; {} of their layer-steps issued at their leader's{}\n",
+        fmt::join(r.shared_layers, ","), r.prefetched_steps, c.shared_index_prefetch ? "" : " (prefetch off)");
+  }
   if (r.bitwise_equal) {
     add("lossless: all {} attention outputs (bf16 output + fp32 LSE) are bit-identical to the "
                "all-resident cache, and every host pool entry to the generated one  [{:.2f} s]\n",
@@ -84,6 +88,10 @@ nlohmann::json to_json(const ModelSpec& model, const VerifyConfig& c, const Veri
         {"swap_launches", r.swap_launches},
         {"demotions", r.demotions},
         {"promotions", r.promotions}}},
+      {"index_sharing",
+       {{"shared_layers", r.shared_layers},
+        {"prefetch", c.shared_index_prefetch},
+        {"prefetched_steps", r.prefetched_steps}}},
       {"per_layer_misses", per_layer_misses},
       {"per_layer", per_layer},
       {"misses_per_step", r.misses_per_step},

@@ -3,6 +3,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <map>
 #include <random>
 
 #include "ess/cache/query_groups.h"
@@ -268,7 +269,10 @@ VerifyReport Loop::run() {
   report_.backend = cfg_.backend == Backend::kCuda ? "cuda" : "cpu";
   report_.slots = slots;
   report_.per_layer.resize(static_cast<std::size_t>(L));
-  for (int l = 0; l < L; ++l) report_.per_layer[static_cast<std::size_t>(l)].layer = l;
+  for (int l = 0; l < L; ++l) {
+    report_.per_layer[static_cast<std::size_t>(l)].layer = l;
+    if (model_.index_shared(l)) report_.shared_layers.push_back(l);
+  }
 
   // Prefill: every request's prompt is in the Total Memory Pool and the indexer cache; with
   // a shared prefix, requests 1.. hold request 0's first `prefix` tokens.
@@ -302,7 +306,13 @@ VerifyReport Loop::run() {
     const auto W = static_cast<int>(std::min<std::int64_t>(cfg_.warmup_windows, cfg_.context));
     for (RequestId id = 0; id < B; ++id) {
       std::vector<std::int32_t> windows;  // [L][W][K]
+      const std::size_t per_layer = static_cast<std::size_t>(W) * static_cast<std::size_t>(K);
       for (int l = 0; l < L; ++l) {
+        if (model_.index_shared(l)) {  // the prefill's top-k of a shared layer is its leader's
+          const auto from = windows.begin() + static_cast<std::ptrdiff_t>(model_.index_leader(l) * per_layer);
+          windows.insert(windows.end(), from, from + static_cast<std::ptrdiff_t>(per_layer));
+          continue;
+        }
         for (std::int64_t pos = cfg_.context - W; pos < cfg_.context; ++pos) {
           const auto ids = select(id, l, pos);
           windows.insert(windows.end(), ids.begin(), ids.end());
@@ -346,8 +356,11 @@ VerifyReport Loop::run() {
       in.lengths[static_cast<std::size_t>(id)] = static_cast<std::int32_t>(len + T);
     }
     std::int64_t step_misses = 0;
+    std::map<int, test::OffloadStepOut> prefetched;  // follower layer -> its step, issued at its leader's
     for (int l = 0; l < L; ++l) {
-      for (int b = 0; b < B; ++b) {
+      // A shared-index layer runs no indexer: in.topk still holds its leader's top-k (the layers
+      // between them are its leader's other followers).
+      for (int b = 0; b < B && !model_.index_shared(l); ++b) {
         for (int t = 0; t < T && in.rows[static_cast<std::size_t>(b)] >= 0; ++t) {
           const std::int64_t pos = in.lengths[static_cast<std::size_t>(b)] - T + t;
           const auto ids = select(b, l, pos);
@@ -357,15 +370,28 @@ VerifyReport Loop::run() {
       in.layer = l;
       count_split_steps(in, slots);
       // One call per query group (one for a step whose working set fits the pool), each
-      // group's attention before the next group's fetch may evict what it read.
-      const std::vector<int> groups = o.query_groups(B, in.rows.data(), in.topk.data(), in.lengths.data());
+      // group's attention before the next group's fetch may evict what it read; a follower whose
+      // step its leader's issued: that one.
+      const auto ready = prefetched.find(l);
+      const std::vector<int> groups = ready != prefetched.end()
+                                          ? std::vector<int>{0, T}
+                                          : o.query_groups(B, in.rows.data(), in.topk.data(), in.lengths.data());
       report_.group_calls += static_cast<std::int64_t>(groups.size()) - 2;
       auto& pl = report_.per_layer[static_cast<std::size_t>(l)];
       for (std::size_t g = 0; g + 1 < groups.size(); ++g) {
         in.query_begin = groups[g];
         in.query_end = groups[g + 1];
-        const test::OffloadStepOut out = io_->step(o, in);
+        const test::OffloadStepOut out = ready != prefetched.end() ? ready->second : io_->step(o, in);
         device_rows_layer_ = -1;
+        if (cfg_.shared_index_prefetch && groups.size() == 2 && !model_.index_shared(l)) {
+          // The leader's top-k is known: its followers' steps now, before the layers between.
+          for (int f = l + 1; f < L && model_.index_shared(f); ++f) {
+            in.layer = f;
+            prefetched[f] = io_->step(o, in);
+            ++report_.prefetched_steps;
+          }
+          in.layer = l;
+        }
         if (cfg_.inject_fault && s == cfg_.steps - 1 && l == L - 1 && g == 0) {
           // Flip one bit of the first selected row of request 0: the check below must notice.
           const std::int32_t p = out.physical[0];
@@ -387,6 +413,7 @@ VerifyReport Loop::run() {
         }
       }
       if (cfg_.reserve_newest) io_->write_back(o, l, in.rows, in.lengths, {});
+      prefetched.erase(l);
     }
     report_.misses_per_step.push_back(step_misses);
     report_progress(warmed() + static_cast<std::size_t>(s) + 1);

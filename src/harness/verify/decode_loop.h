@@ -2,7 +2,8 @@
 // path (the runtime's per-layer step, ess/runtime/offload.h, on its CPU or CUDA backend) side
 // by side with the all-resident path and checks they agree bit for bit.
 //
-// Per step and layer: indexer (reference kernel) -> top-k -> Offload::step (swap decision,
+// Per step and layer: indexer (reference kernel; a shared-index layer reuses its leader's top-k)
+// -> top-k -> Offload::step (swap decision,
 // misses fetched from the Total Memory Pool into the layer buffer's rows; once per query
 // group when the step's working set exceeds the pool) -> sparse MLA (reference kernel) over
 // the rows it returns; and, with the same top-k ids, sparse MLA over
@@ -49,6 +50,11 @@ struct VerifyConfig {
   // so that demoted requests may be promoted back.
   Residency residency = Residency::kSparse;
   std::int32_t pool_rows = 0;
+  // A model with index sharing (ModelSpec::shared_index): a shared layer runs no indexer and
+  // attends over its leader's top-k. With this set its step is issued right after its leader's
+  // (before the layers in between, as the SGLang adapter issues it on its prefetch stream), when
+  // the leader's step is one call (not split into query groups); else at its own turn.
+  bool shared_index_prefetch = true;
   // The Offload's backend: kCuda checks the device path (swap kernels, split, FlashTrans) end to end.
   Backend backend = Backend::kCpu;
   int device = 0;
@@ -90,6 +96,10 @@ struct VerifyReport {
   // swap decision; demotions and promotions.
   std::int32_t pool_rows = 0;
   std::int64_t whole_steps = 0, sparse_steps = 0, swap_launches = 0, demotions = 0, promotions = 0;
+  // Index sharing: the verified layers that reuse their leader's top-k, and the layer-steps of
+  // theirs issued at their leader's step.
+  std::vector<int> shared_layers;
+  std::int64_t prefetched_steps = 0;
   double seconds = 0.0;
 };
 

@@ -2,6 +2,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <sstream>
@@ -14,6 +15,57 @@
 namespace ess {
 
 using nlohmann::json;
+
+namespace {
+
+// A field that is absent or JSON null (a config object's None) is not set.
+const json* present(const json& j, const char* field) {
+  const auto it = j.find(field);
+  return it == j.end() || it->is_null() ? nullptr : &*it;
+}
+
+// Per layer, whether it reuses its leader's top-k (ModelSpec::shared_index): SGLang's rule.
+std::vector<bool> shared_index_layers(const json& j, int layers, const std::string& source) {
+  std::vector<bool> shared(static_cast<std::size_t>(std::max(layers, 0)), false);
+  if (const json* types = present(j, "indexer_types")) {
+    ESS_CHECK(types->is_array(), "{}: field 'indexer_types' must be a list of \"full\" / \"shared\", got {}", source,
+              types->dump());
+    for (std::size_t l = 0; l < types->size(); ++l) {
+      const json& t = (*types)[l];
+      ESS_CHECK(t.is_string() && (t == "full" || t == "shared"),
+                "{}: field 'indexer_types'[{}] = {} must be \"full\" or \"shared\"", source, l, t.dump());
+      if (l < shared.size()) shared[l] = t == "shared";
+    }
+  } else if (const int f = present(j, "cli_factor") != nullptr ? json_int(j, "cli_factor", source, true) : 1; f != 1) {
+    ESS_CHECK(f > 0, "{}: field 'cli_factor' = {} must be positive", source, f);
+    for (int l = 0; l < layers; ++l) shared[static_cast<std::size_t>(l)] = l % f != 0;
+  } else if (const json* pattern = present(j, "index_topk_pattern")) {
+    ESS_CHECK(pattern->is_string(), "{}: field 'index_topk_pattern' must be a string of F and S, got {}", source,
+              pattern->dump());
+    const std::string p = pattern->get<std::string>();
+    for (std::size_t l = 0; l < p.size(); ++l) {
+      ESS_CHECK(p[l] == 'F' || p[l] == 'S', "{}: field 'index_topk_pattern' = \"{}\": character {} is '{}', not F or S",
+                source, p, l, std::string(1, p[l]));
+      if (l < shared.size()) shared[l] = p[l] == 'S';
+    }
+  } else {
+    const int freq = present(j, "index_topk_freq") != nullptr ? json_int(j, "index_topk_freq", source, true) : 1;
+    ESS_CHECK(freq > 0, "{}: field 'index_topk_freq' = {} must be positive", source, freq);
+    int offset = 2;
+    if (present(j, "index_skip_topk_offset") != nullptr) {
+      offset = json_int(j, "index_skip_topk_offset", source, true);
+      ESS_CHECK(offset > 0, "{}: field 'index_skip_topk_offset' = {} must be positive (layer 0 has no top-k before it "
+                "to reuse)", source, offset);
+    }
+    for (int l = 0; l < layers; ++l) shared[static_cast<std::size_t>(l)] = std::max(l - offset + 1, 0) % freq != 0;
+  }
+  if (std::find(shared.begin(), shared.end(), true) == shared.end()) return {};
+  ESS_CHECK(!shared[0], "{}: layer 0 reuses a top-k (the index sharing fields), but no layer before it runs an indexer",
+            source);
+  return shared;
+}
+
+}  // namespace
 
 ModelSpec ModelSpec::from_json(const json& j, const std::string& source) {
   ESS_CHECK(j.is_object(), "{}: a model config must be a JSON object, got {}", source,
@@ -53,6 +105,7 @@ ModelSpec ModelSpec::from_json(const json& j, const std::string& source) {
     m.rope_scaling_factor = json_number_or(*rs, "factor", where, 1.0);
     m.rope_mscale_all_dim = json_number_or(*rs, "mscale_all_dim", where, 0.0);
   }
+  m.shared_index = shared_index_layers(j, m.num_hidden_layers, source);
   m.validate(source);
   return m;
 }
@@ -87,6 +140,11 @@ json ModelSpec::to_json() const {
             {"first_k_dense_replace", first_k_dense_replace},
             {"num_nextn_predict_layers", num_nextn_predict_layers},
             {"max_position_embeddings", max_position_embeddings}};
+  if (!shared_index.empty()) {
+    json types = json::array();
+    for (const bool shared : shared_index) types.push_back(shared ? "shared" : "full");
+    j["indexer_types"] = std::move(types);
+  }
   if (rope_scaling_factor != 1.0 || rope_mscale_all_dim != 0.0) {
     j["rope_scaling"] = {{"factor", rope_scaling_factor}, {"mscale_all_dim", rope_mscale_all_dim}};
   }
@@ -97,6 +155,17 @@ std::size_t ModelSpec::latent_entry_bytes() const { return LatentLayout::for_mod
 
 std::size_t ModelSpec::indexer_entry_bytes() const {
   return IndexerLayout::for_model(*this).entry_bytes();
+}
+
+int ModelSpec::index_leader(int layer) const {
+  while (index_shared(layer)) --layer;
+  return layer;
+}
+
+int ModelSpec::indexer_layers(int layers) const {
+  int n = 0;
+  for (int l = 0; l < layers; ++l) n += index_shared(l) ? 0 : 1;
+  return n;
 }
 
 double ModelSpec::softmax_scale() const {
@@ -141,6 +210,10 @@ void ModelSpec::validate(const std::string& source) const {
             num_experts_per_tok, n_routed_experts);
   ESS_CHECK(rope_scaling_factor > 0.0, "{}: field 'rope_scaling.factor' = {} must be positive",
             source, rope_scaling_factor);
+  ESS_CHECK(shared_index.empty() || std::ssize(shared_index) == num_hidden_layers,
+            "{}: the index sharing pattern has {} layers; the model has num_hidden_layers = {}", source,
+            shared_index.size(), num_hidden_layers);
+  ESS_CHECK(!index_shared(0), "{}: layer 0 reuses a top-k, but no layer before it runs an indexer", source);
   try {
     LatentLayout::for_model(*this);
     IndexerLayout::for_model(*this);

@@ -34,7 +34,8 @@ forward swaps for (the whole batch, each micro-batch) has its rows staged apart 
 The package: coordinator.py (the class: construction, the decode swap and its backup, speculative
 decoding), forward_batches.py (the rows and lengths of each batch a forward swaps for), overlap.py (ESS_OVERLAP=da:
 the DA overlap inside the DSA backend's decode; layerwise: each layer's schedule), indexer_split.py (ESS_OVERLAP=dba:
-the DSA indexer run per half of the batch, the first half's copy under the second's indexer), staging.py
+the DSA indexer run per half of the batch, the first half's copy under the second's indexer), shared_index.py
+(shared-index layers: a follower's step issued at its leader's swap, its copy under the layers between), staging.py
 (admission: the prefill staged to the host, PD direct admission, release), host_pool.py (ESS's Total Memory Pool as
 SGLang's PD host pool), install.py (the class and the wrappers put where SGLang imports them), _common.py (what they
 share: SGLang's types, argument checks, settings)."""

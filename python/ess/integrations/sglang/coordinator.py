@@ -22,6 +22,7 @@ from .host_pool import HostPool
 from .indexer_split import topk_broadcast_refusal
 from .overlap import (DecodeSplit, check_decode_backend, layers_from_environment, register,
                       schedule_from_environment, unregister)
+from .shared_index import SharedIndexPrefetch, check_pattern
 from .staging import Staging
 
 logger = logging.getLogger("ess.integrations.sglang")
@@ -108,6 +109,9 @@ class HiSparseCoordinator(Staging):
             which = "" if self.overlap == "dba" else " (its DBA layers)"
             raise InvalidArgument(f"ESS_OVERLAP = {self.overlap}{which}: {topk_broadcast_refusal()}; unset it, or "
                                   "use ESS_OVERLAP = da")
+        # Shared-index layers (GLM-5.2's index sharing): each follower's step starts at its leader's swap
+        # (shared_index.py).
+        shared_index_layers = check_pattern(shared_index_layers, self.layer_num)
         rows_per_request = self.device_buffer_size + self.T
         if self.pd_decode:
             keep_min, why = max_reqs, "one slot per request: SGLang's PD transfer budget"
@@ -165,9 +169,6 @@ class HiSparseCoordinator(Staging):
                 f"hisparse settings top_k = {self.top_k}, device_buffer_size = {self.device_buffer_size}, "
                 f"host_to_device_ratio = {host_to_device_ratio}, {max_reqs} request slots: {e}") from None
         self.info = self.engine.info
-        if shared_index_layers is not None and any(shared_index_layers):
-            logger.info("ESS: %d shared-index layers swap their own rows (no plan-then-IO prefetch)",
-                        sum(shared_index_layers))
 
         # Upstream's attributes that SGLang reads.
         self.num_real_reqs = torch.zeros(1, dtype=torch.int32, device=device)
@@ -205,6 +206,12 @@ class HiSparseCoordinator(Staging):
         # micro-batches), each with its bound step.
         self._batches = ForwardBatches(self.engine, max_reqs, self._topk, self._physical, device,
                                        None if self.decode_split is None else self.decode_split.outputs())
+        self.shared_index = None
+        if shared_index_layers is not None:
+            self.shared_index = SharedIndexPrefetch(self.dev, self.engine, shared_index_layers, max_reqs, self.T,
+                                                    self.top_k, device, self.row_base)
+            logger.info("ESS: shared-index prefetch: %d leader layers start the steps of %d shared layers",
+                        len(self.shared_index.groups), sum(shared_index_layers))
         # ESS_RECORD_TRACE: the top-k SGLang hands the swap, recorded as a trace (topk_recorder.py).
         self._recorder = TopkRecorder.from_environment(
             layers=self.layer_num, T=self.T, K=self.top_k, max_reqs=max_reqs, device=device, dev=self.dev,
@@ -281,6 +288,8 @@ class HiSparseCoordinator(Staging):
         self._batches.new_forward()
         if self.decode_split is not None:
             self.decode_split.new_forward()
+        if self.shared_index is not None:
+            self.shared_index.new_forward()
 
     def _layer(self, layer_id: int) -> int:
         layer = _int("layer_id", layer_id) - self.start_layer
@@ -397,6 +406,8 @@ class HiSparseCoordinator(Staging):
             self._recorder.close()
         self.write_staging_stream.synchronize()
         self.decode_backup_stream.synchronize()
+        if self.shared_index is not None:
+            self.shared_index.stream.synchronize()   # its steps read the host pool
         self.mem_pool_host.close()
         self.engine.close()
 
@@ -569,12 +580,23 @@ class HiSparseCoordinator(Staging):
             raise InvalidArgument(f"swap_in_selected_pages: top_k_result has shape {tuple(top_k_result.shape)}; "
                                   f"expected {list(expected)}")
         rows, lengths, step, first = self._batches.slot(layer, req_pool_indices)
+        key = ForwardBatches.key(req_pool_indices)
+        prefetch = self.shared_index
+        if prefetch is not None and prefetch.is_follower(layer) and not first:
+            # A shared-index layer whose step its leader's swap started (shared_index.py): its rows once done.
+            locs = prefetch.take(layer, key, B, expected)
+            if locs is not None:
+                if self._recorder is not None:
+                    self.dev.launch(lambda: self._recorder.record(layer, req_pool_indices, top_k_result))
+                return locs
         # DA / DBA: forward_decode armed this layer (overlap.py); its FlashMLA call reads the split this swap leaves.
         # Under DBA the indexer swapped the first b0 positions already (indexer_split.py).
         split = self.decode_split
         da = split is not None and split.armed == layer_id
-        b0 = split.take_first_half(layer_id, ForwardBatches.key(req_pool_indices), B) if da else 0
+        b0 = split.take_first_half(layer_id, key, B) if da else 0
         rest = self._batches.offset_step(req_pool_indices, b0) if b0 else step
+        if b0 and prefetch is not None:
+            prefetch.order_before()   # the second half's scratch set is the prefetch's
 
         def swap():
             if first:
@@ -589,6 +611,8 @@ class HiSparseCoordinator(Staging):
             step.step(layer, B, self.dev.handle(self.dev.current_stream()))
             _pool_slots(self._physical[:B], self.row_base, self._locs[:B], self._padding[:B])
         self.dev.launch(swap)
+        if prefetch is not None and not prefetch.is_follower(layer):
+            prefetch.start(layer, self._batches.index(key), key, rows, lengths, B, top_k_result)
         if da:
             return split.leave(B, expected)
         return self._locs[:B].view(expected)

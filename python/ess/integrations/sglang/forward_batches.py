@@ -66,6 +66,10 @@ class ForwardBatches:
         self._seen[key] = index
         return self._slots[index] + (True,)
 
+    def index(self, key) -> int:
+        """The slot of a batch this forward has swapped for (known by its key)."""
+        return self._seen[key]
+
     def offset_step(self, req_pool_indices: torch.Tensor, first: int):
         """A step bound to positions [first, ...) of this forward's batch (staged already): a DBA layer's second half
         (the engine's step takes a batch's first positions). Bound once per slot and first position."""

@@ -58,10 +58,11 @@ class Stack:
     (model_runner_kv_cache_mixin / pool_configurator: HiSparseDSATokenToKVPool, then the allocator over it,
     then maybe_init_hisparse_coordinator), around one coordinator class."""
 
-    def __init__(self, cls, **overrides):
+    def __init__(self, cls, layers=LAYERS, **overrides):
+        self.layers = layers
         self.device_pool = HiSparseDSATokenToKVPool(
             size=SIZE, page_size=PAGE, kv_lora_rank=512, dtype=torch.float8_e4m3fn, qk_rope_head_dim=64,
-            layer_num=LAYERS, device="cpu", index_head_dim=128, enable_memory_saver=False, kv_cache_dim=ENTRY,
+            layer_num=layers, device="cpu", index_head_dim=128, enable_memory_saver=False, kv_cache_dim=ENTRY,
             host_to_device_ratio=RATIO)
         self.allocator = HiSparseTokenToKVPoolAllocator(
             size=SIZE, page_size=PAGE, dtype=torch.float8_e4m3fn, device="cpu", kvcache=self.device_pool,
@@ -129,8 +130,8 @@ def make_req(rid, idx, n):
 class World:
     """One Stack and the requests' full caches: SGLang's calls in its order, and what SGLang observes."""
 
-    def __init__(self, cls, seed=0, **overrides):
-        self.s = Stack(cls, **overrides)
+    def __init__(self, cls, seed=0, layers=LAYERS, **overrides):
+        self.s = Stack(cls, layers, **overrides)
         self.rng = np.random.default_rng(seed)
         self.full, self.reqs, self.length = {}, {}, {}
         self.free_at_start = self.free_sizes()
@@ -145,7 +146,7 @@ class World:
         assert locs is not None
         s.req_to_token_pool.write((idx, slice(0, n)), locs.to(torch.int32))
         device = s.device_pool.translate_loc_from_full_to_hisparse_device(locs.to(torch.int64))
-        for layer in range(LAYERS):   # the prefill forward's set_mla_kv_buffer
+        for layer in range(s.layers):   # the prefill forward's set_mla_kv_buffer
             s.rows(layer)[device] = torch.from_numpy(self.full[rid][layer, :n])
         req = make_req(rid, idx, n)
         self.reqs[rid], self.length[rid] = req, n
@@ -154,7 +155,7 @@ class World:
 
     def entries(self):
         """A request's full cache, [layers][context][656] bytes (any bytes: the swap moves them unread)."""
-        return self.rng.integers(0, 256, (LAYERS, CTX, ENTRY), dtype=np.uint8)
+        return self.rng.integers(0, 256, (self.s.layers, CTX, ENTRY), dtype=np.uint8)
 
     def collect(self):
         return [r.rid for r in self.s.coord.collect_ready_reqs()]
