@@ -47,12 +47,12 @@ def plan(*, contexts: Iterable[int] = (32768,), min_otps: float = 0.0, hardware:
          **options) -> dict:
     """`ess plan --format json` as a call: per context, the batch, Sparse Memory Ratio and overlap mode with the
     highest throughput that meets `min_otps`. Other options as `ess plan`'s flags with underscores (model,
-    deployment, modes, batch_step, mtp, accept, nodes, gpus_per_node, ep, mem_fraction, no_tbo, misses,
+    deployment, modes, batch_step, mtp, accept, nodes, gpus_per_node, ep, mem_fraction, no_tbo, no_prefetch, misses,
     miss_exponent, miss_profile, pool_floor, pool_floor_margin, prefix_share, host_reserve, op_table, engine: "sglang"
     or "vllm" for the search limited to what ESS serves inside that engine and each context's "launch" line); unknown
     ones are refused
     by the library. Integers must be ints (a context of 32768.5 is refused, not planned), numbers finite, no_tbo
-    a bool; a refusal is InvalidType or InvalidArgument naming the option."""
+    and no_prefetch bools; a refusal is InvalidType or InvalidArgument naming the option."""
     if isinstance(contexts, (str, bytes)) or not isinstance(contexts, Iterable):
         raise InvalidType(f"contexts = {contexts!r}: a list of integers is expected")
     request = dict(options)
@@ -67,7 +67,7 @@ def plan(*, contexts: Iterable[int] = (32768,), min_otps: float = 0.0, hardware:
             request[name] = _args.real(name, value)
         elif name in _PLAN_TEXTS:
             request[name] = _args.text(name, value, path=True)
-        elif name == "no_tbo":
+        elif name in ("no_tbo", "no_prefetch"):
             request[name] = _args.flag(name, value)
         elif name == "modes":
             if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):

@@ -28,6 +28,9 @@ struct SimInputs : sim::Inputs {
     cmd.add_option("--mem-fraction", mem_fraction, "Override: mem_fraction_static (weights + caches)")
         ->check(above_at_most(0, 1));
     cmd.add_flag("--no-tbo", no_tbo, "Turn Two-Batch Overlap off");
+    cmd.add_flag("--no-prefetch", no_prefetch,
+                 "A model whose layers share an indexer's top-k (GLM-5.2): each shared layer swaps at its own turn "
+                 "instead of its copy issued at its leader's layer");
     cmd.add_option("--rig-layers", rig_layers,
                    "Model the single-GPU executor rig of `ess bench step` with this many MoE layers (no all-to-all, "
                    "TBO, LM head or MTP drafts; needs --batch)")

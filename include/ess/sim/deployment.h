@@ -29,6 +29,10 @@ struct Deployment {
   // window (the paper, the rig), or before the indexer (false), where SGLang 0.5.23's model
   // computes q (forward_prepare) and ESS's adapter leaves it.
   bool preattn_in_copy_window = true;
+  // A model whose layers share an indexer's top-k (ModelSpec::shared_index): a follower layer's
+  // swap decision and copy issued at its leader's layer, the copy running under the layers
+  // between (the SGLang adapter's prefetch); false: each follower swaps at its own turn.
+  bool shared_index_prefetch = true;
   // Fraction of HBM for weights + caches (SGLang's mem_fraction_static); the rest holds
   // activations, CUDA graphs and workspace.
   double mem_fraction_static = 0.9;

@@ -31,6 +31,7 @@ struct Inputs {
   std::optional<int> ep;
   std::optional<double> mem_fraction;
   bool no_tbo = false;
+  bool no_prefetch = false;                // Deployment::shared_index_prefetch off
   std::optional<int> rig_layers;
   std::optional<double> reference_misses;
   std::optional<double> miss_exponent;
@@ -68,7 +69,7 @@ Plans plan_contexts(const Inputs& inputs, const PlanOptions& options);
 
 // A plan request as JSON (the C ABI's ess_plan): optional keys named like the fields above
 // (contexts, min_otps, modes, batch_step, model, hardware, deployment, mtp, accept, nodes,
-// gpus_per_node, ep, mem_fraction, no_tbo, misses, miss_exponent, miss_profile, pool_floor,
+// gpus_per_node, ep, mem_fraction, no_tbo, no_prefetch, misses, miss_exponent, miss_profile, pool_floor,
 // pool_floor_margin, prefix_share, host_reserve, op_table);
 // an unknown key or a value of the wrong type is refused by name.
 void read_plan_request(const nlohmann::json& request, Inputs& inputs, PlanOptions& options);

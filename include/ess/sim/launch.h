@@ -29,6 +29,7 @@ struct EngineLimits {
   bool two_batch_overlap = true;   // whether the engine runs it with ESS (false: the search keeps it off)
   bool whole_residency = true;     // whether its adapter keeps requests whole at low load (ESS_RESIDENCY)
   bool preattn_in_copy_window = true;  // Deployment::preattn_in_copy_window as the engine runs DA / DBA
+  bool shared_index_prefetch = true;   // whether its adapter prefetches shared-index layers (Deployment's)
   std::vector<std::string> notes;  // what the engine changed, for the output
 };
 EngineLimits engine_limits(const std::string& engine, const std::vector<std::string>& modes, bool modes_given,

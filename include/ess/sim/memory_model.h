@@ -31,12 +31,15 @@ class MemoryModel {
 
   const WeightBytes& weights() const { return weights_; }
   int cache_layers() const { return cache_layers_; }  // layers holding a cache (+ MTP layer)
+  // Layers holding indexer keys and weights (+ MTP layer): a layer that reuses its leader's top-k
+  // (ModelSpec::shared_index) has neither.
+  int indexer_layers() const { return indexer_layers_; }
   double hbm_bytes() const;
   // HBM x mem_fraction_static - weights: what the indexer and latent caches may use.
   double cache_budget() const { return cache_budget_; }
   // (1 - mem_fraction_static) x HBM - CUDA context: what activations and workspace may use.
   double activation_budget() const;
-  double indexer_bytes_per_request() const;                  // whole context, every cache layer
+  double indexer_bytes_per_request() const;                  // whole context, every indexer layer
   double latent_bytes_per_request(double slots) const;       // slots x cache layers x 656
   double activation_bytes(int batch) const;                  // B x T tokens in flight + workspace
   // Smallest pool a plan may use: as constructed (at least one query token's top-k; a step
@@ -62,6 +65,7 @@ class MemoryModel {
   Deployment dep_;
   std::int64_t context_;
   int cache_layers_ = 0;
+  int indexer_layers_ = 0;
   WeightBytes weights_;
   double cache_budget_ = 0;
   std::int32_t min_slots_ = 0;

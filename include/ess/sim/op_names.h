@@ -33,6 +33,7 @@ inline constexpr std::string_view kD2HNewEntries = "d2h new-token entries";
 inline constexpr std::string_view kH2DMisses = "h2d misses";
 inline constexpr std::string_view kH2DMissesHalf0 = "h2d misses (half 0)";  // DBA's two copies
 inline constexpr std::string_view kH2DMissesHalf1 = "h2d misses (half 1)";
+inline constexpr std::string_view kH2DPrefetch = "h2d prefetch";  // a shared-index follower's, at its leader
 inline constexpr std::string_view kDispatch = "moe.dispatch";
 inline constexpr std::string_view kCombine = "moe.combine";
 

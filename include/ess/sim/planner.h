@@ -37,6 +37,7 @@ struct PlanOption {
   double cache_budget_gb = 0, indexer_gb = 0, latent_gb = 0;
   double host_dram_usable_gb = 0;
   bool two_batch_overlap = false;  // the deployment it ran in
+  bool shared_index_prefetch = true;  // Deployment::shared_index_prefetch of the deployment it ran in
 };
 
 // The chosen ESS configuration at low load, with adaptive residency (Workload::residency) at its

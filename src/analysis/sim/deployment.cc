@@ -22,7 +22,8 @@ Deployment Deployment::from_json(const json& j, const std::string& source) {
   ESS_CHECK(j.is_object(), "{}: a deployment must be a JSON object", source);
   static constexpr const char* kKnown[] = {"name", "nodes", "gpus_per_node", "expert_parallel",
                                            "attention_data_parallel", "mtp_tokens", "accept_ratio",
-                                           "two_batch_overlap", "preattn_in_copy_window", "mem_fraction_static",
+                                           "two_batch_overlap", "preattn_in_copy_window", "shared_index_prefetch",
+                                           "mem_fraction_static",
                                            "rig_layers", "sources"};
   for (const auto& [k, v] : j.items()) {
     (void)v;
@@ -46,6 +47,7 @@ Deployment Deployment::from_json(const json& j, const std::string& source) {
   d.accept_ratio = json_number_or(j, "accept_ratio", source, d.accept_ratio);
   d.two_batch_overlap = json_bool_or(j, "two_batch_overlap", source, d.two_batch_overlap);
   d.preattn_in_copy_window = json_bool_or(j, "preattn_in_copy_window", source, d.preattn_in_copy_window);
+  d.shared_index_prefetch = json_bool_or(j, "shared_index_prefetch", source, d.shared_index_prefetch);
   d.mem_fraction_static = json_number_or(j, "mem_fraction_static", source, d.mem_fraction_static);
   d.rig_layers = get_int("rig_layers", d.rig_layers);
   if (auto it = j.find("sources"); it != j.end()) d.sources = it->dump();
@@ -90,6 +92,7 @@ json Deployment::to_json() const {
           {"accept_ratio", accept_ratio},
           {"two_batch_overlap", two_batch_overlap},
           {"preattn_in_copy_window", preattn_in_copy_window},
+          {"shared_index_prefetch", shared_index_prefetch},
           {"mem_fraction_static", mem_fraction_static},
           {"rig_layers", rig_layers}};
 }

@@ -36,6 +36,7 @@ Deployment Inputs::load_deployment() const {
   if (nodes || gpus_per_node) d.attention_data_parallel = d.gpus();
   if (mem_fraction) d.mem_fraction_static = *mem_fraction;
   if (no_tbo) d.two_batch_overlap = false;
+  if (no_prefetch) d.shared_index_prefetch = false;
   if (rig_layers) d.rig_layers = *rig_layers;
   d.validate("deployment (after command-line overrides)");
   return d;
@@ -81,12 +82,24 @@ Plans plan_contexts(const Inputs& inputs, const PlanOptions& options) {
                     inputs.pool_floor.has_value(), dep.mtp_tokens);
   ESS_CHECK(!limits.modes.empty(), "plan: no overlap mode to try");
   dep.preattn_in_copy_window = dep.preattn_in_copy_window && limits.preattn_in_copy_window;
+  dep.shared_index_prefetch = dep.shared_index_prefetch && limits.shared_index_prefetch;
+  std::vector<std::string> notes = limits.notes;
+  if (!limits.shared_index_prefetch && !model.shared_index.empty()) {
+    notes.push_back("a shared-index layer swaps at its own turn (the adapter issues no prefetch)");
+  }
   const auto tables = inputs.load_tables();
   const StepModel sm(model, hw, dep, tables.get());
   // With Two-Batch Overlap on, the search covers it off as well (a small batch may do better without it).
   Deployment no_tbo = dep;
   no_tbo.two_batch_overlap = false;
   const StepModel sm_no_tbo(model, hw, no_tbo, tables.get());
+  // With index sharing and the prefetch on, the search covers it off as well (its copies queue on
+  // the one host-to-device link and take SMs from the compute they run beside).
+  Deployment no_prefetch = dep, no_tbo_no_prefetch = no_tbo;
+  no_prefetch.shared_index_prefetch = no_tbo_no_prefetch.shared_index_prefetch = false;
+  const StepModel sm_no_prefetch(model, hw, no_prefetch, tables.get());
+  const StepModel sm_no_tbo_no_prefetch(model, hw, no_tbo_no_prefetch, tables.get());
+  const bool both_prefetch = dep.shared_index_prefetch && !model.shared_index.empty();
   std::vector<const StepModel*> models = {&sm};
   std::vector<std::string> suffixes = {""};
   if (dep.two_batch_overlap && !inputs.rig_layers) {
@@ -104,12 +117,19 @@ Plans plan_contexts(const Inputs& inputs, const PlanOptions& options) {
     models = {&sm_no_tbo};
     suffixes = {""};
   }
+  if (both_prefetch) {
+    const std::size_t n = models.size();
+    for (std::size_t k = 0; k < n; ++k) {
+      models.push_back(models[k] == &sm ? &sm_no_prefetch : &sm_no_tbo_no_prefetch);
+      suffixes.push_back(suffixes[k] + ", no prefetch");
+    }
+  }
   base.modes.clear();
   for (const auto& m : limits.modes) base.modes.push_back(parse_overlap_mode(m));
   Inputs engine_inputs = inputs;
   if (!limits.pool_floor.empty()) engine_inputs.pool_floor = limits.pool_floor;
   ESS_CHECK(!options.contexts.empty(), "plan: no context length given");
-  Plans plans{model, hw, limits.two_batch_overlap ? dep : no_tbo, options.min_otps, {}, options.engine, limits.notes, {}, {}};
+  Plans plans{model, hw, limits.two_batch_overlap ? dep : no_tbo, options.min_otps, {}, options.engine, notes, {}, {}};
   for (std::int64_t ctx : options.contexts) {
     ESS_CHECK(ctx >= 1 && ctx <= (std::int64_t{1} << 24), "plan: context {} must be in [1, 2^24]", ctx);
     PlanRequest r = base;
@@ -144,7 +164,7 @@ void read_plan_request(const nlohmann::json& j, Inputs& in, PlanOptions& opt) {
   ESS_CHECK(j.is_object(), "{}: must be a JSON object, not {}", source, j.type_name());
   json_check_keys(j,
                   {"contexts", "min_otps", "modes", "batch_step", "model", "hardware", "deployment", "mtp", "accept",
-                   "nodes", "gpus_per_node", "ep", "mem_fraction", "no_tbo", "misses", "miss_exponent", "miss_profile",
+                   "nodes", "gpus_per_node", "ep", "mem_fraction", "no_tbo", "no_prefetch", "misses", "miss_exponent", "miss_profile",
                    "pool_floor", "pool_floor_margin", "prefix_share", "host_reserve",
                    "op_table", "engine"},
                   source, "request");
@@ -164,6 +184,7 @@ void read_plan_request(const nlohmann::json& j, Inputs& in, PlanOptions& opt) {
   read_optional(j, "ep", in.ep, source);
   read_optional(j, "mem_fraction", in.mem_fraction, source);
   json_read(j, "no_tbo", in.no_tbo, source);
+  json_read(j, "no_prefetch", in.no_prefetch, source);
   read_optional(j, "misses", in.reference_misses, source);
   read_optional(j, "miss_exponent", in.miss_exponent, source);
   read_optional(j, "pool_floor", in.pool_floor, source);

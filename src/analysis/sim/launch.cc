@@ -60,6 +60,7 @@ EngineLimits engine_limits(const std::string& engine, const std::vector<std::str
   if (vllm) {
     out.two_batch_overlap = false;
     out.whole_residency = false;
+    out.shared_index_prefetch = false;
     out.notes.push_back("TBO off (vLLM 0.33.0's HiSparse needs Model Runner V2, which runs no dual-batch overlap)");
     out.notes.push_back("every request sparse (the connector keeps no request whole at low load)");
   }
@@ -221,6 +222,10 @@ Launch launch_for(const std::string& engine, const ModelSpec& model, const Hardw
   if (c.offload && c.overlap == OverlapMode::kLayerWise) {
     // The simulator's choice per layer and micro-batch, in the adapter's codes (a DA, b DBA, - no misses).
     l.env.push_back(fmt::format("ESS_OVERLAP_LAYERS={}", c.layer_modes));
+  }
+  if (c.offload && !model.shared_index.empty() && !result.chosen.shared_index_prefetch) {
+    // resolve_shared_index_layers then passes no pattern: the shared layers swap at their own turn.
+    l.env.push_back("SGLANG_DISABLE_HISPARSE_PREFETCH=1");
   }
   if (c.offload) {
     // Requests stay whole among ESS's rows while they are free: a light load pays no offload.

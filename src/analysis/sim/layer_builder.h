@@ -30,14 +30,16 @@ class LayerBuilder {
   }
 
   // Stage 1: projections, the indexer, the swap decision and the misses' copy (placed by the
-  // micro-batch's mode), PreAttn.
+  // micro-batch's mode), PreAttn. A shared-index layer runs no indexer; with the prefetch its
+  // decision and copy were issued at its leader's, which issues its followers' after its own.
   void prepare(Scheduler& s, MicroBatch& mb) const {
     s.set_category(Category::kAttention);
     const double n = mb.tokens, h = m_.hidden_size, heads = m_.num_attention_heads;
     const double ih = m_.index_n_heads, id = m_.index_head_dim;
-    const double proj0_out = m_.q_lora_rank + m_.kv_lora_rank + m_.qk_rope_head_dim + id + ih;
+    const double own_indexer = mb.index_shared ? 0.0 : 1.0;  // the indexer's key and weights projections
+    const double proj0_out = m_.q_lora_rank + m_.kv_lora_rank + m_.qk_rope_head_dim + own_indexer * (id + ih);
     // Kernels: input norm, the GEMM, q_a / kv_a norms, rope + latent store, indexer key quantise + store.
-    const Op proj0 = gemm_op(op::kProj0, OpKind::kGemmFp8, n, proj0_out, h, h * proj0_out + n * h * 2 * 3, 6);
+    const Op proj0 = gemm_op(op::kProj0, OpKind::kGemmFp8, n, proj0_out, h, h * proj0_out + n * h * 2 * 3, 5 + own_indexer);
     double e = s.issue(Stream::kCompute, proj0, mb.ready, Wait::kComm);
     if (offload_) {
       const Op d2h{op::kD2HNewEntries, OpKind::kD2H, 0, n * double(m_.latent_entry_bytes()), n, 0, 0, 0, 1};
@@ -51,16 +53,16 @@ class LayerBuilder {
     pre_bmm.gemm.groups = heads;
     pre_bmm.flops *= heads;
     const double entry = double(m_.latent_entry_bytes());
-    const double misses = offload_ ? mb.misses : 0;
+    const double misses = offload_ && !mb.prefetched ? mb.misses : 0;
     const Op h2d_all{op::kH2DMisses, OpKind::kH2D, 0, misses * entry, 0, 0, 0, 0, 1};
-    mb.fetched = 0;
+    mb.fetched = mb.prefetched ? mb.prefetch_end[static_cast<std::size_t>(mb.layer)] : 0;
     const AttentionSchedule sched = attention_schedule(mb.mode, misses > 0, mb.requests, d_.preattn_in_copy_window);
     if (sched.preattn_first) {
       e = s.issue(Stream::kCompute, pre_q, e);
       e = s.issue(Stream::kCompute, pre_bmm, e);
     }
     if (misses <= 0) {
-      indexer(s, mb, e, 1.0);
+      e = indexer(s, mb, e, 1.0);
     } else if (sched.indexer_parts == 1) {
       e = indexer(s, mb, e, 1.0);
       mb.fetched = s.issue(Stream::kH2D, h2d_all, e);
@@ -70,6 +72,14 @@ class LayerBuilder {
       e = indexer(s, mb, e, 0.5);
       mb.fetched = s.issue(Stream::kH2D, Op{op::kH2DMissesHalf1, OpKind::kH2D, 0, 0.5 * misses * entry, 0, 0, 0, 0, 1}, e);
     }
+    // The followers' decisions (each over its own pool) and copies, queued behind this layer's.
+    for (const auto& [layer, follower_misses] : mb.followers) {
+      s.set_label(layer, mb.label);  // the follower's ops, issued now
+      e = s.issue(Stream::kCompute, swap_decision(mb.tokens, mb.requests), e);
+      const Op copy{op::kH2DPrefetch, OpKind::kH2D, 0, follower_misses * entry, 0, 0, 0, 0, 1};
+      mb.prefetch_end[static_cast<std::size_t>(layer)] = s.issue(Stream::kH2D, copy, e);
+    }
+    if (!mb.followers.empty()) s.set_label(mb.layer, mb.label);
     if (sched.preattn_first) return;
     e = s.issue(Stream::kCompute, pre_q, e);
     s.issue(Stream::kCompute, pre_bmm, e);
@@ -233,15 +243,14 @@ class LayerBuilder {
     // Top-k: one CTA per query token streams its row of logits twice (histogram, select).
     Op topk{op::kIndexerTopk, OpKind::kTopk, 0, 2 * nn * ctx_ * 4, nn, ctx64_, 0, 0, 2};  // + page -> slot ids
     topk.rows = nn;
-    double t = s.issue(Stream::kCompute, q, e0);
-    t = s.issue(Stream::kCompute, logits, t);
-    t = s.issue(Stream::kCompute, topk, t);
-    if (offload_ && sparse_share_ > 0) {
-      // The swap engine's LRU decision and the FlashTrans list for this batch (GPU swap
-      // engine + split kernel), over its sparse requests. Analytically its memory traffic only
-      // (ids in and out, 12 bytes of state per slot), with no per-kernel overhead (kernels = 0);
-      // a measured table (`ess bench profile`) gives its real time.
-      const Op swap{op::kSwap, OpKind::kMemory, 0, (nn * topk_ * 4.0 * 4 + bb * slots_ * 12.0) * sparse_share_, nn, 0, 0, 0, 0};
+    double t = e0;
+    if (!mb.index_shared) {
+      t = s.issue(Stream::kCompute, q, t);
+      t = s.issue(Stream::kCompute, logits, t);
+      t = s.issue(Stream::kCompute, topk, t);
+    }
+    if (offload_ && sparse_share_ > 0 && !mb.prefetched) {
+      const Op swap = swap_decision(nn, bb);
       t = s.issue(Stream::kCompute, swap, t);
       if (mb.split_calls > 0) {
         // Each further query group: the decision again and one more attention launch.
@@ -251,6 +260,15 @@ class LayerBuilder {
       }
     }
     return t;
+  }
+
+  // The swap engine's LRU decision and the FlashTrans list for `requests` requests' `tokens` query
+  // tokens (GPU swap engine + split kernel), over its sparse requests. Analytically its memory
+  // traffic only (ids in and out, 12 bytes of state per slot), with no per-kernel overhead
+  // (kernels = 0); a measured table (`ess bench profile`) gives its real time.
+  Op swap_decision(double tokens, double requests) const {
+    return {op::kSwap, OpKind::kMemory, 0, (tokens * topk_ * 4.0 * 4 + requests * slots_ * 12.0) * sparse_share_, tokens,
+            0, 0, 0, 0};
   }
 
   const ModelSpec& m_;

@@ -26,6 +26,7 @@ MemoryModel::MemoryModel(const ModelSpec& m, const HardwareProfile& hw, const De
   const double h = m.hidden_size;
   const int mtp_layers = dep.mtp_tokens > 1 ? m.num_nextn_predict_layers : 0;
   cache_layers_ = m.num_hidden_layers + mtp_layers;
+  indexer_layers_ = m.indexer_layers(m.num_hidden_layers) + mtp_layers;
   const double heads = m.num_attention_heads;
   const double mla = h * m.q_lora_rank + double(m.q_lora_rank) * heads * (m.qk_nope_head_dim + m.qk_rope_head_dim) +
                      h * (m.kv_lora_rank + m.qk_rope_head_dim) +
@@ -36,7 +37,7 @@ MemoryModel::MemoryModel(const ModelSpec& m, const HardwareProfile& hw, const De
   const double expert = 3.0 * h * m.moe_intermediate_size;
   const int moe_layers = m.num_moe_layers() + mtp_layers;  // the MTP layer is an MoE layer
   const double experts_per_gpu = std::ceil(double(m.n_routed_experts) / dep.expert_parallel);
-  weights_.attention = (mla + indexer) * cache_layers_ * kFp8BytesPerParam;
+  weights_.attention = (mla * cache_layers_ + indexer * indexer_layers_) * kFp8BytesPerParam;
   weights_.dense_ffn = 3.0 * h * m.intermediate_size * m.num_dense_layers() * kFp8BytesPerParam;
   weights_.shared_experts = expert * m.n_shared_experts * moe_layers * kFp8BytesPerParam;
   weights_.routed_experts = expert * experts_per_gpu * moe_layers * kFp8BytesPerParam;
@@ -56,7 +57,7 @@ double MemoryModel::activation_budget() const {
 }
 
 double MemoryModel::indexer_bytes_per_request() const {
-  return double(context_) * cache_layers_ * double(model_.indexer_entry_bytes());
+  return double(context_) * indexer_layers_ * double(model_.indexer_entry_bytes());
 }
 
 double MemoryModel::latent_bytes_per_request(double slots) const {

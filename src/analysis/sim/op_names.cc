@@ -8,6 +8,7 @@ constexpr std::string_view kAll[] = {
     op::kOProj,       op::kGate,          op::kSharedExpert,   op::kRoutedExperts,  op::kIndexerLogits,
     op::kIndexerTopk, op::kSwap,          op::kQueryGroups,    op::kSparseMla,      op::kAttn0,          op::kAttn1,
     op::kMerge,       op::kD2HNewEntries, op::kH2DMisses,      op::kH2DMissesHalf0, op::kH2DMissesHalf1,
+    op::kH2DPrefetch,
     op::kDispatch,    op::kCombine};
 
 }  // namespace

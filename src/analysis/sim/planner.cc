@@ -144,6 +144,7 @@ PlanResult plan(const std::vector<const StepModel*>& models, const std::vector<s
       Search s;
       s.option.label = label;
       s.option.two_batch_overlap = model.deployment().two_batch_overlap;
+      s.option.shared_index_prefetch = model.deployment().shared_index_prefetch;
       s.model = &model;
       const double slots = offload ? mem.min_slots() : double(req.context);
       const int max_b = mem.max_batch(slots);

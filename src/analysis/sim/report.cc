@@ -72,7 +72,11 @@ nlohmann::json row_json(const StepResult& r) {
 }
 
 nlohmann::json option_json(const PlanOption& o) {
-  nlohmann::json j = {{"label", o.label}, {"found", o.found}, {"why", o.why}, {"two_batch_overlap", o.two_batch_overlap}};
+  nlohmann::json j = {{"label", o.label},
+                      {"found", o.found},
+                      {"why", o.why},
+                      {"two_batch_overlap", o.two_batch_overlap},
+                      {"shared_index_prefetch", o.shared_index_prefetch}};
   if (o.found) {
     const auto& r = o.best;
     j["limit"] = o.limit;
@@ -116,6 +120,27 @@ std::string option_line(const PlanOption& o) {
   const auto& r = o.best;
   return fmt::format("{:<22} batch {:>4}  ratio {:.3f}  step {:>7.2f} ms  {:>8.0f} tok/s/node  {:>6.2f} OTPS", o.label,
                      r.batch, r.ratio, ms(r.step_us), r.throughput_tokens_per_s, r.otps);
+}
+
+
+// A model whose layers share an indexer's top-k: how many run one, and where the others swap.
+// `searched`: a plan, whose search covers the prefetch on and off when the deployment allows it.
+std::string index_sharing_line(const ModelSpec& m, const Deployment& d, bool searched = false) {
+  if (m.shared_index.empty()) return {};
+  return fmt::format("index sharing: {} of {} layers run an indexer (indexer keys and weights in those only); the others "
+                     "reuse their leader's top-k and swap {}\n",
+                     m.indexer_layers(m.num_hidden_layers), m.num_hidden_layers,
+                     !d.shared_index_prefetch ? "at their own turn (no prefetch)"
+                     : searched ? "with their copy issued at their leader's layer (prefetch) or at their own turn "
+                                  "(\", no prefetch\"), whichever is faster"
+                                : "with their copy issued at their leader's layer (prefetch)");
+}
+
+nlohmann::json index_sharing_json(const ModelSpec& m, const Deployment& d) {
+  if (m.shared_index.empty()) return nullptr;
+  return {{"indexer_layers", m.indexer_layers(m.num_hidden_layers)},
+          {"layers", m.num_hidden_layers},
+          {"prefetch", d.shared_index_prefetch}};
 }
 
 }  // namespace
@@ -188,8 +213,8 @@ Simulation simulate(const StepModel& sm, const Workload& base_in, const std::vec
   s.wall_fits = wall_batch >= 1;
   if (s.wall_fits) s.wall = sm.run(wall);
 
-  // Paper columns only for the paper's own setup (calibration profile, Table 1 deployment, 32K).
-  const bool paper_setup = s.hardware.name == "paper-table1" &&
+  // Paper columns only for the paper's own setup (its model, calibration profile, Table 1 deployment, 32K).
+  const bool paper_setup = s.model.to_json() == ModelSpec::deepseek_v32_exp().to_json() && s.hardware.name == "paper-table1" &&
                            s.deployment.to_json() == Deployment::shipped("paper-table1").to_json() && context == 32768 &&
                            base.ratio == 0 && base.slots == 0;
   Timeline timeline;  // of the first row that runs, written once every row has run
@@ -287,6 +312,7 @@ nlohmann::json to_json(const Simulation& s) {
   j["cache_budget_gb"] = s.cache_budget_gb;
   j["weights_gb"] = s.weights_gb;
   j["pool_floor"] = {{"slots", s.pool_floor}, {"rule", s.pool_floor_rule}};
+  j["index_sharing"] = index_sharing_json(s.model, s.deployment);
   j["baseline"] = s.wall_fits ? row_json(s.wall) : nlohmann::json(nullptr);
   nlohmann::json arr = nlohmann::json::array();
   for (const SimulationRow& r : s.rows) {
@@ -398,6 +424,7 @@ std::string to_table(const Simulation& s) {
     add("per GPU: {:.1f} GB HBM x {} static = {:.1f} GB weights + {:.1f} GB for the caches\n", hw.hbm_capacity_gb,
         dep.mem_fraction_static, s.weights_gb, s.cache_budget_gb);
     add("pool floor: {:.0f} slots per request-layer ({})\n", s.pool_floor, s.pool_floor_rule);
+    add("{}", index_sharing_line(s.model, dep));
     if (s.wall_fits) {
       add("all-on-GPU baseline (memory wall): batch {}, step {:.2f} ms, {:.0f} tokens/s per node, {:.2f} tokens/s per "
           "request\n\n",
@@ -506,6 +533,7 @@ nlohmann::json to_json(const Plans& p) {
   }
   nlohmann::json j = {{"model", p.model.name}, {"hardware", p.hardware.name}, {"gpu", p.hardware.gpu},
                       {"deployment", p.deployment.to_json()}, {"plans", arr}};
+  j["index_sharing"] = index_sharing_json(p.model, p.deployment);
   if (!p.engine.empty()) {
     j["engine"] = p.engine;
     j["engine_notes"] = p.engine_notes;
@@ -540,6 +568,7 @@ std::string to_table(const Plans& p) {
   add("ess plan: {} on {} | {} nodes x {} GPUs, EP {}, MTP {} (accept {}), TBO {} | min OTPS {}\n", p.model.name,
       on_gpu(p.hardware), dep.nodes, dep.gpus_per_node, dep.expert_parallel, dep.mtp_tokens, dep.accept_ratio,
       dep.two_batch_overlap ? "on" : "off", p.min_otps);
+  add("{}", index_sharing_line(p.model, dep, true));
   if (!p.engine.empty()) add("engine: {} ({})\n", p.engine, p.engine_notes.empty() ? "as asked" : fmt::format("{}", fmt::join(p.engine_notes, "; ")));
   for (std::size_t i = 0; i < p.results.size(); ++i) {
     const PlanResult& r = p.results[i];

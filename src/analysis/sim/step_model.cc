@@ -155,8 +155,12 @@ class StepRun {
     layer_misses_.assign(static_cast<std::size_t>(n_layers_), 0.0);
     double miss_sum = 0;
     for (int layer = 0; layer < n_layers_; ++layer) {
-      // Whole requests miss nothing: the mean over the batch is the sparse ones' share.
-      const double m = offload_ ? capped(wl_.misses.misses(layer, r_.slots, double(wl_.context), T_), T_) * sparse_share() : 0.0;
+      // Whole requests miss nothing: the mean over the batch is the sparse ones' share. A layer
+      // sharing its leader's top-k misses what its leader misses (its pool sees the same ids).
+      const double m = !offload_                    ? 0.0
+                       : model_.index_shared(layer) ? layer_misses_[static_cast<std::size_t>(model_.index_leader(layer))]
+                                                    : capped(wl_.misses.misses(layer, r_.slots, double(wl_.context), T_), T_) *
+                                                          sparse_share();
       layer_misses_[static_cast<std::size_t>(layer)] = m;
       miss_sum += m;
     }
@@ -166,9 +170,24 @@ class StepRun {
   // Sets a micro-batch's tokens, misses, split calls and overlap mode for a layer. Layer-wise
   // without a threshold: the faster of DA and DBA for a layer's miss count, tried once per
   // distinct (misses, tokens) of each micro-batch slot.
-  void enter_layer(MicroBatch& mb, int slot, int tokens_per_request, double misses_per_request, bool moe,
+  void enter_layer(MicroBatch& mb, int layer, int slot, int tokens_per_request, double misses_per_request, bool moe,
                    bool first_of_layer) {
     misses_per_request = std::min(misses_per_request, tokens_per_request * topk_eff_);
+    // Index sharing: a follower was prefetched when its leader's prepare issued its copy; a leader
+    // with the prefetch issues its followers' (while the layers after it share its top-k).
+    const bool prefetch = offload_ && dep_.shared_index_prefetch && !model_.shared_index.empty();
+    mb.layer = layer;
+    mb.index_shared = model_.index_shared(layer);
+    mb.prefetched = prefetch && mb.index_shared && mb.prefetch_end.size() > static_cast<std::size_t>(layer) &&
+                    mb.prefetch_end[static_cast<std::size_t>(layer)] >= 0;
+    mb.followers.clear();
+    if (prefetch && !mb.index_shared) {
+      mb.prefetch_end.assign(static_cast<std::size_t>(n_layers_), -1.0);
+      for (int f = layer + 1; f < n_layers_ && model_.index_shared(f); ++f) {
+        const double m = std::min(layer_misses_[static_cast<std::size_t>(f)], tokens_per_request * topk_eff_);
+        mb.followers.emplace_back(f, mb.requests * m);
+      }
+    }
     // Steps larger than the pool: any floor(slots / K) query tokens fit together, so greedy
     // grouping makes at most ceil(T / floor(slots / K)) groups; the share of request-layer-
     // steps that split is bounded by the measured working set.
@@ -182,8 +201,11 @@ class StepRun {
     mb.misses = offload_ ? mb.requests * misses_per_request : 0.0;
     mb.split_calls = split > 0 ? (1 - std::pow(1 - split, mb.requests)) * (max_groups - 1) : 0.0;
     r_.split_calls_per_layer = std::max(r_.split_calls_per_layer, mb.split_calls);
-    OverlapMode mode = r_.overlap;
-    if (mode == OverlapMode::kLayerWise) {
+    OverlapMode mode = mb.prefetched ? OverlapMode::kNone : r_.overlap;  // a prefetched follower's copy is done
+    if (mb.prefetched && r_.overlap == OverlapMode::kLayerWise) {
+      if (first_of_layer && modes_in_layer_++ > 0) r_.layer_modes += ' ';
+      r_.layer_modes += '-';
+    } else if (mode == OverlapMode::kLayerWise) {
       Choice& c = choice_[slot];
       if (wl_.layerwise_threshold >= 0) {
         mode = mb.misses < wl_.layerwise_threshold ? OverlapMode::kDualAttention : OverlapMode::kDualBatchAttention;
@@ -212,7 +234,7 @@ class StepRun {
   // One layer for one micro-batch, every stage in order (no overlap with another micro-batch).
   void whole_layer(MicroBatch& mb, int layer, bool moe, int tokens_per_request, double misses) {
     s_.set_label(layer, mb.label);
-    enter_layer(mb, 0, tokens_per_request, misses, moe, true);
+    enter_layer(mb, layer, 0, tokens_per_request, misses, moe, true);
     lb_.prepare(s_, mb);
     lb_.core(s_, mb, moe);
     if (!moe) return;
@@ -253,7 +275,7 @@ class StepRun {
       s_.set_label(layer, mb.label);
       switch (k % 5) {
         case 0:
-          enter_layer(mb, i, T_, layer_misses_[static_cast<std::size_t>(layer)], true, i == 0);
+          enter_layer(mb, layer, i, T_, layer_misses_[static_cast<std::size_t>(layer)], true, i == 0);
           lb_.prepare(s_, mb);
           break;
         case 1: lb_.core(s_, mb, true); break;

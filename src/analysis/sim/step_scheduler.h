@@ -160,6 +160,15 @@ struct MicroBatch {
   double dispatched = 0;     // when the dispatch all-to-all delivered its tokens
   double combined = 0;       // when the combine all-to-all returned them
   char label = 'A';
+  // Index sharing (ModelSpec::shared_index). index_shared: this layer runs no indexer (it attends
+  // over its leader's top-k). prefetched: its swap decision and copy were issued at its leader's
+  // layer; its copy ends at prefetch_end[layer]. followers: at a leader with the prefetch, each
+  // follower layer and its misses (the micro-batch's), whose decision and copy its prepare issues.
+  bool index_shared = false;
+  bool prefetched = false;
+  int layer = 0;
+  std::vector<std::pair<int, double>> followers;
+  std::vector<double> prefetch_end;
 };
 
 }  // namespace ess::sim
