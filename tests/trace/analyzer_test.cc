@@ -2,6 +2,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <set>
+#include <vector>
 
 #include "ess/trace/analyzer.h"
 #include "ess/trace/format.h"
@@ -90,6 +92,71 @@ TEST(Analyzer, HandComputedMissesAndSimilarity) {
   EXPECT_DOUBLE_EQ(r.prefetch->wasted[1], (0 + 1 + 1 + 0) / 4.0);
   EXPECT_DOUBLE_EQ(r.prefetch->misses_left[1], (0 + 0 + 0 + 0) / 4.0);
   EXPECT_DOUBLE_EQ(r.prefetch->max_wasted, 1);
+}
+
+// Index sharing in a trace: a layer that selects exactly layer l-1's ids at every step and
+// prefill window of every request is reported shared; its prefetch is exact (every miss covered,
+// nothing wasted), and its misses are the share exact prefetch takes off its critical path. A
+// layer that differs in one id of one request is not shared.
+TEST(Analyzer, SharedIndexLayersAreFoundAndTheirPrefetchIsExact) {
+  GeneratorProfile p;
+  p.name = "shared";
+  p.layers = 4;
+  p.topk = 64;
+  p.mtp = 2;
+  p.accept_ratio = 1.5;
+  p.prefill_windows = 4;
+  p.sink_tokens = 2;
+  p.recent_window = 8;
+  p.candidate_base = 300;
+  p.reference_context = 1000;
+  p.drift = {0.5, 0.05, 0.2, 0.01};
+  p.shared_index = {false, true, true, false};
+  p.validate("test");
+  std::vector<RequestData> requests = {generate_request(p, 800, 16, 7, 0), generate_request(p, 800, 16, 7, 1)};
+  TraceMeta meta;
+  meta.layers = 4;
+  meta.mtp = 2;
+  meta.topk = 64;
+  meta.model = "shared";
+  meta.provenance = "analyzer_test";
+  const auto path = temp_path("shared.safetensors");
+  write_trace(path, meta, requests);
+  AnalyzeConfig c;
+  c.slots = {160};  // above T x K: no step runs in query groups
+  c.steady_from = 0;
+  c.recommend = false;
+  c.policies = {"lru_warmup"};
+  const auto r = analyze(TraceReader(path), c);
+  ASSERT_TRUE(r.prefetch.has_value());
+  const PrefetchStats& pf = *r.prefetch;
+  EXPECT_EQ(pf.shared_layers, (std::vector<int>{1, 2}));
+  double shared = 0, all = 0;
+  for (int l = 1; l < 4; ++l) {
+    all += pf.misses[static_cast<std::size_t>(l)];
+    if (l == 3) continue;
+    EXPECT_GT(pf.misses[static_cast<std::size_t>(l)], 0) << l;
+    EXPECT_DOUBLE_EQ(pf.useful[static_cast<std::size_t>(l)], pf.misses[static_cast<std::size_t>(l)]) << l;
+    EXPECT_DOUBLE_EQ(pf.wasted[static_cast<std::size_t>(l)], 0) << l;
+    EXPECT_DOUBLE_EQ(pf.misses_left[static_cast<std::size_t>(l)], 0) << l;
+    shared += pf.misses[static_cast<std::size_t>(l)];
+  }
+  EXPECT_GT(pf.misses_left[3], 0);
+  EXPECT_DOUBLE_EQ(pf.shared_misses, shared);
+  EXPECT_DOUBLE_EQ(pf.layer_misses, all);
+  const std::string table = to_table(r);
+  EXPECT_NE(table.find("index sharing: layers 1,2 select exactly"), std::string::npos) << table;
+  EXPECT_EQ(to_json(r)["prefetch"]["index_sharing"]["shared_layers"], (std::vector<int>{1, 2}));
+
+  // One id of one request's layer 2 changed (to one its row does not hold): layer 2 is no longer shared.
+  std::int32_t* row = requests[1].topk.data() + (5 * 4 + 2) * static_cast<std::size_t>(p.mtp) * 64;
+  const std::set<std::int32_t> held(row, row + 64);
+  std::int32_t fresh = 0;
+  while (held.contains(fresh)) ++fresh;
+  row[0] = fresh;
+  const auto changed = temp_path("shared-changed.safetensors");
+  write_trace(changed, meta, requests);
+  EXPECT_EQ(analyze(TraceReader(changed), c).prefetch->shared_layers, (std::vector<int>{1}));
 }
 
 // The MTP working set is the union of the T query tokens' top-k, padding left out:

@@ -107,6 +107,40 @@ TEST(Generator, HigherDriftLayersChangeMore) {
   EXPECT_GT(changed(1), changed(3));
 }
 
+// Index sharing (`ess trace gen --model`): a shared layer's queries and prefill windows are its
+// leader's, id for id; the others are generated as before (a layer's ids do not depend on which
+// other layers are shared); the pattern travels in the profile the trace's metadata keeps.
+TEST(Generator, SharedIndexLayersSelectTheirLeadersIds) {
+  GeneratorProfile p = tiny_profile();
+  const auto own = generate_request(p, 800, 12, 2, 0);
+  p.shared_index = {false, true, false, true};
+  p.validate("test");
+  const auto r = generate_request(p, 800, 12, 2, 0);
+  const std::size_t row = static_cast<std::size_t>(p.mtp) * 64, window = static_cast<std::size_t>(p.prefill_windows) * 64;
+  auto query = [&](const RequestData& x, std::size_t s, int layer) {
+    const auto* a = x.topk.data() + (s * static_cast<std::size_t>(p.layers) + static_cast<std::size_t>(layer)) * row;
+    return std::vector<std::int32_t>(a, a + row);
+  };
+  auto prefill = [&](const RequestData& x, int layer) {
+    const auto* a = x.prefill.data() + static_cast<std::size_t>(layer) * window;
+    return std::vector<std::int32_t>(a, a + window);
+  };
+  for (std::size_t s = 0; s < 12; ++s) {
+    EXPECT_EQ(query(r, s, 1), query(r, s, 0)) << s;
+    EXPECT_EQ(query(r, s, 3), query(r, s, 2)) << s;
+    EXPECT_EQ(query(r, s, 0), query(own, s, 0)) << s;
+    EXPECT_EQ(query(r, s, 2), query(own, s, 2)) << s;
+    EXPECT_NE(query(own, s, 1), query(own, s, 0)) << s;
+  }
+  EXPECT_EQ(prefill(r, 1), prefill(r, 0));
+  EXPECT_EQ(prefill(r, 3), prefill(r, 2));
+  EXPECT_EQ(GeneratorProfile::from_json(p.to_json(), "round trip").shared_index, p.shared_index);
+  p.shared_index = {true, false, false, false};
+  expect_error([&] { p.validate("test"); }, {"layer 0 shared: true"});
+  p.shared_index = {false, true};
+  expect_error([&] { p.validate("test"); }, {"has 2 layers"});
+}
+
 TEST(Generator, TracesSayTheyAreSynthetic) {
   const auto path = temp_path("gen.safetensors");
   GenerateConfig c;

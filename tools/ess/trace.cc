@@ -14,6 +14,7 @@
 #include "ess/core/error.h"
 #include "ess/io/lists.h"
 #include "ess/io/output_file.h"
+#include "ess/model/model_spec.h"
 #include "ess/trace/analyzer.h"
 #include "ess/trace/format.h"
 #include "ess/trace/generator.h"
@@ -27,6 +28,7 @@ struct GenArgs {
   std::string profile;
   trace::GenerateConfig config;
   std::optional<int> layers;  // the profile's unless given
+  std::string model;          // a model config.json: its layers and index sharing
   std::uint64_t seed = 1;
   Format format = Format::kTable;
 };
@@ -60,16 +62,28 @@ void add_gen(CLI::App& parent) {
   cmd->add_option("--steps,-s", a->config.steps, "Decode steps per request")
       ->capture_default_str()
       ->check(in_range(1, 1 << 24));
-  cmd->add_option("--layers,-l", a->layers, "Override the profile's layer count (the drift curve is resampled)");
+  auto* layers =
+      cmd->add_option("--layers,-l", a->layers, "Override the profile's layer count (the drift curve is resampled)");
+  cmd->add_option("--model", a->model,
+                  "A model config.json: its layer count, and its index sharing (a layer that reuses its leader's top-k "
+                  "selects exactly its leader's ids; GLM-5.2's configs/models/glm-5.2.json)")
+      ->excludes(layers);
   cmd->add_option("--seed", a->config.seed, "Random seed")->capture_default_str()->check(unsigned_integer());
   add_format_option(*cmd, a->format, false);
   cmd->callback([a] {
-    check_output_file(a->output, "--output", {a->profile});
+    check_output_file(a->output, "--output", {a->profile, a->model});
     trace::GeneratorProfile p =
         a->profile.empty() ? trace::GeneratorProfile::shipped_default() : trace::GeneratorProfile::from_file(a->profile);
     if (a->layers) {
       p.layers = *a->layers;
       p.validate("--layers");
+    }
+    if (!a->model.empty()) {
+      const ModelSpec m = ModelSpec::from_file(a->model);
+      p.model = m.name;
+      p.layers = m.num_hidden_layers;
+      p.shared_index = m.shared_index;
+      p.validate("--model " + a->model);
     }
     const auto t0 = std::chrono::steady_clock::now();
     Progress progress("requests generated");

@@ -84,6 +84,12 @@ struct PrefetchStats {
   std::vector<double> prefetched, useful, wasted, misses_left, misses;  // per layer, mean per request-step
   std::vector<double> wasted_max;                                        // per layer
   double mean_useful = 0, mean_wasted = 0, max_wasted = 0, mean_misses_left = 0, mean_misses = 0;
+  // Index sharing seen in the trace: the layers that select exactly layer l-1's ids at every step
+  // and prefill window of every request (a shared-index model's followers). Their prefetch is
+  // exact: their misses, all of them, can be copied before they run (at their leader). Per
+  // request-step, steady state: those misses, and the misses of every layer >= 1.
+  std::vector<int> shared_layers;
+  double shared_misses = 0, layer_misses = 0;
 };
 
 struct Recommendation {

@@ -57,6 +57,10 @@ struct GeneratorProfile {
   double return_probability = 0.0;  // a drift replacement brings back a previous occupant of the slot
   int return_depth = 3;             // ... uniformly among the slot's last this-many occupants
   std::vector<double> drift;  // per layer (resampled linearly when its size differs from layers)
+  // Index sharing (ModelSpec::shared_index, `ess trace gen --model`): a shared layer selects
+  // exactly its leader's top-k (the last layer before it that is not shared), prefill windows
+  // included. Empty: every layer its own; else one flag per layer, layer 0 not shared.
+  std::vector<bool> shared_index;
   // The MTP working set this profile's traces have (distinct ids per request-layer-step: the
   // union of its `mtp` query tokens' top-k), measured once by `ess trace generate` + `ess
   // trace analyze` and stored with the profile so that the simulator need not regenerate it;

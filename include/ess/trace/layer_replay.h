@@ -27,6 +27,8 @@ Similarity similarity_of(const RequestView& r, int layer);
 
 struct PrefetchLayer {
   std::vector<std::int32_t> prefetched, useful, wasted, misses;  // [steps]
+  // The layer selects exactly layer l-1's ids at every step and prefill window (index sharing).
+  bool same_selection = false;
 };
 
 // LRU + warm-up replay of layer `layer` with the first-order inter-layer prefetch counted.

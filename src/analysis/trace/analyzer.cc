@@ -435,6 +435,9 @@ PrefetchStats summarize_prefetch(const std::vector<PrefetchLayer>& pf, std::size
   ps.useful = ps.wasted = ps.misses_left = ps.misses = ps.wasted_max = ps.prefetched;
   double n_all = 0;
   for (std::size_t l = 1; l < Lz; ++l) {
+    bool shared = R > 0;
+    for (std::size_t i = 0; i < R; ++i) shared = shared && pf[i * Lz + l].same_selection;
+    if (shared) ps.shared_layers.push_back(static_cast<int>(l));
     double n = 0;
     for (std::size_t i = 0; i < R; ++i) {
       const auto& x = pf[i * Lz + l];
@@ -457,6 +460,8 @@ PrefetchStats summarize_prefetch(const std::vector<PrefetchLayer>& pf, std::size
     if (n > 0) {
       for (auto* v : {&ps.prefetched, &ps.useful, &ps.wasted, &ps.misses, &ps.misses_left}) (*v)[l] /= n;
     }
+    ps.layer_misses += ps.misses[l];
+    if (shared) ps.shared_misses += ps.misses[l];
   }
   if (n_all > 0) {
     ps.mean_useful /= n_all;

@@ -27,7 +27,7 @@ GeneratorProfile GeneratorProfile::from_json(const nlohmann::json& j, const std:
       "mtp",           "accept_ratio",       "prefill_windows", "sink_tokens",      "recent_window",
       "candidate_base", "reference_context", "candidate_exponent", "mtp_divergence", "topic_shift_rate",
       "topic_shift_fraction", "candidate_churn", "drift",        "synthetic",        "calibration",
-      "return_probability", "return_depth", "mtp_working_set"};
+      "return_probability", "return_depth", "mtp_working_set", "shared_index"};
   for (const auto& [k, v] : j.items()) {
     ESS_CHECK(known.contains(k), "{}: unknown generator profile field '{}'", source, k);
   }
@@ -56,6 +56,7 @@ GeneratorProfile GeneratorProfile::from_json(const nlohmann::json& j, const std:
   json_read(j, "return_probability", p.return_probability, source);
   json_read(j, "return_depth", p.return_depth, source);
   json_read(j, "drift", p.drift, source);
+  json_read(j, "shared_index", p.shared_index, source);
   if (auto it = j.find("mtp_working_set"); it != j.end()) {
     const std::string where = source + ": mtp_working_set";
     ESS_CHECK(it->is_object() && it->contains("how") && it->contains("measured"),
@@ -117,6 +118,9 @@ void GeneratorProfile::validate(const std::string& source) const {
   in("return_depth", return_depth, 1, 64);
   ESS_CHECK(!drift.empty(), "{}: profile field 'drift' (per-layer heavy-hitter replacement rate) is missing or empty",
             source);
+  ESS_CHECK(shared_index.empty() || (std::ssize(shared_index) == layers && !shared_index.front()),
+            "{}: the index sharing pattern has {} layers (layer 0 shared: {}); the profile has {} layers, layer 0 its own",
+            source, shared_index.size(), !shared_index.empty() && shared_index.front(), layers);
   for (std::size_t i = 0; i < drift.size(); ++i) {
     ESS_CHECK(std::isfinite(drift[i]) && drift[i] >= 0 && drift[i] <= 1, "{}: profile field 'drift'[{}] = {} is outside [0, 1]",
               source, i, drift[i]);
@@ -124,27 +128,29 @@ void GeneratorProfile::validate(const std::string& source) const {
 }
 
 nlohmann::json GeneratorProfile::to_json() const {
-  return {{"name", name},
-          {"description", description},
-          {"synthetic", true},
-          {"model", model},
-          {"layers", layers},
-          {"topk", topk},
-          {"mtp", mtp},
-          {"accept_ratio", accept_ratio},
-          {"prefill_windows", prefill_windows},
-          {"sink_tokens", sink_tokens},
-          {"recent_window", recent_window},
-          {"candidate_base", candidate_base},
-          {"reference_context", reference_context},
-          {"candidate_exponent", candidate_exponent},
-          {"mtp_divergence", mtp_divergence},
-          {"topic_shift_rate", topic_shift_rate},
-          {"topic_shift_fraction", topic_shift_fraction},
-          {"candidate_churn", candidate_churn},
-          {"return_probability", return_probability},
-          {"return_depth", return_depth},
-          {"drift", drift}};
+  nlohmann::json j = {{"name", name},
+                      {"description", description},
+                      {"synthetic", true},
+                      {"model", model},
+                      {"layers", layers},
+                      {"topk", topk},
+                      {"mtp", mtp},
+                      {"accept_ratio", accept_ratio},
+                      {"prefill_windows", prefill_windows},
+                      {"sink_tokens", sink_tokens},
+                      {"recent_window", recent_window},
+                      {"candidate_base", candidate_base},
+                      {"reference_context", reference_context},
+                      {"candidate_exponent", candidate_exponent},
+                      {"mtp_divergence", mtp_divergence},
+                      {"topic_shift_rate", topic_shift_rate},
+                      {"topic_shift_fraction", topic_shift_fraction},
+                      {"candidate_churn", candidate_churn},
+                      {"return_probability", return_probability},
+                      {"return_depth", return_depth},
+                      {"drift", drift}};
+  if (!shared_index.empty()) j["shared_index"] = shared_index;
+  return j;
 }
 
 double GeneratorProfile::drift_of(int layer) const {
@@ -560,7 +566,11 @@ RequestData generate_request(const GeneratorProfile& p, std::int64_t context, st
   const std::size_t row = static_cast<std::size_t>(T) * K;
   r.topk.assign(static_cast<std::size_t>(steps) * static_cast<std::size_t>(p.layers) * row, -1);
   r.prefill.assign(static_cast<std::size_t>(p.layers) * static_cast<std::size_t>(W) * K, -1);
+  const auto shared_layer = [&](int layer) {
+    return static_cast<std::size_t>(layer) < p.shared_index.size() && p.shared_index[static_cast<std::size_t>(layer)];
+  };
   tbb::parallel_for(0, p.layers, [&](int layer) {
+    if (shared_layer(layer)) return;  // its leader's, below
     LayerProcess proc(p, layer, shared, final_length,
                       stream_seed(seed, static_cast<std::uint64_t>(index), static_cast<std::uint64_t>(layer)));
     // Prefill: positions context - W .. context - 1, one query each; position q sees [0, q + 1).
@@ -573,6 +583,20 @@ RequestData generate_request(const GeneratorProfile& p, std::int64_t context, st
                     r.topk.data() + (static_cast<std::size_t>(s) * static_cast<std::size_t>(p.layers) + static_cast<std::size_t>(layer)) * row);
     }
   });
+  const std::size_t window_ids = static_cast<std::size_t>(W) * K;
+  for (int layer = 1, leader = 0; layer < p.layers; ++layer) {
+    if (!shared_layer(layer)) {
+      leader = layer;
+      continue;
+    }
+    std::copy_n(r.prefill.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(leader) * window_ids), window_ids,
+                r.prefill.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(layer) * window_ids));
+    for (std::int64_t s = 0; s < steps; ++s) {
+      const std::size_t at = static_cast<std::size_t>(s) * static_cast<std::size_t>(p.layers);
+      std::copy_n(r.topk.begin() + static_cast<std::ptrdiff_t>((at + static_cast<std::size_t>(leader)) * row), row,
+                  r.topk.begin() + static_cast<std::ptrdiff_t>((at + static_cast<std::size_t>(layer)) * row));
+    }
+  }
   return r;
 }
 

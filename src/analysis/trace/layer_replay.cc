@@ -161,6 +161,7 @@ PrefetchLayer prefetch_of(const RequestView& r, int layer, std::int32_t slots, b
     }
   }
   PrefetchLayer out;
+  out.same_selection = std::ranges::equal(r.prefill(layer), r.prefill(layer - 1));
   const auto S = static_cast<std::size_t>(r.steps);
   out.prefetched.resize(S);
   out.useful.resize(S);
@@ -181,6 +182,7 @@ PrefetchLayer prefetch_of(const RequestView& r, int layer, std::int32_t slots, b
       ++pre;
       if (mine[static_cast<std::size_t>(tok)] == step) ++use;
     }
+    out.same_selection = out.same_selection && std::ranges::equal(r.step(s, layer), r.step(s, layer - 1));
     const StepOutcome c = step_through(cache, r.step(s, layer), r.mtp, r.topk, grouper, slot_ids, fills);
     out.prefetched[static_cast<std::size_t>(s)] = pre;
     out.useful[static_cast<std::size_t>(s)] = use;

@@ -1,5 +1,7 @@
 // The reports of `ess trace analyze`: JSON, the simulator's miss profile, the text table and CSV
 // (docs/trace-analysis.md). Declared in analyzer.h.
+#include <fmt/ranges.h>
+
 #include <algorithm>
 #include <cmath>
 #include <iterator>
@@ -130,7 +132,11 @@ nlohmann::json to_json(const AnalysisResult& r) {
                      {"mean_wasted", p.mean_wasted},
                      {"max_wasted", p.max_wasted},
                      {"mean_misses", p.mean_misses},
-                     {"mean_misses_left", p.mean_misses_left}};
+                     {"mean_misses_left", p.mean_misses_left},
+                     {"index_sharing",
+                      {{"shared_layers", p.shared_layers},
+                       {"shared_misses_per_request_step", p.shared_misses},
+                       {"misses_per_request_step", p.layer_misses}}}};
   }
   nlohmann::json rec = nlohmann::json::array();
   for (const auto& x : r.recommended) {
@@ -250,6 +256,15 @@ std::string to_table(const AnalysisResult& r) {
         "{:.1f} useful, {:.1f} wasted (max {:.0f}), misses {:.1f} -> {:.1f}\n",
         r.prefetch->mean_useful, r.prefetch->mean_wasted, r.prefetch->max_wasted, r.prefetch->mean_misses,
         r.prefetch->mean_misses_left);
+    const auto& p = *r.prefetch;
+    if (!p.shared_layers.empty()) {
+      fmt::format_to(it, "index sharing: layers {} select exactly the previous layer's top-k at every step: exact prefetch "
+                         "(their copy issued at their leader) takes their {:.1f} misses per request-step, {:.1f}% of the "
+                         "{:.1f} of layers 1..{}, off their own layer's critical path\n",
+                     fmt::join(p.shared_layers, ","), p.shared_misses,
+                     p.layer_misses > 0 ? 100 * p.shared_misses / p.layer_misses : 0.0, p.layer_misses,
+                     r.meta.layers - 1);
+    }
   }
   for (const auto& x : r.recommended) {
     if (x.slots < 0) {
