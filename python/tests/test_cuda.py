@@ -134,3 +134,67 @@ def test_step_replays_in_a_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
         np.testing.assert_array_equal(phys_d.cpu().numpy(), phys_h, err_msg=f"replay {step}")
+
+
+def test_a_followers_step_on_a_side_stream_beside_the_next_leaders():
+    """The SGLang adapter's shared-index prefetch (ess/integrations/sglang/shared_index.py) as the CUDA engine sees it:
+    layer 1 shares layer 0's top-k; its step runs on a side stream with the engine's scratch set 1, forked after layer
+    0's step, while layer 2's step runs on the main stream with set 0, unordered with it; each layer's rows and bytes
+    are the CPU backend's (steps run one after another there)."""
+    layers = 3
+    host = [np.zeros((POOL * (SLOTS + T), ENTRY), np.uint8) for _ in range(layers)]
+    dev = [torch.zeros((POOL * (SLOTS + T), ENTRY), dtype=torch.uint8, device="cuda") for _ in range(layers)]
+    common = dict(layers=layers, max_requests=POOL, max_context=CTX, topk=K, query_tokens=T, slots=SLOTS,
+                  reserve_newest=True, warmup_windows=4)
+    cpu, gpu = ess.Engine(**common, latent=host), ess.Engine(**common, backend="cuda", latent=dev)
+    world = World(seed=11, layers=layers, topk=K, query_tokens=T, max_context=CTX)
+    B = 3
+    rows_h = np.empty(B, np.int32)
+    for b, n in enumerate([300, 500, 800]):
+        entries = world.new_request(b, n)
+        for e in (cpu, gpu):
+            rows_h[b] = e.admit(b, n)
+            for layer in range(layers):
+                e.write_entries(b, layer, 0, entries[layer])
+    lens_h = np.array([300, 500, 800], np.int32)
+    rows_d, lens_d = torch.from_numpy(rows_h).cuda(), torch.from_numpy(lens_h).cuda()
+    topk_h = [np.zeros((B, T, K), np.int32) for _ in range(2)]            # the leaders' (layers 0 and 2)
+    phys_h = [np.zeros((B, T, K), np.int32) for _ in range(layers)]
+    topk_d = [torch.zeros((B, T, K), dtype=torch.int32, device="cuda") for _ in range(2)]
+    phys_d = [torch.zeros((B, T, K), dtype=torch.int32, device="cuda") for _ in range(layers)]
+    uses = [0, 0, 1]   # each layer's top-k: layer 1 its leader's
+    s_cpu = [cpu.bind_step(rows_h, topk_h[uses[l]], lens_h, phys_h[l]) for l in range(layers)]
+    s_gpu = [gpu.bind_step(rows_d, topk_d[uses[l]], lens_d, phys_d[l]) for l in range(layers)]
+    main, side, done = torch.cuda.current_stream(), torch.cuda.Stream(), torch.cuda.Event()
+    for step in range(4):
+        for b in range(B):
+            for e in (cpu, gpu):
+                e.extend(b, T)
+            world.length[b] += T
+            lens_h[b] = world.length[b]
+            topk_h[0][b] = world.query_rows(b)
+            topk_h[1][b] = world.query_rows(b)
+        lens_d.copy_(torch.from_numpy(lens_h))
+        for i in range(2):
+            topk_d[i].copy_(torch.from_numpy(topk_h[i]))
+        for layer in range(layers):   # the model's KV write of the new tokens
+            for b in range(B):
+                for t in range(T):
+                    entry = world.full[b][layer][world.length[b] - T + t]
+                    r = cpu.info.reserved_row(int(rows_h[b]), t)
+                    host[layer][r] = entry
+                    dev[layer][r] = torch.from_numpy(entry).cuda()
+        for layer in range(layers):
+            s_cpu[layer].step(layer)
+        s_gpu[0].step(0, stream=main)
+        side.wait_stream(main)
+        s_gpu[1].step_async(1, B, 1, side.cuda_stream)
+        done.record(side)
+        s_gpu[2].step(2, stream=main)   # beside the side stream's step
+        main.wait_event(done)
+        torch.cuda.synchronize()
+        for layer in range(layers):
+            np.testing.assert_array_equal(phys_d[layer].cpu().numpy(), phys_h[layer], err_msg=f"step {step} {layer}")
+            valid = phys_h[layer] >= 0
+            got = dev[layer][torch.from_numpy(phys_h[layer][valid]).long().cuda()].cpu().numpy()
+            np.testing.assert_array_equal(got, host[layer][phys_h[layer][valid]], err_msg=f"step {step} {layer}")
