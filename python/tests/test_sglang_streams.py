@@ -95,14 +95,19 @@ class StreamWorld(World):
             super().forward(batch)
 
 
-@pytest.fixture
-def world(monkeypatch):
+def recorded_world(monkeypatch, seed, cls=StreamWorld, prompts=(40, 70)):
+    """A world of `cls` on a recording device, its requests prefilled and in decode."""
     monkeypatch.setattr(_device, "for_device", lambda device: RecordingDevice(device))
-    w = StreamWorld(11)
-    for n in (40, 70):
+    w = cls(seed)
+    for n in prompts:
         w.prefill(n)
     w.collect()
     return w
+
+
+@pytest.fixture
+def world(monkeypatch):
+    return recorded_world(monkeypatch, 11)
 
 
 def preceding(entries, i, stream):
@@ -176,11 +181,7 @@ def test_staging_copies_after_the_schedule_streams_event(world):
 
 def test_the_recorders_copy_runs_after_the_forward_and_before_the_next(monkeypatch, tmp_path):
     monkeypatch.setenv("ESS_RECORD_TRACE", str(tmp_path / "t.safetensors"))
-    monkeypatch.setattr(_device, "for_device", lambda device: RecordingDevice(device))
-    w = StreamWorld(12)
-    for n in (40, 70):
-        w.prefill(n)
-    w.collect()
+    w = recorded_world(monkeypatch, 12)
     coord, log = w.coord, w.coord.dev.log
     producer, backup = coord.decode_producer_stream, coord.decode_backup_stream
     for _ in range(3):
@@ -208,11 +209,7 @@ def test_shared_layers_steps_run_on_the_prefetch_stream_after_the_leaders_swap(m
     """GLM-5.2's index sharing (shared_index.py): after the leader's swap is enqueued, the prefetch stream waits for the
     forward's stream, runs the followers' steps and records one event per follower; each follower's swap only makes
     the forward's stream wait for its event (no swap of its own)."""
-    monkeypatch.setattr(_device, "for_device", lambda device: RecordingDevice(device))
-    w = SharedIndexStreamWorld(13)
-    for n in (40, 70):
-        w.prefill(n)
-    w.collect()
+    w = recorded_world(monkeypatch, 13, SharedIndexStreamWorld)
     coord, log = w.coord, w.coord.dev.log
     producer, prefetch = coord.decode_producer_stream, coord.shared_index.stream
     start = len(log.entries)
@@ -234,14 +231,10 @@ def test_a_dba_second_half_waits_for_the_other_micro_batchs_prefetch(monkeypatch
     while they may still copy, so the forward's stream waits for the prefetch stream before that second half."""
     from test_sglang_replay import K, micro_batches
     monkeypatch.setenv("ESS_OVERLAP", "dba")
-    monkeypatch.setattr(_device, "for_device", lambda device: RecordingDevice(device))
 
     class World3(StreamWorld):
         SHARED = [False, False, True]
-    w = World3(14)
-    for n in (40, 70, 55, 90):
-        w.prefill(n)
-    w.collect()
+    w = recorded_world(monkeypatch, 14, World3, (40, 70, 55, 90))
     coord, log = w.coord, w.coord.dev.log
     producer, prefetch, split = coord.decode_producer_stream, coord.shared_index.stream, coord.decode_split
     batch = w.prepare_decode()

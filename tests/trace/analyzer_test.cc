@@ -99,18 +99,7 @@ TEST(Analyzer, HandComputedMissesAndSimilarity) {
 // nothing wasted), and its misses are the share exact prefetch takes off its critical path. A
 // layer that differs in one id of one request is not shared.
 TEST(Analyzer, SharedIndexLayersAreFoundAndTheirPrefetchIsExact) {
-  GeneratorProfile p;
-  p.name = "shared";
-  p.layers = 4;
-  p.topk = 64;
-  p.mtp = 2;
-  p.accept_ratio = 1.5;
-  p.prefill_windows = 4;
-  p.sink_tokens = 2;
-  p.recent_window = 8;
-  p.candidate_base = 300;
-  p.reference_context = 1000;
-  p.drift = {0.5, 0.05, 0.2, 0.01};
+  GeneratorProfile p = testing::tiny_profile();
   p.shared_index = {false, true, true, false};
   p.validate("test");
   std::vector<RequestData> requests = {generate_request(p, 800, 16, 7, 0), generate_request(p, 800, 16, 7, 1)};

@@ -13,25 +13,7 @@ namespace {
 
 using testing::expect_error;
 using testing::temp_path;
-
-GeneratorProfile tiny_profile() {
-  GeneratorProfile p;
-  p.name = "tiny";
-  p.layers = 4;
-  p.topk = 64;
-  p.mtp = 2;
-  p.accept_ratio = 1.5;
-  p.prefill_windows = 4;
-  p.sink_tokens = 2;
-  p.recent_window = 8;
-  p.candidate_base = 300;
-  p.reference_context = 1000;
-  p.topic_shift_rate = 0.1;
-  p.candidate_churn = 0.01;
-  p.drift = {0.5, 0.05, 0.2, 0.01};
-  p.validate("test");
-  return p;
-}
+using testing::tiny_profile;
 
 // Every query selects exactly min(K, visible) distinct valid ids, -1 for the rest.
 void check_row(const std::int32_t* row, int K, std::int64_t visible, const std::string& where) {

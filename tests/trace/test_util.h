@@ -12,8 +12,29 @@
 #include <vector>
 
 #include "ess/core/error.h"
+#include "ess/trace/generator.h"
 
 namespace ess::trace::testing {
+
+// A small generator profile: 4 layers of different drift, top-64, MTP 2, 4 prefill windows.
+inline GeneratorProfile tiny_profile() {
+  GeneratorProfile p;
+  p.name = "tiny";
+  p.layers = 4;
+  p.topk = 64;
+  p.mtp = 2;
+  p.accept_ratio = 1.5;
+  p.prefill_windows = 4;
+  p.sink_tokens = 2;
+  p.recent_window = 8;
+  p.candidate_base = 300;
+  p.reference_context = 1000;
+  p.topic_shift_rate = 0.1;
+  p.candidate_churn = 0.01;
+  p.drift = {0.5, 0.05, 0.2, 0.01};
+  p.validate("test");
+  return p;
+}
 
 inline std::string temp_path(const std::string& name) {
   const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
