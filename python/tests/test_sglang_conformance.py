@@ -334,3 +334,10 @@ def test_the_shared_index_facts_are_the_releases():
     capture = ast.unparse(_function(os.path.join("srt", "state_capturer", "indexer_topk.py"), None,
                                     "maybe_capture_indexer_topk"))
     assert capture.rstrip().endswith("return topk_indices")
+    # Two-batch overlap with index sharing is refused at launch (the TBO path carries no top-k between layers):
+    # `ess plan --engine sglang` keeps TBO off for such a model.
+    tbo = ast.unparse(_function(os.path.join("srt", "arg_groups", "model_hook.py"), None,
+                                "_validate_dsa_tbo_index_sharing"))
+    for needed in ("if not cfg.enable_two_batch_overlap:", "index_topk_freq > 1", "'shared' in indexer_types",
+                   "raise ValueError("):
+        assert needed in tbo, needed

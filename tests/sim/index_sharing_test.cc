@@ -108,6 +108,30 @@ TEST(sim_index_sharing, FollowersRunNoIndexerAndTheirCopyIsIssuedAtTheLeader) {
   EXPECT_LT(on.exposed_transfer_us, 0.5 * off.exposed_transfer_us);
 }
 
+// Under Two-Batch Overlap a dense leader runs the whole batch and the MoE layers after it run
+// micro-batches: its followers there swap at their own turn (a whole-batch copy would serve
+// neither micro-batch); MoE leaders prefetch their followers per micro-batch.
+TEST(sim_index_sharing, UnderTwoBatchOverlapADenseLeadersFollowersSwapAtTheirTurn) {
+  Deployment d = paper_dep();
+  ASSERT_TRUE(d.two_batch_overlap);
+  ASSERT_EQ(glm52().first_k_dense_replace, 3);
+  Timeline tl;
+  StepModel(glm52(), paper_hw(), d).run(none_at(64, 200), &tl);
+  const auto count = [&](const std::string& name) {
+    return std::count_if(tl.events.begin(), tl.events.end(), [&](const TimelineEvent& e) { return e.name == name; });
+  };
+  for (const char mb : {'A', 'B'}) {
+    for (int l : {3, 4, 5}) {  // layer 2's (dense)
+      EXPECT_EQ(count(fmt::format("L{}{} {}", l, mb, op::kH2DPrefetch)), 0) << l << mb;
+      EXPECT_EQ(count(fmt::format("L{}{} {}", l, mb, op::kH2DMisses)), 1) << l << mb;
+    }
+    for (int l : {7, 8, 9}) {  // layer 6's (MoE)
+      EXPECT_EQ(count(fmt::format("L{}{} {}", l, mb, op::kH2DPrefetch)), 1) << l << mb;
+      EXPECT_EQ(count(fmt::format("L{}{} {}", l, mb, op::kH2DMisses)), 0) << l << mb;
+    }
+  }
+}
+
 // A follower's pool sees its leader's ids, so it misses what its leader misses: with a miss
 // profile that differs per layer, each follower takes its leader's value.
 TEST(sim_index_sharing, FollowersMissWhatTheirLeaderMisses) {
@@ -145,6 +169,11 @@ TEST(sim_index_sharing, ThePlanSearchesThePrefetchAndTheLaunchLineSaysItsChoice)
   }
   EXPECT_NE(std::find(seen.begin(), seen.end(), true), seen.end());
   EXPECT_NE(std::find(seen.begin(), seen.end(), false), seen.end());
+  // SGLang refuses two-batch overlap with index sharing (arg_groups/model_hook.py): the search keeps it off.
+  for (const PlanOption& a : p.results[0].alternatives) EXPECT_FALSE(a.two_batch_overlap) << a.label;
+  EXPECT_NE(std::find_if(p.engine_notes.begin(), p.engine_notes.end(),
+                         [](const std::string& n) { return n.starts_with("TBO off (SGLang 0.5.23 refuses"); }),
+            p.engine_notes.end());
   for (const bool prefetch : {true, false}) {
     PlanResult r = p.results[0];
     r.chosen.shared_index_prefetch = prefetch;

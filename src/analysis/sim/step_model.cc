@@ -183,7 +183,11 @@ class StepRun {
     mb.followers.clear();
     if (prefetch && !mb.index_shared) {
       mb.prefetch_end.assign(static_cast<std::size_t>(n_layers_), -1.0);
-      for (int f = layer + 1; f < n_layers_ && model_.index_shared(f); ++f) {
+      // A dense layer runs the whole batch; under Two-Batch Overlap the MoE layers after it run
+      // micro-batches, whose swaps a copy for the whole batch does not serve.
+      const bool tbo = dep_.two_batch_overlap && r_.batch >= 2 && !rig_;
+      const int last = tbo && layer < first_moe_ ? first_moe_ : n_layers_;
+      for (int f = layer + 1; f < last && model_.index_shared(f); ++f) {
         const double m = std::min(layer_misses_[static_cast<std::size_t>(f)], tokens_per_request * topk_eff_);
         mb.followers.emplace_back(f, mb.requests * m);
       }
