@@ -384,6 +384,10 @@ class TboWorld(World):
                     carried[id(positions)] = rows, torch.tensor(rows, dtype=torch.int32)
                 else:
                     self.shared_swaps += 1
+                    if id(positions) not in carried:   # a dense leader's whole batch: this micro-batch's rows of it
+                        whole_rows = carried[id(whole[2])][0]
+                        rows = [whole_rows[p] if p is not None and p < bs else [0] + [-1] * (K - 1) for p in positions]
+                        carried[id(positions)] = rows, torch.tensor(rows, dtype=torch.int32)
                 rows, topk = carried[id(positions)]
                 table = coord.swap_in_selected_pages(part_idx, part_lens, topk, layer)
                 assert tuple(table.shape) == (len(positions), K)
@@ -433,12 +437,26 @@ class SharedIndexTboWorld(TboWorld):
     SHARED = [False, False, True]  # the dense layer 0 on the whole batch; layer 1 leads layer 2 per micro-batch
 
 
+class DenseLeaderTboWorld(TboWorld):
+    SHARED = [False, True, True]   # the dense layer 0 leads layers 1 and 2, which run per micro-batch
+
+
 @pytest.mark.parametrize("world,seed", [(SharedIndexWorld, 0), (SharedIndexWorld, 4), (SharedIndexTboWorld, 0)])
 def test_replay_with_shared_index_layers(world, seed):
     """GLM-5.2's index sharing: a shared layer's step starts at its leader's swap (shared_index.py) and serves what
     the independent LRU model of that layer's pool says, with CUDA-graph padding and under two-batch overlap."""
     w = replay(seed=seed, world=world)
     assert w.shared_swaps > 20 and w.coord.shared_index.prefetched == w.shared_swaps
+
+
+def test_followers_of_a_dense_leader_under_two_batch_overlap_swap_themselves():
+    """A dense leader swaps the whole batch, its followers run per micro-batch (a pairing SGLang refuses with index
+    sharing): the prefetch of the whole batch serves no micro-batch, each follower swaps itself after it, and every
+    table is still the LRU model's (the prefetch's step touched the same ids of each request's pool first: the
+    same decisions, then all hits)."""
+    w = replay(seed=2, world=DenseLeaderTboWorld)
+    assert w.shared_swaps > 20 and w.coord.shared_index.prefetched == 0
+
 
 
 class StagesOncePerForward(adapter.HiSparseCoordinator):

@@ -257,3 +257,32 @@ def test_a_dba_second_half_waits_for_the_other_micro_batchs_prefetch(monkeypatch
     assert len(swaps) == 4   # A's halves, B's halves
     assert ("wait_stream", producer, prefetch) not in preceding(entries, swaps[1], producer)
     assert ("wait_stream", producer, prefetch) in preceding(entries, swaps[3], producer)
+    # ... and the other way: a DBA leader's followers wait for its second half's copy (on the DA copy stream,
+    # reading scratch set 1 until copy_done) before their steps write set 1.
+    prefetches = [i for i, e in enumerate(entries) if e[0] == "launch" and e[1] is prefetch]
+    assert len(prefetches) == 2
+    for i in prefetches:
+        assert ("wait_event", prefetch, split.copy_done) in preceding(entries, i, prefetch)
+
+
+def test_a_follower_its_leader_did_not_swap_for_waits_for_the_prefetch_stream(monkeypatch):
+    """A dense leader's whole batch, then two-batch overlap's micro-batches at its followers (a pairing SGLang
+    refuses with index sharing): the whole-batch prefetch serves neither micro-batch, and each follower's own swap
+    runs after the prefetch stream's work on the same layer."""
+    from test_sglang_replay import DenseLeaderTboWorld
+
+    class World(DenseLeaderTboWorld):
+        def forward(self, batch):
+            with self.coord.dev.stream(self.coord.decode_producer_stream):
+                super().forward(batch)
+    w = recorded_world(monkeypatch, 15, World, (40, 70, 55, 90))
+    coord, log = w.coord, w.coord.dev.log
+    producer, prefetch = coord.decode_producer_stream, coord.shared_index.stream
+    start = len(log.entries)
+    w.step()
+    entries = log.entries[start:]
+    i_prefetch = next(i for i, e in enumerate(entries) if e[0] == "launch" and e[1] is prefetch)
+    swaps = [i for i, e in enumerate(entries) if e[0] == "launch" and e[2] == "swap" and i > i_prefetch]
+    assert swaps, "the followers swap themselves"
+    assert ("wait_stream", producer, prefetch) in preceding(entries, swaps[0], producer)
+    assert w.coord.shared_index.prefetched == 0

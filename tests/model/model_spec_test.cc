@@ -162,6 +162,33 @@ TEST(ModelSpec, IndexSharingFollowsSglangsOrderOfFields) {
   EXPECT_EQ(pattern({{"cli_factor", 4}, {"index_topk_pattern", "FS"}}), "FSSSFSSS");
   EXPECT_EQ(pattern({{"cli_factor", 1}, {"index_topk_pattern", "FS"}}), "FSFFFFFF");
   EXPECT_EQ(pattern({{"index_topk_pattern", nullptr}, {"index_topk_freq", 2}}), "FFSFSFSF");  // null: absent
+  // GLM-5.x: transformers' GlmMoeDsaConfig ignores cli_factor and floors the frequency at 1.
+  EXPECT_EQ(pattern({{"model_type", "glm_moe_dsa"}, {"cli_factor", 4}, {"index_topk_freq", 2}}), "FFSFSFSF");
+  EXPECT_EQ(pattern({{"model_type", "glm_moe_dsa"}, {"index_topk_freq", 0}}), "");
+}
+
+// SGLang refuses two-batch overlap on the sharing fields themselves, not on the pattern they give.
+TEST(ModelSpec, DeclaredIndexSharingIsSglangsTest) {
+  json base = ModelSpec::deepseek_v32_exp().to_json();
+  base["num_hidden_layers"] = 8;
+  base["first_k_dense_replace"] = 1;
+  const auto declares = [&](const json& extra) {
+    json j = base;
+    j.update(extra);
+    return ModelSpec::from_json(j).declares_index_sharing;
+  };
+  EXPECT_FALSE(declares(json::object()));
+  EXPECT_FALSE(declares({{"index_topk_freq", 1}, {"index_topk_pattern", "FFF"}}));
+  EXPECT_TRUE(declares({{"index_topk_freq", 2}}));
+  EXPECT_TRUE(declares({{"index_topk_pattern", "FS"}}));
+  EXPECT_TRUE(declares({{"indexer_types", {"full", "shared"}}}));
+  // A frequency above 1 with every layer full by indexer_types: no pattern, still refused by SGLang.
+  json j = base;
+  j.update({{"index_topk_freq", 4}, {"indexer_types", {"full", "full"}}});
+  const ModelSpec m = ModelSpec::from_json(j);
+  EXPECT_TRUE(m.shared_index.empty());
+  EXPECT_TRUE(m.declares_index_sharing);
+  EXPECT_FALSE(declares({{"cli_factor", 4}}));  // LongCat's rule: not among SGLang's TBO test's fields
 }
 
 TEST(ModelSpec, IndexSharingFieldsOutOfRangeAreRefusedByName) {

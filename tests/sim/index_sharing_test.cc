@@ -132,6 +132,26 @@ TEST(sim_index_sharing, UnderTwoBatchOverlapADenseLeadersFollowersSwapAtTheirTur
   }
 }
 
+// A follower has no indexer to split, so DBA runs as DA there (as the adapter runs it), and a
+// layer-wise plan gives it DA; its leader keeps DBA.
+TEST(sim_index_sharing, AFollowerWithoutThePrefetchRunsDbaAsDa) {
+  for (const OverlapMode mode : {OverlapMode::kDualBatchAttention, OverlapMode::kLayerWise}) {
+    Workload w = none_at(64, 400);
+    w.overlap = mode;
+    w.layerwise_threshold = mode == OverlapMode::kLayerWise ? 0 : -1;  // layer-wise: DBA wherever it may
+    Timeline tl;
+    const StepResult r = StepModel(glm52(), paper_hw(), no_tbo(false)).run(w, &tl);
+    const Ops ops;
+    EXPECT_EQ(ops.on_layer(tl, 2, op::kH2DMissesHalf0), 1) << to_string(mode);  // a leader
+    EXPECT_EQ(ops.on_layer(tl, 3, op::kH2DMissesHalf0), 0) << to_string(mode);  // its follower
+    EXPECT_EQ(ops.on_layer(tl, 3, op::kAttn0), 1) << to_string(mode);
+    if (mode == OverlapMode::kLayerWise) {
+      EXPECT_EQ(r.layers_da, 57) << r.layer_modes;
+      EXPECT_EQ(r.layer_modes.substr(0, 12), "b b b a a a ") << r.layer_modes;
+    }
+  }
+}
+
 // A follower's pool sees its leader's ids, so it misses what its leader misses: with a miss
 // profile that differs per layer, each follower takes its leader's value.
 TEST(sim_index_sharing, FollowersMissWhatTheirLeaderMisses) {
@@ -183,7 +203,8 @@ TEST(sim_index_sharing, ThePlanSearchesThePrefetchAndTheLaunchLineSaysItsChoice)
     EXPECT_EQ(std::count(dsv32.begin(), dsv32.end(), "SGLANG_DISABLE_HISPARSE_PREFETCH=1"), 0);  // nothing shared
   }
   o.engine = "vllm";
-  for (const PlanOption& a : plan_contexts(in, o).results[0].alternatives) EXPECT_FALSE(a.shared_index_prefetch) << a.label;
+  const Plans vllm = plan_contexts(in, o);
+  for (const PlanOption& a : vllm.results[0].alternatives) EXPECT_FALSE(a.shared_index_prefetch) << a.label;
 }
 
 }  // namespace

@@ -146,6 +146,15 @@ TEST(Analyzer, SharedIndexLayersAreFoundAndTheirPrefetchIsExact) {
   const auto changed = temp_path("shared-changed.safetensors");
   write_trace(changed, meta, requests);
   EXPECT_EQ(analyze(TraceReader(changed), c).prefetch->shared_layers, (std::vector<int>{1}));
+
+  // Queries that see at most top-k tokens select them all in every layer: no sharing to tell.
+  p.shared_index.clear();
+  const std::vector<RequestData> short_requests = {generate_request(p, 30, 10, 7, 0)};
+  ASSERT_LE(short_requests[0].lengths.back(), 64);
+  const auto short_path = temp_path("short.safetensors");
+  write_trace(short_path, meta, short_requests);
+  c.slots = {static_cast<std::int32_t>(short_requests[0].lengths.back())};
+  EXPECT_TRUE(analyze(TraceReader(short_path), c).prefetch->shared_layers.empty());
 }
 
 // The MTP working set is the union of the T query tokens' top-k, padding left out:

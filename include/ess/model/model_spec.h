@@ -47,10 +47,15 @@ struct ModelSpec {
   // own. Derived as SGLang derives each layer's `skip_topk` (configs/model_config.py,
   // dsa_layer_skips_topk), the first field present deciding: `indexer_types` ("full" / "shared"
   // per layer; layers past its end are full), `cli_factor` > 1 (a fresh top-k every cli_factor
-  // layers), `index_topk_pattern` ("F" / "S" per layer), else `index_topk_freq` with
+  // layers; not for `glm_moe_dsa`, whose transformers config ignores it and floors the frequency
+  // at 1), `index_topk_pattern` ("F" / "S" per layer), else `index_topk_freq` with
   // `index_skip_topk_offset` (layer l shared unless max(l - offset + 1, 0) is a multiple of the
   // frequency; offset 2 when absent).
   std::vector<bool> shared_index;
+  // Whether the config's sharing fields declare sharing (index_topk_freq > 1, an S in
+  // index_topk_pattern, a "shared" in indexer_types), whatever pattern they give: the condition on
+  // which SGLang refuses two-batch overlap.
+  bool declares_index_sharing = false;
 
   static ModelSpec from_json(const nlohmann::json& j, const std::string& source = "<json>");
   static ModelSpec from_file(const std::string& path);

@@ -27,7 +27,8 @@ Similarity similarity_of(const RequestView& r, int layer);
 
 struct PrefetchLayer {
   std::vector<std::int32_t> prefetched, useful, wasted, misses;  // [steps]
-  // The layer selects exactly layer l-1's ids at every step and prefill window (index sharing).
+  // The layer selects exactly layer l-1's ids at every step and prefill window (index sharing), and
+  // some step's queries saw more than top-k tokens (else every layer selects them all).
   bool same_selection = false;
 };
 

@@ -87,7 +87,7 @@ Plans plan_contexts(const Inputs& inputs, const PlanOptions& options) {
   if (!limits.shared_index_prefetch && !model.shared_index.empty()) {
     notes.push_back("a shared-index layer swaps at its own turn (the adapter issues no prefetch)");
   }
-  if (options.engine == kSglangEngine && !model.shared_index.empty() && dep.two_batch_overlap) {
+  if (options.engine == kSglangEngine && model.declares_index_sharing && dep.two_batch_overlap) {
     // SGLang refuses it at launch (arg_groups/model_hook.py, _validate_dsa_tbo_index_sharing).
     dep.two_batch_overlap = false;
     notes.push_back("TBO off (SGLang 0.5.23 refuses two-batch overlap with index sharing: its TBO path does not carry "

@@ -206,9 +206,16 @@ class StepRun {
     mb.split_calls = split > 0 ? (1 - std::pow(1 - split, mb.requests)) * (max_groups - 1) : 0.0;
     r_.split_calls_per_layer = std::max(r_.split_calls_per_layer, mb.split_calls);
     OverlapMode mode = mb.prefetched ? OverlapMode::kNone : r_.overlap;  // a prefetched follower's copy is done
+    // A follower runs no indexer, so it has no first half to swap: DBA runs as DA there (as the adapter runs it).
+    if (mb.index_shared && mode == OverlapMode::kDualBatchAttention) mode = OverlapMode::kDualAttention;
     if (mb.prefetched && r_.overlap == OverlapMode::kLayerWise) {
       if (first_of_layer && modes_in_layer_++ > 0) r_.layer_modes += ' ';
       r_.layer_modes += '-';
+    } else if (mode == OverlapMode::kLayerWise && mb.index_shared) {
+      mode = OverlapMode::kDualAttention;
+      r_.layers_da += 1;
+      if (first_of_layer && modes_in_layer_++ > 0) r_.layer_modes += ' ';
+      r_.layer_modes += mb.misses <= 0 ? '-' : 'a';
     } else if (mode == OverlapMode::kLayerWise) {
       Choice& c = choice_[slot];
       if (wl_.layerwise_threshold >= 0) {
@@ -318,8 +325,9 @@ class StepRun {
     //    position per request (the loop breaks at i = num_steps - 1), each with its LM head
     //    over B rows and draft_topk1_postprocess (1 kernel).
     // So T = 2: 1 pass (extend); T = 3: 2 (extend + 1 decode); T = 4: 3 (extend + 2 decode).
-    // The draft layer runs its own indexer (index_share_for_mtp_iteration is off for
-    // DeepSeek-V3.2) and no Two-Batch Overlap.
+    // The draft layer runs its own indexer (DeepSeek-V3.2 has no index sharing; for a model with
+    // index_share_for_mtp_iteration, GLM-5.2's, this overstates the drafts' indexer work) and no
+    // Two-Batch Overlap.
     if (T_ <= 1 || model_.num_nextn_predict_layers <= 0) return;
     const int layer = model_.num_hidden_layers;
     s_.set_drafting(true);

@@ -162,6 +162,9 @@ PrefetchLayer prefetch_of(const RequestView& r, int layer, std::int32_t slots, b
   }
   PrefetchLayer out;
   out.same_selection = std::ranges::equal(r.prefill(layer), r.prefill(layer - 1));
+  // A query that sees at most K tokens selects them all, in every layer: only a step whose queries
+  // see more tells a shared selection from an independent one.
+  bool chose = false;
   const auto S = static_cast<std::size_t>(r.steps);
   out.prefetched.resize(S);
   out.useful.resize(S);
@@ -183,12 +186,14 @@ PrefetchLayer prefetch_of(const RequestView& r, int layer, std::int32_t slots, b
       if (mine[static_cast<std::size_t>(tok)] == step) ++use;
     }
     out.same_selection = out.same_selection && std::ranges::equal(r.step(s, layer), r.step(s, layer - 1));
+    chose = chose || r.lengths[static_cast<std::size_t>(s)] > r.topk;  // the last query token sees lengths[s]
     const StepOutcome c = step_through(cache, r.step(s, layer), r.mtp, r.topk, grouper, slot_ids, fills);
     out.prefetched[static_cast<std::size_t>(s)] = pre;
     out.useful[static_cast<std::size_t>(s)] = use;
     out.wasted[static_cast<std::size_t>(s)] = pre - use;
     out.misses[static_cast<std::size_t>(s)] = static_cast<std::int32_t>(c.misses);
   }
+  out.same_selection = out.same_selection && chose;
   return out;
 }
 

@@ -309,8 +309,10 @@ VerifyReport Loop::run() {
       const std::size_t per_layer = static_cast<std::size_t>(W) * static_cast<std::size_t>(K);
       for (int l = 0; l < L; ++l) {
         if (model_.index_shared(l)) {  // the prefill's top-k of a shared layer is its leader's
-          const auto from = windows.begin() + static_cast<std::ptrdiff_t>(model_.index_leader(l) * per_layer);
-          windows.insert(windows.end(), from, from + static_cast<std::ptrdiff_t>(per_layer));
+          const std::size_t from = static_cast<std::size_t>(model_.index_leader(l)) * per_layer;
+          windows.resize(windows.size() + per_layer);
+          std::copy_n(windows.begin() + static_cast<std::ptrdiff_t>(from), per_layer,
+                      windows.end() - static_cast<std::ptrdiff_t>(per_layer));
           continue;
         }
         for (std::int64_t pos = cfg_.context - W; pos < cfg_.context; ++pos) {

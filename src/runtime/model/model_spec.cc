@@ -24,8 +24,13 @@ const json* present(const json& j, const char* field) {
   return it == j.end() || it->is_null() ? nullptr : &*it;
 }
 
-// Per layer, whether it reuses its leader's top-k (ModelSpec::shared_index): SGLang's rule.
+// Per layer, whether it reuses its leader's top-k (ModelSpec::shared_index): SGLang's rule over
+// the config object it reads. For GLM-5.x (`glm_moe_dsa`) that object is transformers'
+// GlmMoeDsaConfig, which always sets indexer_types itself, from index_topk_pattern or else from
+// max(index_topk_freq, 1) and the offset, and never from cli_factor.
 std::vector<bool> shared_index_layers(const json& j, int layers, const std::string& source) {
+  const json* type = present(j, "model_type");
+  const bool glm = type != nullptr && type->is_string() && *type == "glm_moe_dsa";
   std::vector<bool> shared(static_cast<std::size_t>(std::max(layers, 0)), false);
   if (const json* types = present(j, "indexer_types")) {
     ESS_CHECK(types->is_array(), "{}: field 'indexer_types' must be a list of \"full\" / \"shared\", got {}", source,
@@ -36,7 +41,8 @@ std::vector<bool> shared_index_layers(const json& j, int layers, const std::stri
                 "{}: field 'indexer_types'[{}] = {} must be \"full\" or \"shared\"", source, l, t.dump());
       if (l < shared.size()) shared[l] = t == "shared";
     }
-  } else if (const int f = present(j, "cli_factor") != nullptr ? json_int(j, "cli_factor", source, true) : 1; f != 1) {
+  } else if (const int f = !glm && present(j, "cli_factor") != nullptr ? json_int(j, "cli_factor", source, true) : 1;
+             f != 1) {
     ESS_CHECK(f > 0, "{}: field 'cli_factor' = {} must be positive", source, f);
     for (int l = 0; l < layers; ++l) shared[static_cast<std::size_t>(l)] = l % f != 0;
   } else if (const json* pattern = present(j, "index_topk_pattern")) {
@@ -49,7 +55,8 @@ std::vector<bool> shared_index_layers(const json& j, int layers, const std::stri
       if (l < shared.size()) shared[l] = p[l] == 'S';
     }
   } else {
-    const int freq = present(j, "index_topk_freq") != nullptr ? json_int(j, "index_topk_freq", source, true) : 1;
+    int freq = present(j, "index_topk_freq") != nullptr ? json_int(j, "index_topk_freq", source, true) : 1;
+    if (glm) freq = std::max(freq, 1);
     ESS_CHECK(freq > 0, "{}: field 'index_topk_freq' = {} must be positive", source, freq);
     int offset = 2;
     if (present(j, "index_skip_topk_offset") != nullptr) {
@@ -63,6 +70,17 @@ std::vector<bool> shared_index_layers(const json& j, int layers, const std::stri
   ESS_CHECK(!shared[0], "{}: layer 0 reuses a top-k (the index sharing fields), but no layer before it runs an indexer",
             source);
   return shared;
+}
+
+// SGLang's test for refusing two-batch overlap (arg_groups/model_hook.py,
+// _validate_dsa_tbo_index_sharing): on the fields, not on the pattern they give.
+bool sharing_fields_declare_it(const json& j) {
+  const json* freq = present(j, "index_topk_freq");
+  const json* pattern = present(j, "index_topk_pattern");
+  const json* types = present(j, "indexer_types");
+  return (freq != nullptr && freq->is_number() && freq->get<double>() > 1) ||
+         (pattern != nullptr && pattern->is_string() && pattern->get<std::string>().find('S') != std::string::npos) ||
+         (types != nullptr && types->is_array() && std::find(types->begin(), types->end(), "shared") != types->end());
 }
 
 }  // namespace
@@ -106,6 +124,7 @@ ModelSpec ModelSpec::from_json(const json& j, const std::string& source) {
     m.rope_mscale_all_dim = json_number_or(*rs, "mscale_all_dim", where, 0.0);
   }
   m.shared_index = shared_index_layers(j, m.num_hidden_layers, source);
+  m.declares_index_sharing = sharing_fields_declare_it(j);
   m.validate(source);
   return m;
 }

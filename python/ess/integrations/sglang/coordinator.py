@@ -582,13 +582,16 @@ class HiSparseCoordinator(Staging):
         rows, lengths, step, first = self._batches.slot(layer, req_pool_indices)
         key = ForwardBatches.key(req_pool_indices)
         prefetch = self.shared_index
-        if prefetch is not None and prefetch.is_follower(layer) and not first:
+        if prefetch is not None and prefetch.is_follower(layer):
             # A shared-index layer whose step its leader's swap started (shared_index.py): its rows once done.
-            locs = prefetch.take(layer, key, B, expected)
+            locs = None if first else prefetch.take(layer, key, B, expected)
             if locs is not None:
                 if self._recorder is not None:
                     self.dev.launch(lambda: self._recorder.record(layer, req_pool_indices, top_k_result))
                 return locs
+            # Its leader swapped another batch (a dense leader before two-batch overlap's micro-batches): the
+            # follower swaps itself, after whatever the prefetch stream is still doing to its pool.
+            prefetch.order_before()
         # DA / DBA: forward_decode armed this layer (overlap.py); its FlashMLA call reads the split this swap leaves.
         # Under DBA the indexer swapped the first b0 positions already (indexer_split.py).
         split = self.decode_split
@@ -612,7 +615,9 @@ class HiSparseCoordinator(Staging):
             _pool_slots(self._physical[:B], self.row_base, self._locs[:B], self._padding[:B])
         self.dev.launch(swap)
         if prefetch is not None and not prefetch.is_follower(layer):
-            prefetch.start(layer, self._batches.index(key), key, rows, lengths, B, top_k_result)
+            # A DBA second half's copy (on the DA copy stream) reads scratch set 1 until copy_done.
+            prefetch.start(layer, self._batches.index(key), key, rows, lengths, B, top_k_result,
+                           after=split.copy_done if b0 else None)
         if da:
             return split.leave(B, expected)
         return self._locs[:B].view(expected)

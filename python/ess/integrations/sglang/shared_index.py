@@ -18,10 +18,12 @@ step's own newest stay in the reserved rows, which no step copies into).
 Order on a CUDA device: the prefetch stream waits for the current stream after the leader's swap is enqueued (the
 staged rows, lengths and the top-k are in place); each follower's step records its own event; the follower's
 swap makes the current stream wait for it. Every follower of a group waits for its event before the group's next
-leader runs, so a group's prefetch is complete before the next group's starts in the current stream's order, and
-the prefetch's scratch set (the engine's part 1) is free again by then. The one other user of part 1, a DBA layer's
-second half, waits for the prefetch stream first (with two-batch overlap the other micro-batch's prefetch may still
-be copying when it runs)."""
+leader runs, so a group's prefetch is complete before the next group's starts in the current stream's order. The
+prefetch's steps use the engine's scratch set 1, as a DBA layer's second half does, both ways ordered: a DBA
+leader's followers wait for its second half's copy (on the DA copy stream, reading set 1 until copy_done), and a DBA
+second half waits for the prefetch stream (with two-batch overlap the other micro-batch's prefetch may still be
+copying). A follower called for a batch its leader did not swap (a dense leader's whole batch, then two-batch
+overlap's micro-batches: a pairing SGLang refuses with index sharing) swaps itself after the prefetch stream."""
 from __future__ import annotations
 
 import logging
@@ -115,9 +117,10 @@ class SharedIndexPrefetch:
             self._done[key] = self.dev.Event()
         return out
 
-    def start(self, leader: int, index: int, key, rows, lengths, B: int, top_k_result) -> None:
+    def start(self, leader: int, index: int, key, rows, lengths, B: int, top_k_result, after=None) -> None:
         """After the leader's swap was enqueued on the current stream (the batch staged at slot `index`): every
-        follower's step on the prefetch stream, its event recorded after it."""
+        follower's step on the prefetch stream, its event recorded after it. `after`: an event the steps also wait
+        for (a DBA leader's second-half copy, which reads the scratch set they write)."""
         followers = self.groups.get(leader)
         if not followers:
             return
@@ -125,6 +128,8 @@ class SharedIndexPrefetch:
         topk = self._topk[index]
         dev = self.dev
         self.stream.wait_stream(dev.current_stream())
+        if after is not None:
+            after.wait(self.stream)
         with dev.stream(self.stream):
             def prefetch():
                 topk[:B].view(top_k_result.shape).copy_(top_k_result)
@@ -156,6 +161,8 @@ class SharedIndexPrefetch:
         return self._out[(index, position)][1][:B].view(shape)
 
     def order_before(self) -> None:
-        """The current stream waits for every prefetch issued so far (before a step on the prefetch's scratch set)."""
+        """The current stream waits for every prefetch issued so far (before a step on the prefetch's scratch set, or
+        on a layer the prefetch may be stepping)."""
         if self.in_flight:
             self.dev.current_stream().wait_stream(self.stream)
+            self.in_flight = False
