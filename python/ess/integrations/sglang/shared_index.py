@@ -85,7 +85,6 @@ class SharedIndexPrefetch:
     def __init__(self, dev, engine, pattern: List[bool], max_reqs: int, T: int, K: int, device, row_base: int):
         self.dev, self._engine, self.pattern = dev, engine, pattern
         self.groups, self.position = prefetch_groups(pattern)
-        self._width = max(len(g) for g in self.groups.values())
         self._shape = (max_reqs, T, K)
         self._device, self._row_base = device, row_base
         self.stream = dev.Stream()
