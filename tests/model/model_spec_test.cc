@@ -139,15 +139,19 @@ TEST(ModelSpec, Glm52SharesItsIndexersAsItsConfigSays) {
   EXPECT_EQ(ModelSpec::from_json(m.to_json()).shared_index, m.shared_index);
 }
 
+// An eight-layer DeepSeek-V3.2 with `extra` fields set.
+ModelSpec eight_layers(const json& extra) {
+  json j = ModelSpec::deepseek_v32_exp().to_json();
+  j["num_hidden_layers"] = 8;
+  j["first_k_dense_replace"] = 1;
+  j.update(extra);
+  return ModelSpec::from_json(j);
+}
+
 TEST(ModelSpec, IndexSharingFollowsSglangsOrderOfFields) {
-  json base = ModelSpec::deepseek_v32_exp().to_json();
-  base["num_hidden_layers"] = 8;
-  base["first_k_dense_replace"] = 1;
-  const auto pattern = [&](const json& extra) {
-    json j = base;
-    j.update(extra);
+  const auto pattern = [](const json& extra) {
     std::string out;
-    for (const bool s : ModelSpec::from_json(j).shared_index) out += s ? 'S' : 'F';
+    for (const bool s : eight_layers(extra).shared_index) out += s ? 'S' : 'F';
     return out;
   };
   EXPECT_EQ(pattern(json::object()), "");                              // no field: every layer its own
@@ -169,23 +173,14 @@ TEST(ModelSpec, IndexSharingFollowsSglangsOrderOfFields) {
 
 // SGLang refuses two-batch overlap on the sharing fields themselves, not on the pattern they give.
 TEST(ModelSpec, DeclaredIndexSharingIsSglangsTest) {
-  json base = ModelSpec::deepseek_v32_exp().to_json();
-  base["num_hidden_layers"] = 8;
-  base["first_k_dense_replace"] = 1;
-  const auto declares = [&](const json& extra) {
-    json j = base;
-    j.update(extra);
-    return ModelSpec::from_json(j).declares_index_sharing;
-  };
+  const auto declares = [](const json& extra) { return eight_layers(extra).declares_index_sharing; };
   EXPECT_FALSE(declares(json::object()));
   EXPECT_FALSE(declares({{"index_topk_freq", 1}, {"index_topk_pattern", "FFF"}}));
   EXPECT_TRUE(declares({{"index_topk_freq", 2}}));
   EXPECT_TRUE(declares({{"index_topk_pattern", "FS"}}));
   EXPECT_TRUE(declares({{"indexer_types", {"full", "shared"}}}));
   // A frequency above 1 with every layer full by indexer_types: no pattern, still refused by SGLang.
-  json j = base;
-  j.update({{"index_topk_freq", 4}, {"indexer_types", {"full", "full"}}});
-  const ModelSpec m = ModelSpec::from_json(j);
+  const ModelSpec m = eight_layers({{"index_topk_freq", 4}, {"indexer_types", {"full", "full"}}});
   EXPECT_TRUE(m.shared_index.empty());
   EXPECT_TRUE(m.declares_index_sharing);
   EXPECT_FALSE(declares({{"cli_factor", 4}}));  // LongCat's rule: not among SGLang's TBO test's fields

@@ -147,6 +147,9 @@ class StepRun {
     return cap;
   }
 
+  // Whether the MoE layers run as Two-Batch Overlap's two micro-batches.
+  bool runs_tbo() const { return dep_.two_batch_overlap && r_.batch >= 2 && !rig_; }
+
   // The share of the batch's requests that are sparse (Workload::residency).
   double sparse_share() const { return r_.batch > 0 ? double(r_.batch - r_.whole_requests) / r_.batch : 1.0; }
 
@@ -185,8 +188,7 @@ class StepRun {
       mb.prefetch_end.assign(static_cast<std::size_t>(n_layers_), -1.0);
       // A dense layer runs the whole batch; under Two-Batch Overlap the MoE layers after it run
       // micro-batches, whose swaps a copy for the whole batch does not serve.
-      const bool tbo = dep_.two_batch_overlap && r_.batch >= 2 && !rig_;
-      const int last = tbo && layer < first_moe_ ? first_moe_ : n_layers_;
+      const int last = runs_tbo() && layer < first_moe_ ? first_moe_ : n_layers_;
       for (int f = layer + 1; f < last && model_.index_shared(f); ++f) {
         const double m = std::min(layer_misses_[static_cast<std::size_t>(f)], tokens_per_request * topk_eff_);
         mb.followers.emplace_back(f, mb.requests * m);
@@ -261,8 +263,7 @@ class StepRun {
     for (int layer = 0; layer < first_moe_; ++layer) {
       whole_layer(whole, layer, false, T_, layer_misses_[static_cast<std::size_t>(layer)]);
     }
-    const bool tbo = dep_.two_batch_overlap && r_.batch >= 2 && !rig_;
-    if (tbo) return two_batch_overlap(whole.ready);
+    if (runs_tbo()) return two_batch_overlap(whole.ready);
     for (int layer = first_moe_; layer < n_layers_; ++layer) {
       whole_layer(whole, layer, true, T_, layer_misses_[static_cast<std::size_t>(layer)]);
     }

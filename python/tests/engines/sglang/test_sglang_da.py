@@ -160,19 +160,29 @@ def write_step_kv(w, rids, device, layer):
         w.s.rows(layer)[d] = torch.from_numpy(w.full[r][layer, w.length[r] - 1])
 
 
-def forward_batches_of(rids, idx, lens, layer, micro_batches):
-    """The batches a layer's forward runs, as (lo, hi, req_pool_indices, seq_lens): the whole batch, or with
-    two-batch overlap (every layer but the first) each half of the requests, padded with row 0 (seq_len 1) to one
-    length (TboForwardBatchPreparer.filter_batch, ForwardBatch._pad_tbo_child_inputs)."""
+def step_batches(rids, idx, lens, micro_batches):
+    """The batches of one step's forward, (whole, halves), each (lo, hi, req_pool_indices, seq_lens), one tensor each
+    for the whole forward as SGLang's: the whole batch, and with two-batch overlap each half of the requests padded
+    with row 0 (seq_len 1) to one length (TboForwardBatchPreparer.filter_batch, ForwardBatch._pad_tbo_child_inputs);
+    without it the halves are the whole batch."""
     n = len(rids)
-    if not micro_batches or layer == 0:
-        yield 0, n, idx, lens
-        return
+    whole = (0, n, idx, lens)
+    if not micro_batches:
+        return whole, [whole]
     width = n - n // 2
+    halves = []
     for lo, hi in ((0, n // 2), (n // 2, n)):
         pad = width - (hi - lo)
-        yield (lo, hi, torch.cat([idx[lo:hi], torch.zeros(pad, dtype=idx.dtype)]),
-               torch.cat([lens[lo:hi], torch.ones(pad, dtype=lens.dtype)]))
+        halves.append((lo, hi, torch.cat([idx[lo:hi], torch.zeros(pad, dtype=idx.dtype)]),
+                       torch.cat([lens[lo:hi], torch.ones(pad, dtype=lens.dtype)])))
+    return whole, halves
+
+
+def forward_batches_of(batches, layer):
+    """The batches a layer's forward runs (step_batches): the whole batch at the first layer (a dense one), else the
+    halves."""
+    whole, halves = batches
+    return [whole] if layer == 0 else halves
 
 
 def run(w, steps, rng, delayed=None, micro_batches=False):
@@ -185,9 +195,10 @@ def run(w, steps, rng, delayed=None, micro_batches=False):
     seen, calls = {}, []
     for step in range(steps):
         rids, idx, lens, device = w.prepare_decode()
+        batches = step_batches(rids, idx, lens, micro_batches)
         for layer in range(LAYERS):
             write_step_kv(w, rids, device, layer)
-            for lo, hi, part_idx, part_lens in forward_batches_of(rids, idx, lens, layer, micro_batches):
+            for lo, hi, part_idx, part_lens in forward_batches_of(batches, layer):
                 pad = part_idx.shape[0] - (hi - lo)
                 picks = []
                 for r in rids[lo:hi]:

@@ -43,7 +43,8 @@ from sglang.srt.model_executor.forward_context import ForwardContext, forward_co
 
 from ess.integrations.sglang import forward_batches, indexer_split
 from test_sglang_da import (HEADS, AttnWorld, DelayedCopy, check, flashmla,  # noqa: F401
-                            forward_batches_of, refused_before_anything_is_taken, write_step_kv)
+                            forward_batches_of, refused_before_anything_is_taken, step_batches,
+                            write_step_kv)
 from test_sglang_objects import CTX, K, LAYERS, PAGE, cpu_kernels, host_memory_unregistered  # noqa: F401
 
 INDEX_HEADS, INDEX_DIM = 4, 128
@@ -132,11 +133,12 @@ def run(w, ix, log, steps, micro_batches=False, delayed=None):
     original = dsa_indexer.Indexer._get_topk_paged.ess_original
     for step in range(steps):
         rids, idx, lens, device = w.prepare_decode()
+        batches = step_batches(rids, idx, lens, micro_batches)
         for r in rids:
             w.write_keys(r, w.length[r] - 1, w.length[r])
         for layer in range(LAYERS):
             write_step_kv(w, rids, device, layer)
-            for lo, hi, part_idx, part_lens in forward_batches_of(rids, idx, lens, layer, micro_batches):
+            for lo, hi, part_idx, part_lens in forward_batches_of(batches, layer):
                 batch = types.SimpleNamespace(req_pool_indices=part_idx, seq_lens=part_lens,
                                               forward_mode=ForwardMode.DECODE)
                 metadata = indexer_metadata(w, part_idx, part_lens)

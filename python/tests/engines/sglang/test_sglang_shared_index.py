@@ -30,6 +30,7 @@ from sglang.srt.server_args import ServerArgs
 import ess
 from ess.integrations import sglang as adapter
 from ess.integrations.sglang import shared_index
+from test_sglang_da import forward_batches_of, step_batches, write_step_kv
 from test_sglang_objects import CTX, K, World, cpu_kernels, host_memory_unregistered  # noqa: F401
 
 GLM5_LAYERS = 6
@@ -95,24 +96,15 @@ def decode(w, steps, seed, shared, micro_batches=False):
     tables, steps_run = [], []
     for _ in range(steps):
         rids, idx, lens, device = w.prepare_decode()
-        half = len(rids) // 2
-        parts = [(0, len(rids))] if not micro_batches else [(0, half), (half, len(rids))]
+        batches = step_batches(rids, idx, lens, micro_batches)
         carried = {}   # batch -> (top-k tensor, picks) of its last layer with an indexer
-        # Each batch's req_pool_indices and seq_lens: one tensor each for the whole forward, as SGLang's (a
-        # micro-batch's padded with row 0 to the longer half's size: TboForwardBatchPreparer.filter_batch).
-        batch = {}
-        for lo, hi in set(parts) | {(0, len(rids))}:
-            pad = 0 if (lo, hi) == (0, len(rids)) else (len(rids) - half) - (hi - lo)
-            batch[(lo, hi)] = (pad, torch.cat([idx[lo:hi], torch.zeros(pad, dtype=idx.dtype)]),
-                               torch.cat([lens[lo:hi], torch.ones(pad, dtype=lens.dtype)]))
         for layer in range(s.layers):
-            for lo, hi in (parts if layer > 0 else [(0, len(rids))]):
-                pad, part_idx, part_lens = batch[(lo, hi)]
-                for r, d in zip(rids[lo:hi], device[lo:hi].tolist()):   # set_mla_kv_buffer of the step's token
-                    s.rows(layer)[d] = torch.from_numpy(w.full[r][layer, w.length[r] - 1])
+            write_step_kv(w, rids, device, layer)
+            for lo, hi, part_idx, part_lens in forward_batches_of(batches, layer):
                 if shared[layer]:
                     topk, picks = carried[(lo, hi)]
                 else:
+                    pad = part_idx.shape[0] - (hi - lo)
                     picks = [sorted(rng.sample(range(w.length[r]), min(K, w.length[r]))) for r in rids[lo:hi]]
                     topk = torch.tensor([p + [-1] * (K - len(p)) for p in picks] + [[0] + [-1] * (K - 1)] * pad,
                                         dtype=torch.int32)
