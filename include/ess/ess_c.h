@@ -129,6 +129,17 @@ typedef struct ess_config {
    * adaptive the pool rows left free when a request is made whole (default 1). */
   int32_t residency;
   int32_t whole_headroom;
+  /* Entries in two parts (DeepSeek-V4's C4 pages: a token's values in one run of the page, its
+   * scales in another; K and V in two tensors): with latent_tail (`layers` tensors laid out as
+   * `latent` is, 8-byte aligned, on the backend's device), row p's first split_bytes lie in
+   * latent[l] (whose last dimension then spans split_bytes) and its next tail_bytes in
+   * latent_tail[l] (last dimension tail_bytes), each at row p's place in its tensor. split_bytes a
+   * positive multiple of 16, tail_bytes of 8, together within the entry; the Total Memory Pool
+   * holds entries whole. NULL (and 0s): entries whole in `latent`. */
+  const DLTensor* const* latent_tail;
+  int32_t latent_tail_count;
+  int32_t split_bytes;
+  int32_t tail_bytes;
 } ess_config;
 
 ESS_API void ess_config_init(ess_config* config);
@@ -155,6 +166,13 @@ typedef struct ess_engine_info {
   int64_t block_rows;
   uint64_t block_stride;
   uint64_t host_bytes_capacity;
+  /* A buffer in two parts (ess_config.latent_tail): the head's and the tail's bytes of a row, and
+   * where row p's tail lives from its layer's tail base; 0s when entries are whole. */
+  int32_t split_bytes;
+  int32_t tail_bytes;
+  uint64_t tail_row_stride;
+  int64_t tail_block_rows;
+  uint64_t tail_block_stride;
 } ess_engine_info;
 
 ESS_API void ess_engine_info_init(ess_engine_info* info);

@@ -40,6 +40,10 @@ class Config(ctypes.Structure):
         ("host_layer_first_page", ctypes.POINTER(ctypes.c_int64)),
         ("residency", ctypes.c_int32),
         ("whole_headroom", ctypes.c_int32),
+        ("latent_tail", ctypes.POINTER(ctypes.c_void_p)),
+        ("latent_tail_count", ctypes.c_int32),
+        ("split_bytes", ctypes.c_int32),
+        ("tail_bytes", ctypes.c_int32),
     ]
 
 
@@ -61,6 +65,11 @@ class EngineInfo(ctypes.Structure):
         ("block_rows", ctypes.c_int64),
         ("block_stride", ctypes.c_uint64),
         ("host_bytes_capacity", ctypes.c_uint64),
+        ("split_bytes", ctypes.c_int32),
+        ("tail_bytes", ctypes.c_int32),
+        ("tail_row_stride", ctypes.c_uint64),
+        ("tail_block_rows", ctypes.c_int64),
+        ("tail_block_stride", ctypes.c_uint64),
     ]
 
 

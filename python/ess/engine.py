@@ -69,6 +69,11 @@ class Info:
     block_rows: int
     block_stride: int
     host_bytes_capacity: int
+    split_bytes: int = 0       # a buffer in two parts (latent_tail): a row's head bytes, its tail bytes,
+    tail_bytes: int = 0        # and where row p's tail lives from its layer's tail tensor
+    tail_row_stride: int = 0
+    tail_block_rows: int = 0
+    tail_block_stride: int = 0
 
     def reserved_row(self, row: int, t: int = 0) -> int:
         """The physical row holding the t-th of a step's T newest tokens of pool row `row` (reserve_newest)."""
@@ -115,7 +120,10 @@ class Engine:
     model: None (the shipped DeepSeek-V3.2-Exp), a config.json path, or its fields as a dict.
     slots or ratio: the LRU slots per request-layer (ratio x max_context, rounded up).
     latent: the engine's own layer buffers (one tensor per layer, [rows, E] or [blocks,
-    block_rows, E]); None: ESS allocates them. host_memory: the host pool's memory, a writable
+    block_rows, E]); None: ESS allocates them. latent_tail (with latent, split_bytes and tail_bytes): a buffer
+    that keeps each entry in two parts, such as DeepSeek-V4's C4 pages (values, then scales, per page): row
+    p's first split_bytes in latent[l] (last dimension split_bytes), its next tail_bytes in latent_tail[l]
+    (last dimension tail_bytes), each at row p's place (ess_c.h's ess_config.latent_tail). host_memory: the host pool's memory, a writable
     buffer of the caller's (an mmap of a shared-memory region several processes' engines map:
     ess_c.h's ess_config.host_memory says how they share it), kept alive with the engine;
     host_memory_pinned: the caller registered it as pinned, mapped memory. foreign_pages (with host_memory:
@@ -139,7 +147,8 @@ class Engine:
                  topk: int = 0, reserve_newest: bool = False, warmup_windows: int = 32, policy: str = "lru",
                  backend: str = "cpu", device: int = 0, copy_blocks: int = 0, host_bytes: int = 0,
                  latent: Optional[Sequence] = None, host_memory=None, host_memory_pinned: bool = False,
-                 foreign_pages: Optional["ForeignPages"] = None, residency: str = "sparse", whole_headroom: int = 1):
+                 foreign_pages: Optional["ForeignPages"] = None, residency: str = "sparse", whole_headroom: int = 1,
+                 latent_tail: Optional[Sequence] = None, split_bytes: int = 0, tail_bytes: int = 0):
         self._handle = None
         self._lock = threading.RLock()
         _args.choice("backend", backend, _BACKENDS)
@@ -159,7 +168,8 @@ class Engine:
         for name, value in (("layers", layers), ("max_requests", max_requests), ("max_context", max_context),
                             ("query_tokens", query_tokens), ("topk", topk), ("slots", slots),
                             ("warmup_windows", warmup_windows), ("device", device), ("copy_blocks", copy_blocks),
-                            ("host_bytes", host_bytes), ("whole_headroom", whole_headroom)):
+                            ("host_bytes", host_bytes), ("whole_headroom", whole_headroom),
+                            ("split_bytes", split_bytes), ("tail_bytes", tail_bytes)):
             field = dict(Config._fields_)[name]
             bounds = _args.I32 if field is ctypes.c_int32 else _args.I64 if field is ctypes.c_int64 else _args.U64
             setattr(c, name, _args.integer(name, value, *bounds))
@@ -177,6 +187,16 @@ class Engine:
             c.latent = ctypes.cast(array, ctypes.POINTER(ctypes.c_void_p))
             c.latent_count = len(exported)
             self._latent = (exported, array)
+        if latent_tail is not None and (isinstance(latent_tail, (str, bytes)) or not isinstance(latent_tail, Sequence)):
+            raise InvalidType("latent_tail: a sequence of tensors (one per layer) is expected, not "
+                              f"{type(latent_tail).__name__}")
+        self._latent_tail = None
+        if latent_tail is not None:
+            exported = [_dlpack.export(t, f"latent_tail[{i}]") for i, t in enumerate(latent_tail)]
+            array = (ctypes.c_void_p * max(1, len(exported)))(*[e.pointer for e in exported])
+            c.latent_tail = ctypes.cast(array, ctypes.POINTER(ctypes.c_void_p))
+            c.latent_tail_count = len(exported)
+            self._latent_tail = (exported, array)
         self._host_memory = None
         pinned = _args.flag("host_memory_pinned", host_memory_pinned)
         if host_memory is not None:

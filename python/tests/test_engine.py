@@ -134,6 +134,60 @@ def test_steps_match_the_model_and_are_lossless():
     np.testing.assert_array_equal(back, full[1, :n])
 
 
+def test_a_buffer_in_two_parts_holds_heads_and_tails_at_their_places():
+    # C4-like pages of 16 rows: each page its 16 heads of 576 bytes, then their 16 tails of 80 (the
+    # 656-byte entry's last 80), as strided numpy views of one page array per layer.
+    T, K, slots, L, head, tail, rows_in_page = 2, 8, 24, 2, 576, 80, 16
+    page = rows_in_page * ENTRY
+    pages = (3 * (slots + T) + rows_in_page - 1) // rows_in_page
+    storage = [np.zeros(pages * page, np.uint8) for _ in range(L)]
+    heads = [np.lib.stride_tricks.as_strided(s, (pages, rows_in_page, head), (page, head, 1)) for s in storage]
+    tails = [np.lib.stride_tricks.as_strided(s[rows_in_page * head:], (pages, rows_in_page, tail), (page, tail, 1))
+             for s in storage]
+    e = small(query_tokens=T, slots=slots, reserve_newest=True, latent=heads, latent_tail=tails, split_bytes=head,
+              tail_bytes=tail)
+    assert (e.info.split_bytes, e.info.tail_bytes, e.info.tail_block_rows) == (head, tail, rows_in_page)
+
+    def row_bytes(layer, p):
+        at = (p // rows_in_page) * page
+        return (storage[layer][at + (p % rows_in_page) * head:][:head].tobytes()
+                + storage[layer][at + rows_in_page * head + (p % rows_in_page) * tail:][:tail].tobytes())
+
+    rng = np.random.default_rng(4)
+    full = rng.integers(0, 256, (L, 128, ENTRY), dtype=np.uint8)
+    row = e.admit(5, 40, row=1)
+    for layer in range(L):
+        e.write_entries(5, layer, 0, full[layer, :40])
+    rows, lengths = np.array([row], np.int32), np.zeros(1, np.int32)
+    topk, phys = np.zeros((1, T, K), np.int32), np.zeros((1, T, K), np.int32)
+    step = e.bind_step(rows, topk, lengths, phys)
+    wb = e.bind_write_back(rows, lengths)
+    n = 40
+    for _ in range(4):
+        e.extend(5, T)
+        n += T
+        lengths[0] = n
+        for layer in range(L):
+            for t in range(T):  # the model writes the new entries into the reserved rows, in two parts
+                p = e.info.reserved_row(row, t)
+                at = (p // rows_in_page) * page
+                storage[layer][at + (p % rows_in_page) * head:][:head] = full[layer, n - T + t, :head]
+                storage[layer][at + rows_in_page * head + (p % rows_in_page) * tail:][:tail] = full[layer, n - T + t, head:]
+            for t in range(T):
+                topk[0, t] = rng.choice(n, K, replace=False)
+            step.step(layer)
+            for t in range(T):
+                for k in range(K):
+                    want = full[layer, topk[0, t, k]].tobytes()
+                    assert row_bytes(layer, int(phys[0, t, k])) == want
+                    assert e.read_row(layer, int(phys[0, t, k])) == want
+            wb.write_back(layer)
+    np.testing.assert_array_equal(e.read_entries(5, 0, 0, np.empty((n, ENTRY), np.uint8)), full[0, :n])
+    with pytest.raises(ess.InvalidArgument, match="latent tail buffer of layer 0 has shape"):
+        small(query_tokens=T, slots=slots, reserve_newest=True, latent=heads, latent_tail=tails, split_bytes=head,
+              tail_bytes=tail - 8)
+
+
 def test_whole_requests_read_in_place_and_survive_demotion():
     """Adaptive residency through the Python API: request 9 whole (its rows, the newest in the reserved rows, nothing
     fetched), demoted when two more requests need rows; every row it reads holds its token's entry before and after;

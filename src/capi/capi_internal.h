@@ -160,6 +160,8 @@ struct LayerTensor {
 // The step's or write-back's `rows` ([B], B at most the engine's rows): returns B.
 std::int64_t bound_positions(const DLTensor* rows, const Offload& o);
 
-LayerTensor layer_tensor(const DLTensor* t, int layer, std::uint64_t entry_bytes, const Placement& placement);
+// A layer's buffer tensor (`name`: "latent buffer", "latent tail buffer"), rows of entry_bytes.
+LayerTensor layer_tensor(const DLTensor* t, int layer, std::uint64_t entry_bytes, const Placement& placement,
+                         const char* name = "latent buffer");
 
 }  // namespace ess::capi

@@ -182,13 +182,14 @@ ess_config read_config(const ess_config* given) {
       offsetof(ess_config, host_memory),           // before the caller's host memory
       offsetof(ess_config, host_pages_per_layer),  // before foreign pages
       offsetof(ess_config, residency),             // before residency
+      offsetof(ess_config, latent_tail),           // before buffers in two parts
       sizeof(ess_config),
   };
   const std::uint32_t size = given->struct_size;
   ESS_CHECK(std::find(std::begin(kLayouts), std::end(kLayouts), size) != std::end(kLayouts),
-            "ess_config.struct_size = {}: this library knows ess_config layouts of {}, {}, {} and {} bytes: call "
+            "ess_config.struct_size = {}: this library knows ess_config layouts of {}, {}, {}, {} and {} bytes: call "
             "ess_config_init (a header of another ABI version?)",
-            size, kLayouts[0], kLayouts[1], kLayouts[2], kLayouts[3]);
+            size, kLayouts[0], kLayouts[1], kLayouts[2], kLayouts[3], kLayouts[4]);
   ess_config c;
   ess_config_init(&c);
   std::memcpy(&c, given, size);
@@ -244,12 +245,44 @@ ess_status ess_engine_create(const ess_config* given, ess_engine** out) {
     ess::OffloadConfig oc = ess::capi::offload_config(*config);
     set_foreign_pages(*config, oc);
     ess::LatentBuffer buffer;
+    const bool split = config->latent_tail != nullptr || config->latent_tail_count != 0 || config->split_bytes != 0 ||
+                       config->tail_bytes != 0;
+    if (split) {
+      ESS_CHECK(config->latent != nullptr, "config: latent_tail needs the head buffers in latent (got NULL)");
+      ESS_CHECK(config->latent_tail != nullptr && config->latent_tail_count == oc.layers,
+                "config: {} latent tail buffers for {} layers", config->latent_tail_count, oc.layers);
+      ESS_CHECK(config->split_bytes > 0 && config->split_bytes % 16 == 0 && config->tail_bytes > 0 &&
+                    config->tail_bytes % 8 == 0 &&
+                    static_cast<std::uint64_t>(config->split_bytes) + static_cast<std::uint64_t>(config->tail_bytes) <=
+                        oc.layout.bytes(),
+                "config: split_bytes = {} and tail_bytes = {} must be positive multiples of 16 and of 8 within the "
+                "entry's {} bytes",
+                config->split_bytes, config->tail_bytes, oc.layout.bytes());
+      buffer.tail.head_bytes = config->split_bytes;
+      buffer.tail.bytes = config->tail_bytes;
+    }
     if (config->latent != nullptr || config->latent_count != 0) {
       ESS_CHECK(config->latent != nullptr && config->latent_count == oc.layers,
                 "config: {} latent buffers for {} layers", config->latent_count, oc.layers);
       const std::int64_t needed = static_cast<std::int64_t>(oc.max_requests) * oc.rows_per_request();
+      for (int l = 0; l < oc.layers && split; ++l) {
+        const auto t = ess::capi::layer_tensor(config->latent_tail[l], l, static_cast<std::uint64_t>(config->tail_bytes),
+                                               ess::capi::placement_of(oc), "latent tail buffer");
+        ESS_CHECK(t.capacity >= needed,
+                  "latent tail buffer of layer {} holds {} rows; {} requests x {} rows per request need {}", l, t.capacity,
+                  oc.max_requests, oc.rows_per_request(), needed);
+        if (l == 0) {
+          buffer.tail.rows = t.rows;
+        } else {
+          ESS_CHECK(t.rows.row_stride == buffer.tail.rows.row_stride && t.rows.block_rows == buffer.tail.rows.block_rows &&
+                        t.rows.block_stride == buffer.tail.rows.block_stride,
+                    "latent tail buffer of layer {}: its strides differ from layer 0's", l);
+        }
+        buffer.tail_base.push_back(t.base);
+      }
+      const std::uint64_t head_bytes = split ? static_cast<std::uint64_t>(config->split_bytes) : oc.layout.bytes();
       for (int l = 0; l < oc.layers; ++l) {
-        const auto t = ess::capi::layer_tensor(config->latent[l], l, oc.layout.bytes(), ess::capi::placement_of(oc));
+        const auto t = ess::capi::layer_tensor(config->latent[l], l, head_bytes, ess::capi::placement_of(oc));
         ESS_CHECK(t.capacity >= needed,
                   "latent buffer of layer {} holds {} rows; {} requests x {} rows per request need {}", l, t.capacity,
                   oc.max_requests, oc.rows_per_request(), needed);
@@ -297,6 +330,12 @@ ess_status ess_engine_get_info(const ess_engine* engine, ess_engine_info* info) 
     info->block_rows = o.buffer().rows.block_rows;
     info->block_stride = o.buffer().rows.block_stride;
     info->host_bytes_capacity = o.host_pool().capacity_bytes();
+    const ess::LatentBuffer& b = o.buffer();
+    info->split_bytes = b.split() ? b.tail.head_bytes : 0;
+    info->tail_bytes = b.split() ? b.tail.bytes : 0;
+    info->tail_row_stride = b.split() ? b.tail.rows.row_stride : 0;
+    info->tail_block_rows = b.split() ? b.tail.rows.block_rows : 0;
+    info->tail_block_stride = b.split() ? b.tail.rows.block_stride : 0;
   });
 }
 

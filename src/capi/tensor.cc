@@ -98,8 +98,8 @@ std::int32_t* int32_tensor(const DLTensor* t, const char* what, const Placement&
   return reinterpret_cast<std::int32_t*>(v.data);
 }
 
-LayerTensor layer_tensor(const DLTensor* t, int layer, std::uint64_t entry_bytes, const Placement& placement) {
-  const std::string what = fmt::format("latent buffer of layer {}", layer);
+LayerTensor layer_tensor(const DLTensor* t, int layer, std::uint64_t entry_bytes, const Placement& placement, const char* name) {
+  const std::string what = fmt::format("{} of layer {}", name, layer);
   ESS_CHECK(t != nullptr, "{} is required (got NULL)", what);
   ESS_CHECK(t->ndim >= 2 && t->ndim <= 8 && t->shape != nullptr,
             "{} has {} dimensions: [rows, E] or [blocks, block_rows, E] are accepted", what, t->ndim);
@@ -127,7 +127,7 @@ LayerTensor layer_tensor(const DLTensor* t, int layer, std::uint64_t entry_bytes
   }
   const std::int64_t last = shape.back();
   ESS_CHECK(static_cast<std::uint64_t>(last * item) == entry_bytes,
-            "{} has shape {} of {}-byte elements: its last dimension spans {} bytes, an entry is {}", what,
+            "{} has shape {} of {}-byte elements: its last dimension spans {} bytes; a row holds {}", what,
             shape_string(shape), item, last * item, entry_bytes);
   ESS_CHECK(last == 1 || strides.back() == 1, "{}: the entry's dimension has stride {} (must be 1)", what,
             strides.back());

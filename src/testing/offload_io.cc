@@ -1,5 +1,6 @@
 #include "testing/offload_io.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "ess/core/error.h"
@@ -51,7 +52,13 @@ void cpu_write_back(Offload& o, int layer, const std::vector<std::int32_t>& rows
 }
 
 void cpu_write_row(Offload& o, int layer, std::int32_t p, std::span<const std::uint8_t> bytes) {
-  std::memcpy(o.buffer().layer_base[static_cast<std::size_t>(layer)] + o.buffer().rows.offset(p), bytes.data(), bytes.size());
+  const LatentBuffer& b = o.buffer();
+  const std::size_t head = b.split() ? static_cast<std::size_t>(b.tail.head_bytes) : bytes.size();
+  std::memcpy(b.layer_base[static_cast<std::size_t>(layer)] + b.rows.offset(p), bytes.data(), head);
+  if (b.split()) {
+    std::memcpy(b.tail_base[static_cast<std::size_t>(layer)] + b.tail.rows.offset(p), bytes.data() + head,
+                static_cast<std::size_t>(b.tail.bytes));
+  }
 }
 
 std::vector<std::uint8_t> cpu_dump(const Offload& o, int layer) {
@@ -70,8 +77,14 @@ const OffloadIo& offload_io(Backend backend) {
 }
 
 std::uint64_t buffer_extent(const Offload& o) {
+  const LatentBuffer& b = o.buffer();
   const std::int64_t rows = static_cast<std::int64_t>(o.config().max_requests) * o.rows_per_request();
-  return o.buffer().rows.offset(rows - 1) + o.buffer().rows.row_stride;
+  std::uint64_t end = b.rows.offset(rows - 1) + b.rows.row_stride;
+  if (b.split() && b.tail_base[0] >= b.layer_base[0]) {  // tails after the heads, in the same allocation
+    const auto delta = static_cast<std::uint64_t>(b.tail_base[0] - b.layer_base[0]);
+    end = std::max(end, delta + b.tail.rows.offset(rows - 1) + b.tail.rows.row_stride);
+  }
+  return end;
 }
 
 void register_cuda_offload_io(const OffloadIo* io) { g_cuda_io = io; }

@@ -104,9 +104,16 @@ void cuda_write_back(Offload& o, int layer, const std::vector<std::int32_t>& row
 }
 
 void cuda_write_row(Offload& o, int layer, std::int32_t p, std::span<const std::uint8_t> bytes) {
-  ESS_CUDA_CHECK(cudaMemcpy(o.buffer().layer_base[static_cast<std::size_t>(layer)] + o.buffer().rows.offset(p), bytes.data(),
-                            bytes.size(), cudaMemcpyHostToDevice),
+  const LatentBuffer& b = o.buffer();
+  const std::size_t head = b.split() ? static_cast<std::size_t>(b.tail.head_bytes) : bytes.size();
+  ESS_CUDA_CHECK(cudaMemcpy(b.layer_base[static_cast<std::size_t>(layer)] + b.rows.offset(p), bytes.data(), head,
+                            cudaMemcpyHostToDevice),
                  "offload io: writing row {} of layer {}", p, layer);
+  if (b.split()) {
+    ESS_CUDA_CHECK(cudaMemcpy(b.tail_base[static_cast<std::size_t>(layer)] + b.tail.rows.offset(p), bytes.data() + head,
+                              static_cast<std::size_t>(b.tail.bytes), cudaMemcpyHostToDevice),
+                   "offload io: writing the tail of row {} of layer {}", p, layer);
+  }
   // The pageable copy's DMA may land after cudaMemcpy returns (legacy stream; non-blocking
   // streams do not wait for it).
   ESS_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy), "offload io: writing row {} of layer {}", p, layer);

@@ -156,6 +156,82 @@ TEST(CApi, PagedEngineBuffersAndBindingsThatDieWithTheEngine) {
   EXPECT_NE(last().find("not 16-byte aligned"), std::string::npos) << last();
 }
 
+// A buffer in two parts through the ABI: blocks of 8 rows, each block its 8 heads of 640 bytes then
+// their 8 tails of 16 (strided views of one allocation per layer, as a C4 page is viewed); the
+// step's row holds the entry's head and tail exactly there; the info reports the tail's layout;
+// a tail tensor of the wrong width or without its sizes is refused by name.
+TEST(CApi, ABufferInTwoPartsTakesHeadsAndTailsAtTheirPlaces) {
+  constexpr int kHead = 640, kTail = kEntry - kHead, kBlock = 8 * kEntry;
+  std::vector<std::vector<std::uint8_t>> storage(2, std::vector<std::uint8_t>(4 * kBlock + 16));
+  std::vector<std::int64_t> head_shape = {4, 8, kHead}, tail_shape = {4, 8, kTail};
+  std::vector<std::int64_t> head_strides = {kBlock, kHead, 1}, tail_strides = {kBlock, kTail, 1};
+  std::vector<DLTensor> heads, tails;
+  for (auto& s : storage) {
+    heads.push_back(tensor(s.data(), head_shape, kDLUInt, 8));
+    heads.back().strides = head_strides.data();
+    tails.push_back(tensor(s.data() + 8 * kHead, tail_shape, kDLUInt, 8));
+    tails.back().strides = tail_strides.data();
+  }
+  const DLTensor* head_ptrs[] = {&heads[0], &heads[1]};
+  const DLTensor* tail_ptrs[] = {&tails[0], &tails[1]};
+  ess_config c = small_config();
+  c.latent = head_ptrs;
+  c.latent_count = 2;
+  c.latent_tail = tail_ptrs;
+  c.latent_tail_count = 2;
+  c.split_bytes = kHead;
+  c.tail_bytes = kTail;
+  ess_engine* e = nullptr;
+  ASSERT_EQ(ess_engine_create(&c, &e), ESS_OK) << last();
+  ess_engine_info info;
+  ess_engine_info_init(&info);
+  ASSERT_EQ(ess_engine_get_info(e, &info), ESS_OK);
+  EXPECT_EQ(info.split_bytes, kHead);
+  EXPECT_EQ(info.tail_bytes, kTail);
+  EXPECT_EQ(info.row_stride, static_cast<std::uint64_t>(kHead));
+  EXPECT_EQ(info.tail_row_stride, static_cast<std::uint64_t>(kTail));
+  EXPECT_EQ(info.tail_block_rows, 8);
+  EXPECT_EQ(info.tail_block_stride, static_cast<std::uint64_t>(kBlock));
+
+  std::int32_t row = -1;
+  ASSERT_EQ(ess_request_admit(e, 3, 100, -1, &row), ESS_OK);
+  std::vector<std::uint8_t> entry(kEntry);
+  for (int i = 0; i < kEntry; ++i) entry[static_cast<std::size_t>(i)] = static_cast<std::uint8_t>(i * 7 + 1);
+  std::vector<std::int64_t> one = {1, kEntry};
+  DLTensor entry_t = tensor(entry.data(), one, kDLUInt, 8);
+  ASSERT_EQ(ess_request_write_entries(e, 3, 1, 42, &entry_t), ESS_OK) << last();
+  std::int32_t rows[1] = {row}, lengths[1] = {100}, ids[8] = {42, -1, -1, -1, -1, -1, -1, -1}, phys[8];
+  std::vector<std::int64_t> b = {1}, btk = {1, 8};
+  DLTensor rows_t = tensor(rows, b, kDLInt, 32), len_t = tensor(lengths, b, kDLInt, 32);
+  DLTensor ids_t = tensor(ids, btk, kDLInt, 32), phys_t = tensor(phys, btk, kDLInt, 32);
+  ess_step_tensors st = step_tensors(&rows_t, &ids_t, &len_t, &phys_t);
+  ess_step_binding* binding = nullptr;
+  ASSERT_EQ(ess_step_bind(e, &st, &binding), ESS_OK) << last();
+  ASSERT_EQ(ess_step(binding, 1, -1, nullptr), ESS_OK) << last();
+  const std::size_t block = static_cast<std::size_t>(phys[0] / 8) * kBlock, r = static_cast<std::size_t>(phys[0] % 8);
+  EXPECT_EQ(0, std::memcmp(storage[1].data() + block + r * kHead, entry.data(), kHead));
+  EXPECT_EQ(0, std::memcmp(storage[1].data() + block + 8 * kHead + r * kTail, entry.data() + kHead, kTail));
+  ess_engine_destroy(e);
+
+  ess_config bad = c;
+  bad.tail_bytes = 8;  // the tensors' last dimension spans 16
+  EXPECT_EQ(ess_engine_create(&bad, &e), ESS_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(last().find("latent tail buffer of layer 0 has shape [4, 8, 16]"), std::string::npos) << last();
+  bad = c;
+  bad.split_bytes = 0;
+  EXPECT_EQ(ess_engine_create(&bad, &e), ESS_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(last().find("split_bytes = 0"), std::string::npos) << last();
+  bad = c;
+  bad.latent_tail_count = 1;
+  EXPECT_EQ(ess_engine_create(&bad, &e), ESS_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(last().find("1 latent tail buffers for 2 layers"), std::string::npos) << last();
+  bad = c;
+  bad.latent = nullptr;
+  bad.latent_count = 0;
+  EXPECT_EQ(ess_engine_create(&bad, &e), ESS_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(last().find("latent_tail needs the head buffers"), std::string::npos) << last();
+}
+
 // MTP 2, top-k 4, 5 slots: a step of 7 distinct ids runs in two query groups.
 TEST(CApi, QueryGroupsServeAStepLargerThanThePool) {
   ess_config c = small_config();

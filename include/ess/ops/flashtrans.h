@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "ess/ops/row_layout.h"
 #include "ess/runtime/backend.h"  // cuda::device_view: the device pointer of mapped pinned host memory
 
 namespace ess::cuda {
@@ -24,6 +25,11 @@ inline constexpr int kNoCudaDevice = 100;
 //   dst_base + dst_offsets[i]  <-  src_base + src_offsets[i]
 // The offset arrays live in device memory (or mapped host memory). Every base pointer and
 // offset must be 16-byte aligned.
+//
+// A side whose buffer keeps entries in two parts (`src_tail` / `dst_tail` split: RowTail) has an
+// entry's first head_bytes at the listed offset and its next tail bytes at the tail's place;
+// the other side holds the entry whole (head, then tail, then padding up to entry_bytes, which
+// is not copied). Heads move in 16-byte chunks, tails in 8-byte ones.
 struct EntryCopy {
   const std::uint8_t* src_base = nullptr;
   std::uint8_t* dst_base = nullptr;
@@ -39,6 +45,14 @@ struct EntryCopy {
   // the copy is small. Every thread keeps kFlashTransChunksPerThread 16-byte loads in flight.
   int blocks = 0;
   int threads = 0;  // 32 .. 256, a multiple of 32
+  RowTail src_tail{};
+  RowTail dst_tail{};
+  bool split() const { return src_tail.split() || dst_tail.split(); }
+  const RowTail& tail() const { return src_tail.split() ? src_tail : dst_tail; }
+  // The copy's units per entry: 16-byte chunks of the head (the whole entry when not split),
+  // then 8-byte ones of the tail.
+  int head_chunks() const { return split() ? tail().head_bytes / 16 : entry_bytes / 16; }
+  int units_per_entry() const { return head_chunks() + (split() ? tail().bytes / 8 : 0); }
 };
 
 // The default grid. PCIe, not the SMs, bounds the copy: sustaining W bytes/s over a host

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "ess/model/entry_layout.h"
+#include "ess/ops/row_layout.h"
 
 namespace ess::ref {
 
@@ -18,6 +19,12 @@ namespace ess::ref {
 // each (ess/ops/flashtrans.h copies exactly this; the entries of one call never overlap).
 void copy_entries(const std::uint8_t* src_base, std::uint8_t* dst_base, std::span<const std::uint64_t> src_offsets,
                   std::span<const std::uint64_t> dst_offsets, std::int64_t count, int entry_bytes);
+// The same with a side that keeps entries in two parts (RowTail; EntryCopy's src_tail /
+// dst_tail): the head at the listed offset, the tail at the tail's place; a whole side holds
+// head then tail. Bytes past head + tail of a whole side's entry are not copied.
+void copy_entries(const std::uint8_t* src_base, std::uint8_t* dst_base, std::span<const std::uint64_t> src_offsets,
+                  std::span<const std::uint64_t> dst_offsets, std::int64_t count, int entry_bytes, const RowTail& src_tail,
+                  const RowTail& dst_tail);
 
 // ---- Lightning indexer -------------------------------------------------------------------
 //

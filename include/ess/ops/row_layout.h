@@ -18,6 +18,31 @@ struct RowLayout {
     return static_cast<std::uint64_t>(p / block_rows) * block_stride +
            static_cast<std::uint64_t>(p % block_rows) * row_stride;
   }
+  // The row that starts `at` bytes from the base: offset()'s inverse (row_stride > 0; `at` one
+  // of offset()'s values).
+  constexpr std::int64_t row_at(std::uint64_t at) const {
+    if (block_rows <= 0) return static_cast<std::int64_t>(at / row_stride);
+    const std::uint64_t block = at / block_stride;
+    return static_cast<std::int64_t>(block) * block_rows + static_cast<std::int64_t>((at - block * block_stride) / row_stride);
+  }
+};
+
+// A buffer that keeps each entry in two parts (DeepSeek-V4's C4 pages: a token's 576 value bytes
+// in one run of the page, its 8 scale bytes in another; separate K and V tensors): row p's first
+// `head_bytes` lie at the buffer's own RowLayout offset(p) (`head`), its next `bytes` at
+// `delta + rows.offset(p)` from the same base (`delta`: where the tails start, another tensor's
+// base less this one's). head_bytes = 0: entries whole, at offset(p).
+struct RowTail {
+  int head_bytes = 0;        // a multiple of 16
+  int bytes = 0;             // a multiple of 8
+  std::int64_t delta = 0;    // a multiple of 8
+  RowLayout head;            // the buffer's rows (where the heads are)
+  RowLayout rows;            // the tails' (row_stride, block_stride multiples of 8)
+  constexpr bool split() const { return head_bytes > 0; }
+  // The tail of the row whose head is `head_offset` bytes from the base.
+  constexpr std::int64_t offset_of(std::uint64_t head_offset) const {
+    return delta + static_cast<std::int64_t>(rows.offset(head.row_at(head_offset)));
+  }
 };
 
 }  // namespace ess

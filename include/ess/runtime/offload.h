@@ -81,9 +81,20 @@ enum class Backend { kCpu, kCuda };
 // The device latent buffer of every layer: FlashMLA's KV cache viewed as buffer rows of
 // layout.bytes() bytes, one base per layer, placed by `rows` (RowLayout). Empty layer_base: ESS
 // allocates a contiguous buffer per layer itself (Offload::buffer() gives it).
+//
+// A buffer may keep each entry in two parts (RowTail; DeepSeek-V4's C4 pages: values and scales
+// in separate runs of a page; K and V in two tensors): with tail_base (one per layer, the
+// caller's buffers only), row p's first tail.head_bytes lie at layer_base + rows.offset(p) and
+// its next tail.bytes at tail_base + tail.rows.offset(p); the host pool holds entries whole
+// (layout.bytes(): head, tail, padding). tail.head and tail.delta are ESS's to fill.
 struct LatentBuffer {
   std::vector<std::uint8_t*> layer_base;
   RowLayout rows;
+  std::vector<std::uint8_t*> tail_base;
+  RowTail tail{};
+  bool split() const { return !tail_base.empty(); }
+  // Where layer `layer`'s tails are, for FlashTrans (EntryCopy::src_tail / dst_tail); not split: none.
+  RowTail tail_of(int layer) const;
 };
 
 struct OffloadConfig {

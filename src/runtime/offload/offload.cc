@@ -63,13 +63,55 @@ void OffloadConfig::validate() const {
             "offload: whole_headroom = {} must be in [0, max_requests = {}]", whole_headroom, max_requests);
 }
 
+namespace {
+
+// A split buffer (LatentBuffer::tail_base): the cut within the entry, where the tails lie.
+void check_split(LatentBuffer& b, const OffloadConfig& c, bool owned) {
+  const RowTail& t = b.tail;
+  const std::uint64_t entry = c.layout.bytes();
+  ESS_CHECK(!owned, "offload: a buffer split in two parts (tail_base) needs the caller's layer buffers (layer_base)");
+  ESS_CHECK(static_cast<int>(b.tail_base.size()) == c.layers, "offload: {} tail buffers for {} layers", b.tail_base.size(),
+            c.layers);
+  ESS_CHECK(t.head_bytes > 0 && t.head_bytes % 16 == 0 && t.bytes > 0 && t.bytes % 8 == 0 &&
+                static_cast<std::uint64_t>(t.head_bytes) + static_cast<std::uint64_t>(t.bytes) <= entry,
+            "offload: a split entry's head of {} bytes and tail of {} must be a positive multiple of 16 and of 8 within "
+            "the entry's {} bytes",
+            t.head_bytes, t.bytes, entry);
+  ESS_CHECK(t.rows.row_stride >= static_cast<std::uint64_t>(t.bytes) && t.rows.row_stride % 8 == 0 && t.rows.block_rows >= 0 &&
+                (t.rows.block_rows == 0 ||
+                 (t.rows.block_stride % 8 == 0 && t.rows.block_stride >= static_cast<std::uint64_t>(t.rows.block_rows) * t.rows.row_stride)),
+            "offload: the tails' row_stride = {}, block_rows = {}, block_stride = {}: a multiple of 8 of at least the "
+            "tail's {} bytes, blocks holding block_rows rows",
+            t.rows.row_stride, t.rows.block_rows, t.rows.block_stride, t.bytes);
+  for (std::size_t l = 0; l < b.tail_base.size(); ++l) {
+    ESS_CHECK(b.tail_base[l] != nullptr && reinterpret_cast<std::uintptr_t>(b.tail_base[l]) % 8 == 0,
+              "offload: the tail buffer of layer {} is null or not 8-byte aligned", l);
+  }
+  b.tail.head = b.rows;
+  b.tail.delta = 0;
+}
+
+}  // namespace
+
+RowTail LatentBuffer::tail_of(int layer) const {
+  if (!split()) return {};
+  RowTail t = tail;
+  t.head = rows;
+  const auto l = static_cast<std::size_t>(layer);
+  t.delta = reinterpret_cast<std::intptr_t>(tail_base[l]) - reinterpret_cast<std::intptr_t>(layer_base[l]);
+  return t;
+}
+
 Offload::Impl::Impl(const OffloadConfig& c, LatentBuffer b, HostAllocator& host) : OffloadState{c, std::move(b), {}, {}, {}, {}, {}} {
   config.validate();
   const std::uint64_t entry = config.layout.bytes();
   const bool owned = buffer.layer_base.empty();
   if (buffer.rows.row_stride == 0) buffer.rows.row_stride = entry;
-  ESS_CHECK(buffer.rows.row_stride >= entry && buffer.rows.row_stride % 16 == 0,
-            "offload: row_stride = {} must be a multiple of 16 of at least the entry's {} bytes", buffer.rows.row_stride, entry);
+  // A split buffer's rows hold only the heads.
+  const std::uint64_t row_bytes = buffer.split() ? static_cast<std::uint64_t>(std::max(buffer.tail.head_bytes, 0)) : entry;
+  ESS_CHECK(buffer.rows.row_stride >= row_bytes && buffer.rows.row_stride % 16 == 0,
+            "offload: row_stride = {} must be a multiple of 16 of at least the {} bytes a row holds", buffer.rows.row_stride,
+            row_bytes);
   ESS_CHECK(buffer.rows.block_rows >= 0, "offload: block_rows = {} is negative", buffer.rows.block_rows);
   if (buffer.rows.block_rows > 0) {
     ESS_CHECK(buffer.rows.block_stride >= static_cast<std::uint64_t>(buffer.rows.block_rows) * buffer.rows.row_stride &&
@@ -85,6 +127,7 @@ Offload::Impl::Impl(const OffloadConfig& c, LatentBuffer b, HostAllocator& host)
                 "offload: the buffer of layer {} is null or not 16-byte aligned", l);
     }
   }
+  if (buffer.split()) check_split(buffer, config, owned);
   if (config.foreign.enabled()) {
     ESS_CHECK(config.host_bytes == 0,
               "offload: host_bytes = {} with foreign pages (the pool is the other engine's: pass 0)", config.host_bytes);

@@ -892,6 +892,163 @@ TEST(OffloadEngineBuffer, RowsLandWhereTheEnginesStridesPutThem) {
   }
 }
 
+// A buffer that keeps each entry in two parts, as DeepSeek-V4's C4 pages do (SGLang's
+// kvcacheio.cuh: per page of 64 rows their 576-byte values, then their 8-byte scales, the page
+// padded to 37,440 bytes): over steps with misses and evictions, every selected row holds its
+// entry's value and scale exactly where the page layout puts them (offsets computed here from
+// those constants, not from ESS's layouts), the reserved rows' new entries reach the host pool by
+// the write-back with the padding after them untouched, and a whole request's rows (adaptive
+// residency) follow the same layout.
+TEST(OffloadSplitBuffer, DeepSeekV4PagesHoldTheSelectedEntriesLosslessly) {
+  ESS_REQUIRE_BACKEND(harness().info);
+  constexpr std::uint64_t kValue = 576, kScale = 8, kPage = 37440, kScaleAt = 576 * 64;
+  for (const Residency residency : {Residency::kSparse, Residency::kAdaptive}) {  // adaptive: the short request whole
+    OffloadConfig c;
+    c.layers = 2;
+    c.layout = LatentLayout{512, 32};  // 592-byte host entries: a 576-byte value, an 8-byte scale, 8 of padding
+    c.max_requests = 4;
+    c.query_tokens = 2;
+    c.topk = 48;
+    c.slots = 64;
+    c.reserve_newest = true;
+    c.residency = residency;
+    c.max_context = 1300;
+    c.backend = harness().backend;
+    const std::size_t E = c.layout.bytes();
+    ASSERT_EQ(E, 592u);
+    const std::int64_t rows = static_cast<std::int64_t>(c.max_requests) * c.rows_per_request();
+    const std::uint64_t pages = static_cast<std::uint64_t>((rows + 63) / 64);
+    LatentBuffer b;
+    b.rows = RowLayout{kValue, 64, kPage};
+    b.tail.head_bytes = static_cast<int>(kValue);
+    b.tail.bytes = static_cast<int>(kScale);
+    b.tail.rows = RowLayout{kScale, 64, kPage};
+    for (int l = 0; l < c.layers; ++l) {
+      std::uint8_t* base = harness().allocate(pages * kPage);
+      b.layer_base.push_back(base);
+      b.tail_base.push_back(base + kScaleAt);
+    }
+    Offload o(c, b);
+    const auto value_at = [](std::int64_t p) { return static_cast<std::uint64_t>(p / 64) * kPage + static_cast<std::uint64_t>(p % 64) * kValue; };
+    const auto scale_at = [](std::int64_t p) {
+      return static_cast<std::uint64_t>(p / 64) * kPage + kScaleAt + static_cast<std::uint64_t>(p % 64) * kScale;
+    };
+    const std::vector<RequestId> ids = {5, 6, 7};
+    std::vector<std::int64_t> len = {700, 40, 1100};
+    StepIn in;
+    in.batch = 4;  // three requests and a padded position
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      in.rows.push_back(o.admit(ids[i], len[i]));
+      for (int l = 0; l < c.layers; ++l) {
+        for (std::int64_t t = 0; t < len[i]; ++t) {
+          const auto e = entry_of(ids[i], l, t, E);
+          std::memcpy(o.host_entry(ids[i], l, t).data(), e.data(), E);
+        }
+      }
+    }
+    for (const RequestId id : ids) o.warmup(id, {}, 0);  // the newest entries into the reserved rows
+    ASSERT_EQ(o.whole(6), residency == Residency::kAdaptive);
+    ASSERT_FALSE(o.whole(5));
+    in.rows.push_back(-1);
+    std::mt19937 rng(21);
+    std::vector<std::vector<std::int32_t>> prev(ids.size());
+    for (int step = 0; step < 6; ++step) {
+      for (std::size_t i = 0; i < ids.size(); ++i) {  // two new tokens: the model writes them into the reserved rows
+        o.extend(ids[i], 2);
+        len[i] += 2;
+        for (int l = 0; l < c.layers; ++l) {
+          for (int t = 0; t < 2; ++t) {
+            io().write_row(o, l, in.rows[i] * o.rows_per_request() + c.slots + t, entry_of(ids[i], l, len[i] - 2 + t, E));
+          }
+        }
+      }
+      in.lengths = {static_cast<std::int32_t>(len[0]), static_cast<std::int32_t>(len[1]), static_cast<std::int32_t>(len[2]), 0};
+      for (int l = 0; l < c.layers; ++l) {
+        in.layer = l;
+        in.topk.clear();
+        for (std::size_t i = 0; i < ids.size(); ++i) {
+          const auto k = test::decode_like_ids(prev[i], 2, c.topk, len[i], 12, rng);
+          in.topk.insert(in.topk.end(), k.begin(), k.end());
+        }
+        in.topk.insert(in.topk.end(), static_cast<std::size_t>(2 * c.topk), -1);
+        const StepOut got = io().step(o, in);
+        const std::vector<std::uint8_t> buf = io().dump(o, l);
+        for (std::size_t i = 0; i < ids.size(); ++i) {
+          for (int k = 0; k < 2 * c.topk; ++k) {
+            const std::size_t at = i * 2 * static_cast<std::size_t>(c.topk) + static_cast<std::size_t>(k);
+            const std::int32_t tok = in.topk[at], p = got.physical[at];
+            if (tok < 0) continue;
+            ASSERT_GE(p, 0);
+            const auto e = entry_of(ids[i], l, tok, E);
+            ASSERT_EQ(0, std::memcmp(buf.data() + value_at(p), e.data(), kValue))
+                << to_string(residency) << ": step " << step << " layer " << l << " request " << ids[i] << " token " << tok;
+            ASSERT_EQ(0, std::memcmp(buf.data() + scale_at(p), e.data() + kValue, kScale))
+                << to_string(residency) << ": the scale of token " << tok << " in row " << p;
+          }
+        }
+        io().write_back(o, l, in.rows, in.lengths, {});
+      }
+    }
+    for (std::size_t i = 0; i < ids.size(); ++i) {  // the written-back entries; the padding as the host held it
+      for (int l = 0; l < c.layers; ++l) {
+        for (std::int64_t t = len[i] - 12; t < len[i]; ++t) {
+          const auto want = entry_of(ids[i], l, t, E);
+          const auto held = o.host_entry(ids[i], l, t);
+          ASSERT_TRUE(std::equal(held.begin(), held.begin() + static_cast<std::ptrdiff_t>(kValue + kScale), want.begin()))
+              << "request " << ids[i] << " layer " << l << " token " << t;
+          const auto row = o.read_row(l, o.row(ids[i]) * o.rows_per_request() + c.slots + 1);
+          ASSERT_TRUE(std::equal(row.begin(), row.begin() + static_cast<std::ptrdiff_t>(kValue + kScale),
+                                 entry_of(ids[i], l, len[i] - 1, E).begin()))
+              << "read_row of the newest reserved row";
+        }
+      }
+    }
+  }
+}
+
+// The buffer split in two parts is checked when the engine is made, by name.
+TEST(OffloadSplitBuffer, RefusesASplitItCannotServe) {
+  ESS_REQUIRE_BACKEND(harness().info);
+  OffloadConfig c;
+  c.layers = 1;
+  c.layout = LatentLayout{512, 32};
+  c.max_requests = 1;
+  c.topk = 8;
+  c.slots = 8;
+  c.max_context = 64;
+  c.backend = harness().backend;
+  const auto split = [&](int head, int tail, std::uint64_t tail_stride, std::size_t tail_shift) {
+    LatentBuffer b;
+    b.rows = RowLayout{576, 64, 37440};
+    b.tail.head_bytes = head;
+    b.tail.bytes = tail;
+    b.tail.rows = RowLayout{tail_stride, 64, 37440};
+    std::uint8_t* base = harness().allocate(37440);
+    b.layer_base.push_back(base);
+    b.tail_base.push_back(base + 36864 + tail_shift);
+    return b;
+  };
+  const auto refused = [&](LatentBuffer b, const char* what) {
+    try {
+      Offload o(c, std::move(b));
+      ADD_FAILURE() << "accepted; expected a refusal naming " << what;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+  };
+  refused(split(576, 24, 8, 0), "tail of 24");        // past the 592-byte entry
+  refused(split(570, 8, 8, 0), "head of 570");        // not a multiple of 16
+  refused(split(576, 8, 4, 0), "row_stride = 4");     // tails overlap
+  refused(split(576, 8, 8, 4), "not 8-byte aligned");
+  LatentBuffer owned;
+  owned.tail.head_bytes = 576;
+  owned.tail.bytes = 8;
+  owned.tail.rows = RowLayout{8, 64, 37440};
+  owned.tail_base.push_back(harness().allocate(64));
+  refused(owned, "caller's layer buffers");
+  EXPECT_NO_THROW(Offload(c, split(576, 8, 8, 0)));
+}
+
 // With reserve_newest, warmup leaves a request's newest entries in its reserved rows (token
 // length - T + t in reserved row t), for a prompt of T tokens or more and for a shorter one, a
 // whole request as a sparse one, and with no warm-up windows: a step at the prompt's own length

@@ -229,18 +229,21 @@ class CpuOffload final : public OffloadBackend {
       const bool whole = x_.whole(w.rows[b]);
       for (int t = first_newest(w.lengths[b], T); t < T; ++t) {
         const std::int32_t src = w.source_rows != nullptr ? w.source_rows[b * T + t] : physical(w.rows[b], c.slots + t);
-        const std::uint8_t* from = row_ptr(w.layer, src);
         const std::int32_t token = w.lengths[b] - T + t;
-        x_.pool->write(id, w.layer, token, {from, x_.config.layout.bytes()});
+        const auto held = x_.pool->entry(id, w.layer, token);
+        entry_.assign(held.begin(), held.end());  // a split row leaves the entry's padding as the host holds it
+        x_.get_row(w.layer, src, entry_);
+        x_.pool->write(id, w.layer, token, entry_);
         const std::int32_t to = whole ? whole_row(w.rows[b], token) : -1;  // its own row, read once it is not among the newest
-        if (to >= 0 && to != src) std::memcpy(const_cast<std::uint8_t*>(row_ptr(w.layer, to)), from, x_.config.layout.bytes());
+        if (to >= 0 && to != src) x_.put_row(w.layer, to, entry_);
       }
     }
   }
 
   std::vector<std::uint8_t> read_row(int layer, std::int32_t p) const override {
-    const std::uint8_t* r = row_ptr(layer, p);
-    return {r, r + x_.config.layout.bytes()};
+    std::vector<std::uint8_t> v(x_.config.layout.bytes());
+    x_.get_row(layer, p, v);
+    return v;
   }
 
   std::uint64_t device_bytes() const override { return 0; }
@@ -365,13 +368,7 @@ class CpuOffload final : public OffloadBackend {
     if (s.counts != nullptr) s.counts[2 * b] = s.counts[2 * b + 1] = 0;
     if (s.resident != nullptr) split_rows(s, b, nullptr, row);
   }
-  const std::uint8_t* row_ptr(int layer, std::int32_t p) const {
-    return x_.buffer.layer_base[static_cast<std::size_t>(layer)] + x_.buffer.rows.offset(p);
-  }
-  void copy_in(int layer, RequestId id, std::int32_t token, std::int32_t p) {
-    const auto e = x_.pool->entry(id, layer, token);
-    std::memcpy(const_cast<std::uint8_t*>(row_ptr(layer, p)), e.data(), e.size());
-  }
+  void copy_in(int layer, RequestId id, std::int32_t token, std::int32_t p) { x_.put_row(layer, p, x_.pool->entry(id, layer, token)); }
   // Position b's query rows split into the rows resident before the step and those it fetched.
   void split_rows(const LayerStep& s, int b, const std::unordered_set<std::int32_t>* fetched, std::int32_t row) const {
     const int T = x_.config.query_tokens, K = x_.config.topk;
@@ -408,6 +405,7 @@ class CpuOffload final : public OffloadBackend {
   std::vector<std::uint32_t> seen_;  // token -> the stamp of the query row that last selected it
   std::uint32_t stamp_ = 0;
   std::vector<std::int32_t> window_;
+  std::vector<std::uint8_t> entry_;  // one entry on its way from a row
   std::vector<Recorded> recorded_;  // [pool row]: whole requests' recorded windows
   SwapResult result_;
   std::int64_t steps_ = 0, warmup_fills_ = 0, hits_ = 0, misses_ = 0, reserved_hits_ = 0;

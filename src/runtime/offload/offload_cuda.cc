@@ -427,7 +427,7 @@ class CudaOffload final : public OffloadBackend {
     if (s.fetch) {
       EntryCopy copy{pool_dev_, x_.buffer.layer_base[static_cast<std::size_t>(s.layer)], p.src.get(), p.dst.get(),
                      static_cast<std::int64_t>(s.batch) * static_cast<std::int64_t>(P_),
-                     static_cast<int>(x_.config.layout.bytes()), p.total.get(), c.copy_blocks};
+                     static_cast<int>(x_.config.layout.bytes()), p.total.get(), c.copy_blocks, 0, {}, x_.buffer.tail_of(s.layer)};
       ESS_LAUNCH(flashtrans_cuda(copy, copy_stream), "offload: FlashTrans of layer {}", s.layer);
     }
     if (s.copy_done != nullptr) {
@@ -479,23 +479,31 @@ class CudaOffload final : public OffloadBackend {
     list.whole_total = wb_whole_total_.get();
     ESS_LAUNCH(launch_write_back_list(list, w.stream), "offload: the write-back list of layer {}", w.layer);
     std::uint8_t* base = x_.buffer.layer_base[static_cast<std::size_t>(w.layer)];
+    const RowTail tail = x_.buffer.tail_of(w.layer);
     EntryCopy copy{base, const_cast<std::uint8_t*>(pool_dev_), wb_src_.get(), wb_dst_.get(),
                    static_cast<std::int64_t>(w.batch) * c.query_tokens, static_cast<int>(c.layout.bytes()), wb_total_.get(),
-                   c.copy_blocks};
+                   c.copy_blocks, 0, tail, {}};
     ESS_LAUNCH(flashtrans_cuda(copy, w.stream), "offload: write-back of layer {}", w.layer);
     if (whole_units_.get() != nullptr) {  // whole requests' newest entries into their own rows too
       EntryCopy own{base, base, wb_whole_src_.get(), wb_whole_dst_.get(), static_cast<std::int64_t>(w.batch) * c.query_tokens,
-                    static_cast<int>(c.layout.bytes()), wb_whole_total_.get(), c.copy_blocks};
+                    static_cast<int>(c.layout.bytes()), wb_whole_total_.get(), c.copy_blocks, 0, tail, tail};
       ESS_LAUNCH(flashtrans_cuda(own, w.stream), "offload: write-back of layer {} into whole rows", w.layer);
     }
   }
 
   std::vector<std::uint8_t> read_row(int layer, std::int32_t p) const override {
     std::vector<std::uint8_t> v(x_.config.layout.bytes());
+    const bool split = x_.buffer.split();
+    const std::size_t head = split ? static_cast<std::size_t>(x_.buffer.tail.head_bytes) : v.size();
     ESS_CUDA_CHECK(cudaDeviceSynchronize(), "offload: read_row");
     ESS_CUDA_CHECK(cudaMemcpy(v.data(), x_.buffer.layer_base[static_cast<std::size_t>(layer)] + x_.buffer.rows.offset(p),
-                              v.size(), cudaMemcpyDeviceToHost),
+                              head, cudaMemcpyDeviceToHost),
                    "offload: reading row {} of layer {}", p, layer);
+    if (split) {  // the tail; the padding after it reads as zeros
+      ESS_CUDA_CHECK(cudaMemcpy(v.data() + head, x_.buffer.tail_base[static_cast<std::size_t>(layer)] + x_.buffer.tail.rows.offset(p),
+                                static_cast<std::size_t>(x_.buffer.tail.bytes), cudaMemcpyDeviceToHost),
+                     "offload: reading the tail of row {} of layer {}", p, layer);
+    }
     return v;
   }
 
@@ -638,7 +646,7 @@ class CudaOffload final : public OffloadBackend {
   void load(const HostFillList& f, std::int64_t max, int layer, Stream s) {
     ESS_LAUNCH(launch_host_fill_list(f, s), "offload: the load list of layer {}", layer);
     EntryCopy copy{pool_dev_, x_.buffer.layer_base[static_cast<std::size_t>(layer)], fill_src_.get(), fill_dst_.get(), max,
-                   static_cast<int>(x_.config.layout.bytes()), fill_total_.get(), kWholeGpu};
+                   static_cast<int>(x_.config.layout.bytes()), fill_total_.get(), kWholeGpu, 0, {}, x_.buffer.tail_of(layer)};
     ESS_LAUNCH(flashtrans_cuda(copy, s), "offload: the load of layer {}", layer);
   }
   // LRU-Warmup of every layer of `row`: layer l replays counts[l] windows of `windows`

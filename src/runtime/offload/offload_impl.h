@@ -93,6 +93,11 @@ struct OffloadState {
   // Whether batch position `position` is padding (row -1); any other negative row throws, naming
   // `what`, the position and the row.
   bool padding(std::int32_t row, const char* what, int position) const;
+  // Row p of a layer of a buffer in host memory (the CPU backend's): an entry (layout.bytes()) into
+  // it, or out of it, in two parts when the buffer is split (the bytes of `entry` after a split
+  // entry's tail are neither copied into the row nor overwritten from it).
+  void put_row(int layer, std::int32_t p, std::span<const std::uint8_t> entry) const;
+  void get_row(int layer, std::int32_t p, std::span<std::uint8_t> entry) const;
 };
 
 class Offload::Impl : public OffloadState {

@@ -1,5 +1,7 @@
 // The state Offload's front keeps and its backends read (offload_impl.h): which request holds a
 // pool row, and the checks of a row or request a call names.
+#include <cstring>
+
 #include "ess/core/error.h"
 #include "runtime/offload/offload_impl.h"
 
@@ -38,6 +40,30 @@ bool OffloadState::padding(std::int32_t row, const char* what, int position) con
   ESS_CHECK(row >= -1, "offload: {}: position {} names row {}; -1 marks padding, other negative rows are refused",
             what, position, row);
   return row == -1;
+}
+
+void OffloadState::put_row(int layer, std::int32_t p, std::span<const std::uint8_t> entry) const {
+  const auto l = static_cast<std::size_t>(layer);
+  std::uint8_t* head = buffer.layer_base[l] + buffer.rows.offset(p);
+  if (!buffer.split()) {
+    std::memcpy(head, entry.data(), entry.size());
+    return;
+  }
+  const auto h = static_cast<std::size_t>(buffer.tail.head_bytes);
+  std::memcpy(head, entry.data(), h);
+  std::memcpy(buffer.tail_base[l] + buffer.tail.rows.offset(p), entry.data() + h, static_cast<std::size_t>(buffer.tail.bytes));
+}
+
+void OffloadState::get_row(int layer, std::int32_t p, std::span<std::uint8_t> entry) const {
+  const auto l = static_cast<std::size_t>(layer);
+  const std::uint8_t* head = buffer.layer_base[l] + buffer.rows.offset(p);
+  if (!buffer.split()) {
+    std::memcpy(entry.data(), head, entry.size());
+    return;
+  }
+  const auto h = static_cast<std::size_t>(buffer.tail.head_bytes), t = static_cast<std::size_t>(buffer.tail.bytes);
+  std::memcpy(entry.data(), head, h);
+  std::memcpy(entry.data() + h, buffer.tail_base[l] + buffer.tail.rows.offset(p), t);
 }
 
 }  // namespace ess

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <climits>
 #include <cmath>
+#include <utility>
 
 #include "runtime/ops/sparse_mla/mma_layout.h"
 
@@ -50,11 +51,34 @@ std::string check_args(const EntryCopy& c) {
       .not_null(c.dst_offsets, "dst_offsets")
       .aligned_to(c.src_base, 16, "src_base")
       .aligned_to(c.dst_base, 16, "dst_base");
-  if (c.entry_bytes > 0) {  // the kernel splits a chunk index into (entry, chunk) in 32 bits
-    const std::int64_t chunks = c.entry_bytes / 16;
-    k.require(c.count <= static_cast<std::int64_t>(UINT32_MAX) / chunks,
+  if (c.split()) {
+    const RowTail& t = c.tail();
+    k.require(t.head_bytes % 16 == 0 && t.bytes > 0 && t.bytes % 8 == 0 && t.head_bytes + t.bytes <= c.entry_bytes,
+              "a split entry's head of {} bytes and tail of {} must be a multiple of 16 and a positive multiple of 8 "
+              "within entry_bytes = {}",
+              t.head_bytes, t.bytes, c.entry_bytes)
+        .require(!c.src_tail.split() || !c.dst_tail.split() ||
+                     (c.src_tail.head_bytes == c.dst_tail.head_bytes && c.src_tail.bytes == c.dst_tail.bytes),
+                 "src_tail and dst_tail cut the entry differently ({} + {} and {} + {} bytes)", c.src_tail.head_bytes,
+                 c.src_tail.bytes, c.dst_tail.head_bytes, c.dst_tail.bytes);
+    for (const auto& [side, name] : {std::pair{&c.src_tail, "src_tail"}, std::pair{&c.dst_tail, "dst_tail"}}) {
+      if (!side->split()) continue;
+      k.require(side->head.row_stride >= static_cast<std::uint64_t>(side->head_bytes) && side->head.row_stride % 16 == 0 &&
+                    (side->head.block_rows <= 0 || side->head.block_stride > 0),
+                "{}: the heads' row_stride = {} must be a multiple of 16 of at least the head's {} bytes", name,
+                side->head.row_stride, side->head_bytes)
+          .require(side->rows.row_stride >= static_cast<std::uint64_t>(side->bytes) && side->rows.row_stride % 8 == 0 &&
+                       side->rows.block_stride % 8 == 0 && side->delta % 8 == 0,
+                   "{}: the tails' row_stride = {}, block_stride = {} and delta = {} must be multiples of 8 (row_stride of "
+                   "at least the tail's {} bytes)",
+                   name, side->rows.row_stride, side->rows.block_stride, side->delta, side->bytes);
+    }
+  }
+  if (c.entry_bytes > 0 && c.units_per_entry() > 0) {  // the kernel splits a unit index into (entry, unit) in 32 bits
+    const std::int64_t units = c.units_per_entry();
+    k.require(c.count <= static_cast<std::int64_t>(UINT32_MAX) / units,
               "count = {} entries of {} bytes is {} 16-byte chunks, more than the {} one launch addresses", c.count,
-              c.entry_bytes, c.count > INT64_MAX / chunks ? INT64_MAX : c.count * chunks, UINT32_MAX);
+              c.entry_bytes, c.count > INT64_MAX / units ? INT64_MAX : c.count * units, UINT32_MAX);
   }
   return k.error();
 }
@@ -63,7 +87,7 @@ FlashTransGrid flashtrans_grid(const EntryCopy& c) {
   FlashTransGrid g;
   g.threads = c.threads > 0 ? c.threads : kFlashTransDefaultThreads;
   const std::int64_t cap = c.blocks > 0 ? c.blocks : kFlashTransDefaultBlocks;
-  const std::int64_t chunks = c.count * (c.entry_bytes > 0 ? c.entry_bytes / 16 : 0);
+  const std::int64_t chunks = c.count * (c.entry_bytes > 0 ? c.units_per_entry() : 0);
   const std::int64_t per_block = static_cast<std::int64_t>(g.threads) * kFlashTransChunksPerThread;
   const std::int64_t want = (chunks + per_block - 1) / per_block;
   g.blocks = static_cast<int>(want < 1 ? 1 : (want < cap ? want : cap));

@@ -74,22 +74,32 @@ class FlashTransPrims {
   unsigned block() const { return c_.block(); }
   unsigned blocks() const { return c_.blocks(); }
   flashtrans::Chunk load(const flashtrans::Chunk* p) const {
-    check(p, "read");
+    check(p, 16, "read");
     flashtrans::Chunk v;
     std::memcpy(&v, p, sizeof v);
     return v;
   }
   void store(flashtrans::Chunk* p, const flashtrans::Chunk& v) const {
-    check(p, "write");
+    check(p, 16, "write");
+    std::memcpy(p, &v, sizeof v);
+  }
+  std::uint64_t load8(const std::uint64_t* p) const {
+    check(p, 8, "read");
+    std::uint64_t v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+  }
+  void store8(std::uint64_t* p, std::uint64_t v) const {
+    check(p, 8, "write");
     std::memcpy(p, &v, sizeof v);
   }
 
  private:
-  void check(const void* p, const char* what) const {
-    EXPECT_EQ(reinterpret_cast<std::uintptr_t>(p) % 16, 0u) << "flashtrans: a 16-byte " << what << " not 16-byte aligned";
-    if (!reported_ && Device::get().find(p, 16) == nullptr) {
+  void check(const void* p, std::uintptr_t n, const char* what) const {
+    EXPECT_EQ(reinterpret_cast<std::uintptr_t>(p) % n, 0u) << "flashtrans: a " << n << "-byte " << what << " not " << n << "-byte aligned";
+    if (!reported_ && Device::get().find(p, n) == nullptr) {
       reported_ = true;
-      ADD_FAILURE() << "flashtrans: a 16-byte global " << what << " at " << p << " lies outside every allocation";
+      ADD_FAILURE() << "flashtrans: a " << n << "-byte global " << what << " at " << p << " lies outside every allocation";
     }
   }
   emu::Cta& c_;
@@ -108,8 +118,7 @@ int flashtrans_cuda(const EntryCopy& c, Stream stream) {
   auto reported = std::make_shared<bool>(false);
   return run("flashtrans", g.blocks, g.threads, 0, stream, [c, reported](emu::Cta& cta, std::uint8_t*) {
     FlashTransPrims p(cta, *reported);
-    flashtrans::copy_entries_cta(reinterpret_cast<const flashtrans::Chunk*>(c.src_base), reinterpret_cast<flashtrans::Chunk*>(c.dst_base),
-                                 c.src_offsets, c.dst_offsets, c.count * (c.entry_bytes / 16), c.entry_bytes / 16, c.device_count, p);
+    flashtrans::copy_entries_cta(flashtrans::copy_plan(c), p);
   });
 }
 

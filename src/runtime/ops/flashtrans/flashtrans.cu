@@ -23,26 +23,24 @@ struct DevicePrims {
   __device__ void store(flashtrans::Chunk* p, const flashtrans::Chunk& v) const {
     __stcs(reinterpret_cast<uint4*>(p), make_uint4(v.x, v.y, v.z, v.w));
   }
+  __device__ std::uint64_t load8(const std::uint64_t* p) const {
+    return static_cast<std::uint64_t>(__ldcs(reinterpret_cast<const unsigned long long*>(p)));
+  }
+  __device__ void store8(std::uint64_t* p, std::uint64_t v) const {
+    __stcs(reinterpret_cast<unsigned long long*>(p), static_cast<unsigned long long>(v));
+  }
 };
 
-__global__ void __launch_bounds__(kFlashTransDefaultThreads) copy_entries(const flashtrans::Chunk* __restrict__ src_base,
-                                                                          flashtrans::Chunk* __restrict__ dst_base,
-                                                                          const std::uint64_t* __restrict__ src_off,
-                                                                          const std::uint64_t* __restrict__ dst_off,
-                                                                          std::int64_t total_chunks, int chunks_per_entry,
-                                                                          const std::int64_t* __restrict__ device_count) {
+__global__ void __launch_bounds__(kFlashTransDefaultThreads) copy_entries(const flashtrans::CopyPlan plan) {
   DevicePrims prims;
-  flashtrans::copy_entries_cta(src_base, dst_base, src_off, dst_off, total_chunks, chunks_per_entry, device_count, prims);
+  flashtrans::copy_entries_cta(plan, prims);
 }
 
 int launch(const EntryCopy& c, Stream stream) {
   if (!check_args(c).empty()) return cudaErrorInvalidValue;
   if (c.count <= 0) return cudaSuccess;
   const FlashTransGrid g = flashtrans_grid(c);
-  copy_entries<<<g.blocks, g.threads, 0, static_cast<cudaStream_t>(stream)>>>(
-      reinterpret_cast<const flashtrans::Chunk*>(c.src_base), reinterpret_cast<flashtrans::Chunk*>(c.dst_base), c.src_offsets,
-      c.dst_offsets,
-      c.count * (c.entry_bytes / 16), c.entry_bytes / 16, c.device_count);
+  copy_entries<<<g.blocks, g.threads, 0, static_cast<cudaStream_t>(stream)>>>(flashtrans::copy_plan(c));
   return cudaGetLastError();
 }
 

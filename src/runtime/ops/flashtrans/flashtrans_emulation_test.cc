@@ -38,6 +38,18 @@ class Prims {
     EXPECT_EQ(reinterpret_cast<std::uintptr_t>(p) % 16, 0u) << "a 16-byte store not 16-byte aligned";
     std::memcpy(p, &v, sizeof v);
   }
+  std::uint64_t load8(const std::uint64_t* p) const {
+    g_.check_read(p, 8, "flashtrans");
+    EXPECT_EQ(reinterpret_cast<std::uintptr_t>(p) % 8, 0u) << "an 8-byte load not 8-byte aligned";
+    std::uint64_t v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+  }
+  void store8(std::uint64_t* p, std::uint64_t v) const {
+    g_.check_write(p, 8, "flashtrans");
+    EXPECT_EQ(reinterpret_cast<std::uintptr_t>(p) % 8, 0u) << "an 8-byte store not 8-byte aligned";
+    std::memcpy(p, &v, sizeof v);
+  }
 
  private:
   emu::Cta& c_;
@@ -49,7 +61,8 @@ std::uint64_t seed = 1;
 // One launch as flashtrans.cu makes it, over guarded copies of the problem's buffers.
 std::vector<std::uint8_t> emulated_copy(const std::uint8_t* src, std::size_t src_bytes, std::vector<std::uint8_t> dst_init,
                                         const std::vector<std::uint64_t>& src_offsets, const std::vector<std::uint64_t>& dst_offsets,
-                                        std::int64_t count, int entry_bytes, std::int64_t device_count, int blocks) {
+                                        std::int64_t count, int entry_bytes, std::int64_t device_count, int blocks,
+                                        const RowTail& src_tail = {}, const RowTail& dst_tail = {}) {
   emu::Guarded<std::uint8_t> s(src_bytes), d;
   std::copy(src, src + src_bytes, s.data());
   d.assign(dst_init);
@@ -67,6 +80,8 @@ std::vector<std::uint8_t> emulated_copy(const std::uint8_t* src, std::size_t src
   c.entry_bytes = entry_bytes;
   c.device_count = device_count >= 0 ? dc.data() : nullptr;
   c.blocks = blocks;
+  c.src_tail = src_tail;
+  c.dst_tail = dst_tail;
   EXPECT_EQ(cuda::check_args(c), "");
   if (count > 0) {
     emu::GlobalRanges g;
@@ -75,9 +90,7 @@ std::vector<std::uint8_t> emulated_copy(const std::uint8_t* src, std::size_t src
     const cuda::FlashTransGrid grid = cuda::flashtrans_grid(c);
     emu::launch("flashtrans", static_cast<unsigned>(grid.blocks), grid.threads, 0, seed++, [&](emu::Cta& cta, std::uint8_t*) {
       Prims p(cta, g);
-      cuda::flashtrans::copy_entries_cta(reinterpret_cast<const Chunk*>(c.src_base), reinterpret_cast<Chunk*>(c.dst_base),
-                                         c.src_offsets, c.dst_offsets, c.count * (c.entry_bytes / 16), c.entry_bytes / 16,
-                                         c.device_count, p);
+      cuda::flashtrans::copy_entries_cta(cuda::flashtrans::copy_plan(c), p);
     });
   }
   for (const auto& damage : {s.damage(), d.damage(), so.damage(), dof.damage(), dc.damage()}) {
@@ -88,7 +101,7 @@ std::vector<std::uint8_t> emulated_copy(const std::uint8_t* src, std::size_t src
 
 std::vector<std::uint8_t> copy(const CopyProblem& p) {
   return emulated_copy(p.src.data(), p.src.size(), p.dst, p.src_offsets, p.dst_offsets, p.count, p.entry_bytes,
-                       p.device_count, p.blocks);
+                       p.device_count, p.blocks, p.src_tail, p.dst_tail);
 }
 
 // DeviceSlotStorage::fill's offsets (row, layer, slot) -> slot entry; the source is the pool's arena.

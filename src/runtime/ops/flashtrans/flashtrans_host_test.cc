@@ -13,7 +13,8 @@
 namespace ess::flashtrans_test {
 namespace {
 
-void expect_accepted(std::int64_t count, int entry_bytes, bool device_count, int blocks = 0) {
+void expect_accepted(std::int64_t count, int entry_bytes, bool device_count, int blocks = 0, const RowTail& src_tail = {},
+                     const RowTail& dst_tail = {}) {
   cuda::EntryCopy c;
   c.src_base = test::device_pointer<const std::uint8_t>();
   c.dst_base = test::device_pointer<std::uint8_t>();
@@ -22,14 +23,16 @@ void expect_accepted(std::int64_t count, int entry_bytes, bool device_count, int
   c.entry_bytes = entry_bytes;
   c.device_count = device_count ? test::device_pointer<const std::int64_t>() : nullptr;
   c.blocks = blocks;
+  c.src_tail = src_tail;
+  c.dst_tail = dst_tail;
   EXPECT_EQ(cuda::check_args(c), "");
 }
 
 std::vector<std::uint8_t> reference_copy(const CopyProblem& p) {
-  expect_accepted(p.count, p.entry_bytes, p.device_count >= 0, p.blocks);
+  expect_accepted(p.count, p.entry_bytes, p.device_count >= 0, p.blocks, p.src_tail, p.dst_tail);
   std::vector<std::uint8_t> dst = p.dst;
   const std::int64_t n = p.device_count >= 0 ? std::min(p.count, p.device_count) : p.count;
-  ref::copy_entries(p.src.data(), dst.data(), p.src_offsets, p.dst_offsets, n, p.entry_bytes);
+  ref::copy_entries(p.src.data(), dst.data(), p.src_offsets, p.dst_offsets, n, p.entry_bytes, p.src_tail, p.dst_tail);
   return dst;
 }
 

@@ -42,6 +42,8 @@ std::vector<std::uint8_t> device_copy(const CopyProblem& pr) {
   c.entry_bytes = pr.entry_bytes;
   c.device_count = pr.device_count >= 0 ? count.get() : nullptr;
   c.blocks = pr.blocks;
+  c.src_tail = pr.src_tail;
+  c.dst_tail = pr.dst_tail;
   if (pr.host_to_device) {
     const PinnedBytes src(pr.src);
     auto dst = upload(pr.dst);
