@@ -84,7 +84,7 @@ typedef struct ess_config {
    * or neither: the shipped DeepSeek-V3.2-Exp. Not both. */
   const char* model_path;
   const char* model_json;
-  int32_t layers;          /* 0: the model's num_hidden_layers */
+  int32_t layers;          /* 0: the model's offloaded layers (num_hidden_layers; DeepSeek-V4: its C4 layers) */
   int32_t max_requests;    /* pool rows (requests decoded at once) */
   int64_t max_context;     /* longest request, tokens */
   int32_t query_tokens;    /* T: query tokens per request per step (MTP); default 1 */

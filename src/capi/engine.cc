@@ -43,7 +43,8 @@ OffloadConfig offload_config(const ess_config& c) {
             c.policy, static_cast<int>(ESS_POLICY_LRU));
   ESS_CHECK(c.backend == ESS_BACKEND_CPU || c.backend == ESS_BACKEND_CUDA,
             "config: backend = {} is neither ESS_BACKEND_CPU (0) nor ESS_BACKEND_CUDA (1)", c.backend);
-  ESS_CHECK(c.layers >= 0, "config: layers = {} is negative (0: the model's {})", c.layers, model.num_hidden_layers);
+  ESS_CHECK(c.layers >= 0, "config: layers = {} is negative (0: the model's {})", c.layers,
+            model.offloaded_layers().size());
   ESS_CHECK(c.topk >= 0, "config: topk = {} is negative (0: the model's {})", c.topk, model.index_topk);
   ESS_CHECK(c.slots >= 0, "config: slots = {} is negative", c.slots);
   ESS_CHECK(std::isfinite(c.ratio) && c.ratio >= 0 && c.ratio <= 1, "config: ratio = {} must be in [0, 1]", c.ratio);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <new>
 
 #include "ess/core/error.h"
 
@@ -66,7 +67,13 @@ std::vector<std::uint8_t> cpu_dump(const Offload& o, int layer) {
   return {base, base + buffer_extent(o)};
 }
 
-const OffloadIo kCpuIo{cpu_step, cpu_write_back, cpu_write_row, cpu_dump};
+std::shared_ptr<std::uint8_t> cpu_allocate(std::size_t bytes) {
+  void* p = ::operator new(bytes == 0 ? 1 : bytes, std::align_val_t{256});
+  std::memset(p, 0, bytes);
+  return {static_cast<std::uint8_t*>(p), [](std::uint8_t* q) { ::operator delete(q, std::align_val_t{256}); }};
+}
+
+const OffloadIo kCpuIo{cpu_step, cpu_write_back, cpu_write_row, cpu_dump, cpu_allocate};
 
 }  // namespace
 

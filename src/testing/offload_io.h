@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <vector>
 
@@ -39,8 +40,12 @@ struct OffloadIo {
                      const std::vector<std::int32_t>& lengths, const std::vector<std::int32_t>& source_rows);
   // Writes an entry into physical row p of a layer's buffer (the model's KV write).
   void (*write_row)(Offload& o, int layer, std::int32_t p, std::span<const std::uint8_t> bytes);
-  // A layer's buffer up to its last row's end, as host bytes (row p at buffer().rows.offset(p)).
+  // A layer's buffer up to its last row's end, as host bytes (row p at buffer().rows.offset(p);
+  // tails that lie after the heads in the same allocation included).
   std::vector<std::uint8_t> (*dump)(const Offload& o, int layer);
+  // `bytes` of the backend's memory, zeroed and 256-byte aligned, freed with the last owner: an
+  // engine's own layer buffers.
+  std::shared_ptr<std::uint8_t> (*allocate)(std::size_t bytes);
 };
 
 // The calls for `backend`; throws ess::Error for kCuda when this build has no CUDA target.

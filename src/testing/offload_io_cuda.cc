@@ -4,6 +4,7 @@
 // (src/testing/CMakeLists.txt).
 #include <cuda_runtime_api.h>
 
+#include <memory>
 #include <optional>
 
 #include "testing/device_io.h"
@@ -126,7 +127,17 @@ std::vector<std::uint8_t> cuda_dump(const Offload& o, int layer) {
   return v;
 }
 
-const OffloadIo kCudaIo{cuda_step, cuda_write_back, cuda_write_row, cuda_dump};
+std::shared_ptr<std::uint8_t> cuda_allocate(std::size_t bytes) {
+  void* p = nullptr;
+  ESS_CUDA_CHECK(cudaMalloc(&p, bytes == 0 ? 1 : bytes), "offload io: allocating {} bytes", bytes);
+  if (const cudaError_t e = cudaMemset(p, 0, bytes); e != cudaSuccess) {
+    cudaFree(p);
+    ESS_CUDA_CHECK(e, "offload io: zeroing {} bytes", bytes);
+  }
+  return {static_cast<std::uint8_t*>(p), [](std::uint8_t* q) { cudaFree(q); }};
+}
+
+const OffloadIo kCudaIo{cuda_step, cuda_write_back, cuda_write_row, cuda_dump, cuda_allocate};
 [[maybe_unused]] const bool kRegistered = (register_cuda_offload_io(&kCudaIo), true);
 
 }  // namespace

@@ -98,6 +98,76 @@ TEST(LatentLayout, RoundTripErrorIsBoundedAndRequantizingIsLossless) {
   }
 }
 
+// DeepSeek-V4's C4 entry as SGLang stores it (dsv4_main_kv_store.py: 448 FP8 NoPE values, 64 bf16
+// RoPE values, 7 ue8m0 scales; deepseek_v4/kvcacheio.cuh: a 576-byte value and an 8-byte scale).
+TEST(LatentLayout, PinsTheDeepSeekV4C4ByteLayout) {
+  const LatentLayout l{448, 64, 64, ScaleFormat::kUe8m0};
+  EXPECT_EQ(l.num_scales(), 7);
+  EXPECT_EQ(l.nope_offset(), 0u);
+  EXPECT_EQ(l.rope_offset(), 448u);
+  EXPECT_EQ(l.value_bytes(), 576u);
+  EXPECT_EQ(l.scale_offset(), 576u);
+  EXPECT_EQ(l.scale_bytes(), 8u);
+  EXPECT_EQ(l.data_bytes(), 584u);
+  EXPECT_EQ(l.bytes(), 592u);
+  const C4Page page = C4Page::of(l);  // kvcacheio.cuh's kPageBytes and kScaleOffset
+  EXPECT_EQ(page.bytes(), 37440u);
+  EXPECT_EQ(page.scale_offset(), 36864u);
+}
+
+// The C4 quantizer's bytes, worked by hand from SGLang's reference kernel (_quant_k_cache_fused_kernel:
+// amax floored at 1e-8, scale = 2^ceil(log2(amax / 448)), fp8 = clamp(x / scale), scale byte =
+// exponent + 127), on 64-value tiles.
+TEST(LatentLayout, QuantizesC4EntriesToTheExactBytes) {
+  const LatentLayout l{448, 64, 64, ScaleFormat::kUe8m0};
+  std::vector<float> nope(448, 0.0f), rope(64, 0.0f);
+  nope[0] = 1.0f;       // tile 0: amax 1 -> 1/448 = 2^-8.8 -> scale 2^-8 (byte 119); 256 -> 0x78
+  nope[64] = -448.0f;   // tile 1: amax 448 -> scale 1 (byte 127); -448 -> 0xFE
+  nope[65] = 3.0f;      //   3 -> 0x44
+  nope[200] = 0.1f;     // tile 3: 0.1/448 = 2^-12.13 -> scale 2^-12 (byte 115); 409.6 -> 416 (0x7D)
+  rope[0] = 1.0f;       // bf16 0x3F80 at 448
+  rope[63] = -2.0f;     // bf16 0xC000 at 574
+  std::vector<std::uint8_t> e(592, 0xAA);
+  quantize_latent(l, nope, rope, e);
+  EXPECT_EQ(e[0], 0x78);
+  EXPECT_EQ(e[64], 0xFE);
+  EXPECT_EQ(e[65], 0x44);
+  EXPECT_EQ(e[200], 0x7D);
+  EXPECT_EQ(e[1], 0x00);
+  EXPECT_EQ(e[448], 0x80);
+  EXPECT_EQ(e[449], 0x3F);
+  EXPECT_EQ(e[574], 0x00);
+  EXPECT_EQ(e[575], 0xC0);
+  // Scales: tiles 0..6. An all-zero tile: amax floored at 1e-8 -> 1e-8/448 = 2^-35.4 -> 2^-35 (byte 92).
+  const std::uint8_t scales[8] = {119, 127, 92, 115, 92, 92, 92, 0};
+  for (int t = 0; t < 8; ++t) EXPECT_EQ(e[576 + static_cast<std::size_t>(t)], scales[t]) << "scale byte " << t;
+  for (std::size_t i = 584; i < 592; ++i) EXPECT_EQ(e[i], 0) << "padding byte " << i;
+  std::vector<float> n2(448), r2(64);
+  dequantize_latent(l, e, n2, r2);
+  EXPECT_EQ(n2[0], 1.0f);
+  EXPECT_EQ(n2[64], -448.0f);
+  EXPECT_EQ(n2[65], 3.0f);
+  EXPECT_EQ(n2[200], 416.0f / 4096.0f);
+  EXPECT_EQ(r2[63], -2.0f);
+  std::vector<std::uint8_t> again(592);
+  quantize_latent(l, n2, r2, again);  // requantizing what was dequantized gives the same bytes
+  EXPECT_EQ(again, e);
+}
+
+TEST(LatentLayout, ReadsTheDeepSeekV4EntryFromItsConfig) {
+  ModelSpec m = ModelSpec::deepseek_v32_exp();
+  m.model_type = "deepseek_v4";
+  m.head_dim = 512;
+  m.qk_rope_head_dim = 64;
+  const LatentLayout l = LatentLayout::for_model(m);
+  EXPECT_EQ(l.nope_dim, 448);
+  EXPECT_EQ(l.tile, 64);
+  EXPECT_EQ(l.scales, ScaleFormat::kUe8m0);
+  EXPECT_EQ(l.bytes(), 592u);
+  EXPECT_THROW((LatentLayout{448, 64, 128, ScaleFormat::kUe8m0}.validate()), Error);  // V4 tiles are 64
+  EXPECT_THROW((LatentLayout{450, 64, 64, ScaleFormat::kUe8m0}.validate()), Error);
+}
+
 TEST(LatentLayout, RejectsBadInput) {
   const LatentLayout l;
   std::vector<float> nope(512, 0.0f), rope(64, 0.0f);

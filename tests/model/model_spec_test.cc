@@ -206,6 +206,49 @@ TEST(ModelSpec, IndexSharingFieldsOutOfRangeAreRefusedByName) {
   }
 }
 
+// DeepSeek-V4-Flash as SGLang reads it: head_dim (no kv_lora_rank in its config), the C4 layers
+// (compress ratio 4: the even layers from 2, 21 of 43; the 44th entry is the MTP layer's), the
+// sliding window, DeepSeekV4Config's defaults for what the file leaves out, head_dim^-0.5.
+TEST(ModelSpec, ShippedDeepSeekV4FlashOffloadsItsC4Layers) {
+  const ModelSpec m = ModelSpec::from_file(ESS_SOURCE_DIR "/configs/models/deepseek-v4-flash.json");
+  EXPECT_TRUE(m.is_deepseek_v4());
+  EXPECT_EQ(m.num_hidden_layers, 43);
+  EXPECT_EQ(m.head_dim, 512);
+  EXPECT_EQ(m.kv_lora_rank, 512);
+  EXPECT_EQ(m.qk_nope_head_dim, 448);
+  EXPECT_EQ(m.index_topk, 512);
+  EXPECT_EQ(m.window_size, 128);
+  EXPECT_EQ(m.tokens_per_entry(), 4);
+  std::vector<int> c4;
+  for (int l = 2; l < 43; l += 2) c4.push_back(l);
+  EXPECT_EQ(m.offloaded_layers(), c4);
+  EXPECT_EQ(m.latent_entry_bytes(), 592u);
+  EXPECT_DOUBLE_EQ(m.softmax_scale(), 1.0 / std::sqrt(512.0));
+  const ModelSpec again = ModelSpec::from_json(m.to_json(), "round trip");
+  EXPECT_EQ(again.offloaded_layers(), c4);
+  EXPECT_EQ(again.head_dim, 512);
+  EXPECT_EQ(again.window_size, 128);
+  EXPECT_EQ(ModelSpec::deepseek_v32_exp().offloaded_layers().size(), 61u);  // every layer
+  EXPECT_EQ(ModelSpec::deepseek_v32_exp().tokens_per_entry(), 1);
+}
+
+TEST(ModelSpec, DeepSeekV4FieldsAreCheckedByName) {
+  const json base = ModelSpec::from_file(ESS_SOURCE_DIR "/configs/models/deepseek-v4-flash.json").to_json();
+  const auto error = [&](const json& extra, const char* drop = nullptr) {
+    json j = base;
+    if (!extra.is_null()) j.update(extra);
+    if (drop != nullptr) j.erase(drop);
+    return error_of([&] { ModelSpec::from_json(j, "v4.json"); });
+  };
+  EXPECT_NE(error(json::object(), "head_dim").find("head_dim"), std::string::npos);
+  EXPECT_NE(error({{"compress_ratios", {0, 4, 3}}}).find("'compress_ratios'[2] = 3"), std::string::npos);
+  EXPECT_NE(error({{"compress_ratios", "4"}}).find("'compress_ratios'"), std::string::npos);
+  EXPECT_NE(error({{"compress_ratios", {0, 4}}}).find("has 2 layers"), std::string::npos);
+  EXPECT_NE(error({{"compress_ratios", std::vector<int>(43, 128)}}).find("no layer has compress ratio 4"), std::string::npos);
+  EXPECT_NE(error({{"head_dim", 64}}).find("'head_dim' = 64"), std::string::npos);
+  EXPECT_NE(error({{"head_dim", 520}}).find("multiple of 64"), std::string::npos);  // 456 NoPE values
+}
+
 TEST(ModelSpec, FileErrorsNameThePath) {
   EXPECT_NE(error_of([] { ModelSpec::from_file("/nonexistent/config.json"); }).find("/nonexistent/config.json"),
             std::string::npos);

@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <string>
 #include <vector>
 
 #include "ess/core/error.h"
@@ -177,6 +178,47 @@ TEST(VerifyLoop, SharedIndexLayersPrefetchedAtTheirLeadersStepAreLossless) {
   EXPECT_TRUE(split.bitwise_equal) << split.first_mismatch;
   EXPECT_GT(split.split_steps, 0);
   EXPECT_LT(split.prefetched_steps, 4 * 6);
+}
+
+// DeepSeek-V4's C4 cache end to end: entries of 4 tokens (a step adds one every fourth step), its
+// layers with a C4 cache only, rows in two parts (C4 pages), sparse and adaptive residency; the
+// check still catches a flipped bit of a row's scale part; MTP > 1 is refused by name.
+TEST(VerifyLoop, DeepSeekV4sCompressedCacheIsLossless) {
+  const ModelSpec m = ModelSpec::from_file(ESS_SOURCE_DIR "/configs/models/deepseek-v4-flash.json");
+  const std::vector<int> c4 = m.offloaded_layers();
+  ASSERT_GE(c4.size(), 3u);
+  VerifyConfig c = small();
+  c.layers = 3;
+  c.context = 1203;  // 300 entries; the fourth token after it completes the next
+  c.mtp = 1;
+  c.steps = 9;
+  c.reserve_newest = true;
+  c.topk = 64;
+  for (const Residency residency : {Residency::kSparse, Residency::kAdaptive}) {
+    c.residency = residency;
+    const VerifyReport r = run_verify(m, c);
+    EXPECT_TRUE(r.bitwise_equal) << to_string(residency) << ": " << r.first_mismatch;
+    EXPECT_EQ(r.mismatched_host_entries, 0);
+    EXPECT_EQ(r.tokens_per_entry, 4);
+    // adaptive: request 1 finishes after 4 steps (its rows let request 0 be promoted back)
+    EXPECT_EQ(r.compared_outputs, residency == Residency::kSparse ? 2 * 3 * 9 : (9 + 4) * 3);
+    if (residency == Residency::kAdaptive) {
+      EXPECT_GT(r.whole_steps, 0);
+    }
+    for (int l = 0; l < 3; ++l) EXPECT_EQ(r.per_layer[static_cast<std::size_t>(l)].model_layer, c4[static_cast<std::size_t>(l)]);
+    EXPECT_GT(r.misses, 0);
+  }
+  c.residency = Residency::kSparse;
+  c.inject_fault = true;
+  EXPECT_FALSE(run_verify(m, c).bitwise_equal);
+  c.inject_fault = false;
+  c.mtp = 2;
+  try {
+    (void)run_verify(m, c);
+    ADD_FAILURE() << "MTP 2 over a compressed cache was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--mtp = 2"), std::string::npos) << e.what();
+  }
 }
 
 TEST(VerifyLoop, TheCheckCanFail) {

@@ -66,7 +66,8 @@ void add_gen(CLI::App& parent) {
       cmd->add_option("--layers,-l", a->layers, "Override the profile's layer count (the drift curve is resampled)");
   cmd->add_option("--model", a->model,
                   "A model config.json: its layer count, and its index sharing (a layer that reuses its leader's top-k "
-                  "selects exactly its leader's ids; GLM-5.2's configs/models/glm-5.2.json)")
+                  "selects exactly its leader's ids; GLM-5.2's configs/models/glm-5.2.json); DeepSeek-V4: its layers "
+                  "with a C4 cache, positions in C4 entries")
       ->excludes(layers);
   cmd->add_option("--seed", a->config.seed, "Random seed")->capture_default_str()->check(unsigned_integer());
   add_format_option(*cmd, a->format, false);
@@ -81,7 +82,8 @@ void add_gen(CLI::App& parent) {
     if (!a->model.empty()) {
       const ModelSpec m = ModelSpec::from_file(a->model);
       p.model = m.name;
-      p.layers = m.num_hidden_layers;
+      // DeepSeek-V4: one traced layer per layer with a C4 cache, its positions C4 entries (4 tokens each).
+      p.layers = static_cast<int>(m.offloaded_layers().size());
       p.shared_index = m.shared_index;
       p.validate("--model " + a->model);
     }

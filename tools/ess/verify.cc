@@ -33,10 +33,14 @@ void add_verify(CLI::App& app, int& exit_code) {
   VerifyConfig& c = args->config;
   cmd->add_option("--model", args->model, "Model config.json (default: the shipped DeepSeek-V3.2-Exp; configs/models/ has the others)");
   cmd->add_option("--requests,-b", c.requests, "Requests in the batch")->capture_default_str();
-  cmd->add_option("--layers,-l", c.layers, "Layers (the model's first N)")->capture_default_str();
+  cmd->add_option("--layers,-l", c.layers, "Layers (the model's first N whose cache is offloaded: DeepSeek-V4's with a C4 cache)")
+      ->capture_default_str();
   cmd->add_option("--context,-c", c.context, "Prompt length at the prefill -> decode hand-over")->capture_default_str();
   cmd->add_option("--steps,-s", c.steps, "Decode steps")->capture_default_str();
-  cmd->add_option("--mtp,-t", c.mtp, "Query tokens per request per step (MTP T)")->capture_default_str();
+  cmd->add_option("--mtp,-t", c.mtp,
+                  "Query tokens per request per step (MTP T; 1 when not given for a model whose cache holds an entry per 4 "
+                  "tokens, DeepSeek-V4's C4)")
+      ->capture_default_str();
   cmd->add_option("--topk,-k", c.topk, "Entries each query token selects")->capture_default_str();
   auto* slots = cmd->add_option(
       "--slots", c.slots,
@@ -85,6 +89,7 @@ void add_verify(CLI::App& app, int& exit_code) {
                              : args->residency == "adaptive" ? Residency::kAdaptive
                                                              : Residency::kSparse;
     const ModelSpec model = args->model.empty() ? ModelSpec::deepseek_v32_exp() : ModelSpec::from_file(args->model);
+    if (model.tokens_per_entry() > 1 && cmd->count("--mtp") == 0) args->config.mtp = 1;
     Progress progress("verify: requests warmed + steps");
     args->config.progress = [&](std::size_t done, std::size_t total) { progress(done, total); };
     const VerifyReport r = run_verify(model, args->config);

@@ -1,11 +1,21 @@
 // Byte layouts of one token's cache entries, exactly as FlashMLA / DeepGEMM / SGLang store
-// them for DeepSeek-V3.2 (see docs/architecture.md, "Cache entries").
+// them (see docs/architecture.md, "Cache entries").
 //
-// Latent (MLA) entry, 656 bytes for kv_lora_rank 512 and qk_rope_head_dim 64:
+// Latent (MLA) entry of DeepSeek-V3.2 / GLM-5, 656 bytes for kv_lora_rank 512 and
+// qk_rope_head_dim 64:
 //   [0, 512)    512 x FP8 e4m3   the "NoPE" latent, quantized per 128-value tile
-//   [512, 528)  4 x fp32         the tile scales (powers of two, see pow2_block_scale)
+//   [512, 528)  4 x fp32         the tile scales (amax / 448 rounded up to a power of two)
 //   [528, 656)  64 x bf16        the RoPE part, unquantized
 // 656 = 41 x 16 bytes, so the entry moves in 16-byte vector accesses.
+//
+// DeepSeek-V4's C4 (compressed) entry, 584 bytes of data in a 592-byte entry (head_dim 512 of
+// which qk_rope_head_dim 64 is RoPE; SGLang's dsv4_main_kv_store.py and deepseek_v4/kvcacheio.cuh):
+//   [0, 448)    448 x FP8 e4m3   the NoPE part, quantized per 64-value tile
+//   [448, 576)  64 x bf16        the RoPE part
+//   [576, 583)  7 x ue8m0        the tile scales as exponent bytes (2^(byte - 127)), one byte of padding
+//   [584, 592)  padding          ESS's, so that entries stay 16-byte multiples in the host pool
+// A C4 page keeps the first 576 bytes (the "value") and the 8 scale bytes apart: a device buffer in
+// two parts (RowTail, LatentLayout::value_bytes()).
 //
 // Indexer key entry, 132 bytes (index_head_dim 128): 128 x FP8 e4m3 + one fp32 scale.
 // Indexer keys are stored per 64-token page: 64 x 128 FP8 bytes, then 64 fp32 scales.
@@ -23,20 +33,56 @@ inline constexpr int kQuantTile = 128;     // values per fp32 scale
 inline constexpr int kPageTokens = 64;     // tokens per cache page (host pool, indexer pages)
 inline constexpr int kVectorBytes = 16;    // the transfer unit entries are padded to
 
+// How a latent entry's tile scales are stored.
+enum class ScaleFormat {
+  kFp32,   // 4-byte floats, between the NoPE and the RoPE parts (DeepSeek-V3.2)
+  kUe8m0,  // exponent bytes, after the RoPE part, padded to 8 bytes (DeepSeek-V4's C4 entries)
+};
+
 struct LatentLayout {
-  int nope_dim = 512;  // kv_lora_rank
+  int nope_dim = 512;  // kv_lora_rank (V3.2); head_dim - qk_rope_head_dim (V4)
   int rope_dim = 64;   // qk_rope_head_dim
+  int tile = kQuantTile;                    // values per scale: 128 (fp32 scales) or 64 (ue8m0)
+  ScaleFormat scales = ScaleFormat::kFp32;
 
-  int num_scales() const { return nope_dim / kQuantTile; }
+  int num_scales() const { return nope_dim / tile; }
+  std::size_t scale_bytes() const {  // the scales' span, padding included
+    const auto n = static_cast<std::size_t>(num_scales());
+    return scales == ScaleFormat::kFp32 ? 4u * n : (n + 7u) / 8u * 8u;
+  }
   std::size_t nope_offset() const { return 0; }
-  std::size_t scale_offset() const { return static_cast<std::size_t>(nope_dim); }
-  std::size_t rope_offset() const { return scale_offset() + 4u * static_cast<std::size_t>(num_scales()); }
-  std::size_t bytes() const { return rope_offset() + 2u * static_cast<std::size_t>(rope_dim); }
+  std::size_t scale_offset() const {
+    return scales == ScaleFormat::kFp32 ? static_cast<std::size_t>(nope_dim) : value_bytes();
+  }
+  std::size_t rope_offset() const {
+    return static_cast<std::size_t>(nope_dim) + (scales == ScaleFormat::kFp32 ? scale_bytes() : 0u);
+  }
+  // NoPE and RoPE: the C4 page's "value" (its first part when a buffer keeps entries in two).
+  std::size_t value_bytes() const { return static_cast<std::size_t>(nope_dim) + 2u * static_cast<std::size_t>(rope_dim); }
+  std::size_t data_bytes() const { return value_bytes() + scale_bytes(); }  // every byte that means something
+  std::size_t bytes() const {  // the entry, padded to 16 bytes
+    return (data_bytes() + kVectorBytes - 1) / kVectorBytes * kVectorBytes;
+  }
 
+  // DeepSeek-V4 (model_type "deepseek_v4"): the C4 entry; else the V3.2 entry of kv_lora_rank and
+  // qk_rope_head_dim.
   static LatentLayout for_model(const ModelSpec& m);
-  // Throws ess::Error unless nope_dim is a positive multiple of 128, rope_dim > 0 and the
-  // entry size is a multiple of 16 bytes.
+  // Throws ess::Error unless nope_dim is a positive multiple of the tile (128 with fp32 scales,
+  // 64 with ue8m0 ones), rope_dim > 0 and, with fp32 scales, the entry is a multiple of 16 bytes.
   void validate() const;
+};
+
+// DeepSeek-V4's C4 cache page as SGLang stores it (deepseek_v4/kvcacheio.cuh): its 64 entries'
+// values (LatentLayout::value_bytes() each), then their scales (scale_bytes() each), the page
+// padded to a multiple of 576 bytes (FlashMLA's page alignment): 37,440 bytes for V4's entries.
+// A device buffer of such pages keeps each entry in two parts (RowTail).
+struct C4Page {
+  static constexpr int kRows = 64;
+  static constexpr std::uint64_t kAlign = 576;
+  std::uint64_t value_bytes = 0, scale_bytes = 0;
+  std::uint64_t scale_offset() const { return value_bytes * kRows; }
+  std::uint64_t bytes() const { return ((value_bytes + scale_bytes) * kRows + kAlign - 1) / kAlign * kAlign; }
+  static C4Page of(const LatentLayout& l) { return {l.value_bytes(), l.scale_bytes()}; }
 };
 
 struct IndexerLayout {
@@ -55,10 +101,13 @@ struct IndexerLayout {
 };
 
 // Quantizes one latent vector (nope: layout.nope_dim floats, rope: layout.rope_dim floats)
-// into `out` (layout.bytes()). Non-finite input is an error.
+// into `out` (layout.bytes(); the padding after data_bytes() is zero), each tile's scale as the
+// model's own code computes it: V3.2, amax / 448 floored at 1e-4 and rounded up to a power of two;
+// V4 (SGLang's k_cache_reference.py), amax floored at 1e-8, / 448, rounded up to a power of two and
+// stored as its exponent + 127. Non-finite input is an error.
 void quantize_latent(const LatentLayout& layout, std::span<const float> nope,
                      std::span<const float> rope, std::span<std::uint8_t> out);
-// Dequantizes one entry: nope[i] = fp8(byte i) * scale[i / 128], rope[i] = bf16 value. Exact.
+// Dequantizes one entry: nope[i] = fp8(byte i) * scale[i / tile], rope[i] = bf16 value. Exact.
 void dequantize_latent(const LatentLayout& layout, std::span<const std::uint8_t> entry,
                        std::span<float> nope, std::span<float> rope);
 

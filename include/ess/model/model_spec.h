@@ -13,6 +13,7 @@ namespace ess {
 
 struct ModelSpec {
   std::string name;  // "_name_or_path" / "model_type" when present, else the file name
+  std::string model_type;  // the config's "model_type" ("" when absent)
 
   // Transformer shape.
   int num_hidden_layers = 0;
@@ -52,6 +53,22 @@ struct ModelSpec {
   // `index_skip_topk_offset` (layer l shared unless max(l - offset + 1, 0) is a multiple of the
   // frequency; offset 2 when absent).
   std::vector<bool> shared_index;
+  // DeepSeek-V4 (model_type "deepseek_v4", read as SGLang's DeepSeekV4Config and
+  // models/deepseek_v4.py read it): head_dim (the latent's width: qk_rope_head_dim RoPE values
+  // after head_dim - qk_rope_head_dim NoPE ones), the per-layer compress_ratios (0: the sliding
+  // window only; 4: the C4 cache of every 4 tokens, which the sparse attention reads through the
+  // indexer's top-k and HiSparse offloads; 128: the C128 cache, read whole; 1, 2: SGLang accepts
+  // them; a list may run past num_hidden_layers: V4-Flash's 44th entry is its MTP layer's) and
+  // the sliding window (config.sliding_window). 0 / empty for other models.
+  int head_dim = 0;
+  std::vector<int> compress_ratios;
+  int window_size = 0;
+  bool is_deepseek_v4() const { return model_type == "deepseek_v4"; }
+  // The layers whose latent cache ESS holds: DeepSeek-V4's C4 layers (their compressed entries,
+  // one per 4 tokens); every layer for the others.
+  std::vector<int> offloaded_layers() const;
+  // Tokens per entry of the offloaded cache: 4 for DeepSeek-V4's C4 cache, else 1.
+  int tokens_per_entry() const { return is_deepseek_v4() ? 4 : 1; }
   // Whether the config's sharing fields declare sharing (index_topk_freq > 1, an S in
   // index_topk_pattern, a "shared" in indexer_types), whatever pattern they give: the condition on
   // which SGLang refuses two-batch overlap.
@@ -78,7 +95,8 @@ struct ModelSpec {
   // Of the first `layers` layers, those that run an indexer.
   int indexer_layers(int layers) const;
   // Softmax scale of the absorbed MLA: mscale^2 / sqrt(qk_nope_head_dim + qk_rope_head_dim),
-  // mscale = 0.1 * mscale_all_dim * ln(factor) + 1 under YaRN (as DeepSeek's reference code).
+  // mscale = 0.1 * mscale_all_dim * ln(factor) + 1 under YaRN (as DeepSeek's reference code);
+  // DeepSeek-V4: head_dim^-0.5 (SGLang's models/deepseek_v4.py).
   double softmax_scale() const;
 
   void validate(const std::string& source) const;

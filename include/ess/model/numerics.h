@@ -39,4 +39,9 @@ float pow2_block_scale(float amax);
 // 0.0448 (448 x 1e-4), where that one's floor applies to the ratio.
 float ue8m0_act_scale(float amax);
 
+// The tile scale of DeepSeek-V4's C4 latent entries (SGLang's k_cache_reference.py,
+// _quant_k_cache_fused_kernel): amax floored at 1e-8, scale = 2^ceil(log2(max(amax, 1e-8) / 448)),
+// stored as its exponent byte.
+float c4_kv_scale(float amax);
+
 }  // namespace ess

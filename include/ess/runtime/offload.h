@@ -126,7 +126,8 @@ struct OffloadConfig {
   Backend backend = Backend::kCpu;
   int device = 0;
 
-  // Layers and entry layout of a model; the rest as given.
+  // Layers (those whose cache ESS holds: every layer, DeepSeek-V4's C4 layers) and entry layout of a
+  // model; the rest as given.
   static OffloadConfig for_model(const ModelSpec& model, std::int32_t max_requests, std::int32_t slots,
                                  std::int64_t max_context, int query_tokens = 1);
   // Throws ess::Error naming the field unless usable (slots below min(K, max_context) are refused).

@@ -22,6 +22,10 @@ struct WeightBytes {
   double total() const { return attention + dense_ffn + shared_experts + routed_experts + embedding + router; }
 };
 
+// Throws ess::Error naming the model unless its layers are what the step model models: DSA's
+// (DeepSeek-V3.2, GLM-5.x). DeepSeek-V4 is refused, with the reason.
+void require_dsa_layers(const ModelSpec& m);
+
 class MemoryModel {
  public:
   // `min_slots`: the pool's floor (MissModel::min_slots: from the measured MTP working set);

@@ -14,9 +14,19 @@ constexpr double kBf16 = 2.0;
 
 }  // namespace
 
+void require_dsa_layers(const ModelSpec& m) {
+  ESS_CHECK(!m.is_deepseek_v4(),
+            "{}: the simulator models DSA layers (every layer's sparse MLA over the whole latent cache, an entry per "
+            "token); DeepSeek-V4's mix of sliding-window, C4 (an entry per 4 tokens, top-{} of them) and C128 "
+            "attention is not modelled yet: `ess verify --model` checks its C4 offload, `ess sim` / `ess plan` cannot "
+            "size it",
+            m.name, m.index_topk);
+}
+
 MemoryModel::MemoryModel(const ModelSpec& m, const HardwareProfile& hw, const Deployment& dep,
                          std::int64_t context, double min_slots)
     : model_(m), hw_(hw), dep_(dep), context_(context) {
+  require_dsa_layers(m);
   ESS_CHECK(context > 0, "memory model: context = {} must be positive", context);
   const std::int64_t whole = std::min<std::int64_t>(std::int64_t{dep.mtp_tokens} * m.index_topk, context);
   const std::int64_t one = std::min<std::int64_t>(m.index_topk, context);

@@ -387,6 +387,7 @@ StepModel::StepModel(const ModelSpec& model, const HardwareProfile& hw, const De
                      const MeasuredTables* tables)
     : model_(model), hw_(hw), dep_(dep), cost_(hw_, tables) {
   dep_.validate(dep.name);
+  require_dsa_layers(model_);
   // Experts spread unevenly are modelled (the busiest GPU holds the rounded-up share); more
   // GPUs in an EP group than experts are not.
   ESS_CHECK(dep_.expert_parallel <= model_.n_routed_experts,

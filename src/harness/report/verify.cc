@@ -8,6 +8,15 @@
 #include "harness/report/report.h"
 
 namespace ess::harness {
+namespace {
+
+std::vector<int> model_layers(const VerifyReport& r) {
+  std::vector<int> v;
+  for (const auto& l : r.per_layer) v.push_back(l.model_layer);
+  return v;
+}
+
+}  // namespace
 
 std::string to_table(const ModelSpec& model, const VerifyConfig& c, const VerifyReport& r) {
   std::string out;
@@ -43,6 +52,11 @@ std::string to_table(const ModelSpec& model, const VerifyConfig& c, const Verify
   add("residency {} over {} pool rows: {} request-layer-steps whole, {} sparse; {} swap decisions launched; {} "
       "demotions, {} promotions\n",
       to_string(c.residency), r.pool_rows, r.whole_steps, r.sparse_steps, r.swap_launches, r.demotions, r.promotions);
+  if (r.tokens_per_entry > 1) {
+    add("compressed cache: one entry per {} tokens (the model's layers {}), top-k ids, lengths and misses in entries; "
+        "rows in two parts (C4 pages: values, then scales)\n",
+        r.tokens_per_entry, fmt::join(model_layers(r), ","));
+  }
   if (!r.shared_layers.empty()) {
     add("index sharing: layers {} reuse their leader's top-k; {} of their layer-steps issued at their leader's{}\n",
         fmt::join(r.shared_layers, ","), r.prefetched_steps, c.shared_index_prefetch ? "" : " (prefetch off)");
@@ -63,7 +77,7 @@ nlohmann::json to_json(const ModelSpec& model, const VerifyConfig& c, const Veri
   nlohmann::json per_layer = nlohmann::json::array();
   std::vector<std::int64_t> per_layer_misses;
   for (const auto& l : r.per_layer) {
-    per_layer.push_back({{"layer", l.layer}, {"hits", l.hits}, {"misses", l.misses}});
+    per_layer.push_back({{"layer", l.layer}, {"model_layer", l.model_layer}, {"hits", l.hits}, {"misses", l.misses}});
     per_layer_misses.push_back(l.misses);
   }
   const nlohmann::json j = {
@@ -92,6 +106,7 @@ nlohmann::json to_json(const ModelSpec& model, const VerifyConfig& c, const Veri
        {{"shared_layers", r.shared_layers},
         {"prefetch", c.shared_index_prefetch},
         {"prefetched_steps", r.prefetched_steps}}},
+      {"tokens_per_entry", r.tokens_per_entry},
       {"per_layer_misses", per_layer_misses},
       {"per_layer", per_layer},
       {"misses_per_step", r.misses_per_step},

@@ -19,9 +19,21 @@ namespace ess {
 
 void VerifyConfig::validate(const ModelSpec& model) const {
   ESS_CHECK(requests > 0 && requests <= 4096, "verify: --requests = {} must be in [1, 4096]", requests);
-  ESS_CHECK(layers > 0 && layers <= model.num_hidden_layers,
-            "verify: --layers = {} must be in [1, {}] (the model's num_hidden_layers)", layers,
-            model.num_hidden_layers);
+  const auto offloaded = static_cast<int>(model.offloaded_layers().size());
+  ESS_CHECK(layers > 0 && layers <= offloaded,
+            "verify: --layers = {} must be in [1, {}] (the model's {})", layers, offloaded,
+            model.is_deepseek_v4() ? "layers with a C4 cache" : "num_hidden_layers");
+  const int R = model.tokens_per_entry();
+  if (R > 1) {
+    ESS_CHECK(mtp == 1,
+              "verify: --mtp = {} with {}'s compressed cache: a step's reserved rows hold its new entries, and a "
+              "cache of one entry per {} tokens gains at most one per step; use --mtp 1",
+              mtp, model.name, R);
+    ESS_CHECK(prefix_share == 0.0, "verify: --prefix-share with {}'s compressed cache is not served (entries of {} tokens "
+              "do not end where a shared prompt does)", model.name, R);
+    ESS_CHECK(context >= R, "verify: --context = {} holds no entry of {}'s compressed cache ({} tokens each)", context,
+              model.name, R);
+  }
   ESS_CHECK(context > 0 && context <= (std::int64_t{1} << 24), "verify: --context = {} must be in [1, 2^24]", context);
   ESS_CHECK(steps >= 1 && steps <= 4096, "verify: --steps = {} must be in [1, 4096] (at least one step is checked)",
             steps);
@@ -36,8 +48,8 @@ void VerifyConfig::validate(const ModelSpec& model) const {
   ESS_CHECK(warmup_windows >= 0, "verify: --warmup = {} must be >= 0", warmup_windows);
   ESS_CHECK(query_drift >= 0.0 && query_drift <= 1.0, "verify: query drift = {} must be in [0, 1]", query_drift);
   ESS_CHECK(prefix_share >= 0.0 && prefix_share <= 1.0, "verify: --prefix-share = {} must be in [0, 1]", prefix_share);
-  ESS_CHECK(warmup_windows <= context, "verify: --warmup = {} exceeds the prefill's {} query positions", warmup_windows,
-            context);
+  ESS_CHECK(warmup_windows <= context / R, "verify: --warmup = {} exceeds the prefill's {} query positions", warmup_windows,
+            context / R);
   ESS_CHECK(residency == Residency::kSparse || reserve_newest,
             "verify: --residency {} needs --reserve-newest (a whole request's newest entries reach its rows by the "
             "write-back)",
@@ -75,7 +87,10 @@ class Loop {
         latent_(LatentLayout::for_model(model)),
         index_(IndexerLayout::for_model(model)),
         rng_(cfg.seed),
-        max_len_(cfg.context + static_cast<std::int64_t>(cfg.steps) * cfg.mtp) {}
+        per_entry_(model.tokens_per_entry()),
+        layer_ids_(model.offloaded_layers()),
+        context_(cfg.context / per_entry_),
+        max_len_((cfg.context + static_cast<std::int64_t>(cfg.steps) * cfg.mtp) / per_entry_) {}
 
   VerifyReport run();
 
@@ -93,8 +108,11 @@ class Loop {
   // indexer keys are request 0's.
   void share_token(RequestId id, std::int64_t token);
   std::vector<std::int32_t> select(RequestId id, int layer, std::int64_t position);
-  // Row p of the layer's buffer as the attention reads it.
-  const std::uint8_t* row_bytes(int layer, std::int32_t p);
+  // Row p of the layer's buffer as the attention reads it (its two parts put together when the
+  // buffer keeps them apart), in `at`.
+  const std::uint8_t* row_bytes(int layer, std::int32_t p, std::uint8_t* at);
+  // DeepSeek-V4: every layer's buffer as C4 pages, each entry's value and scale apart.
+  LatentBuffer c4_buffer(const OffloadConfig& oc);
   void compare_attention(RequestId id, int layer, int t, std::span<const std::int32_t> token_ids,
                          std::span<const std::int32_t> rows, std::int64_t step);
   // Counts the positions whose own working set (reserved newest tokens left out) exceeds the slots.
@@ -106,7 +124,11 @@ class Loop {
   IndexerLayout index_;
   std::mt19937_64 rng_;
   std::normal_distribution<float> normal_{0.0f, 1.0f};
-  std::int64_t max_len_;
+  int per_entry_;                 // tokens per cache entry: 4 for a C4 cache, else 1
+  std::vector<int> layer_ids_;    // the model layer of each offloaded layer
+  std::int64_t context_;          // the prompt's entries
+  std::int64_t max_len_;          // entries, at most
+  std::vector<std::shared_ptr<std::uint8_t>> buffers_;  // c4_buffer's pages
   std::unique_ptr<Offload> offload_;
   const test::OffloadIo* io_ = nullptr;
   std::vector<std::uint8_t> device_rows_;        // kCuda: the layer's buffer read back once per step
@@ -141,7 +163,7 @@ std::vector<std::uint8_t> Loop::append_token(RequestId id, std::int64_t token) {
   for (int l = 0; l < cfg_.layers; ++l) {
     // Latent values of varying magnitude per tile, so the four scales differ.
     for (std::size_t d = 0; d < nope.size(); ++d) {
-      nope[d] = normal() * std::ldexp(1.0f, static_cast<int>(d / kQuantTile) - 1);
+      nope[d] = normal() * std::ldexp(1.0f, static_cast<int>(d / static_cast<std::size_t>(latent_.tile)) - 1);
     }
     for (float& v : rope) v = normal();
     const std::span<std::uint8_t> entry(entries.data() + static_cast<std::size_t>(l) * E, E);
@@ -186,14 +208,45 @@ std::vector<std::int32_t> Loop::select(RequestId id, int layer, std::int64_t pos
   return ids;
 }
 
-const std::uint8_t* Loop::row_bytes(int layer, std::int32_t p) {
-  const std::uint64_t at = offload_->buffer().rows.offset(p);
-  if (cfg_.backend == Backend::kCpu) return offload_->buffer().layer_base[static_cast<std::size_t>(layer)] + at;
-  if (device_rows_layer_ != layer) {
-    device_rows_ = io_->dump(*offload_, layer);
-    device_rows_layer_ = layer;
+const std::uint8_t* Loop::row_bytes(int layer, std::int32_t p, std::uint8_t* at) {
+  const LatentBuffer& b = offload_->buffer();
+  const std::uint8_t* base = b.layer_base[static_cast<std::size_t>(layer)];
+  if (cfg_.backend != Backend::kCpu) {
+    if (device_rows_layer_ != layer) {
+      device_rows_ = io_->dump(*offload_, layer);
+      device_rows_layer_ = layer;
+    }
+    base = device_rows_.data();
   }
-  return device_rows_.data() + at;
+  const std::size_t E = latent_.bytes();
+  if (!b.split()) {
+    std::memcpy(at, base + b.rows.offset(p), E);
+    return at;
+  }
+  // The tails lie after the heads in the same allocation (c4_buffer).
+  const auto delta = static_cast<std::size_t>(b.tail_base[static_cast<std::size_t>(layer)] - b.layer_base[static_cast<std::size_t>(layer)]);
+  const auto head = static_cast<std::size_t>(b.tail.head_bytes), tail = static_cast<std::size_t>(b.tail.bytes);
+  std::memcpy(at, base + b.rows.offset(p), head);
+  std::memcpy(at + head, base + delta + b.tail.rows.offset(p), tail);
+  std::memset(at + head + tail, 0, E - head - tail);
+  return at;
+}
+
+LatentBuffer Loop::c4_buffer(const OffloadConfig& oc) {
+  const C4Page page = C4Page::of(latent_);
+  const std::int64_t rows = static_cast<std::int64_t>(oc.max_requests) * oc.rows_per_request();
+  const std::uint64_t pages = static_cast<std::uint64_t>((rows + C4Page::kRows - 1) / C4Page::kRows);
+  LatentBuffer b;
+  b.rows = RowLayout{page.value_bytes, C4Page::kRows, page.bytes()};
+  b.tail.head_bytes = static_cast<int>(page.value_bytes);
+  b.tail.bytes = static_cast<int>(page.scale_bytes);
+  b.tail.rows = RowLayout{page.scale_bytes, C4Page::kRows, page.bytes()};
+  for (int l = 0; l < oc.layers; ++l) {
+    buffers_.push_back(io_->allocate(pages * page.bytes()));
+    b.layer_base.push_back(buffers_.back().get());
+    b.tail_base.push_back(buffers_.back().get() + page.scale_offset());
+  }
+  return b;
 }
 
 void Loop::compare_attention(RequestId id, int layer, int t, std::span<const std::int32_t> token_ids,
@@ -205,10 +258,11 @@ void Loop::compare_attention(RequestId id, int layer, int t, std::span<const std
   const LayerState& ls = state_[static_cast<std::size_t>(id)][static_cast<std::size_t>(layer)];
   std::vector<const std::uint8_t*> from_rows(token_ids.size(), nullptr);
   std::vector<const std::uint8_t*> from_full(token_ids.size(), nullptr);
+  std::vector<std::uint8_t> seen(token_ids.size() * latent_.bytes());
   for (std::size_t k = 0; k < token_ids.size(); ++k) {
     if (token_ids[k] < 0) continue;
     ESS_CHECK(rows[k] >= 0, "verify: step {} layer {} request {}: token {} was given no row", step, layer, id, token_ids[k]);
-    from_rows[k] = row_bytes(layer, rows[k]);
+    from_rows[k] = row_bytes(layer, rows[k], seen.data() + k * latent_.bytes());
     from_full[k] = ls.full.data() + static_cast<std::size_t>(token_ids[k]) * latent_.bytes();
   }
   const ref::SparseMlaParams p{latent_, heads, static_cast<float>(model_.softmax_scale())};
@@ -236,7 +290,7 @@ VerifyReport Loop::run() {
   const int T = cfg_.mtp;
   const int K = cfg_.topk;
   const std::size_t E = latent_.bytes();
-  const std::int32_t slots = cfg_.slots > 0 ? cfg_.slots : slots_for_ratio(cfg_.ratio, cfg_.context);
+  const std::int32_t slots = cfg_.slots > 0 ? cfg_.slots : slots_for_ratio(cfg_.ratio, context_);
 
   OffloadConfig oc = OffloadConfig::for_model(model_, B, slots, max_len_, T);
   oc.layers = L;
@@ -251,7 +305,7 @@ VerifyReport Loop::run() {
       // Request 0 whole on its rows, one row for each other request (sparse), none to spare and no
       // headroom: request 0's growth demotes it, the last request's finish lets it be promoted back.
       case Residency::kAdaptive:
-        oc.max_requests = oc.whole_rows(cfg_.context) + B - 1;
+        oc.max_requests = oc.whole_rows(context_) + B - 1;
         oc.whole_headroom = 0;
         break;
     }
@@ -263,14 +317,16 @@ VerifyReport Loop::run() {
   oc.backend = cfg_.backend;
   oc.device = cfg_.device;
   io_ = &test::offload_io(cfg_.backend);
-  offload_ = std::make_unique<Offload>(oc);
+  offload_ = per_entry_ > 1 ? std::make_unique<Offload>(oc, c4_buffer(oc)) : std::make_unique<Offload>(oc);
   Offload& o = *offload_;
   report_.host_memory = std::string(to_string(o.host_pool().memory_kind()));
   report_.backend = cfg_.backend == Backend::kCuda ? "cuda" : "cpu";
   report_.slots = slots;
   report_.per_layer.resize(static_cast<std::size_t>(L));
+  report_.tokens_per_entry = per_entry_;
   for (int l = 0; l < L; ++l) {
     report_.per_layer[static_cast<std::size_t>(l)].layer = l;
+    report_.per_layer[static_cast<std::size_t>(l)].model_layer = layer_ids_[static_cast<std::size_t>(l)];
     if (model_.index_shared(l)) report_.shared_layers.push_back(l);
   }
 
@@ -288,8 +344,8 @@ VerifyReport Loop::run() {
       for (float& v : ls.w) v = normal() / std::sqrt(static_cast<float>(model_.index_n_heads));
     }
     const bool shares = id > 0 && prefix > 0;
-    rows[static_cast<std::size_t>(id)] = shares ? o.admit_shared(id, cfg_.context, 0, prefix) : o.admit(id, cfg_.context);
-    for (std::int64_t tok = 0; tok < cfg_.context; ++tok) {
+    rows[static_cast<std::size_t>(id)] = shares ? o.admit_shared(id, context_, 0, prefix) : o.admit(id, context_);
+    for (std::int64_t tok = 0; tok < context_; ++tok) {
       if (shares && tok < prefix) {  // in the host pool already: shared pages, or the copied partial page
         share_token(id, tok);
         continue;
@@ -303,7 +359,7 @@ VerifyReport Loop::run() {
 
   // LRU-Warmup from the top-k of the last prefill query positions.
   if (cfg_.warmup_windows > 0) {
-    const auto W = static_cast<int>(std::min<std::int64_t>(cfg_.warmup_windows, cfg_.context));
+    const auto W = static_cast<int>(std::min<std::int64_t>(cfg_.warmup_windows, context_));
     for (RequestId id = 0; id < B; ++id) {
       std::vector<std::int32_t> windows;  // [L][W][K]
       const std::size_t per_layer = static_cast<std::size_t>(W) * static_cast<std::size_t>(K);
@@ -315,7 +371,7 @@ VerifyReport Loop::run() {
                       windows.end() - static_cast<std::ptrdiff_t>(per_layer));
           continue;
         }
-        for (std::int64_t pos = cfg_.context - W; pos < cfg_.context; ++pos) {
+        for (std::int64_t pos = context_ - W; pos < context_; ++pos) {
           const auto ids = select(id, l, pos);
           windows.insert(windows.end(), ids.begin(), ids.end());
         }
@@ -343,6 +399,12 @@ VerifyReport Loop::run() {
     for (RequestId id = 0; id < B; ++id) {
       if (in.rows[static_cast<std::size_t>(id)] < 0) continue;
       const std::int64_t len = o.length(id);
+      // A compressed cache gains its entry on the step whose token completes it (T is 1).
+      const std::int64_t tokens = cfg_.context + static_cast<std::int64_t>(s + 1) * T;
+      if (per_entry_ > 1 && tokens / per_entry_ == len) {
+        in.lengths[static_cast<std::size_t>(id)] = static_cast<std::int32_t>(len);
+        continue;
+      }
       o.extend(id, T);
       for (int t = 0; t < T; ++t) {
         const std::vector<std::uint8_t> entries = append_token(id, len + t);
@@ -395,11 +457,12 @@ VerifyReport Loop::run() {
           in.layer = l;
         }
         if (cfg_.inject_fault && s == cfg_.steps - 1 && l == L - 1 && g == 0) {
-          // Flip one bit of the first selected row of request 0: the check below must notice.
+          // Flip one bit of the first selected row of request 0 (of its tail, a C4 entry's first
+          // scale, when the buffer keeps it apart): the check below must notice.
           const std::int32_t p = out.physical[0];
           ESS_ASSERT(p >= 0, "fault injection needs a selected first position");
           std::vector<std::uint8_t> bytes = o.read_row(l, p);
-          bytes[3] ^= 0x01;
+          bytes[o.buffer().split() ? static_cast<std::size_t>(o.buffer().tail.head_bytes) : 3] ^= 0x01;
           io_->write_row(o, l, p, bytes);
         }
         for (int b = 0; b < B; ++b) {

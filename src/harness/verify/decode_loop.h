@@ -27,8 +27,9 @@ namespace ess {
 
 struct VerifyConfig {
   int requests = 2;
-  int layers = 3;             // the model's first `layers` layers
-  std::int64_t context = 2048;  // prompt length at the prefill -> decode hand-over
+  int layers = 3;             // the model's first `layers` offloaded layers (DeepSeek-V4: with a C4 cache)
+  std::int64_t context = 2048;  // prompt length at the prefill -> decode hand-over, tokens
+  // (a compressed cache holds context / 4 entries, top-k ids and lengths in entries)
   int steps = 8;
   int mtp = 2;                // T: query tokens per request per step
   int topk = 128;             // K (the model's index_topk is 2048; smaller keeps the default fast)
@@ -68,6 +69,7 @@ struct VerifyLayerStats {
   int layer = 0;
   std::int64_t hits = 0;
   std::int64_t misses = 0;
+  int model_layer = 0;  // the model's layer (DeepSeek-V4: the C4 layers in order)
 };
 
 struct VerifyReport {
@@ -100,6 +102,7 @@ struct VerifyReport {
   // theirs issued at their leader's step.
   std::vector<int> shared_layers;
   std::int64_t prefetched_steps = 0;
+  int tokens_per_entry = 1;  // 4 for DeepSeek-V4's C4 cache (its entries, positions and lengths)
   double seconds = 0.0;
 };
 

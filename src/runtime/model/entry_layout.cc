@@ -18,37 +18,51 @@ void check_finite(std::span<const float> v, const char* what) {
   }
 }
 
-// Quantizes `values` (a multiple of 128 long) into FP8 bytes with one power-of-two scale per
-// 128-value tile, `scale_of(amax)`.
-void quantize_tiles(std::span<const float> values, std::uint8_t* fp8, float* scales, float (*scale_of)(float)) {
-  for (std::size_t t = 0; t * kQuantTile < values.size(); ++t) {
-    const auto tile = values.subspan(t * kQuantTile, kQuantTile);
+// Quantizes `values` (a multiple of `tile` long) into FP8 bytes with one power-of-two scale per
+// tile, `scale_of(amax)`.
+void quantize_tiles(std::span<const float> values, int tile, std::uint8_t* fp8, float* scales, float (*scale_of)(float)) {
+  const auto n = static_cast<std::size_t>(tile);
+  for (std::size_t t = 0; t * n < values.size(); ++t) {
+    const auto part = values.subspan(t * n, n);
     float amax = 0.0f;
-    for (float v : tile) amax = std::fmax(amax, std::fabs(v));
+    for (float v : part) amax = std::fmax(amax, std::fabs(v));
     const float scale = scale_of(amax);
     scales[t] = scale;
-    for (int i = 0; i < kQuantTile; ++i) {
-      fp8[t * kQuantTile + i] = fp8_e4m3_from_float(tile[i] / scale);  // exact division by 2^k
+    for (std::size_t i = 0; i < n; ++i) {
+      fp8[t * n + i] = fp8_e4m3_from_float(part[i] / scale);  // exact division by 2^k
     }
   }
 }
+
+// A power of two's exponent byte (ue8m0: 2^(byte - 127)), and back.
+std::uint8_t ue8m0_byte(float pow2) { return static_cast<std::uint8_t>(std::ilogb(pow2) + 127); }
+float ue8m0_value(std::uint8_t byte) { return std::ldexp(1.0f, static_cast<int>(byte) - 127); }
 
 }  // namespace
 
 LatentLayout LatentLayout::for_model(const ModelSpec& m) {
   LatentLayout l{m.kv_lora_rank, m.qk_rope_head_dim};
+  if (m.is_deepseek_v4()) {  // head_dim values: NoPE, then RoPE (SGLang's NopeFp8RopeBf16Pack)
+    l.nope_dim = m.head_dim - m.qk_rope_head_dim;
+    l.tile = 64;
+    l.scales = ScaleFormat::kUe8m0;
+  }
   l.validate();
   return l;
 }
 
 void LatentLayout::validate() const {
-  ESS_CHECK(nope_dim > 0 && nope_dim % kQuantTile == 0,
-            "latent layout: kv_lora_rank = {} must be a positive multiple of {}", nope_dim, kQuantTile);
+  const bool fp32 = scales == ScaleFormat::kFp32;
+  ESS_CHECK(tile == (fp32 ? kQuantTile : 64), "latent layout: tiles of {} values with {} scales (expected {})", tile,
+            fp32 ? "fp32" : "ue8m0", fp32 ? kQuantTile : 64);
+  ESS_CHECK(nope_dim > 0 && nope_dim % tile == 0,
+            "latent layout: the NoPE part of {} values (kv_lora_rank{}) must be a positive multiple of {}", nope_dim,
+            fp32 ? "" : " - qk_rope_head_dim", tile);
   ESS_CHECK(rope_dim > 0, "latent layout: qk_rope_head_dim = {} must be positive", rope_dim);
-  ESS_CHECK(bytes() % kVectorBytes == 0,
+  ESS_CHECK(!fp32 || data_bytes() % kVectorBytes == 0,
             "latent layout: entry of {} bytes (kv_lora_rank {}, qk_rope_head_dim {}) is not a "
             "multiple of {} bytes",
-            bytes(), nope_dim, rope_dim, kVectorBytes);
+            data_bytes(), nope_dim, rope_dim, kVectorBytes);
 }
 
 IndexerLayout IndexerLayout::for_model(const ModelSpec& m) {
@@ -74,9 +88,15 @@ void quantize_latent(const LatentLayout& layout, std::span<const float> nope,
             out.size(), layout.bytes());
   check_finite(nope, "latent nope");
   check_finite(rope, "latent rope");
+  std::fill(out.begin(), out.end(), std::uint8_t{0});
   std::vector<float> scales(static_cast<std::size_t>(layout.num_scales()));
-  quantize_tiles(nope, out.data() + layout.nope_offset(), scales.data(), pow2_block_scale);
-  std::memcpy(out.data() + layout.scale_offset(), scales.data(), scales.size() * sizeof(float));
+  if (layout.scales == ScaleFormat::kFp32) {
+    quantize_tiles(nope, layout.tile, out.data() + layout.nope_offset(), scales.data(), pow2_block_scale);
+    std::memcpy(out.data() + layout.scale_offset(), scales.data(), scales.size() * sizeof(float));
+  } else {
+    quantize_tiles(nope, layout.tile, out.data() + layout.nope_offset(), scales.data(), c4_kv_scale);
+    for (std::size_t t = 0; t < scales.size(); ++t) out[layout.scale_offset() + t] = ue8m0_byte(scales[t]);
+  }
   for (int i = 0; i < layout.rope_dim; ++i) {
     const std::uint16_t b = bf16_from_float(rope[i]);
     std::memcpy(out.data() + layout.rope_offset() + 2u * i, &b, 2);
@@ -93,9 +113,13 @@ void dequantize_latent(const LatentLayout& layout, std::span<const std::uint8_t>
             rope.size(), layout.nope_dim, layout.rope_dim);
   for (int t = 0; t < layout.num_scales(); ++t) {
     float scale = 0.0f;
-    std::memcpy(&scale, entry.data() + layout.scale_offset() + 4u * t, 4);
-    for (int i = 0; i < kQuantTile; ++i) {
-      const int d = t * kQuantTile + i;
+    if (layout.scales == ScaleFormat::kFp32) {
+      std::memcpy(&scale, entry.data() + layout.scale_offset() + 4u * t, 4);
+    } else {
+      scale = ue8m0_value(entry[layout.scale_offset() + static_cast<std::size_t>(t)]);
+    }
+    for (int i = 0; i < layout.tile; ++i) {
+      const int d = t * layout.tile + i;
       nope[d] = fp8_e4m3_to_float(entry[layout.nope_offset() + d]) * scale;
     }
   }
@@ -117,7 +141,7 @@ void quantize_indexer_key(const IndexerLayout& layout, std::span<const float> ke
   layout.validate();
   check_finite(key, "indexer key");
   float scale = 0.0f;
-  quantize_tiles(key, page.data() + layout.key_offset(j), &scale, ue8m0_act_scale);
+  quantize_tiles(key, kQuantTile, page.data() + layout.key_offset(j), &scale, ue8m0_act_scale);
   std::memcpy(page.data() + layout.scale_offset(j), &scale, 4);
 }
 

@@ -83,18 +83,67 @@ bool sharing_fields_declare_it(const json& j) {
          (types != nullptr && types->is_array() && std::find(types->begin(), types->end(), "shared") != types->end());
 }
 
+// DeepSeek-V4's fields as SGLang reads them: its DeepSeekV4Config dataclass's defaults
+// (configs/deepseek_v4.py) for what the file leaves out, head_dim from the file (models/deepseek_v4.py
+// reads config.head_dim), the latent's NoPE width head_dim - qk_rope_head_dim.
+void read_deepseek_v4(const json& j, const std::string& source, ModelSpec& m) {
+  m.head_dim = json_int(j, "head_dim", source, true);
+  m.qk_rope_head_dim = json_int(j, "qk_rope_head_dim", source, false, 64);
+  ESS_CHECK(m.head_dim > m.qk_rope_head_dim, "{}: field 'head_dim' = {} must exceed qk_rope_head_dim = {}", source,
+            m.head_dim, m.qk_rope_head_dim);
+  m.kv_lora_rank = json_int(j, "kv_lora_rank", source, false, m.head_dim);
+  m.qk_nope_head_dim = m.head_dim - m.qk_rope_head_dim;
+  m.q_lora_rank = json_int(j, "q_lora_rank", source, false, 1024);
+  m.v_head_dim = json_int(j, "v_head_dim", source, false, 512);
+  m.index_n_heads = json_int(j, "index_n_heads", source, false, 64);
+  m.index_head_dim = json_int(j, "index_head_dim", source, false, 128);
+  m.index_topk = json_int(j, "index_topk", source, false, 512);
+  m.intermediate_size = json_int(j, "intermediate_size", source, false, 2048);
+  m.moe_intermediate_size = json_int(j, "moe_intermediate_size", source, false, 2048);
+  m.n_routed_experts = json_int(j, "n_routed_experts", source, false, 256);
+  m.n_shared_experts = json_int(j, "n_shared_experts", source, false, 1);
+  m.num_experts_per_tok = json_int(j, "num_experts_per_tok", source, false, 6);
+  // models read config.sliding_window (configs/model_config.py: window_size = sliding_window).
+  m.window_size = json_int(j, "sliding_window", source, false, json_int(j, "window_size", source, false, 128));
+  const json* ratios = present(j, "compress_ratios");
+  ESS_CHECK(ratios != nullptr && ratios->is_array(),
+            "{}: field 'compress_ratios' (a DeepSeek-V4 config's per-layer compression) must be a list of integers, got {}",
+            source, ratios == nullptr ? "nothing" : ratios->dump());
+  for (std::size_t l = 0; l < ratios->size(); ++l) {
+    const json& r = (*ratios)[l];
+    ESS_CHECK(r.is_number_integer() && (r == 0 || r == 1 || r == 2 || r == 4 || r == 128),
+              "{}: field 'compress_ratios'[{}] = {} must be 0, 1, 2, 4 or 128 (SGLang's "
+              "deepseek_v4_memory_pool.py collect_sources_by_ratio)",
+              source, l, r.dump());
+    m.compress_ratios.push_back(r.get<int>());
+  }
+}
+
 }  // namespace
 
 ModelSpec ModelSpec::from_json(const json& j, const std::string& source) {
   ESS_CHECK(j.is_object(), "{}: a model config must be a JSON object, got {}", source,
             std::string(j.type_name()));
   ModelSpec m;
+  if (auto mt = j.find("model_type"); mt != j.end() && mt->is_string()) m.model_type = mt->get<std::string>();
   if (auto it = j.find("_name_or_path"); it != j.end() && it->is_string()) {
     m.name = it->get<std::string>();
-  } else if (auto mt = j.find("model_type"); mt != j.end() && mt->is_string()) {
-    m.name = mt->get<std::string>();
+  } else if (!m.model_type.empty()) {
+    m.name = m.model_type;
   } else {
     m.name = source;
+  }
+  if (m.is_deepseek_v4()) {
+    read_deepseek_v4(j, source, m);
+    m.num_hidden_layers = json_int(j, "num_hidden_layers", source, false, 43);
+    m.hidden_size = json_int(j, "hidden_size", source, false, 4096);
+    m.vocab_size = json_int(j, "vocab_size", source, false, 129280);
+    m.num_attention_heads = json_int(j, "num_attention_heads", source, false, 64);
+    m.first_k_dense_replace = json_int(j, "first_k_dense_replace", source, false, 0);
+    m.num_nextn_predict_layers = json_int(j, "num_nextn_predict_layers", source, false, 0);
+    m.max_position_embeddings = json_int(j, "max_position_embeddings", source, false, 65536);
+    m.validate(source);
+    return m;
   }
   m.num_hidden_layers = json_int(j, "num_hidden_layers", source, true);
   m.hidden_size = json_int(j, "hidden_size", source, true);
@@ -159,6 +208,12 @@ json ModelSpec::to_json() const {
             {"first_k_dense_replace", first_k_dense_replace},
             {"num_nextn_predict_layers", num_nextn_predict_layers},
             {"max_position_embeddings", max_position_embeddings}};
+  if (is_deepseek_v4()) {
+    j["model_type"] = model_type;
+    j["head_dim"] = head_dim;
+    j["compress_ratios"] = compress_ratios;
+    j["sliding_window"] = window_size;
+  }
   if (!shared_index.empty()) {
     json types = json::array();
     for (const bool shared : shared_index) types.push_back(shared ? "shared" : "full");
@@ -176,6 +231,14 @@ std::size_t ModelSpec::indexer_entry_bytes() const {
   return IndexerLayout::for_model(*this).entry_bytes();
 }
 
+std::vector<int> ModelSpec::offloaded_layers() const {
+  std::vector<int> layers;
+  for (int l = 0; l < num_hidden_layers; ++l) {
+    if (!is_deepseek_v4() || compress_ratios[static_cast<std::size_t>(l)] == 4) layers.push_back(l);
+  }
+  return layers;
+}
+
 int ModelSpec::index_leader(int layer) const {
   while (index_shared(layer)) --layer;
   return layer;
@@ -188,6 +251,7 @@ int ModelSpec::indexer_layers(int layers) const {
 }
 
 double ModelSpec::softmax_scale() const {
+  if (is_deepseek_v4()) return 1.0 / std::sqrt(static_cast<double>(head_dim));  // models/deepseek_v4.py: head_dim**-0.5
   double scale = 1.0 / std::sqrt(static_cast<double>(qk_nope_head_dim + qk_rope_head_dim));
   if (rope_mscale_all_dim != 0.0 && rope_scaling_factor > 1.0) {
     const double mscale = 0.1 * rope_mscale_all_dim * std::log(rope_scaling_factor) + 1.0;
@@ -233,6 +297,13 @@ void ModelSpec::validate(const std::string& source) const {
             "{}: the index sharing pattern has {} layers; the model has num_hidden_layers = {}", source,
             shared_index.size(), num_hidden_layers);
   ESS_CHECK(!index_shared(0), "{}: layer 0 reuses a top-k, but no layer before it runs an indexer", source);
+  if (is_deepseek_v4()) {
+    ESS_CHECK(std::ssize(compress_ratios) >= num_hidden_layers,
+              "{}: field 'compress_ratios' has {} layers; the model has num_hidden_layers = {}", source,
+              compress_ratios.size(), num_hidden_layers);
+    ESS_CHECK(!offloaded_layers().empty(),
+              "{}: no layer has compress ratio 4: the C4 cache is what HiSparse offloads, and there is none", source);
+  }
   try {
     LatentLayout::for_model(*this);
     IndexerLayout::for_model(*this);

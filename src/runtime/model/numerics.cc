@@ -80,4 +80,6 @@ float pow2_block_scale(float amax) { return pow2_ceil(std::fmax(amax / kFp8E4m3M
 
 float ue8m0_act_scale(float amax) { return pow2_ceil(std::fmax(amax, 1e-4f) / kFp8E4m3Max); }
 
+float c4_kv_scale(float amax) { return pow2_ceil(std::fmax(amax, 1e-8f) / kFp8E4m3Max); }
+
 }  // namespace ess

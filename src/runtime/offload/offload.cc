@@ -21,7 +21,7 @@ OffloadBackendFactory cuda_offload_factory() { return g_make_cuda; }
 OffloadConfig OffloadConfig::for_model(const ModelSpec& model, std::int32_t max_requests, std::int32_t slots,
                                        std::int64_t max_context, int query_tokens) {
   OffloadConfig c;
-  c.layers = model.num_hidden_layers;
+  c.layers = static_cast<int>(model.offloaded_layers().size());  // DeepSeek-V4: its C4 layers
   c.layout = LatentLayout::for_model(model);
   c.max_requests = max_requests;
   c.slots = slots;
