@@ -114,6 +114,16 @@ class Stats:
     promotions: int
 
 
+def _layer_tensors(name, tensors):
+    """One DLPack export per layer's tensor and the C array of their DLTensor pointers, or None."""
+    if tensors is None:
+        return None
+    if isinstance(tensors, (str, bytes)) or not isinstance(tensors, Sequence):
+        raise InvalidType(f"{name}: a sequence of tensors (one per layer) is expected, not {type(tensors).__name__}")
+    exported = [_dlpack.export(t, f"{name}[{i}]") for i, t in enumerate(tensors)]
+    return exported, (ctypes.c_void_p * max(1, len(exported)))(*[e.pointer for e in exported])
+
+
 class Engine:
     """ESS's offloaded latent cache behind one object: the C ABI's ess_engine.
 
@@ -178,25 +188,12 @@ class Engine:
         c.policy = _POLICIES[policy]
         c.residency = _RESIDENCIES[residency]
         c.backend = _BACKENDS[backend]
-        if latent is not None and (isinstance(latent, (str, bytes)) or not isinstance(latent, Sequence)):
-            raise InvalidType(f"latent: a sequence of tensors (one per layer) is expected, not {type(latent).__name__}")
-        self._latent = None
-        if latent is not None:
-            exported = [_dlpack.export(t, f"latent[{i}]") for i, t in enumerate(latent)]
-            array = (ctypes.c_void_p * max(1, len(exported)))(*[e.pointer for e in exported])
-            c.latent = ctypes.cast(array, ctypes.POINTER(ctypes.c_void_p))
-            c.latent_count = len(exported)
-            self._latent = (exported, array)
-        if latent_tail is not None and (isinstance(latent_tail, (str, bytes)) or not isinstance(latent_tail, Sequence)):
-            raise InvalidType("latent_tail: a sequence of tensors (one per layer) is expected, not "
-                              f"{type(latent_tail).__name__}")
-        self._latent_tail = None
-        if latent_tail is not None:
-            exported = [_dlpack.export(t, f"latent_tail[{i}]") for i, t in enumerate(latent_tail)]
-            array = (ctypes.c_void_p * max(1, len(exported)))(*[e.pointer for e in exported])
-            c.latent_tail = ctypes.cast(array, ctypes.POINTER(ctypes.c_void_p))
-            c.latent_tail_count = len(exported)
-            self._latent_tail = (exported, array)
+        self._latent = _layer_tensors("latent", latent)  # kept alive with the engine
+        self._latent_tail = _layer_tensors("latent_tail", latent_tail)
+        for name, held in (("latent", self._latent), ("latent_tail", self._latent_tail)):
+            if held is not None:
+                setattr(c, name, ctypes.cast(held[1], ctypes.POINTER(ctypes.c_void_p)))
+                setattr(c, f"{name}_count", len(held[0]))
         self._host_memory = None
         pinned = _args.flag("host_memory_pinned", host_memory_pinned)
         if host_memory is not None:
