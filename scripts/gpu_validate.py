@@ -93,6 +93,12 @@ KERNEL_RUNS = [
     # Residency: every request whole (no swap, no copy), and adaptive (a demotion, then a promotion).
     ("verify-cuda-whole", "verify --backend cuda --reserve-newest --residency whole --format json"),
     ("verify-cuda-adaptive", "verify --backend cuda --reserve-newest --residency adaptive --requests 3 --format json"),
+    # DeepSeek-V4-Flash's C4 cache: rows as C4 pages, each entry's value and scale apart (FlashTrans's
+    # 8-byte tail units on the device), sparse and adaptive.
+    ("verify-cuda-v4", "verify --backend cuda --model configs/models/deepseek-v4-flash.json --layers 4 --context 8192 "
+                       "--reserve-newest --format json"),
+    ("verify-cuda-v4-adaptive", "verify --backend cuda --model configs/models/deepseek-v4-flash.json --layers 2 "
+                                "--context 4096 --reserve-newest --residency adaptive --requests 3 --format json"),
     # The paper's MTP-4 deployment: top-2048 over 20 % of a 32K context (about 20 s of host work).
     ("verify-cuda-mtp4-k2048", "verify --backend cuda --mtp 4 --topk 2048 --context 32768 --ratio 0.2 --requests 2 "
                                "--layers 2 --steps 3 --reserve-newest --format json"),
