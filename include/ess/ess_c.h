@@ -86,7 +86,7 @@ typedef struct ess_config {
   const char* model_json;
   int32_t layers;          /* 0: the model's offloaded layers (num_hidden_layers; DeepSeek-V4: its C4 layers) */
   int32_t max_requests;    /* pool rows (requests decoded at once) */
-  int64_t max_context;     /* longest request, tokens */
+  int64_t max_context;     /* longest request, tokens (DeepSeek-V4: C4 entries, as its lengths and top-k ids) */
   int32_t query_tokens;    /* T: query tokens per request per step (MTP); default 1 */
   int32_t topk;            /* K: ids per query token; 0: the model's index_topk */
   int32_t slots;           /* LRU slots per request-layer; 0: from ratio */

@@ -314,7 +314,13 @@ ess_status ess_engine_get_info(const ess_engine* engine, ess_engine_info* info) 
   return guard("ess_engine_get_info", [&] {
     const auto call = ess::capi::engine_call(engine);
     const ess::Offload& o = call.offload();
-    ess::capi::check_struct(info, "ess_engine_info", "ess_engine_info_init");
+    ESS_CHECK(info != nullptr, "ess_engine_info is required (got NULL)");
+    // A caller built against the layout before buffers in two parts gets the fields it knows.
+    constexpr std::uint32_t kBefore = offsetof(ess_engine_info, split_bytes);
+    ESS_CHECK(info->struct_size == sizeof(ess_engine_info) || info->struct_size == kBefore,
+              "ess_engine_info.struct_size = {}, this library's ess_engine_info has {} bytes (or {} before buffers in "
+              "two parts): call ess_engine_info_init (a header of another ABI version?)",
+              info->struct_size, sizeof(ess_engine_info), kBefore);
     const ess::OffloadConfig& c = o.config();
     info->layers = c.layers;
     info->max_requests = c.max_requests;
@@ -331,6 +337,7 @@ ess_status ess_engine_get_info(const ess_engine* engine, ess_engine_info* info) 
     info->block_rows = o.buffer().rows.block_rows;
     info->block_stride = o.buffer().rows.block_stride;
     info->host_bytes_capacity = o.host_pool().capacity_bytes();
+    if (info->struct_size == kBefore) return;
     const ess::LatentBuffer& b = o.buffer();
     info->split_bytes = b.split() ? b.tail.head_bytes : 0;
     info->tail_bytes = b.split() ? b.tail.bytes : 0;

@@ -211,6 +211,17 @@ TEST(CApi, ABufferInTwoPartsTakesHeadsAndTailsAtTheirPlaces) {
   const std::size_t block = static_cast<std::size_t>(phys[0] / 8) * kBlock, r = static_cast<std::size_t>(phys[0] % 8);
   EXPECT_EQ(0, std::memcmp(storage[1].data() + block + r * kHead, entry.data(), kHead));
   EXPECT_EQ(0, std::memcmp(storage[1].data() + block + 8 * kHead + r * kTail, entry.data() + kHead, kTail));
+
+  // A caller built before buffers in two parts: its ess_engine_info ends there and is filled up to it.
+  std::vector<std::uint8_t> old_info(sizeof(ess_engine_info), 0xEE);
+  ess_engine_info* early = reinterpret_cast<ess_engine_info*>(old_info.data());
+  early->struct_size = static_cast<std::uint32_t>(offsetof(ess_engine_info, split_bytes));
+  ASSERT_EQ(ess_engine_get_info(e, early), ESS_OK) << last();
+  EXPECT_EQ(early->row_stride, static_cast<std::uint64_t>(kHead));
+  EXPECT_EQ(old_info[offsetof(ess_engine_info, split_bytes)], 0xEE) << "wrote past the caller's struct";
+  early->struct_size = 12;
+  EXPECT_EQ(ess_engine_get_info(e, early), ESS_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(last().find("ess_engine_info.struct_size = 12"), std::string::npos) << last();
   ess_engine_destroy(e);
 
   ess_config bad = c;
@@ -452,7 +463,8 @@ TEST(CApi, AConfigOfAnEarlierHeaderGetsTheDefaultsOfTheFieldsItLacks) {
   // A caller built before the host memory fields (and before foreign pages): its struct ends there, and
   // whatever lies past it in its memory is not read.
   for (const std::size_t size :
-       {offsetof(ess_config, host_memory), offsetof(ess_config, host_pages_per_layer), offsetof(ess_config, residency)}) {
+       {offsetof(ess_config, host_memory), offsetof(ess_config, host_pages_per_layer), offsetof(ess_config, residency),
+        offsetof(ess_config, latent_tail)}) {
     std::vector<std::uint8_t> memory(sizeof(ess_config), 0xEE);
     ess_config c = small_config();
     c.struct_size = static_cast<std::uint32_t>(size);

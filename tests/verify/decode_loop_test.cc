@@ -189,11 +189,12 @@ TEST(VerifyLoop, DeepSeekV4sCompressedCacheIsLossless) {
   ASSERT_GE(c4.size(), 3u);
   VerifyConfig c = small();
   c.layers = 3;
-  c.context = 1203;  // 300 entries; the fourth token after it completes the next
+  c.context = 1203;  // 300 entries; the first step's token completes the 301st
   c.mtp = 1;
   c.steps = 9;
   c.reserve_newest = true;
   c.topk = 64;
+  c.slots = 75;  // request 0 whole fills its 4 rows: the 301st entry demotes it (adaptive)
   for (const Residency residency : {Residency::kSparse, Residency::kAdaptive}) {
     c.residency = residency;
     const VerifyReport r = run_verify(m, c);
@@ -202,8 +203,10 @@ TEST(VerifyLoop, DeepSeekV4sCompressedCacheIsLossless) {
     EXPECT_EQ(r.tokens_per_entry, 4);
     // adaptive: request 1 finishes after 4 steps (its rows let request 0 be promoted back)
     EXPECT_EQ(r.compared_outputs, residency == Residency::kSparse ? 2 * 3 * 9 : (9 + 4) * 3);
-    if (residency == Residency::kAdaptive) {
+    if (residency == Residency::kAdaptive) {  // demoted at its growth, promoted when request 1 finishes
       EXPECT_GT(r.whole_steps, 0);
+      EXPECT_GT(r.demotions, 0);
+      EXPECT_GT(r.promotions, 0);
     }
     for (int l = 0; l < 3; ++l) EXPECT_EQ(r.per_layer[static_cast<std::size_t>(l)].model_layer, c4[static_cast<std::size_t>(l)]);
     EXPECT_GT(r.misses, 0);

@@ -66,8 +66,9 @@ void add_gen(CLI::App& parent) {
       cmd->add_option("--layers,-l", a->layers, "Override the profile's layer count (the drift curve is resampled)");
   cmd->add_option("--model", a->model,
                   "A model config.json: its layer count, and its index sharing (a layer that reuses its leader's top-k "
-                  "selects exactly its leader's ids; GLM-5.2's configs/models/glm-5.2.json); DeepSeek-V4: its layers "
-                  "with a C4 cache, positions in C4 entries")
+                  "selects exactly its leader's ids; GLM-5.2's configs/models/glm-5.2.json); DeepSeek-V4: one traced "
+                  "layer per layer with a C4 cache (contexts, top-k and T stay the profile's and --context's: give "
+                  "them in C4 entries)")
       ->excludes(layers);
   cmd->add_option("--seed", a->config.seed, "Random seed")->capture_default_str()->check(unsigned_integer());
   add_format_option(*cmd, a->format, false);
@@ -82,7 +83,7 @@ void add_gen(CLI::App& parent) {
     if (!a->model.empty()) {
       const ModelSpec m = ModelSpec::from_file(a->model);
       p.model = m.name;
-      // DeepSeek-V4: one traced layer per layer with a C4 cache, its positions C4 entries (4 tokens each).
+      // DeepSeek-V4: one traced layer per layer with a C4 cache.
       p.layers = static_cast<int>(m.offloaded_layers().size());
       p.shared_index = m.shared_index;
       p.validate("--model " + a->model);

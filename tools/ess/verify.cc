@@ -35,7 +35,10 @@ void add_verify(CLI::App& app, int& exit_code) {
   cmd->add_option("--requests,-b", c.requests, "Requests in the batch")->capture_default_str();
   cmd->add_option("--layers,-l", c.layers, "Layers (the model's first N whose cache is offloaded: DeepSeek-V4's with a C4 cache)")
       ->capture_default_str();
-  cmd->add_option("--context,-c", c.context, "Prompt length at the prefill -> decode hand-over")->capture_default_str();
+  cmd->add_option("--context,-c", c.context,
+                  "Prompt length at the prefill -> decode hand-over, tokens (when not given for a model whose cache "
+                  "holds an entry per R tokens: R times the default)")
+      ->capture_default_str();
   cmd->add_option("--steps,-s", c.steps, "Decode steps")->capture_default_str();
   cmd->add_option("--mtp,-t", c.mtp,
                   "Query tokens per request per step (MTP T; 1 when not given for a model whose cache holds an entry per 4 "
@@ -89,7 +92,10 @@ void add_verify(CLI::App& app, int& exit_code) {
                              : args->residency == "adaptive" ? Residency::kAdaptive
                                                              : Residency::kSparse;
     const ModelSpec model = args->model.empty() ? ModelSpec::deepseek_v32_exp() : ModelSpec::from_file(args->model);
+    // A compressed cache (an entry per R tokens): unless given, MTP 1 and a context of as many entries
+    // as the default has tokens.
     if (model.tokens_per_entry() > 1 && cmd->count("--mtp") == 0) args->config.mtp = 1;
+    if (model.tokens_per_entry() > 1 && cmd->count("--context") == 0) args->config.context *= model.tokens_per_entry();
     Progress progress("verify: requests warmed + steps");
     args->config.progress = [&](std::size_t done, std::size_t total) { progress(done, total); };
     const VerifyReport r = run_verify(model, args->config);

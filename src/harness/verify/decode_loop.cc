@@ -42,9 +42,20 @@ void VerifyConfig::validate(const ModelSpec& model) const {
             steps, mtp, model.max_position_embeddings);
   ESS_CHECK(mtp > 0 && mtp <= 16, "verify: --mtp = {} must be in [1, 16]", mtp);
   ESS_CHECK(topk > 0, "verify: --topk = {} must be positive", topk);
-  ESS_CHECK(slots >= 0 && slots <= context + static_cast<std::int64_t>(steps) * mtp,
-            "verify: --slots = {} must be in [0, {}] (0 = use --ratio; at most the context + steps x T tokens there "
-            "will be)", slots, context + static_cast<std::int64_t>(steps) * mtp);
+  // Entries: tokens, or for a compressed cache one per R tokens.
+  const std::int64_t entries = (context + static_cast<std::int64_t>(steps) * mtp) / R;
+  ESS_CHECK(slots >= 0 && slots <= entries,
+            "verify: --slots = {} must be in [0, {}] (0 = use --ratio; at most the {} entries there will be)", slots,
+            entries, R > 1 ? "compressed" : "context + steps x T");
+  if (slots == 0) {
+    const std::int32_t derived = slots_for_ratio(ratio, context / R);
+    const std::int64_t need = std::min<std::int64_t>(topk, entries);
+    ESS_CHECK(derived >= need,
+              "verify: --ratio {} of the prompt's {} entries{} gives {} slots, fewer than one query token's top-{}: "
+              "raise --ratio or --context, or give --slots",
+              ratio, context / R, R > 1 ? fmt::format(" (--context {} tokens / {})", context, R) : std::string(), derived,
+              need);
+  }
   ESS_CHECK(warmup_windows >= 0, "verify: --warmup = {} must be >= 0", warmup_windows);
   ESS_CHECK(query_drift >= 0.0 && query_drift <= 1.0, "verify: query drift = {} must be in [0, 1]", query_drift);
   ESS_CHECK(prefix_share >= 0.0 && prefix_share <= 1.0, "verify: --prefix-share = {} must be in [0, 1]", prefix_share);
@@ -60,14 +71,14 @@ void VerifyConfig::validate(const ModelSpec& model) const {
             pool_rows);
   ESS_CHECK(pool_rows == 0 || pool_rows >= requests, "verify: --pool-rows = {} cannot hold the {} requests", pool_rows,
             requests);
-  // Per request-layer: the full latent cache and the host pool (an entry each per token), the
-  // indexer's keys, and the device rows.
-  const double tokens = static_cast<double>(context) + static_cast<double>(steps) * mtp;
+  // Per request-layer: the full latent cache and the host pool (an entry each), the indexer's keys,
+  // and the device rows.
+  const double tokens = static_cast<double>(entries);
   const double entry = static_cast<double>(LatentLayout::for_model(model).bytes());
   const double per_layer = tokens * (2 * entry + model.index_head_dim + 4) +
                            (slots > 0 ? slots : ratio * tokens + mtp) * entry;
   check_host_memory(per_layer * requests * layers,
-                    fmt::format("verify ({} requests x {} layers x {:.0f} tokens)", requests, layers, tokens));
+                    fmt::format("verify ({} requests x {} layers x {:.0f} entries)", requests, layers, tokens));
 }
 
 namespace {

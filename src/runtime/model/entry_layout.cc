@@ -59,6 +59,10 @@ void LatentLayout::validate() const {
             "latent layout: the NoPE part of {} values (kv_lora_rank{}) must be a positive multiple of {}", nope_dim,
             fp32 ? "" : " - qk_rope_head_dim", tile);
   ESS_CHECK(rope_dim > 0, "latent layout: qk_rope_head_dim = {} must be positive", rope_dim);
+  ESS_CHECK(fp32 || value_bytes() % kVectorBytes == 0,
+            "latent layout: a C4 entry's value of {} bytes (NoPE {} + RoPE {} x 2) is not a multiple of {} bytes (it moves "
+            "in 16-byte chunks, its scales apart)",
+            value_bytes(), nope_dim, rope_dim, kVectorBytes);
   ESS_CHECK(!fp32 || data_bytes() % kVectorBytes == 0,
             "latent layout: entry of {} bytes (kv_lora_rank {}, qk_rope_head_dim {}) is not a "
             "multiple of {} bytes",

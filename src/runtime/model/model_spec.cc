@@ -234,7 +234,8 @@ std::size_t ModelSpec::indexer_entry_bytes() const {
 std::vector<int> ModelSpec::offloaded_layers() const {
   std::vector<int> layers;
   for (int l = 0; l < num_hidden_layers; ++l) {
-    if (!is_deepseek_v4() || compress_ratios[static_cast<std::size_t>(l)] == 4) layers.push_back(l);
+    const auto at = static_cast<std::size_t>(l);
+    if (!is_deepseek_v4() || (at < compress_ratios.size() && compress_ratios[at] == 4)) layers.push_back(l);
   }
   return layers;
 }

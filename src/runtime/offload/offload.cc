@@ -127,7 +127,13 @@ Offload::Impl::Impl(const OffloadConfig& c, LatentBuffer b, HostAllocator& host)
                 "offload: the buffer of layer {} is null or not 16-byte aligned", l);
     }
   }
-  if (buffer.split()) check_split(buffer, config, owned);
+  if (buffer.split()) {
+    check_split(buffer, config, owned);
+  } else {
+    ESS_CHECK(buffer.tail.head_bytes == 0 && buffer.tail.bytes == 0,
+              "offload: a split entry ({} + {} bytes) without tail_base: give the tails' buffers, or leave tail empty",
+              buffer.tail.head_bytes, buffer.tail.bytes);
+  }
   if (config.foreign.enabled()) {
     ESS_CHECK(config.host_bytes == 0,
               "offload: host_bytes = {} with foreign pages (the pool is the other engine's: pass 0)", config.host_bytes);

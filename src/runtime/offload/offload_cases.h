@@ -989,19 +989,81 @@ TEST(OffloadSplitBuffer, DeepSeekV4PagesHoldTheSelectedEntriesLosslessly) {
         io().write_back(o, l, in.rows, in.lengths, {});
       }
     }
-    for (std::size_t i = 0; i < ids.size(); ++i) {  // the written-back entries; the padding as the host held it
+    for (std::size_t i = 0; i < ids.size(); ++i) {  // the written-back entries; the padding as the host held it (zeros)
       for (int l = 0; l < c.layers; ++l) {
         for (std::int64_t t = len[i] - 12; t < len[i]; ++t) {
           const auto want = entry_of(ids[i], l, t, E);
           const auto held = o.host_entry(ids[i], l, t);
           ASSERT_TRUE(std::equal(held.begin(), held.begin() + static_cast<std::ptrdiff_t>(kValue + kScale), want.begin()))
               << "request " << ids[i] << " layer " << l << " token " << t;
-          const auto row = o.read_row(l, o.row(ids[i]) * o.rows_per_request() + c.slots + 1);
-          ASSERT_TRUE(std::equal(row.begin(), row.begin() + static_cast<std::ptrdiff_t>(kValue + kScale),
-                                 entry_of(ids[i], l, len[i] - 1, E).begin()))
-              << "read_row of the newest reserved row";
+          ASSERT_TRUE(std::all_of(held.begin() + static_cast<std::ptrdiff_t>(kValue + kScale), held.end(),
+                                  [](std::uint8_t x) { return x == 0; }))
+              << "the write-back copied padding: request " << ids[i] << " layer " << l << " token " << t;
         }
+        const auto row = o.read_row(l, o.row(ids[i]) * o.rows_per_request() + c.slots + 1);
+        ASSERT_TRUE(std::equal(row.begin(), row.begin() + static_cast<std::ptrdiff_t>(kValue + kScale),
+                               entry_of(ids[i], l, len[i] - 1, E).begin()))
+            << "read_row of the newest reserved row";
       }
+    }
+  }
+}
+
+// Tails in allocations of their own, made before the heads' (K and V as two tensors: the tail's
+// base may lie below the head's, a negative distance): steps and the write-back stay lossless.
+TEST(OffloadSplitBuffer, TailsInTensorsOfTheirOwnAreLossless) {
+  ESS_REQUIRE_BACKEND(harness().info);
+  OffloadConfig c;
+  c.layers = 2;
+  c.layout = LatentLayout{512, 32};  // 592 bytes: a 320-byte head, a 272-byte tail
+  c.max_requests = 2;
+  c.query_tokens = 1;
+  c.topk = 24;
+  c.slots = 32;
+  c.reserve_newest = true;
+  c.max_context = 400;
+  c.backend = harness().backend;
+  const std::size_t E = c.layout.bytes();
+  const std::int64_t rows = static_cast<std::int64_t>(c.max_requests) * c.rows_per_request();
+  LatentBuffer b;
+  b.rows = RowLayout{320, 0, 0};
+  b.tail.head_bytes = 320;
+  b.tail.bytes = 272;
+  b.tail.rows = RowLayout{272, 0, 0};
+  for (int l = 0; l < c.layers; ++l) b.tail_base.push_back(harness().allocate(static_cast<std::size_t>(rows) * 272));
+  for (int l = 0; l < c.layers; ++l) b.layer_base.push_back(harness().allocate(static_cast<std::size_t>(rows) * 320));
+  Offload o(c, b);
+  const RequestId id = 3;
+  std::int64_t len = 300;
+  StepIn in;
+  in.batch = 1;
+  in.rows = {o.admit(id, len)};
+  for (int l = 0; l < c.layers; ++l) {
+    for (std::int64_t t = 0; t < len; ++t) {
+      const auto e = entry_of(id, l, t, E);
+      std::memcpy(o.host_entry(id, l, t).data(), e.data(), E);
+    }
+  }
+  o.warmup(id, {}, 0);
+  std::mt19937 rng(5);
+  std::vector<std::int32_t> prev;
+  for (int step = 0; step < 5; ++step) {
+    o.extend(id, 1);
+    ++len;
+    in.lengths = {static_cast<std::int32_t>(len)};
+    for (int l = 0; l < c.layers; ++l) {
+      io().write_row(o, l, in.rows[0] * o.rows_per_request() + c.slots, entry_of(id, l, len - 1, E));
+      in.layer = l;
+      in.topk = test::decode_like_ids(prev, 1, c.topk, len, 8, rng);
+      const StepOut got = io().step(o, in);
+      for (int k = 0; k < c.topk; ++k) {
+        if (in.topk[static_cast<std::size_t>(k)] < 0) continue;
+        const auto row = o.read_row(l, got.physical[static_cast<std::size_t>(k)]);
+        ASSERT_EQ(row, entry_of(id, l, in.topk[static_cast<std::size_t>(k)], E)) << "step " << step << " layer " << l;
+      }
+      io().write_back(o, l, in.rows, in.lengths, {});
+      const auto held = o.host_entry(id, l, len - 1);
+      ASSERT_TRUE(std::equal(held.begin(), held.end(), entry_of(id, l, len - 1, E).begin())) << "write-back, layer " << l;
     }
   }
 }

@@ -230,8 +230,12 @@ class CpuOffload final : public OffloadBackend {
       for (int t = first_newest(w.lengths[b], T); t < T; ++t) {
         const std::int32_t src = w.source_rows != nullptr ? w.source_rows[b * T + t] : physical(w.rows[b], c.slots + t);
         const std::int32_t token = w.lengths[b] - T + t;
-        const auto held = x_.pool->entry(id, w.layer, token);
-        entry_.assign(held.begin(), held.end());  // a split row leaves the entry's padding as the host holds it
+        if (x_.buffer.split()) {  // a split row leaves the entry's padding as the host holds it
+          const auto held = x_.pool->entry(id, w.layer, token);
+          entry_.assign(held.begin(), held.end());
+        } else {
+          entry_.resize(x_.config.layout.bytes());
+        }
         x_.get_row(w.layer, src, entry_);
         x_.pool->write(id, w.layer, token, entry_);
         const std::int32_t to = whole ? whole_row(w.rows[b], token) : -1;  // its own row, read once it is not among the newest

@@ -77,7 +77,9 @@ std::string check_args(const EntryCopy& c) {
   if (c.entry_bytes > 0 && c.units_per_entry() > 0) {  // the kernel splits a unit index into (entry, unit) in 32 bits
     const std::int64_t units = c.units_per_entry();
     k.require(c.count <= static_cast<std::int64_t>(UINT32_MAX) / units,
-              "count = {} entries of {} bytes is {} 16-byte chunks, more than the {} one launch addresses", c.count,
+              "count = {} entries of {} bytes is {} copy units (16-byte chunks, 8-byte tail units), more than the {} "
+              "one launch addresses",
+              c.count,
               c.entry_bytes, c.count > INT64_MAX / units ? INT64_MAX : c.count * units, UINT32_MAX);
   }
   return k.error();
