@@ -134,7 +134,9 @@ TEST(FlashTransEmulation, ALaunchPastFourBillionChunksIsRefused) {
   c.dst_base = test::device_pointer<std::uint8_t>();
   c.src_offsets = c.dst_offsets = test::device_pointer<const std::uint64_t>();
   c.count = (std::int64_t{1} << 32) / 41 + 1;
-  EXPECT_NE(cuda::check_args(c).find("16-byte chunks, more than the 4294967295 one launch addresses"), std::string::npos)
+  EXPECT_NE(cuda::check_args(c).find("copy units (16-byte chunks, 8-byte tail units), more than the 4294967295 one launch "
+                                     "addresses"),
+            std::string::npos)
       << cuda::check_args(c);
 }
 
