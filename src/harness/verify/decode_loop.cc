@@ -13,6 +13,7 @@
 #include "ess/model/entry_layout.h"
 #include "ess/model/numerics.h"
 #include "ess/ops/reference.h"
+#include "ess/runtime/backend.h"
 #include "testing/offload_io.h"
 
 namespace ess {
@@ -244,6 +245,11 @@ const std::uint8_t* Loop::row_bytes(int layer, std::int32_t p, std::uint8_t* at)
 }
 
 LatentBuffer Loop::c4_buffer(const OffloadConfig& oc) {
+  // The device first, as the Offload would check it: a machine without one is told so, not given an
+  // allocation failure.
+  if (oc.backend == Backend::kCuda && oc.device >= cuda_device_count()) {
+    throw_device_error(fmt::format("verify: no CUDA device {} (found {})", oc.device, cuda_device_count()));
+  }
   const C4Page page = C4Page::of(latent_);
   const std::int64_t rows = static_cast<std::int64_t>(oc.max_requests) * oc.rows_per_request();
   const std::uint64_t pages = static_cast<std::uint64_t>((rows + C4Page::kRows - 1) / C4Page::kRows);
