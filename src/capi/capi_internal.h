@@ -43,6 +43,17 @@ void check_struct(const S* s, const char* what, const char* init) {
             "{}.struct_size = {}, this library's {} has {} bytes: call {} (a header of another ABI version?)", what,
             s->struct_size, what, sizeof(S), init);
 }
+// The same, also accepting the layout of an earlier header that ended at `before` bytes (`change`:
+// what came after it); true when the caller's struct is that earlier one.
+template <typename S>
+bool check_struct(const S* s, const char* what, const char* init, std::uint32_t before, const char* change) {
+  ESS_CHECK(s != nullptr, "{} is required (got NULL)", what);
+  ESS_CHECK(s->struct_size == sizeof(S) || s->struct_size == before,
+            "{}.struct_size = {}, this library's {} has {} bytes (or {} before {}): call {} (a header of another ABI "
+            "version?)",
+            what, s->struct_size, what, sizeof(S), before, change, init);
+  return s->struct_size == before;
+}
 
 // Runs f; maps what it throws to a status and this thread's message (prefixed with `where`).
 template <typename F>

@@ -314,13 +314,9 @@ ess_status ess_engine_get_info(const ess_engine* engine, ess_engine_info* info) 
   return guard("ess_engine_get_info", [&] {
     const auto call = ess::capi::engine_call(engine);
     const ess::Offload& o = call.offload();
-    ESS_CHECK(info != nullptr, "ess_engine_info is required (got NULL)");
     // A caller built against the layout before buffers in two parts gets the fields it knows.
-    constexpr std::uint32_t kBefore = offsetof(ess_engine_info, split_bytes);
-    ESS_CHECK(info->struct_size == sizeof(ess_engine_info) || info->struct_size == kBefore,
-              "ess_engine_info.struct_size = {}, this library's ess_engine_info has {} bytes (or {} before buffers in "
-              "two parts): call ess_engine_info_init (a header of another ABI version?)",
-              info->struct_size, sizeof(ess_engine_info), kBefore);
+    const bool earlier = ess::capi::check_struct(info, "ess_engine_info", "ess_engine_info_init",
+                                                 offsetof(ess_engine_info, split_bytes), "buffers in two parts");
     const ess::OffloadConfig& c = o.config();
     info->layers = c.layers;
     info->max_requests = c.max_requests;
@@ -337,7 +333,7 @@ ess_status ess_engine_get_info(const ess_engine* engine, ess_engine_info* info) 
     info->block_rows = o.buffer().rows.block_rows;
     info->block_stride = o.buffer().rows.block_stride;
     info->host_bytes_capacity = o.host_pool().capacity_bytes();
-    if (info->struct_size == kBefore) return;
+    if (earlier) return;
     const ess::LatentBuffer& b = o.buffer();
     info->split_bytes = b.split() ? b.tail.head_bytes : 0;
     info->tail_bytes = b.split() ? b.tail.bytes : 0;
@@ -441,15 +437,11 @@ ess_status ess_engine_get_stats(const ess_engine* engine, ess_stats* stats) {
   return guard("ess_engine_get_stats", [&] {
     const auto call = ess::capi::engine_call(engine);
     const ess::Offload& o = call.offload();
-    ESS_CHECK(stats != nullptr, "ess_stats is required (got NULL)");
     // A caller built against the layout before residency gets the fields it knows.
-    constexpr std::uint32_t kBefore = offsetof(ess_stats, whole_requests);
-    ESS_CHECK(stats->struct_size == sizeof(ess_stats) || stats->struct_size == kBefore,
-              "ess_stats.struct_size = {}, this library's ess_stats has {} bytes (or {} before residency): call "
-              "ess_stats_init (a header of another ABI version?)",
-              stats->struct_size, sizeof(ess_stats), kBefore);
+    const bool earlier = ess::capi::check_struct(stats, "ess_stats", "ess_stats_init", offsetof(ess_stats, whole_requests),
+                                                 "residency");
     const ess::OffloadStats s = o.stats();
-    if (stats->struct_size == sizeof(ess_stats)) {
+    if (!earlier) {
       stats->whole_requests = s.whole_requests;
       stats->whole_steps = s.whole_steps;
       stats->sparse_steps = s.sparse_steps;
