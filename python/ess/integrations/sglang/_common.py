@@ -74,11 +74,6 @@ def _cuda_index(device) -> int:
     return torch.cuda.current_device() if index is None else index
 
 
-def _entry_rows(buf):
-    """A layer's kv_buffer ([slots, 1, kv_cache_dim] of the pool's store dtype) as [slots, 656] bytes."""
-    return buf.view(torch.uint8).view(-1, ENTRY_BYTES)
-
-
 RESIDENCIES = ("sparse", "whole", "adaptive")
 
 

@@ -13,13 +13,14 @@ from ... import _args
 from ..._errors import InvalidArgument
 from ...engine import Engine
 from .. import _device
-from ._common import (ENTRY_BYTES, SGLANG_VERSION, HiSparseAct, SpecScratch, _claim_top_rows, _cuda_index,
-                      _entry_rows, _int, _int_tensor, _ints, _keep, _pool_slots, _return_top_rows, _sglang_setting,
-                      _token_stats_type, residency_from_environment)
+from ._common import (SGLANG_VERSION, HiSparseAct, SpecScratch, _claim_top_rows, _cuda_index, _int, _int_tensor,
+                      _ints, _keep, _pool_slots, _return_top_rows, _sglang_setting, _token_stats_type,
+                      residency_from_environment)
 from ..topk_recorder import TopkRecorder
 from .forward_batches import ForwardBatches
 from .host_pool import HostPool
 from .indexer_split import topk_broadcast_refusal
+from .pools import device_pool
 from .overlap import (DecodeSplit, check_decode_backend, layers_from_environment, register,
                       schedule_from_environment, unregister)
 from .shared_index import SharedIndexPrefetch, check_pattern
@@ -41,10 +42,17 @@ class HiSparseCoordinator(Staging):
         self.tp_group = tp_group
         self.dev = _device.for_device(device)
         self.compress_ratio = getattr(token_to_kv_pool_allocator, "compress_ratio", 1)
+        # The device pool's kind (pools.py): DSA's latent entries, or DeepSeek-V4's C4 entries (one per 4 tokens).
+        self.pool = device_pool(token_to_kv_pool_allocator)
 
         num_draft_tokens = 0 if num_draft_tokens is None else _int("num_draft_tokens", num_draft_tokens)
         if num_draft_tokens < 0:
             raise InvalidArgument(f"num_draft_tokens = {num_draft_tokens} is negative")
+        if num_draft_tokens and self.pool.ratio != 1:
+            # Upstream's HiSparseSpecSwapManager refuses it too ("HiSparse spec swap currently supports DSA caches
+            # only"), and the DeepSeek-V4 indexer swaps in DECODE only, never in a verify step.
+            raise InvalidArgument(f"num_draft_tokens = {num_draft_tokens} with the {self.pool.kind} pool: speculative "
+                                  "decoding with HiSparse serves DSA caches only (as upstream's)")
         if num_draft_tokens and self.device_buffer_size < num_draft_tokens * self.top_k:
             # One swap call serves a verify step's T query tokens (FlashMLA runs once after it), so the pool
             # must hold their union: ESS cannot split the step into query groups there.
@@ -52,17 +60,8 @@ class HiSparseCoordinator(Staging):
                 f"device_buffer_size = {self.device_buffer_size} < num_draft_tokens {num_draft_tokens} x top_k "
                 f"{self.top_k}: a verify step's query tokens may select more distinct tokens than the pool holds; "
                 f"set the hisparse device_buffer_size to at least {num_draft_tokens * self.top_k}")
-        if self.compress_ratio != 1 or not hasattr(token_to_kv_pool_allocator, "hisparse_attn_allocator"):
-            raise InvalidArgument(
-                f"{type(token_to_kv_pool_allocator).__name__}: ESS serves the DSA (DeepSeek-V3.2) HiSparse pool; "
-                "DeepSeek-V4's compressed pool is not supported")
-        kvcache = token_to_kv_pool_allocator.get_kvcache()
-        if not hasattr(kvcache, "full_to_hisparse_device_index_mapping") or not hasattr(kvcache, "kv_cache_dim"):
-            raise InvalidArgument(
-                f"{type(kvcache).__name__}: ESS serves the DSA HiSparse MLA pool (MiniMax's block swap-in, "
-                "swap_in_selected_blocks, is not supported)")
-        self.mem_pool_device = kvcache
-        self.page_size = kvcache.page_size
+        self.mem_pool_device = self.pool.device
+        self.page_size = self.pool.page_size
         if 64 % self.page_size != 0:
             raise InvalidArgument(
                 f"page size {self.page_size}: ESS's host pages hold 64 tokens each, and the host slots SGLang reads "
@@ -72,12 +71,13 @@ class HiSparseCoordinator(Staging):
         # publishes its settings (a pool and coordinator built without a server, as its unit tests build them),
         # the stricter budget of the other modes.
         self.pd_decode = _sglang_setting("get_disagg", "disaggregation_mode") == "decode"
-        entry = kvcache.kv_cache_dim * kvcache.kv_buffer[0].element_size()
-        if entry != ENTRY_BYTES:
-            raise InvalidArgument(f"the device pool's entries are {entry} bytes; ESS serves DeepSeek-V3.2's "
-                                  f"{ENTRY_BYTES}-byte FP8 latent entries (--kv-cache-dtype fp8_e4m3)")
-        self.layer_num = kvcache.layer_num
-        self.start_layer = getattr(kvcache, "start_layer", 0) or 0
+        if self.pd_decode and self.pool.ratio != 1:
+            raise InvalidArgument(
+                f"disaggregation_mode = decode with the {self.pool.kind} pool: the prefill side sends C4 pages in the "
+                "device layout (37,440-byte page rows, which upstream's DeepSeekV4PagedHostPool mirrors); ESS's host "
+                "pool keeps whole entries, which a transfer cannot write")
+        self.layer_num = self.pool.layer_num
+        self.start_layer = self.pool.start_layer
         if num_draft_tokens and self.page_size == 1:
             raise InvalidArgument(
                 f"num_draft_tokens = {num_draft_tokens} with page size 1: SGLang's alloc_for_spec_decode then gives "
@@ -92,9 +92,12 @@ class HiSparseCoordinator(Staging):
         max_reqs = req_to_token_pool.req_to_token.shape[0]
         max_context = req_to_token_pool.max_context_len
         self.max_batch = max_reqs
-        host_bytes = self._check_settings(kvcache, max_reqs, max_context, host_to_device_ratio)
+        host_bytes = self._check_settings(max_reqs, max_context, host_to_device_ratio)
         # ESS_OVERLAP: the schedule of the DSA backend's decode (overlap.py).
         self.overlap = schedule_from_environment()
+        if self.overlap != "none" and self.pool.ratio != 1:
+            raise InvalidArgument(f"ESS_OVERLAP = {self.overlap} with the {self.pool.kind} pool: the overlap schedules "
+                                  "run inside the DSA backend's decode, not DeepSeek-V4's; unset it")
         # ESS_RESIDENCY: whether requests stay whole while ESS's rows are free (Engine's residency).
         self.residency = residency_from_environment()
         # ESS_OVERLAP_LAYERS: layer-wise, each layer's schedule per micro-batch.
@@ -111,17 +114,20 @@ class HiSparseCoordinator(Staging):
                                   "use ESS_OVERLAP = da")
         # Shared-index layers (GLM-5.2's index sharing): each follower's step starts at its leader's swap
         # (shared_index.py).
+        if shared_index_layers is not None and self.pool.ratio != 1:
+            raise InvalidArgument(f"shared_index_layers with the {self.pool.kind} pool: index sharing is a DSA "
+                                  "model's (upstream's resolve_shared_index_layers gives None for DeepSeek-V4)")
         shared_index_layers = check_pattern(shared_index_layers, self.layer_num)
         rows_per_request = self.device_buffer_size + self.T
         if self.pd_decode:
             keep_min, why = max_reqs, "one slot per request: SGLang's PD transfer budget"
         else:
-            keep_min, why = max_context, "the context length, for a prefill"
+            keep_min, why = self.pool.units(max_context), "the context length, for a prefill"
         # Checked first, taken after: whatever fails from here on gives the rows back.
         self.row_base = _claim_top_rows(token_to_kv_pool_allocator, max_reqs * rows_per_request, keep_min, why)
         self.engine = None
         try:
-            self._build(kvcache, max_reqs, rows_per_request, host_bytes, host_to_device_ratio, device,
+            self._build(max_reqs, rows_per_request, host_bytes, host_to_device_ratio, device,
                         shared_index_layers, tp_group)
         except BaseException:
             if getattr(self, "decode_split", None) is not None:
@@ -131,39 +137,40 @@ class HiSparseCoordinator(Staging):
             _return_top_rows(token_to_kv_pool_allocator)
             raise
 
-    def _check_settings(self, kvcache, max_reqs, max_context, host_to_device_ratio) -> int:
+    def _check_settings(self, max_reqs, max_context, host_to_device_ratio) -> int:
         """The hisparse settings as the user gave them (top_k, device_buffer_size, host_to_device_ratio), checked
         before anything is taken from SGLang; returns the host pool's bytes."""
         if self.top_k < 1:
             raise InvalidArgument(f"top_k = {self.top_k}: the index top-k must be at least 1")
-        need = min(self.top_k, max_context)
+        need = min(self.top_k, self.pool.units(max_context))
         if self.device_buffer_size < need:
             raise InvalidArgument(
                 f"device_buffer_size = {self.device_buffer_size} < top_k {self.top_k}: a request's device buffer "
-                f"must hold one query token's top-k (min(top_k, context length {max_context}) = {need})")
+                f"must hold one query token's top-k (min(top_k, entries of the context length {max_context}) = "
+                f"{need})")
         ratio = _args.real("host_to_device_ratio", host_to_device_ratio)
-        device_tokens = kvcache.size if getattr(kvcache, "host_capacity_tokens", None) is None \
-            else kvcache.host_capacity_tokens
-        host_tokens = int(device_tokens * ratio)
-        if ratio <= 0 or host_tokens < 1:
-            raise InvalidArgument(f"host_to_device_ratio = {ratio}: the host pool would hold {host_tokens} tokens "
-                                  f"({device_tokens} device tokens x the ratio); it must be positive")
-        # Whole 64-token pages per request-layer: one partly used page per request-layer at most.
-        return (host_tokens + max_reqs * 64) * self.layer_num * ENTRY_BYTES
+        if ratio <= 0:
+            raise InvalidArgument(f"host_to_device_ratio = {ratio}: it must be positive")
+        host_units = self.pool.host_units(self.token_to_kv_pool_allocator, ratio)
+        if host_units < 1:
+            raise InvalidArgument(f"host_to_device_ratio = {ratio}: the host pool would hold {host_units} entries "
+                                  "a layer (the device pool's x the ratio); it must hold one")
+        # Whole 64-entry pages per request-layer: one partly used page per request-layer at most.
+        return (host_units + max_reqs * 64) * self.layer_num * self.pool.entry_bytes
 
-    def _build(self, kvcache, max_reqs, rows_per_request, host_bytes, host_to_device_ratio, device,
+    def _build(self, max_reqs, rows_per_request, host_bytes, host_to_device_ratio, device,
                shared_index_layers, tp_group):
         """The engine over the claimed rows and the coordinator's state (construction after the claim)."""
         self.ess_rows = max_reqs * rows_per_request
-        latent = [_entry_rows(buf)[self.row_base:self.row_base + self.ess_rows] for buf in kvcache.kv_buffer]
-        self._latent = latent
+        buffers = self.pool.engine_buffers(self.row_base, self.ess_rows)
+        self._latent = buffers["latent"]
         try:
-            self.engine = Engine(max_requests=max_reqs, max_context=self.req_to_token_pool.max_context_len,
+            self.engine = Engine(max_requests=max_reqs, max_context=self.pool.units(self.req_to_token_pool.max_context_len),
                                  slots=self.device_buffer_size, layers=self.layer_num, topk=self.top_k,
                                  query_tokens=self.T, reserve_newest=True, residency=self.residency,
                                  backend="cuda" if self.dev.is_cuda else "cpu",
                                  device=_cuda_index(device) if self.dev.is_cuda else 0,
-                                 host_bytes=host_bytes, latent=latent)
+                                 host_bytes=host_bytes, **buffers)
         except InvalidArgument as e:
             raise InvalidArgument(
                 f"hisparse settings top_k = {self.top_k}, device_buffer_size = {self.device_buffer_size}, "
@@ -255,32 +262,45 @@ class HiSparseCoordinator(Staging):
         return self._req_to_host_pool
 
     def host_token_len(self, kv_allocated_len: int) -> int:
-        return _int("kv_allocated_len", kv_allocated_len)
+        """The host entries of a request of kv_allocated_len tokens (upstream's: // 4 for DeepSeek-V4's C4 pool)."""
+        return _int("kv_allocated_len", kv_allocated_len) // self.pool.ratio
 
     # ---- the rows of a request, in SGLang's device pool ----
-    def _extend_into_reserved(self, rows, req_pool_indices, locs):
-        """Every request (`rows`, host ints, in req_pool_indices' order) grows by the step's T tokens, and their
-        logical slots `locs` ([bs x T], token t of position b at b x T + t) map to the request's T reserved rows,
-        where the model's unchanged set_mla_kv_buffer then writes them."""
+    def _extend_into_reserved(self, rows, req_pool_indices, locs, grows=None, writes=None):
+        """Every request (`rows`, host ints, in req_pool_indices' order) grows by the step's T tokens (`grows`: by
+        that many entries each, when the pool's entries are not tokens), and their logical slots `locs` ([bs x T],
+        token t of position b at b x T + t) map to the request's T reserved rows, where the model's unchanged KV
+        store then writes them (`writes`: a device bool [bs], the positions whose step writes an entry; the others'
+        mapping stays as it is)."""
         T = self.T
-        for b, row in enumerate(rows):   # every request checked before any grows
-            if self._length[row] + T > self.info.max_context:
-                raise InvalidArgument(f"position {b} (request slot {row}): {self._length[row]} tokens + {T} exceed "
+        grows = [T] * len(rows) if grows is None else grows
+        for b, (row, g) in enumerate(zip(rows, grows)):   # every request checked before any grows
+            if self._length[row] + g > self.info.max_context:
+                raise InvalidArgument(f"position {b} (request slot {row}): {self._length[row]} entries + {g} exceed "
                                       f"the context length {self.info.max_context}")
         page = self.page_size
-        for row in rows:
+        for row, g in zip(rows, grows):
+            if not g:
+                continue
             old = self._length[row]
-            self._ess().extend(row, T)
-            self._length[row] = old + T
+            self._ess().extend(row, g)
+            self._length[row] = old + g
             # The published slots reach at least the old length's last page (truncation leaves them): only a
             # request that enters a new page has slots to add, once a page, not a table read per step.
-            if -(-(old + T) // page) > -(-old // page):
-                self._publish_host_slots(row, old + T)
+            if -(-(old + g) // page) > -(-old // page):
+                self._publish_host_slots(row, old + g)
         reserved = (req_pool_indices.to(torch.int64).view(-1, 1) * self.info.rows_per_request
                     + (self.row_base + self.info.slots)
                     + torch.arange(T, dtype=torch.int64, device=req_pool_indices.device).view(1, -1))
         mapping = self.mem_pool_device.full_to_hisparse_device_index_mapping
-        self.dev.launch(lambda: mapping.index_copy_(0, locs, reserved.view(-1)))
+
+        def point():
+            new = reserved.view(-1)
+            if writes is not None:
+                # Device work only (no mask read on the host): the other positions write back what they hold.
+                new = torch.where(writes, new, mapping.index_select(0, locs))
+            mapping.index_copy_(0, locs, new)
+        self.dev.launch(point)
 
     def _new_forward(self) -> None:
         """A step's preparation: the next forward's batches are new, and so is the DA / DBA state (a forward that
@@ -388,9 +408,15 @@ class HiSparseCoordinator(Staging):
             if row not in self._length:
                 raise InvalidArgument(f"{where}: position {b}: request slot {row} is not in ESS (not staged, or "
                                       "already finished)")
-            if lengths is not None and lengths[b] != self._length[row] + grow:
+            if lengths is None:
+                continue
+            if self.pool.ratio == 1 and lengths[b] != self._length[row] + grow:
                 raise InvalidArgument(f"{where}: position {b} (request slot {row}): seq_len {lengths[b]} is not its "
                                       f"{self._length[row]} tokens" + (f" + {grow}" if grow else ""))
+            if self.pool.ratio != 1 and (lengths[b] < 1 + grow or self.pool.units(lengths[b] - grow) != self._length[row]):
+                raise InvalidArgument(f"{where}: position {b} (request slot {row}): seq_len {lengths[b]} does not "
+                                      f"follow its {self._length[row]} C4 entries (seq_len - {grow} tokens hold "
+                                      f"{self.pool.units(max(lengths[b] - grow, 0))})")
         if len(set(rows)) != len(rows):
             raise InvalidArgument(f"{where}: a request slot appears twice in {rows}")
         if len(rows) > self.max_batch:
@@ -416,7 +442,7 @@ class HiSparseCoordinator(Staging):
         device_capacity = inner.size + self.ess_rows
         device_tokens = inner.size - inner.available_size() + len(self._length) * self.info.rows_per_request
         s = self.engine.stats()
-        per_token = self.layer_num * ENTRY_BYTES
+        per_token = self.layer_num * self.info.entry_bytes
         host_capacity = s.host_bytes_capacity // per_token
         host_tokens = s.host_bytes_used // per_token
         return _token_stats_type()(
@@ -429,7 +455,9 @@ class HiSparseCoordinator(Staging):
     def map_last_loc_to_buffer(self, seq_lens, out_cache_loc, req_pool_indices, seq_lens_cpu,
                                req_pool_indices_cpu) -> None:
         """ScheduleBatch.prepare_for_decode, after seq_lens += 1 and alloc_decode: backs up the previous step's
-        newest entries, extends every request by its new token and points out_cache_loc at the reserved rows."""
+        newest entries, extends every request by its new token and points out_cache_loc at the reserved rows.
+        DeepSeek-V4's C4 pool: only a request whose step completes an entry (seq_len % 4 == 0) gets it, its
+        compressed slot (get_last_loc_compressed) pointed at the reserved row, as upstream's."""
         rows = _ints("req_pool_indices_cpu", req_pool_indices_cpu)
         lengths = _ints("seq_lens_cpu", seq_lens_cpu)
         if len(rows) != len(lengths):
@@ -448,7 +476,12 @@ class HiSparseCoordinator(Staging):
             stale = previous[previous > 0]
             if stale.numel() > 0:
                 self.token_to_kv_pool_allocator.free_hisparse_indices(stale)
-        self._extend_into_reserved(rows, req_pool_indices, locs)
+        if self.pool.ratio == 1:
+            self._extend_into_reserved(rows, req_pool_indices, locs)
+        else:
+            grows = [self.pool.units(n) - self._length[row] for row, n in zip(rows, lengths)]
+            writes = torch.remainder(seq_lens, self.pool.ratio) == 0
+            self._extend_into_reserved(rows, req_pool_indices, locs, grows, writes)
         self._backup_due = (req_pool_indices, seq_lens)
         if self._recorder is not None:
             self._recorder.step(rows, [self._length[row] for row in rows], self._after_the_forward)
@@ -465,7 +498,13 @@ class HiSparseCoordinator(Staging):
 
         def stage():
             self._backup_rows[:B].copy_(rows)
-            self._backup_lengths[:B].copy_(lengths)
+            if self.pool.ratio == 1:
+                self._backup_lengths[:B].copy_(lengths)
+            else:
+                # The requests whose step wrote an entry, each at its entry count (units).
+                self._backup_lengths[:B].copy_(torch.clamp(torch.div(lengths, self.pool.ratio, rounding_mode="floor"),
+                                                           min=1))
+                self._backup_rows[:B].masked_fill_(torch.remainder(lengths, self.pool.ratio) != 0, -1)
             for row in dropped:
                 self._backup_rows[:B].masked_fill_(self._backup_rows[:B] == row, -1)
         self._launch_backup(self._write_back, B, stage, self.decode_producer_stream)
@@ -540,6 +579,8 @@ class HiSparseCoordinator(Staging):
         rows[:B].masked_fill_(self._padded_rows[:B], -1)
         # A verify step's seq_lens are per query token (L + t + 1): ESS takes each request's last, L + T.
         lengths[:B].copy_(seq_lens.view(B, T)[:, T - 1])
+        if self.pool.ratio != 1:
+            lengths[:B].clamp_(min=1)   # a request of under 4 tokens: 0 entries, which ESS holds as one (pools.py)
 
     def swap_first_half(self, req_pool_indices, seq_lens, top_k_half, layer_id):
         """DBA (indexer_split.py): the swap of the batch's first positions (as many as top_k_half has rows), from

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..._errors import InvalidArgument
-from ._common import HiSparseAct, _entry_rows, _int, _keep
+from ._common import HiSparseAct, _int, _keep
 
 
 class Staging:
@@ -74,12 +74,13 @@ class Staging:
         is copied into its ESS host pages on the staging stream (one device-to-host copy per run of consecutive
         pages and layer); collect_ready_reqs hands the request to decode."""
         idx = _int("req_pool_idx", req.kv.req_pool_idx)
-        n = _int("extend_end", req.extend_end)
+        n = self.pool.units(_int("extend_end", req.extend_end))
         if self._holds(idx):
             raise InvalidArgument(f"admit_request_into_staging: request slot {idx} is already in ESS")
         self._host_admit(idx, n)   # host pages (all-or-nothing) and req_to_host_pool, as upstream
         req.hisparse_staging = True
-        full = self.req_to_token_pool.req_to_token[idx, :n].to(dtype=torch.int64, copy=True)
+        full = self.req_to_token_pool.req_to_token[idx, :_int("extend_end", req.extend_end)].to(dtype=torch.int64,
+                                                                                               copy=True)
         device_locs = self.mem_pool_device.translate_loc_from_full_to_hisparse_device(full)
         runs = self.mem_pool_host.runs(idx, n)
         start, finish = self.dev.Event(), self.dev.Event()
@@ -93,25 +94,31 @@ class Staging:
 
     def _stage_copy(self, runs, device_locs):
         """The prompt's entries of every layer, gathered from SGLang's pool and copied once, straight into the
-        request's ESS host pages (`runs`: HostPool.runs)."""
-        for layer, buf in enumerate(self.mem_pool_device.kv_buffer):
-            rows = _entry_rows(buf).index_select(0, device_locs)
+        request's ESS host pages (`runs`: HostPool.runs). A C4 request of under 4 tokens has no entry to copy (its
+        one entry in ESS stays zero until its fourth token writes it)."""
+        have = int(device_locs.shape[0])
+        for layer in range(self.layer_num):
+            rows = self.pool.gather(layer, device_locs)
             host = self.mem_pool_host.layer_view(layer)
             for at, start, count in runs:
-                host[at:at + count].copy_(rows[start:start + count], non_blocking=True)
+                count = min(count, have - start)
+                if count > 0:
+                    host[at:at + count].copy_(rows[start:start + count], non_blocking=True)
 
     def _finish_staging(self, req):
         idx = _int("req_pool_idx", req.kv.req_pool_idx)
         n = _int("extend_end", req.extend_end)
         # The prefill's device slots go back to SGLang's allocator (and its mapping to 0).
         self.token_to_kv_pool_allocator.free_hisparse(self.req_to_token_pool.req_to_token[idx, :n])
-        self._join_decode(req, idx, n)
+        self._join_decode(req, idx, self.pool.units(n), entries=n // self.pool.ratio)
 
-    def _join_decode(self, req, idx: int, n: int):
-        """The request's first residency (warmed up from its host pages) and newest entries: it decodes from here."""
+    def _join_decode(self, req, idx: int, n: int, entries=None):
+        """The request's first residency (warmed up from its host pages) and newest entries: it decodes from here.
+        `entries`: those the prompt wrote, when fewer than the n ESS holds (a C4 request of under 4 tokens holds
+        one its fourth token writes: warmed up, a row would keep its zeros as if they were the entry)."""
         # ESS's warm-up also puts the prompt's newest entries into the reserved rows (token n - T + t in reserved
         # row t), so a swap at the prompt's own length, before SGLang extends the request, serves them.
-        self._ess().warmup(idx, self._warmup_windows(n))
+        self._ess().warmup(idx, self._warmup_windows(n if entries is None else entries))
         self._direct.pop(idx, None)
         self._length[idx] = n
         req.hisparse_staging = False
@@ -120,10 +127,10 @@ class Staging:
 
     def _warmup_windows(self, n: int):
         """The first residency: the prompt's last min(n, slots) tokens, oldest first (SGLang hands over no
-        prefill top-k to warm up from)."""
+        prefill top-k to warm up from); none (one window of padding) for n = 0."""
         K = self.top_k
         keep = min(n, self.info.slots)
-        windows = -(-keep // K)
+        windows = max(1, -(-keep // K))
         ids = torch.full((windows * K,), -1, dtype=torch.int32)
         ids[windows * K - keep:] = torch.arange(n - keep, n, dtype=torch.int32)
         return ids.view(1, windows, K).expand(self.layer_num, windows, K).contiguous()
@@ -193,7 +200,8 @@ class Staging:
             return   # never admitted to ESS (finished during prefill): nothing of ours to release
         # Decode tokens' logical slots map to the reserved row: unmap them so that SGLang's own free of
         # the request's KV does not hand ESS's rows to its allocator.
-        allocated = self.req_to_token_pool.req_to_token[idx, :_int("kv_allocated_len", req.kv.kv_allocated_len)].to(torch.int64)
+        allocated = self.pool.mapping_locs(
+            self.req_to_token_pool.req_to_token[idx, :_int("kv_allocated_len", req.kv.kv_allocated_len)].to(torch.int64))
         mapping = self.mem_pool_device.full_to_hisparse_device_index_mapping
         self.dev.launch(lambda: mapping.index_fill_(0, allocated, 0))
         del self._length[idx]

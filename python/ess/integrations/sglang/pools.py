@@ -1,0 +1,168 @@
+"""The HiSparse device pool ESS takes its rows from, one class per kind SGLang 0.5.23 builds: DeepSeek-V3.2's (and
+GLM-5's) DSA pool of 656-byte latent entries, indexed by token, and DeepSeek-V4's C4 pool of compressed entries (one
+per 4 tokens) kept in pages of 64 (their values, then their scales). Each says how its entries lie (the engine's
+buffers over the rows ESS claimed; the prefill's entries gathered for staging), how SGLang's token counts become its
+units, and which of the allocator's mapping entries a request's tokens own."""
+from __future__ import annotations
+
+import torch
+
+from ..._errors import InvalidArgument
+from ._common import ENTRY_BYTES
+
+C4_RATIO = 4           # tokens per C4 entry (HiSparseC4DevicePool.compress_ratio)
+C4_PAGE = 64           # entries per C4 page (the pool's page_size: the logical 256 // 4)
+C4_VALUE_BYTES = 576   # an entry's 448 FP8 NoPE values and 64 BF16 RoPE values (kvcacheio.cuh)
+C4_SCALE_BYTES = 8     # its 7 UE8M0 scales and one pad byte, after the page's 64 value runs
+C4_ENTRY_BYTES = 584   # KVLayout.V4's bytes per token
+C4_PAGE_BYTES = 37440  # KVLayout.V4.page_bytes(64): 64 x 584 padded to a multiple of 576
+
+
+class DsaPool:
+    """HiSparseDSATokenToKVPool (mem_cache/hisparse_memory_pool.py): one [slots, 1, 656] FP8 tensor per layer, the
+    allocator's mapping indexed by the token's logical slot."""
+    kind = "DSA"
+    ratio = 1
+    entry_bytes = ENTRY_BYTES   # a host entry
+
+    def __init__(self, allocator):
+        kvcache = allocator.get_kvcache()
+        if not hasattr(kvcache, "full_to_hisparse_device_index_mapping") or not hasattr(kvcache, "kv_cache_dim"):
+            raise InvalidArgument(
+                f"{type(kvcache).__name__}: ESS serves the DSA HiSparse MLA pool and DeepSeek-V4's C4 pool (MiniMax's "
+                "block swap-in, swap_in_selected_blocks, is not supported)")
+        entry = kvcache.kv_cache_dim * kvcache.kv_buffer[0].element_size()
+        if entry != ENTRY_BYTES:
+            raise InvalidArgument(f"the device pool's entries are {entry} bytes; ESS serves DeepSeek-V3.2's "
+                                  f"{ENTRY_BYTES}-byte FP8 latent entries (--kv-cache-dtype fp8_e4m3)")
+        self.device = kvcache
+        self.layer_num = kvcache.layer_num
+        self.start_layer = getattr(kvcache, "start_layer", 0) or 0
+        self.page_size = kvcache.page_size
+
+    def units(self, tokens: int) -> int:
+        """A request of `tokens` tokens holds this many entries in ESS."""
+        return tokens
+
+    def makes_entry(self, seq_len: int) -> bool:
+        """Whether the step that brings a request to seq_len tokens writes a new entry."""
+        return True
+
+    def host_units(self, allocator, host_to_device_ratio: float) -> int:
+        """The Total Memory Pool's entries per layer, as upstream sizes its host pool (pool_host/mla.py:
+        host_to_device_ratio x the device pool's tokens)."""
+        kvcache = self.device
+        device_tokens = kvcache.size if getattr(kvcache, "host_capacity_tokens", None) is None \
+            else kvcache.host_capacity_tokens
+        return int(device_tokens * host_to_device_ratio)
+
+    def engine_buffers(self, first_row: int, rows: int) -> dict:
+        """Engine keyword arguments: the rows [first_row, first_row + rows) of every layer as ESS's buffers."""
+        return dict(latent=[self._rows(buf)[first_row:first_row + rows] for buf in self.device.kv_buffer])
+
+    def gather(self, layer: int, device_locs):
+        """The entries at the pool's slots `device_locs` (int64), as ESS's host entries [n, entry_bytes]."""
+        return self._rows(self.device.kv_buffer[layer]).index_select(0, device_locs)
+
+    def mapping_locs(self, full_locs):
+        """The allocator mapping's entries the tokens at logical slots `full_locs` own."""
+        return full_locs
+
+    @staticmethod
+    def _rows(buf):
+        return buf.view(torch.uint8).view(-1, ENTRY_BYTES)
+
+
+class C4Pool:
+    """HiSparseC4DevicePool (mem_cache/deepseek_v4_memory_pool.py), the DeepSeek-V4 allocator's hisparse_kvcache: one
+    [pages, 37440] uint8 tensor per C4 layer, page p holding entries 64p .. 64p + 63 as their 576-byte values then
+    their 8-byte scales (kvcacheio.cuh); the allocator's mapping indexed by compressed logical slot (full // 4 of a
+    token completing an entry). SGLang passes the C4 layer's index (the pool's layer_mapping compress_layer_id) as
+    the swap's layer_id, and every count in C4 entries (compressed_seq_lens = seq_len // 4)."""
+    kind = "DeepSeek-V4 C4"
+    ratio = C4_RATIO
+    entry_bytes = 592           # a host entry: the 584 bytes padded to 16 (ESS's LatentLayout for DeepSeek-V4)
+
+    def __init__(self, allocator):
+        kvcache = allocator.hisparse_kvcache
+        layout = getattr(kvcache, "kv_layout", None)
+        facts = (getattr(kvcache, "page_size", None), getattr(kvcache, "kv_cache_total_dim", None),
+                 getattr(kvcache, "bytes_per_page_padded", None), getattr(layout, "name", layout))
+        if facts != (C4_PAGE, C4_ENTRY_BYTES, C4_PAGE_BYTES, "V4"):
+            raise InvalidArgument(
+                f"{type(kvcache).__name__}: page size, bytes per token, page bytes and layout {facts}; ESS serves "
+                f"DeepSeek-V4's C4 pool as SGLang 0.5.23 builds it for HiSparse ({C4_PAGE}, {C4_ENTRY_BYTES}, "
+                f"{C4_PAGE_BYTES}, V4)")
+        for l, buf in enumerate(kvcache.kv_buffer):
+            if buf.dtype != torch.uint8 or buf.dim() != 2 or buf.shape[1] != C4_PAGE_BYTES or not buf.is_contiguous():
+                raise InvalidArgument(f"the C4 pool's kv_buffer[{l}] is {buf.dtype} {list(buf.shape)}; contiguous "
+                                      f"uint8 [pages, {C4_PAGE_BYTES}] expected")
+        self.device = kvcache
+        self.layer_num = kvcache.layer_num
+        self.start_layer = 0   # the C4 layer index SGLang passes counts this stage's C4 layers from 0
+        self.page_size = C4_PAGE
+        self.pages = int(kvcache.kv_buffer[0].shape[0]) if kvcache.kv_buffer else 0
+
+    def units(self, tokens: int) -> int:
+        """A request's C4 entries: tokens // 4, and at least one. ESS holds no empty request, so one with fewer than
+        4 tokens keeps one entry its top-k cannot name yet (compressed_seq_lens 0: every position -1) until its
+        fourth token writes it, in the row ESS keeps for the newest."""
+        return max(1, tokens // C4_RATIO)
+
+    def makes_entry(self, seq_len: int) -> bool:
+        """metadata_kernel.py: the compressor writes an entry when seq_len % 4 == 0."""
+        return seq_len % C4_RATIO == 0
+
+    def host_units(self, allocator, host_to_device_ratio: float) -> int:
+        """Upstream's C4 host pool holds the logical pool's entries whatever the ratio (hisparse_coordinator.py:
+        size_full // 4, in pages of 64; the device pool is size_full // (4 x ratio))."""
+        return allocator.size_full // C4_RATIO
+
+    def engine_buffers(self, first_row: int, rows: int) -> dict:
+        """The engine's buffers in two parts over the claimed pages: each row's values in its page's value run, its
+        scales in the page's scale run; the model of the entry (DeepSeek-V4: 592-byte entries in the host pool)."""
+        if first_row % C4_PAGE:
+            raise InvalidArgument(f"ESS's first C4 row {first_row} is not at a page boundary")
+        first, count = first_row // C4_PAGE, -(-rows // C4_PAGE)
+        values = C4_PAGE * C4_VALUE_BYTES
+        latent = [buf[first:first + count, :values].view(count, C4_PAGE, C4_VALUE_BYTES)
+                  for buf in self.device.kv_buffer]
+        tail = [buf[first:first + count, values:values + C4_PAGE * C4_SCALE_BYTES].view(count, C4_PAGE,
+                                                                                          C4_SCALE_BYTES)
+                for buf in self.device.kv_buffer]
+        d = self.device
+        model = {"model_type": "deepseek_v4", "num_hidden_layers": self.layer_num,
+                 "compress_ratios": [C4_RATIO] * self.layer_num,
+                 "head_dim": d.qk_nope_head_dim + d.qk_rope_head_dim, "qk_rope_head_dim": d.qk_rope_head_dim}
+        return dict(model=model, latent=latent, latent_tail=tail, split_bytes=C4_VALUE_BYTES,
+                    tail_bytes=C4_SCALE_BYTES)
+
+    def gather(self, layer: int, device_locs):
+        """The entries at the C4 pool's slots `device_locs` (int64), as ESS's host entries [n, entry_bytes]: values,
+        scales, zero padding."""
+        buf = self.device.kv_buffer[layer]
+        values = C4_PAGE * C4_VALUE_BYTES
+        page, at = device_locs // C4_PAGE, device_locs % C4_PAGE
+        out = torch.zeros((device_locs.numel(), self.entry_bytes), dtype=torch.uint8, device=buf.device)
+        out[:, :C4_VALUE_BYTES] = buf[:, :values].view(-1, C4_PAGE, C4_VALUE_BYTES)[page, at]
+        out[:, C4_VALUE_BYTES:C4_ENTRY_BYTES] = (
+            buf[:, values:values + C4_PAGE * C4_SCALE_BYTES].view(-1, C4_PAGE, C4_SCALE_BYTES)[page, at])
+        return out
+
+    def mapping_locs(self, full_locs):
+        """full // 4 for every slot, not only those completing an entry (the pool's own translation selects those
+        with a mask, which reads the device): a request's logical pages are its own, whole groups of four, so the
+        extra indices name its own entries still to complete, whose mapping nothing set."""
+        return torch.div(full_locs, C4_RATIO, rounding_mode="floor")
+
+
+def device_pool(allocator):
+    """The pool of SGLang's HiSparse allocator, as ESS reads it."""
+    if getattr(allocator, "compress_ratio", 1) == C4_RATIO and hasattr(allocator, "hisparse_kvcache"):
+        return C4Pool(allocator)
+    if getattr(allocator, "compress_ratio", 1) != 1 or not hasattr(allocator, "hisparse_attn_allocator"):
+        raise InvalidArgument(
+            f"{type(allocator).__name__} (compress_ratio {getattr(allocator, 'compress_ratio', 1)}): ESS serves "
+            "SGLang's HiSparse allocators for DSA models (HiSparseTokenToKVPoolAllocator) and DeepSeek-V4 "
+            "(DeepSeekV4HiSparseTokenToKVPoolAllocator)")
+    return DsaPool(allocator)
