@@ -135,7 +135,8 @@ typedef struct ess_config {
    * latent[l] (whose last dimension then spans split_bytes) and its next tail_bytes in
    * latent_tail[l] (last dimension tail_bytes), each at row p's place in its tensor. split_bytes a
    * positive multiple of 16, tail_bytes of 8, together within the entry; the Total Memory Pool
-   * holds entries whole. NULL (and 0s): entries whole in `latent`. */
+   * holds entries whole; tails that share a byte with any head of the same layer are refused,
+   * naming both rows. NULL (and 0s): entries whole in `latent`. */
   const DLTensor* const* latent_tail;
   int32_t latent_tail_count;
   int32_t split_bytes;

@@ -65,6 +65,65 @@ void OffloadConfig::validate() const {
 
 namespace {
 
+// One block of a buffer's rows: its rows' bytes span [begin, end) from the layer's base.
+struct BlockSpan {
+  std::int64_t begin = 0, end = 0;
+  std::int64_t first_row = 0, rows = 0;
+};
+
+// The blocks holding rows [0, n) of `r`, `bytes` a row, from `base` bytes off the layer's base;
+// ascending (a block holds its rows, blocks follow each other).
+std::vector<BlockSpan> block_spans(const RowLayout& r, std::int64_t n, std::uint64_t bytes, std::int64_t base) {
+  std::vector<BlockSpan> spans;
+  const std::int64_t per = r.block_rows > 0 ? r.block_rows : n;
+  for (std::int64_t first = 0; first < n; first += per) {
+    const std::int64_t rows = std::min(per, n - first);
+    const std::int64_t at = base + static_cast<std::int64_t>(r.offset(first));
+    spans.push_back({at, at + (rows - 1) * static_cast<std::int64_t>(r.row_stride) + static_cast<std::int64_t>(bytes), first,
+                     rows});
+  }
+  return spans;
+}
+
+// Refuses a split buffer whose tails share a byte with its heads, in any layer: the first such
+// head row and tail row by name. Blocks whose spans meet are compared row by row (rows ascend
+// within a block), so the cost is the buffer's blocks, plus the rows of blocks that interleave.
+void check_heads_and_tails_apart(const LatentBuffer& b, std::int64_t n) {
+  const RowTail& t = b.tail;
+  for (std::size_t l = 0; l < b.tail_base.size(); ++l) {
+    const std::int64_t delta =
+        reinterpret_cast<std::intptr_t>(b.tail_base[l]) - reinterpret_cast<std::intptr_t>(b.layer_base[l]);
+    const auto heads = block_spans(b.rows, n, static_cast<std::uint64_t>(t.head_bytes), 0);
+    const auto tails = block_spans(t.rows, n, static_cast<std::uint64_t>(t.bytes), delta);
+    std::size_t i = 0, j = 0;
+    while (i < heads.size() && j < tails.size()) {
+      const BlockSpan& h = heads[i];
+      const BlockSpan& u = tails[j];
+      if (h.begin < u.end && u.begin < h.end) {
+        std::int64_t p = 0, q = 0;
+        while (p < h.rows && q < u.rows) {
+          const std::int64_t hb = h.begin + p * static_cast<std::int64_t>(b.rows.row_stride), he = hb + t.head_bytes;
+          const std::int64_t ub = u.begin + q * static_cast<std::int64_t>(t.rows.row_stride), ue = ub + t.bytes;
+          ESS_CHECK(!(hb < ue && ub < he),
+                    "offload: layer {}: row {}'s head, bytes [{}, {}) of the layer's buffer, and row {}'s tail, bytes "
+                    "[{}, {}), overlap: the tails must lie apart from the heads",
+                    l, h.first_row + p, hb, he, u.first_row + q, ub, ue);
+          if (he <= ue) {
+            ++p;
+          } else {
+            ++q;
+          }
+        }
+      }
+      if (h.end <= u.end) {
+        ++i;
+      } else {
+        ++j;
+      }
+    }
+  }
+}
+
 // A split buffer (LatentBuffer::tail_base): the cut within the entry, where the tails lie.
 void check_split(LatentBuffer& b, const OffloadConfig& c, bool owned) {
   const RowTail& t = b.tail;
@@ -87,6 +146,7 @@ void check_split(LatentBuffer& b, const OffloadConfig& c, bool owned) {
     ESS_CHECK(b.tail_base[l] != nullptr && reinterpret_cast<std::uintptr_t>(b.tail_base[l]) % 8 == 0,
               "offload: the tail buffer of layer {} is null or not 8-byte aligned", l);
   }
+  check_heads_and_tails_apart(b, static_cast<std::int64_t>(c.max_requests) * c.rows_per_request());
   b.tail.head = b.rows;
   b.tail.delta = 0;
 }

@@ -1079,7 +1079,7 @@ TEST(OffloadSplitBuffer, RefusesASplitItCannotServe) {
   c.slots = 8;
   c.max_context = 64;
   c.backend = harness().backend;
-  const auto split = [&](int head, int tail, std::uint64_t tail_stride, std::size_t tail_shift) {
+  const auto split = [&](int head, int tail, std::uint64_t tail_stride, std::ptrdiff_t tail_shift) {
     LatentBuffer b;
     b.rows = RowLayout{576, 64, 37440};
     b.tail.head_bytes = head;
@@ -1109,6 +1109,38 @@ TEST(OffloadSplitBuffer, RefusesASplitItCannotServe) {
   owned.tail_base.push_back(harness().allocate(64));
   refused(owned, "caller's layer buffers");
   EXPECT_NO_THROW(Offload(c, split(576, 8, 8, 0)));
+  // Tails that share bytes with the heads: a tail run starting among the page's values, and K / V
+  // tensors closer than a tensor apart.
+  refused(split(576, 8, 8, -(36864 - 7 * 576)), "row 7's head, bytes [4032, 4608) of the layer's buffer, and row 0's tail");
+  const std::int64_t rows = static_cast<std::int64_t>(c.max_requests) * c.rows_per_request();
+  const std::int64_t tensor = rows * 320;
+  std::uint8_t* kv_memory = harness().allocate(static_cast<std::size_t>(3 * tensor));
+  const auto kv = [&](std::int64_t tail_at) {  // K in the middle third, V `tail_at` bytes from it
+    LatentBuffer b;
+    b.rows = RowLayout{320, 0, 0};
+    b.tail.head_bytes = 320;
+    b.tail.bytes = 272;
+    b.tail.rows = RowLayout{320, 0, 0};
+    b.layer_base.push_back(kv_memory + tensor);
+    b.tail_base.push_back(kv_memory + tensor + tail_at);
+    return b;
+  };
+  refused(kv(tensor - 320), "row 7's head, bytes [2240, 2560) of the layer's buffer, and row 0's tail");
+  refused(kv(-272), "row 0's head, bytes [0, 320) of the layer's buffer, and row 1's tail, bytes [48, 320)");
+  EXPECT_NO_THROW(Offload(c, kv(tensor)));    // V right after K
+  EXPECT_NO_THROW(Offload(c, kv(-tensor)));   // V right before K
+  // Interleaved rows (each row's head, then its tail): apart, though every block meets.
+  LatentBuffer interleaved;
+  interleaved.rows = RowLayout{592, 0, 0};
+  interleaved.tail.head_bytes = 320;
+  interleaved.tail.bytes = 272;
+  interleaved.tail.rows = RowLayout{592, 0, 0};
+  std::uint8_t* base = harness().allocate(static_cast<std::size_t>(rows) * 592);
+  interleaved.layer_base.push_back(base);
+  interleaved.tail_base.push_back(base + 320);
+  EXPECT_NO_THROW(Offload(c, interleaved));
+  interleaved.tail_base[0] = base + 312;
+  refused(interleaved, "row 0's head, bytes [0, 320) of the layer's buffer, and row 0's tail, bytes [312, 584)");
 }
 
 // With reserve_newest, warmup leaves a request's newest entries in its reserved rows (token
