@@ -188,6 +188,38 @@ def test_a_buffer_in_two_parts_holds_heads_and_tails_at_their_places():
               tail_bytes=tail - 8)
 
 
+def test_minimax_m3s_k_and_v_in_two_tensors_are_entries_of_its_sparse_layers():
+    """The shipped MiniMax-M3 config: the engine's layers are its 57 sparse layers, an entry one KV head's key then
+    value (512 bytes in bf16); with K and V in two tensors (as SGLang keeps them) every row read back is the token's
+    key then value."""
+    from pathlib import Path
+    config = Path(__file__).resolve().parents[2] / "configs" / "models" / "minimax-m3.json"
+    e = ess.Engine(model=config, max_requests=1, max_context=256, topk=8, slots=16)
+    assert (e.info.layers, e.info.entry_bytes, e.info.topk) == (57, 512, 8)
+    L, K, slots = 2, 8, 16
+    rows = 2 * (slots + 1)
+    keys = [np.zeros((rows, 256), np.uint8) for _ in range(L)]
+    values = [np.zeros((rows, 256), np.uint8) for _ in range(L)]
+    e = ess.Engine(model=config, layers=L, max_requests=2, max_context=256, topk=K, slots=slots, reserve_newest=True,
+                   latent=keys, latent_tail=values, split_bytes=256, tail_bytes=256)
+    rng = np.random.default_rng(7)
+    full = rng.integers(0, 256, (L, 64, 512), dtype=np.uint8)
+    row = e.admit(4, 40, row=1)
+    for layer in range(L):
+        e.write_entries(4, layer, 0, full[layer, :40])
+    e.warmup(4, np.full((L, 1, K), -1, np.int32))
+    r, n = np.array([row], np.int32), np.array([40], np.int32)
+    topk, phys = np.zeros((1, 1, K), np.int32), np.zeros((1, 1, K), np.int32)
+    step = e.bind_step(r, topk, n, phys)
+    for layer in range(L):
+        topk[0, 0] = rng.choice(39, K, replace=False)
+        step.step(layer)
+        for k in range(K):
+            p = int(phys[0, 0, k])
+            want = full[layer, topk[0, 0, k]]
+            assert keys[layer][p].tobytes() + values[layer][p].tobytes() == want.tobytes()
+
+
 def test_whole_requests_read_in_place_and_survive_demotion():
     """Adaptive residency through the Python API: request 9 whole (its rows, the newest in the reserved rows, nothing
     fetched), demoted when two more requests need rows; every row it reads holds its token's entry before and after;

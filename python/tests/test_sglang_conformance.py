@@ -3,8 +3,8 @@ call and attribute access SGLang makes on its coordinator, found by an AST scan 
 (sglang_callsites.py), binds to our class: the name exists, and the call's positional and keyword
 arguments bind to our signature; what SGLang uses on the coordinator's attributes (mem_pool_host.
 alloc_paged_token_slots(...), spec_swap.scratch_capacity, num_real_reqs.fill_(...)) exists on, and binds
-to, what a built coordinator holds there. A use in a configuration ESS refuses at construction (MiniMax's
-pool) must be one the refusal covers.
+to, what a built coordinator holds there. A use in a configuration ESS refuses at construction must be one the
+refusal covers (none is left: the DSA, DeepSeek-V4 and MiniMax-M3 paths all bind).
 
 The sources come from scripts/upstream.sh (build/upstream/sglang-0.5.23); their absence fails."""
 import ast
@@ -21,10 +21,7 @@ from ess.integrations import sglang as adapter
 SOURCE = sglang_callsites.default_source()
 
 # Call sites that only run in a configuration the constructor refuses by name, and that refusal.
-REFUSED = {
-    ("srt/layers/attention/minimax_sparse_backend.py", "__init__"): "MiniMax pool",
-    ("srt/layers/attention/minimax_sparse_backend.py", "_hisparse_swap_in_blocks"): "MiniMax pool",
-}
+REFUSED = {}
 
 
 @pytest.fixture(scope="module")

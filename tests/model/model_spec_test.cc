@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "ess/core/error.h"
+#include "ess/model/entry_layout.h"
 #include "testing/testing.h"
 
 namespace ess {
@@ -247,6 +248,76 @@ TEST(ModelSpec, DeepSeekV4FieldsAreCheckedByName) {
   EXPECT_NE(error({{"compress_ratios", std::vector<int>(43, 128)}}).find("no layer has compress ratio 4"), std::string::npos);
   EXPECT_NE(error({{"head_dim", 64}}).find("'head_dim' = 64"), std::string::npos);
   EXPECT_NE(error({{"head_dim", 520}}).find("multiple of 64"), std::string::npos);  // 456 NoPE values
+}
+
+TEST(ModelSpec, ShippedMiniMaxM3OffloadsItsSparseLayersKAndV) {
+  const ModelSpec m = ModelSpec::from_file(ESS_SOURCE_DIR "/configs/models/minimax-m3.json");
+  EXPECT_TRUE(m.is_minimax_m3());
+  EXPECT_FALSE(m.is_deepseek_v4());
+  EXPECT_EQ(m.num_hidden_layers, 60);
+  EXPECT_EQ(m.head_dim, 128);
+  EXPECT_EQ(m.num_key_value_heads, 4);
+  EXPECT_EQ(m.selection_block(), 128);
+  EXPECT_EQ(m.index_topk, 16 * 128);  // the tokens of the top-16 blocks
+  EXPECT_EQ(m.tokens_per_entry(), 1);
+  std::vector<int> sparse;
+  for (int l = 3; l < 60; ++l) sparse.push_back(l);
+  EXPECT_EQ(m.offloaded_layers(), sparse);
+  const LatentLayout kv = LatentLayout::for_model(m);
+  EXPECT_TRUE(kv.key_value());
+  EXPECT_EQ(kv.value_bytes(), 256u);  // the key: 128 bf16 values; the value the same, after it
+  EXPECT_EQ(kv.bytes(), 512u);
+  EXPECT_DOUBLE_EQ(m.softmax_scale(), 1.0 / std::sqrt(128.0));
+  const ModelSpec again = ModelSpec::from_json(m.to_json(), "round trip");
+  EXPECT_EQ(again.offloaded_layers(), sparse);
+  EXPECT_EQ(again.index_topk, 2048);
+  EXPECT_EQ(again.latent_entry_bytes(), 512u);
+  // An fp8 KV cache (SGLang's --kv-cache-dtype, carried in the config) halves the entry.
+  json fp8 = m.to_json();
+  fp8["kv_cache_dtype"] = "fp8_e4m3";
+  EXPECT_EQ(ModelSpec::from_json(fp8, "fp8").latent_entry_bytes(), 256u);
+  // The VL checkpoint wraps the text model's config; its sparse attention config may be the top level's.
+  json vl = {{"architectures", {"MiniMaxM3SparseForConditionalGeneration"}}, {"model_type", "minimax_m3_vl"}};
+  json text = m.to_json();
+  vl["sparse_attention_config"] = text["sparse_attention_config"];
+  text.erase("sparse_attention_config");
+  text.erase("architectures");
+  vl["text_config"] = text;
+  const ModelSpec wrapped = ModelSpec::from_json(vl, "vl.json");
+  EXPECT_TRUE(wrapped.is_minimax_m3());
+  EXPECT_EQ(wrapped.offloaded_layers(), sparse);
+  EXPECT_EQ(wrapped.num_attention_heads, 64);
+  // A K / V entry holds no latent: the latent quantizer refuses it by name.
+  std::vector<float> nope(512), rope(64);
+  std::vector<std::uint8_t> out(kv.bytes());
+  EXPECT_NE(error_of([&] { quantize_latent(kv, nope, rope, out); }).find("K / V entry"), std::string::npos);
+}
+
+TEST(ModelSpec, MiniMaxM3FieldsAreCheckedByName) {
+  const json base = ModelSpec::from_file(ESS_SOURCE_DIR "/configs/models/minimax-m3.json").to_json();
+  const auto error = [&](const json& extra, const char* drop = nullptr) {
+    json j = base;
+    if (!extra.is_null()) j.update(extra);
+    if (drop != nullptr) j.erase(drop);
+    return error_of([&] { ModelSpec::from_json(j, "m3.json"); });
+  };
+  EXPECT_NE(error(json::object(), "sparse_attention_config").find("needs 'sparse_attention_config'"), std::string::npos);
+  EXPECT_NE(error(json::object(), "num_key_value_heads").find("num_key_value_heads"), std::string::npos);
+  EXPECT_NE(error({{"num_key_value_heads", 5}}).find("not a multiple of num_key_value_heads = 5"), std::string::npos);
+  json short_freq = base["sparse_attention_config"];
+  short_freq["sparse_attention_freq"] = {0, 1};
+  EXPECT_NE(error({{"sparse_attention_config", short_freq}}).find("has 2 layers"), std::string::npos);
+  json dense = base["sparse_attention_config"];
+  dense["sparse_attention_freq"] = std::vector<int>(60, 0);
+  EXPECT_NE(error({{"sparse_attention_config", dense}}).find("no sparse layer"), std::string::npos);
+  json no_block = base["sparse_attention_config"];
+  no_block.erase("sparse_block_size");
+  EXPECT_NE(error({{"sparse_attention_config", no_block}}).find("sparse_block_size"), std::string::npos);
+  json lse = base["sparse_attention_config"];
+  lse["sparse_score_type"] = "mean";
+  EXPECT_NE(error({{"sparse_attention_config", lse}}).find("'sparse_score_type'"), std::string::npos);
+  EXPECT_NE(error({{"kv_cache_dtype", "int4"}}).find("dtype 'int4'"), std::string::npos);
+  EXPECT_NE(error({{"head_dim", 4}}).find("not a multiple of 16 bytes"), std::string::npos);  // 4 bf16 values
 }
 
 TEST(ModelSpec, FileErrorsNameThePath) {

@@ -1,6 +1,9 @@
 #include <gtest/gtest.h>
 
+#include <string>
+
 #include "ess/core/error.h"
+#include "ess/model/model_spec.h"
 #include "ess/sim/memory_model.h"
 #include "sim/sim_test_util.h"
 
@@ -73,6 +76,20 @@ TEST(sim_memory, BatchThatCannotFitIsAClearError) {
   }
   EXPECT_THROW(mem.check_fits(0, 4096), Error);
   EXPECT_THROW(mem.check_fits(10, 100), Error);  // below T x top-k
+}
+
+// Models whose attention the step model does not describe are refused by name, not sized as DSA.
+TEST(sim_memory, ModelsOtherThanDsaAreRefusedByName) {
+  for (const char* file : {"deepseek-v4-flash.json", "minimax-m3.json"}) {
+    const ModelSpec m = ModelSpec::from_file(std::string(ESS_SOURCE_DIR "/configs/models/") + file);
+    try {
+      MemoryModel mem(m, paper_hw(), paper_dep(), 32768);
+      FAIL() << file << " was sized";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("is not modelled yet"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(m.name), std::string::npos) << e.what();
+    }
+  }
 }
 
 TEST(sim_memory, WeightsLargerThanTheGpuAreRefused) {

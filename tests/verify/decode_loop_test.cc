@@ -224,6 +224,45 @@ TEST(VerifyLoop, DeepSeekV4sCompressedCacheIsLossless) {
   }
 }
 
+// MiniMax-M3: K / V entries in two regions (as SGLang's two tensors), a block top-k (the newest
+// block and the best-scoring others, expanded to their tokens), grouped-query attention compared.
+TEST(VerifyLoop, MiniMaxM3sKeyValueBlocksAreLossless) {
+  const ModelSpec m = ModelSpec::from_file(ESS_SOURCE_DIR "/configs/models/minimax-m3.json");
+  VerifyConfig c = small();
+  c.layers = 2;
+  c.context = 1500;  // 12 blocks of 128, the last partly filled
+  c.steps = 6;
+  c.topk = 3 * 128;
+  c.slots = 400;
+  c.reserve_newest = true;
+  for (const int mtp : {1, 2}) {
+    for (const Residency residency : {Residency::kSparse, Residency::kAdaptive}) {
+      c.mtp = mtp;
+      c.residency = residency;
+      const VerifyReport r = run_verify(m, c);
+      EXPECT_TRUE(r.bitwise_equal) << to_string(residency) << " mtp " << mtp << ": " << r.first_mismatch;
+      EXPECT_EQ(r.mismatched_host_entries, 0);
+      EXPECT_GT(r.compared_outputs, 0);
+      EXPECT_EQ(r.per_layer[0].model_layer, 3);  // the first sparse layer
+      if (residency == Residency::kSparse) {
+        EXPECT_GT(r.misses, 0);
+      }
+    }
+  }
+  c.residency = Residency::kSparse;
+  c.mtp = 1;
+  c.inject_fault = true;
+  EXPECT_FALSE(run_verify(m, c).bitwise_equal);
+  c.inject_fault = false;
+  c.topk = 200;
+  try {
+    (void)run_verify(m, c);
+    ADD_FAILURE() << "a top-k of 200 tokens over 128-token blocks was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("a multiple of its 128-token blocks"), std::string::npos) << e.what();
+  }
+}
+
 TEST(VerifyLoop, TheCheckCanFail) {
   VerifyConfig c = small();
   c.inject_fault = true;  // one flipped bit in one slot

@@ -44,7 +44,10 @@ void add_verify(CLI::App& app, int& exit_code) {
                   "Query tokens per request per step (MTP T; 1 when not given for a model whose cache holds an entry per 4 "
                   "tokens, DeepSeek-V4's C4)")
       ->capture_default_str();
-  cmd->add_option("--topk,-k", c.topk, "Entries each query token selects")->capture_default_str();
+  cmd->add_option("--topk,-k", c.topk,
+                  "Entries each query token selects (a block top-k's tokens, a multiple of the block: MiniMax-M3's "
+                  "three blocks when not given)")
+      ->capture_default_str();
   auto* slots = cmd->add_option(
       "--slots", c.slots,
       "Sparse Memory Pool slots per request-layer (at least top-k; below T x top-k, steps whose query tokens select "
@@ -96,6 +99,9 @@ void add_verify(CLI::App& app, int& exit_code) {
     // as the default has tokens.
     if (model.tokens_per_entry() > 1 && cmd->count("--mtp") == 0) args->config.mtp = 1;
     if (model.tokens_per_entry() > 1 && cmd->count("--context") == 0) args->config.context *= model.tokens_per_entry();
+    // A block top-k (MiniMax-M3): unless given, three blocks (the newest and two chosen), which the
+    // default ratio's slots hold.
+    if (model.selection_block() > 1 && cmd->count("--topk") == 0) args->config.topk = 3 * model.selection_block();
     Progress progress("verify: requests warmed + steps");
     args->config.progress = [&](std::size_t done, std::size_t total) { progress(done, total); };
     const VerifyReport r = run_verify(model, args->config);

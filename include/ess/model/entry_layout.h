@@ -17,6 +17,10 @@
 // A C4 page keeps the first 576 bytes (the "value") and the 8 scale bytes apart: a device buffer in
 // two parts (RowTail, LatentLayout::value_bytes()).
 //
+// MiniMax-M3's K / V entry (its sparse layers; one KV head per TP rank, as SGLang's HiSparse
+// requires), 512 bytes for head_dim 128 in bf16: [0, 256) the key, [256, 512) the value. SGLang
+// keeps K and V in two tensors: a device buffer in two parts, the value the tail.
+//
 // Indexer key entry, 132 bytes (index_head_dim 128): 128 x FP8 e4m3 + one fp32 scale.
 // Indexer keys are stored per 64-token page: 64 x 128 FP8 bytes, then 64 fp32 scales.
 #pragma once
@@ -44,8 +48,14 @@ struct LatentLayout {
   int rope_dim = 64;   // qk_rope_head_dim
   int tile = kQuantTile;                    // values per scale: 128 (fp32 scales) or 64 (ue8m0)
   ScaleFormat scales = ScaleFormat::kFp32;
+  // A K / V entry instead (MiniMax-M3's sparse layers): one KV head's key, then its value, kv_dim
+  // values of kv_value_bytes each (2: bf16, the model's dtype; 1: an fp8 KV cache), no scales;
+  // nope_dim, rope_dim, tile and scales unused. 0: a latent entry.
+  int kv_dim = 0;
+  int kv_value_bytes = 2;
+  bool key_value() const { return kv_dim > 0; }
 
-  int num_scales() const { return nope_dim / tile; }
+  int num_scales() const { return key_value() ? 0 : nope_dim / tile; }
   std::size_t scale_bytes() const {  // the scales' span, padding included
     const auto n = static_cast<std::size_t>(num_scales());
     return scales == ScaleFormat::kFp32 ? 4u * n : (n + 7u) / 8u * 8u;
@@ -57,18 +67,25 @@ struct LatentLayout {
   std::size_t rope_offset() const {
     return static_cast<std::size_t>(nope_dim) + (scales == ScaleFormat::kFp32 ? scale_bytes() : 0u);
   }
-  // NoPE and RoPE: the C4 page's "value" (its first part when a buffer keeps entries in two).
-  std::size_t value_bytes() const { return static_cast<std::size_t>(nope_dim) + 2u * static_cast<std::size_t>(rope_dim); }
-  std::size_t data_bytes() const { return value_bytes() + scale_bytes(); }  // every byte that means something
+  // NoPE and RoPE: the C4 page's "value" (its first part when a buffer keeps entries in two); the
+  // key of a K / V entry (its first part, the value its second).
+  std::size_t value_bytes() const {
+    if (key_value()) return static_cast<std::size_t>(kv_dim) * static_cast<std::size_t>(kv_value_bytes);
+    return static_cast<std::size_t>(nope_dim) + 2u * static_cast<std::size_t>(rope_dim);
+  }
+  std::size_t data_bytes() const {  // every byte that means something
+    return key_value() ? 2u * value_bytes() : value_bytes() + scale_bytes();
+  }
   std::size_t bytes() const {  // the entry, padded to 16 bytes
     return (data_bytes() + kVectorBytes - 1) / kVectorBytes * kVectorBytes;
   }
 
-  // DeepSeek-V4 (model_type "deepseek_v4"): the C4 entry; else the V3.2 entry of kv_lora_rank and
-  // qk_rope_head_dim.
+  // DeepSeek-V4 (model_type "deepseek_v4"): the C4 entry; MiniMax-M3: the K / V entry of head_dim
+  // values each; else the V3.2 entry of kv_lora_rank and qk_rope_head_dim.
   static LatentLayout for_model(const ModelSpec& m);
   // Throws ess::Error unless nope_dim is a positive multiple of the tile (128 with fp32 scales,
-  // 64 with ue8m0 ones), rope_dim > 0 and, with fp32 scales, the entry is a multiple of 16 bytes.
+  // 64 with ue8m0 ones), rope_dim > 0 and, with fp32 scales, the entry is a multiple of 16 bytes;
+  // a K / V entry: kv_value_bytes 1, 2 or 4, the key a positive multiple of 16 bytes.
   void validate() const;
 };
 
@@ -110,6 +127,15 @@ void quantize_latent(const LatentLayout& layout, std::span<const float> nope,
 // Dequantizes one entry: nope[i] = fp8(byte i) * scale[i / tile], rope[i] = bf16 value. Exact.
 void dequantize_latent(const LatentLayout& layout, std::span<const std::uint8_t> entry,
                        std::span<float> nope, std::span<float> rope);
+
+// Stores one K / V entry (layout.key_value()): key and value, kv_dim floats each, as the cache
+// keeps them (bf16 rounded to nearest even for kv_value_bytes 2, FP8 e4m3 unscaled for 1, fp32
+// for 4); the padding after data_bytes() is zero. Non-finite input is an error.
+void encode_key_value(const LatentLayout& layout, std::span<const float> key, std::span<const float> value,
+                      std::span<std::uint8_t> out);
+// Reads one back: exact.
+void decode_key_value(const LatentLayout& layout, std::span<const std::uint8_t> entry, std::span<float> key,
+                      std::span<float> value);
 
 // Quantizes one indexer key (head_dim floats) into token j of an indexer page, with the model's
 // own scale (ue8m0_act_scale).

@@ -64,8 +64,29 @@ struct ModelSpec {
   std::vector<int> compress_ratios;
   int window_size = 0;
   bool is_deepseek_v4() const { return model_type == "deepseek_v4"; }
+  // MiniMax-M3 (architectures[0] MiniMaxM3SparseForCausalLM or ...ForConditionalGeneration, its
+  // fields from text_config when the config has one: SGLang's configs/model_config.py
+  // is_minimax_sparse, get_minimax_sparse_attention_config, models/minimax_m3.py): head_dim (default
+  // hidden_size / num_attention_heads), num_key_value_heads, and from sparse_attention_config the
+  // sparse layers (sparse_attention_freq != 0: K / V offloaded, a top-k of sparse_topk_blocks blocks
+  // of sparse_block_size tokens; the others dense, resident), the index heads (sparse_num_index_heads,
+  // sparse_index_dim: the indexer fields above). index_topk is the tokens a block top-k selects.
+  // kv_value_bytes: a cached K / V value's bytes, from kv_cache_dtype when the config carries
+  // SGLang's server flag (fp8_e4m3 / fp8_e5m2: 1; auto, bfloat16: the model's), else torch_dtype's
+  // (bfloat16 / float16 2, float32 4; 2 when absent).
+  std::string architecture;
+  int num_key_value_heads = 0;
+  std::vector<bool> sparse_layers;
+  int sparse_block_size = 0;
+  int sparse_topk_blocks = 0;
+  int kv_value_bytes = 0;
+  bool is_minimax_m3() const {
+    return architecture == "MiniMaxM3SparseForCausalLM" || architecture == "MiniMaxM3SparseForConditionalGeneration";
+  }
+  // Tokens per selected unit: MiniMax-M3's blocks of sparse_block_size, else 1 (a token).
+  int selection_block() const { return is_minimax_m3() ? sparse_block_size : 1; }
   // The layers whose latent cache ESS holds: DeepSeek-V4's C4 layers (their compressed entries,
-  // one per 4 tokens); every layer for the others.
+  // one per 4 tokens); MiniMax-M3's sparse layers (their K / V); every layer for the others.
   std::vector<int> offloaded_layers() const;
   // Tokens per entry of the offloaded cache: 4 for DeepSeek-V4's C4 cache, else 1.
   int tokens_per_entry() const { return is_deepseek_v4() ? 4 : 1; }
@@ -96,7 +117,7 @@ struct ModelSpec {
   int indexer_layers(int layers) const;
   // Softmax scale of the absorbed MLA: mscale^2 / sqrt(qk_nope_head_dim + qk_rope_head_dim),
   // mscale = 0.1 * mscale_all_dim * ln(factor) + 1 under YaRN (as DeepSeek's reference code);
-  // DeepSeek-V4: head_dim^-0.5 (SGLang's models/deepseek_v4.py).
+  // DeepSeek-V4 and MiniMax-M3: head_dim^-0.5 (SGLang's models/deepseek_v4.py, minimax_m3.py).
   double softmax_scale() const;
 
   void validate(const std::string& source) const;

@@ -21,6 +21,11 @@ void require_dsa_layers(const ModelSpec& m) {
             "attention is not modelled yet: `ess verify --model` checks its C4 offload, `ess sim` / `ess plan` cannot "
             "size it",
             m.name, m.index_topk);
+  ESS_CHECK(!m.is_minimax_m3(),
+            "{}: the simulator models DSA layers (sparse MLA over latent entries); MiniMax-M3's grouped-query "
+            "attention over K / V blocks (top-{} blocks of {} tokens in its sparse layers, dense layers resident) is "
+            "not modelled yet: `ess sim` / `ess plan` cannot size it",
+            m.name, m.sparse_topk_blocks, m.sparse_block_size);
 }
 
 MemoryModel::MemoryModel(const ModelSpec& m, const HardwareProfile& hw, const Deployment& dep,

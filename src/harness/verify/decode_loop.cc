@@ -1,6 +1,8 @@
 #include "harness/verify/decode_loop.h"
 
+#include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <cmath>
 #include <cstring>
 #include <map>
@@ -19,6 +21,11 @@
 namespace ess {
 
 void VerifyConfig::validate(const ModelSpec& model) const {
+  if (model.selection_block() > 1) {
+    ESS_CHECK(topk > 0 && topk % model.selection_block() == 0,
+              "verify: --topk = {} with {}'s block top-k: a multiple of its {}-token blocks (the model selects {})", topk,
+              model.name, model.selection_block(), model.index_topk);
+  }
   ESS_CHECK(requests > 0 && requests <= 4096, "verify: --requests = {} must be in [1, 4096]", requests);
   const auto offloaded = static_cast<int>(model.offloaded_layers().size());
   ESS_CHECK(layers > 0 && layers <= offloaded,
@@ -123,8 +130,9 @@ class Loop {
   // Row p of the layer's buffer as the attention reads it (its two parts put together when the
   // buffer keeps them apart), in `at`.
   const std::uint8_t* row_bytes(int layer, std::int32_t p, std::uint8_t* at);
-  // DeepSeek-V4: every layer's buffer as C4 pages, each entry's value and scale apart.
-  LatentBuffer c4_buffer(const OffloadConfig& oc);
+  // A buffer in two parts, as the engine that serves the model keeps it: DeepSeek-V4's C4 pages
+  // (each entry's value and scale apart), MiniMax-M3's K and V (two regions of one allocation).
+  LatentBuffer split_buffer(const OffloadConfig& oc);
   void compare_attention(RequestId id, int layer, int t, std::span<const std::int32_t> token_ids,
                          std::span<const std::int32_t> rows, std::int64_t step);
   // Counts the positions whose own working set (reserved newest tokens left out) exceeds the slots.
@@ -140,7 +148,7 @@ class Loop {
   std::vector<int> layer_ids_;    // the model layer of each offloaded layer
   std::int64_t context_;          // the prompt's entries
   std::int64_t max_len_;          // entries, at most
-  std::vector<std::shared_ptr<std::uint8_t>> buffers_;  // c4_buffer's pages
+  std::vector<std::shared_ptr<std::uint8_t>> buffers_;  // split_buffer's memory
   std::unique_ptr<Offload> offload_;
   const test::OffloadIo* io_ = nullptr;
   std::vector<std::uint8_t> device_rows_;        // kCuda: the layer's buffer read back once per step
@@ -167,19 +175,25 @@ void Loop::count_split_steps(const test::OffloadStepIn& in, std::int32_t slots) 
 }
 
 std::vector<std::uint8_t> Loop::append_token(RequestId id, std::int64_t token) {
-  std::vector<float> nope(static_cast<std::size_t>(latent_.nope_dim));
-  std::vector<float> rope(static_cast<std::size_t>(latent_.rope_dim));
+  std::vector<float> nope(static_cast<std::size_t>(latent_.key_value() ? latent_.kv_dim : latent_.nope_dim));
+  std::vector<float> rope(static_cast<std::size_t>(latent_.key_value() ? latent_.kv_dim : latent_.rope_dim));
   const std::size_t E = latent_.bytes();
   std::vector<std::uint8_t> entries(static_cast<std::size_t>(cfg_.layers) * E);
   std::vector<float> key(static_cast<std::size_t>(index_.head_dim));
   for (int l = 0; l < cfg_.layers; ++l) {
-    // Latent values of varying magnitude per tile, so the four scales differ.
-    for (std::size_t d = 0; d < nope.size(); ++d) {
-      nope[d] = normal() * std::ldexp(1.0f, static_cast<int>(d / static_cast<std::size_t>(latent_.tile)) - 1);
-    }
-    for (float& v : rope) v = normal();
     const std::span<std::uint8_t> entry(entries.data() + static_cast<std::size_t>(l) * E, E);
-    quantize_latent(latent_, nope, rope, entry);
+    if (latent_.key_value()) {  // a token's key and value (MiniMax-M3)
+      for (float& v : nope) v = normal();
+      for (float& v : rope) v = normal();
+      encode_key_value(latent_, nope, rope, entry);
+    } else {
+      // Latent values of varying magnitude per tile, so the four scales differ.
+      for (std::size_t d = 0; d < nope.size(); ++d) {
+        nope[d] = normal() * std::ldexp(1.0f, static_cast<int>(d / static_cast<std::size_t>(latent_.tile)) - 1);
+      }
+      for (float& v : rope) v = normal();
+      quantize_latent(latent_, nope, rope, entry);
+    }
     LayerState& ls = state_[static_cast<std::size_t>(id)][static_cast<std::size_t>(l)];
     ESS_ASSERT(ls.full.size() == static_cast<std::size_t>(token) * E, "verify: tokens are appended in order");
     ls.full.insert(ls.full.end(), entry.begin(), entry.end());
@@ -216,7 +230,36 @@ std::vector<std::int32_t> Loop::select(RequestId id, int layer, std::int64_t pos
   std::vector<float> logits(static_cast<std::size_t>(position + 1));
   ref::indexer_logits(index_, ls.q, ls.w, model_.index_n_heads, pages, position + 1, logits);
   std::vector<std::int32_t> ids(static_cast<std::size_t>(cfg_.topk));
-  ref::topk(logits, cfg_.topk, ids);
+  const int block = model_.selection_block();
+  if (block == 1) {
+    ref::topk(logits, cfg_.topk, ids);
+    return ids;
+  }
+  // A block top-k (MiniMax-M3): each block scored by its tokens' best logit (sparse_score_type
+  // "max"), the newest block always chosen (its local block, as the index kernel boosts it), the
+  // chosen blocks' tokens in ascending order, -1 after them and past the position.
+  const std::int64_t blocks = (position + 1 + block - 1) / block;
+  std::vector<float> score(static_cast<std::size_t>(blocks), -INFINITY);
+  for (std::int64_t t = 0; t <= position; ++t) {
+    float& s = score[static_cast<std::size_t>(t / block)];
+    s = std::max(s, logits[static_cast<std::size_t>(t)]);
+  }
+  score.back() = INFINITY;
+  const int want = cfg_.topk / block;
+  std::vector<std::int32_t> chosen(static_cast<std::size_t>(want));
+  ref::topk(score, want, chosen);
+  std::sort(chosen.begin(), chosen.end(), [](std::int32_t a, std::int32_t b) {
+    return (a < 0 ? INT32_MAX : a) < (b < 0 ? INT32_MAX : b);
+  });
+  std::fill(ids.begin(), ids.end(), -1);
+  std::size_t k = 0;
+  for (const std::int32_t b : chosen) {
+    if (b < 0) continue;
+    for (int t = 0; t < block; ++t) {
+      const std::int64_t token = static_cast<std::int64_t>(b) * block + t;
+      ids[k++] = token <= position ? static_cast<std::int32_t>(token) : -1;
+    }
+  }
   return ids;
 }
 
@@ -235,7 +278,7 @@ const std::uint8_t* Loop::row_bytes(int layer, std::int32_t p, std::uint8_t* at)
     std::memcpy(at, base + b.rows.offset(p), E);
     return at;
   }
-  // The tails lie after the heads in the same allocation (c4_buffer).
+  // The tails lie after the heads in the same allocation (split_buffer).
   const auto delta = static_cast<std::size_t>(b.tail_base[static_cast<std::size_t>(layer)] - b.layer_base[static_cast<std::size_t>(layer)]);
   const auto head = static_cast<std::size_t>(b.tail.head_bytes), tail = static_cast<std::size_t>(b.tail.bytes);
   std::memcpy(at, base + b.rows.offset(p), head);
@@ -244,16 +287,29 @@ const std::uint8_t* Loop::row_bytes(int layer, std::int32_t p, std::uint8_t* at)
   return at;
 }
 
-LatentBuffer Loop::c4_buffer(const OffloadConfig& oc) {
+LatentBuffer Loop::split_buffer(const OffloadConfig& oc) {
   // The device first, as the Offload would check it: a machine without one is told so, not given an
   // allocation failure.
   if (oc.backend == Backend::kCuda && oc.device >= cuda_device_count()) {
     throw_device_error(fmt::format("verify: no CUDA device {} (found {})", oc.device, cuda_device_count()));
   }
-  const C4Page page = C4Page::of(latent_);
   const std::int64_t rows = static_cast<std::int64_t>(oc.max_requests) * oc.rows_per_request();
-  const std::uint64_t pages = static_cast<std::uint64_t>((rows + C4Page::kRows - 1) / C4Page::kRows);
   LatentBuffer b;
+  if (latent_.key_value()) {  // K and V in two regions of one allocation, as SGLang's two tensors
+    const std::uint64_t kv = latent_.value_bytes();
+    b.rows = RowLayout{kv, 0, 0};
+    b.tail.head_bytes = static_cast<int>(kv);
+    b.tail.bytes = static_cast<int>(kv);
+    b.tail.rows = RowLayout{kv, 0, 0};
+    for (int l = 0; l < oc.layers; ++l) {
+      buffers_.push_back(io_->allocate(2 * static_cast<std::uint64_t>(rows) * kv));
+      b.layer_base.push_back(buffers_.back().get());
+      b.tail_base.push_back(buffers_.back().get() + static_cast<std::uint64_t>(rows) * kv);
+    }
+    return b;
+  }
+  const C4Page page = C4Page::of(latent_);
+  const std::uint64_t pages = static_cast<std::uint64_t>((rows + C4Page::kRows - 1) / C4Page::kRows);
   b.rows = RowLayout{page.value_bytes, C4Page::kRows, page.bytes()};
   b.tail.head_bytes = static_cast<int>(page.value_bytes);
   b.tail.bytes = static_cast<int>(page.scale_bytes);
@@ -266,10 +322,56 @@ LatentBuffer Loop::c4_buffer(const OffloadConfig& oc) {
   return b;
 }
 
+namespace {
+
+// Grouped-query decode attention over K / V entries (MiniMax-M3's sparse layers, one KV head):
+// `heads` query heads of kv_dim bf16 values share the selected tokens' keys and values;
+// out[h] = softmax(q[h] . k * scale) . v (bf16), lse[h] the natural-log sum of exponentials; a
+// row with no entry gives 0 and -inf. fp32 throughout, the keys and values read exactly.
+void gqa_decode(const LatentLayout& layout, int heads, float scale, std::span<const std::uint16_t> q,
+                std::span<const std::uint8_t* const> entries, std::span<std::uint16_t> out, std::span<float> lse) {
+  const auto D = static_cast<std::size_t>(layout.kv_dim);
+  std::vector<float> k(D), v(D), logits, acc(D);
+  std::vector<std::vector<float>> values;
+  std::vector<std::vector<float>> keys;
+  for (const std::uint8_t* e : entries) {
+    if (e == nullptr) continue;
+    decode_key_value(layout, std::span<const std::uint8_t>(e, layout.bytes()), k, v);
+    keys.push_back(k);
+    values.push_back(v);
+  }
+  for (int h = 0; h < heads; ++h) {
+    const auto hq = static_cast<std::size_t>(h) * D;
+    logits.assign(keys.size(), 0.0f);
+    float top = -INFINITY;
+    for (std::size_t j = 0; j < keys.size(); ++j) {
+      float dot = 0.0f;
+      for (std::size_t d = 0; d < D; ++d) dot += bf16_to_float(q[hq + d]) * keys[j][d];
+      logits[j] = dot * scale;
+      top = std::max(top, logits[j]);
+    }
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    float sum = 0.0f;
+    for (std::size_t j = 0; j < keys.size(); ++j) {
+      const float p = std::exp(logits[j] - top);
+      sum += p;
+      for (std::size_t d = 0; d < D; ++d) acc[d] += p * values[j][d];
+    }
+    for (std::size_t d = 0; d < D; ++d) out[hq + d] = bf16_from_float(sum > 0.0f ? acc[d] / sum : 0.0f);
+    lse[static_cast<std::size_t>(h)] = sum > 0.0f ? top + std::log(sum) : -INFINITY;
+  }
+}
+
+}  // namespace
+
 void Loop::compare_attention(RequestId id, int layer, int t, std::span<const std::int32_t> token_ids,
                              std::span<const std::int32_t> rows, std::int64_t step) {
-  const int heads = model_.num_attention_heads;
-  const std::size_t qdim = static_cast<std::size_t>(latent_.nope_dim + latent_.rope_dim);
+  // MLA: every head attends over the latent; MiniMax-M3: the query heads of one KV head (a TP
+  // rank's, as HiSparse serves it) over its keys and values.
+  const int heads = latent_.key_value() ? model_.num_attention_heads / model_.num_key_value_heads
+                                        : model_.num_attention_heads;
+  const std::size_t qdim = latent_.key_value() ? static_cast<std::size_t>(latent_.kv_dim)
+                                               : static_cast<std::size_t>(latent_.nope_dim + latent_.rope_dim);
   std::vector<std::uint16_t> q(static_cast<std::size_t>(heads) * qdim);
   for (auto& v : q) v = bf16_from_float(normal());
   const LayerState& ls = state_[static_cast<std::size_t>(id)][static_cast<std::size_t>(layer)];
@@ -282,12 +384,21 @@ void Loop::compare_attention(RequestId id, int layer, int t, std::span<const std
     from_rows[k] = row_bytes(layer, rows[k], seen.data() + k * latent_.bytes());
     from_full[k] = ls.full.data() + static_cast<std::size_t>(token_ids[k]) * latent_.bytes();
   }
-  const ref::SparseMlaParams p{latent_, heads, static_cast<float>(model_.softmax_scale())};
-  const std::size_t out_n = static_cast<std::size_t>(heads) * latent_.nope_dim;
-  std::vector<std::uint16_t> out_a(out_n), out_b(out_n);
+  std::vector<std::uint16_t> out_a, out_b;
   std::vector<float> lse_a(static_cast<std::size_t>(heads)), lse_b(static_cast<std::size_t>(heads));
-  ref::sparse_mla_decode(p, q, from_rows, out_a, lse_a);
-  ref::sparse_mla_decode(p, q, from_full, out_b, lse_b);
+  if (latent_.key_value()) {
+    out_a.resize(static_cast<std::size_t>(heads) * latent_.kv_dim);
+    out_b.resize(out_a.size());
+    gqa_decode(latent_, heads, static_cast<float>(model_.softmax_scale()), q, from_rows, out_a, lse_a);
+    gqa_decode(latent_, heads, static_cast<float>(model_.softmax_scale()), q, from_full, out_b, lse_b);
+  } else {
+    const ref::SparseMlaParams p{latent_, heads, static_cast<float>(model_.softmax_scale())};
+    out_a.resize(static_cast<std::size_t>(heads) * latent_.nope_dim);
+    out_b.resize(out_a.size());
+    ref::sparse_mla_decode(p, q, from_rows, out_a, lse_a);
+    ref::sparse_mla_decode(p, q, from_full, out_b, lse_b);
+  }
+  const std::size_t out_n = out_a.size();
   ++report_.compared_outputs;
   const bool same = std::memcmp(out_a.data(), out_b.data(), out_n * 2) == 0 &&
                     std::memcmp(lse_a.data(), lse_b.data(), lse_a.size() * 4) == 0;
@@ -334,7 +445,8 @@ VerifyReport Loop::run() {
   oc.backend = cfg_.backend;
   oc.device = cfg_.device;
   io_ = &test::offload_io(cfg_.backend);
-  offload_ = per_entry_ > 1 ? std::make_unique<Offload>(oc, c4_buffer(oc)) : std::make_unique<Offload>(oc);
+  offload_ = per_entry_ > 1 || latent_.key_value() ? std::make_unique<Offload>(oc, split_buffer(oc))
+                                                   : std::make_unique<Offload>(oc);
   Offload& o = *offload_;
   report_.host_memory = std::string(to_string(o.host_pool().memory_kind()));
   report_.backend = cfg_.backend == Backend::kCuda ? "cuda" : "cpu";

@@ -42,7 +42,11 @@ float ue8m0_value(std::uint8_t byte) { return std::ldexp(1.0f, static_cast<int>(
 
 LatentLayout LatentLayout::for_model(const ModelSpec& m) {
   LatentLayout l{m.kv_lora_rank, m.qk_rope_head_dim};
-  if (m.is_deepseek_v4()) {  // head_dim values: NoPE, then RoPE (SGLang's NopeFp8RopeBf16Pack)
+  if (m.is_minimax_m3()) {  // one KV head's K and V (SGLang's HiSparseMHAMainPool, head_num 1)
+    l = LatentLayout{};
+    l.kv_dim = m.head_dim;
+    l.kv_value_bytes = m.kv_value_bytes;
+  } else if (m.is_deepseek_v4()) {  // head_dim values: NoPE, then RoPE (SGLang's NopeFp8RopeBf16Pack)
     l.nope_dim = m.head_dim - m.qk_rope_head_dim;
     l.tile = 64;
     l.scales = ScaleFormat::kUe8m0;
@@ -52,6 +56,16 @@ LatentLayout LatentLayout::for_model(const ModelSpec& m) {
 }
 
 void LatentLayout::validate() const {
+  if (key_value()) {
+    ESS_CHECK(kv_value_bytes == 1 || kv_value_bytes == 2 || kv_value_bytes == 4,
+              "latent layout: K / V values of {} bytes (1: fp8, 2: bf16 or fp16, 4: fp32)", kv_value_bytes);
+    ESS_CHECK(value_bytes() % kVectorBytes == 0,
+              "latent layout: a key of {} values x {} bytes is not a multiple of {} bytes (it moves in 16-byte chunks, "
+              "its value apart)",
+              kv_dim, kv_value_bytes, kVectorBytes);
+    return;
+  }
+  ESS_CHECK(kv_dim == 0, "latent layout: kv_dim = {} is negative", kv_dim);
   const bool fp32 = scales == ScaleFormat::kFp32;
   ESS_CHECK(tile == (fp32 ? kQuantTile : 64), "latent layout: tiles of {} values with {} scales (expected {})", tile,
             fp32 ? "fp32" : "ue8m0", fp32 ? kQuantTile : 64);
@@ -84,6 +98,7 @@ void IndexerLayout::validate() const {
 
 void quantize_latent(const LatentLayout& layout, std::span<const float> nope,
                      std::span<const float> rope, std::span<std::uint8_t> out) {
+  ESS_CHECK(!layout.key_value(), "quantize_latent: a K / V entry (MiniMax-M3's) holds no latent");
   ESS_CHECK(nope.size() == static_cast<std::size_t>(layout.nope_dim),
             "quantize_latent: nope has {} values, expected {}", nope.size(), layout.nope_dim);
   ESS_CHECK(rope.size() == static_cast<std::size_t>(layout.rope_dim),
@@ -107,8 +122,68 @@ void quantize_latent(const LatentLayout& layout, std::span<const float> nope,
   }
 }
 
+namespace {
+
+void put_kv_value(int bytes, float x, std::uint8_t* at) {
+  if (bytes == 1) {
+    *at = fp8_e4m3_from_float(x);
+  } else if (bytes == 2) {
+    const std::uint16_t b = bf16_from_float(x);
+    std::memcpy(at, &b, 2);
+  } else {
+    std::memcpy(at, &x, 4);
+  }
+}
+
+float get_kv_value(int bytes, const std::uint8_t* at) {
+  if (bytes == 1) return fp8_e4m3_to_float(*at);
+  if (bytes == 2) {
+    std::uint16_t b = 0;
+    std::memcpy(&b, at, 2);
+    return bf16_to_float(b);
+  }
+  float x = 0;
+  std::memcpy(&x, at, 4);
+  return x;
+}
+
+}  // namespace
+
+void encode_key_value(const LatentLayout& layout, std::span<const float> key, std::span<const float> value,
+                      std::span<std::uint8_t> out) {
+  ESS_CHECK(layout.key_value(), "encode_key_value: a latent layout holds no K / V entry");
+  const auto n = static_cast<std::size_t>(layout.kv_dim);
+  ESS_CHECK(key.size() == n && value.size() == n, "encode_key_value: key and value have {} and {} values, expected {}",
+            key.size(), value.size(), n);
+  ESS_CHECK(out.size() == layout.bytes(), "encode_key_value: output has {} bytes, expected {}", out.size(),
+            layout.bytes());
+  check_finite(key, "key");
+  check_finite(value, "value");
+  std::fill(out.begin(), out.end(), std::uint8_t{0});
+  const int w = layout.kv_value_bytes;
+  for (std::size_t d = 0; d < n; ++d) {
+    put_kv_value(w, key[d], out.data() + d * static_cast<std::size_t>(w));
+    put_kv_value(w, value[d], out.data() + layout.value_bytes() + d * static_cast<std::size_t>(w));
+  }
+}
+
+void decode_key_value(const LatentLayout& layout, std::span<const std::uint8_t> entry, std::span<float> key,
+                      std::span<float> value) {
+  ESS_CHECK(layout.key_value(), "decode_key_value: a latent layout holds no K / V entry");
+  const auto n = static_cast<std::size_t>(layout.kv_dim);
+  ESS_CHECK(entry.size() == layout.bytes() && key.size() == n && value.size() == n,
+            "decode_key_value: an entry of {} bytes into {} and {} values, expected {} bytes and {} values",
+            entry.size(), key.size(), value.size(), layout.bytes(), n);
+  const int w = layout.kv_value_bytes;
+  for (std::size_t d = 0; d < n; ++d) {
+    key[d] = get_kv_value(w, entry.data() + d * static_cast<std::size_t>(w));
+    value[d] = get_kv_value(w, entry.data() + layout.value_bytes() + d * static_cast<std::size_t>(w));
+  }
+}
+
 void dequantize_latent(const LatentLayout& layout, std::span<const std::uint8_t> entry,
                        std::span<float> nope, std::span<float> rope) {
+  ESS_CHECK(!layout.key_value(), "dequantize_latent: a K / V entry (MiniMax-M3's) holds no latent");
   ESS_CHECK(entry.size() == layout.bytes(), "dequantize_latent: entry has {} bytes, expected {}",
             entry.size(), layout.bytes());
   ESS_CHECK(nope.size() == static_cast<std::size_t>(layout.nope_dim) &&

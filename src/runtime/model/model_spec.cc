@@ -83,6 +83,79 @@ bool sharing_fields_declare_it(const json& j) {
          (types != nullptr && types->is_array() && std::find(types->begin(), types->end(), "shared") != types->end());
 }
 
+// The first architecture a config names ("" when none).
+std::string first_architecture(const json& j) {
+  const json* a = present(j, "architectures");
+  if (a == nullptr || !a->is_array() || a->empty() || !(*a)[0].is_string()) return {};
+  return (*a)[0].get<std::string>();
+}
+
+// A cached K / V value's bytes for MiniMax-M3: SGLang's kv_cache_dtype when the config carries it
+// (server flag; "auto" is the model's dtype), else the config's torch_dtype.
+int kv_value_bytes(const json& j, const std::string& source) {
+  std::string dtype = "bfloat16";
+  if (const json* t = present(j, "torch_dtype")) {
+    ESS_CHECK(t->is_string(), "{}: field 'torch_dtype' must be a string, got {}", source, t->dump());
+    dtype = t->get<std::string>();
+  }
+  if (const json* k = present(j, "kv_cache_dtype")) {
+    ESS_CHECK(k->is_string(), "{}: field 'kv_cache_dtype' must be a string, got {}", source, k->dump());
+    if (*k != "auto") dtype = k->get<std::string>();
+  }
+  if (dtype == "bfloat16" || dtype == "bf16" || dtype == "float16" || dtype == "fp16") return 2;
+  if (dtype == "float32") return 4;
+  if (dtype == "fp8_e4m3" || dtype == "fp8_e5m2" || dtype == "fp8_e4m3fnuz") return 1;
+  ESS_THROW("{}: the K / V cache's dtype '{}' (kv_cache_dtype, else torch_dtype) is not one of bfloat16, float16, "
+            "float32, fp8_e4m3, fp8_e5m2",
+            source, dtype);
+}
+
+// MiniMax-M3's fields as SGLang reads them (configs/model_config.py, models/minimax_m3.py,
+// layers/attention/minimax_sparse_backend.py): `t` the text config, `top` the whole file (the
+// sparse attention config is the text config's, else the top level's).
+void read_minimax_m3(const json& t, const json& top, const std::string& source, ModelSpec& m) {
+  m.num_hidden_layers = json_int(t, "num_hidden_layers", source, true);
+  m.hidden_size = json_int(t, "hidden_size", source, true);
+  m.vocab_size = json_int(t, "vocab_size", source, true);
+  m.num_attention_heads = json_int(t, "num_attention_heads", source, true);
+  m.num_key_value_heads = json_int(t, "num_key_value_heads", source, true);
+  ESS_CHECK(m.num_attention_heads > 0, "{}: field 'num_attention_heads' = {} must be positive", source,
+            m.num_attention_heads);
+  m.head_dim = json_int(t, "head_dim", source, false, m.hidden_size / m.num_attention_heads);
+  m.qk_rope_head_dim = json_int(t, "rotary_dim", source, false, m.head_dim);
+  m.max_position_embeddings = json_int(t, "max_position_embeddings", source, false, 8192);
+  m.n_routed_experts = json_int(t, "num_local_experts", source, false, 0);
+  m.num_experts_per_tok = json_int(t, "num_experts_per_tok", source, false, 0);
+  m.intermediate_size = json_int(t, "intermediate_size", source, false, 0);
+  m.moe_intermediate_size = m.intermediate_size;
+  m.kv_value_bytes = kv_value_bytes(t, source);
+  const json* sparse = present(t, "sparse_attention_config");
+  if (sparse == nullptr) sparse = present(top, "sparse_attention_config");
+  ESS_CHECK(sparse != nullptr && sparse->is_object(),
+            "{}: a MiniMax-M3 config needs 'sparse_attention_config' (in text_config or at the top level)", source);
+  const std::string where = source + " sparse_attention_config";
+  const json* freq = present(*sparse, "sparse_attention_freq");
+  ESS_CHECK(freq != nullptr && freq->is_array(),
+            "{}: field 'sparse_attention_freq' (per layer, 0 for a dense layer) must be a list of integers", where);
+  for (std::size_t l = 0; l < freq->size(); ++l) {
+    const json& f = (*freq)[l];
+    ESS_CHECK(f.is_number_integer(), "{}: field 'sparse_attention_freq'[{}] = {} is not an integer", where, l, f.dump());
+    m.sparse_layers.push_back(f.get<std::int64_t>() != 0);
+  }
+  m.sparse_block_size = json_int(*sparse, "sparse_block_size", where, true);
+  m.sparse_topk_blocks = json_int(*sparse, "sparse_topk_blocks", where, true);
+  m.index_head_dim = json_int(*sparse, "sparse_index_dim", where, true);
+  m.index_n_heads = json_int(*sparse, "sparse_num_index_heads", where, true);
+  if (const json* score = present(*sparse, "sparse_score_type")) {
+    ESS_CHECK(score->is_string() && (*score == "max" || *score == "lse"),
+              "{}: field 'sparse_score_type' = {} must be \"max\" or \"lse\"", where, score->dump());
+  }
+  ESS_CHECK(m.sparse_block_size > 0 && m.sparse_topk_blocks > 0,
+            "{}: sparse_block_size = {} and sparse_topk_blocks = {} must be positive", where, m.sparse_block_size,
+            m.sparse_topk_blocks);
+  m.index_topk = m.sparse_topk_blocks * m.sparse_block_size;
+}
+
 // DeepSeek-V4's fields as SGLang reads them: its DeepSeekV4Config dataclass's defaults
 // (configs/deepseek_v4.py) for what the file leaves out, head_dim from the file (models/deepseek_v4.py
 // reads config.head_dim), the latent's NoPE width head_dim - qk_rope_head_dim.
@@ -132,6 +205,19 @@ ModelSpec ModelSpec::from_json(const json& j, const std::string& source) {
     m.name = m.model_type;
   } else {
     m.name = source;
+  }
+  m.architecture = first_architecture(j);
+  if (m.is_minimax_m3()) {
+    // A VL checkpoint wraps the text model's config (SGLang's hf_text_config).
+    const json* text = present(j, "text_config");
+    const json& t = text != nullptr && text->is_object() ? *text : j;
+    if (m.model_type.empty()) {
+      if (auto mt = t.find("model_type"); mt != t.end() && mt->is_string()) m.model_type = mt->get<std::string>();
+      if (m.name.empty() || m.name == source) m.name = m.model_type.empty() ? source : m.model_type;
+    }
+    read_minimax_m3(t, j, source, m);
+    m.validate(source);
+    return m;
   }
   if (m.is_deepseek_v4()) {
     read_deepseek_v4(j, source, m);
@@ -208,6 +294,32 @@ json ModelSpec::to_json() const {
             {"first_k_dense_replace", first_k_dense_replace},
             {"num_nextn_predict_layers", num_nextn_predict_layers},
             {"max_position_embeddings", max_position_embeddings}};
+  if (is_minimax_m3()) {
+    json freq = json::array();
+    for (const bool sparse : sparse_layers) freq.push_back(sparse ? 1 : 0);
+    return {{"_name_or_path", name},
+            {"architectures", {architecture}},
+            {"model_type", model_type},
+            {"num_hidden_layers", num_hidden_layers},
+            {"hidden_size", hidden_size},
+            {"vocab_size", vocab_size},
+            {"num_attention_heads", num_attention_heads},
+            {"num_key_value_heads", num_key_value_heads},
+            {"head_dim", head_dim},
+            {"rotary_dim", qk_rope_head_dim},
+            {"max_position_embeddings", max_position_embeddings},
+            {"num_local_experts", n_routed_experts},
+            {"num_experts_per_tok", num_experts_per_tok},
+            {"intermediate_size", intermediate_size},
+            {"torch_dtype", kv_value_bytes == 1 ? "bfloat16" : kv_value_bytes == 4 ? "float32" : "bfloat16"},
+            {"kv_cache_dtype", kv_value_bytes == 1 ? "fp8_e4m3" : "auto"},
+            {"sparse_attention_config",
+             {{"sparse_attention_freq", freq},
+              {"sparse_block_size", sparse_block_size},
+              {"sparse_topk_blocks", sparse_topk_blocks},
+              {"sparse_index_dim", index_head_dim},
+              {"sparse_num_index_heads", index_n_heads}}}};
+  }
   if (is_deepseek_v4()) {
     j["model_type"] = model_type;
     j["head_dim"] = head_dim;
@@ -235,7 +347,11 @@ std::vector<int> ModelSpec::offloaded_layers() const {
   std::vector<int> layers;
   for (int l = 0; l < num_hidden_layers; ++l) {
     const auto at = static_cast<std::size_t>(l);
-    if (!is_deepseek_v4() || (at < compress_ratios.size() && compress_ratios[at] == 4)) layers.push_back(l);
+    if (is_minimax_m3()) {
+      if (at < sparse_layers.size() && sparse_layers[at]) layers.push_back(l);
+    } else if (!is_deepseek_v4() || (at < compress_ratios.size() && compress_ratios[at] == 4)) {
+      layers.push_back(l);
+    }
   }
   return layers;
 }
@@ -252,7 +368,8 @@ int ModelSpec::indexer_layers(int layers) const {
 }
 
 double ModelSpec::softmax_scale() const {
-  if (is_deepseek_v4()) return 1.0 / std::sqrt(static_cast<double>(head_dim));  // models/deepseek_v4.py: head_dim**-0.5
+  // models/deepseek_v4.py, minimax_m3.py: head_dim**-0.5
+  if (is_deepseek_v4() || is_minimax_m3()) return 1.0 / std::sqrt(static_cast<double>(head_dim));
   double scale = 1.0 / std::sqrt(static_cast<double>(qk_nope_head_dim + qk_rope_head_dim));
   if (rope_mscale_all_dim != 0.0 && rope_scaling_factor > 1.0) {
     const double mscale = 0.1 * rope_mscale_all_dim * std::log(rope_scaling_factor) + 1.0;
@@ -265,6 +382,31 @@ void ModelSpec::validate(const std::string& source) const {
   const auto positive = [&](int v, const char* field) {
     ESS_CHECK(v > 0, "{}: field '{}' = {} must be positive", source, field, v);
   };
+  if (is_minimax_m3()) {
+    positive(num_hidden_layers, "num_hidden_layers");
+    positive(hidden_size, "hidden_size");
+    positive(vocab_size, "vocab_size");
+    positive(head_dim, "head_dim");
+    positive(num_key_value_heads, "num_key_value_heads");
+    positive(index_n_heads, "sparse_num_index_heads");
+    positive(index_head_dim, "sparse_index_dim");
+    positive(max_position_embeddings, "max_position_embeddings");
+    ESS_CHECK(num_attention_heads % num_key_value_heads == 0,
+              "{}: num_attention_heads = {} is not a multiple of num_key_value_heads = {} (grouped-query attention)",
+              source, num_attention_heads, num_key_value_heads);
+    ESS_CHECK(std::ssize(sparse_layers) >= num_hidden_layers,
+              "{}: field 'sparse_attention_freq' has {} layers; the model has num_hidden_layers = {}", source,
+              sparse_layers.size(), num_hidden_layers);
+    ESS_CHECK(!offloaded_layers().empty(),
+              "{}: no sparse layer (sparse_attention_freq != 0): those are what HiSparse offloads, and there is none",
+              source);
+    try {
+      LatentLayout::for_model(*this);
+    } catch (const Error& e) {
+      ESS_THROW("{}: {}", source, e.what());
+    }
+    return;
+  }
   positive(num_hidden_layers, "num_hidden_layers");
   positive(hidden_size, "hidden_size");
   positive(vocab_size, "vocab_size");

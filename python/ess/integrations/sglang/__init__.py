@@ -28,10 +28,12 @@ registers it and writes the prefill's KV straight into ESS's pages; admit_reques
 request's rows up from them.
 
 DeepSeek-V4's C4 pool (pools.py): ESS's rows are pages of SGLang's HiSparseC4DevicePool, every count in C4 entries
-(one per 4 tokens); a request gets an entry on the step that completes one.
+(one per 4 tokens); a request gets an entry on the step that completes one. MiniMax-M3's K / V pool: ESS's rows are
+slots of its HiSparseMHAMainPool, K and V in their two tensors; swap_in_selected_blocks expands the block top-k to
+its tokens.
 
-What differs from upstream is in docs/integration.md; what this build cannot serve (MiniMax's pool, page sizes that
-do not divide 64; with DeepSeek-V4, speculative decoding, the overlap schedules and PD decode) is refused by name at
+What differs from upstream is in docs/integration.md; what this build cannot serve (page sizes that do not divide
+64; with DeepSeek-V4 or MiniMax-M3, speculative decoding, the overlap schedules and PD decode) is refused by name at
 construction. Two-batch overlap is served: each batch a
 forward swaps for (the whole batch, each micro-batch) has its rows staged apart (forward_batches.py).
 
@@ -42,7 +44,7 @@ the DSA indexer run per half of the batch, the first half's copy under the secon
 (shared-index layers: a follower's step issued at its leader's swap, its copy under the layers between), staging.py
 (admission: the prefill staged to the host, PD direct admission, release), host_pool.py (ESS's Total Memory Pool as
 SGLang's PD host pool), install.py (the class and the wrappers put where SGLang imports them), _common.py (what they
-share: SGLang's types, argument checks, settings), pools.py (the device pool's kind: DSA or DeepSeek-V4's C4)."""
+share: SGLang's types, argument checks, settings), pools.py (the device pool's kind: DSA, DeepSeek-V4's C4 or MiniMax-M3's K / V)."""
 from ._common import (ENTRY_BYTES, SGLANG_VERSION, HiSparseAct, HiSparseTokenStats, SpecScratch, _sglang_setting,
                       _token_stats_type)
 from .coordinator import HiSparseCoordinator

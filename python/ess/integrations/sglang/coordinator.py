@@ -42,15 +42,19 @@ class HiSparseCoordinator(Staging):
         self.tp_group = tp_group
         self.dev = _device.for_device(device)
         self.compress_ratio = getattr(token_to_kv_pool_allocator, "compress_ratio", 1)
-        # The device pool's kind (pools.py): DSA's latent entries, or DeepSeek-V4's C4 entries (one per 4 tokens).
+        # The device pool's kind (pools.py): DSA's latent entries, DeepSeek-V4's C4 entries (one per 4 tokens), or
+        # MiniMax-M3's K / V.
         self.pool = device_pool(token_to_kv_pool_allocator)
+        # The ids one swap hands ESS's step per query token: the top-k; for MiniMax-M3's block swap the tokens of
+        # the selected blocks, at most device_buffer_size (upstream's bound, hisparse_coordinator.py).
+        self.step_k = self.device_buffer_size if self.pool.blocks else self.top_k
 
         num_draft_tokens = 0 if num_draft_tokens is None else _int("num_draft_tokens", num_draft_tokens)
         if num_draft_tokens < 0:
             raise InvalidArgument(f"num_draft_tokens = {num_draft_tokens} is negative")
-        if num_draft_tokens and self.pool.ratio != 1:
-            # Upstream's HiSparseSpecSwapManager refuses it too ("HiSparse spec swap currently supports DSA caches
-            # only"), and the DeepSeek-V4 indexer swaps in DECODE only, never in a verify step.
+        if num_draft_tokens and self.pool.kind != "DSA":
+            # Upstream's HiSparseSpecSwapManager refuses DeepSeek-V4 ("HiSparse spec swap currently supports DSA
+            # caches only"; its indexer swaps in DECODE only); MiniMax-M3's block swap has no verify path upstream.
             raise InvalidArgument(f"num_draft_tokens = {num_draft_tokens} with the {self.pool.kind} pool: speculative "
                                   "decoding with HiSparse serves DSA caches only (as upstream's)")
         if num_draft_tokens and self.device_buffer_size < num_draft_tokens * self.top_k:
@@ -71,11 +75,13 @@ class HiSparseCoordinator(Staging):
         # publishes its settings (a pool and coordinator built without a server, as its unit tests build them),
         # the stricter budget of the other modes.
         self.pd_decode = _sglang_setting("get_disagg", "disaggregation_mode") == "decode"
-        if self.pd_decode and self.pool.ratio != 1:
+        if self.pd_decode and self.pool.kind != "DSA":
+            layout = ("C4 pages in the device layout (37,440-byte page rows, which upstream's DeepSeekV4PagedHostPool "
+                      "mirrors)" if self.pool.ratio != 1 else "K and V into two host tensors (upstream's "
+                      "HiSparseMHATokenToKVPoolHost)")
             raise InvalidArgument(
-                f"disaggregation_mode = decode with the {self.pool.kind} pool: the prefill side sends C4 pages in the "
-                "device layout (37,440-byte page rows, which upstream's DeepSeekV4PagedHostPool mirrors); ESS's host "
-                "pool keeps whole entries, which a transfer cannot write")
+                f"disaggregation_mode = decode with the {self.pool.kind} pool: the prefill side sends {layout}; "
+                "ESS's host pool keeps whole entries, which a transfer cannot write")
         self.layer_num = self.pool.layer_num
         self.start_layer = self.pool.start_layer
         if num_draft_tokens and self.page_size == 1:
@@ -95,9 +101,9 @@ class HiSparseCoordinator(Staging):
         host_bytes = self._check_settings(max_reqs, max_context, host_to_device_ratio)
         # ESS_OVERLAP: the schedule of the DSA backend's decode (overlap.py).
         self.overlap = schedule_from_environment()
-        if self.overlap != "none" and self.pool.ratio != 1:
+        if self.overlap != "none" and self.pool.kind != "DSA":
             raise InvalidArgument(f"ESS_OVERLAP = {self.overlap} with the {self.pool.kind} pool: the overlap schedules "
-                                  "run inside the DSA backend's decode, not DeepSeek-V4's; unset it")
+                                  "run inside the DSA backend's decode, not this model's; unset it")
         # ESS_RESIDENCY: whether requests stay whole while ESS's rows are free (Engine's residency).
         self.residency = residency_from_environment()
         # ESS_OVERLAP_LAYERS: layer-wise, each layer's schedule per micro-batch.
@@ -114,9 +120,9 @@ class HiSparseCoordinator(Staging):
                                   "use ESS_OVERLAP = da")
         # Shared-index layers (GLM-5.2's index sharing): each follower's step starts at its leader's swap
         # (shared_index.py).
-        if shared_index_layers is not None and self.pool.ratio != 1:
+        if shared_index_layers is not None and self.pool.kind != "DSA":
             raise InvalidArgument(f"shared_index_layers with the {self.pool.kind} pool: index sharing is a DSA "
-                                  "model's (upstream's resolve_shared_index_layers gives None for DeepSeek-V4)")
+                                  "model's (upstream's resolve_shared_index_layers gives None for the others)")
         shared_index_layers = check_pattern(shared_index_layers, self.layer_num)
         rows_per_request = self.device_buffer_size + self.T
         if self.pd_decode:
@@ -166,7 +172,7 @@ class HiSparseCoordinator(Staging):
         self._latent = buffers["latent"]
         try:
             self.engine = Engine(max_requests=max_reqs, max_context=self.pool.units(self.req_to_token_pool.max_context_len),
-                                 slots=self.device_buffer_size, layers=self.layer_num, topk=self.top_k,
+                                 slots=self.device_buffer_size, layers=self.layer_num, topk=self.step_k,
                                  query_tokens=self.T, reserve_newest=True, residency=self.residency,
                                  backend="cuda" if self.dev.is_cuda else "cpu",
                                  device=_cuda_index(device) if self.dev.is_cuda else 0,
@@ -195,10 +201,10 @@ class HiSparseCoordinator(Staging):
 
         # The step's tensors, bound once (fixed addresses for CUDA graphs).
         i32 = dict(dtype=torch.int32, device=device)
-        self._topk = torch.full((max_reqs, self.T, self.top_k), -1, **i32)
-        self._physical = torch.full((max_reqs, self.T, self.top_k), -1, **i32)
-        self._locs = torch.full((max_reqs, self.T, self.top_k), -1, **i32)
-        self._padding = torch.zeros((max_reqs, self.T, self.top_k), dtype=torch.bool, device=device)
+        self._topk = torch.full((max_reqs, self.T, self.step_k), -1, **i32)
+        self._physical = torch.full((max_reqs, self.T, self.step_k), -1, **i32)
+        self._locs = torch.full((max_reqs, self.T, self.step_k), -1, **i32)
+        self._padding = torch.zeros((max_reqs, self.T, self.step_k), dtype=torch.bool, device=device)
         self._padded_rows = torch.zeros((max_reqs,), dtype=torch.bool, device=device)
         self._row_zero = torch.zeros((max_reqs,), dtype=torch.bool, device=device)
         self._arange = torch.arange(max_reqs, **i32)
@@ -221,7 +227,7 @@ class HiSparseCoordinator(Staging):
                         len(self.shared_index.groups), sum(shared_index_layers))
         # ESS_RECORD_TRACE: the top-k SGLang hands the swap, recorded as a trace (topk_recorder.py).
         self._recorder = TopkRecorder.from_environment(
-            layers=self.layer_num, T=self.T, K=self.top_k, max_reqs=max_reqs, device=device, dev=self.dev,
+            layers=self.layer_num, T=self.T, K=self.step_k, max_reqs=max_reqs, device=device, dev=self.dev,
             provenance=f"sglang {SGLANG_VERSION} with ess.integrations.sglang")
         # The backup's own copy of a step's rows and lengths: the next step restages the step's tensors
         # while the backup may still read these.
@@ -423,7 +429,42 @@ class HiSparseCoordinator(Staging):
             raise InvalidArgument(f"{where}: {len(rows)} requests, at most {self.max_batch}")
 
     def swap_in_selected_blocks(self, req_pool_indices, seq_lens, top_k_blocks, layer_id, sparse_block_size):
-        raise InvalidArgument("swap_in_selected_blocks (MiniMax's block swap-in) is not served by ESS")
+        """MiniMax-M3's sparse decode, per layer (minimax_sparse_backend.py _hisparse_swap_in_blocks): top_k_blocks
+        int32 [bs, n] block ids (-1 padded), seq_lens [bs] token lengths -> int32 [bs, n x sparse_block_size] slots
+        of the main pool's K and V, entry j x block + t for token top_k_blocks[j] x block + t, -1 for a padded block,
+        a token at or past seq_len and padding rows (as upstream's load_blocks_to_device_buffer_mha). ESS's step
+        runs over those tokens: residency and LRU token-granular, as upstream's kernel."""
+        if not self.pool.blocks:
+            raise InvalidArgument(f"swap_in_selected_blocks: MiniMax-M3's block swap on the {self.pool.kind} pool "
+                                  "(its decode calls swap_in_selected_pages)")
+        block = _int("sparse_block_size", sparse_block_size)
+        if block < 1:
+            raise InvalidArgument(f"swap_in_selected_blocks: sparse_block_size = {block} must be positive")
+        layer, B, _ = self._check_swap("swap_in_selected_blocks", req_pool_indices, seq_lens, top_k_blocks, layer_id)
+        if top_k_blocks.dim() != 2 or int(top_k_blocks.shape[0]) != B:
+            raise InvalidArgument(f"swap_in_selected_blocks: top_k_blocks has shape {tuple(top_k_blocks.shape)}; "
+                                  f"expected [{B}, blocks]")
+        tokens = int(top_k_blocks.shape[1]) * block
+        if tokens > self.step_k:
+            raise InvalidArgument(
+                f"swap_in_selected_blocks: {top_k_blocks.shape[1]} blocks of {block} tokens select {tokens}, but the "
+                f"HiSparse device buffer holds only {self.device_buffer_size} (device_buffer_size)")
+        rows, lengths, step, first = self._batches.slot(layer, req_pool_indices)
+        offsets = torch.arange(block, dtype=torch.int32, device=top_k_blocks.device).view(1, 1, block)
+
+        def swap():
+            if first:
+                self._stage(rows, lengths, req_pool_indices, seq_lens, B)
+            ids = top_k_blocks.reshape(B, -1, 1) * block + offsets
+            ids.masked_fill_((top_k_blocks.reshape(B, -1, 1) < 0) | (ids >= seq_lens.view(B, 1, 1)), -1)
+            self._topk[:B, 0, :tokens].copy_(ids.view(B, tokens))
+            self._topk[:B, 0, tokens:].fill_(-1)
+            if self._recorder is not None:
+                self._recorder.record(layer, req_pool_indices, self._topk[:B, 0])
+            step.step(layer, B, self.dev.handle(self.dev.current_stream()))
+            _pool_slots(self._physical[:B], self.row_base, self._locs[:B], self._padding[:B])
+        self.dev.launch(swap)
+        return self._locs[:B, 0, :tokens]
 
     def destroy(self) -> None:
         if self.decode_split is not None:
@@ -561,7 +602,7 @@ class HiSparseCoordinator(Staging):
         T = self.T
         if seq_lens.numel() != B * T:
             raise InvalidArgument(f"{where}: {seq_lens.numel()} seq_lens for {B} requests x {T} query tokens")
-        return layer, B, ((B, self.top_k) if T == 1 else (B, T, self.top_k))
+        return layer, B, ((B, self.step_k) if T == 1 else (B, T, self.step_k))
 
     def _stage(self, rows, lengths, req_pool_indices, seq_lens, B):
         """A batch's rows and lengths, at its first swap of the forward (device work only: a CUDA graph replays it

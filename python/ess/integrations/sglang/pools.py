@@ -1,8 +1,9 @@
 """The HiSparse device pool ESS takes its rows from, one class per kind SGLang 0.5.23 builds: DeepSeek-V3.2's (and
-GLM-5's) DSA pool of 656-byte latent entries, indexed by token, and DeepSeek-V4's C4 pool of compressed entries (one
-per 4 tokens) kept in pages of 64 (their values, then their scales). Each says how its entries lie (the engine's
-buffers over the rows ESS claimed; the prefill's entries gathered for staging), how SGLang's token counts become its
-units, and which of the allocator's mapping entries a request's tokens own."""
+GLM-5's) DSA pool of 656-byte latent entries, indexed by token; DeepSeek-V4's C4 pool of compressed entries (one
+per 4 tokens) kept in pages of 64 (their values, then their scales); MiniMax-M3's main pool of its sparse layers' K
+and V, in two tensors. Each says how its entries lie (the engine's buffers over the rows ESS claimed; the prefill's
+entries gathered for staging), how SGLang's token counts become its units, and which of the allocator's mapping
+entries a request's tokens own."""
 from __future__ import annotations
 
 import torch
@@ -23,14 +24,15 @@ class DsaPool:
     allocator's mapping indexed by the token's logical slot."""
     kind = "DSA"
     ratio = 1
+    blocks = False              # the top-k names tokens (MiniMax-M3's names blocks)
     entry_bytes = ENTRY_BYTES   # a host entry
 
     def __init__(self, allocator):
         kvcache = allocator.get_kvcache()
         if not hasattr(kvcache, "full_to_hisparse_device_index_mapping") or not hasattr(kvcache, "kv_cache_dim"):
             raise InvalidArgument(
-                f"{type(kvcache).__name__}: ESS serves the DSA HiSparse MLA pool and DeepSeek-V4's C4 pool (MiniMax's "
-                "block swap-in, swap_in_selected_blocks, is not supported)")
+                f"{type(kvcache).__name__}: ESS serves the DSA HiSparse MLA pool, DeepSeek-V4's C4 pool and "
+                "MiniMax-M3's K / V pool")
         entry = kvcache.kv_cache_dim * kvcache.kv_buffer[0].element_size()
         if entry != ENTRY_BYTES:
             raise InvalidArgument(f"the device pool's entries are {entry} bytes; ESS serves DeepSeek-V3.2's "
@@ -81,6 +83,7 @@ class C4Pool:
     the swap's layer_id, and every count in C4 entries (compressed_seq_lens = seq_len // 4)."""
     kind = "DeepSeek-V4 C4"
     ratio = C4_RATIO
+    blocks = False
     entry_bytes = 592           # a host entry: the 584 bytes padded to 16 (ESS's LatentLayout for DeepSeek-V4)
 
     def __init__(self, allocator):
@@ -156,13 +159,84 @@ class C4Pool:
         return torch.div(full_locs, C4_RATIO, rounding_mode="floor")
 
 
+class KvPool(DsaPool):
+    """MiniMaxSparseKVPool's main pool with HiSparse (HiSparseMHAMainPool, mem_cache/hisparse_memory_pool.py): its
+    sparse layers' K and V, each [slots + page, head_num, head_dim] of the store dtype in a tensor of its own
+    (k_buffer[l], v_buffer[l], l = the model layer less start_layer, the first sparse layer), the allocator's mapping
+    indexed by the token's logical slot as for DSA. HiSparse serves one KV head per TP rank (upstream's coordinator
+    asserts it). The swap is swap_in_selected_blocks: a top-k of blocks, which ESS expands to their tokens."""
+    kind = "MiniMax-M3 K / V"
+    blocks = True
+
+    def __init__(self, allocator):
+        main = allocator.get_kvcache().main_pool
+        if getattr(main, "head_num", None) != 1:
+            raise InvalidArgument(
+                f"the MiniMax-M3 main pool has {getattr(main, 'head_num', None)} KV heads a rank; HiSparse serves one "
+                "(raise the tensor-parallel size, as upstream's coordinator asks)")
+        layers = list(getattr(main, "model_layer_ids", range(main.start_layer, main.start_layer + main.layer_num)))
+        if layers != list(range(main.start_layer, main.start_layer + main.layer_num)):
+            raise InvalidArgument(f"the MiniMax-M3 sparse layers {layers} are not consecutive: the pool's layer "
+                                  "index is the model layer less start_layer (memory_pool.py), which needs them so")
+        self.key_bytes = main.bytes_per_token_k
+        if main.bytes_per_token_v != self.key_bytes or self.key_bytes % 16:
+            raise InvalidArgument(f"MiniMax-M3 K of {self.key_bytes} bytes and V of {main.bytes_per_token_v} a token: "
+                                  "ESS moves equal K and V of a multiple of 16 bytes")
+        for name, bufs in (("k_buffer", main.k_buffer), ("v_buffer", main.v_buffer)):
+            for l, buf in enumerate(bufs):
+                if not buf.is_contiguous() or buf[0].numel() * buf.element_size() != self.key_bytes:
+                    raise InvalidArgument(f"the MiniMax-M3 pool's {name}[{l}] is {buf.dtype} {list(buf.shape)}; "
+                                          f"contiguous rows of {self.key_bytes} bytes expected")
+        self.device = main
+        self.layer_num = main.layer_num
+        self.start_layer = main.start_layer
+        self.page_size = main.page_size
+        self.entry_bytes = 2 * self.key_bytes
+        self.value_width = main.store_dtype.itemsize
+
+    def engine_buffers(self, first_row: int, rows: int) -> dict:
+        """The engine's buffers in two parts: each row's key in the K tensor, its value in the V tensor, at the row's
+        place in each; the entry's model: K then V of one head (the engine reads nothing else of it)."""
+        d = self.device
+        kv_dtype = {1: "fp8_e4m3", 2: "bfloat16", 4: "float32"}[self.value_width]
+        head_dim = self.key_bytes // self.value_width
+        model = {"architectures": ["MiniMaxM3SparseForCausalLM"], "model_type": "minimax_m3",
+                 "num_hidden_layers": self.layer_num, "hidden_size": head_dim, "vocab_size": 1,
+                 "num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": head_dim,
+                 "torch_dtype": "bfloat16", "kv_cache_dtype": kv_dtype,
+                 "sparse_attention_config": {"sparse_attention_freq": [1] * self.layer_num, "sparse_block_size": 1,
+                                             "sparse_topk_blocks": 1, "sparse_index_dim": 128,
+                                             "sparse_num_index_heads": 1}}
+        kb = self.key_bytes
+        return dict(model=model,
+                    latent=[self._kv_rows(buf)[first_row:first_row + rows] for buf in d.k_buffer],
+                    latent_tail=[self._kv_rows(buf)[first_row:first_row + rows] for buf in d.v_buffer],
+                    split_bytes=kb, tail_bytes=kb)
+
+    def gather(self, layer: int, device_locs):
+        """The tokens' K and V at the pool's slots, as ESS's host entries [n, 2 x key bytes]: key, then value."""
+        d = self.device
+        return torch.cat([self._kv_rows(d.k_buffer[layer]).index_select(0, device_locs),
+                          self._kv_rows(d.v_buffer[layer]).index_select(0, device_locs)], dim=1)
+
+    def _kv_rows(self, buf):
+        return buf.view(torch.uint8).view(-1, self.key_bytes)
+
+    @staticmethod
+    def _rows(buf):
+        raise AssertionError("a K / V pool has no latent rows")
+
+
 def device_pool(allocator):
     """The pool of SGLang's HiSparse allocator, as ESS reads it."""
     if getattr(allocator, "compress_ratio", 1) == C4_RATIO and hasattr(allocator, "hisparse_kvcache"):
         return C4Pool(allocator)
+    if getattr(allocator, "compress_ratio", 1) == 1 and hasattr(allocator, "hisparse_attn_allocator") and \
+            hasattr(allocator.get_kvcache(), "main_pool"):
+        return KvPool(allocator)
     if getattr(allocator, "compress_ratio", 1) != 1 or not hasattr(allocator, "hisparse_attn_allocator"):
         raise InvalidArgument(
             f"{type(allocator).__name__} (compress_ratio {getattr(allocator, 'compress_ratio', 1)}): ESS serves "
-            "SGLang's HiSparse allocators for DSA models (HiSparseTokenToKVPoolAllocator) and DeepSeek-V4 "
-            "(DeepSeekV4HiSparseTokenToKVPoolAllocator)")
+            "SGLang's HiSparse allocators for DSA models and MiniMax-M3 (HiSparseTokenToKVPoolAllocator) and "
+            "DeepSeek-V4 (DeepSeekV4HiSparseTokenToKVPoolAllocator)")
     return DsaPool(allocator)

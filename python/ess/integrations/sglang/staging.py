@@ -128,7 +128,7 @@ class Staging:
     def _warmup_windows(self, n: int):
         """The first residency: the prompt's last min(n, slots) tokens, oldest first (SGLang hands over no
         prefill top-k to warm up from); none (one window of padding) for n = 0."""
-        K = self.top_k
+        K = self.step_k
         keep = min(n, self.info.slots)
         windows = max(1, -(-keep // K))
         ids = torch.full((windows * K,), -1, dtype=torch.int32)

@@ -44,7 +44,8 @@ from sglang.test.kernels.deepseek_v4.k_cache_reference import (NopeFp8RopeBf16Pa
 
 import ess
 from ess.integrations import sglang as adapter
-from test_sglang_objects import host_memory_unregistered, make_req, process_group  # noqa: F401
+from test_sglang_objects import (host_memory_unregistered, make_req, prepare_decode_step,  # noqa: F401
+                                 process_group, release)
 
 # Seven layers as DeepSeek-V4-Flash begins: two sliding-window-only layers, then C4 and C128 alternating.
 RATIOS = [0, 0, 4, 128, 4, 128, 4]
@@ -186,33 +187,13 @@ class World:
         return req
 
     def prepare_decode(self):
-        """ScheduleBatch.prepare_for_decode: alloc_decode (logical only), seq_lens += 1, map_last_loc_to_buffer;
-        the forward's wait_for_pending_backup and num_real_reqs. Returns (rids, req_pool_indices, seq_lens,
-        out_cache_loc)."""
-        p, c = self.p, self.c
-        rids = list(self.reqs)
-        idx = torch.tensor([self.reqs[r].kv.req_pool_idx for r in rids])
-        lens = torch.tensor([self.length[r] for r in rids])
-        last = torch.stack([p.req_to_token_pool.req_to_token[int(i), int(n) - 1].to(torch.int64)
-                            for i, n in zip(idx, lens)])
-        out_cache_loc = p.allocator.alloc_decode(lens + 1, lens + 1, last)
-        for r, i, loc in zip(rids, idx.tolist(), out_cache_loc.tolist()):
-            p.req_to_token_pool.req_to_token[i, self.length[r]] = loc
-            self.length[r] += 1
-            self.reqs[r].kv.kv_allocated_len = self.length[r]
-        lens = lens + 1
-        c.map_last_loc_to_buffer(lens, out_cache_loc, idx, lens.clone(), idx.clone())
-        c.wait_for_pending_backup()
-        c.num_real_reqs.fill_(len(rids))
-        return rids, idx, lens, out_cache_loc.to(torch.int64)
+        """ScheduleBatch.prepare_for_decode (test_sglang_objects.prepare_decode_step): returns (rids,
+        req_pool_indices, seq_lens, out_cache_loc)."""
+        return prepare_decode_step(self.p.req_to_token_pool, self.p.allocator, self.c, self.reqs, self.length)
 
     def finish(self, rid):
         """request_finished, then release_kv_cache -> allocator.free(req_to_token[idx, :kv_allocated_len])."""
-        p, req = self.p, self.reqs.pop(rid)
-        self.c.request_finished(req)
-        idx = req.kv.req_pool_idx
-        p.allocator.free(p.req_to_token_pool.req_to_token[idx, :req.kv.kv_allocated_len].to(torch.int64))
-        p.req_to_token_pool.free_rows([idx])
+        release(self.p.req_to_token_pool, self.p.allocator, self.c.request_finished, self.reqs.pop(rid))
 
 
 @pytest.fixture

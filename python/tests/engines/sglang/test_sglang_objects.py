@@ -127,6 +127,37 @@ def make_req(rid, idx, n):
                                  full_untruncated_fill_ids=array("q", range(n)))
 
 
+def prepare_decode_step(req_to_token_pool, allocator, coordinator, reqs, length):
+    """ScheduleBatch.prepare_for_decode for every running request (`reqs`: rid -> Req; `length`: rid -> tokens, both
+    advanced): alloc_decode (SGLang's allocator, its real last_loc rule), seq_lens += 1, map_last_loc_to_buffer; then
+    the forward's wait_for_pending_backup and num_real_reqs. Returns (rids, req_pool_indices, seq_lens, the new tokens'
+    logical slots)."""
+    rids = list(reqs)
+    idx = torch.tensor([reqs[r].kv.req_pool_idx for r in rids])
+    lens = torch.tensor([length[r] for r in rids])
+    last = torch.stack([req_to_token_pool.req_to_token[int(i), int(n) - 1].to(torch.int64) for i, n in zip(idx, lens)])
+    out_cache_loc = allocator.alloc_decode(lens + 1, lens + 1, last)
+    for r, i, loc in zip(rids, idx.tolist(), out_cache_loc.tolist()):
+        req_to_token_pool.req_to_token[i, length[r]] = loc
+        length[r] += 1
+        reqs[r].kv.kv_allocated_len = length[r]
+    lens = lens + 1
+    coordinator.map_last_loc_to_buffer(lens, out_cache_loc, idx, lens.clone(), idx.clone())
+    coordinator.wait_for_pending_backup()
+    coordinator.num_real_reqs.fill_(len(rids))
+    return rids, idx, lens, out_cache_loc.to(torch.int64)
+
+
+def release(req_to_token_pool, allocator, coordinator_call, req):
+    """The coordinator's call (request_finished, retract_req), then release_kv_cache ->
+    allocator.free(req_to_token[idx, :kv_allocated_len]) and ReqToTokenPool.free(req)."""
+    coordinator_call(req)
+    assert not req.hisparse_staging
+    idx = req.kv.req_pool_idx
+    allocator.free(req_to_token_pool.req_to_token[idx, :req.kv.kv_allocated_len].to(torch.int64))
+    req_to_token_pool.free_rows([idx])
+
+
 class World:
     """One Stack and the requests' full caches: SGLang's calls in its order, and what SGLang observes."""
 
@@ -164,23 +195,10 @@ class World:
         """ScheduleBatch.prepare_for_decode for every running request: alloc_decode (SGLang's paged allocator, its
         real last_loc rule), seq_lens += 1, map_last_loc_to_buffer; then the forward's wait_for_pending_backup and
         num_real_reqs. Returns (rids, req_pool_indices, seq_lens, the new tokens' device slots)."""
-        s, c = self.s, self.s.coord
-        rids = list(self.reqs)
-        idx = torch.tensor([self.reqs[r].kv.req_pool_idx for r in rids])
-        lens = torch.tensor([self.length[r] for r in rids])
-        last = torch.stack([s.req_to_token_pool.req_to_token[int(i), int(n) - 1].to(torch.int64)
-                            for i, n in zip(idx, lens)])
-        out_cache_loc = s.allocator.alloc_decode(lens + 1, lens + 1, last)
-        for r, i, loc in zip(rids, idx.tolist(), out_cache_loc.tolist()):
-            s.req_to_token_pool.req_to_token[i, self.length[r]] = loc
-            self.length[r] += 1
-            self.reqs[r].kv.kv_allocated_len = self.length[r]
-        lens = lens + 1
-        c.map_last_loc_to_buffer(lens, out_cache_loc, idx, lens.clone(), idx.clone())
-        c.wait_for_pending_backup()
-        c.num_real_reqs.fill_(len(rids))
-        device = s.device_pool.translate_loc_from_full_to_hisparse_device(out_cache_loc.to(torch.int64))
-        return rids, idx, lens, device
+        s = self.s
+        rids, idx, lens, out_cache_loc = prepare_decode_step(s.req_to_token_pool, s.allocator, s.coord, self.reqs,
+                                                             self.length)
+        return rids, idx, lens, s.device_pool.translate_loc_from_full_to_hisparse_device(out_cache_loc)
 
     def host_table(self, rid):
         """req_to_host_pool's row as SGLang reads it: how many slots, distinct, and the allocated length."""
@@ -198,12 +216,7 @@ class World:
         self._end(rid, self.s.coord.retract_req)
 
     def _end(self, rid, coordinator_call):
-        s, req = self.s, self.reqs.pop(rid)
-        coordinator_call(req)
-        assert not req.hisparse_staging
-        idx = req.kv.req_pool_idx
-        s.allocator.free(s.req_to_token_pool.req_to_token[idx, :req.kv.kv_allocated_len].to(torch.int64))
-        s.req_to_token_pool.free_rows([idx])   # ReqToTokenPool.free(req), which reads the Req's kv state
+        release(self.s.req_to_token_pool, self.s.allocator, coordinator_call, self.reqs.pop(rid))
 
     def prepare_verify(self, T, forward_mode):
         """eagle_prepare_for_verify's part before the verify forward: the T verify tokens' logical slots from
