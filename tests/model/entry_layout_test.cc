@@ -4,6 +4,8 @@
 
 #include <cmath>
 #include <cstring>
+#include <nlohmann/json.hpp>
+#include <string>
 #include <random>
 #include <vector>
 
@@ -166,6 +168,53 @@ TEST(LatentLayout, ReadsTheDeepSeekV4EntryFromItsConfig) {
   EXPECT_EQ(l.bytes(), 592u);
   EXPECT_THROW((LatentLayout{448, 64, 128, ScaleFormat::kUe8m0}.validate()), Error);  // V4 tiles are 64
   EXPECT_THROW((LatentLayout{450, 64, 64, ScaleFormat::kUe8m0}.validate()), Error);
+}
+
+// SGLang's DSA pool in bf16 (--kv-cache-dtype bfloat16, its default on Hopper): the latent's 576
+// values in bf16, NoPE then RoPE, no scales; stored bf16-rounded and read back exactly.
+TEST(LatentLayout, PinsTheBf16LatentAndStoresItExactly) {
+  nlohmann::json j = ModelSpec::deepseek_v32_exp().to_json();
+  j["kv_cache_dtype"] = "bf16";
+  const ModelSpec m = ModelSpec::from_json(j, "bf16");
+  EXPECT_EQ(m.kv_cache_dtype, "bfloat16");
+  const LatentLayout l = LatentLayout::for_model(m);
+  EXPECT_EQ(l.scales, ScaleFormat::kNone);
+  EXPECT_EQ(l.num_scales(), 0);
+  EXPECT_EQ(l.rope_offset(), 1024u);
+  EXPECT_EQ(l.bytes(), 1152u);
+  EXPECT_EQ(m.latent_entry_bytes(), 1152u);
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  std::vector<float> nope(512), rope(64), nope2(512), rope2(64);
+  for (float& v : nope) v = normal(rng);
+  for (float& v : rope) v = normal(rng);
+  std::vector<std::uint8_t> entry(l.bytes());
+  quantize_latent(l, nope, rope, entry);
+  for (int d = 0; d < 512; ++d) {
+    std::uint16_t b = 0;
+    std::memcpy(&b, entry.data() + 2 * d, 2);
+    ASSERT_EQ(b, bf16_from_float(nope[static_cast<std::size_t>(d)])) << d;
+  }
+  dequantize_latent(l, entry, nope2, rope2);
+  for (int d = 0; d < 512; ++d) {
+    ASSERT_EQ(nope2[static_cast<std::size_t>(d)], bf16_to_float(bf16_from_float(nope[static_cast<std::size_t>(d)])));
+  }
+  for (int d = 0; d < 64; ++d) {
+    ASSERT_EQ(rope2[static_cast<std::size_t>(d)], bf16_to_float(bf16_from_float(rope[static_cast<std::size_t>(d)])));
+  }
+  // fp8_e4m3 (or no flag) keeps the FP8 entry; other dtypes and a bf16 DeepSeek-V4 are refused by name.
+  j["kv_cache_dtype"] = "fp8_e4m3";
+  EXPECT_EQ(ModelSpec::from_json(j, "fp8").latent_entry_bytes(), 656u);
+  j["kv_cache_dtype"] = "fp8_e5m2";
+  EXPECT_THROW(ModelSpec::from_json(j, "e5m2"), Error);
+  nlohmann::json v4 = ModelSpec::from_file(ESS_SOURCE_DIR "/configs/models/deepseek-v4-flash.json").to_json();
+  v4["kv_cache_dtype"] = "bfloat16";
+  try {
+    ModelSpec::from_json(v4, "v4");
+    ADD_FAILURE() << "a bf16 DeepSeek-V4 cache was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("HiSparse C4 pool is FP8"), std::string::npos) << e.what();
+  }
 }
 
 TEST(LatentLayout, RejectsBadInput) {

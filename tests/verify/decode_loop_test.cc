@@ -1,6 +1,7 @@
 #include "harness/verify/decode_loop.h"
 
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include <string>
 #include <vector>
@@ -261,6 +262,23 @@ TEST(VerifyLoop, MiniMaxM3sKeyValueBlocksAreLossless) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("a multiple of its 128-token blocks"), std::string::npos) << e.what();
   }
+}
+
+// A bf16 latent (SGLang's DSA pool with --kv-cache-dtype bfloat16): 1,152-byte entries moved and
+// read bit for bit; the fault still shows.
+TEST(VerifyLoop, Bf16LatentIsLossless) {
+  nlohmann::json j = ModelSpec::deepseek_v32_exp().to_json();
+  j["kv_cache_dtype"] = "bfloat16";
+  const ModelSpec m = ModelSpec::from_json(j, "bf16");
+  VerifyConfig c = small();
+  c.reserve_newest = true;
+  const VerifyReport r = run_verify(m, c);
+  EXPECT_TRUE(r.bitwise_equal) << r.first_mismatch;
+  EXPECT_EQ(r.mismatched_host_entries, 0);
+  EXPECT_GT(r.misses, 0);
+  EXPECT_GT(r.compared_outputs, 0);
+  c.inject_fault = true;
+  EXPECT_FALSE(run_verify(m, c).bitwise_equal);
 }
 
 TEST(VerifyLoop, TheCheckCanFail) {

@@ -1,6 +1,7 @@
 // ess verify: the offloaded decode loop (the runtime's per-layer step on the CPU or CUDA
 // backend), checked bit for bit against the full cache.
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
 #include <string>
 
@@ -16,6 +17,7 @@ namespace {
 struct VerifyArgs {
   VerifyConfig config;
   std::string model;
+  std::string kv_cache_dtype;
   std::string backend = "cpu";
   std::string residency = "sparse";
   Format format = Format::kTable;
@@ -32,6 +34,10 @@ void add_verify(CLI::App& app, int& exit_code) {
       "beside attention over the full cache, and check every output is bit-identical. Exit status 1 if not.");
   VerifyConfig& c = args->config;
   cmd->add_option("--model", args->model, "Model config.json (default: the shipped DeepSeek-V3.2-Exp; configs/models/ has the others)");
+  cmd->add_option("--kv-cache-dtype", args->kv_cache_dtype,
+                  "The KV cache's dtype, as SGLang's flag: fp8_e4m3 (a DSA model's 656-byte FP8 latent, the default) or "
+                  "bfloat16 (its 1,152-byte bf16 latent: SGLang's default for DSA on Hopper; MiniMax-M3's K / V)")
+      ->check(CLI::IsMember({"fp8_e4m3", "bfloat16", "bf16", "auto"}));
   cmd->add_option("--requests,-b", c.requests, "Requests in the batch")->capture_default_str();
   cmd->add_option("--layers,-l", c.layers, "Layers (the model's first N whose cache is offloaded: DeepSeek-V4's with a C4 cache)")
       ->capture_default_str();
@@ -94,7 +100,12 @@ void add_verify(CLI::App& app, int& exit_code) {
     args->config.residency = args->residency == "whole"      ? Residency::kWhole
                              : args->residency == "adaptive" ? Residency::kAdaptive
                                                              : Residency::kSparse;
-    const ModelSpec model = args->model.empty() ? ModelSpec::deepseek_v32_exp() : ModelSpec::from_file(args->model);
+    ModelSpec model = args->model.empty() ? ModelSpec::deepseek_v32_exp() : ModelSpec::from_file(args->model);
+    if (!args->kv_cache_dtype.empty()) {  // as if the config carried SGLang's flag
+      nlohmann::json j = model.to_json();
+      j["kv_cache_dtype"] = args->kv_cache_dtype;
+      model = ModelSpec::from_json(j, args->model.empty() ? "configs/models/deepseek-v3.2-exp.json" : args->model);
+    }
     // A compressed cache (an entry per R tokens): unless given, MTP 1 and a context of as many entries
     // as the default has tokens.
     if (model.tokens_per_entry() > 1 && cmd->count("--mtp") == 0) args->config.mtp = 1;

@@ -21,6 +21,9 @@
 // requires), 512 bytes for head_dim 128 in bf16: [0, 256) the key, [256, 512) the value. SGLang
 // keeps K and V in two tensors: a device buffer in two parts, the value the tail.
 //
+// The same latent in a bf16 KV cache (SGLang's DSA with --kv-cache-dtype bfloat16, its default on
+// Hopper), 1,152 bytes: [0, 1024) 512 x bf16 NoPE, [1024, 1152) 64 x bf16 RoPE, no scales.
+//
 // Indexer key entry, 132 bytes (index_head_dim 128): 128 x FP8 e4m3 + one fp32 scale.
 // Indexer keys are stored per 64-token page: 64 x 128 FP8 bytes, then 64 fp32 scales.
 #pragma once
@@ -41,6 +44,7 @@ inline constexpr int kVectorBytes = 16;    // the transfer unit entries are padd
 enum class ScaleFormat {
   kFp32,   // 4-byte floats, between the NoPE and the RoPE parts (DeepSeek-V3.2)
   kUe8m0,  // exponent bytes, after the RoPE part, padded to 8 bytes (DeepSeek-V4's C4 entries)
+  kNone,   // no quantization: the NoPE part in bf16 too (a bf16 KV cache: SGLang's DSA default on Hopper)
 };
 
 struct LatentLayout {
@@ -55,23 +59,25 @@ struct LatentLayout {
   int kv_value_bytes = 2;
   bool key_value() const { return kv_dim > 0; }
 
-  int num_scales() const { return key_value() ? 0 : nope_dim / tile; }
+  bool quantized() const { return scales != ScaleFormat::kNone; }
+  int num_scales() const { return key_value() || !quantized() ? 0 : nope_dim / tile; }
   std::size_t scale_bytes() const {  // the scales' span, padding included
     const auto n = static_cast<std::size_t>(num_scales());
     return scales == ScaleFormat::kFp32 ? 4u * n : (n + 7u) / 8u * 8u;
   }
+  std::size_t nope_bytes() const { return static_cast<std::size_t>(nope_dim) * (quantized() ? 1u : 2u); }
   std::size_t nope_offset() const { return 0; }
   std::size_t scale_offset() const {
     return scales == ScaleFormat::kFp32 ? static_cast<std::size_t>(nope_dim) : value_bytes();
   }
   std::size_t rope_offset() const {
-    return static_cast<std::size_t>(nope_dim) + (scales == ScaleFormat::kFp32 ? scale_bytes() : 0u);
+    return nope_bytes() + (scales == ScaleFormat::kFp32 ? scale_bytes() : 0u);
   }
   // NoPE and RoPE: the C4 page's "value" (its first part when a buffer keeps entries in two); the
   // key of a K / V entry (its first part, the value its second).
   std::size_t value_bytes() const {
     if (key_value()) return static_cast<std::size_t>(kv_dim) * static_cast<std::size_t>(kv_value_bytes);
-    return static_cast<std::size_t>(nope_dim) + 2u * static_cast<std::size_t>(rope_dim);
+    return nope_bytes() + 2u * static_cast<std::size_t>(rope_dim);
   }
   std::size_t data_bytes() const {  // every byte that means something
     return key_value() ? 2u * value_bytes() : value_bytes() + scale_bytes();
@@ -81,7 +87,8 @@ struct LatentLayout {
   }
 
   // DeepSeek-V4 (model_type "deepseek_v4"): the C4 entry; MiniMax-M3: the K / V entry of head_dim
-  // values each; else the V3.2 entry of kv_lora_rank and qk_rope_head_dim.
+  // values each; else the V3.2 entry of kv_lora_rank and qk_rope_head_dim (FP8, or bf16 with the
+  // config's kv_cache_dtype bfloat16: ScaleFormat::kNone).
   static LatentLayout for_model(const ModelSpec& m);
   // Throws ess::Error unless nope_dim is a positive multiple of the tile (128 with fp32 scales,
   // 64 with ue8m0 ones), rope_dim > 0 and, with fp32 scales, the entry is a multiple of 16 bytes;

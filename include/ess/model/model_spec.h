@@ -75,6 +75,10 @@ struct ModelSpec {
   // SGLang's server flag (fp8_e4m3 / fp8_e5m2: 1; auto, bfloat16: the model's), else torch_dtype's
   // (bfloat16 / float16 2, float32 4; 2 when absent).
   std::string architecture;
+  // The KV cache's dtype when the config carries SGLang's server flag kv_cache_dtype: "bfloat16"
+  // (a DSA model's latent in bf16, 1,152-byte entries: SGLang's default on Hopper) or "fp8_e4m3";
+  // "" (absent, or "auto"): ESS's default, FP8 (656 bytes) for DSA models.
+  std::string kv_cache_dtype;
   int num_key_value_heads = 0;
   std::vector<bool> sparse_layers;
   int sparse_block_size = 0;

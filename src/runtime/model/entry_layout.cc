@@ -42,7 +42,9 @@ float ue8m0_value(std::uint8_t byte) { return std::ldexp(1.0f, static_cast<int>(
 
 LatentLayout LatentLayout::for_model(const ModelSpec& m) {
   LatentLayout l{m.kv_lora_rank, m.qk_rope_head_dim};
-  if (m.is_minimax_m3()) {  // one KV head's K and V (SGLang's HiSparseMHAMainPool, head_num 1)
+  if (m.kv_cache_dtype == "bfloat16" && !m.is_minimax_m3() && !m.is_deepseek_v4()) {
+    l.scales = ScaleFormat::kNone;   // SGLang's DSA pool in bf16: kv_lora_rank + qk_rope_head_dim bf16 values
+  } else if (m.is_minimax_m3()) {  // one KV head's K and V (SGLang's HiSparseMHAMainPool, head_num 1)
     l = LatentLayout{};
     l.kv_dim = m.head_dim;
     l.kv_value_bytes = m.kv_value_bytes;
@@ -66,6 +68,13 @@ void LatentLayout::validate() const {
     return;
   }
   ESS_CHECK(kv_dim == 0, "latent layout: kv_dim = {} is negative", kv_dim);
+  if (!quantized()) {
+    ESS_CHECK(nope_dim > 0 && rope_dim > 0 && data_bytes() % kVectorBytes == 0,
+              "latent layout: a bf16 latent of {} NoPE and {} RoPE values must have both parts and be a multiple of "
+              "{} bytes",
+              nope_dim, rope_dim, kVectorBytes);
+    return;
+  }
   const bool fp32 = scales == ScaleFormat::kFp32;
   ESS_CHECK(tile == (fp32 ? kQuantTile : 64), "latent layout: tiles of {} values with {} scales (expected {})", tile,
             fp32 ? "fp32" : "ue8m0", fp32 ? kQuantTile : 64);
@@ -109,7 +118,12 @@ void quantize_latent(const LatentLayout& layout, std::span<const float> nope,
   check_finite(rope, "latent rope");
   std::fill(out.begin(), out.end(), std::uint8_t{0});
   std::vector<float> scales(static_cast<std::size_t>(layout.num_scales()));
-  if (layout.scales == ScaleFormat::kFp32) {
+  if (!layout.quantized()) {
+    for (int i = 0; i < layout.nope_dim; ++i) {
+      const std::uint16_t b = bf16_from_float(nope[i]);
+      std::memcpy(out.data() + 2u * i, &b, 2);
+    }
+  } else if (layout.scales == ScaleFormat::kFp32) {
     quantize_tiles(nope, layout.tile, out.data() + layout.nope_offset(), scales.data(), pow2_block_scale);
     std::memcpy(out.data() + layout.scale_offset(), scales.data(), scales.size() * sizeof(float));
   } else {
@@ -190,6 +204,13 @@ void dequantize_latent(const LatentLayout& layout, std::span<const std::uint8_t>
                 rope.size() == static_cast<std::size_t>(layout.rope_dim),
             "dequantize_latent: outputs have {} and {} values, expected {} and {}", nope.size(),
             rope.size(), layout.nope_dim, layout.rope_dim);
+  if (!layout.quantized()) {
+    for (int d = 0; d < layout.nope_dim; ++d) {
+      std::uint16_t b = 0;
+      std::memcpy(&b, entry.data() + 2u * d, 2);
+      nope[d] = bf16_to_float(b);
+    }
+  }
   for (int t = 0; t < layout.num_scales(); ++t) {
     float scale = 0.0f;
     if (layout.scales == ScaleFormat::kFp32) {

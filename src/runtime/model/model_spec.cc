@@ -83,6 +83,17 @@ bool sharing_fields_declare_it(const json& j) {
          (types != nullptr && types->is_array() && std::find(types->begin(), types->end(), "shared") != types->end());
 }
 
+// SGLang's kv_cache_dtype flag when the config carries it, normalized as SGLang does ("bf16" is
+// "bfloat16"; "auto" is left to the default: "").
+std::string kv_cache_dtype_of(const json& j, const std::string& source) {
+  const json* k = present(j, "kv_cache_dtype");
+  if (k == nullptr) return {};
+  ESS_CHECK(k->is_string(), "{}: field 'kv_cache_dtype' must be a string, got {}", source, k->dump());
+  std::string d = k->get<std::string>();
+  if (d == "bf16") d = "bfloat16";
+  return d == "auto" ? std::string() : d;
+}
+
 // The first architecture a config names ("" when none).
 std::string first_architecture(const json& j) {
   const json* a = present(j, "architectures");
@@ -92,16 +103,13 @@ std::string first_architecture(const json& j) {
 
 // A cached K / V value's bytes for MiniMax-M3: SGLang's kv_cache_dtype when the config carries it
 // (server flag; "auto" is the model's dtype), else the config's torch_dtype.
-int kv_value_bytes(const json& j, const std::string& source) {
+int kv_value_bytes(const json& j, const std::string& source, const std::string& flag) {
   std::string dtype = "bfloat16";
   if (const json* t = present(j, "torch_dtype")) {
     ESS_CHECK(t->is_string(), "{}: field 'torch_dtype' must be a string, got {}", source, t->dump());
     dtype = t->get<std::string>();
   }
-  if (const json* k = present(j, "kv_cache_dtype")) {
-    ESS_CHECK(k->is_string(), "{}: field 'kv_cache_dtype' must be a string, got {}", source, k->dump());
-    if (*k != "auto") dtype = k->get<std::string>();
-  }
+  if (!flag.empty()) dtype = flag;
   if (dtype == "bfloat16" || dtype == "bf16" || dtype == "float16" || dtype == "fp16") return 2;
   if (dtype == "float32") return 4;
   if (dtype == "fp8_e4m3" || dtype == "fp8_e5m2" || dtype == "fp8_e4m3fnuz") return 1;
@@ -128,7 +136,7 @@ void read_minimax_m3(const json& t, const json& top, const std::string& source, 
   m.num_experts_per_tok = json_int(t, "num_experts_per_tok", source, false, 0);
   m.intermediate_size = json_int(t, "intermediate_size", source, false, 0);
   m.moe_intermediate_size = m.intermediate_size;
-  m.kv_value_bytes = kv_value_bytes(t, source);
+  m.kv_value_bytes = kv_value_bytes(t, source, m.kv_cache_dtype);
   const json* sparse = present(t, "sparse_attention_config");
   if (sparse == nullptr) sparse = present(top, "sparse_attention_config");
   ESS_CHECK(sparse != nullptr && sparse->is_object(),
@@ -207,6 +215,7 @@ ModelSpec ModelSpec::from_json(const json& j, const std::string& source) {
     m.name = source;
   }
   m.architecture = first_architecture(j);
+  m.kv_cache_dtype = kv_cache_dtype_of(j, source);
   if (m.is_minimax_m3()) {
     // A VL checkpoint wraps the text model's config (SGLang's hf_text_config).
     const json* text = present(j, "text_config");
@@ -215,6 +224,7 @@ ModelSpec ModelSpec::from_json(const json& j, const std::string& source) {
       if (auto mt = t.find("model_type"); mt != t.end() && mt->is_string()) m.model_type = mt->get<std::string>();
       if (m.name.empty() || m.name == source) m.name = m.model_type.empty() ? source : m.model_type;
     }
+    if (m.kv_cache_dtype.empty()) m.kv_cache_dtype = kv_cache_dtype_of(t, source);
     read_minimax_m3(t, j, source, m);
     m.validate(source);
     return m;
@@ -320,6 +330,7 @@ json ModelSpec::to_json() const {
               {"sparse_index_dim", index_head_dim},
               {"sparse_num_index_heads", index_n_heads}}}};
   }
+  if (!kv_cache_dtype.empty()) j["kv_cache_dtype"] = kv_cache_dtype;
   if (is_deepseek_v4()) {
     j["model_type"] = model_type;
     j["head_dim"] = head_dim;
@@ -440,7 +451,14 @@ void ModelSpec::validate(const std::string& source) const {
             "{}: the index sharing pattern has {} layers; the model has num_hidden_layers = {}", source,
             shared_index.size(), num_hidden_layers);
   ESS_CHECK(!index_shared(0), "{}: layer 0 reuses a top-k, but no layer before it runs an indexer", source);
+  ESS_CHECK(kv_cache_dtype.empty() || kv_cache_dtype == "fp8_e4m3" || kv_cache_dtype == "bfloat16",
+            "{}: field 'kv_cache_dtype' = '{}': a DSA model's KV cache under HiSparse is fp8_e4m3 or bfloat16 (SGLang's "
+            "HISPARSE_KV_CACHE_DTYPES)",
+            source, kv_cache_dtype);
   if (is_deepseek_v4()) {
+    ESS_CHECK(kv_cache_dtype != "bfloat16",
+              "{}: kv_cache_dtype bfloat16 with DeepSeek-V4: SGLang's HiSparse C4 pool is FP8 (HiSparseC4DevicePool "
+              "stores uint8)", source);
     ESS_CHECK(std::ssize(compress_ratios) >= num_hidden_layers,
               "{}: field 'compress_ratios' has {} layers; the model has num_hidden_layers = {}", source,
               compress_ratios.size(), num_hidden_layers);

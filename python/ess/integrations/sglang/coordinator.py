@@ -101,6 +101,10 @@ class HiSparseCoordinator(Staging):
         host_bytes = self._check_settings(max_reqs, max_context, host_to_device_ratio)
         # ESS_OVERLAP: the schedule of the DSA backend's decode (overlap.py).
         self.overlap = schedule_from_environment()
+        if self.overlap != "none" and getattr(self.pool, "bf16", False):
+            raise InvalidArgument(f"ESS_OVERLAP = {self.overlap} with a bf16 latent (--kv-cache-dtype bfloat16): the "
+                                  "overlap splits FlashMLA's FP8 sparse decode (flashmla_kv); unset it, or serve an "
+                                  "FP8 cache")
         if self.overlap != "none" and self.pool.kind != "DSA":
             raise InvalidArgument(f"ESS_OVERLAP = {self.overlap} with the {self.pool.kind} pool: the overlap schedules "
                                   "run inside the DSA backend's decode, not this model's; unset it")

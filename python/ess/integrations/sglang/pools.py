@@ -20,8 +20,10 @@ C4_PAGE_BYTES = 37440  # KVLayout.V4.page_bytes(64): 64 x 584 padded to a multip
 
 
 class DsaPool:
-    """HiSparseDSATokenToKVPool (mem_cache/hisparse_memory_pool.py): one [slots, 1, 656] FP8 tensor per layer, the
-    allocator's mapping indexed by the token's logical slot."""
+    """HiSparseDSATokenToKVPool (mem_cache/hisparse_memory_pool.py): one [slots, 1, kv_cache_dim] tensor per layer,
+    656 FP8 bytes a token (--kv-cache-dtype fp8_e4m3) or the latent's kv_lora_rank + qk_rope_head_dim bf16 values
+    (bfloat16, SGLang's DSA default on Hopper: 1,152 bytes); the allocator's mapping indexed by the token's logical
+    slot."""
     kind = "DSA"
     ratio = 1
     blocks = False              # the top-k names tokens (MiniMax-M3's names blocks)
@@ -34,9 +36,15 @@ class DsaPool:
                 f"{type(kvcache).__name__}: ESS serves the DSA HiSparse MLA pool, DeepSeek-V4's C4 pool and "
                 "MiniMax-M3's K / V pool")
         entry = kvcache.kv_cache_dim * kvcache.kv_buffer[0].element_size()
-        if entry != ENTRY_BYTES:
-            raise InvalidArgument(f"the device pool's entries are {entry} bytes; ESS serves DeepSeek-V3.2's "
-                                  f"{ENTRY_BYTES}-byte FP8 latent entries (--kv-cache-dtype fp8_e4m3)")
+        latent = getattr(kvcache, "kv_lora_rank", 512) + getattr(kvcache, "qk_rope_head_dim", 64)
+        self.bf16 = kvcache.kv_buffer[0].dtype == torch.bfloat16 and kvcache.kv_cache_dim == latent
+        if entry != ENTRY_BYTES and not self.bf16:
+            raise InvalidArgument(
+                f"the device pool's entries are {entry} bytes of {kvcache.kv_buffer[0].dtype}; ESS serves DeepSeek-V3.2's "
+                f"{ENTRY_BYTES}-byte FP8 latent (--kv-cache-dtype fp8_e4m3) and its bf16 latent ({latent} bf16 values, "
+                "--kv-cache-dtype bfloat16)")
+        self.entry_bytes = entry
+        self.latent_dims = (getattr(kvcache, "kv_lora_rank", 512), getattr(kvcache, "qk_rope_head_dim", 64))
         self.device = kvcache
         self.layer_num = kvcache.layer_num
         self.start_layer = getattr(kvcache, "start_layer", 0) or 0
@@ -59,8 +67,19 @@ class DsaPool:
         return int(device_tokens * host_to_device_ratio)
 
     def engine_buffers(self, first_row: int, rows: int) -> dict:
-        """Engine keyword arguments: the rows [first_row, first_row + rows) of every layer as ESS's buffers."""
-        return dict(latent=[self._rows(buf)[first_row:first_row + rows] for buf in self.device.kv_buffer])
+        """Engine keyword arguments: the rows [first_row, first_row + rows) of every layer as ESS's buffers; for a
+        bf16 latent, the entry's model (DeepSeek-V3.2's fields, the pool's latent widths, kv_cache_dtype bfloat16:
+        the engine reads the entry and nothing else of it)."""
+        out = dict(latent=[self._rows(buf)[first_row:first_row + rows] for buf in self.device.kv_buffer])
+        if self.bf16:
+            rank, rope = self.latent_dims
+            out["model"] = {
+                "num_hidden_layers": self.layer_num, "hidden_size": 7168, "vocab_size": 129280,
+                "num_attention_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": rank, "qk_nope_head_dim": 128,
+                "qk_rope_head_dim": rope, "v_head_dim": 128, "index_n_heads": 64, "index_head_dim": 128,
+                "index_topk": 2048, "intermediate_size": 18432, "moe_intermediate_size": 2048, "n_routed_experts": 256,
+                "num_experts_per_tok": 8, "max_position_embeddings": 163840, "kv_cache_dtype": "bfloat16"}
+        return out
 
     def gather(self, layer: int, device_locs):
         """The entries at the pool's slots `device_locs` (int64), as ESS's host entries [n, entry_bytes]."""
@@ -70,9 +89,8 @@ class DsaPool:
         """The allocator mapping's entries the tokens at logical slots `full_locs` own."""
         return full_locs
 
-    @staticmethod
-    def _rows(buf):
-        return buf.view(torch.uint8).view(-1, ENTRY_BYTES)
+    def _rows(self, buf):
+        return buf.view(torch.uint8).view(-1, self.entry_bytes)
 
 
 class C4Pool:
@@ -222,8 +240,7 @@ class KvPool(DsaPool):
     def _kv_rows(self, buf):
         return buf.view(torch.uint8).view(-1, self.key_bytes)
 
-    @staticmethod
-    def _rows(buf):
+    def _rows(self, buf):
         raise AssertionError("a K / V pool has no latent rows")
 
 

@@ -45,11 +45,12 @@ def test_the_pinned_release_is_imported():
 
 
 @pytest.fixture(scope="module", autouse=True)
-def process_group():
-    """Upstream's constructor asks torch.distributed for the TP group's size (one rank here)."""
+def process_group(tmp_path_factory):
+    """Upstream's constructor asks torch.distributed for the TP group's size (one rank here). Rendezvous through a
+    file of this run's own, not a TCP port: two runs on one machine (CI beside a developer's) do not collide."""
     if not torch.distributed.is_initialized():
-        torch.distributed.init_process_group(backend="gloo", init_method="tcp://127.0.0.1:29517", rank=0,
-                                             world_size=1)
+        store = tmp_path_factory.mktemp("process_group") / "store"
+        torch.distributed.init_process_group(backend="gloo", init_method=f"file://{store}", rank=0, world_size=1)
     yield
 
 
@@ -58,14 +59,19 @@ class Stack:
     (model_runner_kv_cache_mixin / pool_configurator: HiSparseDSATokenToKVPool, then the allocator over it,
     then maybe_init_hisparse_coordinator), around one coordinator class."""
 
-    def __init__(self, cls, layers=LAYERS, **overrides):
+    def __init__(self, cls, layers=LAYERS, latent="fp8", **overrides):
+        """latent: "fp8" (--kv-cache-dtype fp8_e4m3: 656-byte entries, kv_cache_dim 656 of uint8) or "bf16"
+        (bfloat16, SGLang's DSA default on Hopper: kv_cache_dim = kv_lora_rank + qk_rope_head_dim = 576 bf16
+        values, 1,152 bytes; kv_cache_configurator.py passes calculate_mla_kv_cache_dim's 576 then)."""
         self.layers = layers
+        dtype, dim = (torch.float8_e4m3fn, ENTRY) if latent == "fp8" else (torch.bfloat16, 576)
+        self.entry = dim * (1 if latent == "fp8" else 2)
         self.device_pool = HiSparseDSATokenToKVPool(
-            size=SIZE, page_size=PAGE, kv_lora_rank=512, dtype=torch.float8_e4m3fn, qk_rope_head_dim=64,
-            layer_num=layers, device="cpu", index_head_dim=128, enable_memory_saver=False, kv_cache_dim=ENTRY,
+            size=SIZE, page_size=PAGE, kv_lora_rank=512, dtype=dtype, qk_rope_head_dim=64,
+            layer_num=layers, device="cpu", index_head_dim=128, enable_memory_saver=False, kv_cache_dim=dim,
             host_to_device_ratio=RATIO)
         self.allocator = HiSparseTokenToKVPoolAllocator(
-            size=SIZE, page_size=PAGE, dtype=torch.float8_e4m3fn, device="cpu", kvcache=self.device_pool,
+            size=SIZE, page_size=PAGE, dtype=dtype, device="cpu", kvcache=self.device_pool,
             need_sort=False, host_to_device_ratio=RATIO)
         self.req_to_token_pool = ReqToTokenPool(size=REQS, max_context_len=CTX, device="cpu",
                                                 enable_memory_saver=False)
@@ -76,7 +82,7 @@ class Stack:
         self.coord = cls(**kwargs)
 
     def rows(self, layer):
-        return self.device_pool.kv_buffer[layer].view(torch.uint8).view(-1, ENTRY)
+        return self.device_pool.kv_buffer[layer].view(torch.uint8).view(-1, self.entry)
 
 
 @pytest.fixture(autouse=True)
@@ -185,8 +191,8 @@ class World:
         return req
 
     def entries(self):
-        """A request's full cache, [layers][context][656] bytes (any bytes: the swap moves them unread)."""
-        return self.rng.integers(0, 256, (self.s.layers, CTX, ENTRY), dtype=np.uint8)
+        """A request's full cache, [layers][context][entry] bytes (any bytes: the swap moves them unread)."""
+        return self.rng.integers(0, 256, (self.s.layers, CTX, self.s.entry), dtype=np.uint8)
 
     def collect(self):
         return [r.rid for r in self.s.coord.collect_ready_reqs()]
@@ -271,9 +277,10 @@ def test_staging_leaves_sglang_what_upstream_leaves(n):
     assert seen[ESS] == seen[UPSTREAM]
 
 
-@pytest.mark.parametrize("micro_batches,residency", [(False, "sparse"), (True, "sparse"), (False, "adaptive"),
-                                                     (True, "adaptive")])
-def test_decode_serves_the_full_caches_bytes_among_sglangs_pools(micro_batches, residency, monkeypatch):
+@pytest.mark.parametrize("micro_batches,residency,latent", [
+    (False, "sparse", "fp8"), (True, "sparse", "fp8"), (False, "adaptive", "fp8"), (True, "adaptive", "fp8"),
+    (False, "sparse", "bf16"), (True, "adaptive", "bf16")])
+def test_decode_serves_the_full_caches_bytes_among_sglangs_pools(micro_batches, residency, latent, monkeypatch):
     """ESS's decode among SGLang's own pools and allocator: prepare_for_decode's alloc_decode (SGLang's paged
     allocator, its real last_loc rule), map_last_loc_to_buffer, the layer's KV write at out_cache_loc through
     the real full-to-device mapping, then swap_in_selected_pages: every byte at the returned locations is the
@@ -281,9 +288,10 @@ def test_decode_serves_the_full_caches_bytes_among_sglangs_pools(micro_batches, 
     (batch_overlap/two_batch_overlap.py), the first layer on the whole batch (a dense layer), the others once per
     half of the requests, A then B, each half's req_pool_indices and seq_lens its own, padded with row 0 to one
     length (TboForwardBatchPreparer.filter_batch, ForwardBatch._pad_tbo_child_inputs). residency: ESS_RESIDENCY,
-    adaptive keeping requests whole among ESS's rows while they are free."""
+    adaptive keeping requests whole among ESS's rows while they are free. latent: the pool's FP8 entries, or its bf16
+    latent (1,152 bytes: SGLang's DSA default on Hopper)."""
     monkeypatch.setenv("ESS_RESIDENCY", residency)
-    w, rng = World(ESS, seed=3), random.Random(5)
+    w, rng = World(ESS, seed=3, latent=latent), random.Random(5)
     s, c = w.s, w.s.coord
     # Adaptive: prompts that fit ESS's rows whole (one row of SLOTS tokens each, then c on two), a's growth past
     # its row borrowing a free one; a, b and c sparse at once otherwise.
@@ -596,6 +604,6 @@ def test_micro_batches_reading_the_whole_batchs_rows_fail(monkeypatch):
     from ess.integrations.sglang.forward_batches import ForwardBatches
     slot, same = ForwardBatches.slot, torch.zeros(1)
     monkeypatch.setattr(ForwardBatches, "slot", lambda self, layer, req_pool_indices: slot(self, layer, same))
-    test_decode_serves_the_full_caches_bytes_among_sglangs_pools(False, "sparse", monkeypatch)
+    test_decode_serves_the_full_caches_bytes_among_sglangs_pools(False, "sparse", "fp8", monkeypatch)
     with pytest.raises(AssertionError):
-        test_decode_serves_the_full_caches_bytes_among_sglangs_pools(True, "sparse", monkeypatch)
+        test_decode_serves_the_full_caches_bytes_among_sglangs_pools(True, "sparse", "fp8", monkeypatch)
