@@ -321,7 +321,7 @@ json ModelSpec::to_json() const {
             {"num_local_experts", n_routed_experts},
             {"num_experts_per_tok", num_experts_per_tok},
             {"intermediate_size", intermediate_size},
-            {"torch_dtype", kv_value_bytes == 1 ? "bfloat16" : kv_value_bytes == 4 ? "float32" : "bfloat16"},
+            {"torch_dtype", kv_value_bytes == 4 ? "float32" : "bfloat16"},
             {"kv_cache_dtype", kv_value_bytes == 1 ? "fp8_e4m3" : "auto"},
             {"sparse_attention_config",
              {{"sparse_attention_freq", freq},

@@ -90,10 +90,11 @@ std::vector<BlockSpan> block_spans(const RowLayout& r, std::int64_t n, std::uint
 // within a block), so the cost is the buffer's blocks, plus the rows of blocks that interleave.
 void check_heads_and_tails_apart(const LatentBuffer& b, std::int64_t n) {
   const RowTail& t = b.tail;
+  // Every layer's heads lie alike; where its tails start (delta) is the layer's own.
+  const auto heads = block_spans(b.rows, n, static_cast<std::uint64_t>(t.head_bytes), 0);
   for (std::size_t l = 0; l < b.tail_base.size(); ++l) {
     const std::int64_t delta =
         reinterpret_cast<std::intptr_t>(b.tail_base[l]) - reinterpret_cast<std::intptr_t>(b.layer_base[l]);
-    const auto heads = block_spans(b.rows, n, static_cast<std::uint64_t>(t.head_bytes), 0);
     const auto tails = block_spans(t.rows, n, static_cast<std::uint64_t>(t.bytes), delta);
     std::size_t i = 0, j = 0;
     while (i < heads.size() && j < tails.size()) {

@@ -521,12 +521,8 @@ class HiSparseCoordinator(Staging):
             stale = previous[previous > 0]
             if stale.numel() > 0:
                 self.token_to_kv_pool_allocator.free_hisparse_indices(stale)
-        if self.pool.ratio == 1:
-            self._extend_into_reserved(rows, req_pool_indices, locs)
-        else:
-            grows = [self.pool.units(n) - self._length[row] for row, n in zip(rows, lengths)]
-            writes = torch.remainder(seq_lens, self.pool.ratio) == 0
-            self._extend_into_reserved(rows, req_pool_indices, locs, grows, writes)
+        grows = [self.pool.units(n) - self._length[row] for row, n in zip(rows, lengths)]
+        self._extend_into_reserved(rows, req_pool_indices, locs, grows, self.pool.entry_steps(seq_lens))
         self._backup_due = (req_pool_indices, seq_lens)
         if self._recorder is not None:
             self._recorder.step(rows, [self._length[row] for row in rows], self._after_the_forward)
@@ -542,14 +538,12 @@ class HiSparseCoordinator(Staging):
         B = int(rows.shape[0])
 
         def stage():
+            # The requests whose step wrote an entry (every one, but for DeepSeek-V4's C4 pool), at their units.
             self._backup_rows[:B].copy_(rows)
-            if self.pool.ratio == 1:
-                self._backup_lengths[:B].copy_(lengths)
-            else:
-                # The requests whose step wrote an entry, each at its entry count (units).
-                self._backup_lengths[:B].copy_(torch.clamp(torch.div(lengths, self.pool.ratio, rounding_mode="floor"),
-                                                           min=1))
-                self._backup_rows[:B].masked_fill_(torch.remainder(lengths, self.pool.ratio) != 0, -1)
+            self._backup_lengths[:B].copy_(self.pool.units_of(lengths))
+            wrote = self.pool.entry_steps(lengths)
+            if wrote is not None:
+                self._backup_rows[:B].masked_fill_(~wrote, -1)
             for row in dropped:
                 self._backup_rows[:B].masked_fill_(self._backup_rows[:B] == row, -1)
         self._launch_backup(self._write_back, B, stage, self.decode_producer_stream)

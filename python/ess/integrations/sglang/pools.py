@@ -44,7 +44,6 @@ class DsaPool:
                 f"{ENTRY_BYTES}-byte FP8 latent (--kv-cache-dtype fp8_e4m3) and its bf16 latent ({latent} bf16 values, "
                 "--kv-cache-dtype bfloat16)")
         self.entry_bytes = entry
-        self.latent_dims = (getattr(kvcache, "kv_lora_rank", 512), getattr(kvcache, "qk_rope_head_dim", 64))
         self.device = kvcache
         self.layer_num = kvcache.layer_num
         self.start_layer = getattr(kvcache, "start_layer", 0) or 0
@@ -54,9 +53,14 @@ class DsaPool:
         """A request of `tokens` tokens holds this many entries in ESS."""
         return tokens
 
-    def makes_entry(self, seq_len: int) -> bool:
-        """Whether the step that brings a request to seq_len tokens writes a new entry."""
-        return True
+    def entry_steps(self, seq_lens):
+        """Of a step's requests at seq_lens tokens (a device tensor), those whose step writes a new entry, as a device
+        bool tensor; None: every one (device work only, no host read)."""
+        return None
+
+    def units_of(self, seq_lens):
+        """units() of a device tensor of token counts, by device work."""
+        return seq_lens
 
     def host_units(self, allocator, host_to_device_ratio: float) -> int:
         """The Total Memory Pool's entries per layer, as upstream sizes its host pool (pool_host/mla.py:
@@ -72,7 +76,7 @@ class DsaPool:
         the engine reads the entry and nothing else of it)."""
         out = dict(latent=[self._rows(buf)[first_row:first_row + rows] for buf in self.device.kv_buffer])
         if self.bf16:
-            rank, rope = self.latent_dims
+            rank, rope = getattr(self.device, "kv_lora_rank", 512), getattr(self.device, "qk_rope_head_dim", 64)
             out["model"] = {
                 "num_hidden_layers": self.layer_num, "hidden_size": 7168, "vocab_size": 129280,
                 "num_attention_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": rank, "qk_nope_head_dim": 128,
@@ -130,9 +134,12 @@ class C4Pool:
         fourth token writes it, in the row ESS keeps for the newest."""
         return max(1, tokens // C4_RATIO)
 
-    def makes_entry(self, seq_len: int) -> bool:
+    def entry_steps(self, seq_lens):
         """metadata_kernel.py: the compressor writes an entry when seq_len % 4 == 0."""
-        return seq_len % C4_RATIO == 0
+        return torch.remainder(seq_lens, C4_RATIO) == 0
+
+    def units_of(self, seq_lens):
+        return torch.clamp(torch.div(seq_lens, C4_RATIO, rounding_mode="floor"), min=1)
 
     def host_units(self, allocator, host_to_device_ratio: float) -> int:
         """Upstream's C4 host pool holds the logical pool's entries whatever the ratio (hisparse_coordinator.py:
@@ -210,14 +217,14 @@ class KvPool(DsaPool):
         self.start_layer = main.start_layer
         self.page_size = main.page_size
         self.entry_bytes = 2 * self.key_bytes
-        self.value_width = main.store_dtype.itemsize
 
     def engine_buffers(self, first_row: int, rows: int) -> dict:
         """The engine's buffers in two parts: each row's key in the K tensor, its value in the V tensor, at the row's
         place in each; the entry's model: K then V of one head (the engine reads nothing else of it)."""
         d = self.device
-        kv_dtype = {1: "fp8_e4m3", 2: "bfloat16", 4: "float32"}[self.value_width]
-        head_dim = self.key_bytes // self.value_width
+        width = d.store_dtype.itemsize
+        kv_dtype = {1: "fp8_e4m3", 2: "bfloat16", 4: "float32"}[width]
+        head_dim = self.key_bytes // width
         model = {"architectures": ["MiniMaxM3SparseForCausalLM"], "model_type": "minimax_m3",
                  "num_hidden_layers": self.layer_num, "hidden_size": head_dim, "vocab_size": 1,
                  "num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": head_dim,
