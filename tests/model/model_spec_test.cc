@@ -259,6 +259,9 @@ TEST(ModelSpec, ShippedMiniMaxM3OffloadsItsSparseLayersKAndV) {
   EXPECT_EQ(m.num_key_value_heads, 4);
   EXPECT_EQ(m.selection_block(), 128);
   EXPECT_EQ(m.index_topk, 16 * 128);  // the tokens of the top-16 blocks
+  EXPECT_EQ(m.sparse_init_blocks, 0);
+  EXPECT_EQ(m.sparse_local_blocks, 1);
+  EXPECT_EQ(m.selected_ids(), 17);  // the top 16 and the query's own block
   EXPECT_EQ(m.tokens_per_entry(), 1);
   std::vector<int> sparse;
   for (int l = 3; l < 60; ++l) sparse.push_back(l);
@@ -271,6 +274,7 @@ TEST(ModelSpec, ShippedMiniMaxM3OffloadsItsSparseLayersKAndV) {
   const ModelSpec again = ModelSpec::from_json(m.to_json(), "round trip");
   EXPECT_EQ(again.offloaded_layers(), sparse);
   EXPECT_EQ(again.index_topk, 2048);
+  EXPECT_EQ(again.selected_ids(), 17);
   EXPECT_EQ(again.latent_entry_bytes(), 512u);
   // An fp8 KV cache (SGLang's --kv-cache-dtype, carried in the config) halves the entry.
   json fp8 = m.to_json();
@@ -316,6 +320,21 @@ TEST(ModelSpec, MiniMaxM3FieldsAreCheckedByName) {
   json lse = base["sparse_attention_config"];
   lse["sparse_score_type"] = "mean";
   EXPECT_NE(error({{"sparse_attention_config", lse}}).find("'sparse_score_type'"), std::string::npos);
+  // The forced blocks from tokens, as SGLang derives them when the block counts are absent.
+  json by_tokens = base["sparse_attention_config"];
+  by_tokens.erase("sparse_init_block");
+  by_tokens.erase("sparse_local_block");
+  by_tokens["sparse_init_tokens"] = 200;   // ceil(200 / 128) = 2
+  by_tokens["sparse_local_tokens"] = 100;  // ceil(100 / 128) + 1 = 2
+  json j = base;
+  j["sparse_attention_config"] = by_tokens;
+  const ModelSpec from_tokens = ModelSpec::from_json(j, "m3.json");
+  EXPECT_EQ(from_tokens.sparse_init_blocks, 2);
+  EXPECT_EQ(from_tokens.sparse_local_blocks, 2);
+  EXPECT_EQ(from_tokens.selected_ids(), 20);
+  by_tokens.erase("sparse_local_tokens");
+  EXPECT_NE(error({{"sparse_attention_config", by_tokens}}).find("'sparse_local_block' (or 'sparse_local_tokens'"),
+            std::string::npos);
   EXPECT_NE(error({{"kv_cache_dtype", "int4"}}).find("dtype 'int4'"), std::string::npos);
   EXPECT_NE(error({{"head_dim", 4}}).find("not a multiple of 16 bytes"), std::string::npos);  // 4 bf16 values
 }

@@ -60,6 +60,54 @@ const PolicyResult& policy(const PoolResult& p, const std::string& name) {
   throw std::runtime_error("no policy " + name);
 }
 
+// A trace of blocks (ess.unit_tokens 128): a request of 1,000 tokens has 8 ids, so a ratio's pool
+// and the recommended pool's ceiling count blocks; more slots than the longest request's ids are
+// refused, naming the unit.
+TEST(Analyzer, PoolsOfATraceOfUnitsCountIds) {
+  RequestData r;
+  r.id = "blocks";
+  const int rows[6][2] = {{0, 7}, {1, 7}, {2, 7}, {0, 7}, {3, 7}, {1, 7}};
+  for (const auto& row : rows) {
+    r.lengths.push_back(1000);
+    r.topk.insert(r.topk.end(), {row[0], row[1]});
+  }
+  const auto path = temp_path("blocks.safetensors");
+  TraceMeta m;
+  m.layers = 1;
+  m.mtp = 1;
+  m.topk = 2;
+  m.unit_tokens = 128;
+  m.model = "blocks";
+  m.provenance = "analyzer_test";
+  write_trace(path, m, {r});
+  const TraceReader trace(path);
+  AnalyzeConfig by_ratio;
+  by_ratio.ratios = {0.25};  // ceil(0.25 x 8 ids) = 2 slots
+  by_ratio.steady_from = 0;
+  by_ratio.recommend = true;
+  by_ratio.target_misses = 1.0;
+  by_ratio.recommend_granularity = 1;
+  by_ratio.policies = {"lru"};
+  AnalyzeConfig by_slots = by_ratio;
+  by_slots.ratios.clear();
+  by_slots.slots = {2};
+  by_slots.recommend = false;
+  const auto a = analyze(trace, by_ratio);
+  const auto b = analyze(trace, by_slots);
+  // LRU over 2 slots: {0,7} 2 misses, then 1, 1, 1, 1, 1: 7 over 6 steps.
+  EXPECT_DOUBLE_EQ(policy(b.pools[0], "lru").overall.mean_misses, 7.0 / 6);
+  EXPECT_DOUBLE_EQ(policy(a.pools[0], "lru").overall.mean_misses, policy(b.pools[0], "lru").overall.mean_misses);
+  ASSERT_EQ(a.recommended.size(), 1u);
+  // The fewest slots with at most one miss a step: 3 slots miss 7, 4 miss 2 + 1 + 1 + 0 + 1 + 1 = 6.
+  EXPECT_EQ(a.recommended[0].slots, 4);
+  EXPECT_DOUBLE_EQ(a.recommended[0].ratio, 4.0 / 8);
+  AnalyzeConfig too_many = by_slots;
+  too_many.slots = {9};
+  expect_error([&] { analyze(trace, too_many); }, {"slots 9 exceed the longest request (8 ids of 128 tokens)"});
+  EXPECT_EQ(to_json(a)["unit_tokens"], 128);
+  EXPECT_NE(to_table(a).find("units of 128 tokens"), std::string::npos);
+}
+
 TEST(Analyzer, HandComputedMissesAndSimilarity) {
   const TraceReader trace(hand_trace());
   const auto r = analyze(trace, hand_config());

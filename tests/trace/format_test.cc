@@ -288,8 +288,8 @@ TEST(TraceFormatBadInput, MetadataErrors) {
   h["__metadata__"].erase("ess.topk");
   expect_error([&] { parse(h, good_data({3, 4}, {10})); }, {"'ess.topk' is missing"});
   h = good_header();
-  h["__metadata__"]["ess.version"] = "2";
-  expect_error([&] { parse(h, good_data({3, 4}, {10})); }, {"version 2 is not supported"});
+  h["__metadata__"]["ess.version"] = "3";
+  expect_error([&] { parse(h, good_data({3, 4}, {10})); }, {"version 3 is not supported"});
   h = good_header();
   h["__metadata__"]["ess.mtp"] = "two";
   expect_error([&] { parse(h, good_data({3, 4}, {10})); }, {"'ess.mtp' = 'two' is not an integer"});
@@ -350,6 +350,35 @@ TEST(TraceFormatBadInput, IdsOutOfRangeOrDuplicatedWithinAQuery) {
     const auto r = parse(good_header(), good_data({-1, -1}, {10}));
     EXPECT_NO_THROW(r.validate_all());
   }
+}
+
+// A trace of units (ess.unit_tokens n): a step of length L selects among ceil(L / n) ids.
+TEST(TraceFormatBadInput, IdsOfUnitsLieBelowTheUnitsTheLengthMakes) {
+  auto units = [](const std::string& n) {
+    nlohmann::json h = good_header();
+    h["__metadata__"]["ess.version"] = "2";
+    h["__metadata__"]["ess.unit_tokens"] = n;
+    return h;
+  };
+  {
+    // Length 300 in blocks of 128: ids 0, 1, 2 (the third block partial).
+    const auto r = parse(units("128"), good_data({0, 2}, {300}));
+    EXPECT_EQ(r.meta().unit_tokens, 128);
+    EXPECT_EQ(r.request(0).unit_tokens, 128);
+    EXPECT_EQ(r.request(0).ids_of(300), 3);
+    EXPECT_NO_THROW(r.validate_all());
+    EXPECT_TRUE(r.meta().extra.empty());  // a known key, not kept as extra metadata
+  }
+  {
+    const auto r = parse(units("128"), good_data({0, 3}, {300}));
+    expect_error([&] { r.validate_all(); }, {"id 3 is out of range [0, 3)", "ids of 128 tokens over a length of 300"});
+  }
+  expect_error([&] { parse(units("0"), good_data({0, 1}, {10})); }, {"ess.unit_tokens"});
+  expect_error([&] { parse(units("four"), good_data({0, 1}, {10})); }, {"ess.unit_tokens"});
+  EXPECT_EQ(parse(good_header(), good_data({0, 1}, {10})).meta().unit_tokens, 1);  // absent: tokens
+  nlohmann::json v1 = units("128");
+  v1["__metadata__"]["ess.version"] = "1";
+  expect_error([&] { parse(v1, good_data({0, 1}, {300})); }, {"'ess.unit_tokens' = 128 in a version-1 trace"});
 }
 
 TEST(TraceFormatBadInput, MisalignedTensorsAreCopiedNotMisread) {

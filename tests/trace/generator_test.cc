@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <set>
 
+#include "ess/model/model_spec.h"
 #include "ess/trace/format.h"
 #include "ess/trace/generator.h"
 #include "test_util.h"
@@ -121,6 +122,63 @@ TEST(Generator, SharedIndexLayersSelectTheirLeadersIds) {
   expect_error([&] { p.validate("test"); }, {"layer 0 shared: true"});
   p.shared_index = {false, true};
   expect_error([&] { p.validate("test"); }, {"has 2 layers"});
+}
+
+// Units (MiniMax-M3's blocks, DeepSeek-V4's C4 entries): every query at length L selects exactly
+// min(K, ceil(L / n)) distinct ids below ceil(L / n).
+TEST(Generator, IdsOfUnitsLieBelowTheUnitsEachQuerySees) {
+  GeneratorProfile p = tiny_profile();
+  p.unit_tokens = 4;
+  p.validate("test");
+  for (std::int64_t context : {1, 3, 4, 5, 250, 257, 1000}) {
+    const auto r = generate_request(p, context, 20, 5, 0);
+    const std::size_t row = static_cast<std::size_t>(p.mtp) * static_cast<std::size_t>(p.topk);
+    for (std::size_t s = 0; s < r.lengths.size(); ++s) {
+      const std::int64_t first = r.lengths[s] - p.mtp + 1;  // query 0 sees this many tokens
+      for (int l = 0; l < p.layers; ++l) {
+        for (int q = 0; q < p.mtp; ++q) {
+          const auto* ids = r.topk.data() + (s * static_cast<std::size_t>(p.layers) + static_cast<std::size_t>(l)) * row +
+                            static_cast<std::size_t>(q) * static_cast<std::size_t>(p.topk);
+          check_row(ids, p.topk, p.ids_of(first + q), fmt::format("context {} step {} layer {} query {}", context, s, l, q));
+        }
+      }
+    }
+  }
+  const auto meta = synthetic_meta(p, GenerateConfig{});
+  EXPECT_EQ(meta.unit_tokens, 4);
+  EXPECT_NE(meta.note.find("units of 4 tokens"), std::string::npos);
+  EXPECT_EQ(GeneratorProfile::from_json(p.to_json(), "round trip").unit_tokens, 4);
+  p.unit_tokens = 0;
+  expect_error([&] { p.validate("test"); }, {"unit_tokens"});
+}
+
+// `ess trace gen --model`: the model's offloaded layers, top-k and units.
+TEST(Generator, ModelsSetTheirLayersTopkAndUnits) {
+  GeneratorProfile m3 = GeneratorProfile::shipped_default();
+  apply_model(m3, ModelSpec::from_file(ESS_SOURCE_DIR "/configs/models/minimax-m3.json"));
+  m3.validate("m3");
+  EXPECT_EQ(m3.layers, 57);        // its sparse layers
+  EXPECT_EQ(m3.unit_tokens, 128);  // blocks
+  EXPECT_EQ(m3.topk, 17);          // the top 16 and the query's own block
+  EXPECT_EQ(m3.sink_tokens, 0);
+  EXPECT_EQ(m3.recent_window, 1);
+  EXPECT_EQ(m3.mtp, 1);  // no next-n layer
+  GeneratorProfile v4 = GeneratorProfile::shipped_default();
+  const GeneratorProfile dsa = v4;
+  apply_model(v4, ModelSpec::from_file(ESS_SOURCE_DIR "/configs/models/deepseek-v4-flash.json"));
+  v4.validate("v4");
+  EXPECT_EQ(v4.layers, 21);  // its C4 layers
+  EXPECT_EQ(v4.unit_tokens, 4);
+  EXPECT_EQ(v4.topk, 512);
+  EXPECT_EQ(v4.recent_window, (dsa.recent_window + 3) / 4);
+  EXPECT_EQ(v4.reference_context, dsa.reference_context / 4);
+  EXPECT_EQ(v4.mtp, dsa.mtp);
+  GeneratorProfile v32 = dsa;
+  apply_model(v32, ModelSpec::deepseek_v32_exp());
+  EXPECT_EQ(v32.unit_tokens, 1);
+  EXPECT_EQ(v32.topk, 2048);
+  EXPECT_EQ(v32.recent_window, dsa.recent_window);
+  EXPECT_EQ(v32.layers, 61);
 }
 
 TEST(Generator, TracesSayTheyAreSynthetic) {

@@ -65,10 +65,11 @@ void add_gen(CLI::App& parent) {
   auto* layers =
       cmd->add_option("--layers,-l", a->layers, "Override the profile's layer count (the drift curve is resampled)");
   cmd->add_option("--model", a->model,
-                  "A model config.json: its layer count, and its index sharing (a layer that reuses its leader's top-k "
-                  "selects exactly its leader's ids; GLM-5.2's configs/models/glm-5.2.json); DeepSeek-V4: one traced "
-                  "layer per layer with a C4 cache (contexts, top-k and T stay the profile's and --context's: give "
-                  "them in C4 entries)")
+                  "A model config.json: its offloaded layers (DeepSeek-V4: those with a C4 cache; MiniMax-M3: its "
+                  "sparse layers), its top-k and index sharing (a layer that reuses its leader's top-k selects exactly "
+                  "its leader's ids; GLM-5.2's configs/models/glm-5.2.json). Ids name what the model selects: a token, "
+                  "a C4 entry of 4 tokens (DeepSeek-V4), a block (MiniMax-M3: its top blocks plus its forced init / "
+                  "local blocks); the profile's token spans become spans of ids; --context stays in tokens")
       ->excludes(layers);
   cmd->add_option("--seed", a->config.seed, "Random seed")->capture_default_str()->check(unsigned_integer());
   add_format_option(*cmd, a->format, false);
@@ -82,10 +83,7 @@ void add_gen(CLI::App& parent) {
     }
     if (!a->model.empty()) {
       const ModelSpec m = ModelSpec::from_file(a->model);
-      p.model = m.name;
-      // DeepSeek-V4: one traced layer per layer with a C4 cache.
-      p.layers = static_cast<int>(m.offloaded_layers().size());
-      p.shared_index = m.shared_index;
+      trace::apply_model(p, m);
       p.validate("--model " + a->model);
     }
     const auto t0 = std::chrono::steady_clock::now();
@@ -109,12 +107,14 @@ void add_gen(CLI::App& parent) {
                                         {"layers", p.layers},
                                         {"mtp", p.mtp},
                                         {"topk", p.topk},
+                                        {"unit_tokens", p.unit_tokens},
                                         {"seconds", secs}}
                              .dump(2));
     } else {
       fmt::print("wrote {} (SYNTHETIC: profile '{}'): {} requests x {} steps x {} layers x MTP {} x top-k {} = {:.0f} ids "
-                 "in {:.2f} s\n",
-                 a->output, p.name, a->config.requests, a->config.steps, p.layers, p.mtp, p.topk, ids, secs);
+                 "{}in {:.2f} s\n",
+                 a->output, p.name, a->config.requests, a->config.steps, p.layers, p.mtp, p.topk, ids,
+                 p.unit_tokens > 1 ? fmt::format("of {} tokens each ", p.unit_tokens) : std::string(), secs);
     }
   });
 }
@@ -226,8 +226,9 @@ void add_info(CLI::App& parent) {
   cmd->callback([path, full] {
     const trace::TraceReader r(*path);
     const auto& m = r.meta();
-    fmt::print("{}: ESS top-k trace v{} | {} | {} requests | {} layers | MTP {} | top-k {} | {}\n", *path,
-               trace::kFormatVersion, m.model, r.requests(), m.layers, m.mtp, m.topk,
+    fmt::print("{}: ESS top-k trace v{} | {} | {} requests | {} layers | MTP {} | top-k {}{} | {}\n", *path,
+               m.version, m.model, r.requests(), m.layers, m.mtp, m.topk,
+               m.unit_tokens > 1 ? fmt::format(" ids of {} tokens", m.unit_tokens) : std::string(),
                m.synthetic ? "SYNTHETIC" : "recorded");
     fmt::print("provenance: {}\n", m.provenance);
     if (!m.note.empty()) fmt::print("note: {}\n", m.note);

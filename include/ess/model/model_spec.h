@@ -83,6 +83,10 @@ struct ModelSpec {
   std::vector<bool> sparse_layers;
   int sparse_block_size = 0;
   int sparse_topk_blocks = 0;
+  // Blocks every query also reads (SGLang's _merge_sparse_blocks appends them to the top-k): the
+  // first sparse_init_blocks and the sparse_local_blocks ending at the query's own.
+  int sparse_init_blocks = 0;
+  int sparse_local_blocks = 0;
   int kv_value_bytes = 0;
   bool is_minimax_m3() const {
     return architecture == "MiniMaxM3SparseForCausalLM" || architecture == "MiniMaxM3SparseForConditionalGeneration";
@@ -94,6 +98,11 @@ struct ModelSpec {
   std::vector<int> offloaded_layers() const;
   // Tokens per entry of the offloaded cache: 4 for DeepSeek-V4's C4 cache, else 1.
   int tokens_per_entry() const { return is_deepseek_v4() ? 4 : 1; }
+  // Ids a query's selection holds (an id: selection_block() entries of tokens_per_entry() tokens):
+  // MiniMax-M3's top blocks and its forced ones, else index_topk.
+  int selected_ids() const {
+    return is_minimax_m3() ? sparse_topk_blocks + sparse_init_blocks + sparse_local_blocks : index_topk;
+  }
   // Whether the config's sharing fields declare sharing (index_topk_freq > 1, an S in
   // index_topk_pattern, a "shared" in indexer_types), whatever pattern they give: the condition on
   // which SGLang refuses two-batch overlap.

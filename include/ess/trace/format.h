@@ -14,9 +14,12 @@
 //                                                              oldest first (for LRU-Warmup);
 //                                                              ids lie in [0, lengths[0])
 // Metadata (all values strings, as safetensors requires): ess.format = "ess-topk-trace",
-// ess.version = "1", ess.requests, ess.layers, ess.mtp, ess.topk, ess.model, ess.provenance,
+// ess.version = "1" (or "2" with ess.unit_tokens > 1), ess.requests, ess.layers, ess.mtp, ess.topk, ess.model, ess.provenance,
 // ess.synthetic = "true" | "false", optional ess.note, ess.generator (the profile JSON),
-// requests.<i>.id, requests.<i>.context (the prompt length; default lengths[0]).
+// ess.unit_tokens (the tokens an id names: 1, the default, a token; 4 a DeepSeek-V4 C4 entry;
+// a MiniMax-M3 block's sparse_block_size: id u covers tokens [u x n, (u + 1) x n), and a step of
+// length L selects among ceil(L / n) ids), requests.<i>.id, requests.<i>.context (the prompt
+// length in tokens; default lengths[0]).
 //
 // TraceReader memory-maps the file: the id tensors are read in place, never copied (unless a
 // foreign writer left them misaligned). Opening checks the structure (header, dtypes, shapes,
@@ -38,13 +41,17 @@
 
 namespace ess::trace {
 
-inline constexpr int kFormatVersion = 1;
+// The newest version this reader reads: 2 adds ess.unit_tokens (a version-1 reader would read
+// its ids as tokens). A trace of tokens is written as version 1, one of units as version 2.
+inline constexpr int kFormatVersion = 2;
 inline constexpr const char* kFormatName = "ess-topk-trace";
 
 struct TraceMeta {
+  int version = 1;  // ess.version (the writer writes 1 for tokens, 2 for units)
   int layers = 0;
   int mtp = 1;       // query tokens per request per step (T)
   int topk = 2048;   // K
+  int unit_tokens = 1;  // tokens an id names (ess.unit_tokens)
   std::string model;
   std::string provenance;  // how the trace was made: "synthetic: ess trace gen ..." or a recorder
   bool synthetic = false;
@@ -60,6 +67,7 @@ struct RequestView {
   int layers = 0;
   int mtp = 1;
   int topk = 0;
+  int unit_tokens = 1;                      // tokens an id names (TraceMeta::unit_tokens)
   int prefill_windows = 0;                  // 0 = no prefill top-k
   const std::int32_t* topk_ids = nullptr;   // [steps][layers][mtp][topk]
   const std::int32_t* prefill_ids = nullptr;  // [layers][prefill_windows][topk]
@@ -85,6 +93,8 @@ struct RequestView {
     return {prefill_ids + static_cast<std::size_t>(layer) * n, n};
   }
   std::int64_t prompt_length() const { return lengths.empty() ? 0 : lengths.front(); }
+  // The ids `tokens` tokens make: ceil(tokens / unit_tokens).
+  std::int64_t ids_of(std::int64_t tokens) const { return (tokens + unit_tokens - 1) / unit_tokens; }
 };
 
 // A mapped trace that shrinks while it is read (truncated by another process, lost by a network
@@ -114,7 +124,7 @@ class TraceReader {
   std::int64_t total_steps() const;
   std::int64_t max_length() const;
 
-  // Checks every id of request i: -1 or in [0, length of its step) (prefill: [0, lengths[0])),
+  // Checks every id of request i: -1 or in [0, ids_of(length of its step)) (prefill: of lengths[0]),
   // and no id twice within one query row. Thread-safe. Returns the largest working set (distinct
   // ids of one step of one layer over its mtp query tokens) of the request.
   std::int64_t validate_request(std::size_t i) const;

@@ -32,6 +32,7 @@
 #include <string>
 #include <vector>
 
+#include "ess/model/model_spec.h"
 #include "ess/trace/format.h"
 
 namespace ess::trace {
@@ -61,6 +62,12 @@ struct GeneratorProfile {
   // exactly its leader's top-k (the last layer before it that is not shared), prefill windows
   // included. Empty: every layer its own; else one flag per layer, layer 0 not shared.
   std::vector<bool> shared_index;
+  // Tokens an id names (TraceMeta::unit_tokens): 1, a token; 4, DeepSeek-V4's C4 entries; a
+  // block's size, MiniMax-M3's blocks. topk, sink_tokens, recent_window, candidate_base and
+  // reference_context count ids; contexts and lengths stay tokens (a query at length L sees
+  // ceil(L / unit_tokens) ids).
+  int unit_tokens = 1;
+  std::int64_t ids_of(std::int64_t tokens) const { return (tokens + unit_tokens - 1) / unit_tokens; }
   // The MTP working set this profile's traces have (distinct ids per request-layer-step: the
   // union of its `mtp` query tokens' top-k), measured once by `ess trace generate` + `ess
   // trace analyze` and stored with the profile so that the simulator need not regenerate it;
@@ -83,6 +90,14 @@ struct GeneratorProfile {
   double drift_of(int layer) const;
   void validate(const std::string& source) const;
 };
+
+// A profile for `model`'s selections: its name, one traced layer per offloaded layer
+// (ModelSpec::offloaded_layers), its index sharing, its ids (unit_tokens: a selected id's
+// tokens) and top-k (ModelSpec::selected_ids). With ids of u > 1 tokens the profile's token
+// spans become spans of ids (sinks, recent window rounded up; candidate_base, reference_context
+// divided by u); MiniMax-M3's sinks and window are its forced init and local blocks. A model
+// without a next-n layer decodes one token per step (mtp 1). Call validate() after.
+void apply_model(GeneratorProfile& profile, const ModelSpec& model);
 
 // The longest prompt the generator takes (its candidate process keeps a few bytes per token);
 // a profile of a model ESS knows is held to that model's max_position_embeddings as well.

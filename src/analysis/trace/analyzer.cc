@@ -80,15 +80,16 @@ void check_config(const TraceReader& trace, const AnalyzeConfig& cfg) {
   ESS_CHECK(cfg.ratios.empty() || cfg.slots.empty(), "trace analyze: give pool sizes as ratios or as slots, not both");
   for (double x : cfg.ratios) ESS_CHECK(x > 0 && x <= 1, "trace analyze: ratio {} is outside (0, 1]", x);
   for (auto x : cfg.slots) ESS_CHECK(x > 0, "trace analyze: slots {} must be positive", x);
-  std::int64_t longest = 0;  // tokens of the longest request at its last step
+  std::int64_t longest = 0;  // ids of the longest request at its last step
   for (std::size_t i = 0; i < trace.requests(); ++i) {
     const RequestView r = trace.request(i);
-    longest = std::max({longest, r.context, r.lengths.empty() ? 0 : r.lengths.back()});
+    longest = std::max({longest, r.ids_of(r.context), r.lengths.empty() ? 0 : r.ids_of(r.lengths.back())});
   }
+  const int unit = trace.meta().unit_tokens;
   for (auto x : cfg.slots) {
-    // More slots than any request has tokens only cost memory: every pool holds all its slots.
-    ESS_CHECK(x <= longest, "trace analyze: slots {} exceed the longest request ({} tokens); --ratio 1 holds everything",
-              x, longest);
+    // More slots than any request has ids only cost memory: every pool holds all its slots.
+    ESS_CHECK(x <= longest, "trace analyze: slots {} exceed the longest request ({} {}); --ratio 1 holds everything",
+              x, longest, unit > 1 ? fmt::format("ids of {} tokens", unit) : std::string("tokens"));
   }
   ESS_CHECK(std::isfinite(cfg.target_misses) && cfg.target_misses >= 0,
             "trace analyze: --target {} must be a finite number >= 0", cfg.target_misses);
@@ -133,9 +134,9 @@ RequestSummary summarize_requests(const TraceReader& trace, const AnalyzeConfig&
   return out;
 }
 
-// Slots of a pool of `ratio` x the request's context (at least one).
+// Slots of a pool of `ratio` x the request's context in ids (at least one).
 std::int32_t slots_for(const RequestView& r, double ratio) {
-  const double x = std::ceil(ratio * static_cast<double>(r.context) - 1e-9);
+  const double x = std::ceil(ratio * static_cast<double>(r.ids_of(r.context)) - 1e-9);
   return static_cast<std::int32_t>(std::max(1.0, x));
 }
 
@@ -510,7 +511,8 @@ Recommendation recommend_for(const TraceReader& trace, const AnalyzeConfig& cfg,
   auto mean_at = [&](std::int64_t slots) { return steady_mean_misses(trace, group, slots, cfg.warmup, reqs.steady_from); };
   Recommendation rec;
   rec.context = context;
-  std::int64_t hi = std::max(lo, context);
+  const std::int64_t ids = (context + trace.meta().unit_tokens - 1) / trace.meta().unit_tokens;  // the pool's ceiling
+  std::int64_t hi = std::max(lo, ids);
   const double at_hi = mean_at(hi);
   if (at_hi > cfg.target_misses) {
     rec.slots = -1;
@@ -536,7 +538,7 @@ Recommendation recommend_for(const TraceReader& trace, const AnalyzeConfig& cfg,
     rec.slots = static_cast<std::int32_t>(hi);
     rec.mean_misses = best;
   }
-  rec.ratio = rec.slots > 0 ? static_cast<double>(rec.slots) / static_cast<double>(context) : 0;
+  rec.ratio = rec.slots > 0 ? static_cast<double>(rec.slots) / static_cast<double>(ids) : 0;
   return rec;
 }
 

@@ -46,12 +46,20 @@ std::int64_t read_meta(const std::string& path, const std::map<std::string, std:
   ESS_CHECK(need("ess.format") == kFormatName, "{}: metadata 'ess.format' = '{}', expected '{}'", path,
             printable(md.at("ess.format")), kFormatName);
   const auto version = parse_int(path, "ess.version", need("ess.version"), 1, std::numeric_limits<int>::max());
-  ESS_CHECK(version == kFormatVersion, "{}: trace format version {} is not supported (this reader reads version {})",
+  ESS_CHECK(version <= kFormatVersion, "{}: trace format version {} is not supported (this reader reads versions 1 to {})",
             path, version, kFormatVersion);
+  meta.version = static_cast<int>(version);
   const auto nreq = parse_int(path, "ess.requests", need("ess.requests"), 0, 1 << 24);
   meta.layers = static_cast<int>(parse_int(path, "ess.layers", need("ess.layers"), 1, 4096));
   meta.mtp = static_cast<int>(parse_int(path, "ess.mtp", need("ess.mtp"), 1, 64));
   meta.topk = static_cast<int>(parse_int(path, "ess.topk", need("ess.topk"), 1, 1 << 20));
+  if (auto it = md.find("ess.unit_tokens"); it != md.end()) {
+    meta.unit_tokens = static_cast<int>(parse_int(path, "ess.unit_tokens", it->second, 1, 1 << 16));
+    ESS_CHECK(meta.unit_tokens == 1 || version >= 2,
+              "{}: metadata 'ess.unit_tokens' = {} in a version-1 trace (whose readers take ids for tokens); a trace "
+              "of units is version 2",
+              path, meta.unit_tokens);
+  }
   for (const auto& [k, v] : md) {
     if (k == "ess.model") {
       meta.model = printable(v);
@@ -66,7 +74,7 @@ std::int64_t read_meta(const std::string& path, const std::map<std::string, std:
     } else if (k == "ess.generator") {
       meta.generator = v;
     } else if (k != "ess.format" && k != "ess.version" && k != "ess.requests" && k != "ess.layers" &&
-               k != "ess.mtp" && k != "ess.topk" && !k.starts_with("requests.")) {
+               k != "ess.mtp" && k != "ess.topk" && k != "ess.unit_tokens" && !k.starts_with("requests.")) {
       meta.extra[k] = v;
     }
   }
@@ -180,6 +188,7 @@ RequestView read_request(const RequestSource& src, std::int64_t i) {
   r.layers = src.meta.layers;
   r.mtp = src.meta.mtp;
   r.topk = src.meta.topk;
+  r.unit_tokens = src.meta.unit_tokens;
   const std::string prefix = fmt::format("requests.{}.", i);
   if (auto it = src.md.find(prefix + "id"); it != src.md.end()) {
     r.id = printable(it->second);
@@ -316,14 +325,17 @@ std::int64_t TraceReader::validate_request(std::size_t i) const {
 
   auto check_row = [&](const std::int32_t* row, std::int64_t length, const char* tensor, std::uint64_t row_offset,
                        auto&& where) {
+    const std::int64_t ids = r.ids_of(length);
     for (std::size_t k = 0; k < K; ++k) {
       const std::int32_t v = row[k];
       if (v == -1) continue;
-      if (v < 0 || v >= length) {
+      if (v < 0 || v >= ids) {
         for (auto t : touched) seen[static_cast<std::size_t>(t)] = -1;
         ESS_THROW("{}: request {} ('{}'), tensor 'requests.{}.{}', byte offset {} ({}, position {}): id {} is out of "
-                  "range [0, {}) (-1 is the only padding value)",
-                  path_, r.index, r.id, r.index, tensor, row_offset + 4 * k, where(), k, v, length);
+                  "range [0, {}){} (-1 is the only padding value)",
+                  path_, r.index, r.id, r.index, tensor, row_offset + 4 * k, where(), k, v, ids,
+                  r.unit_tokens > 1 ? fmt::format(" (ids of {} tokens over a length of {})", r.unit_tokens, length)
+                                    : std::string());
       }
       auto& sv = seen[static_cast<std::size_t>(v)];
       if (sv >= 0) {

@@ -27,7 +27,7 @@ GeneratorProfile GeneratorProfile::from_json(const nlohmann::json& j, const std:
       "mtp",           "accept_ratio",       "prefill_windows", "sink_tokens",      "recent_window",
       "candidate_base", "reference_context", "candidate_exponent", "mtp_divergence", "topic_shift_rate",
       "topic_shift_fraction", "candidate_churn", "drift",        "synthetic",        "calibration",
-      "return_probability", "return_depth", "mtp_working_set", "shared_index"};
+      "return_probability", "return_depth", "mtp_working_set", "shared_index", "unit_tokens"};
   for (const auto& [k, v] : j.items()) {
     ESS_CHECK(known.contains(k), "{}: unknown generator profile field '{}'", source, k);
   }
@@ -57,6 +57,7 @@ GeneratorProfile GeneratorProfile::from_json(const nlohmann::json& j, const std:
   json_read(j, "return_depth", p.return_depth, source);
   json_read(j, "drift", p.drift, source);
   json_read(j, "shared_index", p.shared_index, source);
+  json_read(j, "unit_tokens", p.unit_tokens, source);
   if (auto it = j.find("mtp_working_set"); it != j.end()) {
     const std::string where = source + ": mtp_working_set";
     ESS_CHECK(it->is_object() && it->contains("how") && it->contains("measured"),
@@ -99,6 +100,7 @@ void GeneratorProfile::validate(const std::string& source) const {
               lo, hi);
   };
   in("layers", layers, 1, 4096);
+  in("unit_tokens", unit_tokens, 1, 1 << 16);
   in("topk", topk, 1, 1 << 20);
   in("mtp", mtp, 1, 16);
   in("accept_ratio", accept_ratio, 1, mtp);
@@ -150,7 +152,32 @@ nlohmann::json GeneratorProfile::to_json() const {
                       {"return_depth", return_depth},
                       {"drift", drift}};
   if (!shared_index.empty()) j["shared_index"] = shared_index;
+  if (unit_tokens != 1) j["unit_tokens"] = unit_tokens;
   return j;
+}
+
+void apply_model(GeneratorProfile& p, const ModelSpec& m) {
+  p.model = m.name;
+  p.layers = static_cast<int>(m.offloaded_layers().size());
+  p.shared_index = m.shared_index;
+  p.topk = m.selected_ids();
+  p.unit_tokens = m.selection_block() * m.tokens_per_entry();
+  if (m.num_nextn_predict_layers == 0) {
+    p.mtp = 1;
+    p.accept_ratio = 1.0;
+  }
+  if (p.unit_tokens == 1) return;
+  const std::int64_t u = p.unit_tokens;
+  if (m.is_minimax_m3()) {
+    p.sink_tokens = m.sparse_init_blocks;
+    p.recent_window = m.sparse_local_blocks;
+  } else {
+    p.sink_tokens = static_cast<int>(p.ids_of(p.sink_tokens));
+    p.recent_window = static_cast<int>(p.ids_of(p.recent_window));
+  }
+  p.candidate_base = std::max(1.0, p.candidate_base / static_cast<double>(u));
+  p.reference_context = std::max<std::int64_t>(1, p.reference_context / u);
+  p.mtp_working_set.clear();  // measured over token ids
 }
 
 double GeneratorProfile::drift_of(int layer) const {
@@ -238,7 +265,7 @@ struct Tick {
   std::size_t c_size = 0;        // |C| after this tick's additions
   std::size_t drift_begin = 0, drift_end = 0;  // into Shared::drift
   std::size_t shift_begin = 0, shift_end = 0;  // into Shared::shift
-  std::int64_t first_visible = 0;  // query 0 sees [0, first_visible)
+  std::int64_t first_visible = 0;  // query 0 sees tokens [0, first_visible)
   int queries = 1;
 };
 struct ShiftEvent {
@@ -256,6 +283,7 @@ struct Shared {
 // Builds the Shared process of one request tick by tick, from one Rng stream.
 class SharedBuilder {
  public:
+  // `context` and `final_length` in ids (GeneratorProfile::unit_tokens).
   SharedBuilder(const GeneratorProfile& p, std::int64_t context, std::int64_t final_length, std::uint64_t seed)
       : p_(p), h_(p.topk - p.sink_tokens - p.recent_window), rng_(seed),
         in_c_(static_cast<std::size_t>(final_length) + 1, 0) {
@@ -266,13 +294,13 @@ class SharedBuilder {
     for (int l = 0; l < p.layers; ++l) dmax_ = std::max(dmax_, p.drift_of(l));
   }
 
-  // Appends the tick whose query 0 sees [0, first_visible): candidates, then (when `evolve`)
-  // churn and drift events, then (when `shift`) a topic shift.
+  // Appends the tick whose query 0 sees tokens [0, first_visible): candidates, then (when
+  // `evolve`) churn and drift events, then (when `shift`) a topic shift.
   void tick(std::int64_t first_visible, int queries, bool evolve, bool shift) {
     Tick t;
     t.first_visible = first_visible;
     t.queries = queries;
-    const std::int64_t new_limit = std::max<std::int64_t>(first_visible - p_.recent_window, p_.sink_tokens);
+    const std::int64_t new_limit = std::max<std::int64_t>(p_.ids_of(first_visible) - p_.recent_window, p_.sink_tokens);
     if (sh_.ticks.empty()) {
       initial_candidates(new_limit);
     } else {
@@ -382,7 +410,7 @@ class SharedBuilder {
 Shared make_shared_process(const GeneratorProfile& p, std::int64_t context, const std::vector<std::int64_t>& starts,
                            const std::vector<std::uint8_t>& shifts, int prefill_windows, std::uint64_t seed) {
   const std::int64_t final_length = starts.empty() ? context : starts.back() + p.mtp;
-  SharedBuilder b(p, context, final_length, seed);
+  SharedBuilder b(p, p.ids_of(context), p.ids_of(final_length), seed);
   for (int w = 0; w < prefill_windows; ++w) b.tick(context - prefill_windows + w + 1, 1, w > 0, false);
   for (std::size_t s = 0; s < starts.size(); ++s) {
     b.tick(starts[s] + 1, p.mtp, s > 0 || prefill_windows > 0, shifts[s] != 0);
@@ -403,9 +431,10 @@ class LayerProcess {
         depth_(static_cast<std::size_t>(p.return_depth)),
         history_(static_cast<std::size_t>(shared.heavy) * static_cast<std::size_t>(p.return_depth), -1),
         shared_(shared),
+        unit_profile_(p),
         rng_(seed),
-        where_(static_cast<std::size_t>(final_length) + 1, kNone),
-        pos_(static_cast<std::size_t>(final_length) + 1, -1) {}
+        where_(static_cast<std::size_t>(p.ids_of(final_length)) + 1, kNone),
+        pos_(static_cast<std::size_t>(p.ids_of(final_length)) + 1, -1) {}
 
   // Applies tick `i` and writes its queries' ids (queries x K) to `out`.
   void run_tick(std::size_t i, std::int32_t* out) {
@@ -444,12 +473,13 @@ class LayerProcess {
       swap_heavy(static_cast<std::size_t>(ev.position), static_cast<std::size_t>(pos_[static_cast<std::size_t>(ev.token)]));
     }
     for (int q = 0; q < t.queries; ++q) {
-      emit(out + static_cast<std::size_t>(q) * static_cast<std::size_t>(K_), t.first_visible + q, q > 0);
+      emit(out + static_cast<std::size_t>(q) * static_cast<std::size_t>(K_), unit_profile_.ids_of(t.first_visible + q),
+           q > 0);
     }
   }
 
  private:
-  // Writes the K ids of a query that sees tokens [0, visible); `diverge` for MTP tokens t > 0.
+  // Writes the K ids of a query that sees ids [0, visible); `diverge` for MTP tokens t > 0.
   void emit(std::int32_t* row, std::int64_t visible, bool diverge) {
     if (visible <= K_) {
       for (std::int64_t i = 0; i < K_; ++i) row[i] = i < visible ? static_cast<std::int32_t>(i) : -1;
@@ -519,6 +549,7 @@ class LayerProcess {
   std::size_t depth_;
   std::vector<std::int32_t> history_;  // per heavy slot: its last depth_ occupants, newest first
   const Shared& shared_;
+  const GeneratorProfile& unit_profile_;  // its ids_of: a query's tokens as ids
   Rng rng_;
   std::size_t consumed_ = 0;  // candidates of C taken in so far
   std::int64_t limit_ = 0;
@@ -605,6 +636,7 @@ TraceMeta synthetic_meta(const GeneratorProfile& p, const GenerateConfig& c) {
   m.layers = p.layers;
   m.mtp = p.mtp;
   m.topk = p.topk;
+  m.unit_tokens = p.unit_tokens;
   m.model = p.model;
   m.synthetic = true;
   std::vector<std::string> ctx;
@@ -614,6 +646,11 @@ TraceMeta synthetic_meta(const GeneratorProfile& p, const GenerateConfig& c) {
                              p.name, fmt::join(ctx, ","), c.requests, c.steps, c.seed, ESS_VERSION);
   m.note = "SYNTHETIC TRACE: generated by a parametric locality model calibrated to the statistics the ESS paper "
            "reports for DeepSeek-V3.2-Exp on LongBench v2; these are not a real model's top-k selections.";
+  if (p.unit_tokens > 1) {
+    m.note += fmt::format(" Its ids name units of {} tokens, selected by the same process over units: the locality of "
+                          "a model that selects such units has not been measured.",
+                          p.unit_tokens);
+  }
   m.generator = p.to_json().dump();
   return m;
 }

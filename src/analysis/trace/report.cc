@@ -86,6 +86,7 @@ nlohmann::json to_json(const AnalysisResult& r) {
   j["layers"] = r.meta.layers;
   j["mtp"] = r.meta.mtp;
   j["topk"] = r.meta.topk;
+  j["unit_tokens"] = r.meta.unit_tokens;
   j["steps"] = r.steps;
   j["steady_from"] = r.steady_from;
   j["contexts"] = r.contexts;
@@ -183,6 +184,7 @@ nlohmann::json miss_profile_json(const AnalysisResult& r, const std::string& pol
           {"model", r.meta.model},
           {"mtp", r.meta.mtp},
           {"topk", r.meta.topk},
+          {"unit_tokens", r.meta.unit_tokens},
           {"synthetic", r.meta.synthetic},
           {"source", r.path},
           {"provenance", r.meta.provenance},
@@ -196,6 +198,10 @@ std::string to_table(const AnalysisResult& r) {
   fmt::format_to(it, "ess trace analyze: {}{}\n", r.path, r.meta.synthetic ? "  [SYNTHETIC trace]" : "");
   fmt::format_to(it, "model {} | {} requests | {} layers | MTP {} | top-k {} | {} decode steps | contexts {} | steady state from step {}\n",
       r.meta.model, r.requests, r.meta.layers, r.meta.mtp, r.meta.topk, r.steps, fmt::join(r.contexts, ","), r.steady_from);
+  if (r.meta.unit_tokens > 1) {
+    fmt::format_to(it, "ids name units of {} tokens: top-k, slots, misses and working sets count them (contexts stay "
+                   "tokens; a ratio is of the context's ids)\n", r.meta.unit_tokens);
+  }
   fmt::format_to(it, "provenance: {}\n\n", r.meta.provenance);
   if (!r.intra.empty()) {
     fmt::format_to(it, "similarity: intra-layer {:.3f}, inter-layer {:.3f} (mean over layers and steps)\n\n", r.intra_mean, r.inter_mean);

@@ -28,14 +28,17 @@ TraceWriter::TraceWriter(const std::string& path, const TraceMeta& meta, std::ve
     : path_(path), meta_(meta), shapes_(std::move(shapes)) {
   ESS_CHECK(meta.layers >= 1 && meta.mtp >= 1 && meta.topk >= 1, "{}: trace writer: layers {}, mtp {}, topk {} must be positive",
             path, meta.layers, meta.mtp, meta.topk);
+  ESS_CHECK(meta.unit_tokens >= 1 && meta.unit_tokens <= (1 << 16), "{}: trace writer: unit_tokens {} is outside [1, 65536]",
+            path, meta.unit_tokens);
   nlohmann::json md = nlohmann::json::object();
   for (const auto& [k, v] : meta.extra) md[k] = v;
   md["ess.format"] = kFormatName;
-  md["ess.version"] = std::to_string(kFormatVersion);
+  md["ess.version"] = meta.unit_tokens == 1 ? "1" : "2";  // version 1 readers take ids for tokens
   md["ess.requests"] = std::to_string(shapes_.size());
   md["ess.layers"] = std::to_string(meta.layers);
   md["ess.mtp"] = std::to_string(meta.mtp);
   md["ess.topk"] = std::to_string(meta.topk);
+  if (meta.unit_tokens != 1) md["ess.unit_tokens"] = std::to_string(meta.unit_tokens);
   md["ess.model"] = meta.model;
   md["ess.provenance"] = meta.provenance;
   md["ess.synthetic"] = meta.synthetic ? "true" : "false";

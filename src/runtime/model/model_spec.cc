@@ -162,6 +162,20 @@ void read_minimax_m3(const json& t, const json& top, const std::string& source, 
             "{}: sparse_block_size = {} and sparse_topk_blocks = {} must be positive", where, m.sparse_block_size,
             m.sparse_topk_blocks);
   m.index_topk = m.sparse_topk_blocks * m.sparse_block_size;
+  // The forced blocks (minimax_sparse_backend.py, MiniMaxSparseAttnBackend.__init__): sparse_init_block, else
+  // ceil(sparse_init_tokens / block); sparse_local_block, else ceil(sparse_local_tokens / block) + 1.
+  const auto blocks_of = [&](const char* blocks, const char* tokens, int extra) {
+    if (present(*sparse, blocks) != nullptr) return json_int(*sparse, blocks, where, true);
+    ESS_CHECK(present(*sparse, tokens) != nullptr, "{}: field '{}' (or '{}', as SGLang reads it) is missing", where,
+              blocks, tokens);
+    const int n = json_int(*sparse, tokens, where, true);
+    return n < 0 ? n : (n + m.sparse_block_size - 1) / m.sparse_block_size + extra;
+  };
+  m.sparse_init_blocks = blocks_of("sparse_init_block", "sparse_init_tokens", 0);
+  m.sparse_local_blocks = blocks_of("sparse_local_block", "sparse_local_tokens", 1);
+  ESS_CHECK(m.sparse_init_blocks >= 0 && m.sparse_local_blocks >= 0,
+            "{}: sparse_init_block = {} and sparse_local_block = {} must be >= 0", where, m.sparse_init_blocks,
+            m.sparse_local_blocks);
 }
 
 // DeepSeek-V4's fields as SGLang reads them: its DeepSeekV4Config dataclass's defaults
@@ -327,6 +341,8 @@ json ModelSpec::to_json() const {
              {{"sparse_attention_freq", freq},
               {"sparse_block_size", sparse_block_size},
               {"sparse_topk_blocks", sparse_topk_blocks},
+              {"sparse_init_block", sparse_init_blocks},
+              {"sparse_local_block", sparse_local_blocks},
               {"sparse_index_dim", index_head_dim},
               {"sparse_num_index_heads", index_n_heads}}}};
   }
