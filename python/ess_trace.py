@@ -25,7 +25,7 @@ import tempfile
 import numpy as np
 
 FORMAT = "ess-topk-trace"
-VERSION = 1
+VERSION = 1          # a trace of tokens; one of units (unit_tokens > 1) is version 2
 
 
 INT32_MAX = 2**31 - 1
@@ -50,14 +50,17 @@ def _int_array(values, what: str, dtype: str, lo: int, hi: int):
     return np.ascontiguousarray(a, dtype=dtype)
 
 
-def _check_rows(rows, lengths, what: str, unit: str):
-    """rows [n, queries, K]: each id in [0, lengths[n]) or -1 (padding), none twice in a query."""
+def _check_rows(rows, lengths, what: str, unit: str, unit_tokens: int = 1):
+    """rows [n, queries, K]: each id in [0, ceil(lengths[n] / unit_tokens)) or -1 (padding), none twice in a
+    query."""
     for n in range(rows.shape[0]):
         r = rows[n]
-        length = int(lengths[n])
+        length = -(-int(lengths[n]) // unit_tokens)
         if (r >= length).any():
             q, k = np.argwhere(r >= length)[0].tolist()
-            raise ValueError(f"{what}: {unit} {n}, query {q}, position {k}: id {int(r[q, k])} is outside [0, {length})")
+            of = f" (ids of {unit_tokens} tokens over a length of {int(lengths[n])})" if unit_tokens > 1 else ""
+            raise ValueError(f"{what}: {unit} {n}, query {q}, position {k}: id {int(r[q, k])} is outside "
+                             f"[0, {length}){of}")
         s = np.sort(r, axis=1)
         dup = (s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)
         if dup.any():
@@ -72,11 +75,14 @@ _MODEL_MAX_LENGTH = {"deepseek-v3.2-exp": 163840, "deepseek-ai/deepseek-v3.2-exp
 
 class TraceWriter:
     def __init__(self, *, model: str, layers: int, mtp: int, topk: int, provenance: str, synthetic: bool,
-                 note: str = "", extra: dict | None = None):
-        for name, v in (("layers", layers), ("mtp", mtp), ("topk", topk)):
+                 note: str = "", extra: dict | None = None, unit_tokens: int = 1):
+        """unit_tokens: the tokens an id names (1: a token; 4: DeepSeek-V4's C4 entries); lengths and contexts
+        stay tokens, a step of length L selecting among ceil(L / unit_tokens) ids."""
+        for name, v in (("layers", layers), ("mtp", mtp), ("topk", topk), ("unit_tokens", unit_tokens)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 1 <= v <= 1 << 16:
                 raise ValueError(f"{name} {v!r} must be an integer in [1, 65536]")
         self.model, self.layers, self.mtp, self.topk = model, layers, mtp, topk
+        self.unit_tokens = int(unit_tokens)
         self.provenance, self.synthetic, self.note = provenance, synthetic, note
         self.extra = dict(extra or {})
         self.requests = []
@@ -94,7 +100,7 @@ class TraceWriter:
             raise ValueError(f"request {i}: topk has no step; a request needs at least one")
         if lengths.shape != (ids.shape[0],):
             raise ValueError(f"request {i}: lengths shape {lengths.shape} is not [{ids.shape[0]}]")
-        _check_rows(ids.reshape(ids.shape[0], -1, self.topk), lengths, f"request {i}: topk", "step")
+        _check_rows(ids.reshape(ids.shape[0], -1, self.topk), lengths, f"request {i}: topk", "step", self.unit_tokens)
         pf = None
         if prefill_topk is not None:
             pf = _int_array(prefill_topk, f"request {i}: prefill_topk", "<i4", -1, INT32_MAX)
@@ -102,7 +108,7 @@ class TraceWriter:
                 raise ValueError(f"request {i}: prefill_topk shape {pf.shape} is not [{self.layers}, windows in "
                                  f"[1, 65536], {self.topk}]")
             rows = pf.reshape(1, -1, self.topk)
-            _check_rows(rows, lengths[:1], f"request {i}: prefill_topk", "prompt")
+            _check_rows(rows, lengths[:1], f"request {i}: prefill_topk", "prompt", self.unit_tokens)
         if context is not None:
             if isinstance(context, bool) or not isinstance(context, (int, np.integer)) or not 1 <= context <= INT32_MAX:
                 raise ValueError(f"request {i}: context {context!r} must be an integer in [1, 2^31-1]")
@@ -128,13 +134,16 @@ class TraceWriter:
     def write(self, path: str):
         md = {k: str(v) for k, v in self.extra.items()}
         md.update({
-            "ess.format": FORMAT, "ess.version": str(VERSION), "ess.requests": str(len(self.requests)),
+            "ess.format": FORMAT, "ess.version": str(VERSION if self.unit_tokens == 1 else 2),
+            "ess.requests": str(len(self.requests)),
             "ess.layers": str(self.layers), "ess.mtp": str(self.mtp), "ess.topk": str(self.topk),
             "ess.model": self.model, "ess.provenance": self.provenance,
             "ess.synthetic": "true" if self.synthetic else "false",
         })
         if self.note:
             md["ess.note"] = self.note
+        if self.unit_tokens != 1:
+            md["ess.unit_tokens"] = str(self.unit_tokens)
         header, blobs, off = {}, [], 0
 
         def add(name, arr, dtype):

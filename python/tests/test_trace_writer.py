@@ -124,3 +124,22 @@ def test_lengths_beyond_the_models_maximum_are_refused():
     assert "step 2: length 163841 exceeds the max_position_embeddings (163840)" in str(e.value), str(e.value)
     w.add_request(topk=ids, lengths=lengths + 163840 - 12)
     assert len(w.requests) == 1
+
+
+def test_a_trace_of_units_counts_ids_of_its_units(tmp_path):
+    """unit_tokens 4 (DeepSeek-V4's C4 entries): a step of 10 tokens selects among ceil(10 / 4) = 3 ids; the
+    trace says so and is version 2, which a version-1 reader refuses rather than misreads."""
+    w = ess_trace.TraceWriter(model="m", layers=L, mtp=T, topk=K, provenance="test", synthetic=False, unit_tokens=4)
+    ids = np.full((1, L, T, K), -1, dtype=np.int64)
+    ids[..., 0], ids[..., 1] = 0, 2
+    w.add_request(topk=ids, lengths=[10])
+    ids[..., 1] = 3
+    with pytest.raises(ValueError, match=r"id 3 is outside \[0, 3\) \(ids of 4 tokens over a length of 10\)"):
+        w.add_request(topk=ids, lengths=[10])
+    assert len(w.requests) == 1
+    path = tmp_path / "units.safetensors"
+    w.write(str(path))
+    md, _ = ess_trace.read_trace(str(path))
+    assert md["ess.unit_tokens"] == "4" and md["ess.version"] == "2"
+    with pytest.raises(ValueError, match="unit_tokens 0"):
+        ess_trace.TraceWriter(model="m", layers=L, mtp=T, topk=K, provenance="t", synthetic=False, unit_tokens=0)

@@ -173,6 +173,30 @@ TEST(TraceFormat, PythonWritesCppReads) {
 #endif
 }
 
+// A trace of units written by python/ess_trace.py (the recorders' writer): the C++ reader takes its
+// unit and version, and its ids against ceil(length / unit).
+TEST(TraceFormat, PythonWritesATraceOfUnitsCppReadsIt) {
+#ifndef ESS_SYSTEM_PYTHON3
+  GTEST_SKIP() << "no /usr/bin/python3 at configure time";
+#else
+  const std::string py = ESS_SYSTEM_PYTHON3;
+  if (std::system((py + " -c 'import numpy' 2>/dev/null").c_str()) != 0) {
+    GTEST_SKIP() << py << " has no numpy (install Debian's python3-numpy)";
+  }
+  const auto trace = temp_path("py_units.safetensors");
+  const std::string cmd = py + " -c \"import sys; sys.path.insert(0, '" + ESS_SOURCE_DIR + "/python'); import ess_trace; " +
+                          "w = ess_trace.TraceWriter(model='m', layers=1, mtp=1, topk=2, provenance='p', " +
+                          "synthetic=False, unit_tokens=4); w.add_request(topk=[[[[0, 2]]], [[[2, 1]]]], " +
+                          "lengths=[10, 11]); w.write('" + trace + "')\"";
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  const TraceReader r(trace);
+  EXPECT_EQ(r.meta().version, 2);
+  EXPECT_EQ(r.meta().unit_tokens, 4);
+  EXPECT_EQ(r.request(0).ids_of(r.request(0).lengths[1]), 3);
+  EXPECT_NO_THROW(r.validate_all());
+#endif
+}
+
 // ---- bad input -------------------------------------------------------------------------------
 
 std::vector<std::uint8_t> image(const std::string& header, const std::vector<std::uint8_t>& data) {

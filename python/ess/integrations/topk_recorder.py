@@ -44,14 +44,16 @@ class TopkRecorder:
     device."""
 
     def __init__(self, path: str, *, layers: int, T: int, K: int, max_reqs: int, device, dev, requests: int,
-                 steps: int, model: str, provenance: str):
+                 steps: int, model: str, provenance: str, unit_tokens: int = 1):
+        """unit_tokens: the tokens an id names (DeepSeek-V4's C4 entries: 4); begin() and step() take lengths in
+        tokens."""
         for name, value in (("ESS_RECORD_REQUESTS", requests), ("ESS_RECORD_STEPS", steps)):
             if value < 1:
                 raise InvalidArgument(f"{name} = {value}: at least 1")
         folder = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(folder):
             raise InvalidArgument(f"ESS_RECORD_TRACE = {path!r}: the folder {folder!r} does not exist")
-        self.path, self.layers, self.T, self.K = path, layers, T, K
+        self.path, self.layers, self.T, self.K, self.unit_tokens = path, layers, T, K, unit_tokens
         self.requests, self.steps, self.model, self.provenance = requests, steps, model, provenance
         self.dev = dev
         self._trash = requests
@@ -169,7 +171,7 @@ class TopkRecorder:
             return
         import ess_trace
         writer = ess_trace.TraceWriter(model=self.model, layers=self.layers, mtp=self.T, topk=self.K,
-                                       provenance=self.provenance, synthetic=False)
+                                       provenance=self.provenance, synthetic=False, unit_tokens=self.unit_tokens)
         for r in kept:
             writer.add_request(topk=np.stack(r.ids), lengths=np.array(r.lengths, dtype=np.int64),
                                context=min(r.context, r.lengths[0]), id=str(r.rid))

@@ -232,7 +232,7 @@ class HiSparseCoordinator(Staging):
         # ESS_RECORD_TRACE: the top-k SGLang hands the swap, recorded as a trace (topk_recorder.py).
         self._recorder = TopkRecorder.from_environment(
             layers=self.layer_num, T=self.T, K=self.step_k, max_reqs=max_reqs, device=device, dev=self.dev,
-            provenance=f"sglang {SGLANG_VERSION} with ess.integrations.sglang")
+            provenance=f"sglang {SGLANG_VERSION} with ess.integrations.sglang", unit_tokens=self.pool.ratio)
         # The backup's own copy of a step's rows and lengths: the next step restages the step's tensors
         # while the backup may still read these.
         self._backup_rows = torch.full((max_reqs,), -1, **i32)
@@ -358,7 +358,7 @@ class HiSparseCoordinator(Staging):
         self._extend_into_reserved(rows, batch.req_pool_indices, batch.out_cache_loc.to(torch.int64))
         self._verifying.update(rows)
         if self._recorder is not None:
-            self._recorder.step(rows, [self._length[row] for row in rows], self._after_the_forward)
+            self._recorder.step(rows, [self._length[row] * self.pool.ratio for row in rows], self._after_the_forward)
 
     def commit_spec_accept_tokens(self, batch, accept_indices) -> None:
         """run_eagle_verify, after the verify forward: accept_indices [bs, T] (int, -1 = rejected) names for each
@@ -525,7 +525,7 @@ class HiSparseCoordinator(Staging):
         self._extend_into_reserved(rows, req_pool_indices, locs, grows, self.pool.entry_steps(seq_lens))
         self._backup_due = (req_pool_indices, seq_lens)
         if self._recorder is not None:
-            self._recorder.step(rows, [self._length[row] for row in rows], self._after_the_forward)
+            self._recorder.step(rows, [self._length[row] * self.pool.ratio for row in rows], self._after_the_forward)
 
     def _backup_previous_step(self):
         """The previous step's newest entries (written by its forward into the reserved rows) to the host pool,

@@ -333,3 +333,46 @@ def test_pd_decode_is_refused_with_the_v4_pool(tmp_path):
         p = Pools()
         with pytest.raises(ess.InvalidArgument, match="disaggregation_mode = decode with the DeepSeek-V4 C4 pool"):
             p.coordinator()
+
+
+def test_the_recorded_trace_counts_c4_entries(v4, monkeypatch):
+    """ESS_RECORD_TRACE under the C4 pool: a trace of units (ess.unit_tokens 4, version 2) whose ids are the C4
+    entries the indexer handed the swap, and whose lengths are the tokens of the entries each request held (4 x its
+    entries), so that every id lies below ceil(length / 4)."""
+    path = v4 / "v4.safetensors"
+    monkeypatch.setenv("ESS_RECORD_TRACE", str(path))
+    w, pick = World(v4, seed=4), random.Random(6)
+    p, c = w.p, w.c
+    for rid, n in (("a", 133), ("b", 2)):
+        w.prefill(rid, n)
+    c.collect_ready_reqs()
+    handed = {"a": [], "b": []}
+    for step in range(5):
+        rids, idx, lens, out_cache_loc = w.prepare_decode()
+        compressed = lens // 4
+        ids = {r: np.full((C4_LAYERS, 1, K), -1, np.int32) for r in rids}
+        for layer in range(C4_LAYERS):
+            for b, r in enumerate(rids):
+                if int(lens[b]) % 4 == 0:
+                    w.store(layer, (out_cache_loc[b:b + 1] // 4), r, torch.tensor([int(compressed[b]) - 1]))
+            picks = [sorted(pick.sample(range(int(n)), min(K, int(n)))) for n in compressed]
+            topk = torch.tensor([q + [-1] * (K - len(q)) for q in picks], dtype=torch.int32)
+            c.swap_in_selected_pages(req_pool_indices=idx, compressed_seq_lens=compressed.to(torch.int32),
+                                     top_k_result=topk, layer_id=p.c4_layer_ids[layer])
+            for b, r in enumerate(rids):
+                ids[r][layer, 0] = topk[b].numpy()
+        for b, r in enumerate(rids):
+            handed[r].append((ids[r], 4 * max(int(compressed[b]), 1)))
+    for rid in list(w.reqs):
+        w.finish(rid)
+    c.destroy()
+    import ess_trace
+    metadata, recorded = ess_trace.read_trace(str(path))
+    assert metadata["ess.unit_tokens"] == "4" and metadata["ess.version"] == "2"
+    assert metadata["ess.layers"] == str(C4_LAYERS)
+    by_id = {r["id"]: r for r in recorded}
+    for rid, steps in handed.items():
+        got = by_id[rid]
+        np.testing.assert_array_equal(got["topk"][..., :K], np.stack([ids for ids, _ in steps]))
+        np.testing.assert_array_equal(got["lengths"], [length for _, length in steps])
+        assert (got["topk"] < (got["lengths"][:, None, None, None] + 3) // 4).all()
