@@ -133,15 +133,22 @@ TEST(TraceFormat, RoundTripsThroughTheWriterAndTheMappedReader) {
   EXPECT_EQ(reinterpret_cast<std::uintptr_t>(r.request(0).topk_ids) % 4, 0u);
 }
 
+// The Debian python3 found at configure time, when it has numpy; else false with the reason.
+bool python_with_numpy(std::string& py, std::string& why) {
+#ifndef ESS_SYSTEM_PYTHON3
+  why = "no /usr/bin/python3 at configure time";
+  return false;
+#else
+  py = ESS_SYSTEM_PYTHON3;
+  why = py + " has no numpy (install Debian's python3-numpy)";
+  return std::system((py + " -c 'import numpy' 2>/dev/null").c_str()) == 0;
+#endif
+}
+
 // Python writes with numpy alone (python/ess_trace.py), C++ reads: every value equal.
 TEST(TraceFormat, PythonWritesCppReads) {
-#ifndef ESS_SYSTEM_PYTHON3
-  GTEST_SKIP() << "no /usr/bin/python3 at configure time";
-#else
-  const std::string py = ESS_SYSTEM_PYTHON3;
-  if (std::system((py + " -c 'import numpy' 2>/dev/null").c_str()) != 0) {
-    GTEST_SKIP() << py << " has no numpy (install Debian's python3-numpy)";
-  }
+  std::string py, why;
+  if (!python_with_numpy(py, why)) GTEST_SKIP() << why;
   const auto trace = temp_path("py.safetensors");
   const auto raw = temp_path("py.raw");
   const std::string cmd = py + " " + ESS_SOURCE_DIR + "/tests/trace/write_python_trace.py " + ESS_SOURCE_DIR + " " +
@@ -170,19 +177,13 @@ TEST(TraceFormat, PythonWritesCppReads) {
     at += m;
   }
   EXPECT_EQ(at, expect.size());
-#endif
 }
 
 // A trace of units written by python/ess_trace.py (the recorders' writer): the C++ reader takes its
 // unit and version, and its ids against ceil(length / unit).
 TEST(TraceFormat, PythonWritesATraceOfUnitsCppReadsIt) {
-#ifndef ESS_SYSTEM_PYTHON3
-  GTEST_SKIP() << "no /usr/bin/python3 at configure time";
-#else
-  const std::string py = ESS_SYSTEM_PYTHON3;
-  if (std::system((py + " -c 'import numpy' 2>/dev/null").c_str()) != 0) {
-    GTEST_SKIP() << py << " has no numpy (install Debian's python3-numpy)";
-  }
+  std::string py, why;
+  if (!python_with_numpy(py, why)) GTEST_SKIP() << why;
   const auto trace = temp_path("py_units.safetensors");
   const std::string cmd = py + " -c \"import sys; sys.path.insert(0, '" + ESS_SOURCE_DIR + "/python'); import ess_trace; " +
                           "w = ess_trace.TraceWriter(model='m', layers=1, mtp=1, topk=2, provenance='p', " +
@@ -194,7 +195,6 @@ TEST(TraceFormat, PythonWritesATraceOfUnitsCppReadsIt) {
   EXPECT_EQ(r.meta().unit_tokens, 4);
   EXPECT_EQ(r.request(0).ids_of(r.request(0).lengths[1]), 3);
   EXPECT_NO_THROW(r.validate_all());
-#endif
 }
 
 // ---- bad input -------------------------------------------------------------------------------
