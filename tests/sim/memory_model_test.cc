@@ -79,17 +79,43 @@ TEST(sim_memory, BatchThatCannotFitIsAClearError) {
 }
 
 // Models whose attention the step model does not describe are refused by name, not sized as DSA.
-TEST(sim_memory, ModelsOtherThanDsaAreRefusedByName) {
-  for (const char* file : {"deepseek-v4-flash.json", "minimax-m3.json"}) {
-    const ModelSpec m = ModelSpec::from_file(std::string(ESS_SOURCE_DIR "/configs/models/") + file);
-    try {
-      MemoryModel mem(m, paper_hw(), paper_dep(), 32768);
-      FAIL() << file << " was sized";
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find("is not modelled yet"), std::string::npos) << e.what();
-      EXPECT_NE(std::string(e.what()).find(m.name), std::string::npos) << e.what();
-    }
+TEST(sim_memory, MiniMaxM3IsRefusedByName) {
+  const ModelSpec m = ModelSpec::from_file(ESS_SOURCE_DIR "/configs/models/minimax-m3.json");
+  try {
+    MemoryModel mem(m, paper_hw(), paper_dep(), 32768);
+    FAIL() << "MiniMax-M3 was sized";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("one KV head per rank"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(m.name), std::string::npos) << e.what();
   }
+}
+
+// DeepSeek-V4-Flash's caches per request at 32K, from SGLang's pools' own arithmetic: the C4 cache
+// (21 layers of ratio 4, an entry per 4 tokens) is what offloads; the C4 indexer keys (132 B per C4
+// entry), the 20 C128 layers' entries, the 43 layers' 128-token windows and the compressors' fp32
+// state rings stay. An entry is 584 B in a 64-entry page padded to a multiple of 576 B: 585 B.
+TEST(sim_memory, DeepSeekV4KeepsItsC4CacheOffloadableAndTheRestResident) {
+  const ModelSpec m = ModelSpec::from_file(ESS_SOURCE_DIR "/configs/models/deepseek-v4-flash.json");
+  Deployment dep = paper_dep();
+  dep.mtp_tokens = 1;
+  const MemoryModel mem(m, paper_hw(), dep, 32768);
+  const V4Caches v4 = V4Caches::of(m);
+  EXPECT_EQ(v4.c4_layers, 21);
+  EXPECT_EQ(v4.c128_layers, 20);
+  EXPECT_DOUBLE_EQ(v4.entry_bytes, 37440.0 / 64);
+  EXPECT_EQ(mem.cache_layers(), 21);
+  EXPECT_EQ(mem.context_entries(), 8192);
+  EXPECT_DOUBLE_EQ(mem.indexer_bytes_per_request(), 8192.0 * 21 * 132);
+  EXPECT_DOUBLE_EQ(mem.latent_bytes_per_request(1000), 1000.0 * 21 * 585);
+  const double states = 21 * (8 * 2048 * 4.0 + 8 * 512 * 4.0) + 20 * (128 * 1024 * 4.0);
+  const double resident = 256.0 * 20 * 585 + 128.0 * 43 * 585 + states;
+  EXPECT_DOUBLE_EQ(mem.resident_bytes_per_request(), mem.indexer_bytes_per_request() + resident);
+  // Offload frees the C4 cache of all but the pool: the batch grows, not past what the rest allows.
+  const int whole = mem.max_batch(8192), pooled = mem.max_batch(1639);
+  EXPECT_GT(pooled, 2 * whole);
+  EXPECT_LT(pooled, static_cast<int>(mem.cache_budget() / mem.resident_bytes_per_request()) + 1);
+  // The host pool: every C4 entry of every request, in 592-byte host entries.
+  EXPECT_DOUBLE_EQ(mem.host_pool_bytes_per_node(1), 8.0 * 8192 * 21 * 592);
 }
 
 TEST(sim_memory, WeightsLargerThanTheGpuAreRefused) {

@@ -104,9 +104,11 @@ void add_sim(CLI::App& app, int& exit_code) {
     const bool file = !a.workload.empty();
     sim::Workload base;
     std::vector<std::string> batch_items = a.batches;
+    bool file_overlap = false;  // the workload file names an overlap mode
     if (file) {
       base = sim::Workload::from_file(a.workload);
       const nlohmann::json j = read_json_file(a.workload, "workload");
+      file_overlap = j.contains("overlap");
       if (cmd->count("--batch") == 0 && j.contains("batch")) {
         batch_items = {base.batch == 0 ? std::string("max") : std::to_string(base.batch)};
       }
@@ -118,6 +120,9 @@ void add_sim(CLI::App& app, int& exit_code) {
     if (given("--ratio") && a.ratio > 0) base.slots = 0;
     if (given("--slots") && a.slots > 0) base.ratio = 0;
     if (given("--overlap")) base.overlap = parse_overlap_mode(a.overlap);
+    if (model.is_deepseek_v4() && cmd->count("--overlap") == 0 && !file_overlap) {
+      base.overlap = OverlapMode::kNone;  // DeepSeek-V4's decode runs whole (the overlap schedules split DSA's)
+    }
     if (given("--residency")) base.residency = sim::parse_residency(a.residency);
     if (given("--miss-threshold")) base.layerwise_threshold = a.threshold;
     ESS_CHECK(cmd->count("--miss-threshold") == 0 || base.overlap == OverlapMode::kLayerWise,
@@ -134,8 +139,8 @@ void add_sim(CLI::App& app, int& exit_code) {
       if (cmd->count("--residency") == 0) base.residency = Residency::kAdaptive;
       if (base.slots == 0 && base.ratio == 0) {
         // MissModel::min_slots is at most the context already.
-        base.slots = static_cast<std::int32_t>(std::ceil(base.misses.min_slots(dep.mtp_tokens, model.index_topk,
-                                                                               double(base.context))));
+        base.slots = static_cast<std::int32_t>(std::ceil(sm.misses_in_entries(base.misses).min_slots(
+            dep.mtp_tokens, model.index_topk, double(sim::context_in_entries(model, base.context)))));
       }
     }
     Progress progress("configurations");

@@ -63,6 +63,14 @@ struct ModelSpec {
   int head_dim = 0;
   std::vector<int> compress_ratios;
   int window_size = 0;
+  // The grouped low-rank output projection (config o_lora_rank, o_groups; SGLang's defaults 1024, 8):
+  // each of o_groups groups of heads projected to o_lora_rank, then all groups to hidden_size.
+  int o_lora_rank = 0;
+  int o_groups = 0;
+  // DeepSeek-V4: layer l's compress ratio (0 past the list, or for another model).
+  int compress_ratio(int layer) const {
+    return layer >= 0 && static_cast<std::size_t>(layer) < compress_ratios.size() ? compress_ratios[static_cast<std::size_t>(layer)] : 0;
+  }
   bool is_deepseek_v4() const { return model_type == "deepseek_v4"; }
   // MiniMax-M3 (architectures[0] MiniMaxM3SparseForCausalLM or ...ForConditionalGeneration, its
   // fields from text_config when the config has one: SGLang's configs/model_config.py

@@ -69,6 +69,9 @@ struct MissModel {
   double exponent = 1.0;
   std::vector<double> layer_shape;    // empty: uniform
   int profile_topk = 0;               // top-k the profile was measured at (0: not said)
+  // The tokens a profile's ids name (a trace's ess.unit_tokens): its slots, misses and working sets
+  // count them. The built-in model's are tokens of a DSA model at top-2048.
+  int unit_tokens = 1;
   // The MTP working set a trace's profile measured at reference_tokens (the union of the
   // query tokens' top-k per request-layer-step; `ess trace analyze`): p99 and max, 0 = not
   // measured.

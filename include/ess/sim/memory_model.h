@@ -23,8 +23,32 @@ struct WeightBytes {
 };
 
 // Throws ess::Error naming the model unless its layers are what the step model models: DSA's
-// (DeepSeek-V3.2, GLM-5.x). DeepSeek-V4 is refused, with the reason.
-void require_dsa_layers(const ModelSpec& m);
+// (DeepSeek-V3.2, GLM-5.x) and DeepSeek-V4's. MiniMax-M3 is refused, with the reason.
+void require_modelled_layers(const ModelSpec& m);
+
+// `tokens` of context in the offloaded cache's entries: tokens, or DeepSeek-V4's C4 entries (at
+// least 1), one per 4 tokens as SGLang's compressed_seq_lens (seq_len // 4).
+std::int64_t context_in_entries(const ModelSpec& m, std::int64_t tokens);
+
+// DeepSeek-V4's caches as SGLang 0.5.23's pools hold them (mem_cache/deepseek_v4_memory_pool.py,
+// deepseek_v4_compress_state.py), bytes per request unless said: an entry of the C4, C128 and
+// sliding-window caches in its 64-entry page padded to 576 B (585 B); the C4 indexer's keys (FP8:
+// 132 B per C4 entry); the compressors' fp32 state rings (SGLANG_DSV4_COMPRESS_STATE_DTYPE's
+// default; offline C128, SGLang's default: 128 rows), without speculative decoding.
+struct V4Caches {
+  // An entry as SGLang's V4 layout stores it (DeepSeekV4SingleKVPool.get_bytes_per_token): NoPE in
+  // FP8, RoPE in bf16, a ue8m0 scale per 64 NoPE values (padded to 8): 448 + 128 + 8 = 584 B.
+  double entry_data_bytes = 0;
+  double entry_bytes = 0;       // a C4 / C128 / window entry on the device, page padding included
+  int c4_layers = 0;            // compress ratio 4: the cache HiSparse offloads
+  int c128_layers = 0;
+  int window_layers = 0;        // every layer keeps its sliding window
+  double window_bytes = 0;      // window x window_layers x entry
+  double state_bytes = 0;       // the compressors' state rings
+  static V4Caches of(const ModelSpec& m);
+  // Per request at `context` tokens: the C128 cache, windows and states (the indexer keys apart).
+  double resident_bytes(std::int64_t context) const;
+};
 
 class MemoryModel {
  public:
@@ -34,7 +58,9 @@ class MemoryModel {
               std::int64_t context, double min_slots = 0);
 
   const WeightBytes& weights() const { return weights_; }
-  int cache_layers() const { return cache_layers_; }  // layers holding a cache (+ MTP layer)
+  // Layers holding the offloaded cache (+ MTP layer): every layer of a DSA model, DeepSeek-V4's C4
+  // layers.
+  int cache_layers() const { return cache_layers_; }
   // Layers holding indexer keys and weights (+ MTP layer): a layer that reuses its leader's top-k
   // (ModelSpec::shared_index) has neither.
   int indexer_layers() const { return indexer_layers_; }
@@ -44,7 +70,13 @@ class MemoryModel {
   // (1 - mem_fraction_static) x HBM - CUDA context: what activations and workspace may use.
   double activation_budget() const;
   double indexer_bytes_per_request() const;                  // whole context, every indexer layer
+  // What a request keeps on the GPU whatever its pool: its indexer keys; DeepSeek-V4's C128
+  // cache, sliding windows and compressor states as well.
+  double resident_bytes_per_request() const;
   double latent_bytes_per_request(double slots) const;       // slots x cache layers x 656
+  // The context in the offloaded cache's entries: tokens, DeepSeek-V4's C4 entries (one per 4
+  // tokens). Slots, top-k and misses count these.
+  std::int64_t context_entries() const { return context_entries_; }
   double activation_bytes(int batch) const;                  // B x T tokens in flight + workspace
   // Smallest pool a plan may use: as constructed (at least one query token's top-k; a step
   // whose working set exceeds the pool runs in query groups).
@@ -64,10 +96,16 @@ class MemoryModel {
   double host_pool_bytes_per_node(int batch, double prefix_share = 0) const;
 
  private:
+  void size_dsa();           // weights and layers of a DSA model
+  void size_deepseek_v4();   // of DeepSeek-V4 (V4Caches)
+
   ModelSpec model_;
   HardwareProfile hw_;
   Deployment dep_;
   std::int64_t context_;
+  std::int64_t context_entries_ = 0;
+  double entry_bytes_ = 0;     // an offloaded entry on the device
+  double other_resident_ = 0;  // resident_bytes_per_request() beside the indexer keys
   int cache_layers_ = 0;
   int indexer_layers_ = 0;
   WeightBytes weights_;

@@ -35,6 +35,9 @@ struct PlanOption {
   std::string limit;
   // The memory behind it, per GPU at the best batch: the caches' budget and its two parts.
   double cache_budget_gb = 0, indexer_gb = 0, latent_gb = 0;
+  // What indexer_gb holds: "indexer cache", or (DeepSeek-V4) "resident caches" (indexer keys, C128
+  // cache, windows, compressor states).
+  std::string resident_what = "indexer cache";
   double host_dram_usable_gb = 0;
   bool two_batch_overlap = false;  // the deployment it ran in
   bool shared_index_prefetch = true;  // Deployment::shared_index_prefetch of the deployment it ran in

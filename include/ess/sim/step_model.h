@@ -83,6 +83,12 @@ class StepModel {
   StepModel(const ModelSpec& model, const HardwareProfile& hw, const Deployment& dep,
             const MeasuredTables* tables = nullptr);
 
+  // `misses` in this model's entries: the built-in model (tokens of a DSA model at top-2048) scaled
+  // for a cache of entries of several tokens (DeepSeek-V4's C4: the same share of the top-k missed at
+  // the same share of the context held); a profile, which counts its own ids, as it is.
+  MissModel misses_in_entries(const MissModel& misses) const;
+  static constexpr int kBuiltinTopk = 2048;
+
   // Resolves the batch (0: largest that fits) and the slots (ratio / slots / the most that
   // fit the batch), checks the memory, and times one step. Records the events when
   // `timeline` is given.

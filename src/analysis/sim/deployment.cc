@@ -289,10 +289,8 @@ MissModel MissModel::load_profile(const std::string& path, std::int64_t context,
   ESS_CHECK(topk >= 0 && topk <= 65536, "{}: topk = {} is out of range", path, topk);
   m.profile_topk = static_cast<int>(topk);
   const std::int64_t unit = json_int_or(j, "unit_tokens", path, 1);
-  ESS_CHECK(unit == 1,
-            "{}: unit_tokens = {}: the profile counts ids of {} tokens (a DeepSeek-V4 or MiniMax-M3 trace); the "
-            "simulator models token-granular DSA selections",
-            path, unit, unit);
+  ESS_CHECK(unit >= 1 && unit <= (1 << 16), "{}: unit_tokens = {} is outside [1, 65536]", path, unit);
+  m.unit_tokens = static_cast<int>(unit);
   m.working_set_p99 = m.working_set_max = 0;
   if (const auto ws = c.find("working_set"); ws != c.end()) {
     const std::string where = fmt::format("{}: context {} working_set", path, ctx);

@@ -25,6 +25,11 @@ HardwareProfile Inputs::load_hardware() const {
 
 Deployment Inputs::load_deployment() const {
   Deployment d = Deployment::load(deployment);
+  if (!mtp && !model.empty() && load_model().is_deepseek_v4()) {
+    // SGLang's HiSparse refuses speculative decoding with DeepSeek-V4: one query token per step.
+    d.mtp_tokens = 1;
+    d.accept_ratio = 1;
+  }
   if (mtp) d.mtp_tokens = *mtp;
   if (accept) d.accept_ratio = *accept;
   if (mtp && !accept) d.accept_ratio = std::min(d.accept_ratio, static_cast<double>(*mtp));
@@ -84,6 +89,24 @@ Plans plan_contexts(const Inputs& inputs, const PlanOptions& options) {
   dep.preattn_in_copy_window = dep.preattn_in_copy_window && limits.preattn_in_copy_window;
   dep.shared_index_prefetch = dep.shared_index_prefetch && limits.shared_index_prefetch;
   std::vector<std::string> notes = limits.notes;
+  std::vector<std::string> modes = limits.modes;
+  if (model.is_deepseek_v4()) {
+    ESS_CHECK(options.engine != kVllmEngine,
+              "plan --engine vllm: {}: ESS's vLLM connector is checked with DSA models' sparse MLA (vLLM 0.33.0's "
+              "index groups); DeepSeek-V4 is planned for SGLang or without an engine",
+              model.name);
+    notes.push_back("DeepSeek-V4: T = 1 (SGLang 0.5.23's HiSparse refuses speculative decoding with it); slots, top-k "
+                    "and misses count C4 entries of 4 tokens");
+    if (std::erase_if(modes, [](const std::string& m) { return m != "none"; }) > 0) {
+      notes.push_back("DeepSeek-V4: overlap none only (the overlap schedules split DSA's FlashMLA decode; the SGLang "
+                      "adapter refuses ESS_OVERLAP with V4)");
+    }
+    ESS_CHECK(!modes.empty(), "plan: DeepSeek-V4 runs overlap none only, and --modes leaves it out");
+    if (!options.engine.empty()) {
+      notes.push_back("DeepSeek-V4: no launch command and no stock-HiSparse comparison yet (both are modelled on DSA's "
+                      "pools and flags)");
+    }
+  }
   if (!limits.shared_index_prefetch && !model.shared_index.empty()) {
     notes.push_back("a shared-index layer swaps at its own turn (the adapter issues no prefetch)");
   }
@@ -131,7 +154,7 @@ Plans plan_contexts(const Inputs& inputs, const PlanOptions& options) {
     }
   }
   base.modes.clear();
-  for (const auto& m : limits.modes) base.modes.push_back(parse_overlap_mode(m));
+  for (const auto& m : modes) base.modes.push_back(parse_overlap_mode(m));
   Inputs engine_inputs = inputs;
   if (!limits.pool_floor.empty()) engine_inputs.pool_floor = limits.pool_floor;
   ESS_CHECK(!options.contexts.empty(), "plan: no context length given");
@@ -145,9 +168,12 @@ Plans plan_contexts(const Inputs& inputs, const PlanOptions& options) {
     plans.results.push_back(plan(models, suffixes, r));
     if (!limits.whole_residency) plans.results.back().low_load = {};
     const PlanResult& got = plans.results.back();
-    plans.launches.push_back(options.engine.empty() || !got.found ? nlohmann::json()
-                                                                 : launch_for(options.engine, model, hw, plans.deployment, got).to_json());
-    plans.stock.push_back(got.found ? stock_hisparse(options.engine, *models.front(), r).to_json() : nlohmann::json());
+    // DeepSeek-V4: no launch command and no stock-HiSparse comparison (both are modelled on DSA's pools).
+    const bool dsa = !model.is_deepseek_v4();
+    plans.launches.push_back(options.engine.empty() || !got.found || !dsa
+                                 ? nlohmann::json()
+                                 : launch_for(options.engine, model, hw, plans.deployment, got).to_json());
+    plans.stock.push_back(got.found && dsa ? stock_hisparse(options.engine, *models.front(), r).to_json() : nlohmann::json());
     if (options.progress) options.progress(plans.results.size(), options.contexts.size());
   }
   return plans;

@@ -10,6 +10,7 @@
 #include "analysis/sim/step_scheduler.h"
 #include "ess/model/model_spec.h"
 #include "ess/sim/deployment.h"
+#include "ess/sim/memory_model.h"
 #include "ess/sim/op_cost.h"
 #include "ess/sim/op_names.h"
 
@@ -23,8 +24,10 @@ class LayerBuilder {
   // sparse_share: the share of the requests that are sparse (the rest whole: no swap decision).
   LayerBuilder(const ModelSpec& m, const Deployment& d, std::int64_t context, bool offload, double slots,
                double sparse_share = 1.0)
-      : m_(m), d_(d), ctx_(static_cast<double>(context)), slots_(slots), sparse_share_(sparse_share), offload_(offload) {
+      : m_(m), d_(d), ctx_(static_cast<double>(context_in_entries(m, context))), tokens_(static_cast<double>(context)),
+        slots_(slots), sparse_share_(sparse_share), offload_(offload) {
     topk_ = std::min(static_cast<double>(m.index_topk), ctx_);
+    if (m.is_deepseek_v4()) v4_entry_ = V4Caches::of(m).entry_data_bytes;
     ctx64_ = context;
     random_rows_ = d.rig_layers == 0;  // the rig routes tokens evenly; a deployment at random
   }
@@ -33,6 +36,7 @@ class LayerBuilder {
   // micro-batch's mode), PreAttn. A shared-index layer runs no indexer; with the prefetch its
   // decision and copy were issued at its leader's, which issues its followers' after its own.
   void prepare(Scheduler& s, MicroBatch& mb) const {
+    if (m_.is_deepseek_v4()) return prepare_v4(s, mb);
     s.set_category(Category::kAttention);
     const double n = mb.tokens, h = m_.hidden_size, heads = m_.num_attention_heads;
     const double ih = m_.index_n_heads, id = m_.index_head_dim;
@@ -88,6 +92,7 @@ class LayerBuilder {
   // Stage 2: sparse MLA (whole, or Attn0 over the resident entries, Attn1 over the fetched ones
   // and the merge), PostAttn, then the router (MoE) or the dense FFN.
   void core(Scheduler& s, MicroBatch& mb, bool moe) const {
+    if (m_.is_deepseek_v4()) return core_v4(s, mb, moe);
     s.set_category(Category::kAttention);
     const double n = mb.tokens, h = m_.hidden_size, heads = m_.num_attention_heads;
     const double flop_per_entry = 2 * heads * (m_.mla_head_dim() + m_.kv_lora_rank);
@@ -122,12 +127,73 @@ class LayerBuilder {
                               heads * m_.v_head_dim * h + n * h * 2, 2);  // activation quantise + GEMM
     e = s.issue(Stream::kCompute, out_bmm, e);
     e = s.issue(Stream::kCompute, o_proj, e);
+    ffn_entry(s, mb, moe, e);
+  }
+
+  // DeepSeek-V4 (models/deepseek_v4.py, layers/attention/deepseek_v4_backend.py, dsv4/): the layer's
+  // compress ratio decides its ops. Stage 1: one GEMM for the query's low-rank input, the shared KV
+  // head and (ratio 4 / 128) the compressors' inputs (ratio 4: the indexer's too), then q_b; a C4
+  // layer runs the indexer over its C4 entries, the swap decision and the misses' copy. Every
+  // layer's step writes an entry per 4 tokens to the offloaded C4 cache only in its C4 layers.
+  void prepare_v4(Scheduler& s, MicroBatch& mb) const {
+    s.set_category(Category::kAttention);
+    const int ratio = m_.compress_ratio(mb.layer);
+    const double n = mb.tokens, h = m_.hidden_size, hd = m_.head_dim, heads = m_.num_attention_heads;
+    const double id = m_.index_head_dim, ih = m_.index_n_heads;
+    const double compressors = ratio == 4 ? 2 * 2 * hd + 2 * 2 * id + ih : ratio == 128 ? 2 * hd : 0;
+    const double out0 = m_.q_lora_rank + hd + compressors;
+    const Op proj0 = gemm_op(op::kProj0, OpKind::kGemmFp8, n, out0, h, h * out0 + n * h * 2 * 3, ratio != 0 ? 6 : 4);
+    double e = s.issue(Stream::kCompute, proj0, mb.ready, Wait::kComm);
+    mb.fetched = 0;
+    if (offload_ && ratio == 4) {
+      const Op d2h{op::kD2HNewEntries, OpKind::kD2H, 0, n / 4 * v4_entry_, n, 0, 0, 0, 1};
+      s.issue(Stream::kD2H, d2h, e);
+    }
+    const double qb_out = heads * hd;
+    e = s.issue(Stream::kCompute,
+                gemm_op(op::kQbProj, OpKind::kGemmFp8, n, qb_out, m_.q_lora_rank, m_.q_lora_rank * qb_out + n * qb_out * 2, 1), e);
+    if (ratio != 4) return;
+    e = indexer(s, mb, e, 1.0);
+    const double misses = offload_ ? mb.misses : 0;
+    if (misses > 0) {
+      const Op h2d{op::kH2DMisses, OpKind::kH2D, 0, misses * v4_entry_, 0, 0, 0, 0, 1};
+      mb.fetched = s.issue(Stream::kH2D, h2d, e);
+    }
+  }
+
+  // Stage 2 of a DeepSeek-V4 layer: FlashMLA's sparse decode over the sliding window and the layer's
+  // compressed entries (ratio 4: the top-k of the C4 entries; 128: every C128 entry), one KV head of
+  // head_dim serving as key and value, then the grouped low-rank output (o_groups GEMMs to
+  // o_lora_rank, one to hidden_size), then the router or the dense FFN.
+  void core_v4(Scheduler& s, MicroBatch& mb, bool moe) const {
+    s.set_category(Category::kAttention);
+    const int ratio = m_.compress_ratio(mb.layer);
+    const double n = mb.tokens, h = m_.hidden_size, hd = m_.head_dim, heads = m_.num_attention_heads;
+    const double groups = m_.o_groups, rank = m_.o_lora_rank;
+    const double entries = std::min(double(m_.window_size), tokens_) +
+                           (ratio == 4 ? topk_ : ratio == 128 ? std::floor(tokens_ / 128) : 0.0);
+    const double entry = v4_entry_;
+    Op attn{op::kSparseMla, OpKind::kAttention, n * entries * 2 * heads * (hd + hd),
+            n * entries * entry + n * heads * hd * 2.0 * 2, n, ctx64_, 0, 0, 2};
+    attn.attention = {n, 1, entries, heads, hd, hd, entry};
+    double e = s.issue(Stream::kCompute, attn, std::max(s.compute_end(), mb.fetched), Wait::kTransfer);
+    Op wo_a = gemm_op(op::kOutBmm, OpKind::kGemmFp8, n, rank, heads * hd / groups, heads * hd * rank + n * groups * rank * 2, 1);
+    wo_a.gemm.groups = groups;
+    wo_a.flops *= groups;
+    const Op wo_b = gemm_op(op::kOProj, OpKind::kGemmFp8, n, h, groups * rank, groups * rank * h + n * h * 2, 2);
+    e = s.issue(Stream::kCompute, wo_a, e);
+    e = s.issue(Stream::kCompute, wo_b, e);
+    ffn_entry(s, mb, moe, e);
+  }
+
+  // The end of stage 2: the router of an MoE layer, or a dense layer's FFN (which ends the layer).
+  void ffn_entry(Scheduler& s, MicroBatch& mb, bool moe, double e) const {
     if (moe) {
       s.set_category(Category::kMoe);
-      s.issue(Stream::kCompute, gate(n), e);
+      s.issue(Stream::kCompute, gate(mb.tokens), e);
     } else {
       s.set_category(Category::kOther);
-      mb.ready = s.issue(Stream::kCompute, dense_ffn(n), e);
+      mb.ready = s.issue(Stream::kCompute, dense_ffn(mb.tokens), e);
     }
   }
 
@@ -273,7 +339,9 @@ class LayerBuilder {
 
   const ModelSpec& m_;
   const Deployment& d_;
-  double ctx_;
+  double ctx_;     // the context in the offloaded cache's entries (MemoryModel::context_entries)
+  double tokens_;  // in tokens
+  double v4_entry_ = 0;  // DeepSeek-V4: an entry's bytes (V4Caches::entry_data_bytes)
   double slots_;
   double sparse_share_ = 1.0;
   double topk_;

@@ -14,30 +14,73 @@ constexpr double kBf16 = 2.0;
 
 }  // namespace
 
-void require_dsa_layers(const ModelSpec& m) {
-  ESS_CHECK(!m.is_deepseek_v4(),
-            "{}: the simulator models DSA layers (every layer's sparse MLA over the whole latent cache, an entry per "
-            "token); DeepSeek-V4's mix of sliding-window, C4 (an entry per 4 tokens, top-{} of them) and C128 "
-            "attention is not modelled yet: `ess verify --model` checks its C4 offload, `ess sim` / `ess plan` cannot "
-            "size it",
-            m.name, m.index_topk);
+void require_modelled_layers(const ModelSpec& m) {
   ESS_CHECK(!m.is_minimax_m3(),
-            "{}: the simulator models DSA layers (sparse MLA over latent entries); MiniMax-M3's grouped-query "
-            "attention over K / V blocks (top-{} blocks of {} tokens in its sparse layers, dense layers resident) is "
-            "not modelled yet: `ess sim` / `ess plan` cannot size it",
-            m.name, m.sparse_topk_blocks, m.sparse_block_size);
+            "{}: the simulator models data-parallel attention, every GPU its own requests whole; SGLang's HiSparse "
+            "serves MiniMax-M3 with one KV head per rank (attention tensor-parallel over its {} KV heads), which it "
+            "does not model: `ess sim` / `ess plan` cannot size it (`ess verify --model` checks its offload, `ess "
+            "trace` its block selections)",
+            m.name, m.num_key_value_heads);
+}
+
+std::int64_t context_in_entries(const ModelSpec& m, std::int64_t tokens) {
+  return m.is_deepseek_v4() ? std::max<std::int64_t>(tokens / 4, 1) : tokens;
+}
+
+V4Caches V4Caches::of(const ModelSpec& m) {
+  V4Caches c;
+  // A page of 64 entries padded to a multiple of 576 B (DeepSeekV4SingleKVPool: bytes_per_page_padded).
+  constexpr double kPage = 64, kPad = 576;
+  const double nope = m.head_dim - m.qk_rope_head_dim;
+  c.entry_data_bytes = nope + 2.0 * m.qk_rope_head_dim + std::ceil(nope / 64 / 8) * 8;
+  c.entry_bytes = std::ceil(kPage * c.entry_data_bytes / kPad) * kPad / kPage;
+  for (int l = 0; l < m.num_hidden_layers; ++l) {
+    c.c4_layers += m.compress_ratio(l) == 4 ? 1 : 0;
+    c.c128_layers += m.compress_ratio(l) == 128 ? 1 : 0;
+  }
+  c.window_layers = m.num_hidden_layers;
+  c.window_bytes = double(m.window_size) * c.window_layers * c.entry_bytes;
+  // State rings of fp32 rows (CompressStatePool: last_dim = 2 (1 + overlap) head_dim, overlap for
+  // ratio 4; ring 8 rows for ratio 4, 128 for offline ratio 128): the attention's compressors, and
+  // the C4 indexer's over its keys.
+  constexpr double kFp32 = 4;
+  const double c4 = 8 * 4.0 * m.head_dim * kFp32, c4_index = 8 * 4.0 * m.index_head_dim * kFp32;
+  const double c128 = 128 * 2.0 * m.head_dim * kFp32;
+  c.state_bytes = c.c4_layers * (c4 + c4_index) + c.c128_layers * c128;
+  return c;
+}
+
+double V4Caches::resident_bytes(std::int64_t context) const {
+  return std::floor(double(context) / 128) * c128_layers * entry_bytes + window_bytes + state_bytes;
 }
 
 MemoryModel::MemoryModel(const ModelSpec& m, const HardwareProfile& hw, const Deployment& dep,
                          std::int64_t context, double min_slots)
     : model_(m), hw_(hw), dep_(dep), context_(context) {
-  require_dsa_layers(m);
+  require_modelled_layers(m);
   ESS_CHECK(context > 0, "memory model: context = {} must be positive", context);
-  const std::int64_t whole = std::min<std::int64_t>(std::int64_t{dep.mtp_tokens} * m.index_topk, context);
-  const std::int64_t one = std::min<std::int64_t>(m.index_topk, context);
+  context_entries_ = context_in_entries(m, context);
+  const std::int64_t whole = std::min<std::int64_t>(std::int64_t{dep.mtp_tokens} * m.index_topk, context_entries_);
+  const std::int64_t one = std::min<std::int64_t>(m.index_topk, context_entries_);
   ESS_CHECK(min_slots == 0 || (min_slots >= double(one) && min_slots <= double(whole)),
             "memory model: pool floor {} outside [{}, {}] (one query token's top-k, T x top-k)", min_slots, one, whole);
   min_slots_ = static_cast<std::int32_t>(min_slots > 0 ? std::ceil(min_slots) : double(whole));
+  if (m.is_deepseek_v4()) {
+    size_deepseek_v4();
+  } else {
+    size_dsa();
+  }
+  cache_budget_ = hbm_bytes() * dep.mem_fraction_static - weights_.total();
+  ESS_CHECK(cache_budget_ > 0,
+            "{} on {}: weights take {:.1f} GB per GPU, more than mem_fraction_static {} x {:.1f} GB of "
+            "HBM; no room for any cache",
+            model_.name, hw.name, weights_.total() / 1e9, dep.mem_fraction_static, hw.hbm_capacity_gb);
+}
+
+void MemoryModel::size_dsa() {
+  const ModelSpec& m = model_;
+  const Deployment& dep = dep_;
+  entry_bytes_ = double(m.latent_entry_bytes());
   const double h = m.hidden_size;
   const int mtp_layers = dep.mtp_tokens > 1 ? m.num_nextn_predict_layers : 0;
   cache_layers_ = m.num_hidden_layers + mtp_layers;
@@ -58,11 +101,36 @@ MemoryModel::MemoryModel(const ModelSpec& m, const HardwareProfile& hw, const De
   weights_.routed_experts = expert * experts_per_gpu * moe_layers * kFp8BytesPerParam;
   weights_.embedding = 2.0 * h * m.vocab_size * kBf16 + mtp_layers * 2.0 * h * h * kBf16;
   weights_.router = h * m.n_routed_experts * moe_layers * kBf16;
-  cache_budget_ = hbm_bytes() * dep.mem_fraction_static - weights_.total();
-  ESS_CHECK(cache_budget_ > 0,
-            "{} on {}: weights take {:.1f} GB per GPU, more than mem_fraction_static {} x {:.1f} GB of "
-            "HBM; no room for any cache",
-            model_.name, hw.name, weights_.total() / 1e9, dep.mem_fraction_static, hw.hbm_capacity_gb);
+}
+
+// DeepSeek-V4 (models/deepseek_v4.py): per layer the query's low-rank projections, one shared KV head
+// of head_dim, the grouped low-rank output; the compressors (bf16) of the C4 and C128 layers; the C4
+// layers' indexer. Its speculative layer is not counted (SGLang's HiSparse refuses speculative
+// decoding with it), nor the small hyper-connection weights. Routed experts are counted in FP8, as a
+// converted checkpoint holds them (configs/deepseek_v4.py try_detect_fp4_experts); an MXFP4 one
+// holds them in about half.
+void MemoryModel::size_deepseek_v4() {
+  const ModelSpec& m = model_;
+  const Deployment& dep = dep_;
+  const V4Caches v4 = V4Caches::of(m);
+  entry_bytes_ = v4.entry_bytes;
+  cache_layers_ = indexer_layers_ = v4.c4_layers;
+  other_resident_ = v4.resident_bytes(context_);
+  const double h = m.hidden_size, heads = m.num_attention_heads, hd = m.head_dim;
+  const double attention = h * m.q_lora_rank + double(m.q_lora_rank) * heads * hd + h * hd +
+                           heads * hd * m.o_lora_rank + double(m.o_groups) * m.o_lora_rank * h;
+  const double index_q = double(m.q_lora_rank) * m.index_n_heads * m.index_head_dim;
+  const double compressors = v4.c4_layers * (2 * h * 2 * hd + 2 * h * 2 * m.index_head_dim + h * m.index_n_heads) +
+                             v4.c128_layers * 2 * h * hd;
+  const double expert = 3.0 * h * m.moe_intermediate_size;
+  const double experts_per_gpu = std::ceil(double(m.n_routed_experts) / dep.expert_parallel);
+  const int layers = m.num_hidden_layers;
+  weights_.attention = (attention * layers + index_q * v4.c4_layers) * kFp8BytesPerParam + compressors * kBf16;
+  weights_.dense_ffn = 3.0 * h * m.intermediate_size * m.num_dense_layers() * kFp8BytesPerParam;
+  weights_.shared_experts = expert * m.n_shared_experts * m.num_moe_layers() * kFp8BytesPerParam;
+  weights_.routed_experts = expert * experts_per_gpu * m.num_moe_layers() * kFp8BytesPerParam;
+  weights_.embedding = 2.0 * h * m.vocab_size * kBf16;
+  weights_.router = h * m.n_routed_experts * m.num_moe_layers() * kBf16;
 }
 
 double MemoryModel::hbm_bytes() const { return hw_.hbm_capacity_gb * 1e9; }
@@ -72,12 +140,12 @@ double MemoryModel::activation_budget() const {
 }
 
 double MemoryModel::indexer_bytes_per_request() const {
-  return double(context_) * indexer_layers_ * double(model_.indexer_entry_bytes());
+  return double(context_entries_) * indexer_layers_ * double(model_.indexer_entry_bytes());
 }
 
-double MemoryModel::latent_bytes_per_request(double slots) const {
-  return slots * cache_layers_ * double(model_.latent_entry_bytes());
-}
+double MemoryModel::resident_bytes_per_request() const { return indexer_bytes_per_request() + other_resident_; }
+
+double MemoryModel::latent_bytes_per_request(double slots) const { return slots * cache_layers_ * entry_bytes_; }
 
 double MemoryModel::activation_bytes(int batch) const {
   // Per token in flight: ~a dozen hidden-size BF16 buffers (residual, norms, attention output,
@@ -88,7 +156,7 @@ double MemoryModel::activation_bytes(int batch) const {
 }
 
 int MemoryModel::max_batch(double slots) const {
-  const double per_request = indexer_bytes_per_request() + latent_bytes_per_request(slots);
+  const double per_request = resident_bytes_per_request() + latent_bytes_per_request(slots);
   int b = static_cast<int>(std::floor(cache_budget_ / per_request));
   while (b > 0 && activation_bytes(b) > activation_budget()) --b;
   return std::max(b, 0);
@@ -98,16 +166,17 @@ void MemoryModel::check_fits(int batch, double slots) const {
   ESS_CHECK(batch >= 1, "batch = {} must be at least 1", batch);
   ESS_CHECK(slots >= min_slots(),
             "{} slots per request-layer is below the pool's floor ({} slots: {})", slots, min_slots(),
-            min_slots() < std::min<std::int64_t>(std::int64_t{dep_.mtp_tokens} * model_.index_topk, context_)
+            min_slots() < std::min<std::int64_t>(std::int64_t{dep_.mtp_tokens} * model_.index_topk, context_entries_)
                 ? "the MTP working set, measured by --miss-profile or else the built-in locality model's, "
                   "with its margin"
                 : "T x top-k, capped at the context");
-  const double need = batch * (indexer_bytes_per_request() + latent_bytes_per_request(slots));
+  const double need = batch * (resident_bytes_per_request() + latent_bytes_per_request(slots));
   ESS_CHECK(need <= cache_budget_ * (1 + 1e-12),
-            "batch {} cannot fit: its caches need {:.2f} GB per GPU (indexer {:.2f} + latent {:.2f}) but "
+            "batch {} cannot fit: its caches need {:.2f} GB per GPU ({} {:.2f} + latent {:.2f}) but "
             "{} leaves {:.2f} GB after {:.2f} GB of weights (mem_fraction_static {}); largest batch at "
             "{} slots is {}",
-            batch, need / 1e9, batch * indexer_bytes_per_request() / 1e9,
+            batch, need / 1e9, other_resident_ > 0 ? "indexer and other resident caches" : "indexer",
+            batch * resident_bytes_per_request() / 1e9,
             batch * latent_bytes_per_request(slots) / 1e9, hw_.name, cache_budget_ / 1e9,
             weights_.total() / 1e9, dep_.mem_fraction_static, slots, max_batch(slots));
   ESS_CHECK(activation_bytes(batch) <= activation_budget(),
@@ -118,9 +187,9 @@ void MemoryModel::check_fits(int batch, double slots) const {
 
 std::int32_t MemoryModel::slots_for_batch(int batch) const {
   ESS_CHECK(batch >= 1, "batch = {} must be at least 1", batch);
-  const double per_request = cache_budget_ / batch - indexer_bytes_per_request();
-  const double slots = std::floor(per_request / (cache_layers_ * double(model_.latent_entry_bytes())));
-  const double capped = std::min(slots, double(context_));
+  const double per_request = cache_budget_ / batch - resident_bytes_per_request();
+  const double slots = std::floor(per_request / (cache_layers_ * entry_bytes_));
+  const double capped = std::min(slots, double(context_entries_));
   if (capped < min_slots()) {
     check_fits(batch, min_slots());  // throws with the full account
   }
@@ -131,10 +200,13 @@ std::int32_t MemoryModel::slots_for_batch(int batch) const {
 double MemoryModel::host_pool_bytes_per_node(int batch, double prefix_share) const {
   ESS_CHECK(std::isfinite(prefix_share) && prefix_share >= 0 && prefix_share <= 1,
             "prefix share = {} must be in [0, 1]", prefix_share);
-  // Shared: the prefix's whole 64-token pages; every request keeps the rest (its partial page too).
-  const double shared = std::floor(prefix_share * double(context_) / 64) * 64;
-  const double tokens = batch > 0 ? shared + double(batch) * (double(context_) - shared) : 0.0;
-  return double(dep_.gpus_per_node) * tokens * cache_layers_ * double(model_.latent_entry_bytes());
+  // Shared: the prefix's whole pages of 64 entries; every request keeps the rest (its partial page
+  // too). A host entry is the latent's bytes rounded up to 16 (DeepSeek-V4's 584 B: 592).
+  const double ctx = double(context_entries_);
+  const double shared = std::floor(prefix_share * ctx / 64) * 64;
+  const double entries = batch > 0 ? shared + double(batch) * (ctx - shared) : 0.0;
+  const double host_entry = std::ceil(double(model_.latent_entry_bytes()) / 16) * 16;
+  return double(dep_.gpus_per_node) * entries * cache_layers_ * host_entry;
 }
 
 }  // namespace ess::sim

@@ -64,7 +64,7 @@ LowLoad low_load(const StepModel& model, const PlanRequest& req, const StepResul
   resident.offload = false;
   resident.misses = req.misses;
   const MemoryModel mem(model.model(), model.hardware(), model.deployment(), req.context);
-  if (mem.max_batch(double(req.context)) < 1) return out;  // no all-on-GPU step to compare with
+  if (mem.max_batch(double(mem.context_entries())) < 1) return out;  // no all-on-GPU step to compare with
   const double base = model.run(resident).throughput_tokens_per_s;
   w.batch = 1;
   out.batch1_adaptive = model.run(w).throughput_tokens_per_s / base;
@@ -78,7 +78,8 @@ void binding_limit(Search& s, const MemoryModel& mem, const HardwareProfile& hw,
   PlanOption& o = s.option;
   const StepResult& b = o.best;
   o.cache_budget_gb = mem.cache_budget() / 1e9;
-  o.indexer_gb = b.batch * mem.indexer_bytes_per_request() / 1e9;
+  o.indexer_gb = b.batch * mem.resident_bytes_per_request() / 1e9;
+  if (mem.resident_bytes_per_request() > mem.indexer_bytes_per_request()) o.resident_what = "resident caches";
   o.latent_gb = b.batch * mem.latent_bytes_per_request(double(b.slots)) / 1e9;
   o.host_dram_usable_gb = hw.host_dram_usable_gb();
   const Tried* next = nullptr;
@@ -89,12 +90,12 @@ void binding_limit(Search& s, const MemoryModel& mem, const HardwareProfile& hw,
     }
   }
   if (next == nullptr || b.batch >= max_b) {
-    const bool indexer = mem.indexer_bytes_per_request() > mem.latent_bytes_per_request(double(b.slots));
+    const bool indexer = mem.resident_bytes_per_request() > mem.latent_bytes_per_request(double(b.slots));
     o.limit = fmt::format(
         "GPU memory: batch {} takes {:.1f} of the {:.1f} GB for the caches per GPU, {} the larger part ({:.1f} GB "
-        "indexer cache, {:.1f} GB latent{})",
-        b.batch, o.indexer_gb + o.latent_gb, o.cache_budget_gb, indexer ? "the indexer cache" : "the latent cache",
-        o.indexer_gb, o.latent_gb,
+        "{}, {:.1f} GB latent{})",
+        b.batch, o.indexer_gb + o.latent_gb, o.cache_budget_gb, indexer ? "the " + o.resident_what : "the latent cache",
+        o.indexer_gb, o.resident_what, o.latent_gb,
         b.offload ? fmt::format(" at {} slots per request-layer", b.slots) : std::string(" for the whole context"));
     return;
   }
@@ -137,8 +138,10 @@ PlanResult plan(const std::vector<const StepModel*>& models, const std::vector<s
   for (std::size_t k = 0; k < models.size(); ++k) {
     const StepModel& model = *models[k];
     const HardwareProfile& hw = model.hardware();
+    const double entries = double(context_in_entries(model.model(), req.context));
     const MemoryModel mem(model.model(), hw, model.deployment(), req.context,
-                          req.misses.min_slots(model.deployment().mtp_tokens, model.model().index_topk, double(req.context)));
+                          model.misses_in_entries(req.misses)
+                              .min_slots(model.deployment().mtp_tokens, model.model().index_topk, entries));
     auto run_kind = [&](const std::string& kind, bool offload, OverlapMode mode) {
       const std::string label = kind + suffixes[k];
       Search s;
@@ -146,7 +149,7 @@ PlanResult plan(const std::vector<const StepModel*>& models, const std::vector<s
       s.option.two_batch_overlap = model.deployment().two_batch_overlap;
       s.option.shared_index_prefetch = model.deployment().shared_index_prefetch;
       s.model = &model;
-      const double slots = offload ? mem.min_slots() : double(req.context);
+      const double slots = offload ? mem.min_slots() : entries;
       const int max_b = mem.max_batch(slots);
       // Short contexts fit batches in the hundreds of thousands: the search is bounded by
       // widening the step (said in the result), the largest batch always tried.

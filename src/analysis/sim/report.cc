@@ -104,8 +104,8 @@ nlohmann::json option_json(const PlanOption& o) {
 // `ess plan --explain`: the figures behind an option's limit.
 std::string explain_line(const PlanOption& o, const HardwareProfile& hw, std::string_view indent) {
   const StepResult& r = o.best;
-  std::string out = fmt::format("{}per GPU: {:.1f} GB indexer cache + {:.1f} GB latent of {:.1f} GB for the caches", indent,
-                                o.indexer_gb, o.latent_gb, o.cache_budget_gb);
+  std::string out = fmt::format("{}per GPU: {:.1f} GB {} + {:.1f} GB latent of {:.1f} GB for the caches", indent,
+                                o.indexer_gb, o.resident_what, o.latent_gb, o.cache_budget_gb);
   if (r.offload) {
     out += fmt::format("; per node: host pool {:.0f} of {:.0f} GB usable ({} GB, {:.0f} % reserved), H2D {:.0f} of {} GB/s",
                        r.host_pool_gb_per_node, o.host_dram_usable_gb, hw.host_dram_gb, 100 * hw.host_dram_reserve,
@@ -608,7 +608,7 @@ std::string to_table(const Plans& p) {
     }
     for (const auto& s : r.refusals) add("  refused: {}\n", s);
     for (const auto& s : r.notes) add("  note: {}\n", s);
-    if (!p.engine.empty() && r.found) {
+    if (!p.engine.empty() && r.found && !p.launches.at(i).is_null()) {  // null: none for this model (its notes say why)
       const nlohmann::json& l = p.launches.at(i);
       add("  launch ({} {}):\n    {}\n", l["engine"].get<std::string>(), l["release"].get<std::string>(),
           l["command_line"].get<std::string>());

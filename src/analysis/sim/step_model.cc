@@ -14,11 +14,12 @@ namespace ess::sim {
 namespace {
 
 // Residency kAdaptive: the requests whole at this batch. The cache memory left beside the batch's
-// indexer caches holds P pool rows of `slots` entries per layer; a whole request takes
-// ceil(context / slots) of them, a sparse one one, so w are whole where w (u - 1) + batch <= P.
+// resident caches holds P pool rows of `slots` entries per layer; a whole request takes
+// ceil(context / slots) of them (context in entries), a sparse one one, so w are whole where
+// w (u - 1) + batch <= P.
 int whole_requests(const MemoryModel& mem, int batch, std::int32_t slots, std::int64_t context) {
   if (slots >= context) return batch;
-  const double tokens = (mem.cache_budget() - batch * mem.indexer_bytes_per_request()) / mem.latent_bytes_per_request(1);
+  const double tokens = (mem.cache_budget() - batch * mem.resident_bytes_per_request()) / mem.latent_bytes_per_request(1);
   const double rows = std::floor(tokens / slots);
   const double per_whole = std::ceil(double(context) / slots);
   return static_cast<int>(std::clamp(std::floor((rows - batch) / (per_whole - 1)), 0.0, double(batch)));
@@ -32,17 +33,19 @@ StepResult size_step(const ModelSpec& model, const Deployment& dep, const Worklo
   r.offload = wl.offload;
   r.overlap = wl.offload ? wl.overlap : OverlapMode::kNone;
   std::int32_t slots = 0;
-  const auto ctx32 = static_cast<std::int32_t>(std::min<std::int64_t>(wl.context, std::numeric_limits<std::int32_t>::max()));
+  const std::int64_t entries = mem.context_entries();  // slots, top-k and misses count entries
+  const auto ctx32 = static_cast<std::int32_t>(std::min<std::int64_t>(entries, std::numeric_limits<std::int32_t>::max()));
   if (!wl.offload) {
     ESS_CHECK(wl.slots == 0 && (wl.ratio == 0 || wl.ratio == 1),
               "the all-on-GPU baseline keeps the whole context on the GPU: ratio {} / slots {} do not apply",
               wl.ratio, wl.slots);
     slots = ctx32;
   } else if (wl.slots > 0) {
-    ESS_CHECK(wl.slots <= wl.context, "slots = {} exceed the context length {}", wl.slots, wl.context);
+    ESS_CHECK(wl.slots <= entries, "slots = {} exceed the context length {}{}", wl.slots, entries,
+              entries == wl.context ? std::string() : fmt::format(" (C4 entries of {} tokens)", wl.context));
     slots = wl.slots;
   } else if (wl.ratio > 0) {
-    slots = slots_for_ratio(wl.ratio, wl.context);
+    slots = slots_for_ratio(wl.ratio, entries);
   }
   const bool rig = dep.rig_layers > 0;
   int batch = wl.batch;
@@ -66,13 +69,13 @@ StepResult size_step(const ModelSpec& model, const Deployment& dep, const Worklo
     // request-layer may get; the all-on-GPU baseline holds the whole context.
     if (slots == 0) {
       slots = wl.offload ? static_cast<std::int32_t>(std::min<double>(
-                               std::ceil(wl.misses.min_slots(dep.mtp_tokens, model.index_topk, double(wl.context))), ctx32))
+                               std::ceil(wl.misses.min_slots(dep.mtp_tokens, model.index_topk, double(entries))), ctx32))
                          : ctx32;
     }
     batch = mem.max_batch(slots);
     ESS_CHECK(batch >= 1, "no request fits: one request with {} slots per request-layer needs {:.2f} GB of "
                           "cache per GPU but only {:.2f} GB is left after the weights",
-              slots, (mem.indexer_bytes_per_request() + mem.latent_bytes_per_request(slots)) / 1e9,
+              slots, (mem.resident_bytes_per_request() + mem.latent_bytes_per_request(slots)) / 1e9,
               mem.cache_budget() / 1e9);
   } else if (slots == 0) {
     slots = mem.slots_for_batch(batch);
@@ -80,11 +83,11 @@ StepResult size_step(const ModelSpec& model, const Deployment& dep, const Worklo
   if (!rig) mem.check_fits(batch, slots);
   r.batch = batch;
   r.slots = slots;
-  r.ratio = double(slots) / double(wl.context);
-  r.cache_gb = batch * (mem.indexer_bytes_per_request() + mem.latent_bytes_per_request(slots)) / 1e9;
+  r.ratio = double(slots) / double(entries);
+  r.cache_gb = batch * (mem.resident_bytes_per_request() + mem.latent_bytes_per_request(slots)) / 1e9;
   r.host_pool_gb_per_node = wl.offload ? mem.host_pool_bytes_per_node(batch, wl.prefix_share) / 1e9 : 0.0;
   r.host_pool_gb_per_node_unshared = wl.offload ? mem.host_pool_bytes_per_node(batch) / 1e9 : 0.0;
-  if (wl.offload && wl.residency == Residency::kAdaptive && !rig) r.whole_requests = whole_requests(mem, batch, slots, wl.context);
+  if (wl.offload && wl.residency == Residency::kAdaptive && !rig) r.whole_requests = whole_requests(mem, batch, slots, entries);
   return r;
 }
 
@@ -100,11 +103,12 @@ class StepRun {
         wl_(wl),
         r_(std::move(sized)),
         T_(dep.mtp_tokens),
-        offload_(wl.offload && r_.slots < wl.context && r_.whole_requests < r_.batch),
+        entries_(context_in_entries(model, wl.context)),
+        offload_(wl.offload && r_.slots < entries_ && r_.whole_requests < r_.batch),
         rig_(dep.rig_layers > 0),
         lb_(model, dep, wl.context, wl.offload, double(r_.slots), sparse_share()),
         s_(cost, r_, timeline),
-        topk_eff_(static_cast<double>(std::min<std::int64_t>(model.index_topk, wl.context))),
+        topk_eff_(static_cast<double>(std::min<std::int64_t>(model.index_topk, entries_))),
         n_layers_(rig_ ? dep.rig_layers : model.num_hidden_layers),
         first_moe_(rig_ ? 0 : std::min(model.first_k_dense_replace, n_layers_)) {}
   StepRun(const StepRun&) = delete;  // the scheduler points at r_
@@ -153,21 +157,25 @@ class StepRun {
   // The share of the batch's requests that are sparse (Workload::residency).
   double sparse_share() const { return r_.batch > 0 ? double(r_.batch - r_.whole_requests) / r_.batch : 1.0; }
 
-  // Each layer's misses per request (capped) and their mean.
+  // Each layer's misses per request (capped) and their mean over the offloaded layers (DeepSeek-V4's
+  // C4 layers, a miss profile's layers in their order; every layer of a DSA model).
   void plan_misses() {
     layer_misses_.assign(static_cast<std::size_t>(n_layers_), 0.0);
     double miss_sum = 0;
+    int offloaded = 0;
     for (int layer = 0; layer < n_layers_; ++layer) {
+      if (model_.is_deepseek_v4() && model_.compress_ratio(layer) != 4) continue;
       // Whole requests miss nothing: the mean over the batch is the sparse ones' share. A layer
       // sharing its leader's top-k misses what its leader misses (its pool sees the same ids).
       const double m = !offload_                    ? 0.0
                        : model_.index_shared(layer) ? layer_misses_[static_cast<std::size_t>(model_.index_leader(layer))]
-                                                    : capped(wl_.misses.misses(layer, r_.slots, double(wl_.context), T_), T_) *
+                                                    : capped(wl_.misses.misses(offloaded, r_.slots, double(entries_), T_), T_) *
                                                           sparse_share();
       layer_misses_[static_cast<std::size_t>(layer)] = m;
       miss_sum += m;
+      ++offloaded;
     }
-    r_.misses_per_request_layer = n_layers_ > 0 ? miss_sum / n_layers_ : 0.0;
+    r_.misses_per_request_layer = offloaded > 0 ? miss_sum / offloaded : 0.0;
   }
 
   // Sets a micro-batch's tokens, misses, split calls and overlap mode for a layer. Layer-wise
@@ -199,7 +207,7 @@ class StepRun {
     // steps that split is bounded by the measured working set.
     const double slots = double(r_.slots);
     const double split = offload_ && tokens_per_request > 1
-                             ? wl_.misses.split_bound(slots, tokens_per_request, model_.index_topk, double(wl_.context))
+                             ? wl_.misses.split_bound(slots, tokens_per_request, model_.index_topk, double(entries_))
                              : 0.0;
     const double per_group = std::max(1.0, std::floor(slots / topk_eff_));
     const double max_groups = std::ceil(double(tokens_per_request) / per_group);
@@ -336,9 +344,9 @@ class StepRun {
     for (int pass = 0; pass < T_ - 1; ++pass) {
       const int tokens = pass == 0 ? T_ : 1;
       double m = 0;
-      if (offload_ && pass == 0) m = capped(wl_.misses.misses(layer, r_.slots, double(wl_.context), tokens), tokens) * sparse_share();
+      if (offload_ && pass == 0) m = capped(wl_.misses.misses(layer, r_.slots, double(entries_), tokens), tokens) * sparse_share();
       if (offload_ && pass > 0) {
-        if (decode_misses < 0) decode_misses = capped(wl_.misses.misses(layer, r_.slots, double(wl_.context), 1), 1) * sparse_share();
+        if (decode_misses < 0) decode_misses = capped(wl_.misses.misses(layer, r_.slots, double(entries_), 1), 1) * sparse_share();
         m = decode_misses;
       }
       s_.set_label(layer, pass == 0 ? 'X' : 'D');
@@ -369,6 +377,7 @@ class StepRun {
   const Workload& wl_;
   StepResult r_;
   const int T_;
+  const std::int64_t entries_;  // the context in the offloaded cache's entries
   const bool offload_;  // something is offloaded: the pool holds less than the context
   const bool rig_;
   const LayerBuilder lb_;
@@ -387,7 +396,15 @@ StepModel::StepModel(const ModelSpec& model, const HardwareProfile& hw, const De
                      const MeasuredTables* tables)
     : model_(model), hw_(hw), dep_(dep), cost_(hw_, tables) {
   dep_.validate(dep.name);
-  require_dsa_layers(model_);
+  require_modelled_layers(model_);
+  if (model_.is_deepseek_v4()) {
+    ESS_CHECK(dep_.mtp_tokens == 1,
+              "{}: mtp_tokens = {}: SGLang 0.5.23's HiSparse refuses speculative decoding with DeepSeek-V4, so its "
+              "decode runs one query token per step (--mtp 1)",
+              model_.name, dep_.mtp_tokens);
+    ESS_CHECK(dep_.rig_layers == 0, "{}: the executor rig (rig_layers = {}) runs DSA layers; DeepSeek-V4's are modelled "
+              "in a deployment only", model_.name, dep_.rig_layers);
+  }
   // Experts spread unevenly are modelled (the busiest GPU holds the rounded-up share); more
   // GPUs in an EP group than experts are not.
   ESS_CHECK(dep_.expert_parallel <= model_.n_routed_experts,
@@ -395,28 +412,57 @@ StepModel::StepModel(const ModelSpec& model, const HardwareProfile& hw, const De
             model_.n_routed_experts);
 }
 
+MissModel StepModel::misses_in_entries(const MissModel& m) const {
+  if (model_.tokens_per_entry() == 1 || m.unit_tokens != 1 || m.profile_topk != 0) return m;
+  // The built-in model (tokens of a DSA model at top-2048) for a cache of entries of n tokens at
+  // top-k entries: the same share of the selection missed at the same share of the context held.
+  MissModel e = m;
+  const double n = model_.tokens_per_entry(), share = double(model_.index_topk) / kBuiltinTopk;
+  e.reference_misses *= share;
+  e.reference_slots /= n;
+  e.reference_context /= n;
+  e.working_set_p99 *= share;
+  e.working_set_max *= share;
+  e.unit_tokens = model_.tokens_per_entry();
+  return e;
+}
+
 void StepModel::check_misses(const MissModel& m) const {
+  ESS_CHECK(m.unit_tokens == model_.tokens_per_entry(),
+            "miss profile: its ids are {}; {} offloads {} (a trace of its own selections: `ess trace gen --model` or "
+            "one recorded under it)",
+            m.unit_tokens == 1 ? std::string("tokens") : fmt::format("units of {} tokens", m.unit_tokens), model_.name,
+            model_.tokens_per_entry() == 1 ? std::string("tokens") : fmt::format("entries of {} tokens", model_.tokens_per_entry()));
   const double most = static_cast<double>(m.reference_tokens) * model_.index_topk;
   ESS_CHECK(m.reference_misses <= most,
             "miss model: {} misses per request-layer-step at the reference pool exceed what {} query tokens x top-{} "
             "can select ({})",
             m.reference_misses, m.reference_tokens, model_.index_topk, most);
-  const int layers = dep_.rig_layers > 0 ? dep_.rig_layers : model_.num_hidden_layers;
-  ESS_CHECK(m.layer_shape.empty() || static_cast<int>(m.layer_shape.size()) == model_.num_hidden_layers ||
+  const int offloaded = model_.is_deepseek_v4() ? static_cast<int>(model_.offloaded_layers().size()) : model_.num_hidden_layers;
+  const int layers = dep_.rig_layers > 0 ? dep_.rig_layers : offloaded;
+  ESS_CHECK(m.layer_shape.empty() || static_cast<int>(m.layer_shape.size()) == offloaded ||
                 (dep_.rig_layers > 0 && static_cast<int>(m.layer_shape.size()) >= layers),
-            "miss profile: {} per-layer values for a model of {} layers{}", m.layer_shape.size(),
-            model_.num_hidden_layers, dep_.rig_layers > 0 ? fmt::format(" (the rig runs {})", layers) : "");
+            "miss profile: {} per-layer values for a model of {} {}layers{}", m.layer_shape.size(), offloaded,
+            offloaded == model_.num_hidden_layers ? "" : "offloaded ",
+            dep_.rig_layers > 0 ? fmt::format(" (the rig runs {})", layers) : "");
   ESS_CHECK(m.profile_topk == 0 || m.profile_topk == model_.index_topk,
             "miss profile: measured at top-{}, the model selects top-{}", m.profile_topk, model_.index_topk);
 }
 
-StepResult StepModel::run(const Workload& wl, Timeline* timeline) const {
-  wl.validate();
-  ESS_CHECK(model_.max_position_embeddings <= 0 || wl.context <= model_.max_position_embeddings,
-            "context {} exceeds the model's max_position_embeddings ({})", wl.context, model_.max_position_embeddings);
+StepResult StepModel::run(const Workload& given, Timeline* timeline) const {
+  given.validate();
+  ESS_CHECK(model_.max_position_embeddings <= 0 || given.context <= model_.max_position_embeddings,
+            "context {} exceeds the model's max_position_embeddings ({})", given.context, model_.max_position_embeddings);
+  ESS_CHECK(!model_.is_deepseek_v4() || !given.offload || given.overlap == OverlapMode::kNone,
+            "{}: overlap {}: the overlap schedules split FlashMLA's DSA decode; DeepSeek-V4's runs whole (the SGLang "
+            "adapter refuses ESS_OVERLAP with it)",
+            model_.name, to_string(given.overlap));
+  Workload wl = given;
+  wl.misses = misses_in_entries(given.misses);
   check_misses(wl.misses);
+  const std::int64_t entries = context_in_entries(model_, wl.context);
   const MemoryModel mem(model_, hw_, dep_, wl.context,
-                        wl.misses.min_slots(dep_.mtp_tokens, model_.index_topk, double(wl.context)));
+                        wl.misses.min_slots(dep_.mtp_tokens, model_.index_topk, double(entries)));
   StepRun step(model_, hw_, dep_, cost_, wl, size_step(model_, dep_, wl, mem), timeline);
   return step.run();
 }

@@ -200,6 +200,8 @@ void read_deepseek_v4(const json& j, const std::string& source, ModelSpec& m) {
   m.num_experts_per_tok = json_int(j, "num_experts_per_tok", source, false, 6);
   // models read config.sliding_window (configs/model_config.py: window_size = sliding_window).
   m.window_size = json_int(j, "sliding_window", source, false, json_int(j, "window_size", source, false, 128));
+  m.o_lora_rank = json_int(j, "o_lora_rank", source, false, 1024);
+  m.o_groups = json_int(j, "o_groups", source, false, 8);
   const json* ratios = present(j, "compress_ratios");
   ESS_CHECK(ratios != nullptr && ratios->is_array(),
             "{}: field 'compress_ratios' (a DeepSeek-V4 config's per-layer compression) must be a list of integers, got {}",
@@ -352,6 +354,8 @@ json ModelSpec::to_json() const {
     j["head_dim"] = head_dim;
     j["compress_ratios"] = compress_ratios;
     j["sliding_window"] = window_size;
+    j["o_lora_rank"] = o_lora_rank;
+    j["o_groups"] = o_groups;
   }
   if (!shared_index.empty()) {
     json types = json::array();
@@ -472,6 +476,9 @@ void ModelSpec::validate(const std::string& source) const {
             "HISPARSE_KV_CACHE_DTYPES)",
             source, kv_cache_dtype);
   if (is_deepseek_v4()) {
+    ESS_CHECK(o_lora_rank > 0 && o_groups > 0 && num_attention_heads % o_groups == 0,
+              "{}: o_lora_rank = {} and o_groups = {} must be positive, o_groups dividing num_attention_heads = {}",
+              source, o_lora_rank, o_groups, num_attention_heads);
     ESS_CHECK(kv_cache_dtype != "bfloat16",
               "{}: kv_cache_dtype bfloat16 with DeepSeek-V4: SGLang's HiSparse C4 pool is FP8 (HiSparseC4DevicePool "
               "stores uint8)", source);

@@ -231,7 +231,8 @@ class KvPool(DsaPool):
                  "torch_dtype": "bfloat16", "kv_cache_dtype": kv_dtype,
                  "sparse_attention_config": {"sparse_attention_freq": [1] * self.layer_num, "sparse_block_size": 1,
                                              "sparse_topk_blocks": 1, "sparse_index_dim": 128,
-                                             "sparse_num_index_heads": 1}}
+                                             "sparse_num_index_heads": 1, "sparse_init_block": 0,
+                                             "sparse_local_block": 0}}
         kb = self.key_bytes
         return dict(model=model,
                     latent=[self._kv_rows(buf)[first_row:first_row + rows] for buf in d.k_buffer],
