@@ -12,15 +12,17 @@
 #include "ess/sim/memory_model.h"
 #include "ess/sim/step_model.h"
 #include "sim/sim_test_util.h"
+#include "testing/testing.h"
 
 namespace ess::sim {
 namespace {
 
+using ess::test::error_of;
 using testing::paper_dep;
 using testing::paper_hw;
 
 const ModelSpec& v4() {
-  static const ModelSpec m = ModelSpec::from_file(ESS_SOURCE_DIR "/configs/models/deepseek-v4-flash.json");
+  static const ModelSpec m = testing::shipped_model("deepseek-v4-flash.json");
   return m;
 }
 
@@ -29,15 +31,6 @@ Deployment t1() {
   d.mtp_tokens = 1;
   d.accept_ratio = 1;
   return d;
-}
-
-std::string error_of(auto&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
 }
 
 // The built-in locality model, calibrated in tokens at top-2048, carried to C4 entries at top-512:

@@ -11,18 +11,12 @@
 #include "ess/sim/hardware.h"
 #include "ess/sim/inputs.h"
 #include "ess/trace/generator.h"
+#include "testing/testing.h"
 
 namespace ess::sim {
 namespace {
 
-std::string message_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "<no error>";
-}
+using ess::test::error_of;
 
 TEST(sim_inputs, EveryShippedProfileLoadsWithSources) {
   for (const auto& name : HardwareProfile::shipped_names()) {
@@ -39,13 +33,13 @@ TEST(sim_inputs, EveryShippedProfileLoadsWithSources) {
 
 TEST(sim_inputs, HardwareNamesIgnoreCaseAndAShortNameIsCompleted) {
   EXPECT_EQ(HardwareProfile::load("H200").name, HardwareProfile::load("h200").name);
-  const std::string m = message_of([] { HardwareProfile::load("h20"); });
+  const std::string m = error_of([] { HardwareProfile::load("h20"); });
   EXPECT_NE(m.find("did you mean h20-141gb or h200?"), std::string::npos) << m;
   EXPECT_NE(m.find("configs/hardware/h200.json"), std::string::npos) << m;
 }
 
 TEST(sim_inputs, UnknownHardwareNamesTheChoices) {
-  const std::string m = message_of([] { HardwareProfile::load("b200"); });
+  const std::string m = error_of([] { HardwareProfile::load("b200"); });
   EXPECT_NE(m.find("unknown hardware 'b200'"), std::string::npos) << m;
   EXPECT_NE(m.find("h100"), std::string::npos) << m;
 }
@@ -69,11 +63,11 @@ TEST(sim_inputs, OlderProfilesGetTheNewFieldsWithTheirSources) {
   // A source for a field the file does not set would label the default: refused.
   j = HardwareProfile::shipped("h200").to_json();
   j.erase("sm_count");
-  EXPECT_NE(message_of([&] { HardwareProfile::from_json(j, "x.json"); }).find("sources.sm_count is given but the profile sets no 'sm_count'"),
+  EXPECT_NE(error_of([&] { HardwareProfile::from_json(j, "x.json"); }).find("sources.sm_count is given but the profile sets no 'sm_count'"),
             std::string::npos);
   j = HardwareProfile::shipped("h200").to_json();
   j["transfer_sms"] = 132;
-  EXPECT_NE(message_of([&] { HardwareProfile::from_json(j, "x.json"); }).find("'transfer_sms' = 132 must be below sm_count"),
+  EXPECT_NE(error_of([&] { HardwareProfile::from_json(j, "x.json"); }).find("'transfer_sms' = 132 must be below sm_count"),
             std::string::npos);
 }
 
@@ -81,29 +75,29 @@ TEST(sim_inputs, BadProfilesAreRefusedNamingTheField) {
   const nlohmann::json good = HardwareProfile::shipped("h200").to_json();
   nlohmann::json j = good;
   j["hbm_bandwidth_gbps"] = -1;
-  EXPECT_NE(message_of([&] { HardwareProfile::from_json(j, "x.json"); }).find("hbm_bandwidth_gbps"), std::string::npos);
+  EXPECT_NE(error_of([&] { HardwareProfile::from_json(j, "x.json"); }).find("hbm_bandwidth_gbps"), std::string::npos);
   j = good;
   j["gemm_efficiency"] = 1.5;
-  EXPECT_NE(message_of([&] { HardwareProfile::from_json(j, "x.json"); }).find("gemm_efficiency"), std::string::npos);
+  EXPECT_NE(error_of([&] { HardwareProfile::from_json(j, "x.json"); }).find("gemm_efficiency"), std::string::npos);
   j = good;
   j["sources"].erase("rdma_gbps");
-  EXPECT_NE(message_of([&] { HardwareProfile::from_json(j, "x.json"); }).find("has no source"), std::string::npos);
+  EXPECT_NE(error_of([&] { HardwareProfile::from_json(j, "x.json"); }).find("has no source"), std::string::npos);
   j = good;
   j["warp_speed"] = 9;
-  EXPECT_NE(message_of([&] { HardwareProfile::from_json(j, "x.json"); }).find("unknown hardware field 'warp_speed'"),
+  EXPECT_NE(error_of([&] { HardwareProfile::from_json(j, "x.json"); }).find("unknown hardware field 'warp_speed'"),
             std::string::npos);
   j = good;
   j["fp8_tflops"] = "fast";
-  EXPECT_NE(message_of([&] { HardwareProfile::from_json(j, "x.json"); }).find("must be a number"), std::string::npos);
+  EXPECT_NE(error_of([&] { HardwareProfile::from_json(j, "x.json"); }).find("must be a number"), std::string::npos);
   j = good;
   j.erase("rdma_latency_us");
-  EXPECT_NE(message_of([&] { HardwareProfile::from_json(j, "x.json"); }).find("rdma_latency_us"), std::string::npos);
+  EXPECT_NE(error_of([&] { HardwareProfile::from_json(j, "x.json"); }).find("rdma_latency_us"), std::string::npos);
 }
 
 TEST(sim_inputs, MalformedJsonFileNamesTheFile) {
   const std::string path = ::testing::TempDir() + "ess_sim_bad.json";
   std::ofstream(path) << "{\"name\": \"x\", ";
-  const std::string m = message_of([&] { HardwareProfile::from_file(path); });
+  const std::string m = error_of([&] { HardwareProfile::from_file(path); });
   EXPECT_NE(m.find(path), std::string::npos) << m;
   EXPECT_NE(m.find("malformed JSON"), std::string::npos) << m;
   std::remove(path.c_str());
@@ -112,16 +106,16 @@ TEST(sim_inputs, MalformedJsonFileNamesTheFile) {
 TEST(sim_inputs, BadDeploymentsAreRefused) {
   nlohmann::json j = Deployment::shipped("paper-table1").to_json();
   j["accept_ratio"] = 2.5;  // > MTP 2
-  EXPECT_NE(message_of([&] { Deployment::from_json(j, "d.json"); }).find("accept_ratio"), std::string::npos);
+  EXPECT_NE(error_of([&] { Deployment::from_json(j, "d.json"); }).find("accept_ratio"), std::string::npos);
   j["accept_ratio"] = 1.7;
   j["expert_parallel"] = 64;  // > 32 GPUs
-  EXPECT_NE(message_of([&] { Deployment::from_json(j, "d.json"); }).find("expert_parallel"), std::string::npos);
+  EXPECT_NE(error_of([&] { Deployment::from_json(j, "d.json"); }).find("expert_parallel"), std::string::npos);
   j["expert_parallel"] = 32;
   j["nodes"] = -2;
   EXPECT_THROW(Deployment::from_json(j, "d.json"), Error);
   j["nodes"] = 4;
   j["tbo"] = true;
-  EXPECT_NE(message_of([&] { Deployment::from_json(j, "d.json"); }).find("unknown deployment field 'tbo'"),
+  EXPECT_NE(error_of([&] { Deployment::from_json(j, "d.json"); }).find("unknown deployment field 'tbo'"),
             std::string::npos);
   j.erase("tbo");
   j["mem_fraction_static"] = 1.2;
@@ -165,7 +159,7 @@ TEST(sim_inputs, WorkloadJson) {
   EXPECT_EQ(w.overlap, OverlapMode::kDualBatchAttention);
   EXPECT_DOUBLE_EQ(w.misses.reference_misses, 300);
   EXPECT_DOUBLE_EQ(w.misses.exponent, 0.5);
-  auto bad = [](const char* text) { return message_of([&] { Workload::from_json(nlohmann::json::parse(text), "w.json"); }); };
+  auto bad = [](const char* text) { return error_of([&] { Workload::from_json(nlohmann::json::parse(text), "w.json"); }); };
   EXPECT_NE(bad(R"({"contxt": 5})").find("unknown workload field 'contxt'"), std::string::npos);
   EXPECT_NE(bad(R"({"ratio": 0.2, "slots": 100})").find("not both"), std::string::npos);
   EXPECT_NE(bad(R"({"ratio": 1.2})").find("ratio"), std::string::npos);
