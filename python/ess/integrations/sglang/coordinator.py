@@ -513,7 +513,11 @@ class HiSparseCoordinator(Staging):
         self._check_batch("map_last_loc_to_buffer", rows, lengths, grow=self.T)
         self._new_forward()
         self._backup_previous_step()
-        locs = self.token_to_kv_pool_allocator.get_last_loc_compressed(out_cache_loc).to(torch.int64)
+        # The mapping slots the new tokens own (C4: loc // 4, which for a token completing an entry is upstream's
+        # get_last_loc_compressed, (loc - 3) // 4; for the others, a group of the request's own page, never another
+        # request's: (loc - 3) // 4 of a page's first token names the previous page's last group, which may be
+        # another request's completing one, and two writes of one slot in a step would race).
+        locs = self.pool.mapping_locs(out_cache_loc.to(torch.int64))
         if self.page_size == 1:
             # alloc_for_decode's page-size-one path (allocator.alloc) gave each new token a device slot of
             # SGLang's too: it goes back, as upstream frees it (this branch synchronizes, as upstream's does).

@@ -202,18 +202,29 @@ def v4(tmp_path):
         yield tmp_path
 
 
+# Prompts of 301, 2 (no entry yet: its first comes at its fourth token) and 130 tokens; and of 256 then 255 tokens,
+# whose pages follow each other, so that at the first step "a" enters a new page while "b", on the page before it,
+# completes that page's last entry: (loc - 3) // 4 of a's token is b's completing slot. "b" decodes first in the batch
+# (where two writes of one slot race, the later one stands).
+PROMPTS = [(("a", 301), ("b", 2), ("c", 130)), (("a", 256), ("b", 255))]
+DECODE_FIRST = {1: "b"}
+
+
 @pytest.mark.parametrize("residency", ["sparse", "adaptive"])
-def test_decode_reads_the_full_compressed_cache_among_sglangs_v4_pools(v4, residency, monkeypatch):
-    """Prompts of 301, 2 (no entry yet: its first comes at its fourth token) and 130 tokens decode 14 steps; at each
-    C4 layer of each step every slot the swap returns holds the chosen entry's bytes (and SGLang's reader gives its
-    values), padding positions -1; the host pool ends up holding every entry but the newest; finishing leaves SGLang's
-    pools as they started."""
+@pytest.mark.parametrize("prompts", PROMPTS, ids=["301-2-130", "adjacent-pages"])
+def test_decode_reads_the_full_compressed_cache_among_sglangs_v4_pools(v4, residency, prompts, monkeypatch):
+    """The prompts decode 14 steps; at each C4 layer of each step every slot the swap returns holds the chosen entry's
+    bytes (and SGLang's reader gives its values), padding positions -1; the host pool ends up holding every entry but
+    the newest; finishing leaves SGLang's pools as they started."""
     monkeypatch.setenv("ESS_RESIDENCY", residency)
     w, pick = World(v4, seed=3), random.Random(5)
     p, c = w.p, w.c
-    for rid, n in (("a", 301), ("b", 2), ("c", 130)):
+    for rid, n in prompts:
         w.prefill(rid, n)
-    assert sorted(r.rid for r in c.collect_ready_reqs()) == ["a", "b", "c"]
+    first = DECODE_FIRST.get(PROMPTS.index(prompts))
+    if first is not None:   # the batch's order (prepare_decode's), the prompts' pages as allocated above
+        w.reqs = {first: w.reqs[first], **{r: q for r, q in w.reqs.items() if r != first}}
+    assert sorted(r.rid for r in c.collect_ready_reqs()) == sorted(rid for rid, _ in prompts)
     made = 0
     for step in range(14):
         rids, idx, lens, out_cache_loc = w.prepare_decode()
