@@ -85,9 +85,17 @@ std::vector<BlockSpan> block_spans(const RowLayout& r, std::int64_t n, std::uint
   return spans;
 }
 
+// The first of a block's rows (at `begin`, `stride` apart, `bytes` each) that ends past `at`.
+std::int64_t first_row_ending_past(std::int64_t begin, std::int64_t stride, std::int64_t bytes, std::int64_t at) {
+  const std::int64_t x = at - begin - bytes;  // row k ends past `at` when k x stride > x
+  if (x < 0) return 0;
+  return x / stride + 1;
+}
+
 // Refuses a split buffer whose tails share a byte with its heads, in any layer: the first such
 // head row and tail row by name. Blocks whose spans meet are compared row by row (rows ascend
-// within a block), so the cost is the buffer's blocks, plus the rows of blocks that interleave.
+// within a block) from the first rows that reach the other block, until either passes its end, so
+// the cost is the buffer's blocks, plus the rows where blocks interleave.
 void check_heads_and_tails_apart(const LatentBuffer& b, std::int64_t n) {
   const RowTail& t = b.tail;
   // Every layer's heads lie alike; where its tails start (delta) is the layer's own.
@@ -101,10 +109,13 @@ void check_heads_and_tails_apart(const LatentBuffer& b, std::int64_t n) {
       const BlockSpan& h = heads[i];
       const BlockSpan& u = tails[j];
       if (h.begin < u.end && u.begin < h.end) {
-        std::int64_t p = 0, q = 0;
+        const auto hs = static_cast<std::int64_t>(b.rows.row_stride), us = static_cast<std::int64_t>(t.rows.row_stride);
+        std::int64_t p = first_row_ending_past(h.begin, hs, t.head_bytes, u.begin);
+        std::int64_t q = first_row_ending_past(u.begin, us, t.bytes, h.begin);
         while (p < h.rows && q < u.rows) {
-          const std::int64_t hb = h.begin + p * static_cast<std::int64_t>(b.rows.row_stride), he = hb + t.head_bytes;
-          const std::int64_t ub = u.begin + q * static_cast<std::int64_t>(t.rows.row_stride), ue = ub + t.bytes;
+          const std::int64_t hb = h.begin + p * hs, he = hb + t.head_bytes;
+          const std::int64_t ub = u.begin + q * us, ue = ub + t.bytes;
+          if (hb >= u.end || ub >= h.end) break;  // past the other block: no row of it is left to meet
           ESS_CHECK(!(hb < ue && ub < he),
                     "offload: layer {}: row {}'s head, bytes [{}, {}) of the layer's buffer, and row {}'s tail, bytes "
                     "[{}, {}), overlap: the tails must lie apart from the heads",

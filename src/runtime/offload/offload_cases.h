@@ -1141,6 +1141,27 @@ TEST(OffloadSplitBuffer, RefusesASplitItCannotServe) {
   EXPECT_NO_THROW(Offload(c, interleaved));
   interleaved.tail_base[0] = base + 312;
   refused(interleaved, "row 0's head, bytes [0, 320) of the layer's buffer, and row 0's tail, bytes [312, 584)");
+  // Heads in blocks of 4 rows, tails one run 8 bytes a row closer than the heads, starting in the
+  // gap after the first head: only the third row from the end meets its head (tail row k starts at
+  // off + 584 k, head row k ends at 592 k + 320), in a block the check reaches late.
+  c.max_requests = 3;
+  const std::int64_t many = static_cast<std::int64_t>(c.max_requests) * c.rows_per_request();
+  ASSERT_LE(many, 33);  // each run starts inside the first gap
+  std::uint8_t* memory = harness().allocate(static_cast<std::size_t>(many) * 592);
+  const auto drifting = [&](std::int64_t off) {
+    LatentBuffer b;
+    b.rows = RowLayout{592, 4, 4 * 592};
+    b.tail.head_bytes = 320;
+    b.tail.bytes = 8;
+    b.tail.rows = RowLayout{584, 0, 0};
+    b.layer_base.push_back(memory);
+    b.tail_base.push_back(memory + off);
+    return b;
+  };
+  const std::int64_t k = many - 3;
+  refused(drifting(320 + 8 * (many - 4)), fmt::format("row {}'s head, bytes [{}, {}) of the layer's buffer, and row {}'s tail",
+                                                     k, 592 * k, 592 * k + 320, k).c_str());
+  EXPECT_NO_THROW(Offload(c, drifting(320 + 8 * many)));  // every tail row in its gap
 }
 
 // With reserve_newest, warmup leaves a request's newest entries in its reserved rows (token

@@ -163,8 +163,12 @@ class HiSparseCoordinator(Staging):
             raise InvalidArgument(f"host_to_device_ratio = {ratio}: it must be positive")
         host_units = self.pool.host_units(self.token_to_kv_pool_allocator, ratio)
         if host_units < 1:
-            raise InvalidArgument(f"host_to_device_ratio = {ratio}: the host pool would hold {host_units} entries "
-                                  "a layer (the device pool's x the ratio); it must hold one")
+            # A C4 pool's host pool is the allocator's logical pool / 4, whatever the ratio (upstream's).
+            why = (f"host_to_device_ratio = {ratio}: the host pool would hold {host_units} entries a layer (the device "
+                   "pool's x the ratio)") if self.pool.ratio == 1 else (
+                   f"the C4 pool: its host pool would hold {host_units} entries a layer (the allocator's size_full / 4, "
+                   "as upstream's, whatever host_to_device_ratio)")
+            raise InvalidArgument(f"{why}; it must hold one")
         # Whole 64-entry pages per request-layer: one partly used page per request-layer at most.
         return (host_units + max_reqs * 64) * self.layer_num * self.pool.entry_bytes
 
@@ -263,12 +267,13 @@ class HiSparseCoordinator(Staging):
 
     @property
     def req_to_host_pool(self):
-        """[request slots, context + page] int64 host token slots (-1: none), on the device, as upstream's; made when
-        first read (PD decode's _pre_alloc), since only direct admission uses it."""
+        """[request slots, context + page] int64 host slots (-1: none), on the device, as upstream's: the context in
+        the pool's entries (a C4 pool's, ceil(context / 4), upstream's max_compressed_context_len); made when first
+        read."""
         if self._req_to_host_pool is None:
-            self._req_to_host_pool = torch.full(
-                (self.max_batch, self.req_to_token_pool.max_context_len + self.page_size), -1,
-                dtype=torch.int64, device=self.device)
+            entries = -(-self.req_to_token_pool.max_context_len // self.pool.ratio)
+            self._req_to_host_pool = torch.full((self.max_batch, entries + self.page_size), -1, dtype=torch.int64,
+                                                device=self.device)
         return self._req_to_host_pool
 
     def host_token_len(self, kv_allocated_len: int) -> int:
@@ -284,21 +289,27 @@ class HiSparseCoordinator(Staging):
         mapping stays as it is)."""
         T = self.T
         grows = [T] * len(rows) if grows is None else grows
-        for b, (row, g) in enumerate(zip(rows, grows)):   # every request checked before any grows
-            if self._length[row] + g > self.info.max_context:
-                raise InvalidArgument(f"position {b} (request slot {row}): {self._length[row]} entries + {g} exceed "
-                                      f"the context length {self.info.max_context}")
+        self._check_context(rows, grows)
         page = self.page_size
-        for row, g in zip(rows, grows):
-            if not g:
-                continue
-            old = self._length[row]
-            self._ess().extend(row, g)
-            self._length[row] = old + g
+        grown = []
+        try:
+            for row, g in zip(rows, grows):
+                if not g:
+                    continue
+                old = self._length[row]
+                self._ess().extend(row, g)
+                self._length[row] = old + g
+                grown.append((row, old))
+        except BaseException:
+            for row, old in grown:   # all or nothing: the requests grown before the refusal shrink back
+                self._ess().truncate(row, old)
+                self._length[row] = old
+            raise
+        for row, old in grown:
             # The published slots reach at least the old length's last page (truncation leaves them): only a
             # request that enters a new page has slots to add, once a page, not a table read per step.
-            if -(-(old + g) // page) > -(-old // page):
-                self._publish_host_slots(row, old + g)
+            if -(-self._length[row] // page) > -(-old // page):
+                self._publish_host_slots(row, self._length[row])
         reserved = (req_pool_indices.to(torch.int64).view(-1, 1) * self.info.rows_per_request
                     + (self.row_base + self.info.slots)
                     + torch.arange(T, dtype=torch.int64, device=req_pool_indices.device).view(1, -1))
@@ -311,6 +322,13 @@ class HiSparseCoordinator(Staging):
                 new = torch.where(writes, new, mapping.index_select(0, locs))
             mapping.index_copy_(0, locs, new)
         self.dev.launch(point)
+
+    def _check_context(self, rows, grows) -> None:
+        """Every request's growth within the context length, before anything changes."""
+        for b, (row, g) in enumerate(zip(rows, grows)):
+            if self._length[row] + g > self.info.max_context:
+                raise InvalidArgument(f"position {b} (request slot {row}): {self._length[row]} entries + {g} exceed "
+                                      f"the context length {self.info.max_context}")
 
     def _new_forward(self) -> None:
         """A step's preparation: the next forward's batches are new, and so is the DA / DBA state (a forward that
@@ -444,7 +462,8 @@ class HiSparseCoordinator(Staging):
         block = _int("sparse_block_size", sparse_block_size)
         if block < 1:
             raise InvalidArgument(f"swap_in_selected_blocks: sparse_block_size = {block} must be positive")
-        layer, B, _ = self._check_swap("swap_in_selected_blocks", req_pool_indices, seq_lens, top_k_blocks, layer_id)
+        layer, B, _ = self._check_swap("swap_in_selected_blocks", req_pool_indices, seq_lens, top_k_blocks, layer_id,
+                                       names=("seq_lens", "top_k_blocks"), what="the block top-k's ids")
         if top_k_blocks.dim() != 2 or int(top_k_blocks.shape[0]) != B:
             raise InvalidArgument(f"swap_in_selected_blocks: top_k_blocks has shape {tuple(top_k_blocks.shape)}; "
                                   f"expected [{B}, blocks]")
@@ -511,6 +530,8 @@ class HiSparseCoordinator(Staging):
             raise InvalidArgument("map_last_loc_to_buffer: with speculative decoding every step is a verify step "
                                   "(prepare_spec_verify)")
         self._check_batch("map_last_loc_to_buffer", rows, lengths, grow=self.T)
+        grows = [self.pool.units(n) - self._length[row] for row, n in zip(rows, lengths)]
+        self._check_context(rows, grows)   # before the stale slots below go back
         self._new_forward()
         self._backup_previous_step()
         # The mapping slots the new tokens own (C4: loc // 4, which for a token completing an entry is upstream's
@@ -525,7 +546,6 @@ class HiSparseCoordinator(Staging):
             stale = previous[previous > 0]
             if stale.numel() > 0:
                 self.token_to_kv_pool_allocator.free_hisparse_indices(stale)
-        grows = [self.pool.units(n) - self._length[row] for row, n in zip(rows, lengths)]
         self._extend_into_reserved(rows, req_pool_indices, locs, grows, self.pool.entry_steps(seq_lens))
         self._backup_due = (req_pool_indices, seq_lens)
         if self._recorder is not None:
@@ -588,16 +608,17 @@ class HiSparseCoordinator(Staging):
         self._backup_done_event.wait(self.dev.current_stream())
         self._has_pending_backup = False
 
-    def _check_swap(self, where, req_pool_indices, seq_lens, top_k, layer_id):
-        """(layer, B, expected top-k shape of the whole batch) after the checks every swap makes."""
+    def _check_swap(self, where, req_pool_indices, seq_lens, top_k, layer_id,
+                    names=("compressed_seq_lens", "top_k_result"), what="the DSA indexer's top-k positions"):
+        """(layer, B, expected top-k shape of the whole batch) after the checks every swap makes; `names`: the call's
+        own names of seq_lens and top_k, `what` the top-k it is handed."""
         layer = self._layer(layer_id)
-        for name, t in (("req_pool_indices", req_pool_indices), ("compressed_seq_lens", seq_lens),
-                        ("top_k_result", top_k)):
+        for name, t in (("req_pool_indices", req_pool_indices), (names[0], seq_lens), (names[1], top_k)):
             _int_tensor(f"{where}: {name}", t)
         if top_k.dtype != torch.int32:
             # The indexer's top-k is int32 (upstream's swap kernel reads it so); a wider id would be narrowed.
-            raise InvalidArgument(f"{where}: top_k_result is {top_k.dtype}; the DSA indexer's top-k positions are "
-                                  "int32 (wider ids would be cut to 32 bits)")
+            raise InvalidArgument(f"{where}: {names[1]} is {top_k.dtype}; {what} are int32 (wider ids would be cut to "
+                                  "32 bits)")
         B = int(req_pool_indices.shape[0])
         if B > self.max_batch:
             raise InvalidArgument(f"{where}: batch {B} exceeds the {self.max_batch} request slots")

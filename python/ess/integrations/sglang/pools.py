@@ -223,6 +223,10 @@ class KvPool(DsaPool):
         place in each; the entry's model: K then V of one head (the engine reads nothing else of it)."""
         d = self.device
         width = d.store_dtype.itemsize
+        if width not in (1, 2, 4):
+            raise InvalidArgument(f"the MiniMax-M3 pool stores {d.store_dtype} ({width} bytes a value); ESS moves K / V "
+                                  "values of 1, 2 or 4 bytes")
+        # The engine moves bytes: a 2-byte store (bf16 or fp16) is named bfloat16 to it alike.
         kv_dtype = {1: "fp8_e4m3", 2: "bfloat16", 4: "float32"}[width]
         head_dim = self.key_bytes // width
         model = {"architectures": ["MiniMaxM3SparseForCausalLM"], "model_type": "minimax_m3",
