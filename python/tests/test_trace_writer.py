@@ -128,7 +128,8 @@ def test_lengths_beyond_the_models_maximum_are_refused():
 
 def test_a_trace_of_units_counts_ids_of_its_units(tmp_path):
     """unit_tokens 4 (DeepSeek-V4's C4 entries): a step of 10 tokens selects among ceil(10 / 4) = 3 ids; the
-    trace says so and is version 2, which a version-1 reader refuses rather than misreads."""
+    trace says so and is version 2 (a version-1 reader refuses it rather than misreads it: the C++ reader takes 1 and 2,
+    TraceFormatBadInput.IdsOfUnitsLieBelowTheUnitsTheLengthMakes refuses ess.unit_tokens in version 1)."""
     w = ess_trace.TraceWriter(model="m", layers=L, mtp=T, topk=K, provenance="test", synthetic=False, unit_tokens=4)
     ids = np.full((1, L, T, K), -1, dtype=np.int64)
     ids[..., 0], ids[..., 1] = 0, 2

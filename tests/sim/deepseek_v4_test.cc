@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <fstream>
 #include <string>
 
 #include "ess/core/error.h"
@@ -11,6 +12,8 @@
 #include "ess/sim/report.h"
 #include "ess/sim/memory_model.h"
 #include "ess/sim/step_model.h"
+#include "ess/trace/analyzer.h"
+#include "ess/trace/generator.h"
 #include "sim/sim_test_util.h"
 #include "testing/testing.h"
 
@@ -67,16 +70,59 @@ TEST(sim_deepseek_v4, WhatItDoesNotRunIsRefusedByName) {
   w.batch = 8;
   w.overlap = OverlapMode::kDualAttention;
   EXPECT_NE(error_of([&] { sm.run(w); }).find("overlap da"), std::string::npos);
-  // A miss profile of tokens (a DSA trace's) is not one of C4 entries.
+  // A reference point in tokens (a DSA trace's profile, --misses) does not describe C4 entries.
   w.overlap = OverlapMode::kNone;
+  w.misses.builtin = false;
   w.misses.profile_topk = 2048;
-  EXPECT_NE(error_of([&] { sm.run(w); }).find("its ids are tokens; deepseek-ai/DeepSeek-V4-Flash offloads entries of 4 tokens"),
-            std::string::npos);
+  EXPECT_NE(error_of([&] { sm.run(w); }).find("reference point given in tokens"), std::string::npos);
   w.misses.profile_topk = 512;
   w.misses.unit_tokens = 128;
   EXPECT_NE(error_of([&] { sm.run(w); }).find("units of 128 tokens"), std::string::npos);
   w.misses.unit_tokens = 4;  // a profile of its own C4 entries
   EXPECT_NO_THROW(sm.run(w));
+}
+
+// A miss profile of V4's own C4 entries (`ess trace gen --model`, `ess trace analyze --miss-profile`):
+// its slots and misses count entries and its context is the entries of its tokens, so a step at the
+// profile's own pool misses the profile's mean.
+TEST(sim_deepseek_v4, AProfileOfItsOwnEntriesIsReadInEntries) {
+  trace::GeneratorProfile p = trace::GeneratorProfile::shipped_default();
+  trace::apply_model(p, v4());
+  p.validate("v4");
+  trace::GenerateConfig g;
+  g.contexts = {32768};
+  g.requests = 2;
+  g.steps = 48;
+  const std::string dir = ::testing::TempDir();
+  trace::generate_trace(p, g, dir + "/v4_profile.safetensors");
+  trace::AnalyzeConfig c;
+  c.policies = {"lru_warmup"};
+  c.ratios = {0.2};
+  c.recommend = false;
+  c.similarity = false;
+  c.prefetch = false;
+  const trace::AnalysisResult a = trace::analyze(trace::TraceReader(dir + "/v4_profile.safetensors"), c);
+  const nlohmann::json profile = trace::miss_profile_json(a, "lru_warmup");
+  ASSERT_EQ(profile["unit_tokens"], 4);
+  std::ofstream(dir + "/v4_profile.json") << profile.dump();
+  double sum = 0;
+  for (const auto& l : profile["contexts"][0]["layers"]) sum += l["mean"].get<double>();
+  const double mean = sum / static_cast<double>(profile["contexts"][0]["layers"].size());
+  Workload w;
+  w.batch = 16;
+  w.slots = 1639;  // ceil(0.2 x 8192 entries)
+  w.overlap = OverlapMode::kNone;
+  w.misses = MissModel::load_profile(dir + "/v4_profile.json", 32768, MissModel{});
+  EXPECT_NEAR(StepModel(v4(), paper_hw(), t1()).run(w).misses_per_request_layer, mean, 1e-6 * mean);
+  // A reference point in tokens given by hand (--misses) is refused rather than misread.
+  w.misses = MissModel{};
+  w.misses.reference_misses = 100;
+  w.misses.builtin = false;
+  EXPECT_NE(error_of([&] { StepModel(v4(), paper_hw(), t1()).run(w); }).find("reference point given in tokens"),
+            std::string::npos);
+  // A measured op table times DSA's ops: refused for V4.
+  MeasuredTables tables = MeasuredTables::from_csv_text("op,context,tokens,time_us\nattn.sparse_mla,32768,64,5\n", "t.csv");
+  EXPECT_NE(error_of([&] { StepModel(v4(), paper_hw(), t1(), &tables); }).find("--op-table"), std::string::npos);
 }
 
 // `ess plan` for DeepSeek-V4: T 1 without --mtp, overlap none only (said in its notes), no vLLM.

@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <string>
 
 #include "ess/core/error.h"
@@ -90,10 +91,13 @@ TEST(sim_memory, MiniMaxM3IsRefusedByName) {
   }
 }
 
-// DeepSeek-V4-Flash's caches per request at 32K, from SGLang's pools' own arithmetic: the C4 cache
-// (21 layers of ratio 4, an entry per 4 tokens) is what offloads; the C4 indexer keys (132 B per C4
-// entry), the 20 C128 layers' entries, the 43 layers' 128-token windows and the compressors' fp32
-// state rings stay. An entry is 584 B in a 64-entry page padded to a multiple of 576 B: 585 B.
+// DeepSeek-V4-Flash's caches per request at 32K, as SGLang's pools size them: the C4 cache (21
+// layers of ratio 4, an entry per 4 tokens) is what offloads; the C4 indexer keys (132 B per C4
+// entry), the 20 C128 layers' entries, the 43 layers' windows and the compressors' fp32 state rings
+// stay. An entry is 584 B; pages of 256 tokens padded to a multiple of 576 B: 64 C4 entries or 256
+// window tokens in 65 x 576 B (585 B each), 2 C128 entries in 3 x 576 B (864 B each). The window as
+// the scheduler holds it at worst: 128 + 128 (eviction interval) + 256 + 256 = 768 tokens; the C4
+// states 8 rows per 256 of them (24), of 4 x 512 + 4 x 128 fp32; the C128 states 128 rows of 2 x 512.
 TEST(sim_memory, DeepSeekV4KeepsItsC4CacheOffloadableAndTheRestResident) {
   const ModelSpec m = ModelSpec::from_file(ESS_SOURCE_DIR "/configs/models/deepseek-v4-flash.json");
   Deployment dep = paper_dep();
@@ -102,18 +106,24 @@ TEST(sim_memory, DeepSeekV4KeepsItsC4CacheOffloadableAndTheRestResident) {
   const V4Caches v4 = V4Caches::of(m);
   EXPECT_EQ(v4.c4_layers, 21);
   EXPECT_EQ(v4.c128_layers, 20);
-  EXPECT_DOUBLE_EQ(v4.entry_bytes, 37440.0 / 64);
+  EXPECT_DOUBLE_EQ(v4.entry_data_bytes, 584);
+  EXPECT_DOUBLE_EQ(v4.entry_bytes, 585);
+  EXPECT_DOUBLE_EQ(v4.c128_entry_bytes, 864);
+  EXPECT_DOUBLE_EQ(v4.window_tokens, 768);
   EXPECT_EQ(mem.cache_layers(), 21);
   EXPECT_EQ(mem.context_entries(), 8192);
   EXPECT_DOUBLE_EQ(mem.indexer_bytes_per_request(), 8192.0 * 21 * 132);
   EXPECT_DOUBLE_EQ(mem.latent_bytes_per_request(1000), 1000.0 * 21 * 585);
-  const double states = 21 * (8 * 2048 * 4.0 + 8 * 512 * 4.0) + 20 * (128 * 1024 * 4.0);
-  const double resident = 256.0 * 20 * 585 + 128.0 * 43 * 585 + states;
+  const double states = 21 * 24 * (2048 + 512) * 4.0 + 20 * 128 * 1024 * 4.0;
+  const double resident = 256.0 * 20 * 864 + 768.0 * 43 * 585 + states;
   EXPECT_DOUBLE_EQ(mem.resident_bytes_per_request(), mem.indexer_bytes_per_request() + resident);
-  // Offload frees the C4 cache of all but the pool: the batch grows, not past what the rest allows.
+  // Offload frees the C4 cache of all but the pool: each request takes its resident caches and a pool
+  // of 1639 C4 entries (20 %) a layer, where whole it took all 8192.
   const int whole = mem.max_batch(8192), pooled = mem.max_batch(1639);
-  EXPECT_GT(pooled, 2 * whole);
-  EXPECT_LT(pooled, static_cast<int>(mem.cache_budget() / mem.resident_bytes_per_request()) + 1);
+  const double per = mem.resident_bytes_per_request();
+  EXPECT_EQ(whole, static_cast<int>(std::floor(mem.cache_budget() / (per + 8192.0 * 21 * 585))));
+  EXPECT_EQ(pooled, static_cast<int>(std::floor(mem.cache_budget() / (per + 1639.0 * 21 * 585))));
+  EXPECT_GT(pooled, 19 * whole / 10);
   // The host pool: every C4 entry of every request, in 592-byte host entries.
   EXPECT_DOUBLE_EQ(mem.host_pool_bytes_per_node(1), 8.0 * 8192 * 21 * 592);
 }

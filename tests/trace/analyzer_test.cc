@@ -5,6 +5,7 @@
 #include <set>
 #include <vector>
 
+#include "ess/model/model_spec.h"
 #include "ess/trace/analyzer.h"
 #include "ess/trace/format.h"
 #include "ess/trace/generator.h"
@@ -43,6 +44,31 @@ std::string hand_trace() {
     for (int k = 0; k < 2; ++k) r.topk.push_back(l1[s][k]);
   }
   return one_request_trace("hand.safetensors", 2, 1, 2, r);
+}
+
+// A DeepSeek-V4 trace at a context of fewer C4 entries than its top-512: every layer selects every
+// entry, so layers agree without sharing an index; no sharing is reported (the test of a choice
+// counts ids, not tokens).
+TEST(Analyzer, LayersThatSelectEverythingOfATraceOfUnitsShareNothing) {
+  GeneratorProfile p = GeneratorProfile::shipped_default();
+  apply_model(p, ModelSpec::from_file(ESS_SOURCE_DIR "/configs/models/deepseek-v4-flash.json"));
+  p.validate("v4");
+  GenerateConfig g;
+  g.contexts = {1024};
+  g.requests = 1;
+  g.steps = 6;
+  const auto path = temp_path("v4_short.safetensors");
+  generate_trace(p, g, path);
+  const TraceReader trace(path);
+  AnalyzeConfig c;
+  c.policies = {"lru"};
+  c.slots = {258};  // every id (1,024 tokens + 6 steps x MTP 1 make 258)
+  c.steady_from = 0;
+  c.recommend = false;
+  c.similarity = false;
+  const auto r = analyze(trace, c);
+  ASSERT_TRUE(r.prefetch.has_value());
+  EXPECT_TRUE(r.prefetch->shared_layers.empty());
 }
 
 AnalyzeConfig hand_config() {

@@ -172,7 +172,7 @@ TEST(Generator, ModelsSetTheirLayersTopkAndUnits) {
   EXPECT_EQ(v4.topk, 512);
   EXPECT_EQ(v4.recent_window, (dsa.recent_window + 3) / 4);
   EXPECT_EQ(v4.reference_context, dsa.reference_context / 4);
-  EXPECT_EQ(v4.mtp, dsa.mtp);
+  EXPECT_EQ(v4.mtp, 1);  // served without speculative decoding
   GeneratorProfile v32 = dsa;
   apply_model(v32, ModelSpec::deepseek_v32_exp());
   EXPECT_EQ(v32.unit_tokens, 1);

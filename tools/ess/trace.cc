@@ -98,7 +98,7 @@ void add_gen(CLI::App& parent) {
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const double ids = static_cast<double>(a->config.requests) * static_cast<double>(a->config.steps) * p.layers * p.mtp * p.topk;
     if (a->format == Format::kJson) {
-      fmt::print("{}\n", nlohmann::json{{"output", a->output},
+      nlohmann::json out{{"output", a->output},
                                         {"synthetic", true},
                                         {"profile", p.name},
                                         {"requests", a->config.requests},
@@ -107,9 +107,9 @@ void add_gen(CLI::App& parent) {
                                         {"layers", p.layers},
                                         {"mtp", p.mtp},
                                         {"topk", p.topk},
-                                        {"unit_tokens", p.unit_tokens},
-                                        {"seconds", secs}}
-                             .dump(2));
+                                        {"seconds", secs}};
+      if (p.unit_tokens != 1) out["unit_tokens"] = p.unit_tokens;  // a trace of units says so
+      fmt::print("{}\n", out.dump(2));
     } else {
       fmt::print("wrote {} (SYNTHETIC: profile '{}'): {} requests x {} steps x {} layers x MTP {} x top-k {} = {:.0f} ids "
                  "{}in {:.2f} s\n",
@@ -128,7 +128,7 @@ void add_analyze(CLI::App& parent) {
       "context, and the miss profile the simulator reads.");
   auto& c = a->config;
   cmd->add_option("trace", a->input, "Trace file")->required();
-  auto* ratio = cmd->add_option("--ratio,-r", c.ratios, "Sparse Memory Ratio(s); slots = ceil(ratio x context) (default 0.2)")
+  auto* ratio = cmd->add_option("--ratio,-r", c.ratios, "Sparse Memory Ratio(s); slots = ceil(ratio x context), the context in ids (its tokens; in a trace of units, the units they make) (default 0.2)")
                     ->check(above_at_most(0, 1));
   cmd->add_option("--slots", c.slots, "Slot count(s) per request-layer")
       ->excludes(ratio)

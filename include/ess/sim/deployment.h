@@ -72,6 +72,9 @@ struct MissModel {
   // The tokens a profile's ids name (a trace's ess.unit_tokens): its slots, misses and working sets
   // count them. The built-in model's are tokens of a DSA model at top-2048.
   int unit_tokens = 1;
+  // The built-in reference point, untouched (no --misses / --miss-exponent, no workload 'misses'
+  // reference, no profile): what StepModel::misses_in_entries may carry to another model's entries.
+  bool builtin = true;
   // The MTP working set a trace's profile measured at reference_tokens (the union of the
   // query tokens' top-k per request-layer-step; `ess trace analyze`): p99 and max, 0 = not
   // measured.

@@ -31,20 +31,33 @@ void require_modelled_layers(const ModelSpec& m);
 std::int64_t context_in_entries(const ModelSpec& m, std::int64_t tokens);
 
 // DeepSeek-V4's caches as SGLang 0.5.23's pools hold them (mem_cache/deepseek_v4_memory_pool.py,
-// deepseek_v4_compress_state.py), bytes per request unless said: an entry of the C4, C128 and
-// sliding-window caches in its 64-entry page padded to 576 B (585 B); the C4 indexer's keys (FP8:
-// 132 B per C4 entry); the compressors' fp32 state rings (SGLANG_DSV4_COMPRESS_STATE_DTYPE's
-// default; offline C128, SGLang's default: 128 rows), without speculative decoding.
+// deepseek_v4_compress_state.py, model_executor/pool_configurator.py), bytes per request unless
+// said, without speculative decoding: pages of 256 tokens, so page_size / ratio entries a page,
+// each page padded to a multiple of 576 B (585 B an entry for the window and C4, 864 B for C128);
+// the C4 indexer's keys (FP8: 132 B per C4 entry); the sliding window as the scheduler holds it at
+// worst (compute_swa_request_cap: window + SGLANG_SWA_EVICTION_INTERVAL 128 + a page + a page of
+// decode allocation: 768 tokens), the C4 compressors' fp32 state priced per window token (ring 8
+// per 256-token page, attention's and indexer's), the offline C128 compressors' 128-row state per
+// request (SGLANG_DSV4_COMPRESS_STATE_DTYPE float32 and online C128 off: SGLang's defaults).
 struct V4Caches {
+  static constexpr double kPageTokens = 256;
+  static constexpr double kEvictionInterval = 128;
+  // Routed experts in MXFP4 (SGLang's default for V4, SGLANG_DSV4_FP4_EXPERTS): 4-bit values and a
+  // one-byte scale per 32.
+  static constexpr double kExpertBytesPerParam = 0.5 + 1.0 / 32;
   // An entry as SGLang's V4 layout stores it (DeepSeekV4SingleKVPool.get_bytes_per_token): NoPE in
   // FP8, RoPE in bf16, a ue8m0 scale per 64 NoPE values (padded to 8): 448 + 128 + 8 = 584 B.
   double entry_data_bytes = 0;
-  double entry_bytes = 0;       // a C4 / C128 / window entry on the device, page padding included
+  double entry_bytes = 0;       // a C4 / window entry on the device, page padding included
+  double c128_entry_bytes = 0;  // a C128 entry (2 a page)
   int c4_layers = 0;            // compress ratio 4: the cache HiSparse offloads
   int c128_layers = 0;
   int window_layers = 0;        // every layer keeps its sliding window
-  double window_bytes = 0;      // window x window_layers x entry
+  double window_tokens = 0;     // held per request (compute_swa_request_cap)
+  double window_bytes = 0;      // window_tokens x window_layers x entry
   double state_bytes = 0;       // the compressors' state rings
+  // An entry's bytes on the device in a cache of compress ratio `ratio` (1: the window).
+  double page_entry_bytes(int ratio) const;
   static V4Caches of(const ModelSpec& m);
   // Per request at `context` tokens: the C128 cache, windows and states (the indexer keys apart).
   double resident_bytes(std::int64_t context) const;

@@ -96,7 +96,8 @@ struct GeneratorProfile {
 // tokens) and top-k (ModelSpec::selected_ids). With ids of u > 1 tokens the profile's token
 // spans become spans of ids (sinks, recent window rounded up; candidate_base, reference_context
 // divided by u); MiniMax-M3's sinks and window are its forced init and local blocks. A model
-// without a next-n layer decodes one token per step (mtp 1). Call validate() after.
+// without a next-n layer, or one SGLang's HiSparse serves without speculative decoding
+// (DeepSeek-V4, MiniMax-M3), decodes one token per step (mtp 1). Call validate() after.
 void apply_model(GeneratorProfile& profile, const ModelSpec& model);
 
 // The longest prompt the generator takes (its candidate process keeps a few bytes per token);

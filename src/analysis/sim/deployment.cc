@@ -252,18 +252,22 @@ MissModel MissModel::load_profile(const std::string& path, std::int64_t context,
     }
   }
   const json& c = *best;
-  const double ctx = c["context"].get<double>();
+  const double tokens = c["context"].get<double>();
+  // A profile of units (a trace's ess.unit_tokens): its slots and misses count ids, ceil(tokens / unit) a context.
+  const std::int64_t unit = json_int_or(j, "unit_tokens", path, 1);
+  ESS_CHECK(unit >= 1 && unit <= (1 << 16), "{}: unit_tokens = {} is outside [1, 65536]", path, unit);
+  const double ctx = std::ceil(tokens / double(unit));
   double slots = 0;
   if (c.contains("slots") && c["slots"].is_number()) {
     slots = c["slots"].get<double>();
   } else if (c.contains("ratio") && c["ratio"].is_number()) {
     slots = std::ceil(c["ratio"].get<double>() * ctx);
   }
-  ESS_CHECK(slots > 0 && slots < ctx, "{}: context {} entry needs a pool ('slots' or 'ratio') smaller than the context",
-            path, ctx);
+  ESS_CHECK(slots > 0 && slots < ctx, "{}: context {} entry needs a pool ('slots' or 'ratio') smaller than the context{}",
+            path, tokens, unit > 1 ? fmt::format(" ({} ids of {} tokens)", ctx, unit) : std::string());
   const auto layers = c.find("layers");
   ESS_CHECK(layers != c.end() && layers->is_array() && !layers->empty(), "{}: context {} entry has no 'layers'",
-            path, ctx);
+            path, tokens);
   std::vector<double> means;
   for (const json& l : *layers) {
     ESS_CHECK(l.is_object() && l.contains("mean") && l["mean"].is_number() && l["mean"].get<double>() >= 0,
@@ -271,7 +275,7 @@ MissModel MissModel::load_profile(const std::string& path, std::int64_t context,
     // Layers are listed in order, one entry each: an id elsewhere means another layout.
     const std::int64_t id = json_int_or(l, "layer", path, static_cast<std::int64_t>(means.size()));
     ESS_CHECK(id == static_cast<std::int64_t>(means.size()),
-              "{}: context {} layers[{}] has layer = {}; entries must list layers 0, 1, ... in order", path, ctx,
+              "{}: context {} layers[{}] has layer = {}; entries must list layers 0, 1, ... in order", path, tokens,
               means.size(), id);
     means.push_back(l["mean"].get<double>());
   }
@@ -279,6 +283,7 @@ MissModel MissModel::load_profile(const std::string& path, std::int64_t context,
   for (double m : means) sum += m;
   const double mean = sum / double(means.size());
   MissModel m = base;
+  m.builtin = false;
   m.reference_misses = mean;
   m.reference_slots = slots;
   m.reference_context = ctx;
@@ -288,12 +293,10 @@ MissModel MissModel::load_profile(const std::string& path, std::int64_t context,
   const std::int64_t topk = json_int_or(j, "topk", path, 0);
   ESS_CHECK(topk >= 0 && topk <= 65536, "{}: topk = {} is out of range", path, topk);
   m.profile_topk = static_cast<int>(topk);
-  const std::int64_t unit = json_int_or(j, "unit_tokens", path, 1);
-  ESS_CHECK(unit >= 1 && unit <= (1 << 16), "{}: unit_tokens = {} is outside [1, 65536]", path, unit);
   m.unit_tokens = static_cast<int>(unit);
   m.working_set_p99 = m.working_set_max = 0;
   if (const auto ws = c.find("working_set"); ws != c.end()) {
-    const std::string where = fmt::format("{}: context {} working_set", path, ctx);
+    const std::string where = fmt::format("{}: context {} working_set", path, tokens);
     ESS_CHECK(ws->is_object(), "{} must be an object", where);
     m.working_set_p99 = json_number_or(*ws, "p99", where, 0.0);
     m.working_set_max = json_number_or(*ws, "max", where, 0.0);
@@ -387,6 +390,9 @@ Workload Workload::from_json(const json& j, const std::string& source) {
       ESS_CHECK(known, "{}: unknown field '{}'", where, k);
     }
     MissModel& m = w.misses;
+    for (const char* k : {"reference_misses", "reference_slots", "reference_context", "reference_tokens", "exponent"}) {
+      if (it->contains(k)) m.builtin = false;
+    }
     m.reference_misses = json_number_or(*it, "reference_misses", where, m.reference_misses);
     m.reference_slots = json_number_or(*it, "reference_slots", where, m.reference_slots);
     m.reference_context = json_number_or(*it, "reference_context", where, m.reference_context);

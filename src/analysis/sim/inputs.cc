@@ -25,8 +25,10 @@ HardwareProfile Inputs::load_hardware() const {
 
 Deployment Inputs::load_deployment() const {
   Deployment d = Deployment::load(deployment);
-  if (!mtp && !model.empty() && load_model().is_deepseek_v4()) {
-    // SGLang's HiSparse refuses speculative decoding with DeepSeek-V4: one query token per step.
+  if (!mtp && deployment == Inputs{}.deployment && !model.empty() && load_model().is_deepseek_v4()) {
+    // The shipped deployment's MTP 2 for DeepSeek-V4, which SGLang's HiSparse serves without speculative
+    // decoding: one query token per step (a deployment of the user's keeps its own, and is refused if it
+    // asks for more).
     d.mtp_tokens = 1;
     d.accept_ratio = 1;
   }
@@ -51,6 +53,7 @@ MissModel Inputs::load_misses(std::int64_t context) const {
   MissModel m;
   if (reference_misses) m.reference_misses = *reference_misses;
   if (miss_exponent) m.exponent = *miss_exponent;
+  if (reference_misses || miss_exponent) m.builtin = false;
   if (miss_profile.empty()) {
     // No trace: the pool floor from the MTP working set of the built-in locality model.
     m = MissModel::with_builtin_working_set(context, m);

@@ -251,7 +251,10 @@ class LayerBuilder {
     const double per_expert = rows / local;
     const double active = random_rows_ ? local * (1 - std::exp(-per_expert)) : local;
     // Kernels: the dispatch's receive, up GEMM, activation + quantise, down GEMM, the combine's send.
-    Op o{op::kRoutedExperts, OpKind::kGemmFp8, 2 * rows * w, active * w + rows * m_.hidden_size * 3.0, n, 0, 0, 0, 5};
+    // DeepSeek-V4's routed experts are MXFP4 (V4Caches::kExpertBytesPerParam a weight), DSA models' FP8.
+    const double weight_bytes = m_.is_deepseek_v4() ? V4Caches::kExpertBytesPerParam : 1.0;
+    Op o{op::kRoutedExperts, OpKind::kGemmFp8, 2 * rows * w, active * w * weight_bytes + rows * m_.hidden_size * 3.0, n, 0, 0, 0,
+         5};
     o.gemm = {per_expert, 2.0 * m_.moe_intermediate_size, double(m_.hidden_size), local, random_rows_};
     o.gemm2 = {per_expert, double(m_.hidden_size), double(m_.moe_intermediate_size), local, random_rows_};
     return o;

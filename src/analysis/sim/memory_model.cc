@@ -15,6 +15,13 @@ constexpr double kBf16 = 2.0;
 }  // namespace
 
 void require_modelled_layers(const ModelSpec& m) {
+  for (int l = 0; l < m.num_hidden_layers && m.is_deepseek_v4(); ++l) {
+    const int r = m.compress_ratio(l);
+    ESS_CHECK(r == 0 || r == 4 || r == 128,
+              "{}: layer {} has compress ratio {}: the simulator models DeepSeek-V4's ratios 0 (the window only), 4 "
+              "and 128; the low-ratio caches (1, 2) of later configs are not modelled",
+              m.name, l, r);
+  }
   ESS_CHECK(!m.is_minimax_m3(),
             "{}: the simulator models data-parallel attention, every GPU its own requests whole; SGLang's HiSparse "
             "serves MiniMax-M3 with one KV head per rank (attention tensor-parallel over its {} KV heads), which it "
@@ -27,31 +34,40 @@ std::int64_t context_in_entries(const ModelSpec& m, std::int64_t tokens) {
   return m.is_deepseek_v4() ? std::max<std::int64_t>(tokens / 4, 1) : tokens;
 }
 
+double V4Caches::page_entry_bytes(int ratio) const {
+  // page_size / ratio entries, the page padded to a multiple of 576 B (DeepSeekV4SingleKVPool:
+  // bytes_per_page_padded; pool_configurator.py _get_paged_kv_bytes_per_token).
+  constexpr double kPad = 576;
+  const double n = kPageTokens / ratio;
+  return std::ceil(n * entry_data_bytes / kPad) * kPad / n;
+}
+
 V4Caches V4Caches::of(const ModelSpec& m) {
   V4Caches c;
-  // A page of 64 entries padded to a multiple of 576 B (DeepSeekV4SingleKVPool: bytes_per_page_padded).
-  constexpr double kPage = 64, kPad = 576;
   const double nope = m.head_dim - m.qk_rope_head_dim;
   c.entry_data_bytes = nope + 2.0 * m.qk_rope_head_dim + std::ceil(nope / 64 / 8) * 8;
-  c.entry_bytes = std::ceil(kPage * c.entry_data_bytes / kPad) * kPad / kPage;
+  c.entry_bytes = c.page_entry_bytes(4);
+  c.c128_entry_bytes = c.page_entry_bytes(128);
   for (int l = 0; l < m.num_hidden_layers; ++l) {
     c.c4_layers += m.compress_ratio(l) == 4 ? 1 : 0;
     c.c128_layers += m.compress_ratio(l) == 128 ? 1 : 0;
   }
   c.window_layers = m.num_hidden_layers;
-  c.window_bytes = double(m.window_size) * c.window_layers * c.entry_bytes;
+  c.window_tokens = m.window_size + kEvictionInterval + 2 * kPageTokens;
+  c.window_bytes = c.window_tokens * c.window_layers * c.page_entry_bytes(1);
   // State rings of fp32 rows (CompressStatePool: last_dim = 2 (1 + overlap) head_dim, overlap for
-  // ratio 4; ring 8 rows for ratio 4, 128 for offline ratio 128): the attention's compressors, and
-  // the C4 indexer's over its keys.
+  // ratio 4): the C4 compressors' (attention's and the indexer's) 8 rows per 256-token window page
+  // (pool_configurator.py _get_bytes_per_swa_token), the offline C128 compressors' 128 rows.
   constexpr double kFp32 = 4;
-  const double c4 = 8 * 4.0 * m.head_dim * kFp32, c4_index = 8 * 4.0 * m.index_head_dim * kFp32;
+  const double c4_rows = c.window_tokens / kPageTokens * 8;
+  const double c4 = 4.0 * m.head_dim * kFp32, c4_index = 4.0 * m.index_head_dim * kFp32;
   const double c128 = 128 * 2.0 * m.head_dim * kFp32;
-  c.state_bytes = c.c4_layers * (c4 + c4_index) + c.c128_layers * c128;
+  c.state_bytes = c.c4_layers * c4_rows * (c4 + c4_index) + c.c128_layers * c128;
   return c;
 }
 
 double V4Caches::resident_bytes(std::int64_t context) const {
-  return std::floor(double(context) / 128) * c128_layers * entry_bytes + window_bytes + state_bytes;
+  return std::floor(double(context) / 128) * c128_layers * c128_entry_bytes + window_bytes + state_bytes;
 }
 
 MemoryModel::MemoryModel(const ModelSpec& m, const HardwareProfile& hw, const Deployment& dep,
@@ -106,9 +122,8 @@ void MemoryModel::size_dsa() {
 // DeepSeek-V4 (models/deepseek_v4.py): per layer the query's low-rank projections, one shared KV head
 // of head_dim, the grouped low-rank output; the compressors (bf16) of the C4 and C128 layers; the C4
 // layers' indexer. Its speculative layer is not counted (SGLang's HiSparse refuses speculative
-// decoding with it), nor the small hyper-connection weights. Routed experts are counted in FP8, as a
-// converted checkpoint holds them (configs/deepseek_v4.py try_detect_fp4_experts); an MXFP4 one
-// holds them in about half.
+// decoding with it), nor the small hyper-connection weights. Routed experts in MXFP4 (SGLang's
+// default for V4: SGLANG_DSV4_FP4_EXPERTS), the shared expert in FP8.
 void MemoryModel::size_deepseek_v4() {
   const ModelSpec& m = model_;
   const Deployment& dep = dep_;
@@ -128,7 +143,7 @@ void MemoryModel::size_deepseek_v4() {
   weights_.attention = (attention * layers + index_q * v4.c4_layers) * kFp8BytesPerParam + compressors * kBf16;
   weights_.dense_ffn = 3.0 * h * m.intermediate_size * m.num_dense_layers() * kFp8BytesPerParam;
   weights_.shared_experts = expert * m.n_shared_experts * m.num_moe_layers() * kFp8BytesPerParam;
-  weights_.routed_experts = expert * experts_per_gpu * m.num_moe_layers() * kFp8BytesPerParam;
+  weights_.routed_experts = expert * experts_per_gpu * m.num_moe_layers() * V4Caches::kExpertBytesPerParam;
   weights_.embedding = 2.0 * h * m.vocab_size * kBf16;
   weights_.router = h * m.n_routed_experts * m.num_moe_layers() * kBf16;
 }

@@ -404,6 +404,11 @@ StepModel::StepModel(const ModelSpec& model, const HardwareProfile& hw, const De
               model_.name, dep_.mtp_tokens);
     ESS_CHECK(dep_.rig_layers == 0, "{}: the executor rig (rig_layers = {}) runs DSA layers; DeepSeek-V4's are modelled "
               "in a deployment only", model_.name, dep_.rig_layers);
+    // A measured table names DSA's ops by name and context in tokens: its rows would time V4's other shapes.
+    ESS_CHECK(tables == nullptr || tables->empty(),
+              "{}: --op-table: the measured ops are DSA's (`ess bench profile` times the rig's DSA layers); DeepSeek-V4's "
+              "steps are timed analytically",
+              model_.name);
   }
   // Experts spread unevenly are modelled (the busiest GPU holds the rounded-up share); more
   // GPUs in an EP group than experts are not.
@@ -413,7 +418,12 @@ StepModel::StepModel(const ModelSpec& model, const HardwareProfile& hw, const De
 }
 
 MissModel StepModel::misses_in_entries(const MissModel& m) const {
-  if (model_.tokens_per_entry() == 1 || m.unit_tokens != 1 || m.profile_topk != 0) return m;
+  if (model_.tokens_per_entry() == 1 || m.unit_tokens != 1) return m;
+  ESS_CHECK(m.builtin,
+            "{}: a miss model's reference point given in tokens (--misses / --miss-exponent, a workload's 'misses', a "
+            "profile of tokens) does not describe its cache of entries of {} tokens; give a miss profile of its own "
+            "(`ess trace gen --model` / a recording, then `ess trace analyze --miss-profile`)",
+            model_.name, model_.tokens_per_entry());
   // The built-in model (tokens of a DSA model at top-2048) for a cache of entries of n tokens at
   // top-k entries: the same share of the selection missed at the same share of the context held.
   MissModel e = m;

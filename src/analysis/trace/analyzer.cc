@@ -314,26 +314,28 @@ std::vector<PoolResult> aggregate(const TraceReader& trace, const AnalyzeConfig&
   return out;
 }
 
-// Host pages with and without the trace's prefix groups (nullopt without any group).
+// Host pages of 64 entries with and without the trace's prefix groups (nullopt without any group):
+// an entry per id of a trace of units (a C4 entry of 4 tokens), else per token.
 std::optional<PrefixSharing> prefix_sharing_of(const TraceReader& trace) {
   PrefixSharing out;
-  std::map<std::string, std::int64_t> common;  // group -> its smallest prefix_tokens
+  std::map<std::string, std::int64_t> common;  // group -> its smallest prefix, in whole ids
   for (std::size_t i = 0; i < trace.requests(); ++i) {
     const RequestView& r = trace.request(i);
-    const std::int64_t pages = (r.context + 63) / 64;
+    const std::int64_t pages = (r.ids_of(r.context) + 63) / 64;
     out.pages_unshared += pages;
     out.pages_shared += pages;
     if (r.prefix_group.empty()) continue;
     ++out.requests;
-    auto [it, fresh] = common.emplace(r.prefix_group, r.prefix_tokens);
-    if (!fresh) it->second = std::min(it->second, r.prefix_tokens);
+    const std::int64_t shared = r.prefix_tokens / r.unit_tokens;  // the ids whose tokens all lie in the prefix
+    auto [it, fresh] = common.emplace(r.prefix_group, shared);
+    if (!fresh) it->second = std::min(it->second, shared);
   }
   if (common.empty()) return std::nullopt;
   std::map<std::string, int> members;
   for (std::size_t i = 0; i < trace.requests(); ++i) {
     if (!trace.request(i).prefix_group.empty()) ++members[trace.request(i).prefix_group];
   }
-  for (const auto& [group, tokens] : common) out.pages_shared -= (members[group] - 1) * (tokens / 64);
+  for (const auto& [group, ids] : common) out.pages_shared -= (members[group] - 1) * (ids / 64);
   out.groups = static_cast<int>(common.size());
   return out;
 }

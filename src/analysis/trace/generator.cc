@@ -162,7 +162,9 @@ void apply_model(GeneratorProfile& p, const ModelSpec& m) {
   p.shared_index = m.shared_index;
   p.topk = m.selected_ids();
   p.unit_tokens = m.selection_block() * m.tokens_per_entry();
-  if (m.num_nextn_predict_layers == 0) {
+  // One query token a step without a next-n layer, and where SGLang's HiSparse serves the model without
+  // speculative decoding (DeepSeek-V4, MiniMax-M3).
+  if (m.num_nextn_predict_layers == 0 || m.is_deepseek_v4() || m.is_minimax_m3()) {
     p.mtp = 1;
     p.accept_ratio = 1.0;
   }

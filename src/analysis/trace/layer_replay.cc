@@ -186,7 +186,8 @@ PrefetchLayer prefetch_of(const RequestView& r, int layer, std::int32_t slots, b
       if (mine[static_cast<std::size_t>(tok)] == step) ++use;
     }
     out.same_selection = out.same_selection && std::ranges::equal(r.step(s, layer), r.step(s, layer - 1));
-    chose = chose || r.lengths[static_cast<std::size_t>(s)] > r.topk;  // the last query token sees lengths[s]
+    // The last query token sees lengths[s] tokens, ids_of them ids: a choice when more than the top-k.
+    chose = chose || r.ids_of(r.lengths[static_cast<std::size_t>(s)]) > r.topk;
     const StepOutcome c = step_through(cache, r.step(s, layer), r.mtp, r.topk, grouper, slot_ids, fills);
     out.prefetched[static_cast<std::size_t>(s)] = pre;
     out.useful[static_cast<std::size_t>(s)] = use;

@@ -86,7 +86,7 @@ nlohmann::json to_json(const AnalysisResult& r) {
   j["layers"] = r.meta.layers;
   j["mtp"] = r.meta.mtp;
   j["topk"] = r.meta.topk;
-  j["unit_tokens"] = r.meta.unit_tokens;
+  if (r.meta.unit_tokens != 1) j["unit_tokens"] = r.meta.unit_tokens;  // a trace of units says so
   j["steps"] = r.steps;
   j["steady_from"] = r.steady_from;
   j["contexts"] = r.contexts;
@@ -177,19 +177,20 @@ nlohmann::json miss_profile_json(const AnalysisResult& r, const std::string& pol
     }
     contexts.push_back(std::move(entry));
   }
-  return {{"format", "ess-miss-profile"},
-          {"version", 1},
-          {"unit", "distinct missed entries per request per layer per decode step (steady state)"},
-          {"policy", policy},
-          {"model", r.meta.model},
-          {"mtp", r.meta.mtp},
-          {"topk", r.meta.topk},
-          {"unit_tokens", r.meta.unit_tokens},
-          {"synthetic", r.meta.synthetic},
-          {"source", r.path},
-          {"provenance", r.meta.provenance},
-          {"steady_from", r.steady_from},
-          {"contexts", std::move(contexts)}};
+  nlohmann::json j{{"format", "ess-miss-profile"},
+                   {"version", 1},
+                   {"unit", "distinct missed entries per request per layer per decode step (steady state)"},
+                   {"policy", policy},
+                   {"model", r.meta.model},
+                   {"mtp", r.meta.mtp},
+                   {"topk", r.meta.topk},
+                   {"synthetic", r.meta.synthetic},
+                   {"source", r.path},
+                   {"provenance", r.meta.provenance},
+                   {"steady_from", r.steady_from},
+                   {"contexts", std::move(contexts)}};
+  if (r.meta.unit_tokens != 1) j["unit_tokens"] = r.meta.unit_tokens;  // its slots and misses count units
+  return j;
 }
 
 std::string to_table(const AnalysisResult& r) {
