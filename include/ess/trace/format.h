@@ -46,6 +46,11 @@ namespace ess::trace {
 inline constexpr int kFormatVersion = 2;
 inline constexpr const char* kFormatName = "ess-topk-trace";
 
+// The ids `tokens` tokens make when an id names `unit_tokens` tokens: ceil(tokens / unit_tokens).
+constexpr std::int64_t ids_of(std::int64_t tokens, std::int64_t unit_tokens) {
+  return (tokens + unit_tokens - 1) / unit_tokens;
+}
+
 struct TraceMeta {
   int version = 1;  // ess.version (the writer writes 1 for tokens, 2 for units)
   int layers = 0;
@@ -94,7 +99,7 @@ struct RequestView {
   }
   std::int64_t prompt_length() const { return lengths.empty() ? 0 : lengths.front(); }
   // The ids `tokens` tokens make: ceil(tokens / unit_tokens).
-  std::int64_t ids_of(std::int64_t tokens) const { return (tokens + unit_tokens - 1) / unit_tokens; }
+  std::int64_t ids_of(std::int64_t tokens) const { return trace::ids_of(tokens, unit_tokens); }
 };
 
 // A mapped trace that shrinks while it is read (truncated by another process, lost by a network

@@ -67,7 +67,7 @@ struct GeneratorProfile {
   // reference_context count ids; contexts and lengths stay tokens (a query at length L sees
   // ceil(L / unit_tokens) ids).
   int unit_tokens = 1;
-  std::int64_t ids_of(std::int64_t tokens) const { return (tokens + unit_tokens - 1) / unit_tokens; }
+  std::int64_t ids_of(std::int64_t tokens) const { return trace::ids_of(tokens, unit_tokens); }
   // The MTP working set this profile's traces have (distinct ids per request-layer-step: the
   // union of its `mtp` query tokens' top-k), measured once by `ess trace generate` + `ess
   // trace analyze` and stored with the profile so that the simulator need not regenerate it;

@@ -513,7 +513,7 @@ Recommendation recommend_for(const TraceReader& trace, const AnalyzeConfig& cfg,
   auto mean_at = [&](std::int64_t slots) { return steady_mean_misses(trace, group, slots, cfg.warmup, reqs.steady_from); };
   Recommendation rec;
   rec.context = context;
-  const std::int64_t ids = (context + trace.meta().unit_tokens - 1) / trace.meta().unit_tokens;  // the pool's ceiling
+  const std::int64_t ids = ids_of(context, trace.meta().unit_tokens);  // the pool's ceiling
   std::int64_t hi = std::max(lo, ids);
   const double at_hi = mean_at(hi);
   if (at_hi > cfg.target_misses) {

@@ -433,7 +433,7 @@ class LayerProcess {
         depth_(static_cast<std::size_t>(p.return_depth)),
         history_(static_cast<std::size_t>(shared.heavy) * static_cast<std::size_t>(p.return_depth), -1),
         shared_(shared),
-        unit_profile_(p),
+        unit_tokens_(p.unit_tokens),
         rng_(seed),
         where_(static_cast<std::size_t>(p.ids_of(final_length)) + 1, kNone),
         pos_(static_cast<std::size_t>(p.ids_of(final_length)) + 1, -1) {}
@@ -475,7 +475,7 @@ class LayerProcess {
       swap_heavy(static_cast<std::size_t>(ev.position), static_cast<std::size_t>(pos_[static_cast<std::size_t>(ev.token)]));
     }
     for (int q = 0; q < t.queries; ++q) {
-      emit(out + static_cast<std::size_t>(q) * static_cast<std::size_t>(K_), unit_profile_.ids_of(t.first_visible + q),
+      emit(out + static_cast<std::size_t>(q) * static_cast<std::size_t>(K_), ids_of(t.first_visible + q, unit_tokens_),
            q > 0);
     }
   }
@@ -551,7 +551,7 @@ class LayerProcess {
   std::size_t depth_;
   std::vector<std::int32_t> history_;  // per heavy slot: its last depth_ occupants, newest first
   const Shared& shared_;
-  const GeneratorProfile& unit_profile_;  // its ids_of: a query's tokens as ids
+  std::int64_t unit_tokens_;  // tokens an id names: a query's tokens as ids
   Rng rng_;
   std::size_t consumed_ = 0;  // candidates of C taken in so far
   std::int64_t limit_ = 0;
