@@ -139,8 +139,7 @@ void add_sim(CLI::App& app, int& exit_code) {
       if (cmd->count("--residency") == 0) base.residency = Residency::kAdaptive;
       if (base.slots == 0 && base.ratio == 0) {
         // MissModel::min_slots is at most the context already.
-        base.slots = static_cast<std::int32_t>(std::ceil(sm.misses_in_entries(base.misses).min_slots(
-            dep.mtp_tokens, model.index_topk, double(sim::context_in_entries(model, base.context)))));
+        base.slots = static_cast<std::int32_t>(std::ceil(sm.pool_floor(base.misses, base.context)));
       }
     }
     Progress progress("configurations");

@@ -88,6 +88,9 @@ class StepModel {
   // the same share of the context held); a profile, which counts its own ids, as it is.
   MissModel misses_in_entries(const MissModel& misses) const;
   static constexpr int kBuiltinTopk = 2048;
+  // The fewest slots a request-layer's pool may have at `context` tokens (MissModel::min_slots of
+  // `misses` in this model's entries, at its T and top-k).
+  double pool_floor(const MissModel& misses, std::int64_t context) const;
 
   // Resolves the batch (0: largest that fits) and the slots (ratio / slots / the most that
   // fit the batch), checks the memory, and times one step. Records the events when

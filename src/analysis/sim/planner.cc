@@ -138,10 +138,7 @@ PlanResult plan(const std::vector<const StepModel*>& models, const std::vector<s
   for (std::size_t k = 0; k < models.size(); ++k) {
     const StepModel& model = *models[k];
     const HardwareProfile& hw = model.hardware();
-    const double entries = double(context_in_entries(model.model(), req.context));
-    const MemoryModel mem(model.model(), hw, model.deployment(), req.context,
-                          model.misses_in_entries(req.misses)
-                              .min_slots(model.deployment().mtp_tokens, model.model().index_topk, entries));
+    const MemoryModel mem(model.model(), hw, model.deployment(), req.context, model.pool_floor(req.misses, req.context));
     auto run_kind = [&](const std::string& kind, bool offload, OverlapMode mode) {
       const std::string label = kind + suffixes[k];
       Search s;
@@ -149,7 +146,7 @@ PlanResult plan(const std::vector<const StepModel*>& models, const std::vector<s
       s.option.two_batch_overlap = model.deployment().two_batch_overlap;
       s.option.shared_index_prefetch = model.deployment().shared_index_prefetch;
       s.model = &model;
-      const double slots = offload ? mem.min_slots() : entries;
+      const double slots = offload ? mem.min_slots() : double(mem.context_entries());
       const int max_b = mem.max_batch(slots);
       // Short contexts fit batches in the hundreds of thousands: the search is bounded by
       // widening the step (said in the result), the largest batch always tried.

@@ -197,8 +197,9 @@ Simulation simulate(const StepModel& sm, const Workload& base_in, const std::vec
   const std::int64_t context = base.context;
   const MemoryModel mem(s.model, s.hardware, s.deployment, context);
   s.cache_budget_gb = mem.cache_budget() / 1e9;
-  s.pool_floor = base.misses.min_slots(s.deployment.mtp_tokens, s.model.index_topk, double(context));
-  s.pool_floor_rule = base.misses.floor_rule(s.deployment.mtp_tokens, s.model.index_topk, double(context));
+  s.pool_floor = sm.pool_floor(base.misses, context);
+  s.pool_floor_rule = sm.misses_in_entries(base.misses)
+                          .floor_rule(s.deployment.mtp_tokens, s.model.index_topk, double(mem.context_entries()));
   s.weights_gb = mem.weights().total() / 1e9;
 
   // The memory wall: the all-on-GPU baseline at its largest batch. The executor rig has no

@@ -68,9 +68,7 @@ StepResult size_step(const ModelSpec& model, const Deployment& dep, const Worklo
     // The largest batch: at the given pool, else (offload) at the pool floor, the smallest pool a
     // request-layer may get; the all-on-GPU baseline holds the whole context.
     if (slots == 0) {
-      slots = wl.offload ? static_cast<std::int32_t>(std::min<double>(
-                               std::ceil(wl.misses.min_slots(dep.mtp_tokens, model.index_topk, double(entries))), ctx32))
-                         : ctx32;
+      slots = wl.offload ? std::min(mem.min_slots(), ctx32) : ctx32;  // the floor the memory model was built with
     }
     batch = mem.max_batch(slots);
     ESS_CHECK(batch >= 1, "no request fits: one request with {} slots per request-layer needs {:.2f} GB of "
@@ -437,6 +435,11 @@ MissModel StepModel::misses_in_entries(const MissModel& m) const {
   return e;
 }
 
+double StepModel::pool_floor(const MissModel& misses, std::int64_t context) const {
+  return misses_in_entries(misses).min_slots(dep_.mtp_tokens, model_.index_topk,
+                                             double(context_in_entries(model_, context)));
+}
+
 void StepModel::check_misses(const MissModel& m) const {
   ESS_CHECK(m.unit_tokens == model_.tokens_per_entry(),
             "miss profile: its ids are {}; {} offloads {} (a trace of its own selections: `ess trace gen --model` or "
@@ -470,9 +473,7 @@ StepResult StepModel::run(const Workload& given, Timeline* timeline) const {
   Workload wl = given;
   wl.misses = misses_in_entries(given.misses);
   check_misses(wl.misses);
-  const std::int64_t entries = context_in_entries(model_, wl.context);
-  const MemoryModel mem(model_, hw_, dep_, wl.context,
-                        wl.misses.min_slots(dep_.mtp_tokens, model_.index_topk, double(entries)));
+  const MemoryModel mem(model_, hw_, dep_, wl.context, pool_floor(given.misses, wl.context));
   StepRun step(model_, hw_, dep_, cost_, wl, size_step(model_, dep_, wl, mem), timeline);
   return step.run();
 }
