@@ -46,7 +46,7 @@ class TopkRecorder:
     def __init__(self, path: str, *, layers: int, T: int, K: int, max_reqs: int, device, dev, requests: int,
                  steps: int, model: str, provenance: str, unit_tokens: int = 1):
         """unit_tokens: the tokens an id names (DeepSeek-V4's C4 entries: 4); begin() and step() take lengths in
-        tokens."""
+        ids, as the engine counts them (the trace's lengths are tokens: unit_tokens x those)."""
         for name, value in (("ESS_RECORD_REQUESTS", requests), ("ESS_RECORD_STEPS", steps)):
             if value < 1:
                 raise InvalidArgument(f"{name} = {value}: at least 1")
@@ -86,11 +86,11 @@ class TopkRecorder:
 
     # ---- the host side ----
     def begin(self, row: int, rid, context: int) -> None:
-        """The request in request slot `row` enters decode with `context` tokens (the first `requests` ones are
+        """The request in request slot `row` enters decode with `context` ids (the first `requests` ones are
         recorded, each in a slot of its own: slots are never reused)."""
         if self._begun == self.requests or row in self._by_row:
             return
-        request = _Request(rid, context, self._begun)   # slots in order of admission
+        request = _Request(rid, context * self.unit_tokens, self._begun)   # slots in order of admission
         self._by_row[row] = request
         self._begun += 1
         self._remap[row] = request.slot
@@ -104,7 +104,7 @@ class TopkRecorder:
         self._finish_if_done(request)
 
     def step(self, rows, lengths, after_the_forward=None) -> None:
-        """A step is prepared over `rows` (request slots) whose query tokens see `lengths` tokens: the previous
+        """A step is prepared over `rows` (request slots) whose query tokens see `lengths` ids: the previous
         step's copy is taken, and the buffer as the last forward left it is copied to host memory. The copy runs
         through `after_the_forward(fn)` where the step is prepared on another stream than the forward's (it must
         then run fn after the last forward, and the next forward after fn); else on the current stream."""
@@ -129,7 +129,7 @@ class TopkRecorder:
             request = self._by_row.get(row)
             if request is not None and len(request.lengths) + request.open_steps < self.steps:
                 request.open_steps += 1
-                self._step.append((request, int(length)))
+                self._step.append((request, int(length) * self.unit_tokens))
 
     def close(self) -> None:
         """Everything recorded so far (the last step's copy waited for) goes to the trace."""

@@ -376,7 +376,7 @@ class HiSparseCoordinator(Staging):
         self._extend_into_reserved(rows, batch.req_pool_indices, batch.out_cache_loc.to(torch.int64))
         self._verifying.update(rows)
         if self._recorder is not None:
-            self._recorder.step(rows, [self._length[row] * self.pool.ratio for row in rows], self._after_the_forward)
+            self._recorder.step(rows, [self._length[row] for row in rows], self._after_the_forward)
 
     def commit_spec_accept_tokens(self, batch, accept_indices) -> None:
         """run_eagle_verify, after the verify forward: accept_indices [bs, T] (int, -1 = rejected) names for each
@@ -549,7 +549,7 @@ class HiSparseCoordinator(Staging):
         self._extend_into_reserved(rows, req_pool_indices, locs, grows, self.pool.entry_steps(seq_lens))
         self._backup_due = (req_pool_indices, seq_lens)
         if self._recorder is not None:
-            self._recorder.step(rows, [self._length[row] * self.pool.ratio for row in rows], self._after_the_forward)
+            self._recorder.step(rows, [self._length[row] for row in rows], self._after_the_forward)
 
     def _backup_previous_step(self):
         """The previous step's newest entries (written by its forward into the reserved rows) to the host pool,

@@ -123,7 +123,7 @@ class Staging:
         self._length[idx] = n
         req.hisparse_staging = False
         if self._recorder is not None:
-            self._recorder.begin(idx, req.rid, n * self.pool.ratio)  # tokens: a C4 pool counts entries
+            self._recorder.begin(idx, req.rid, n)
 
     def _warmup_windows(self, n: int):
         """The first residency: the prompt's last min(n, slots) tokens, oldest first (SGLang hands over no
