@@ -79,8 +79,9 @@ TEST(sim_memory, BatchThatCannotFitIsAClearError) {
   EXPECT_THROW(mem.check_fits(10, 100), Error);  // below T x top-k
 }
 
-// Models whose attention the step model does not describe are refused by name, not sized as DSA.
-TEST(sim_memory, MiniMaxM3IsRefusedByName) {
+// A deployment the step model does not describe for a model is refused by name, not sized as DSA:
+// MiniMax-M3 under data-parallel attention (SGLang's HiSparse holds one KV head per rank).
+TEST(sim_memory, MiniMaxM3UnderDataParallelAttentionIsRefusedByName) {
   const ModelSpec m = ModelSpec::from_file(ESS_SOURCE_DIR "/configs/models/minimax-m3.json");
   try {
     MemoryModel mem(m, paper_hw(), paper_dep(), 32768);

@@ -120,8 +120,8 @@ void add_sim(CLI::App& app, int& exit_code) {
     if (given("--ratio") && a.ratio > 0) base.slots = 0;
     if (given("--slots") && a.slots > 0) base.ratio = 0;
     if (given("--overlap")) base.overlap = parse_overlap_mode(a.overlap);
-    if (model.is_deepseek_v4() && cmd->count("--overlap") == 0 && !file_overlap) {
-      base.overlap = OverlapMode::kNone;  // DeepSeek-V4's decode runs whole (the overlap schedules split DSA's)
+    if ((model.is_deepseek_v4() || model.is_minimax_m3()) && cmd->count("--overlap") == 0 && !file_overlap) {
+      base.overlap = OverlapMode::kNone;  // DeepSeek-V4's and MiniMax-M3's decode runs whole (the schedules split DSA's)
     }
     if (given("--residency")) base.residency = sim::parse_residency(a.residency);
     if (given("--miss-threshold")) base.layerwise_threshold = a.threshold;

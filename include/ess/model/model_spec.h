@@ -96,6 +96,13 @@ struct ModelSpec {
   int sparse_init_blocks = 0;
   int sparse_local_blocks = 0;
   int kv_value_bytes = 0;
+  // MiniMax-M3: the layers whose index cache holds keys only (sparse_disable_index_value != 0; the
+  // others keep index values too; empty: none), the MoE layers (moe_layer_freq != 0; empty: every
+  // layer; its leading dense layers also set first_k_dense_replace) and the weights' quantization
+  // (quantization_config.quant_method, e.g. "fp8"; "": torch_dtype's).
+  std::vector<bool> index_k_only;
+  std::vector<bool> moe_layers;
+  std::string weight_quant;
   bool is_minimax_m3() const {
     return architecture == "MiniMaxM3SparseForCausalLM" || architecture == "MiniMaxM3SparseForConditionalGeneration";
   }
@@ -111,6 +118,9 @@ struct ModelSpec {
   int selected_ids() const {
     return is_minimax_m3() ? sparse_topk_blocks + sparse_init_blocks + sparse_local_blocks : index_topk;
   }
+  // Entries of the offloaded cache a query token reads: MiniMax-M3's selected blocks' tokens, else
+  // index_topk (DeepSeek-V4's C4 entries, DSA's tokens).
+  int selected_entries() const { return is_minimax_m3() ? selected_ids() * sparse_block_size : index_topk; }
   // Whether the config's sharing fields declare sharing (index_topk_freq > 1, an S in
   // index_topk_pattern, a "shared" in indexer_types), whatever pattern they give: the condition on
   // which SGLang refuses two-batch overlap.

@@ -21,7 +21,12 @@ struct Deployment {
   int nodes = 4;
   int gpus_per_node = 8;
   int expert_parallel = 32;          // EP degree (GPUs the routed experts are spread over)
-  int attention_data_parallel = 32;  // DP degree of attention: every GPU its own batch (TP 1), the only one modelled
+  // Attention: data parallel on every GPU (attention_tensor_parallel 1: each GPU its own batch, its
+  // requests' caches whole), or tensor parallel over every GPU (attention_data_parallel 1: each GPU
+  // a share of the heads of one batch, an all-reduce after the attention's and the MoE's output;
+  // modelled for MiniMax-M3, whose HiSparse pool holds one KV head per rank).
+  int attention_data_parallel = 32;
+  int attention_tensor_parallel = 1;
   int mtp_tokens = 2;                // T: query tokens per request per step (1 = no MTP)
   double accept_ratio = 1.7;         // tokens kept per request per step, in [1, T]
   bool two_batch_overlap = true;     // TBO: two micro-batches, compute of one over comm of other
@@ -45,6 +50,8 @@ struct Deployment {
   std::string sources;  // where the numbers come from
 
   int gpus() const { return nodes * gpus_per_node; }  // after check_counts: at most 4096 x 64
+  // GPUs holding each request (its attention's tensor-parallel group): 1 under data-parallel attention.
+  int gpus_per_request() const { return attention_tensor_parallel; }
   // Throws ess::Error unless nodes and gpus_per_node are in range (gpus() cannot overflow).
   void check_counts(const std::string& source) const;
   static Deployment from_json(const nlohmann::json& j, const std::string& source);

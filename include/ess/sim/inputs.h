@@ -10,6 +10,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "ess/model/model_spec.h"
@@ -19,6 +20,10 @@
 #include "ess/sim/report.h"
 
 namespace ess::sim {
+
+// The shipped deployment MiniMax-M3 is simulated under when none is given (attention tensor parallel
+// over a node: its HiSparse holds one KV head per rank).
+inline constexpr std::string_view kMiniMaxM3Deployment = "minimax-m3-tp8";
 
 struct Inputs {
   std::string model;                   // config.json path; empty: the shipped DeepSeek-V3.2-Exp
@@ -44,7 +49,7 @@ struct Inputs {
 
   ModelSpec load_model() const;
   HardwareProfile load_hardware() const;
-  // The deployment with the overrides applied, validated.
+  // The deployment with the overrides applied, validated (MiniMax-M3's default: kMiniMaxM3Deployment).
   Deployment load_deployment() const;
   MissModel load_misses(std::int64_t context) const;
   // Sets the pool floor fields that were given on `m` (load_misses does it too), validated.

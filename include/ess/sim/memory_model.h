@@ -22,9 +22,11 @@ struct WeightBytes {
   double total() const { return attention + dense_ffn + shared_experts + routed_experts + embedding + router; }
 };
 
-// Throws ess::Error naming the model unless its layers are what the step model models: DSA's
-// (DeepSeek-V3.2, GLM-5.x) and DeepSeek-V4's. MiniMax-M3 is refused, with the reason.
-void require_modelled_layers(const ModelSpec& m);
+// Throws ess::Error naming the model unless its layers and their deployment are what the step
+// model models: DSA's (DeepSeek-V3.2, GLM-5.x) and DeepSeek-V4's under data-parallel attention;
+// MiniMax-M3's under attention tensor parallel with one KV head per rank (SGLang's HiSparse), its
+// weights in torch_dtype or FP8, its dense MLP layers first.
+void require_modelled(const ModelSpec& m, const Deployment& dep);
 
 // `tokens` of context in the offloaded cache's entries: tokens, or DeepSeek-V4's C4 entries (at
 // least 1), one per 4 tokens as SGLang's compressed_seq_lens (seq_len // 4).
@@ -72,7 +74,7 @@ class MemoryModel {
 
   const WeightBytes& weights() const { return weights_; }
   // Layers holding the offloaded cache (+ MTP layer): every layer of a DSA model, DeepSeek-V4's C4
-  // layers.
+  // layers, MiniMax-M3's sparse layers.
   int cache_layers() const { return cache_layers_; }
   // Layers holding indexer keys and weights (+ MTP layer): a layer that reuses its leader's top-k
   // (ModelSpec::shared_index) has neither.
@@ -84,9 +86,9 @@ class MemoryModel {
   double activation_budget() const;
   double indexer_bytes_per_request() const;                  // whole context, every indexer layer
   // What a request keeps on the GPU whatever its pool: its indexer keys; DeepSeek-V4's C128
-  // cache, sliding windows and compressor states as well.
+  // cache, sliding windows and compressor states as well; MiniMax-M3's dense layers' K / V.
   double resident_bytes_per_request() const;
-  double latent_bytes_per_request(double slots) const;       // slots x cache layers x 656
+  double latent_bytes_per_request(double slots) const;       // slots x cache layers x entry (656 B for V3.2)
   // The context in the offloaded cache's entries: tokens, DeepSeek-V4's C4 entries (one per 4
   // tokens). Slots, top-k and misses count these.
   std::int64_t context_entries() const { return context_entries_; }
@@ -111,6 +113,7 @@ class MemoryModel {
  private:
   void size_dsa();           // weights and layers of a DSA model
   void size_deepseek_v4();   // of DeepSeek-V4 (V4Caches)
+  void size_minimax_m3();    // of MiniMax-M3, on one rank of attention TP
 
   ModelSpec model_;
   HardwareProfile hw_;
@@ -119,6 +122,7 @@ class MemoryModel {
   std::int64_t context_entries_ = 0;
   double entry_bytes_ = 0;     // an offloaded entry on the device
   double other_resident_ = 0;  // resident_bytes_per_request() beside the indexer keys
+  double index_bytes_per_token_ = 0;  // the indexer cache's bytes per context entry, every layer
   int cache_layers_ = 0;
   int indexer_layers_ = 0;
   WeightBytes weights_;

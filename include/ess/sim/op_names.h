@@ -28,6 +28,7 @@ inline constexpr std::string_view kSparseMla = "attn.sparse_mla";
 inline constexpr std::string_view kAttn0 = "attn.attn0 (resident)";
 inline constexpr std::string_view kAttn1 = "attn.attn1 (fetched)";
 inline constexpr std::string_view kMerge = "attn.merge_lse";
+inline constexpr std::string_view kGqa = "attn.gqa";  // grouped-query attention over K / V (MiniMax-M3)
 // Transfers and communication.
 inline constexpr std::string_view kD2HNewEntries = "d2h new-token entries";
 inline constexpr std::string_view kH2DMisses = "h2d misses";
@@ -36,6 +37,7 @@ inline constexpr std::string_view kH2DMissesHalf1 = "h2d misses (half 1)";
 inline constexpr std::string_view kH2DPrefetch = "h2d prefetch";  // a shared-index follower's, at its leader
 inline constexpr std::string_view kDispatch = "moe.dispatch";
 inline constexpr std::string_view kCombine = "moe.combine";
+inline constexpr std::string_view kAllReduce = "tp.all_reduce";  // attention tensor parallel's sum of outputs
 
 }  // namespace op
 

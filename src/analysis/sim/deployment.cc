@@ -21,7 +21,7 @@ using nlohmann::json;
 Deployment Deployment::from_json(const json& j, const std::string& source) {
   ESS_CHECK(j.is_object(), "{}: a deployment must be a JSON object", source);
   static constexpr const char* kKnown[] = {"name", "nodes", "gpus_per_node", "expert_parallel",
-                                           "attention_data_parallel", "mtp_tokens", "accept_ratio",
+                                           "attention_data_parallel", "attention_tensor_parallel", "mtp_tokens", "accept_ratio",
                                            "two_batch_overlap", "preattn_in_copy_window", "shared_index_prefetch",
                                            "mem_fraction_static",
                                            "rig_layers", "sources"};
@@ -43,6 +43,7 @@ Deployment Deployment::from_json(const json& j, const std::string& source) {
   d.gpus_per_node = get_int("gpus_per_node", d.gpus_per_node);
   d.expert_parallel = get_int("expert_parallel", d.expert_parallel);
   d.attention_data_parallel = get_int("attention_data_parallel", d.attention_data_parallel);
+  d.attention_tensor_parallel = get_int("attention_tensor_parallel", d.attention_tensor_parallel);
   d.mtp_tokens = get_int("mtp_tokens", d.mtp_tokens);
   d.accept_ratio = json_number_or(j, "accept_ratio", source, d.accept_ratio);
   d.two_batch_overlap = json_bool_or(j, "two_batch_overlap", source, d.two_batch_overlap);
@@ -70,10 +71,30 @@ void Deployment::validate(const std::string& source) const {
   ESS_CHECK(rig_layers > 0 || gpus() % expert_parallel == 0,
             "{}: expert_parallel = {} does not divide the {} GPUs (each EP group spans whole GPUs)", source,
             expert_parallel, gpus());
-  // The simulator models DP attention on every GPU (TP 1): another degree would be ignored.
-  ESS_CHECK(attention_data_parallel == gpus(),
-            "{}: attention_data_parallel = {}: only data-parallel attention on every GPU ({}) is modelled", source,
-            attention_data_parallel, gpus());
+  // Attention data parallel on every GPU (TP 1), or tensor parallel over every GPU (DP 1): a mix
+  // (SGLang's DP attention with attention TP > 1 gathers tokens across groups) is not modelled.
+  ESS_CHECK(attention_tensor_parallel == 1 || attention_tensor_parallel == gpus(),
+            "{}: attention_tensor_parallel = {}: attention tensor parallel over every GPU ({}) or none (1) is modelled",
+            source, attention_tensor_parallel, gpus());
+  ESS_CHECK(attention_data_parallel * attention_tensor_parallel == gpus(),
+            "{}: attention_data_parallel = {} x attention_tensor_parallel = {} must be the {} GPUs (every GPU in one "
+            "attention group)",
+            source, attention_data_parallel, attention_tensor_parallel, gpus());
+  if (attention_tensor_parallel > 1) {
+    // SGLang with --tp N and --ep N: every rank holds the batch's tokens, its experts run on the tokens
+    // routed to them, an all-reduce sums the ranks' outputs; no two-batch overlap (it splits DP ranks'
+    // batches for DeepEP's all-to-all).
+    ESS_CHECK(expert_parallel == attention_tensor_parallel,
+              "{}: expert_parallel = {} under attention_tensor_parallel = {}: the MoE is modelled with expert "
+              "parallelism over the same GPUs (--tp N --ep N); tensor-parallel experts are not modelled",
+              source, expert_parallel, attention_tensor_parallel);
+    ESS_CHECK(!two_batch_overlap,
+              "{}: two_batch_overlap under attention_tensor_parallel = {} is not modelled (its micro-batches split "
+              "data-parallel ranks' batches around DeepEP's all-to-all)",
+              source, attention_tensor_parallel);
+    ESS_CHECK(rig_layers == 0, "{}: the executor rig (rig_layers = {}) runs data-parallel attention on one GPU", source,
+              rig_layers);
+  }
   ESS_CHECK(mtp_tokens >= 1 && mtp_tokens <= 16, "{}: mtp_tokens = {} must be in [1, 16]", source,
             mtp_tokens);
   ESS_CHECK(std::isfinite(accept_ratio) && accept_ratio >= 1.0 && accept_ratio <= mtp_tokens,
@@ -83,7 +104,7 @@ void Deployment::validate(const std::string& source) const {
 }
 
 json Deployment::to_json() const {
-  return {{"name", name},
+  json j = {{"name", name},
           {"nodes", nodes},
           {"gpus_per_node", gpus_per_node},
           {"expert_parallel", expert_parallel},
@@ -95,6 +116,8 @@ json Deployment::to_json() const {
           {"shared_index_prefetch", shared_index_prefetch},
           {"mem_fraction_static", mem_fraction_static},
           {"rig_layers", rig_layers}};
+  if (attention_tensor_parallel != 1) j["attention_tensor_parallel"] = attention_tensor_parallel;
+  return j;
 }
 
 Deployment Deployment::shipped(const std::string& name) {

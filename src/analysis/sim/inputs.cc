@@ -24,8 +24,12 @@ HardwareProfile Inputs::load_hardware() const {
 }
 
 Deployment Inputs::load_deployment() const {
-  Deployment d = Deployment::load(deployment);
-  if (!mtp && deployment == Inputs{}.deployment && !model.empty() && load_model().is_deepseek_v4()) {
+  const bool default_deployment = deployment == Inputs{}.deployment;
+  const bool m3 = default_deployment && !model.empty() && load_model().is_minimax_m3();
+  // MiniMax-M3 without a deployment of the user's: the shipped one its HiSparse runs (attention TP over
+  // one node, one KV head per rank).
+  Deployment d = Deployment::load(m3 ? std::string(kMiniMaxM3Deployment) : deployment);
+  if (!mtp && default_deployment && !model.empty() && load_model().is_deepseek_v4()) {
     // The shipped deployment's MTP 2 for DeepSeek-V4, which SGLang's HiSparse serves without speculative
     // decoding: one query token per step (a deployment of the user's keeps its own, and is refused if it
     // asks for more).
@@ -40,7 +44,12 @@ Deployment Inputs::load_deployment() const {
   d.check_counts("deployment (after command-line overrides)");
   if (ep) d.expert_parallel = *ep;
   if ((nodes || gpus_per_node) && !ep) d.expert_parallel = d.gpus();
-  if (nodes || gpus_per_node) d.attention_data_parallel = d.gpus();
+  if ((nodes || gpus_per_node) && d.attention_tensor_parallel > 1) {
+    d.attention_tensor_parallel = d.gpus();  // attention tensor parallel over every GPU, as given
+    d.attention_data_parallel = 1;
+  } else if (nodes || gpus_per_node) {
+    d.attention_data_parallel = d.gpus();
+  }
   if (mem_fraction) d.mem_fraction_static = *mem_fraction;
   if (no_tbo) d.two_batch_overlap = false;
   if (no_prefetch) d.shared_index_prefetch = false;
@@ -93,20 +102,27 @@ Plans plan_contexts(const Inputs& inputs, const PlanOptions& options) {
   dep.shared_index_prefetch = dep.shared_index_prefetch && limits.shared_index_prefetch;
   std::vector<std::string> notes = limits.notes;
   std::vector<std::string> modes = limits.modes;
-  if (model.is_deepseek_v4()) {
+  const bool dsa = !model.is_deepseek_v4() && !model.is_minimax_m3();
+  if (!dsa) {
+    const std::string family = model.is_deepseek_v4() ? "DeepSeek-V4" : "MiniMax-M3";
     ESS_CHECK(options.engine != kVllmEngine,
               "plan --engine vllm: {}: ESS's vLLM connector is checked with DSA models' sparse MLA (vLLM 0.33.0's "
-              "index groups); DeepSeek-V4 is planned for SGLang or without an engine",
-              model.name);
-    notes.push_back("DeepSeek-V4: T = 1 (SGLang 0.5.23's HiSparse refuses speculative decoding with it); slots, top-k "
-                    "and misses count C4 entries of 4 tokens");
+              "index groups); {} is planned for SGLang or without an engine",
+              model.name, family);
+    notes.push_back(model.is_deepseek_v4()
+                        ? "DeepSeek-V4: T = 1 (SGLang 0.5.23's HiSparse refuses speculative decoding with it); slots, "
+                          "top-k and misses count C4 entries of 4 tokens"
+                        : fmt::format("MiniMax-M3: attention tensor parallel over {} GPUs, one KV head per rank (SGLang "
+                                      "0.5.23's HiSparse); T = 1; a batch is the instance's, slots and misses count "
+                                      "tokens, its top-k {} blocks of {}",
+                                      dep.attention_tensor_parallel, model.selected_ids(), model.sparse_block_size));
     if (std::erase_if(modes, [](const std::string& m) { return m != "none"; }) > 0) {
-      notes.push_back("DeepSeek-V4: overlap none only (the overlap schedules split DSA's FlashMLA decode; the SGLang "
-                      "adapter refuses ESS_OVERLAP with V4)");
+      notes.push_back(family + ": overlap none only (the overlap schedules split DSA's FlashMLA decode; the SGLang "
+                      "adapter refuses ESS_OVERLAP with its pool)");
     }
-    ESS_CHECK(!modes.empty(), "plan: DeepSeek-V4 runs overlap none only, and --modes leaves it out");
+    ESS_CHECK(!modes.empty(), "plan: {} runs overlap none only, and --modes leaves it out", family);
     if (!options.engine.empty()) {
-      notes.push_back("DeepSeek-V4: no launch command and no stock-HiSparse comparison yet (both are modelled on DSA's "
+      notes.push_back(family + ": no launch command and no stock-HiSparse comparison yet (both are modelled on DSA's "
                       "pools and flags)");
     }
   }
@@ -171,8 +187,7 @@ Plans plan_contexts(const Inputs& inputs, const PlanOptions& options) {
     plans.results.push_back(plan(models, suffixes, r));
     if (!limits.whole_residency) plans.results.back().low_load = {};
     const PlanResult& got = plans.results.back();
-    // DeepSeek-V4: no launch command and no stock-HiSparse comparison (both are modelled on DSA's pools).
-    const bool dsa = !model.is_deepseek_v4();
+    // DeepSeek-V4, MiniMax-M3: no launch command and no stock-HiSparse comparison (both are modelled on DSA's pools).
     plans.launches.push_back(options.engine.empty() || !got.found || !dsa
                                  ? nlohmann::json()
                                  : launch_for(options.engine, model, hw, plans.deployment, got).to_json());

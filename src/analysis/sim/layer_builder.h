@@ -26,7 +26,7 @@ class LayerBuilder {
                double sparse_share = 1.0)
       : m_(m), d_(d), ctx_(static_cast<double>(context_in_entries(m, context))), tokens_(static_cast<double>(context)),
         slots_(slots), sparse_share_(sparse_share), offload_(offload) {
-    topk_ = std::min(static_cast<double>(m.index_topk), ctx_);
+    topk_ = std::min(static_cast<double>(m.selected_entries()), ctx_);
     if (m.is_deepseek_v4()) v4_entry_ = V4Caches::of(m).entry_data_bytes;
     ctx64_ = context;
     random_rows_ = d.rig_layers == 0;  // the rig routes tokens evenly; a deployment at random
@@ -37,6 +37,7 @@ class LayerBuilder {
   // decision and copy were issued at its leader's, which issues its followers' after its own.
   void prepare(Scheduler& s, MicroBatch& mb) const {
     if (m_.is_deepseek_v4()) return prepare_v4(s, mb);
+    if (m_.is_minimax_m3()) return prepare_m3(s, mb);
     s.set_category(Category::kAttention);
     const double n = mb.tokens, h = m_.hidden_size, heads = m_.num_attention_heads;
     const double ih = m_.index_n_heads, id = m_.index_head_dim;
@@ -93,6 +94,7 @@ class LayerBuilder {
   // and the merge), PostAttn, then the router (MoE) or the dense FFN.
   void core(Scheduler& s, MicroBatch& mb, bool moe) const {
     if (m_.is_deepseek_v4()) return core_v4(s, mb, moe);
+    if (m_.is_minimax_m3()) return core_m3(s, mb, moe);
     s.set_category(Category::kAttention);
     const double n = mb.tokens, h = m_.hidden_size, heads = m_.num_attention_heads;
     const double flop_per_entry = 2 * heads * (m_.mla_head_dim() + m_.kv_lora_rank);
@@ -186,6 +188,62 @@ class LayerBuilder {
     ffn_entry(s, mb, moe, e);
   }
 
+  // MiniMax-M3 (models/minimax_m3.py, layers/attention/minimax_sparse_backend.py) on one rank of
+  // attention TP t: heads / t query heads, max(1, kv_heads / t) KV heads. Stage 1: one GEMM for q, k, v
+  // (a sparse layer's index query and key too), the norms and rope; a sparse layer writes its new K / V
+  // to the host, scores every block of its index cache (the best of its tokens' index logits), takes
+  // the top blocks, runs the swap decision and copies its misses.
+  void prepare_m3(Scheduler& s, MicroBatch& mb) const {
+    s.set_category(Category::kAttention);
+    const bool sparse = is_sparse_m3(mb.layer);
+    const double n = mb.tokens, h = m_.hidden_size, hd = m_.head_dim;
+    const double hq = heads_per_rank(), kv = kv_heads_per_rank();
+    const double hi = std::max(1.0, std::floor(double(m_.index_n_heads) / tp())), id = m_.index_head_dim;
+    const double out0 = (hq + 2 * kv) * hd + (sparse ? (hi + 1) * id : 0.0);
+    const Op proj0 = gemm_op(op::kProj0, gemm_kind_m3(), n, out0, h, h * out0 * weight_bytes_m3() + n * h * 2 * 3,
+                             sparse ? 5 : 4);
+    double e = s.issue(Stream::kCompute, proj0, mb.ready, Wait::kComm);
+    mb.fetched = 0;
+    if (!sparse) return;
+    const double entry = kv * 2 * hd * m_.kv_value_bytes;
+    if (offload_) {
+      const Op d2h{op::kD2HNewEntries, OpKind::kD2H, 0, n * entry, n, 0, 0, 0, 1};
+      s.issue(Stream::kD2H, d2h, e);
+    }
+    const double blocks = std::ceil(tokens_ / m_.sparse_block_size);
+    const double index_entry = id * (m_.kv_value_bytes == 1 ? 1.0 : 2.0);
+    const Op logits{op::kIndexerLogits, OpKind::kIndexer, 2 * n * tokens_ * hi * id,
+                    mb.requests * tokens_ * index_entry + n * hi * blocks * 4, n, ctx64_, 0, 0, 1};
+    Op topk{op::kIndexerTopk, OpKind::kTopk, 0, 2 * n * blocks * 4, n, ctx64_, 0, 0, 1};
+    topk.rows = n;
+    e = s.issue(Stream::kCompute, logits, e);
+    e = s.issue(Stream::kCompute, topk, e);
+    if (offload_ && sparse_share_ > 0) e = s.issue(Stream::kCompute, swap_decision(n, mb.requests), e);
+    const double misses = offload_ ? mb.misses : 0;
+    if (misses > 0) {
+      const Op h2d{op::kH2DMisses, OpKind::kH2D, 0, misses * entry, 0, 0, 0, 0, 1};
+      mb.fetched = s.issue(Stream::kH2D, h2d, e);
+    }
+  }
+
+  // Stage 2 of a MiniMax-M3 layer: grouped-query attention over the selected blocks' tokens (a sparse
+  // layer) or the whole context (a dense one), each request's K / V read once for the rank's query
+  // heads; o_proj over the rank's heads, the all-reduce that sums the ranks' outputs; then the router
+  // or the dense MLP.
+  void core_m3(Scheduler& s, MicroBatch& mb, bool moe) const {
+    s.set_category(Category::kAttention);
+    const double n = mb.tokens, h = m_.hidden_size, hd = m_.head_dim;
+    const double hq = heads_per_rank(), kv = kv_heads_per_rank();
+    const double entries = is_sparse_m3(mb.layer) ? topk_ : tokens_;
+    const double entry = kv * 2 * hd * m_.kv_value_bytes;
+    const Op attn{op::kGqa, OpKind::kAttention, n * entries * 2 * hq * (hd + hd),
+                  mb.requests * entries * entry + n * hq * hd * 2.0 * 2, n, ctx64_, 0, 0, 2};
+    double e = s.issue(Stream::kCompute, attn, std::max(s.compute_end(), mb.fetched), Wait::kTransfer);
+    const Op o_proj = gemm_op(op::kOProj, gemm_kind_m3(), n, h, hq * hd, hq * hd * h * weight_bytes_m3() + n * h * 2, 1);
+    e = s.issue(Stream::kCompute, o_proj, e);
+    ffn_entry(s, mb, moe, all_reduce(s, n, e));
+  }
+
   // The end of stage 2: the router of an MoE layer, or a dense layer's FFN (which ends the layer).
   void ffn_entry(Scheduler& s, MicroBatch& mb, bool moe, double e) const {
     if (moe) {
@@ -193,7 +251,7 @@ class LayerBuilder {
       s.issue(Stream::kCompute, gate(mb.tokens), e);
     } else {
       s.set_category(Category::kOther);
-      mb.ready = s.issue(Stream::kCompute, dense_ffn(mb.tokens), e);
+      mb.ready = all_reduce(s, mb.tokens, s.issue(Stream::kCompute, dense_ffn(mb.tokens), e));
     }
   }
 
@@ -204,15 +262,22 @@ class LayerBuilder {
     if (stage == 4) combine_receive(s, mb, comm);
   }
 
-  // Stage 3: the dispatch leaves, the shared expert runs.
+  // Stage 3: the dispatch leaves, the shared expert runs. Under attention TP every rank holds the
+  // batch's tokens: nothing is dispatched, the shared expert runs split over the ranks.
   void dispatch_and_shared(Scheduler& s, MicroBatch& mb, bool comm) const {
     s.set_category(Category::kMoe);
-    if (comm) mb.dispatched = s.issue(Stream::kComm, dispatch(mb.tokens), s.compute_end());
-    s.issue(Stream::kCompute, shared(mb.tokens), s.compute_end());
+    if (comm && tp() == 1) mb.dispatched = s.issue(Stream::kComm, dispatch(mb.tokens), s.compute_end());
+    if (m_.n_shared_experts > 0) s.issue(Stream::kCompute, shared(mb.tokens), s.compute_end());
   }
-  // Stage 4: the routed experts on the tokens received, the combine leaves.
+  // Stage 4: the routed experts on the tokens received, the combine leaves (under attention TP: the
+  // local experts on the tokens routed to them, then the all-reduce).
   void experts_and_combine(Scheduler& s, MicroBatch& mb, bool comm) const {
     s.set_category(Category::kMoe);
+    if (tp() > 1) {
+      const double x = s.issue(Stream::kCompute, experts(mb.tokens), 0.0);
+      mb.combined = all_reduce(s, mb.tokens, x);
+      return;
+    }
     const double x = s.issue(Stream::kCompute, experts(mb.tokens), comm ? mb.dispatched : 0.0, Wait::kComm);
     mb.combined = comm ? s.issue(Stream::kComm, combine(mb.tokens), x) : x;
   }
@@ -220,6 +285,10 @@ class LayerBuilder {
   void combine_receive(Scheduler& s, MicroBatch& mb, bool comm) const {
     if (!comm) {  // the rig: the experts' output is the layer's
       mb.ready = s.compute_end();
+      return;
+    }
+    if (tp() > 1) {  // the all-reduce's output is the layer's
+      mb.ready = mb.combined;
       return;
     }
     s.block_compute_until(mb.combined, Wait::kComm);
@@ -234,7 +303,7 @@ class LayerBuilder {
     return gemm_op(op::kGate, OpKind::kGemmBf16, n, e, h, h * e * 2 + n * h * 2 * 2, 3);
   }
   Op shared(double n) const {
-    const double inter = double(m_.moe_intermediate_size) * m_.n_shared_experts;
+    const double inter = double(m_.moe_intermediate_size) * m_.n_shared_experts / tp();
     // Kernels: the dispatch's send, quantise, up GEMM, activation + quantise, down GEMM.
     Op o = gemm_op(op::kSharedExpert, OpKind::kGemmFp8, n, 2 * inter, m_.hidden_size, 3.0 * m_.hidden_size * inter, 5);
     o.gemm2 = {n, double(m_.hidden_size), inter, 1, false};
@@ -244,16 +313,18 @@ class LayerBuilder {
   Op experts(double n) const {
     const double w = 3.0 * m_.hidden_size * m_.moe_intermediate_size;
     const double local = std::ceil(double(m_.n_routed_experts) / d_.expert_parallel);
-    // Tokens routed to this GPU = n x top-k on average (every GPU holds n tokens), spread over
-    // its local experts: Poisson rows per expert in a deployment; an expert no token chose is
-    // not read.
-    const double rows = n * m_.num_experts_per_tok;
+    // Tokens routed to this GPU = n x top-k on average (every GPU holds n tokens of its own; under
+    // attention TP the ranks hold the same n, so n x top-k / EP), spread over its local experts:
+    // Poisson rows per expert in a deployment; an expert no token chose is not read.
+    const double rows = n * m_.num_experts_per_tok / (tp() > 1 ? double(d_.expert_parallel) : 1.0);
     const double per_expert = rows / local;
     const double active = random_rows_ ? local * (1 - std::exp(-per_expert)) : local;
     // Kernels: the dispatch's receive, up GEMM, activation + quantise, down GEMM, the combine's send.
     // DeepSeek-V4's routed experts are MXFP4 (V4Caches::kExpertBytesPerParam a weight), DSA models' FP8.
-    const double weight_bytes = m_.is_deepseek_v4() ? V4Caches::kExpertBytesPerParam : 1.0;
-    Op o{op::kRoutedExperts, OpKind::kGemmFp8, 2 * rows * w, active * w * weight_bytes + rows * m_.hidden_size * 3.0, n, 0, 0, 0,
+    const double weight_bytes = m_.is_deepseek_v4() ? V4Caches::kExpertBytesPerParam
+                                : m_.is_minimax_m3()  ? weight_bytes_m3()
+                                                      : 1.0;
+    Op o{op::kRoutedExperts, m_.is_minimax_m3() ? gemm_kind_m3() : OpKind::kGemmFp8, 2 * rows * w, active * w * weight_bytes + rows * m_.hidden_size * 3.0, n, 0, 0, 0,
          5};
     o.gemm = {per_expert, 2.0 * m_.moe_intermediate_size, double(m_.hidden_size), local, random_rows_};
     o.gemm2 = {per_expert, double(m_.hidden_size), double(m_.moe_intermediate_size), local, random_rows_};
@@ -272,7 +343,7 @@ class LayerBuilder {
   }
   Op combine(double n) const { return all_to_all(op::kCombine, n, m_.hidden_size * 2.0); }
   Op dense_ffn(double n) const {
-    const double h = m_.hidden_size, inter = m_.intermediate_size;
+    const double h = m_.hidden_size, inter = m_.intermediate_size / tp();
     Op o = gemm_op("dense.norm+ffn", OpKind::kGemmFp8, n, 2 * inter, h, 3.0 * h * inter + n * h * 4.0, 4);
     o.gemm2 = {n, h, inter, 1, false};
     o.flops = 2 * n * 3.0 * h * inter;
@@ -280,7 +351,7 @@ class LayerBuilder {
   }
   // The final norm and the LM head GEMM over `n` positions (fp32 logits out).
   Op lm_head(double n) const {
-    const double h = m_.hidden_size, v = m_.vocab_size;
+    const double h = m_.hidden_size, v = m_.vocab_size / tp();  // the vocabulary split over attention TP
     return gemm_op("lm_head", OpKind::kGemmBf16, n, v, h, h * v * 2 + n * v * 4, 2);
   }
   // Sampling / verification: `passes` reads of the fp32 logits of `n` positions in `kernels` launches.
@@ -300,6 +371,28 @@ class LayerBuilder {
     o.gemm = {m, n, k, 1, false};
     return o;
   }
+  double tp() const { return d_.attention_tensor_parallel; }
+  double heads_per_rank() const { return m_.num_attention_heads / tp(); }
+  double kv_heads_per_rank() const { return std::max(1, m_.num_key_value_heads / d_.attention_tensor_parallel); }
+  bool is_sparse_m3(int layer) const {
+    return layer >= 0 && static_cast<std::size_t>(layer) < m_.sparse_layers.size() && m_.sparse_layers[static_cast<std::size_t>(layer)];
+  }
+  // MiniMax-M3's weights: block FP8 (quantization_config fp8) or the model's dtype (MemoryModel).
+  bool fp8_weights_m3() const { return m_.weight_quant == "fp8"; }
+  double weight_bytes_m3() const { return fp8_weights_m3() ? 1.0 : 2.0; }
+  OpKind gemm_kind_m3() const { return fp8_weights_m3() ? OpKind::kGemmFp8 : OpKind::kGemmBf16; }
+  // The ranks' outputs of n tokens summed in bf16 (a ring over NVLink within a node, over RDMA past it),
+  // issued after `e`; compute waits for it. Returns its end.
+  double all_reduce(Scheduler& s, double n, double e) const {
+    if (tp() <= 1) return e;
+    const double bytes = 2 * (tp() - 1) / tp() * n * m_.hidden_size * 2.0;
+    const bool across_nodes = tp() > d_.gpus_per_node;
+    const Op ar{op::kAllReduce, OpKind::kComm, 0, 0, n, 0, across_nodes ? bytes : 0.0, across_nodes ? 0.0 : bytes, 1};
+    const double end = s.issue(Stream::kComm, ar, e);
+    s.block_compute_until(end, Wait::kComm);
+    return end;
+  }
+
   double indexer(Scheduler& s, const MicroBatch& mb, double e0, double frac) const {
     const double nn = mb.tokens * frac, bb = mb.requests * frac;
     const double ih = m_.index_n_heads, id = m_.index_head_dim;

@@ -14,7 +14,7 @@ constexpr double kBf16 = 2.0;
 
 }  // namespace
 
-void require_modelled_layers(const ModelSpec& m) {
+void require_modelled(const ModelSpec& m, const Deployment& dep) {
   for (int l = 0; l < m.num_hidden_layers && m.is_deepseek_v4(); ++l) {
     const int r = m.compress_ratio(l);
     ESS_CHECK(r == 0 || r == 4 || r == 128,
@@ -22,12 +22,35 @@ void require_modelled_layers(const ModelSpec& m) {
               "and 128; the low-ratio caches (1, 2) of later configs are not modelled",
               m.name, l, r);
   }
-  ESS_CHECK(!m.is_minimax_m3(),
-            "{}: the simulator models data-parallel attention, every GPU its own requests whole; SGLang's HiSparse "
-            "serves MiniMax-M3 with one KV head per rank (attention tensor-parallel over its {} KV heads), which it "
-            "does not model: `ess sim` / `ess plan` cannot size it (`ess verify --model` checks its offload, `ess "
-            "trace` its block selections)",
-            m.name, m.num_key_value_heads);
+  const int t = dep.attention_tensor_parallel;
+  if (!m.is_minimax_m3()) {
+    ESS_CHECK(t == 1,
+              "{}: attention_tensor_parallel = {}: its cache is modelled under data-parallel attention (every GPU its "
+              "requests' whole latent cache, as SGLang's DP attention holds it); attention tensor parallel is modelled "
+              "for MiniMax-M3",
+              m.name, t);
+    return;
+  }
+  ESS_CHECK(m.weight_quant.empty() || m.weight_quant == "fp8",
+            "{}: weights quantized as '{}' (quantization_config.quant_method): the simulator sizes {}'s weights in "
+            "torch_dtype or block FP8",
+            m.name, m.weight_quant, m.name);
+  for (int l = m.first_k_dense_replace; l < m.num_hidden_layers && !m.moe_layers.empty(); ++l) {
+    ESS_CHECK(m.moe_layers[static_cast<std::size_t>(l)],
+              "{}: layer {} is a dense MLP after MoE layer {} (moe_layer_freq): the step model runs the dense layers "
+              "first",
+              m.name, l, m.first_k_dense_replace);
+  }
+  // SGLang's HiSparse holds one KV head per rank (hisparse_coordinator.py asserts main_pool.head_num == 1;
+  // a rank's heads are max(1, num_key_value_heads // attn_tp), models/minimax_m3.py).
+  const int kv = m.num_key_value_heads;
+  ESS_CHECK(t >= kv && t % kv == 0,
+            "{}: attention_tensor_parallel = {}: SGLang's HiSparse serves MiniMax-M3 with one KV head per rank "
+            "(\"Increase the tensor-parallel size\"), so attention TP must be a multiple of its {} KV heads (the "
+            "shipped deployment {}: --tp 8 --ep 8)",
+            m.name, t, kv, "minimax-m3-tp8");
+  ESS_CHECK(m.num_attention_heads % t == 0,
+            "{}: attention_tensor_parallel = {} does not divide its {} query heads", m.name, t, m.num_attention_heads);
 }
 
 std::int64_t context_in_entries(const ModelSpec& m, std::int64_t tokens) {
@@ -73,16 +96,18 @@ double V4Caches::resident_bytes(std::int64_t context) const {
 MemoryModel::MemoryModel(const ModelSpec& m, const HardwareProfile& hw, const Deployment& dep,
                          std::int64_t context, double min_slots)
     : model_(m), hw_(hw), dep_(dep), context_(context) {
-  require_modelled_layers(m);
+  require_modelled(m, dep);
   ESS_CHECK(context > 0, "memory model: context = {} must be positive", context);
   context_entries_ = context_in_entries(m, context);
-  const std::int64_t whole = std::min<std::int64_t>(std::int64_t{dep.mtp_tokens} * m.index_topk, context_entries_);
-  const std::int64_t one = std::min<std::int64_t>(m.index_topk, context_entries_);
+  const std::int64_t whole = std::min<std::int64_t>(std::int64_t{dep.mtp_tokens} * m.selected_entries(), context_entries_);
+  const std::int64_t one = std::min<std::int64_t>(m.selected_entries(), context_entries_);
   ESS_CHECK(min_slots == 0 || (min_slots >= double(one) && min_slots <= double(whole)),
             "memory model: pool floor {} outside [{}, {}] (one query token's top-k, T x top-k)", min_slots, one, whole);
   min_slots_ = static_cast<std::int32_t>(min_slots > 0 ? std::ceil(min_slots) : double(whole));
   if (m.is_deepseek_v4()) {
     size_deepseek_v4();
+  } else if (m.is_minimax_m3()) {
+    size_minimax_m3();
   } else {
     size_dsa();
   }
@@ -101,6 +126,7 @@ void MemoryModel::size_dsa() {
   const int mtp_layers = dep.mtp_tokens > 1 ? m.num_nextn_predict_layers : 0;
   cache_layers_ = m.num_hidden_layers + mtp_layers;
   indexer_layers_ = m.indexer_layers(m.num_hidden_layers) + mtp_layers;
+  index_bytes_per_token_ = double(indexer_layers_) * double(m.indexer_entry_bytes());
   const double heads = m.num_attention_heads;
   const double mla = h * m.q_lora_rank + double(m.q_lora_rank) * heads * (m.qk_nope_head_dim + m.qk_rope_head_dim) +
                      h * (m.kv_lora_rank + m.qk_rope_head_dim) +
@@ -130,6 +156,7 @@ void MemoryModel::size_deepseek_v4() {
   const V4Caches v4 = V4Caches::of(m);
   entry_bytes_ = v4.entry_bytes;
   cache_layers_ = indexer_layers_ = v4.c4_layers;
+  index_bytes_per_token_ = double(indexer_layers_) * double(m.indexer_entry_bytes());
   other_resident_ = v4.resident_bytes(context_);
   const double h = m.hidden_size, heads = m.num_attention_heads, hd = m.head_dim;
   const double attention = h * m.q_lora_rank + double(m.q_lora_rank) * heads * hd + h * hd +
@@ -148,6 +175,48 @@ void MemoryModel::size_deepseek_v4() {
   weights_.router = h * m.n_routed_experts * m.num_moe_layers() * kBf16;
 }
 
+// MiniMax-M3 on one rank of attention TP t (models/minimax_m3.py; under HiSparse
+// mem_cache/memory_pool.py MiniMaxSparseKVPool and model_executor/pool_configurator.py): its
+// max(1, kv_heads / t) KV heads' K and V per token, offloaded in the sparse layers and resident whole in
+// the dense ones; the index cache of the sparse layers resident (one head of sparse_index_dim, keys only
+// where sparse_disable_index_value says so, in the model's dtype, FP8 with an FP8 KV cache:
+// get_minimax_sparse_index_dtype on Hopper). Weights: q / o and the index queries split over the t
+// ranks, K / V and the index key replicated per KV head, the experts over expert_parallel, the
+// vocabulary split over t; in torch_dtype, or block FP8 (quantization_config fp8).
+void MemoryModel::size_minimax_m3() {
+  const ModelSpec& m = model_;
+  const Deployment& dep = dep_;
+  const double t = dep.attention_tensor_parallel;
+  const double kv = std::max(1, m.num_key_value_heads / dep.attention_tensor_parallel);
+  const double hd = m.head_dim, h = m.hidden_size;
+  entry_bytes_ = kv * 2 * hd * m.kv_value_bytes;
+  const std::vector<int> sparse = m.offloaded_layers();
+  cache_layers_ = indexer_layers_ = static_cast<int>(sparse.size());
+  const int dense = m.num_hidden_layers - cache_layers_;
+  other_resident_ = double(context_) * dense * entry_bytes_;
+  const double index_value = m.kv_value_bytes == 1 ? 1.0 : 2.0;
+  int with_values = 0;  // sparse layers whose index cache keeps values
+  for (const int l : sparse) {
+    const bool k_only = static_cast<std::size_t>(l) < m.index_k_only.size() && m.index_k_only[static_cast<std::size_t>(l)];
+    with_values += k_only ? 0 : 1;
+  }
+  index_bytes_per_token_ = (cache_layers_ + with_values) * double(m.index_head_dim) * index_value;
+  const double w = m.weight_quant == "fp8" ? kFp8BytesPerParam : double(m.kv_value_bytes == 1 ? 2 : m.kv_value_bytes);
+  const double q_heads = m.num_attention_heads / t;
+  const double index_heads = std::max(1.0, std::floor(m.index_n_heads / t));
+  const double attention = h * q_heads * hd * 2 + h * kv * hd * 2;
+  const double index = h * index_heads * m.index_head_dim + h * m.index_head_dim;
+  const double expert = 3.0 * h * m.moe_intermediate_size;
+  const double experts_per_gpu = std::ceil(double(m.n_routed_experts) / dep.expert_parallel);
+  const int moe_layers = m.num_moe_layers();
+  weights_.attention = (attention * m.num_hidden_layers + index * cache_layers_ + h * m.index_head_dim * with_values) * w;
+  weights_.dense_ffn = 3.0 * h * m.intermediate_size * m.num_dense_layers() / t * w;
+  weights_.shared_experts = expert * m.n_shared_experts * moe_layers / t * w;
+  weights_.routed_experts = expert * experts_per_gpu * moe_layers * w;
+  weights_.embedding = 2.0 * h * m.vocab_size / t * kBf16;
+  weights_.router = h * m.n_routed_experts * moe_layers * kBf16;
+}
+
 double MemoryModel::hbm_bytes() const { return hw_.hbm_capacity_gb * 1e9; }
 
 double MemoryModel::activation_budget() const {
@@ -155,7 +224,7 @@ double MemoryModel::activation_budget() const {
 }
 
 double MemoryModel::indexer_bytes_per_request() const {
-  return double(context_entries_) * indexer_layers_ * double(model_.indexer_entry_bytes());
+  return double(context_entries_) * index_bytes_per_token_;
 }
 
 double MemoryModel::resident_bytes_per_request() const { return indexer_bytes_per_request() + other_resident_; }
@@ -181,7 +250,7 @@ void MemoryModel::check_fits(int batch, double slots) const {
   ESS_CHECK(batch >= 1, "batch = {} must be at least 1", batch);
   ESS_CHECK(slots >= min_slots(),
             "{} slots per request-layer is below the pool's floor ({} slots: {})", slots, min_slots(),
-            min_slots() < std::min<std::int64_t>(std::int64_t{dep_.mtp_tokens} * model_.index_topk, context_entries_)
+            min_slots() < std::min<std::int64_t>(std::int64_t{dep_.mtp_tokens} * model_.selected_entries(), context_entries_)
                 ? "the MTP working set, measured by --miss-profile or else the built-in locality model's, "
                   "with its margin"
                 : "T x top-k, capped at the context");

@@ -7,9 +7,9 @@ constexpr std::string_view kAll[] = {
     op::kProj0,       op::kIndexerWqB,    op::kQbProj,         op::kAbsorbBmm,      op::kOutBmm,
     op::kOProj,       op::kGate,          op::kSharedExpert,   op::kRoutedExperts,  op::kIndexerLogits,
     op::kIndexerTopk, op::kSwap,          op::kQueryGroups,    op::kSparseMla,      op::kAttn0,          op::kAttn1,
-    op::kMerge,       op::kD2HNewEntries, op::kH2DMisses,      op::kH2DMissesHalf0, op::kH2DMissesHalf1,
+    op::kMerge,       op::kGqa,           op::kD2HNewEntries, op::kH2DMisses,      op::kH2DMissesHalf0, op::kH2DMissesHalf1,
     op::kH2DPrefetch,
-    op::kDispatch,    op::kCombine};
+    op::kDispatch,    op::kCombine,       op::kAllReduce};
 
 }  // namespace
 

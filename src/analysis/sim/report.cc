@@ -125,6 +125,22 @@ std::string option_line(const PlanOption& o) {
 
 // A model whose layers share an indexer's top-k: how many run one, and where the others swap.
 // `searched`: a plan, whose search covers the prefetch on and off when the deployment allows it.
+// ", attention TP t" under attention tensor parallel, else "".
+std::string attention_tp(const Deployment& d) {
+  return d.attention_tensor_parallel > 1 ? fmt::format(", attention TP {}", d.attention_tensor_parallel) : std::string();
+}
+
+// Under attention tensor parallel: what a batch and a GPU's caches are.
+std::string attention_tp_line(const ModelSpec& m, const Deployment& d) {
+  if (d.attention_tensor_parallel <= 1) return {};
+  return fmt::format("attention TP {}: a batch is the {} GPUs' together, each GPU holding every request's K / V of {} KV "
+                     "head{} (SGLang's HiSparse: one per rank) and its index cache; all-reduces after attention and "
+                     "MoE\n",
+                     d.attention_tensor_parallel, d.attention_tensor_parallel,
+                     std::max(1, m.num_key_value_heads / d.attention_tensor_parallel),
+                     m.num_key_value_heads / d.attention_tensor_parallel > 1 ? "s" : "");
+}
+
 std::string index_sharing_line(const ModelSpec& m, const Deployment& d, bool searched = false) {
   if (m.shared_index.empty()) return {};
   return fmt::format("index sharing: {} of {} layers run an indexer (indexer keys and weights in those only); the others "
@@ -199,7 +215,7 @@ Simulation simulate(const StepModel& sm, const Workload& base_in, const std::vec
   s.cache_budget_gb = mem.cache_budget() / 1e9;
   s.pool_floor = sm.pool_floor(base.misses, context);
   s.pool_floor_rule = sm.misses_in_entries(base.misses)
-                          .floor_rule(s.deployment.mtp_tokens, s.model.index_topk, double(mem.context_entries()));
+                          .floor_rule(s.deployment.mtp_tokens, s.model.selected_entries(), double(mem.context_entries()));
   s.weights_gb = mem.weights().total() / 1e9;
 
   // The memory wall: the all-on-GPU baseline at its largest batch. The executor rig has no
@@ -419,11 +435,12 @@ std::string to_table(const Simulation& s) {
         s.model.name, on_gpu(hw), dep.rig_layers, dep.expert_parallel, dep.mtp_tokens, context, to_string(s.base.overlap));
     add("no memory model on the rig; all-on-GPU: the rig's all-resident step at the same batch\n\n");
   } else {
-    add("ess sim: {} on {} | {} nodes x {} GPUs, EP {}, MTP {} (accept {}), TBO {} | context {} | overlap {}\n",
-        s.model.name, on_gpu(hw), dep.nodes, dep.gpus_per_node, dep.expert_parallel, dep.mtp_tokens, dep.accept_ratio,
-        dep.two_batch_overlap ? "on" : "off", context, to_string(s.base.overlap));
+    add("ess sim: {} on {} | {} nodes x {} GPUs{}, EP {}, MTP {} (accept {}), TBO {} | context {} | overlap {}\n",
+        s.model.name, on_gpu(hw), dep.nodes, dep.gpus_per_node, attention_tp(dep), dep.expert_parallel, dep.mtp_tokens,
+        dep.accept_ratio, dep.two_batch_overlap ? "on" : "off", context, to_string(s.base.overlap));
     add("per GPU: {:.1f} GB HBM x {} static = {:.1f} GB weights + {:.1f} GB for the caches\n", hw.hbm_capacity_gb,
         dep.mem_fraction_static, s.weights_gb, s.cache_budget_gb);
+    add("{}", attention_tp_line(s.model, dep));
     add("pool floor: {:.0f} slots per request-layer ({})\n", s.pool_floor, s.pool_floor_rule);
     add("{}", index_sharing_line(s.model, dep));
     if (s.wall_fits) {
@@ -490,11 +507,11 @@ std::string to_table(const Simulation& s) {
     }
   }
   add("\nratio: Sparse Memory Ratio that fits the batch; x-comm / x-h2d: compute stream idle waiting for the "
-      "all-to-all / the misses' copy; host: the host's time between steps (scheduling, sampling bookkeeping), the "
+      "{} / the misses' copy; host: the host's time between steps (scheduling, sampling bookkeeping), the "
       "step = compute + x-comm + x-h2d + host{}; misses: mean per request-layer-step (--miss-profile, else the "
       "parametric model){}; gain: throughput vs the all-on-GPU baseline at its largest batch; all-on-GPU: its "
       "throughput at the same batch (OOM: does not fit){}.\n",
-      any_idle ? " + idle (compute stream idle for another reason: the other micro-batch, a D2H copy, or the step "
+      dep.attention_tensor_parallel > 1 ? "all-reduces" : "all-to-all", any_idle ? " + idle (compute stream idle for another reason: the other micro-batch, a D2H copy, or the step "
                  "ending on another stream)"
                : "",
       any_whole ? "; whole: requests whole on the GPU (--residency adaptive: no misses, no swap)" : "",
@@ -566,9 +583,10 @@ std::string to_table(const Plans& p) {
     fmt::format_to(std::back_inserter(out), f, std::forward<A>(a)...);
   };
   const Deployment& dep = p.deployment;
-  add("ess plan: {} on {} | {} nodes x {} GPUs, EP {}, MTP {} (accept {}), TBO {} | min OTPS {}\n", p.model.name,
-      on_gpu(p.hardware), dep.nodes, dep.gpus_per_node, dep.expert_parallel, dep.mtp_tokens, dep.accept_ratio,
-      dep.two_batch_overlap ? "on" : "off", p.min_otps);
+  add("ess plan: {} on {} | {} nodes x {} GPUs{}, EP {}, MTP {} (accept {}), TBO {} | min OTPS {}\n", p.model.name,
+      on_gpu(p.hardware), dep.nodes, dep.gpus_per_node, attention_tp(dep), dep.expert_parallel, dep.mtp_tokens,
+      dep.accept_ratio, dep.two_batch_overlap ? "on" : "off", p.min_otps);
+  add("{}", attention_tp_line(p.model, dep));
   add("{}", index_sharing_line(p.model, dep, true));
   if (!p.engine.empty()) add("engine: {} ({})\n", p.engine, p.engine_notes.empty() ? "as asked" : fmt::format("{}", fmt::join(p.engine_notes, "; ")));
   for (std::size_t i = 0; i < p.results.size(); ++i) {
@@ -583,7 +601,8 @@ std::string to_table(const Plans& p) {
             r.chosen.best.layers_da, r.chosen.best.layers_dba, r.chosen.best.layer_modes);
       }
       if (const LowLoad& l = r.low_load; l.found) {
-        add("          low load (ESS_RESIDENCY=adaptive): every request whole up to batch {} per GPU", l.all_whole_up_to);
+        add("          low load (ESS_RESIDENCY=adaptive): every request whole up to batch {} per {}", l.all_whole_up_to,
+            dep.attention_tensor_parallel > 1 ? "instance" : "GPU");
         if (l.batch1_adaptive > 0) {
           add("; batch 1 at {:.3f}x of all-on-GPU ({:.3f}x with every request sparse)", l.batch1_adaptive,
               l.batch1_sparse);

@@ -53,7 +53,7 @@ StepResult size_step(const ModelSpec& model, const Deployment& dep, const Worklo
     ESS_CHECK(batch > 0, "deployment {}: the executor rig (rig_layers = {}) needs an explicit batch", dep.name,
               dep.rig_layers);
     if (slots == 0) slots = ctx32;
-    const std::int64_t whole = std::min<std::int64_t>(std::int64_t{dep.mtp_tokens} * model.index_topk, wl.context);
+    const std::int64_t whole = std::min<std::int64_t>(std::int64_t{dep.mtp_tokens} * model.selected_entries(), wl.context);
     ESS_CHECK(!wl.offload || slots >= whole,
               "the executor rig runs steps whole (no query groups): {} slots cannot hold a step's working set of up to "
               "min(T x top-k, context) = {}", slots, whole);
@@ -106,7 +106,7 @@ class StepRun {
         rig_(dep.rig_layers > 0),
         lb_(model, dep, wl.context, wl.offload, double(r_.slots), sparse_share()),
         s_(cost, r_, timeline),
-        topk_eff_(static_cast<double>(std::min<std::int64_t>(model.index_topk, entries_))),
+        topk_eff_(static_cast<double>(std::min<std::int64_t>(model.selected_entries(), entries_))),
         n_layers_(rig_ ? dep.rig_layers : model.num_hidden_layers),
         first_moe_(rig_ ? 0 : std::min(model.first_k_dense_replace, n_layers_)) {}
   StepRun(const StepRun&) = delete;  // the scheduler points at r_
@@ -134,7 +134,8 @@ class StepRun {
     r_.step_us = s_.end();
     const double step_s = r_.step_us * 1e-6;
     r_.otps = dep_.accept_ratio / step_s;
-    r_.throughput_tokens_per_s = r_.otps * r_.batch * dep_.gpus_per_node;
+    // Per node: a batch per GPU, or (attention TP) one batch over gpus_per_request GPUs.
+    r_.throughput_tokens_per_s = r_.otps * r_.batch * dep_.gpus_per_node / dep_.gpus_per_request();
     r_.h2d_gbps_per_node = r_.h2d_bytes * dep_.gpus_per_node / step_s / 1e9;
     return r_;
   }
@@ -156,13 +157,18 @@ class StepRun {
   double sparse_share() const { return r_.batch > 0 ? double(r_.batch - r_.whole_requests) / r_.batch : 1.0; }
 
   // Each layer's misses per request (capped) and their mean over the offloaded layers (DeepSeek-V4's
-  // C4 layers, a miss profile's layers in their order; every layer of a DSA model).
+  // C4 layers, MiniMax-M3's sparse ones, a miss profile's layers in their order; every layer of a DSA
+  // model).
   void plan_misses() {
     layer_misses_.assign(static_cast<std::size_t>(n_layers_), 0.0);
+    std::vector<bool> offloads(static_cast<std::size_t>(n_layers_), rig_);
+    for (const int l : model_.offloaded_layers()) {
+      if (l < n_layers_) offloads[static_cast<std::size_t>(l)] = true;
+    }
     double miss_sum = 0;
     int offloaded = 0;
     for (int layer = 0; layer < n_layers_; ++layer) {
-      if (model_.is_deepseek_v4() && model_.compress_ratio(layer) != 4) continue;
+      if (!offloads[static_cast<std::size_t>(layer)]) continue;
       // Whole requests miss nothing: the mean over the batch is the sparse ones' share. A layer
       // sharing its leader's top-k misses what its leader misses (its pool sees the same ids).
       const double m = !offload_                    ? 0.0
@@ -205,7 +211,7 @@ class StepRun {
     // steps that split is bounded by the measured working set.
     const double slots = double(r_.slots);
     const double split = offload_ && tokens_per_request > 1
-                             ? wl_.misses.split_bound(slots, tokens_per_request, model_.index_topk, double(entries_))
+                             ? wl_.misses.split_bound(slots, tokens_per_request, model_.selected_entries(), double(entries_))
                              : 0.0;
     const double per_group = std::max(1.0, std::floor(slots / topk_eff_));
     const double max_groups = std::ceil(double(tokens_per_request) / per_group);
@@ -394,19 +400,28 @@ StepModel::StepModel(const ModelSpec& model, const HardwareProfile& hw, const De
                      const MeasuredTables* tables)
     : model_(model), hw_(hw), dep_(dep), cost_(hw_, tables) {
   dep_.validate(dep.name);
-  require_modelled_layers(model_);
+  require_modelled(model_, dep_);
   if (model_.is_deepseek_v4()) {
     ESS_CHECK(dep_.mtp_tokens == 1,
               "{}: mtp_tokens = {}: SGLang 0.5.23's HiSparse refuses speculative decoding with DeepSeek-V4, so its "
               "decode runs one query token per step (--mtp 1)",
               model_.name, dep_.mtp_tokens);
-    ESS_CHECK(dep_.rig_layers == 0, "{}: the executor rig (rig_layers = {}) runs DSA layers; DeepSeek-V4's are modelled "
-              "in a deployment only", model_.name, dep_.rig_layers);
-    // A measured table names DSA's ops by name and context in tokens: its rows would time V4's other shapes.
+  }
+  if (model_.is_minimax_m3()) {
+    ESS_CHECK(dep_.mtp_tokens == 1,
+              "{}: mtp_tokens = {}: MiniMax-M3 has no next-n (MTP) layers, so its decode runs one query token per "
+              "step (--mtp 1)",
+              model_.name, dep_.mtp_tokens);
+  }
+  if (model_.is_deepseek_v4() || model_.is_minimax_m3()) {
+    const char* family = model_.is_deepseek_v4() ? "DeepSeek-V4" : "MiniMax-M3";
+    ESS_CHECK(dep_.rig_layers == 0, "{}: the executor rig (rig_layers = {}) runs DSA layers; {}'s are modelled "
+              "in a deployment only", model_.name, dep_.rig_layers, family);
+    // A measured table names DSA's ops by name and context in tokens: its rows would time another model's shapes.
     ESS_CHECK(tables == nullptr || tables->empty(),
-              "{}: --op-table: the measured ops are DSA's (`ess bench profile` times the rig's DSA layers); DeepSeek-V4's "
+              "{}: --op-table: the measured ops are DSA's (`ess bench profile` times the rig's DSA layers); {}'s "
               "steps are timed analytically",
-              model_.name);
+              model_.name, family);
   }
   // Experts spread unevenly are modelled (the busiest GPU holds the rounded-up share); more
   // GPUs in an EP group than experts are not.
@@ -416,16 +431,33 @@ StepModel::StepModel(const ModelSpec& model, const HardwareProfile& hw, const De
 }
 
 MissModel StepModel::misses_in_entries(const MissModel& m) const {
-  if (model_.tokens_per_entry() == 1 || m.unit_tokens != 1) return m;
+  const int block = model_.selection_block();
+  if (block > 1 && m.unit_tokens == block * model_.tokens_per_entry()) {
+    // A profile of the model's own blocks (MiniMax-M3's): an id names `block` entries, selected, held
+    // and missed together (the swap engine's LRU keeps a block's tokens together).
+    MissModel e = m;
+    e.reference_misses *= block;
+    e.reference_slots *= block;
+    e.reference_context *= block;
+    e.working_set_p99 *= block;
+    e.working_set_max *= block;
+    e.profile_topk *= block;
+    e.unit_tokens = model_.tokens_per_entry();
+    return e;
+  }
+  if (m.unit_tokens != 1) return m;  // another model's units: check_misses names them
+  // Tokens for a cache of tokens: as they are, but the built-in model's for a block selection.
+  if (model_.tokens_per_entry() == 1 && (block == 1 || !m.builtin)) return m;
   ESS_CHECK(m.builtin,
             "{}: a miss model's reference point given in tokens (--misses / --miss-exponent, a workload's 'misses', a "
             "profile of tokens) does not describe its cache of entries of {} tokens; give a miss profile of its own "
             "(`ess trace gen --model` / a recording, then `ess trace analyze --miss-profile`)",
             model_.name, model_.tokens_per_entry());
   // The built-in model (tokens of a DSA model at top-2048) for a cache of entries of n tokens at
-  // top-k entries: the same share of the selection missed at the same share of the context held.
+  // top-k entries (MiniMax-M3: tokens, its blocks' selected): the same share of the selection missed
+  // at the same share of the context held.
   MissModel e = m;
-  const double n = model_.tokens_per_entry(), share = double(model_.index_topk) / kBuiltinTopk;
+  const double n = model_.tokens_per_entry(), share = double(model_.selected_entries()) / kBuiltinTopk;
   e.reference_misses *= share;
   e.reference_slots /= n;
   e.reference_context /= n;
@@ -436,7 +468,7 @@ MissModel StepModel::misses_in_entries(const MissModel& m) const {
 }
 
 double StepModel::pool_floor(const MissModel& misses, std::int64_t context) const {
-  return misses_in_entries(misses).min_slots(dep_.mtp_tokens, model_.index_topk,
+  return misses_in_entries(misses).min_slots(dep_.mtp_tokens, model_.selected_entries(),
                                              double(context_in_entries(model_, context)));
 }
 
@@ -446,30 +478,30 @@ void StepModel::check_misses(const MissModel& m) const {
             "one recorded under it)",
             m.unit_tokens == 1 ? std::string("tokens") : fmt::format("units of {} tokens", m.unit_tokens), model_.name,
             model_.tokens_per_entry() == 1 ? std::string("tokens") : fmt::format("entries of {} tokens", model_.tokens_per_entry()));
-  const double most = static_cast<double>(m.reference_tokens) * model_.index_topk;
+  const double most = static_cast<double>(m.reference_tokens) * model_.selected_entries();
   ESS_CHECK(m.reference_misses <= most,
             "miss model: {} misses per request-layer-step at the reference pool exceed what {} query tokens x top-{} "
             "can select ({})",
-            m.reference_misses, m.reference_tokens, model_.index_topk, most);
-  const int offloaded = model_.is_deepseek_v4() ? static_cast<int>(model_.offloaded_layers().size()) : model_.num_hidden_layers;
+            m.reference_misses, m.reference_tokens, model_.selected_entries(), most);
+  const int offloaded = static_cast<int>(model_.offloaded_layers().size());
   const int layers = dep_.rig_layers > 0 ? dep_.rig_layers : offloaded;
   ESS_CHECK(m.layer_shape.empty() || static_cast<int>(m.layer_shape.size()) == offloaded ||
                 (dep_.rig_layers > 0 && static_cast<int>(m.layer_shape.size()) >= layers),
             "miss profile: {} per-layer values for a model of {} {}layers{}", m.layer_shape.size(), offloaded,
             offloaded == model_.num_hidden_layers ? "" : "offloaded ",
             dep_.rig_layers > 0 ? fmt::format(" (the rig runs {})", layers) : "");
-  ESS_CHECK(m.profile_topk == 0 || m.profile_topk == model_.index_topk,
-            "miss profile: measured at top-{}, the model selects top-{}", m.profile_topk, model_.index_topk);
+  ESS_CHECK(m.profile_topk == 0 || m.profile_topk == model_.selected_entries(),
+            "miss profile: measured at top-{}, the model selects top-{}", m.profile_topk, model_.selected_entries());
 }
 
 StepResult StepModel::run(const Workload& given, Timeline* timeline) const {
   given.validate();
   ESS_CHECK(model_.max_position_embeddings <= 0 || given.context <= model_.max_position_embeddings,
             "context {} exceeds the model's max_position_embeddings ({})", given.context, model_.max_position_embeddings);
-  ESS_CHECK(!model_.is_deepseek_v4() || !given.offload || given.overlap == OverlapMode::kNone,
-            "{}: overlap {}: the overlap schedules split FlashMLA's DSA decode; DeepSeek-V4's runs whole (the SGLang "
-            "adapter refuses ESS_OVERLAP with it)",
-            model_.name, to_string(given.overlap));
+  ESS_CHECK((!model_.is_deepseek_v4() && !model_.is_minimax_m3()) || !given.offload || given.overlap == OverlapMode::kNone,
+            "{}: overlap {}: the overlap schedules split FlashMLA's DSA decode; {}'s runs whole (the SGLang adapter "
+            "refuses ESS_OVERLAP with it)",
+            model_.name, to_string(given.overlap), model_.is_deepseek_v4() ? "DeepSeek-V4" : "MiniMax-M3");
   Workload wl = given;
   wl.misses = misses_in_entries(given.misses);
   check_misses(wl.misses);

@@ -136,7 +136,24 @@ void read_minimax_m3(const json& t, const json& top, const std::string& source, 
   m.num_experts_per_tok = json_int(t, "num_experts_per_tok", source, false, 0);
   m.intermediate_size = json_int(t, "intermediate_size", source, false, 0);
   m.moe_intermediate_size = m.intermediate_size;
+  m.n_shared_experts = json_int(t, "n_shared_experts", source, false, 0);
   m.kv_value_bytes = kv_value_bytes(t, source, m.kv_cache_dtype);
+  // MoE or dense MLP per layer (models/minimax_m3.py _is_layer_sparse: moe_layer_freq[l] != 0; every
+  // layer MoE when absent); the weights' quantization (quantization_config.quant_method).
+  if (const json* moe = present(t, "moe_layer_freq")) {
+    ESS_CHECK(moe->is_array(), "{}: field 'moe_layer_freq' (per layer, 0 for a dense MLP) must be a list", source);
+    for (std::size_t l = 0; l < moe->size(); ++l) {
+      const json& f = (*moe)[l];
+      ESS_CHECK(f.is_number_integer(), "{}: field 'moe_layer_freq'[{}] = {} is not an integer", source, l, f.dump());
+      m.moe_layers.push_back(f.get<std::int64_t>() != 0);
+    }
+  }
+  while (m.first_k_dense_replace < std::ssize(m.moe_layers) && !m.moe_layers[static_cast<std::size_t>(m.first_k_dense_replace)]) {
+    ++m.first_k_dense_replace;
+  }
+  const json* quant = present(t, "quantization_config");
+  if (quant == nullptr) quant = present(top, "quantization_config");
+  if (quant != nullptr && quant->is_object()) m.weight_quant = json_string(*quant, "quant_method", source, false);
   const json* sparse = present(t, "sparse_attention_config");
   if (sparse == nullptr) sparse = present(top, "sparse_attention_config");
   ESS_CHECK(sparse != nullptr && sparse->is_object(),
@@ -154,6 +171,17 @@ void read_minimax_m3(const json& t, const json& top, const std::string& source, 
   m.sparse_topk_blocks = json_int(*sparse, "sparse_topk_blocks", where, true);
   m.index_head_dim = json_int(*sparse, "sparse_index_dim", where, true);
   m.index_n_heads = json_int(*sparse, "sparse_num_index_heads", where, true);
+  // An index cache of keys only in the layers flagged (configs/model_config.py
+  // get_minimax_sparse_disable_value_layer_ids: none when absent).
+  if (const json* k_only = present(*sparse, "sparse_disable_index_value")) {
+    ESS_CHECK(k_only->is_array(), "{}: field 'sparse_disable_index_value' (per layer) must be a list of integers", where);
+    for (std::size_t l = 0; l < k_only->size(); ++l) {
+      const json& f = (*k_only)[l];
+      ESS_CHECK(f.is_number_integer(), "{}: field 'sparse_disable_index_value'[{}] = {} is not an integer", where, l,
+                f.dump());
+      m.index_k_only.push_back(f.get<std::int64_t>() != 0);
+    }
+  }
   if (const json* score = present(*sparse, "sparse_score_type")) {
     ESS_CHECK(score->is_string() && (*score == "max" || *score == "lse"),
               "{}: field 'sparse_score_type' = {} must be \"max\" or \"lse\"", where, score->dump());
@@ -323,7 +351,7 @@ json ModelSpec::to_json() const {
   if (is_minimax_m3()) {
     json freq = json::array();
     for (const bool sparse : sparse_layers) freq.push_back(sparse ? 1 : 0);
-    return {{"_name_or_path", name},
+    json m3 = {{"_name_or_path", name},
             {"architectures", {architecture}},
             {"model_type", model_type},
             {"num_hidden_layers", num_hidden_layers},
@@ -347,6 +375,16 @@ json ModelSpec::to_json() const {
               {"sparse_local_block", sparse_local_blocks},
               {"sparse_index_dim", index_head_dim},
               {"sparse_num_index_heads", index_n_heads}}}};
+    const auto flags = [](const std::vector<bool>& v) {
+      json a = json::array();
+      for (const bool b : v) a.push_back(b ? 1 : 0);
+      return a;
+    };
+    if (!index_k_only.empty()) m3["sparse_attention_config"]["sparse_disable_index_value"] = flags(index_k_only);
+    if (!moe_layers.empty()) m3["moe_layer_freq"] = flags(moe_layers);
+    if (n_shared_experts > 0) m3["n_shared_experts"] = n_shared_experts;
+    if (!weight_quant.empty()) m3["quantization_config"] = {{"quant_method", weight_quant}};
+    return m3;
   }
   if (!kv_cache_dtype.empty()) j["kv_cache_dtype"] = kv_cache_dtype;
   if (is_deepseek_v4()) {
@@ -428,6 +466,9 @@ void ModelSpec::validate(const std::string& source) const {
     ESS_CHECK(std::ssize(sparse_layers) >= num_hidden_layers,
               "{}: field 'sparse_attention_freq' has {} layers; the model has num_hidden_layers = {}", source,
               sparse_layers.size(), num_hidden_layers);
+    ESS_CHECK(moe_layers.empty() || std::ssize(moe_layers) >= num_hidden_layers,
+              "{}: field 'moe_layer_freq' has {} layers; the model has num_hidden_layers = {}", source, moe_layers.size(),
+              num_hidden_layers);
     ESS_CHECK(!offloaded_layers().empty(),
               "{}: no sparse layer (sparse_attention_freq != 0): those are what HiSparse offloads, and there is none",
               source);
@@ -485,6 +526,9 @@ void ModelSpec::validate(const std::string& source) const {
     ESS_CHECK(std::ssize(compress_ratios) >= num_hidden_layers,
               "{}: field 'compress_ratios' has {} layers; the model has num_hidden_layers = {}", source,
               compress_ratios.size(), num_hidden_layers);
+    ESS_CHECK(moe_layers.empty() || std::ssize(moe_layers) >= num_hidden_layers,
+              "{}: field 'moe_layer_freq' has {} layers; the model has num_hidden_layers = {}", source, moe_layers.size(),
+              num_hidden_layers);
     ESS_CHECK(!offloaded_layers().empty(),
               "{}: no layer has compress ratio 4: the C4 cache is what HiSparse offloads, and there is none", source);
   }
