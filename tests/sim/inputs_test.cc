@@ -216,6 +216,9 @@ TEST(sim_inputs, MeasuredWorkingSetSetsThePoolFloor) {
   m.pool_floor = "tk";
   EXPECT_DOUBLE_EQ(m.min_slots(2, 2048, 32768), 4096);
   EXPECT_NE(m.floor_rule(2, 2048, 32768).find("T x top-k"), std::string::npos);
+  // One query token: its top-k, whatever was measured at another T.
+  EXPECT_EQ(m.floor_rule(1, 2048, 32768), "T = 1: one query token's top-2048");
+  EXPECT_EQ(m.floor_rule(1, 2048, 1000), "T = 1: one query token's top-2048, capped at the context");
   // Splits: none at or above the max, a 1% bound down to the p99, every step below it.
   EXPECT_EQ(m.split_bound(2600, 2, 2048, 32768), 0);
   EXPECT_EQ(m.split_bound(2550, 2, 2048, 32768), 0.01);

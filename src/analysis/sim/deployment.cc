@@ -172,6 +172,9 @@ double MissModel::min_slots(int tokens, int topk, double context) const {
 }
 
 std::string MissModel::floor_rule(int tokens, int topk, double context) const {
+  if (tokens <= 1) {  // one query token: its top-k is the whole working set
+    return fmt::format("T = 1: one query token's top-{}{}", topk, context < topk ? ", capped at the context" : "");
+  }
   const double whole = std::min(double(tokens) * topk, context);
   const double ws = working_set(pool_floor == "p99" ? working_set_p99 : working_set_max, tokens, topk);
   if (pool_floor == "tk" || ws <= 0) {
