@@ -189,5 +189,36 @@ TEST(sim_launch, StockHiSparseIsSizedAsSglangSizesIt) {
   EXPECT_TRUE(plan_contexts(in, o).stock.at(0).is_null());
 }
 
+// MiniMax-M3 under SGLang: attention TP over the node, SGLang's default MoE (its all-reduce, no DeepEP), the model's
+// own KV dtype, a device buffer holding a step's blocks. DeepSeek-V4 still has no launch line.
+TEST(sim_launch, MiniMaxM3sLaunchLineRunsAttentionTensorParallel) {
+  Inputs in;
+  in.model = ESS_SOURCE_DIR "/configs/models/minimax-m3.json";
+  in.hardware = "h200";
+  PlanOptions o;
+  o.contexts = {32768};
+  o.engine = "sglang";
+  const Plans p = plan_contexts(in, o);
+  ASSERT_TRUE(p.results[0].found);
+  const StepResult& c = p.results[0].chosen.best;
+  ASSERT_TRUE(c.offload);
+  const std::vector<std::string> argv = p.launches[0]["argv"];
+  auto value = [&](const std::string& flag) {
+    const auto it = std::find(argv.begin(), argv.end(), flag);
+    return it == argv.end() ? std::string("(absent)") : it + 1 == argv.end() ? std::string() : *(it + 1);
+  };
+  EXPECT_EQ(value("--tp-size"), "8");
+  EXPECT_EQ(value("--ep-size"), "8");
+  EXPECT_EQ(value("--moe-a2a-backend"), "(absent)");
+  EXPECT_EQ(value("--enable-dp-attention"), "(absent)");
+  EXPECT_EQ(value("--kv-cache-dtype"), "(absent)");
+  EXPECT_EQ(value("--max-running-requests"), std::to_string(c.batch));
+  EXPECT_GE(c.slots, 17 * 128);
+  EXPECT_NE(value("--hisparse-config").find(fmt::format("\"device_buffer_size\": {}", c.slots)), std::string::npos);
+  EXPECT_TRUE(p.stock[0].is_null());
+  in.model = ESS_SOURCE_DIR "/configs/models/deepseek-v4-flash.json";
+  EXPECT_TRUE(plan_contexts(in, o).launches[0].is_null());
+}
+
 }  // namespace
 }  // namespace ess::sim

@@ -122,8 +122,12 @@ Plans plan_contexts(const Inputs& inputs, const PlanOptions& options) {
     }
     ESS_CHECK(!modes.empty(), "plan: {} runs overlap none only, and --modes leaves it out", family);
     if (!options.engine.empty()) {
-      notes.push_back(family + ": no launch command and no stock-HiSparse comparison yet (both are modelled on DSA's "
-                      "pools and flags)");
+      // DeepSeek-V4's host_to_device_ratio sizes its C4 pool otherwise (pool_configurator.py: full tokens // (4 x
+      // ratio)); stock HiSparse's sizing is modelled on DSA's pools.
+      notes.push_back(model.is_deepseek_v4()
+                          ? family + ": no launch command and no stock-HiSparse comparison yet (both are modelled on "
+                                     "DSA's pools and flags)"
+                          : family + ": no stock-HiSparse comparison yet (its sizing is modelled on DSA's pools)");
     }
   }
   if (!limits.shared_index_prefetch && !model.shared_index.empty()) {
@@ -187,8 +191,8 @@ Plans plan_contexts(const Inputs& inputs, const PlanOptions& options) {
     plans.results.push_back(plan(models, suffixes, r));
     if (!limits.whole_residency) plans.results.back().low_load = {};
     const PlanResult& got = plans.results.back();
-    // DeepSeek-V4, MiniMax-M3: no launch command and no stock-HiSparse comparison (both are modelled on DSA's pools).
-    plans.launches.push_back(options.engine.empty() || !got.found || !dsa
+    // DeepSeek-V4: no launch command; V4, MiniMax-M3: no stock-HiSparse comparison (modelled on DSA's pools).
+    plans.launches.push_back(options.engine.empty() || !got.found || model.is_deepseek_v4()
                                  ? nlohmann::json()
                                  : launch_for(options.engine, model, hw, plans.deployment, got).to_json());
     plans.stock.push_back(got.found && dsa ? stock_hisparse(options.engine, *models.front(), r).to_json() : nlohmann::json());

@@ -231,9 +231,10 @@ Launch launch_for(const std::string& engine, const ModelSpec& model, const Hardw
     // Requests stay whole among ESS's rows while they are free: a light load pays no offload.
     l.env.push_back("ESS_RESIDENCY=adaptive");
     if (result.low_load.found) {
-      l.notes.push_back(fmt::format("ESS_RESIDENCY=adaptive: up to {} requests per GPU stay whole (no swap, no misses); "
+      l.notes.push_back(fmt::format("ESS_RESIDENCY=adaptive: up to {} requests per {} stay whole (no swap, no misses); "
                                     "past them, requests are demoted to pools of {} slots as they arrive",
-                                    result.low_load.all_whole_up_to, c.slots));
+                                    result.low_load.all_whole_up_to,
+                                    d.attention_tensor_parallel > 1 ? "instance" : "GPU", c.slots));
     }
   }
   l.argv = {"python", "-m", c.offload ? "ess.integrations.sglang_launch" : "sglang.launch_server", "--model-path",
@@ -257,7 +258,9 @@ Launch launch_for(const std::string& engine, const ModelSpec& model, const Hardw
   }
   if (d.expert_parallel > 1) {
     flag("--ep-size", std::to_string(d.expert_parallel));
-    flag("--moe-a2a-backend", "deepep");
+    // DP attention: DeepEP's all-to-all. Attention TP (MiniMax-M3): every rank holds the batch's tokens, SGLang's
+    // default MoE runs each rank's experts on them and all-reduces, as the plan modelled.
+    if (d.attention_tensor_parallel == 1) flag("--moe-a2a-backend", "deepep");
   }
   if (result.chosen.two_batch_overlap) flag("--enable-two-batch-overlap");
   if (d.mtp_tokens > 1) {
@@ -268,7 +271,9 @@ Launch launch_for(const std::string& engine, const ModelSpec& model, const Hardw
     flag("--speculative-num-draft-tokens", std::to_string(d.mtp_tokens));
   }
   flag("--context-length", std::to_string(result.context));
-  flag("--kv-cache-dtype", "fp8_e4m3");
+  // DSA: the FP8 latent ESS's 656-byte entries are. MiniMax-M3: its K / V in the dtype the plan sized (its config's
+  // kv_cache_dtype, else the model's: SGLang's auto).
+  if (!model.is_minimax_m3() || model.kv_value_bytes == 1) flag("--kv-cache-dtype", "fp8_e4m3");
   flag("--mem-fraction-static", fmt::format("{}", d.mem_fraction_static));
   flag("--max-running-requests", std::to_string(static_cast<long long>(per_gpu) * std::max(1, dp)));
   flag("--cuda-graph-max-bs-decode", std::to_string(per_gpu));
@@ -287,6 +292,13 @@ Launch launch_for(const std::string& engine, const ModelSpec& model, const Hardw
         "GPU) times it; a device pool larger than ESS's rows makes the host pool larger too: ESS logs its size at "
         "start-up ('host pool ... GiB'), to hold within the node's DRAM",
         std::max<long long>(ratio, 1), per_gpu, c.slots, d.mtp_tokens));
+  }
+  if (model.is_minimax_m3() && c.offload) {
+    l.notes.push_back(fmt::format(
+        "MiniMax-M3: attention TP {} ({} KV heads, one a rank as SGLang's HiSparse requires); device_buffer_size {} "
+        "holds a step's {} blocks of {} tokens ({}); ESS's step runs device_buffer_size columns a query",
+        d.attention_tensor_parallel, model.num_key_value_heads, c.slots, model.selected_ids(), model.sparse_block_size,
+        model.selected_entries()));
   }
   l.notes.push_back(fmt::format("--model-path: the model's Hugging Face id or a local copy ({} is its config's name)",
                                 model.name));

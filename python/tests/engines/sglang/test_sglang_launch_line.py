@@ -116,3 +116,38 @@ def test_the_recipes_launch_lines_are_sglangs(model_dir):
             assert env == [] and config == {"top_k": 2048, "device_buffer_size": 4096, "host_to_device_ratio": 2}
         else:
             assert "ESS_RESIDENCY=adaptive" in env and config["device_buffer_size"] >= 4096
+
+
+def test_minimax_m3s_launch_line_is_sglangs_with_one_kv_head_a_rank(tmp_path, monkeypatch):
+    """MiniMax-M3's plan (attention TP over the node, the shipped minimax-m3-tp8 deployment) read by SGLang's own
+    parser over the shipped config: TP and EP 8, no DP attention and SGLang's default MoE (the all-reduce the plan
+    modelled, not DeepEP's all-to-all), the model's own KV dtype, a device_buffer_size that holds a step's blocks
+    (hisparse_coordinator.py asserts n_blocks x block <= it), and one KV head a rank (the coordinator's head_num == 1
+    condition)."""
+    import pathlib
+    config = pathlib.Path(__file__).resolve().parents[4] / "configs" / "models" / "minimax-m3.json"
+    (tmp_path / "config.json").write_text(config.read_text())
+    plan = ess.plan(engine="sglang", model=str(config), hardware="h200", contexts=[32768])
+    dep = plan["deployment"]
+    assert dep["name"] == "minimax-m3-tp8" and dep["attention_tensor_parallel"] == 8
+    (p,) = plan["plans"]
+    assert p["found"] and p["chosen"]["offload"] and p["chosen"]["overlap"] == "none", p
+    launch, chosen = p["launch"], p["chosen"]
+    argv = launch["argv"]
+    assert argv[:3] == ["python", "-m", "ess.integrations.sglang_launch"]
+    args = server_args(argv[3:], tmp_path)
+    assert args.tp_size == 8 and args.ep_size == 8
+    assert not args.enable_dp_attention and args.dp_size == 1
+    assert args.moe_a2a_backend == "none"
+    assert args.kv_cache_dtype == "auto"
+    assert args.max_running_requests == chosen["batch"] and args.context_length == 32768
+    assert args.enable_hisparse and args.disable_radix_cache
+    hisparse = json.loads(args.hisparse_config)
+    assert hisparse["device_buffer_size"] == chosen["slots"] >= 17 * 128
+    assert hisparse["device_buffer_size"] >= hisparse["top_k"]
+    assert launch["env"] == ["ESS_RESIDENCY=adaptive"]
+    # A rank's KV heads as models/minimax_m3.py computes them, max(1, num_key_value_heads // attn_tp); SGLang's
+    # ModelConfig cannot load the config here (this transformers release has no minimax_m3 type, the checkpoint's
+    # remote code supplies it).
+    kv_heads = json.loads(config.read_text())["num_key_value_heads"]
+    assert args.tp_size % kv_heads == 0 and max(1, kv_heads // args.tp_size) == 1
