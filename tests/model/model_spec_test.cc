@@ -261,7 +261,7 @@ TEST(ModelSpec, ShippedMiniMaxM3OffloadsItsSparseLayersKAndV) {
   EXPECT_EQ(m.index_topk, 16 * 128);  // the tokens of the top-16 blocks
   EXPECT_EQ(m.sparse_init_blocks, 0);
   EXPECT_EQ(m.sparse_local_blocks, 1);
-  EXPECT_EQ(m.selected_ids(), 17);  // the top 16 and the query's own block
+  EXPECT_EQ(m.selected_ids(), 16);  // the top 16, the query's own block forced among them
   EXPECT_EQ(m.tokens_per_entry(), 1);
   std::vector<int> sparse;
   for (int l = 3; l < 60; ++l) sparse.push_back(l);
@@ -274,7 +274,7 @@ TEST(ModelSpec, ShippedMiniMaxM3OffloadsItsSparseLayersKAndV) {
   const ModelSpec again = ModelSpec::from_json(m.to_json(), "round trip");
   EXPECT_EQ(again.offloaded_layers(), sparse);
   EXPECT_EQ(again.index_topk, 2048);
-  EXPECT_EQ(again.selected_ids(), 17);
+  EXPECT_EQ(again.selected_ids(), 16);
   EXPECT_EQ(again.latent_entry_bytes(), 512u);
   // An fp8 KV cache (SGLang's --kv-cache-dtype, carried in the config) halves the entry.
   json fp8 = m.to_json();
@@ -331,7 +331,7 @@ TEST(ModelSpec, MiniMaxM3FieldsAreCheckedByName) {
   const ModelSpec from_tokens = ModelSpec::from_json(j, "m3.json");
   EXPECT_EQ(from_tokens.sparse_init_blocks, 2);
   EXPECT_EQ(from_tokens.sparse_local_blocks, 2);
-  EXPECT_EQ(from_tokens.selected_ids(), 20);
+  EXPECT_EQ(from_tokens.selected_ids(), 16);  // the forced blocks are among the top 16
   by_tokens.erase("sparse_local_tokens");
   EXPECT_NE(error({{"sparse_attention_config", by_tokens}}).find("'sparse_local_block' (or 'sparse_local_tokens'"),
             std::string::npos);

@@ -5,7 +5,9 @@
 #include <cmath>
 
 #include "ess/core/error.h"
+#include "ess/sim/op_names.h"
 #include "ess/sim/step_model.h"
+#include "ess/sim/timeline.h"
 #include "sim/sim_test_util.h"
 #include "testing/testing.h"
 
@@ -472,6 +474,25 @@ TEST(sim_rig, SwapOpTakesItsMeasuredTime) {
   const StepResult measured = StepModel(testing::dsv32(), testing::paper_hw(), rig(2), &t).run(w);
   EXPECT_EQ(measured.ops_measured, 2);  // one per layer
   EXPECT_GT(measured.step_us - plain.step_us, 2 * 100 - 2 * 10.0);
+}
+
+// A model without shared experts (n_shared_experts 0) runs no shared-expert GEMM; one with them runs one per MoE
+// layer and micro-batch.
+TEST(sim_step, NoSharedExpertRunsNone) {
+  auto shared_ops = [](const ModelSpec& m) {
+    Workload w;
+    w.batch = 64;
+    w.overlap = OverlapMode::kNone;
+    Timeline tl;
+    StepModel(m, paper_hw(), paper_dep()).run(w, &tl);
+    int n = 0;
+    for (const TimelineEvent& e : tl.events) n += e.name.find(op::kSharedExpert) != std::string::npos ? 1 : 0;
+    return n;
+  };
+  EXPECT_GT(shared_ops(dsv32()), 0);
+  nlohmann::json j = dsv32().to_json();
+  j["n_shared_experts"] = 0;
+  EXPECT_EQ(shared_ops(ModelSpec::from_json(j, "no shared experts")), 0);
 }
 
 }  // namespace

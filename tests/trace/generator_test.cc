@@ -159,7 +159,7 @@ TEST(Generator, ModelsSetTheirLayersTopkAndUnits) {
   m3.validate("m3");
   EXPECT_EQ(m3.layers, 57);        // its sparse layers
   EXPECT_EQ(m3.unit_tokens, 128);  // blocks
-  EXPECT_EQ(m3.topk, 17);          // the top 16 and the query's own block
+  EXPECT_EQ(m3.topk, 16);          // the top 16, the query's own block forced among them
   EXPECT_EQ(m3.sink_tokens, 0);
   EXPECT_EQ(m3.recent_window, 1);
   EXPECT_EQ(m3.mtp, 1);  // no next-n layer

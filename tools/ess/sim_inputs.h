@@ -16,8 +16,9 @@ struct SimInputs : sim::Inputs {
     cmd.add_option("--hardware", hardware,
                    "Hardware profile: a shipped name (h100, h200, h20-141gb, h800, paper-table1) or a JSON file")
         ->capture_default_str();
-    cmd.add_option("--deployment", deployment, "Deployment: a shipped name (paper-table1) or a JSON file")
-        ->capture_default_str();
+    cmd.add_option("--deployment", deployment,
+                   "Deployment: a shipped name (paper-table1, minimax-m3-tp8) or a JSON file (default: paper-table1; "
+                   "MiniMax-M3: minimax-m3-tp8)");
     cmd.add_option("--mtp", mtp, "Override: MTP query tokens per request per step (1 = no MTP); without --accept, the accept ratio becomes min(the deployment's, MTP)")
         ->check(in_range(1, 16));
     cmd.add_option("--accept", accept, "Override: MTP accept ratio (tokens kept per step, in [1, T])")

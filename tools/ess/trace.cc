@@ -68,8 +68,8 @@ void add_gen(CLI::App& parent) {
                   "A model config.json: its offloaded layers (DeepSeek-V4: those with a C4 cache; MiniMax-M3: its "
                   "sparse layers), its top-k and index sharing (a layer that reuses its leader's top-k selects exactly "
                   "its leader's ids; GLM-5.2's configs/models/glm-5.2.json). Ids name what the model selects: a token, "
-                  "a C4 entry of 4 tokens (DeepSeek-V4), a block (MiniMax-M3: its top blocks plus its forced init / "
-                  "local blocks); the profile's token spans become spans of ids; --context stays in tokens")
+                  "a C4 entry of 4 tokens (DeepSeek-V4), a block (MiniMax-M3: its top blocks, its forced init / "
+                  "local blocks among them); the profile's token spans become spans of ids; --context stays in tokens")
       ->excludes(layers);
   cmd->add_option("--seed", a->config.seed, "Random seed")->capture_default_str()->check(unsigned_integer());
   add_format_option(*cmd, a->format, false);

@@ -91,11 +91,16 @@ struct ModelSpec {
   std::vector<bool> sparse_layers;
   int sparse_block_size = 0;
   int sparse_topk_blocks = 0;
-  // Blocks every query also reads (SGLang's _merge_sparse_blocks appends them to the top-k): the
-  // first sparse_init_blocks and the sparse_local_blocks ending at the query's own.
+  // Blocks every query reads, forced into its top-k: the first sparse_init_blocks and the
+  // sparse_local_blocks ending at the query's own (SGLang's CUDA index kernel scores them 1e30 / 1e29,
+  // flash_with_topk_idx.py; only its NPU path appends them past the top-k, _merge_sparse_blocks).
   int sparse_init_blocks = 0;
   int sparse_local_blocks = 0;
   int kv_value_bytes = 0;
+  // MiniMax-M3: the model's dtype (torch_dtype's bytes: its weights, its index cache but with an FP8
+  // e4m3 KV cache). Its dense MLP layers' width is intermediate_size (config dense_intermediate_size),
+  // its experts' moe_intermediate_size (config intermediate_size).
+  int dtype_bytes = 0;
   // MiniMax-M3: the layers whose index cache holds keys only (sparse_disable_index_value != 0; the
   // others keep index values too; empty: none), the MoE layers (moe_layer_freq != 0; empty: every
   // layer; its leading dense layers also set first_k_dense_replace) and the weights' quantization
@@ -114,11 +119,9 @@ struct ModelSpec {
   // Tokens per entry of the offloaded cache: 4 for DeepSeek-V4's C4 cache, else 1.
   int tokens_per_entry() const { return is_deepseek_v4() ? 4 : 1; }
   // Ids a query's selection holds (an id: selection_block() entries of tokens_per_entry() tokens):
-  // MiniMax-M3's top blocks and its forced ones, else index_topk.
-  int selected_ids() const {
-    return is_minimax_m3() ? sparse_topk_blocks + sparse_init_blocks + sparse_local_blocks : index_topk;
-  }
-  // Entries of the offloaded cache a query token reads: MiniMax-M3's selected blocks' tokens, else
+  // MiniMax-M3's top blocks (its forced ones among them), else index_topk.
+  int selected_ids() const { return is_minimax_m3() ? sparse_topk_blocks : index_topk; }
+  // Entries of the offloaded cache a query token reads: MiniMax-M3's top blocks' tokens, else
   // index_topk (DeepSeek-V4's C4 entries, DSA's tokens).
   int selected_entries() const { return is_minimax_m3() ? selected_ids() * sparse_block_size : index_topk; }
   // Whether the config's sharing fields declare sharing (index_topk_freq > 1, an S in

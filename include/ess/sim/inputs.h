@@ -28,7 +28,7 @@ inline constexpr std::string_view kMiniMaxM3Deployment = "minimax-m3-tp8";
 struct Inputs {
   std::string model;                   // config.json path; empty: the shipped DeepSeek-V3.2-Exp
   std::string hardware = "paper-table1";
-  std::string deployment = "paper-table1";
+  std::string deployment;                // "": the model's shipped default (paper-table1; kMiniMaxM3Deployment)
   std::optional<int> mtp;
   std::optional<double> accept;
   std::optional<int> nodes;

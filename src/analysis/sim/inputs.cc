@@ -24,11 +24,13 @@ HardwareProfile Inputs::load_hardware() const {
 }
 
 Deployment Inputs::load_deployment() const {
-  const bool default_deployment = deployment == Inputs{}.deployment;
+  const bool default_deployment = deployment.empty();
   const bool m3 = default_deployment && !model.empty() && load_model().is_minimax_m3();
-  // MiniMax-M3 without a deployment of the user's: the shipped one its HiSparse runs (attention TP over
-  // one node, one KV head per rank).
-  Deployment d = Deployment::load(m3 ? std::string(kMiniMaxM3Deployment) : deployment);
+  // No deployment given: the paper's; for MiniMax-M3 the shipped one its HiSparse runs (attention TP over one
+  // node, one KV head per rank).
+  Deployment d = Deployment::load(!default_deployment ? deployment
+                                  : m3                ? std::string(kMiniMaxM3Deployment)
+                                                      : std::string("paper-table1"));
   if (!mtp && default_deployment && !model.empty() && load_model().is_deepseek_v4()) {
     // The shipped deployment's MTP 2 for DeepSeek-V4, which SGLang's HiSparse serves without speculative
     // decoding: one query token per step (a deployment of the user's keeps its own, and is refused if it

@@ -199,7 +199,8 @@ class LayerBuilder {
     const double n = mb.tokens, h = m_.hidden_size, hd = m_.head_dim;
     const double hq = heads_per_rank(), kv = kv_heads_per_rank();
     const double hi = std::max(1.0, std::floor(double(m_.index_n_heads) / tp())), id = m_.index_head_dim;
-    const double out0 = (hq + 2 * kv) * hd + (sparse ? (hi + 1) * id : 0.0);
+    const bool index_values = sparse && index_keeps_values(mb.layer);
+    const double out0 = (hq + 2 * kv) * hd + (sparse ? (hi + 1 + (index_values ? 1 : 0)) * id : 0.0);
     const Op proj0 = gemm_op(op::kProj0, gemm_kind_m3(), n, out0, h, h * out0 * weight_bytes_m3() + n * h * 2 * 3,
                              sparse ? 5 : 4);
     double e = s.issue(Stream::kCompute, proj0, mb.ready, Wait::kComm);
@@ -211,9 +212,11 @@ class LayerBuilder {
       s.issue(Stream::kD2H, d2h, e);
     }
     const double blocks = std::ceil(tokens_ / m_.sparse_block_size);
-    const double index_entry = id * (m_.kv_value_bytes == 1 ? 1.0 : 2.0);
-    const Op logits{op::kIndexerLogits, OpKind::kIndexer, 2 * n * tokens_ * hi * id,
-                    mb.requests * tokens_ * index_entry + n * hi * blocks * 4, n, ctx64_, 0, 0, 1};
+    // The index keys (and values, where the layer keeps them: their attention is a second pass over the context).
+    const double index_entry = id * (m_.kv_cache_dtype == "fp8_e4m3" ? 1.0 : double(m_.dtype_bytes));
+    const double passes = index_values ? 2.0 : 1.0;
+    const Op logits{op::kIndexerLogits, OpKind::kIndexer, passes * 2 * n * tokens_ * hi * id,
+                    passes * mb.requests * tokens_ * index_entry + n * hi * blocks * 4, n, ctx64_, 0, 0, 1};
     Op topk{op::kIndexerTopk, OpKind::kTopk, 0, 2 * n * blocks * 4, n, ctx64_, 0, 0, 1};
     topk.rows = n;
     e = s.issue(Stream::kCompute, logits, e);
@@ -239,7 +242,11 @@ class LayerBuilder {
     const Op attn{op::kGqa, OpKind::kAttention, n * entries * 2 * hq * (hd + hd),
                   mb.requests * entries * entry + n * hq * hd * 2.0 * 2, n, ctx64_, 0, 0, 2};
     double e = s.issue(Stream::kCompute, attn, std::max(s.compute_end(), mb.fetched), Wait::kTransfer);
-    const Op o_proj = gemm_op(op::kOProj, gemm_kind_m3(), n, h, hq * hd, hq * hd * h * weight_bytes_m3() + n * h * 2, 1);
+    // o_proj, and index_o_proj where the layer's index keeps values (its output added to the attention's).
+    const bool index_values = is_sparse_m3(mb.layer) && index_keeps_values(mb.layer);
+    const double hi = std::max(1.0, std::floor(double(m_.index_n_heads) / tp()));
+    const double k = hq * hd + (index_values ? hi * m_.index_head_dim : 0.0);
+    const Op o_proj = gemm_op(op::kOProj, gemm_kind_m3(), n, h, k, k * h * weight_bytes_m3() + n * h * 2, 1);
     e = s.issue(Stream::kCompute, o_proj, e);
     ffn_entry(s, mb, moe, all_reduce(s, n, e));
   }
@@ -305,7 +312,8 @@ class LayerBuilder {
   Op shared(double n) const {
     const double inter = double(m_.moe_intermediate_size) * m_.n_shared_experts / tp();
     // Kernels: the dispatch's send, quantise, up GEMM, activation + quantise, down GEMM.
-    Op o = gemm_op(op::kSharedExpert, OpKind::kGemmFp8, n, 2 * inter, m_.hidden_size, 3.0 * m_.hidden_size * inter, 5);
+    Op o = gemm_op(op::kSharedExpert, weight_kind(), n, 2 * inter, m_.hidden_size,
+                   3.0 * m_.hidden_size * inter * weight_bytes(), 5);
     o.gemm2 = {n, double(m_.hidden_size), inter, 1, false};
     o.flops = 2 * n * 3.0 * m_.hidden_size * inter;
     return o;
@@ -344,7 +352,7 @@ class LayerBuilder {
   Op combine(double n) const { return all_to_all(op::kCombine, n, m_.hidden_size * 2.0); }
   Op dense_ffn(double n) const {
     const double h = m_.hidden_size, inter = m_.intermediate_size / tp();
-    Op o = gemm_op("dense.norm+ffn", OpKind::kGemmFp8, n, 2 * inter, h, 3.0 * h * inter + n * h * 4.0, 4);
+    Op o = gemm_op("dense.norm+ffn", weight_kind(), n, 2 * inter, h, 3.0 * h * inter * weight_bytes() + n * h * 4.0, 4);
     o.gemm2 = {n, h, inter, 1, false};
     o.flops = 2 * n * 3.0 * h * inter;
     return o;
@@ -377,9 +385,16 @@ class LayerBuilder {
   bool is_sparse_m3(int layer) const {
     return layer >= 0 && static_cast<std::size_t>(layer) < m_.sparse_layers.size() && m_.sparse_layers[static_cast<std::size_t>(layer)];
   }
+  // MiniMax-M3: whether a layer's index cache keeps values (sparse_disable_index_value 0 or absent).
+  bool index_keeps_values(int layer) const {
+    return !(static_cast<std::size_t>(layer) < m_.index_k_only.size() && m_.index_k_only[static_cast<std::size_t>(layer)]);
+  }
   // MiniMax-M3's weights: block FP8 (quantization_config fp8) or the model's dtype (MemoryModel).
   bool fp8_weights_m3() const { return m_.weight_quant == "fp8"; }
-  double weight_bytes_m3() const { return fp8_weights_m3() ? 1.0 : 2.0; }
+  double weight_bytes_m3() const { return fp8_weights_m3() ? 1.0 : double(m_.dtype_bytes); }
+  // A GEMM's weights: DSA's and DeepSeek-V4's FP8, MiniMax-M3's its own (weight_bytes_m3).
+  OpKind weight_kind() const { return m_.is_minimax_m3() ? gemm_kind_m3() : OpKind::kGemmFp8; }
+  double weight_bytes() const { return m_.is_minimax_m3() ? weight_bytes_m3() : 1.0; }
   OpKind gemm_kind_m3() const { return fp8_weights_m3() ? OpKind::kGemmFp8 : OpKind::kGemmBf16; }
   // The ranks' outputs of n tokens summed in bf16 (a ring over NVLink within a node, over RDMA past it),
   // issued after `e`; compute waits for it. Returns its end.

@@ -51,6 +51,22 @@ void require_modelled(const ModelSpec& m, const Deployment& dep) {
             m.name, t, kv, "minimax-m3-tp8");
   ESS_CHECK(m.num_attention_heads % t == 0,
             "{}: attention_tensor_parallel = {} does not divide its {} query heads", m.name, t, m.num_attention_heads);
+  // models/minimax_m3.py splits the index heads over the ranks or replicates them, one of the two dividing the
+  // other; more index heads a rank than its one KV head widen the selection to the group's union
+  // (minimax_sparse.py topk_index_reduce), which is not modelled.
+  const int idx = m.index_n_heads;
+  ESS_CHECK(idx % t == 0 || t % idx == 0,
+            "{}: sparse_num_index_heads = {} and attention_tensor_parallel = {}: SGLang splits or replicates the index "
+            "heads, one dividing the other",
+            m.name, idx, t);
+  ESS_CHECK(idx <= t,
+            "{}: sparse_num_index_heads = {} over attention_tensor_parallel = {} puts {} index heads on a rank of one KV "
+            "head: SGLang then selects the union of their top-k, which the simulator does not model",
+            m.name, idx, t, idx / t);
+  ESS_CHECK(m.num_dense_layers() == 0 || m.intermediate_size > 0,
+            "{}: {} dense MLP layers (moe_layer_freq) but no 'dense_intermediate_size', their width (SGLang's "
+            "MiniMaxM3DecoderLayer reads it)",
+            m.name, m.num_dense_layers());
 }
 
 std::int64_t context_in_entries(const ModelSpec& m, std::int64_t tokens) {
@@ -194,14 +210,14 @@ void MemoryModel::size_minimax_m3() {
   cache_layers_ = indexer_layers_ = static_cast<int>(sparse.size());
   const int dense = m.num_hidden_layers - cache_layers_;
   other_resident_ = double(context_) * dense * entry_bytes_;
-  const double index_value = m.kv_value_bytes == 1 ? 1.0 : 2.0;
+  const double index_value = m.kv_cache_dtype == "fp8_e4m3" ? 1.0 : double(m.dtype_bytes);
   int with_values = 0;  // sparse layers whose index cache keeps values
   for (const int l : sparse) {
     const bool k_only = static_cast<std::size_t>(l) < m.index_k_only.size() && m.index_k_only[static_cast<std::size_t>(l)];
     with_values += k_only ? 0 : 1;
   }
   index_bytes_per_token_ = (cache_layers_ + with_values) * double(m.index_head_dim) * index_value;
-  const double w = m.weight_quant == "fp8" ? kFp8BytesPerParam : double(m.kv_value_bytes == 1 ? 2 : m.kv_value_bytes);
+  const double w = m.weight_quant == "fp8" ? kFp8BytesPerParam : double(m.dtype_bytes);
   const double q_heads = m.num_attention_heads / t;
   const double index_heads = std::max(1.0, std::floor(m.index_n_heads / t));
   const double attention = h * q_heads * hd * 2 + h * kv * hd * 2;
@@ -209,8 +225,10 @@ void MemoryModel::size_minimax_m3() {
   const double expert = 3.0 * h * m.moe_intermediate_size;
   const double experts_per_gpu = std::ceil(double(m.n_routed_experts) / dep.expert_parallel);
   const int moe_layers = m.num_moe_layers();
-  weights_.attention = (attention * m.num_hidden_layers + index * cache_layers_ + h * m.index_head_dim * with_values) * w;
-  weights_.dense_ffn = 3.0 * h * m.intermediate_size * m.num_dense_layers() / t * w;
+  // A layer whose index cache keeps values also projects them (index_v_proj) and its index output (index_o_proj).
+  const double index_values = h * m.index_head_dim + index_heads * m.index_head_dim * h;
+  weights_.attention = (attention * m.num_hidden_layers + index * cache_layers_ + index_values * with_values) * w;
+  weights_.dense_ffn = 3.0 * h * m.intermediate_size * m.num_dense_layers() / t * w;  // dense_intermediate_size
   weights_.shared_experts = expert * m.n_shared_experts * moe_layers / t * w;
   weights_.routed_experts = expert * experts_per_gpu * moe_layers * w;
   weights_.embedding = 2.0 * h * m.vocab_size / t * kBf16;

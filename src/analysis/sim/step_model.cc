@@ -409,8 +409,8 @@ StepModel::StepModel(const ModelSpec& model, const HardwareProfile& hw, const De
   }
   if (model_.is_minimax_m3()) {
     ESS_CHECK(dep_.mtp_tokens == 1,
-              "{}: mtp_tokens = {}: MiniMax-M3 has no next-n (MTP) layers, so its decode runs one query token per "
-              "step (--mtp 1)",
+              "{}: mtp_tokens = {}: SGLang 0.5.23's HiSparse serves MiniMax-M3 with no speculative decoding (its "
+              "block swap has no verify path), so its decode runs one query token per step (--mtp 1)",
               model_.name, dep_.mtp_tokens);
   }
   if (model_.is_deepseek_v4() || model_.is_minimax_m3()) {

@@ -134,10 +134,13 @@ void read_minimax_m3(const json& t, const json& top, const std::string& source, 
   m.max_position_embeddings = json_int(t, "max_position_embeddings", source, false, 8192);
   m.n_routed_experts = json_int(t, "num_local_experts", source, false, 0);
   m.num_experts_per_tok = json_int(t, "num_experts_per_tok", source, false, 0);
-  m.intermediate_size = json_int(t, "intermediate_size", source, false, 0);
-  m.moe_intermediate_size = m.intermediate_size;
+  // The experts' width is intermediate_size, a shared expert's intermediate_size x n_shared_experts
+  // (MiniMaxM3MoE), a dense MLP layer's dense_intermediate_size (MiniMaxM3DecoderLayer; 0 when absent).
+  m.moe_intermediate_size = json_int(t, "intermediate_size", source, false, 0);
+  m.intermediate_size = json_int(t, "dense_intermediate_size", source, false, 0);
   m.n_shared_experts = json_int(t, "n_shared_experts", source, false, 0);
   m.kv_value_bytes = kv_value_bytes(t, source, m.kv_cache_dtype);
+  m.dtype_bytes = kv_value_bytes(t, source, "");
   // MoE or dense MLP per layer (models/minimax_m3.py _is_layer_sparse: moe_layer_freq[l] != 0; every
   // layer MoE when absent); the weights' quantization (quantization_config.quant_method).
   if (const json* moe = present(t, "moe_layer_freq")) {
@@ -153,7 +156,14 @@ void read_minimax_m3(const json& t, const json& top, const std::string& source, 
   }
   const json* quant = present(t, "quantization_config");
   if (quant == nullptr) quant = present(top, "quantization_config");
-  if (quant != nullptr && quant->is_object()) m.weight_quant = json_string(*quant, "quant_method", source, false);
+  if (quant != nullptr) {
+    ESS_CHECK(quant->is_object(), "{}: field 'quantization_config' must be an object, got {}", source, quant->dump());
+    const json* method = present(*quant, "quant_method");
+    ESS_CHECK(method != nullptr && method->is_string(),
+              "{}: field 'quantization_config' has no string 'quant_method' (how its weights are stored): {}", source,
+              quant->dump());
+    m.weight_quant = method->get<std::string>();
+  }
   const json* sparse = present(t, "sparse_attention_config");
   if (sparse == nullptr) sparse = present(top, "sparse_attention_config");
   ESS_CHECK(sparse != nullptr && sparse->is_object(),
@@ -364,9 +374,9 @@ json ModelSpec::to_json() const {
             {"max_position_embeddings", max_position_embeddings},
             {"num_local_experts", n_routed_experts},
             {"num_experts_per_tok", num_experts_per_tok},
-            {"intermediate_size", intermediate_size},
-            {"torch_dtype", kv_value_bytes == 4 ? "float32" : "bfloat16"},
-            {"kv_cache_dtype", kv_value_bytes == 1 ? "fp8_e4m3" : "auto"},
+            {"intermediate_size", moe_intermediate_size},
+            {"torch_dtype", dtype_bytes == 4 ? "float32" : "bfloat16"},
+            {"kv_cache_dtype", kv_cache_dtype.empty() ? std::string("auto") : kv_cache_dtype},
             {"sparse_attention_config",
              {{"sparse_attention_freq", freq},
               {"sparse_block_size", sparse_block_size},
@@ -383,6 +393,7 @@ json ModelSpec::to_json() const {
     if (!index_k_only.empty()) m3["sparse_attention_config"]["sparse_disable_index_value"] = flags(index_k_only);
     if (!moe_layers.empty()) m3["moe_layer_freq"] = flags(moe_layers);
     if (n_shared_experts > 0) m3["n_shared_experts"] = n_shared_experts;
+    if (intermediate_size > 0) m3["dense_intermediate_size"] = intermediate_size;
     if (!weight_quant.empty()) m3["quantization_config"] = {{"quant_method", weight_quant}};
     return m3;
   }

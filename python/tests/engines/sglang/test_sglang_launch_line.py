@@ -143,7 +143,7 @@ def test_minimax_m3s_launch_line_is_sglangs_with_one_kv_head_a_rank(tmp_path, mo
     assert args.max_running_requests == chosen["batch"] and args.context_length == 32768
     assert args.enable_hisparse and args.disable_radix_cache
     hisparse = json.loads(args.hisparse_config)
-    assert hisparse["device_buffer_size"] == chosen["slots"] >= 17 * 128
+    assert hisparse["device_buffer_size"] == chosen["slots"] >= 16 * 128
     assert hisparse["device_buffer_size"] >= hisparse["top_k"]
     assert launch["env"] == ["ESS_RESIDENCY=adaptive"]
     # A rank's KV heads as models/minimax_m3.py computes them, max(1, num_key_value_heads // attn_tp); SGLang's
