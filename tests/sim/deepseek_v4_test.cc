@@ -12,8 +12,6 @@
 #include "ess/sim/report.h"
 #include "ess/sim/memory_model.h"
 #include "ess/sim/step_model.h"
-#include "ess/trace/analyzer.h"
-#include "ess/trace/generator.h"
 #include "sim/sim_test_util.h"
 #include "testing/testing.h"
 
@@ -86,33 +84,15 @@ TEST(sim_deepseek_v4, WhatItDoesNotRunIsRefusedByName) {
 // its slots and misses count entries and its context is the entries of its tokens, so a step at the
 // profile's own pool misses the profile's mean.
 TEST(sim_deepseek_v4, AProfileOfItsOwnEntriesIsReadInEntries) {
-  trace::GeneratorProfile p = trace::GeneratorProfile::shipped_default();
-  trace::apply_model(p, v4());
-  p.validate("v4");
-  trace::GenerateConfig g;
-  g.contexts = {32768};
-  g.requests = 2;
-  g.steps = 48;
-  const std::string dir = ::testing::TempDir();
-  trace::generate_trace(p, g, dir + "/v4_profile.safetensors");
-  trace::AnalyzeConfig c;
-  c.policies = {"lru_warmup"};
-  c.ratios = {0.2};
-  c.recommend = false;
-  c.similarity = false;
-  c.prefetch = false;
-  const trace::AnalysisResult a = trace::analyze(trace::TraceReader(dir + "/v4_profile.safetensors"), c);
-  const nlohmann::json profile = trace::miss_profile_json(a, "lru_warmup");
+  std::string path;
+  double mean = 0;
+  const nlohmann::json profile = testing::own_miss_profile(v4(), "v4_profile", path, mean);
   ASSERT_EQ(profile["unit_tokens"], 4);
-  std::ofstream(dir + "/v4_profile.json") << profile.dump();
-  double sum = 0;
-  for (const auto& l : profile["contexts"][0]["layers"]) sum += l["mean"].get<double>();
-  const double mean = sum / static_cast<double>(profile["contexts"][0]["layers"].size());
   Workload w;
   w.batch = 16;
   w.slots = 1639;  // ceil(0.2 x 8192 entries)
   w.overlap = OverlapMode::kNone;
-  w.misses = MissModel::load_profile(dir + "/v4_profile.json", 32768, MissModel{});
+  w.misses = MissModel::load_profile(path, 32768, MissModel{});
   EXPECT_NEAR(StepModel(v4(), paper_hw(), t1()).run(w).misses_per_request_layer, mean, 1e-6 * mean);
   // A reference point in tokens given by hand (--misses) is refused rather than misread.
   w.misses = MissModel{};

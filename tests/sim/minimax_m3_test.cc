@@ -18,8 +18,6 @@
 #include "ess/sim/op_names.h"
 #include "ess/sim/step_model.h"
 #include "ess/sim/timeline.h"
-#include "ess/trace/analyzer.h"
-#include "ess/trace/generator.h"
 #include "sim/sim_test_util.h"
 #include "testing/testing.h"
 
@@ -165,34 +163,16 @@ TEST(sim_minimax_m3, ARanksExpertsTakeTheirShareOfTheBatchsTokens) {
 // slots, misses and context count blocks of 128 tokens, read as tokens, so a step at the profile's own
 // pool misses 128 x the profile's mean.
 TEST(sim_minimax_m3, AProfileOfItsBlocksIsReadInTokens) {
-  trace::GeneratorProfile p = trace::GeneratorProfile::shipped_default();
-  trace::apply_model(p, m3());
-  p.validate("m3");
-  trace::GenerateConfig g;
-  g.contexts = {32768};
-  g.requests = 2;
-  g.steps = 48;
-  const std::string dir = ::testing::TempDir();
-  trace::generate_trace(p, g, dir + "/m3_profile.safetensors");
-  trace::AnalyzeConfig c;
-  c.policies = {"lru_warmup"};
-  c.ratios = {0.2};
-  c.recommend = false;
-  c.similarity = false;
-  c.prefetch = false;
-  const trace::AnalysisResult a = trace::analyze(trace::TraceReader(dir + "/m3_profile.safetensors"), c);
-  const nlohmann::json profile = trace::miss_profile_json(a, "lru_warmup");
+  std::string path;
+  double mean = 0;
+  const nlohmann::json profile = testing::own_miss_profile(m3(), "m3_profile", path, mean);
   ASSERT_EQ(profile["unit_tokens"], 128);
-  std::ofstream(dir + "/m3_profile.json") << profile.dump();
-  double sum = 0;
-  for (const auto& l : profile["contexts"][0]["layers"]) sum += l["mean"].get<double>();
-  const double mean = sum / static_cast<double>(profile["contexts"][0]["layers"].size());
   ASSERT_GT(mean, 0);
   Workload w;
   w.batch = 8;
   w.slots = 52 * 128;  // ceil(0.2 x 256 blocks) blocks
   w.overlap = OverlapMode::kNone;
-  w.misses = MissModel::load_profile(dir + "/m3_profile.json", 32768, MissModel{});
+  w.misses = MissModel::load_profile(path, 32768, MissModel{});
   const StepModel sm(m3(), paper_hw(), tp8());
   EXPECT_NEAR(sm.run(w).misses_per_request_layer, 128 * mean, 1e-6 * mean);
   EXPECT_EQ(sm.misses_in_entries(w.misses).profile_topk, 16 * 128);

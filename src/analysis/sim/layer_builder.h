@@ -155,12 +155,7 @@ class LayerBuilder {
     e = s.issue(Stream::kCompute,
                 gemm_op(op::kQbProj, OpKind::kGemmFp8, n, qb_out, m_.q_lora_rank, m_.q_lora_rank * qb_out + n * qb_out * 2, 1), e);
     if (ratio != 4) return;
-    e = indexer(s, mb, e, 1.0);
-    const double misses = offload_ ? mb.misses : 0;
-    if (misses > 0) {
-      const Op h2d{op::kH2DMisses, OpKind::kH2D, 0, misses * v4_entry_, 0, 0, 0, 0, 1};
-      mb.fetched = s.issue(Stream::kH2D, h2d, e);
-    }
+    copy_misses(s, mb, indexer(s, mb, e, 1.0), v4_entry_);
   }
 
   // Stage 2 of a DeepSeek-V4 layer: FlashMLA's sparse decode over the sliding window and the layer's
@@ -222,11 +217,7 @@ class LayerBuilder {
     e = s.issue(Stream::kCompute, logits, e);
     e = s.issue(Stream::kCompute, topk, e);
     if (offload_ && sparse_share_ > 0) e = s.issue(Stream::kCompute, swap_decision(n, mb.requests), e);
-    const double misses = offload_ ? mb.misses : 0;
-    if (misses > 0) {
-      const Op h2d{op::kH2DMisses, OpKind::kH2D, 0, misses * entry, 0, 0, 0, 0, 1};
-      mb.fetched = s.issue(Stream::kH2D, h2d, e);
-    }
+    copy_misses(s, mb, e, entry);
   }
 
   // Stage 2 of a MiniMax-M3 layer: grouped-query attention over the selected blocks' tokens (a sparse
@@ -378,6 +369,14 @@ class LayerBuilder {
     Op o{name, kind, 2 * m * n * k, bytes, m, 0, 0, 0, kernels};
     o.gemm = {m, n, k, 1, false};
     return o;
+  }
+  // The micro-batch's misses of `entry` bytes copied after `e` (its swap decision), whole: DeepSeek-V4's
+  // and MiniMax-M3's layers, which run no overlap schedule. Sets mb.fetched when there are any.
+  void copy_misses(Scheduler& s, MicroBatch& mb, double e, double entry) const {
+    const double misses = offload_ ? mb.misses : 0;
+    if (misses <= 0) return;
+    const Op h2d{op::kH2DMisses, OpKind::kH2D, 0, misses * entry, 0, 0, 0, 0, 1};
+    mb.fetched = s.issue(Stream::kH2D, h2d, e);
   }
   double tp() const { return d_.attention_tensor_parallel; }
   double heads_per_rank() const { return m_.num_attention_heads / tp(); }
