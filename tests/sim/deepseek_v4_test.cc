@@ -111,6 +111,9 @@ TEST(sim_deepseek_v4, ThePlanRunsOneTokenPerStepWithoutOverlap) {
   in.model = ESS_SOURCE_DIR "/configs/models/deepseek-v4-flash.json";
   in.hardware = "h200";
   EXPECT_EQ(in.load_deployment().mtp_tokens, 1);
+  in.deployment = "paper-table1";  // the shipped deployment named: the same
+  EXPECT_EQ(in.load_deployment().mtp_tokens, 1);
+  in.deployment.clear();
   PlanOptions opt;
   opt.contexts = {32768};
   opt.engine = "sglang";

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <fstream>
 
 #include "ess/sim/inputs.h"
 #include "ess/sim/memory_model.h"
@@ -216,6 +217,17 @@ TEST(sim_launch, MiniMaxM3sLaunchLineRunsAttentionTensorParallel) {
   EXPECT_GE(c.slots, 16 * 128);
   EXPECT_NE(value("--hisparse-config").find(fmt::format("\"device_buffer_size\": {}", c.slots)), std::string::npos);
   EXPECT_TRUE(p.stock[0].is_null());
+  // A config that carries SGLang's kv_cache_dtype flag: the line passes it as given.
+  nlohmann::json j;
+  std::ifstream(ESS_SOURCE_DIR "/configs/models/minimax-m3.json") >> j;
+  j["kv_cache_dtype"] = "fp8_e5m2";
+  const std::string e5m2 = ::testing::TempDir() + "/minimax-m3-e5m2.json";
+  std::ofstream(e5m2) << j.dump();
+  in.model = e5m2;
+  const std::vector<std::string> fp8 = plan_contexts(in, o).launches[0]["argv"];
+  const auto it = std::find(fp8.begin(), fp8.end(), "--kv-cache-dtype");
+  ASSERT_NE(it, fp8.end());
+  EXPECT_EQ(*(it + 1), "fp8_e5m2");
   in.model = ESS_SOURCE_DIR "/configs/models/deepseek-v4-flash.json";
   EXPECT_TRUE(plan_contexts(in, o).launches[0].is_null());
 }

@@ -31,7 +31,7 @@ Deployment Inputs::load_deployment() const {
   Deployment d = Deployment::load(!default_deployment ? deployment
                                   : m3                ? std::string(kMiniMaxM3Deployment)
                                                       : std::string("paper-table1"));
-  if (!mtp && default_deployment && !model.empty() && load_model().is_deepseek_v4()) {
+  if (!mtp && (default_deployment || deployment == "paper-table1") && !model.empty() && load_model().is_deepseek_v4()) {
     // The shipped deployment's MTP 2 for DeepSeek-V4, which SGLang's HiSparse serves without speculative
     // decoding: one query token per step (a deployment of the user's keeps its own, and is refused if it
     // asks for more).

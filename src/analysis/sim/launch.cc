@@ -273,7 +273,11 @@ Launch launch_for(const std::string& engine, const ModelSpec& model, const Hardw
   flag("--context-length", std::to_string(result.context));
   // DSA: the FP8 latent ESS's 656-byte entries are. MiniMax-M3: its K / V in the dtype the plan sized (its config's
   // kv_cache_dtype, else the model's: SGLang's auto).
-  if (!model.is_minimax_m3() || model.kv_value_bytes == 1) flag("--kv-cache-dtype", "fp8_e4m3");
+  if (!model.is_minimax_m3()) {
+    flag("--kv-cache-dtype", "fp8_e4m3");
+  } else if (!model.kv_cache_dtype.empty()) {
+    flag("--kv-cache-dtype", model.kv_cache_dtype);
+  }
   flag("--mem-fraction-static", fmt::format("{}", d.mem_fraction_static));
   flag("--max-running-requests", std::to_string(static_cast<long long>(per_gpu) * std::max(1, dp)));
   flag("--cuda-graph-max-bs-decode", std::to_string(per_gpu));
