@@ -123,8 +123,6 @@ std::string option_line(const PlanOption& o) {
 }
 
 
-// A model whose layers share an indexer's top-k: how many run one, and where the others swap.
-// `searched`: a plan, whose search covers the prefetch on and off when the deployment allows it.
 // ", attention TP t" under attention tensor parallel, else "".
 std::string attention_tp(const Deployment& d) {
   return d.attention_tensor_parallel > 1 ? fmt::format(", attention TP {}", d.attention_tensor_parallel) : std::string();
@@ -141,6 +139,8 @@ std::string attention_tp_line(const ModelSpec& m, const Deployment& d) {
                      m.num_key_value_heads / d.attention_tensor_parallel > 1 ? "s" : "");
 }
 
+// A model whose layers share an indexer's top-k: how many run one, and where the others swap.
+// `searched`: a plan, whose search covers the prefetch on and off when the deployment allows it.
 std::string index_sharing_line(const ModelSpec& m, const Deployment& d, bool searched = false) {
   if (m.shared_index.empty()) return {};
   return fmt::format("index sharing: {} of {} layers run an indexer (indexer keys and weights in those only); the others "
