@@ -116,6 +116,10 @@ struct ModelSpec {
   // The layers whose latent cache ESS holds: DeepSeek-V4's C4 layers (their compressed entries,
   // one per 4 tokens); MiniMax-M3's sparse layers (their K / V); every layer for the others.
   std::vector<int> offloaded_layers() const;
+  bool offloads(int layer) const;  // whether `layer` is one of offloaded_layers()
+  // MiniMax-M3: whether a sparse layer's index cache keeps values beside its keys
+  // (sparse_disable_index_value 0 or absent); false for every other layer and model.
+  bool index_keeps_values(int layer) const;
   // Tokens per entry of the offloaded cache: 4 for DeepSeek-V4's C4 cache, else 1.
   int tokens_per_entry() const { return is_deepseek_v4() ? 4 : 1; }
   // Ids a query's selection holds (an id: selection_block() entries of tokens_per_entry() tokens):

@@ -65,6 +65,20 @@ struct V4Caches {
   double resident_bytes(std::int64_t context) const;
 };
 
+// MiniMax-M3 on one rank of attention TP t, as SGLang 0.5.23 shards it (models/minimax_m3.py): its
+// query heads (heads / t), KV heads (max(1, kv_heads / t)) and index heads (split or replicated: one a
+// rank at most, require_modelled), a token's K / V entry on the rank, an index cache value's bytes (the
+// model's dtype; FP8 with an fp8_e4m3 KV cache, get_minimax_sparse_index_dtype on Hopper) and the
+// weights' (torch_dtype's, or 1 with block FP8: quantization_config fp8, its scales apart).
+struct M3Rank {
+  double q_heads = 0, kv_heads = 0, index_heads = 0;
+  double entry_bytes = 0;        // K and V of the rank's KV heads, a token
+  double index_value_bytes = 0;  // a value of the index cache
+  bool fp8_weights = false;
+  double weight_bytes = 0;       // a weight, block scales not counted
+  static M3Rank of(const ModelSpec& m, const Deployment& d);
+};
+
 class MemoryModel {
  public:
   // `min_slots`: the pool's floor (MissModel::min_slots: from the measured MTP working set);

@@ -28,6 +28,7 @@ class LayerBuilder {
         slots_(slots), sparse_share_(sparse_share), offload_(offload) {
     topk_ = std::min(static_cast<double>(m.selected_entries()), ctx_);
     if (m.is_deepseek_v4()) v4_entry_ = V4Caches::of(m).entry_data_bytes;
+    if (m.is_minimax_m3()) m3_ = M3Rank::of(m, d);
     ctx64_ = context;
     random_rows_ = d.rig_layers == 0;  // the rig routes tokens evenly; a deployment at random
   }
@@ -190,25 +191,24 @@ class LayerBuilder {
   // the top blocks, runs the swap decision and copies its misses.
   void prepare_m3(Scheduler& s, MicroBatch& mb) const {
     s.set_category(Category::kAttention);
-    const bool sparse = is_sparse_m3(mb.layer);
+    const bool sparse = m_.offloads(mb.layer);
     const double n = mb.tokens, h = m_.hidden_size, hd = m_.head_dim;
-    const double hq = heads_per_rank(), kv = kv_heads_per_rank();
-    const double hi = std::max(1.0, std::floor(double(m_.index_n_heads) / tp())), id = m_.index_head_dim;
-    const bool index_values = sparse && index_keeps_values(mb.layer);
+    const double hq = m3_.q_heads, kv = m3_.kv_heads, hi = m3_.index_heads, id = m_.index_head_dim;
+    const bool index_values = m_.index_keeps_values(mb.layer);
     const double out0 = (hq + 2 * kv) * hd + (sparse ? (hi + 1 + (index_values ? 1 : 0)) * id : 0.0);
-    const Op proj0 = gemm_op(op::kProj0, gemm_kind_m3(), n, out0, h, h * out0 * weight_bytes_m3() + n * h * 2 * 3,
+    const Op proj0 = gemm_op(op::kProj0, weight_kind(), n, out0, h, h * out0 * weight_bytes() + n * h * 2 * 3,
                              sparse ? 5 : 4);
     double e = s.issue(Stream::kCompute, proj0, mb.ready, Wait::kComm);
     mb.fetched = 0;
     if (!sparse) return;
-    const double entry = kv * 2 * hd * m_.kv_value_bytes;
+    const double entry = m3_.entry_bytes;
     if (offload_) {
       const Op d2h{op::kD2HNewEntries, OpKind::kD2H, 0, n * entry, n, 0, 0, 0, 1};
       s.issue(Stream::kD2H, d2h, e);
     }
     const double blocks = std::ceil(tokens_ / m_.sparse_block_size);
     // The index keys (and values, where the layer keeps them: their attention is a second pass over the context).
-    const double index_entry = id * (m_.kv_cache_dtype == "fp8_e4m3" ? 1.0 : double(m_.dtype_bytes));
+    const double index_entry = id * m3_.index_value_bytes;
     const double passes = index_values ? 2.0 : 1.0;
     const Op logits{op::kIndexerLogits, OpKind::kIndexer, passes * 2 * n * tokens_ * hi * id,
                     passes * mb.requests * tokens_ * index_entry + n * hi * blocks * 4, n, ctx64_, 0, 0, 1};
@@ -226,18 +226,15 @@ class LayerBuilder {
   // or the dense MLP.
   void core_m3(Scheduler& s, MicroBatch& mb, bool moe) const {
     s.set_category(Category::kAttention);
-    const double n = mb.tokens, h = m_.hidden_size, hd = m_.head_dim;
-    const double hq = heads_per_rank(), kv = kv_heads_per_rank();
-    const double entries = is_sparse_m3(mb.layer) ? topk_ : tokens_;
-    const double entry = kv * 2 * hd * m_.kv_value_bytes;
+    const double n = mb.tokens, h = m_.hidden_size, hd = m_.head_dim, hq = m3_.q_heads;
+    const double entries = m_.offloads(mb.layer) ? topk_ : tokens_;
+    const double entry = m3_.entry_bytes;
     const Op attn{op::kGqa, OpKind::kAttention, n * entries * 2 * hq * (hd + hd),
                   mb.requests * entries * entry + n * hq * hd * 2.0 * 2, n, ctx64_, 0, 0, 2};
     double e = s.issue(Stream::kCompute, attn, std::max(s.compute_end(), mb.fetched), Wait::kTransfer);
     // o_proj, and index_o_proj where the layer's index keeps values (its output added to the attention's).
-    const bool index_values = is_sparse_m3(mb.layer) && index_keeps_values(mb.layer);
-    const double hi = std::max(1.0, std::floor(double(m_.index_n_heads) / tp()));
-    const double k = hq * hd + (index_values ? hi * m_.index_head_dim : 0.0);
-    const Op o_proj = gemm_op(op::kOProj, gemm_kind_m3(), n, h, k, k * h * weight_bytes_m3() + n * h * 2, 1);
+    const double k = hq * hd + (m_.index_keeps_values(mb.layer) ? m3_.index_heads * m_.index_head_dim : 0.0);
+    const Op o_proj = gemm_op(op::kOProj, weight_kind(), n, h, k, k * h * weight_bytes() + n * h * 2, 1);
     e = s.issue(Stream::kCompute, o_proj, e);
     ffn_entry(s, mb, moe, all_reduce(s, n, e));
   }
@@ -319,12 +316,9 @@ class LayerBuilder {
     const double per_expert = rows / local;
     const double active = random_rows_ ? local * (1 - std::exp(-per_expert)) : local;
     // Kernels: the dispatch's receive, up GEMM, activation + quantise, down GEMM, the combine's send.
-    // DeepSeek-V4's routed experts are MXFP4 (V4Caches::kExpertBytesPerParam a weight), DSA models' FP8.
-    const double weight_bytes = m_.is_deepseek_v4() ? V4Caches::kExpertBytesPerParam
-                                : m_.is_minimax_m3()  ? weight_bytes_m3()
-                                                      : 1.0;
-    Op o{op::kRoutedExperts, m_.is_minimax_m3() ? gemm_kind_m3() : OpKind::kGemmFp8, 2 * rows * w, active * w * weight_bytes + rows * m_.hidden_size * 3.0, n, 0, 0, 0,
-         5};
+    // DeepSeek-V4's routed experts are MXFP4 (V4Caches::kExpertBytesPerParam a weight), the others' as their weights.
+    const double bytes = m_.is_deepseek_v4() ? V4Caches::kExpertBytesPerParam : weight_bytes();
+    Op o{op::kRoutedExperts, weight_kind(), 2 * rows * w, active * w * bytes + rows * m_.hidden_size * 3.0, n, 0, 0, 0, 5};
     o.gemm = {per_expert, 2.0 * m_.moe_intermediate_size, double(m_.hidden_size), local, random_rows_};
     o.gemm2 = {per_expert, double(m_.hidden_size), double(m_.moe_intermediate_size), local, random_rows_};
     return o;
@@ -379,22 +373,11 @@ class LayerBuilder {
     mb.fetched = s.issue(Stream::kH2D, h2d, e);
   }
   double tp() const { return d_.attention_tensor_parallel; }
-  double heads_per_rank() const { return m_.num_attention_heads / tp(); }
-  double kv_heads_per_rank() const { return std::max(1, m_.num_key_value_heads / d_.attention_tensor_parallel); }
-  bool is_sparse_m3(int layer) const {
-    return layer >= 0 && static_cast<std::size_t>(layer) < m_.sparse_layers.size() && m_.sparse_layers[static_cast<std::size_t>(layer)];
+  // A GEMM's weights: DSA's and DeepSeek-V4's FP8, MiniMax-M3's its own (M3Rank).
+  OpKind weight_kind() const {
+    return m_.is_minimax_m3() && !m3_.fp8_weights ? OpKind::kGemmBf16 : OpKind::kGemmFp8;
   }
-  // MiniMax-M3: whether a layer's index cache keeps values (sparse_disable_index_value 0 or absent).
-  bool index_keeps_values(int layer) const {
-    return !(static_cast<std::size_t>(layer) < m_.index_k_only.size() && m_.index_k_only[static_cast<std::size_t>(layer)]);
-  }
-  // MiniMax-M3's weights: block FP8 (quantization_config fp8) or the model's dtype (MemoryModel).
-  bool fp8_weights_m3() const { return m_.weight_quant == "fp8"; }
-  double weight_bytes_m3() const { return fp8_weights_m3() ? 1.0 : double(m_.dtype_bytes); }
-  // A GEMM's weights: DSA's and DeepSeek-V4's FP8, MiniMax-M3's its own (weight_bytes_m3).
-  OpKind weight_kind() const { return m_.is_minimax_m3() ? gemm_kind_m3() : OpKind::kGemmFp8; }
-  double weight_bytes() const { return m_.is_minimax_m3() ? weight_bytes_m3() : 1.0; }
-  OpKind gemm_kind_m3() const { return fp8_weights_m3() ? OpKind::kGemmFp8 : OpKind::kGemmBf16; }
+  double weight_bytes() const { return m_.is_minimax_m3() ? m3_.weight_bytes : 1.0; }
   // The ranks' outputs of n tokens summed in bf16 (a ring over NVLink within a node, over RDMA past it),
   // issued after `e`; compute waits for it. Returns its end.
   double all_reduce(Scheduler& s, double n, double e) const {
@@ -452,6 +435,7 @@ class LayerBuilder {
   double ctx_;     // the context in the offloaded cache's entries (MemoryModel::context_entries)
   double tokens_;  // in tokens
   double v4_entry_ = 0;  // DeepSeek-V4: an entry's bytes (V4Caches::entry_data_bytes)
+  M3Rank m3_;            // MiniMax-M3: its shape on one rank
   double slots_;
   double sparse_share_ = 1.0;
   double topk_;

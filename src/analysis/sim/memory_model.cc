@@ -199,27 +199,35 @@ void MemoryModel::size_deepseek_v4() {
 // get_minimax_sparse_index_dtype on Hopper). Weights: q / o and the index queries split over the t
 // ranks, K / V and the index key replicated per KV head, the experts over expert_parallel, the
 // vocabulary split over t; in torch_dtype, or block FP8 (quantization_config fp8).
+M3Rank M3Rank::of(const ModelSpec& m, const Deployment& d) {
+  const int t = d.attention_tensor_parallel;
+  M3Rank r;
+  r.q_heads = double(m.num_attention_heads) / t;
+  r.kv_heads = std::max(1, m.num_key_value_heads / t);
+  r.index_heads = std::max(1, m.index_n_heads / t);
+  r.entry_bytes = r.kv_heads * 2 * m.head_dim * m.kv_value_bytes;
+  r.index_value_bytes = m.kv_cache_dtype == "fp8_e4m3" ? 1.0 : double(m.dtype_bytes);
+  r.fp8_weights = m.weight_quant == "fp8";
+  r.weight_bytes = r.fp8_weights ? 1.0 : double(m.dtype_bytes);
+  return r;
+}
+
 void MemoryModel::size_minimax_m3() {
   const ModelSpec& m = model_;
   const Deployment& dep = dep_;
+  const M3Rank r = M3Rank::of(m, dep);
   const double t = dep.attention_tensor_parallel;
-  const double kv = std::max(1, m.num_key_value_heads / dep.attention_tensor_parallel);
-  const double hd = m.head_dim, h = m.hidden_size;
-  entry_bytes_ = kv * 2 * hd * m.kv_value_bytes;
+  const double kv = r.kv_heads, hd = m.head_dim, h = m.hidden_size;
+  entry_bytes_ = r.entry_bytes;
   const std::vector<int> sparse = m.offloaded_layers();
   cache_layers_ = indexer_layers_ = static_cast<int>(sparse.size());
   const int dense = m.num_hidden_layers - cache_layers_;
   other_resident_ = double(context_) * dense * entry_bytes_;
-  const double index_value = m.kv_cache_dtype == "fp8_e4m3" ? 1.0 : double(m.dtype_bytes);
-  int with_values = 0;  // sparse layers whose index cache keeps values
-  for (const int l : sparse) {
-    const bool k_only = static_cast<std::size_t>(l) < m.index_k_only.size() && m.index_k_only[static_cast<std::size_t>(l)];
-    with_values += k_only ? 0 : 1;
-  }
-  index_bytes_per_token_ = (cache_layers_ + with_values) * double(m.index_head_dim) * index_value;
-  const double w = m.weight_quant == "fp8" ? kFp8BytesPerParam : double(m.dtype_bytes);
-  const double q_heads = m.num_attention_heads / t;
-  const double index_heads = std::max(1.0, std::floor(m.index_n_heads / t));
+  const auto with_values = static_cast<int>(std::count_if(sparse.begin(), sparse.end(),
+                                                          [&](int l) { return m.index_keeps_values(l); }));
+  index_bytes_per_token_ = (cache_layers_ + with_values) * double(m.index_head_dim) * r.index_value_bytes;
+  const double w = r.fp8_weights ? kFp8BytesPerParam : r.weight_bytes;
+  const double q_heads = r.q_heads, index_heads = r.index_heads;
   const double attention = h * q_heads * hd * 2 + h * kv * hd * 2;
   const double index = h * index_heads * m.index_head_dim + h * m.index_head_dim;
   const double expert = 3.0 * h * m.moe_intermediate_size;

@@ -161,14 +161,10 @@ class StepRun {
   // model).
   void plan_misses() {
     layer_misses_.assign(static_cast<std::size_t>(n_layers_), 0.0);
-    std::vector<bool> offloads(static_cast<std::size_t>(n_layers_), rig_);
-    for (const int l : model_.offloaded_layers()) {
-      if (l < n_layers_) offloads[static_cast<std::size_t>(l)] = true;
-    }
     double miss_sum = 0;
     int offloaded = 0;
     for (int layer = 0; layer < n_layers_; ++layer) {
-      if (!offloads[static_cast<std::size_t>(layer)]) continue;
+      if (!rig_ && !model_.offloads(layer)) continue;
       // Whole requests miss nothing: the mean over the batch is the sparse ones' share. A layer
       // sharing its leader's top-k misses what its leader misses (its pool sees the same ids).
       const double m = !offload_                    ? 0.0

@@ -423,15 +423,22 @@ std::size_t ModelSpec::indexer_entry_bytes() const {
   return IndexerLayout::for_model(*this).entry_bytes();
 }
 
+bool ModelSpec::offloads(int layer) const {
+  if (layer < 0 || layer >= num_hidden_layers) return false;
+  const auto at = static_cast<std::size_t>(layer);
+  if (is_minimax_m3()) return at < sparse_layers.size() && sparse_layers[at];
+  return !is_deepseek_v4() || compress_ratio(layer) == 4;
+}
+
+bool ModelSpec::index_keeps_values(int layer) const {
+  const auto at = static_cast<std::size_t>(layer);
+  return is_minimax_m3() && offloads(layer) && !(at < index_k_only.size() && index_k_only[at]);
+}
+
 std::vector<int> ModelSpec::offloaded_layers() const {
   std::vector<int> layers;
   for (int l = 0; l < num_hidden_layers; ++l) {
-    const auto at = static_cast<std::size_t>(l);
-    if (is_minimax_m3()) {
-      if (at < sparse_layers.size() && sparse_layers[at]) layers.push_back(l);
-    } else if (!is_deepseek_v4() || (at < compress_ratios.size() && compress_ratios[at] == 4)) {
-      layers.push_back(l);
-    }
+    if (offloads(l)) layers.push_back(l);
   }
   return layers;
 }
