@@ -44,6 +44,7 @@ class Config(ctypes.Structure):
         ("latent_tail_count", ctypes.c_int32),
         ("split_bytes", ctypes.c_int32),
         ("tail_bytes", ctypes.c_int32),
+        ("region_blocks", ctypes.c_int32),
     ]
 
 
@@ -208,6 +209,8 @@ _signatures = {
     "ess_request_repage": (_c.c_int, [_P, _c.c_int64, _c.c_int64, _c.c_int64, _c.POINTER(_c.c_int32), _c.c_int64]),
     "ess_request_release": (_c.c_int, [_P, _c.c_int64]),
     "ess_request_reset": (_c.c_int, [_P, _c.c_int64]),
+    "ess_request_place": (_c.c_int, [_P, _c.c_int64, _c.POINTER(_c.c_int32), _c.c_int64]),
+    "ess_engine_buffer_row": (_c.c_int, [_P, _c.c_int32, _c.c_int32, _c.POINTER(_c.c_int32)]),
     "ess_engine_set_lifecycle_stream": (_c.c_int, [_P, _P, _c.c_int32]),
     "ess_request_get": (_c.c_int, [_P, _c.c_int64, _c.POINTER(_c.c_int32), _c.POINTER(_c.c_int64)]),
     "ess_step_tensors_init": (None, [_c.POINTER(StepTensors)]),

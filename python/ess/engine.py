@@ -74,9 +74,13 @@ class Info:
     tail_row_stride: int = 0
     tail_block_rows: int = 0
     tail_block_stride: int = 0
+    region_blocks: int = 0     # regions: a request's rows in this many blocks of `latent` (Engine.place)
 
     def reserved_row(self, row: int, t: int = 0) -> int:
-        """The physical row holding the t-th of a step's T newest tokens of pool row `row` (reserve_newest)."""
+        """The physical row holding the t-th of a step's T newest tokens of pool row `row` (reserve_newest). With
+        regions a row's rows are where Engine.place put them: Engine.buffer_row(row, slots + t)."""
+        if self.region_blocks:
+            raise InvalidArgument("reserved_row: the engine has regions; its rows are Engine.buffer_row(row, slots + t)")
         return row * self.rows_per_request + self.slots + t
 
 
@@ -142,7 +146,9 @@ class Engine:
     pages that engine hands out (ess_c.h's ess_config.host_pages_per_layer). residency: "sparse" (a Sparse
     Memory Pool each), "whole" (every entry in rows of its own, read in place, no swap) or "adaptive" (whole while
     pool rows are free, demoted under pressure, promoted back with whole_headroom rows left; whole and adaptive
-    need reserve_newest; Engine.residency(id) says where a request is). Every value is checked;
+    need reserve_newest; Engine.residency(id) says where a request is). region_blocks > 0: `latent` is another
+    engine's paged cache ([blocks, block_rows, E] tensors, e.g. vLLM's hot slab) and each request's rows lie in
+    region_blocks of its blocks, named by place(); buffer_row(row, slot) says where. Every value is checked;
     a refused one raises InvalidArgument naming it (InvalidType, also a TypeError, for a wrong
     type: a float, bool or string where an integer is meant, anything but a bool for
     reserve_newest), and nothing is created. A refused call on an engine changes nothing.
@@ -158,7 +164,8 @@ class Engine:
                  backend: str = "cpu", device: int = 0, copy_blocks: int = 0, host_bytes: int = 0,
                  latent: Optional[Sequence] = None, host_memory=None, host_memory_pinned: bool = False,
                  foreign_pages: Optional["ForeignPages"] = None, residency: str = "sparse", whole_headroom: int = 1,
-                 latent_tail: Optional[Sequence] = None, split_bytes: int = 0, tail_bytes: int = 0):
+                 latent_tail: Optional[Sequence] = None, split_bytes: int = 0, tail_bytes: int = 0,
+                 region_blocks: int = 0):
         self._handle = None
         self._lock = threading.RLock()
         _args.choice("backend", backend, _BACKENDS)
@@ -179,7 +186,7 @@ class Engine:
                             ("query_tokens", query_tokens), ("topk", topk), ("slots", slots),
                             ("warmup_windows", warmup_windows), ("device", device), ("copy_blocks", copy_blocks),
                             ("host_bytes", host_bytes), ("whole_headroom", whole_headroom),
-                            ("split_bytes", split_bytes), ("tail_bytes", tail_bytes)):
+                            ("split_bytes", split_bytes), ("tail_bytes", tail_bytes), ("region_blocks", region_blocks)):
             field = dict(Config._fields_)[name]
             bounds = _args.I32 if field is ctypes.c_int32 else _args.I64 if field is ctypes.c_int64 else _args.U64
             setattr(c, name, _args.integer(name, value, *bounds))
@@ -231,7 +238,7 @@ class Engine:
         values = {name: getattr(raw, name) for name, _ in EngineInfo._fields_ if name != "struct_size"}
         values["reserve_newest"] = bool(values["reserve_newest"])
         values["backend"] = "cuda" if values["backend"] == 1 else "cpu"
-        self.info = Info(**values)
+        self.info = Info(**values, region_blocks=c.region_blocks)
 
     # ---- lifetime ----
     @_locked
@@ -376,6 +383,25 @@ class Engine:
         handle = stream_handle(stream) or 0   # checked even when 0
         ordered = 0 if stream is None else 1
         check(lib.ess_engine_set_lifecycle_stream(self._h(), ctypes.c_void_p(handle) if handle else None, ordered))
+
+    @_locked
+    def place(self, request_id: int, blocks):
+        """Regions: the request's rows lie from now on in `blocks` (region_blocks block ids of `latent`, distinct,
+        none in another request's region); its device residency is forgotten and, with reserve_newest, its newest
+        entries loaded into its new reserved rows. Place a request before its warmup and first step."""
+        _i64(request_id=request_id)
+        values = _integers("blocks", blocks, _args.I32)
+        array = (ctypes.c_int32 * max(1, len(values)))(*values)
+        check(lib.ess_request_place(self._h(), request_id, array, len(values)))
+
+    @_locked
+    def buffer_row(self, row: int, slot: int) -> int:
+        """The physical row of row `slot` (its slots, then its reserved rows) of pool row `row`; -1 while a row of
+        an engine with regions has none."""
+        _i32(row=row, slot=slot)
+        out = ctypes.c_int32()
+        check(lib.ess_engine_buffer_row(self._h(), row, slot, ctypes.byref(out)))
+        return out.value
 
     @_locked
     def reset(self, request_id: int):

@@ -134,6 +134,76 @@ def test_steps_match_the_model_and_are_lossless():
     np.testing.assert_array_equal(back, full[1, :n])
 
 
+def test_regions_put_each_requests_rows_in_its_blocks_losslessly():
+    # Another engine's paged cache (blocks of 8 rows): each request's 26 rows in 4 blocks it is given
+    # in a shuffled order; the model's rows (row x rows_per_request + slot) mapped through them here.
+    T, K, slots, L, block_rows, region = 2, 8, 24, 2, 8, 4
+    latent = [np.zeros((20, block_rows, ENTRY), np.uint8) for _ in range(L)]
+    with pytest.raises(ess.InvalidArgument, match="do not fit a region of 3 blocks of 8 rows"):
+        small(query_tokens=T, slots=slots, reserve_newest=True, latent=latent, region_blocks=3)
+    e = small(query_tokens=T, slots=slots, reserve_newest=True, latent=latent, region_blocks=region)
+    assert e.info.region_blocks == region
+    with pytest.raises(ess.InvalidArgument, match="has regions"):
+        e.info.reserved_row(0)
+    model = EngineModel(L, slots, T, reserve_newest=True)
+    rng = np.random.default_rng(3)
+    full = {i: rng.integers(0, 256, (L, 128, ENTRY), dtype=np.uint8) for i in (4, 9)}
+    blocks = [int(b) for b in rng.permutation(20)]
+    placed = {4: blocks[:region], 9: blocks[region:2 * region]}
+    rows = {}
+    for i in (4, 9):
+        rows[i] = e.admit(i, 40)
+        model.admit(rows[i])
+        assert e.buffer_row(rows[i], 0) == -1   # no region yet
+        with pytest.raises(ess.InvalidArgument, match="no region yet"):
+            e.warmup(i, np.full((L, 1, K), -1, np.int32))
+        for layer in range(L):
+            e.write_entries(i, layer, 0, full[i][layer, :40])
+        e.place(i, placed[i])
+        e.warmup(i, np.full((L, 1, K), -1, np.int32))
+    with pytest.raises(ess.InvalidArgument, match="lies in the region of request 4"):
+        e.place(9, placed[4][:1] + placed[9][1:])
+
+    def at(i, p):  # the model's row p of request i, in its region
+        s = p - rows[i] * model.rows_per_request
+        return placed[i][s // block_rows] * block_rows + s % block_rows
+
+    batch = np.array([rows[4], rows[9]], np.int32)
+    lengths = np.zeros(2, np.int32)
+    topk, phys = np.zeros((2, T, K), np.int32), np.zeros((2, T, K), np.int32)
+    step = e.bind_step(batch, topk, lengths, phys)
+    wb = e.bind_write_back(batch, lengths)  # the newest entries reach the host pool from the reserved rows
+    n = 40
+    for s in range(5):
+        if s == 3:  # request 9 moves to other blocks: its LRU starts empty there
+            placed[9] = blocks[2 * region:3 * region]
+            e.place(9, placed[9])
+            model.admit(rows[9])
+        n += T
+        for b, i in enumerate((4, 9)):
+            e.extend(i, T)
+            lengths[b] = n
+            for layer in range(L):
+                for t in range(T):  # the model writes the new entries into the reserved rows
+                    r = e.buffer_row(rows[i], slots + t)
+                    assert r == at(i, rows[i] * model.rows_per_request + slots + t)
+                    latent[layer].reshape(-1, ENTRY)[r] = full[i][layer, n - T + t]
+        for layer in range(L):
+            for b in range(2):
+                for t in range(T):
+                    topk[b, t] = rng.choice(n, K, replace=False)
+            step.step(layer)
+            for b, i in enumerate((4, 9)):
+                expected, _, _ = model.step(rows[i], layer, n, topk[b].tolist())
+                np.testing.assert_array_equal(phys[b], [[at(i, p) for p in q] for q in expected])
+                for t in range(T):
+                    for k in range(K):
+                        got = latent[layer].reshape(-1, ENTRY)[phys[b, t, k]]
+                        assert got.tobytes() == full[i][layer, topk[b, t, k]].tobytes()
+            wb.write_back(layer)
+    e.close()
+
+
 def test_a_buffer_in_two_parts_holds_heads_and_tails_at_their_places():
     # C4-like pages of 16 rows: each page its 16 heads of 576 bytes, then their 16 tails of 80 (the
     # 656-byte entry's last 80), as strided numpy views of one page array per layer.

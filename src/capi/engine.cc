@@ -68,6 +68,7 @@ OffloadConfig offload_config(const ess_config& c) {
             "config: residency = {} is not ESS_RESIDENCY_SPARSE, _WHOLE or _ADAPTIVE", c.residency);
   o.residency = static_cast<Residency>(c.residency);
   o.whole_headroom = c.whole_headroom;
+  o.region_blocks = c.region_blocks;
   o.warmup_windows = c.warmup_windows;
   o.backend = c.backend == ESS_BACKEND_CUDA ? Backend::kCuda : Backend::kCpu;
   o.device = c.device;
@@ -184,13 +185,14 @@ ess_config read_config(const ess_config* given) {
       offsetof(ess_config, host_pages_per_layer),  // before foreign pages
       offsetof(ess_config, residency),             // before residency
       offsetof(ess_config, latent_tail),           // before buffers in two parts
+      offsetof(ess_config, region_blocks),         // before regions
       sizeof(ess_config),
   };
   const std::uint32_t size = given->struct_size;
   ESS_CHECK(std::find(std::begin(kLayouts), std::end(kLayouts), size) != std::end(kLayouts),
-            "ess_config.struct_size = {}: this library knows ess_config layouts of {}, {}, {}, {} and {} bytes: call "
-            "ess_config_init (a header of another ABI version?)",
-            size, kLayouts[0], kLayouts[1], kLayouts[2], kLayouts[3], kLayouts[4]);
+            "ess_config.struct_size = {}: this library knows ess_config layouts of {}, {}, {}, {}, {} and {} bytes: "
+            "call ess_config_init (a header of another ABI version?)",
+            size, kLayouts[0], kLayouts[1], kLayouts[2], kLayouts[3], kLayouts[4], kLayouts[5]);
   ess_config c;
   ess_config_init(&c);
   std::memcpy(&c, given, size);
@@ -265,7 +267,8 @@ ess_status ess_engine_create(const ess_config* given, ess_engine** out) {
     if (config->latent != nullptr || config->latent_count != 0) {
       ESS_CHECK(config->latent != nullptr && config->latent_count == oc.layers,
                 "config: {} latent buffers for {} layers", config->latent_count, oc.layers);
-      const std::int64_t needed = static_cast<std::int64_t>(oc.max_requests) * oc.rows_per_request();
+      // With regions the requests' rows lie in the blocks ess_request_place names (checked there).
+      const std::int64_t needed = oc.region_blocks > 0 ? 0 : static_cast<std::int64_t>(oc.max_requests) * oc.rows_per_request();
       for (int l = 0; l < oc.layers && split; ++l) {
         const auto t = ess::capi::layer_tensor(config->latent_tail[l], l, static_cast<std::uint64_t>(config->tail_bytes),
                                                ess::capi::placement_of(oc), "latent tail buffer");
@@ -289,10 +292,14 @@ ess_status ess_engine_create(const ess_config* given, ess_engine** out) {
                   oc.max_requests, oc.rows_per_request(), needed);
         if (l == 0) {
           buffer.rows = t.rows;
+          buffer.blocks = t.rows.block_rows > 0 ? t.capacity / t.rows.block_rows : 0;
         } else {
           ESS_CHECK(t.rows.row_stride == buffer.rows.row_stride && t.rows.block_rows == buffer.rows.block_rows &&
                         t.rows.block_stride == buffer.rows.block_stride,
                     "latent buffer of layer {}: its strides differ from layer 0's", l);
+          ESS_CHECK(t.rows.block_rows == 0 || t.capacity / t.rows.block_rows == buffer.blocks,
+                    "latent buffer of layer {} holds {} blocks, layer 0's {}", l, t.capacity / t.rows.block_rows,
+                    buffer.blocks);
         }
         buffer.layer_base.push_back(t.base);
       }
@@ -645,6 +652,20 @@ ess_status ess_engine_set_lifecycle_stream(ess_engine* engine, void* stream, int
     } else {
       o.clear_lifecycle_stream();
     }
+  });
+}
+
+ess_status ess_request_place(ess_engine* engine, int64_t id, const int32_t* blocks, int64_t count) {
+  return guard("ess_request_place", [&] {
+    ESS_CHECK(count >= 0 && (blocks != nullptr || count == 0), "blocks is NULL with count {}", count);
+    ess::capi::engine_call(engine).offload().place(id, std::span<const std::int32_t>(blocks, static_cast<std::size_t>(count)));
+  });
+}
+
+ess_status ess_engine_buffer_row(const ess_engine* engine, int32_t row, int32_t slot, int32_t* out) {
+  return guard("ess_engine_buffer_row", [&] {
+    ESS_CHECK(out != nullptr, "the out-pointer is NULL");
+    *out = ess::capi::engine_call(engine).offload().buffer_row(row, slot);
   });
 }
 

@@ -85,7 +85,8 @@ const OffloadIo& offload_io(Backend backend) {
 
 std::uint64_t buffer_extent(const Offload& o) {
   const LatentBuffer& b = o.buffer();
-  const std::int64_t rows = static_cast<std::int64_t>(o.config().max_requests) * o.rows_per_request();
+  const std::int64_t rows = o.config().region_blocks > 0 ? b.blocks * b.rows.block_rows
+                                                         : static_cast<std::int64_t>(o.config().max_requests) * o.rows_per_request();
   std::uint64_t end = b.rows.offset(rows - 1) + b.rows.row_stride;
   if (b.split() && b.tail_base[0] >= b.layer_base[0]) {  // tails after the heads, in the same allocation
     const auto delta = static_cast<std::uint64_t>(b.tail_base[0] - b.layer_base[0]);

@@ -259,6 +259,23 @@ const std::vector<Case>& cases() {
          c.host_page_stride = 64 * kEntry;
          return f.create(c);
        }},
+      {"place without regions", kInvalid, "the engine has no regions", [](Fixture& f) {
+         const std::int32_t blocks[] = {0};
+         return ess_request_place(f.e, kR1, blocks, 1);
+       }},
+      {"place with null blocks", kInvalid, "blocks is NULL with count 2", [](Fixture& f) {
+         return ess_request_place(f.e, kR1, nullptr, 2);
+       }},
+      {"config with regions but no buffers", kInvalid, "need the caller's paged buffer", [](Fixture& f) {
+         ess_config c = config();
+         c.region_blocks = 2;
+         return f.create(c);
+       }},
+      {"null buffer row output", kInvalid, "out-pointer is NULL", [](Fixture& f) { return ess_engine_buffer_row(f.e, 0, 0, nullptr); }},
+      {"buffer row of a slot past the request's rows", kInvalid, "slot 99 outside", [](Fixture& f) {
+         std::int32_t out = 0;
+         return ess_engine_buffer_row(f.e, 0, 99, &out);
+       }},
       {"null step binding", kInvalid, "step binding is NULL", [](Fixture&) { return ess_step(nullptr, 0, -1, nullptr); }},
       {"null row output", kInvalid, "output is NULL", [](Fixture& f) { return ess_engine_read_row(f.e, 0, 0, nullptr, kEntry); }},
       {"null topk", kInvalid, "topk is required", [](Fixture& f) {

@@ -27,6 +27,26 @@ struct RowLayout {
   }
 };
 
+// Where a pool row's rows (its slots, then its reserved rows) lie among a layer's buffer rows:
+// row s of pool row r is buffer row r x rows_per_request + s; or, with regions (another engine's
+// blocks handed to each request, e.g. vLLM's hot regions), row s lies in block
+// region[r x region_blocks + s / block_rows] of block_rows rows, at s % block_rows. A pool row
+// whose region is not set (its first block -1) has no rows: at() gives -1.
+struct PoolRows {
+  std::int32_t rows_per_request = 0;
+  const std::int32_t* region = nullptr;  // [pool rows][region_blocks] block ids; nullptr: no regions
+  std::int32_t region_blocks = 0;
+  std::int64_t block_rows = 0;
+  constexpr bool placed(std::int32_t r) const {
+    return region == nullptr || region[static_cast<std::int64_t>(r) * region_blocks] >= 0;
+  }
+  constexpr std::int32_t at(std::int32_t r, std::int32_t s) const {
+    if (region == nullptr) return r * rows_per_request + s;
+    const std::int32_t block = region[static_cast<std::int64_t>(r) * region_blocks + s / block_rows];
+    return block < 0 ? -1 : static_cast<std::int32_t>(block * block_rows + s % block_rows);
+  }
+};
+
 // A buffer that keeps each entry in two parts (DeepSeek-V4's C4 pages: a token's 576 value bytes
 // in one run of the page, its 8 scale bytes in another; separate K and V tensors): row p's first
 // `head_bytes` lie at the buffer's own RowLayout offset(p) (`head`), its next `bytes` at

@@ -13,7 +13,7 @@
 // -1 (padding) or in [0, lengths[b]). lengths[b] is the request's length, or on foreign pages from
 // 1 to it (the other engine may give the pages of tokens its device has not confirmed yet, vLLM's
 // async scheduling with drafts: the step serves the first lengths[b], its newest T before that). Pool row r's slots are the buffer rows [r x rows_per_request(), ... + slots) of
-// each layer's buffer; with reserve_newest, the T buffer rows after them (its reserved rows) hold the step's newest
+// each layer's buffer (with regions, the rows of the blocks Offload::place gave it: PoolRows); with reserve_newest, the T rows after them (its reserved rows) hold the step's newest
 // tokens (HiSparse's reserved slot): an id among a position's T newest tokens maps there,
 // outside the LRU, whose rules (docs/architecture.md, "Exact semantics") hold for every other
 // id. Slot and row indices are int32 (no 32K cap); addresses are 64-bit.
@@ -87,9 +87,14 @@ enum class Backend { kCpu, kCuda };
 // caller's buffers only), row p's first tail.head_bytes lie at layer_base + rows.offset(p) and
 // its next tail.bytes at tail_base + tail.rows.offset(p); the host pool holds entries whole
 // (layout.bytes(): head, tail, padding). tail.head and tail.delta are ESS's to fill.
+//
+// Regions (OffloadConfig::region_blocks > 0): the buffer is another engine's paged cache (vLLM's
+// hot slab), `blocks` blocks of rows.block_rows rows, and each request's rows lie in blocks that
+// engine hands it (Offload::place), not at row x rows_per_request.
 struct LatentBuffer {
   std::vector<std::uint8_t*> layer_base;
   RowLayout rows;
+  std::int64_t blocks = 0;  // the caller's buffer's blocks; needed with regions (their ids are checked against it)
   std::vector<std::uint8_t*> tail_base;
   RowTail tail{};
   bool split() const { return !tail_base.empty(); }
@@ -113,6 +118,11 @@ struct OffloadConfig {
   ForeignPages foreign;
   int warmup_windows = 32;         // LRU-Warmup: the last this-many prefill query positions
   int copy_blocks = 0;             // FlashTrans grid of the step's copies (0 = its default)
+  // Regions: each pool row's rows_per_request() rows lie in `region_blocks` blocks of the caller's
+  // paged buffer (LatentBuffer::rows.block_rows rows each) that Offload::place names, in order.
+  // 0: pool row r's rows are buffer rows [r x rows_per_request(), ...). Needs the caller's buffer
+  // (layer_base, blocks) and residency kSparse.
+  std::int32_t region_blocks = 0;
   // kWhole and kAdaptive need reserve_newest: a whole request's newest entries reach its rows
   // from the reserved rows, by write_back.
   Residency residency = Residency::kSparse;
@@ -296,6 +306,16 @@ class Offload {
   // length - T, reserve_newest). A page may change only to one holding the same entries (the
   // device rows stay valid).
   void repage(RequestId id, std::int64_t length, std::int64_t first_page, std::span<const std::int32_t> pages);
+  // Regions only (OffloadConfig::region_blocks). The request's rows from now on lie in `blocks`
+  // (region_blocks block ids of the buffer, distinct, none in another request's region), its
+  // slots first, then its reserved rows. Its device residency is forgotten (as reset does; the
+  // rows of its old region are never written again), and with reserve_newest its newest
+  // min(T, length) entries are loaded into its new reserved rows. A request must be placed
+  // before its warmup and its first step; its region is freed when it is released.
+  void place(RequestId id, std::span<const std::int32_t> blocks);
+  // The buffer row of row `slot` of pool row `row` (slot < rows_per_request(); its reserved row t
+  // is slot slots + t): row x rows_per_request() + slot, or in its region (-1 when not placed).
+  std::int32_t buffer_row(std::int32_t row, std::int32_t slot) const;
   // Forgets the request's device residency (every layer's LRU empty, as at admit); its host
   // entries stay. Then warmup again, e.g. when the engine resumes a preempted request whose
   // device rows it reused, or to replay a measurement from the same state.

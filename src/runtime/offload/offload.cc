@@ -59,6 +59,11 @@ void OffloadConfig::validate() const {
             to_string(residency));
   ESS_CHECK(demotion_windows >= 0 && demotion_windows <= 1024, "offload: demotion_windows = {} must be in [0, 1024]",
             demotion_windows);
+  ESS_CHECK(region_blocks >= 0, "offload: region_blocks = {} is negative", region_blocks);
+  ESS_CHECK(region_blocks == 0 || residency == Residency::kSparse,
+            "offload: residency {} with regions (region_blocks = {}): a whole request's rows are pool rows of ESS's own "
+            "layout; regions serve sparse requests only",
+            to_string(residency), region_blocks);
   ESS_CHECK(whole_headroom >= 0 && whole_headroom <= max_requests,
             "offload: whole_headroom = {} must be in [0, max_requests = {}]", whole_headroom, max_requests);
 }
@@ -158,7 +163,8 @@ void check_split(LatentBuffer& b, const OffloadConfig& c, bool owned) {
     ESS_CHECK(b.tail_base[l] != nullptr && reinterpret_cast<std::uintptr_t>(b.tail_base[l]) % 8 == 0,
               "offload: the tail buffer of layer {} is null or not 8-byte aligned", l);
   }
-  check_heads_and_tails_apart(b, static_cast<std::int64_t>(c.max_requests) * c.rows_per_request());
+  check_heads_and_tails_apart(b, c.region_blocks > 0 ? b.blocks * b.rows.block_rows
+                                                     : static_cast<std::int64_t>(c.max_requests) * c.rows_per_request());
   b.tail.head = b.rows;
   b.tail.delta = 0;
 }
@@ -174,7 +180,7 @@ RowTail LatentBuffer::tail_of(int layer) const {
   return t;
 }
 
-Offload::Impl::Impl(const OffloadConfig& c, LatentBuffer b, HostAllocator& host) : OffloadState{c, std::move(b), {}, {}, {}, {}, {}} {
+Offload::Impl::Impl(const OffloadConfig& c, LatentBuffer b, HostAllocator& host) : OffloadState{c, std::move(b), {}, {}, {}, {}, {}, {}, {}} {
   config.validate();
   const std::uint64_t entry = config.layout.bytes();
   const bool owned = buffer.layer_base.empty();
@@ -198,6 +204,24 @@ Offload::Impl::Impl(const OffloadConfig& c, LatentBuffer b, HostAllocator& host)
       ESS_CHECK(buffer.layer_base[l] != nullptr && reinterpret_cast<std::uintptr_t>(buffer.layer_base[l]) % 16 == 0,
                 "offload: the buffer of layer {} is null or not 16-byte aligned", l);
     }
+  }
+  if (config.region_blocks > 0) {
+    const std::int64_t block_rows = buffer.rows.block_rows;
+    ESS_CHECK(!owned, "offload: regions (region_blocks = {}) need the caller's paged buffer (layer_base)", config.region_blocks);
+    ESS_CHECK(block_rows > 0 && buffer.blocks >= 1,
+              "offload: regions need a paged buffer: block_rows = {} and blocks = {} must be positive", block_rows,
+              buffer.blocks);
+    ESS_CHECK(static_cast<std::int64_t>(config.rows_per_request()) <= config.region_blocks * block_rows,
+              "offload: {} rows per request (slots {} + reserved {}) do not fit a region of {} blocks of {} rows",
+              config.rows_per_request(), config.slots, config.rows_per_request() - config.slots, config.region_blocks,
+              block_rows);
+    ESS_CHECK(buffer.blocks <= (std::int64_t{1} << 31) / block_rows,
+              "offload: {} blocks of {} rows exceed the int32 rows of a layer's buffer", buffer.blocks, block_rows);
+  } else if (!owned && buffer.blocks > 0) {
+    ESS_CHECK(static_cast<std::int64_t>(config.max_requests) * config.rows_per_request() <=
+                  buffer.blocks * std::max<std::int64_t>(buffer.rows.block_rows, 1),
+              "offload: {} requests x {} rows per request do not fit the buffer's {} blocks of {} rows",
+              config.max_requests, config.rows_per_request(), buffer.blocks, buffer.rows.block_rows);
   }
   if (buffer.split()) {
     check_split(buffer, config, owned);
@@ -229,6 +253,10 @@ Offload::Impl::Impl(const OffloadConfig& c, LatentBuffer b, HostAllocator& host)
   request_of_row.assign(static_cast<std::size_t>(config.max_requests), -1);
   units_of_row.assign(static_cast<std::size_t>(config.max_requests), {});
   borrower_of_row.assign(static_cast<std::size_t>(config.max_requests), -1);
+  if (config.region_blocks > 0) {
+    region.assign(static_cast<std::size_t>(config.max_requests) * static_cast<std::size_t>(config.region_blocks), -1);
+    row_of_block.assign(static_cast<std::size_t>(buffer.blocks), -1);
+  }
   if (config.backend == Backend::kCuda) {
     const OffloadBackendFactory make_cuda = cuda_offload_factory();
     ESS_CHECK(make_cuda != nullptr, "offload: the CUDA backend is not part of this build (nvcc was not found when it was built)");
@@ -420,6 +448,7 @@ void Offload::warmup(RequestId id, std::span<const std::int32_t> windows, int wi
   impl_->usable("warmup");
   Impl& x = *impl_;
   const std::int32_t row = x.find_row(id, "warmup");
+  x.check_placed(row, id, "warmup");
   const std::size_t K = static_cast<std::size_t>(x.config.topk);
   ESS_CHECK(window_count >= 0 &&
                 windows.size() == static_cast<std::size_t>(x.config.layers) * static_cast<std::size_t>(window_count) * K,
@@ -537,6 +566,7 @@ void Offload::release(RequestId id) {
   Impl& x = *impl_;
   const std::int32_t row = x.find_row(id, "release");
   x.device("release", [&] { x.backend->release(row, id); });
+  x.free_region(row);
   x.retire_host(id);
   x.give_back(row);
   x.request_of_row[static_cast<std::size_t>(row)] = -1;
@@ -552,6 +582,56 @@ void Offload::reset(RequestId id) {
     x.backend->reset(row, id);
     if (x.whole(row)) x.backend->load_whole(row, id, {}, 0);  // rows the engine may have reused: read again
   });
+}
+
+void Offload::Impl::free_region(std::int32_t row) {
+  if (region.empty()) return;
+  const auto at = static_cast<std::size_t>(row) * static_cast<std::size_t>(config.region_blocks);
+  for (std::size_t i = at; i < at + static_cast<std::size_t>(config.region_blocks); ++i) {
+    if (region[i] >= 0) row_of_block[static_cast<std::size_t>(region[i])] = -1;
+    region[i] = -1;
+  }
+}
+
+void Offload::place(RequestId id, std::span<const std::int32_t> blocks) {
+  impl_->usable("place");
+  Impl& x = *impl_;
+  const std::int32_t row = x.find_row(id, "place");
+  const std::int32_t n = x.config.region_blocks;
+  ESS_CHECK(n > 0, "offload: place of request {}: the engine has no regions (region_blocks = 0)", id);
+  ESS_CHECK(std::ssize(blocks) == n, "offload: place of request {}: {} blocks for a region of {}", id, blocks.size(), n);
+  for (std::size_t i = 0; i < blocks.size(); ++i) {
+    const std::int32_t k = blocks[i];
+    ESS_CHECK(k >= 0 && k < x.buffer.blocks, "offload: place of request {}: block {} of its region is {}, outside [0, {})",
+              id, i, k, x.buffer.blocks);
+    const std::int32_t holder = x.row_of_block[static_cast<std::size_t>(k)];
+    ESS_CHECK(holder < 0 || holder == row,
+              "offload: place of request {}: block {} ({} of its region) lies in the region of request {} (row {})", id, k,
+              i, x.request_of_row[static_cast<std::size_t>(holder)], holder);
+    for (std::size_t j = 0; j < i; ++j) {
+      ESS_CHECK(blocks[j] != k, "offload: place of request {}: block {} is named twice ({} and {} of its region)", id, k, j,
+                i);
+    }
+  }
+  x.free_region(row);
+  const auto at = static_cast<std::size_t>(row) * static_cast<std::size_t>(n);
+  for (std::size_t i = 0; i < blocks.size(); ++i) {
+    x.region[at + i] = blocks[i];
+    x.row_of_block[static_cast<std::size_t>(blocks[i])] = row;
+  }
+  x.device("place", [&] {
+    x.backend->placed(row, id);
+    if (x.config.reserve_newest) x.backend->load_newest(row, id);
+  });
+}
+
+std::int32_t Offload::buffer_row(std::int32_t row, std::int32_t slot) const {
+  impl_->usable("buffer_row");
+  const Impl& x = *impl_;
+  ESS_CHECK(row >= 0 && row < x.config.max_requests, "offload: buffer_row: row {} outside [0, {})", row, x.config.max_requests);
+  ESS_CHECK(slot >= 0 && slot < x.config.rows_per_request(), "offload: buffer_row: slot {} outside [0, {}) (rows per request)",
+            slot, x.config.rows_per_request());
+  return x.pool_rows().at(row, slot);
 }
 
 bool Offload::whole(RequestId id) const {
@@ -672,9 +752,8 @@ std::vector<std::uint8_t> Offload::read_row(int layer, std::int32_t p) const {
   impl_->usable("read_row");
   const Impl& x = *impl_;
   ESS_CHECK(layer >= 0 && layer < x.config.layers, "offload: read_row: layer {} outside [0, {})", layer, x.config.layers);
-  ESS_CHECK(p >= 0 && static_cast<std::int64_t>(p) < static_cast<std::int64_t>(x.config.max_requests) * x.config.rows_per_request(),
-            "offload: read_row: row {} outside the layer's {} x {} rows", p, x.config.max_requests,
-            x.config.rows_per_request());
+  ESS_CHECK(p >= 0 && static_cast<std::int64_t>(p) < x.buffer_rows(), "offload: read_row: row {} outside the layer's {} rows", p,
+            x.buffer_rows());
   return impl_->device("read_row", [&] { return x.backend->read_row(layer, p); });
 }
 

@@ -93,19 +93,23 @@ void expect_halves(const ess::test::OffloadStepOut& got, std::size_t bz, int T, 
 struct ModelRequest {
   RequestId id = 0;
   std::int32_t row = 0;
+  std::vector<std::int32_t> region;  // with regions: the blocks it was placed on
   std::int64_t length = 0;
   std::vector<test::NaiveLru> lru;             // per layer
   std::vector<std::vector<std::int32_t>> prev;  // per layer: the ids' locality state
 };
 
-// (real positions, padded positions, T, K, extra slots, reserve_newest)
-using Shape = std::tuple<int, int, int, int, int, bool>;
+// (real positions, padded positions, T, K, extra slots, reserve_newest, in regions)
+using Shape = std::tuple<int, int, int, int, int, bool, bool>;
+
+// With regions: blocks of this many rows, a region one block larger than a request's rows.
+inline constexpr std::int32_t kRegionBlockRows = 16;
 
 class OffloadShapes : public testing::TestWithParam<Shape> {};
 
 TEST_P(OffloadShapes, MatchesTheModelAndIsLossless) {
   ESS_REQUIRE_BACKEND(harness().info);
-  const auto [R, pads, T, K, extra, reserve] = GetParam();
+  const auto [R, pads, T, K, extra, reserve, regions] = GetParam();
   const int L = 2;
   const std::int32_t S = T * K + extra;
   const std::int64_t prompt = std::max<std::int64_t>(4 * S, 200);
@@ -120,10 +124,34 @@ TEST_P(OffloadShapes, MatchesTheModelAndIsLossless) {
   c.reserve_newest = reserve;
   c.max_context = prompt + steps * T;
   c.backend = harness().backend;
-  Offload o(c);
   const std::size_t E = c.layout.bytes();
+  // In regions: a paged buffer of twice the blocks the requests need (blocks padded apart), each
+  // request placed on blocks drawn in a shuffled order; its buffer rows computed here from them.
+  LatentBuffer buffer;
+  std::vector<std::int32_t> spare_blocks;
+  if (regions) {
+    c.region_blocks = (c.rows_per_request() + kRegionBlockRows - 1) / kRegionBlockRows + 1;
+    const std::int64_t blocks = 2 * static_cast<std::int64_t>(c.max_requests) * c.region_blocks;
+    buffer = engine_buffer(L, blocks * kRegionBlockRows, E, kRegionBlockRows, kRegionBlockRows * E + 64);
+    buffer.blocks = blocks;
+    spare_blocks.resize(static_cast<std::size_t>(blocks));
+    std::iota(spare_blocks.begin(), spare_blocks.end(), 0);
+  }
+  Offload o(c, buffer);
   const std::int32_t rpr = c.rows_per_request();
-  std::mt19937 rng(static_cast<std::uint32_t>(R * 7919 + pads * 131 + T * 31 + K + extra + reserve));
+  std::mt19937 rng(static_cast<std::uint32_t>(R * 7919 + pads * 131 + T * 31 + K + extra + reserve + 5 * regions));
+  std::shuffle(spare_blocks.begin(), spare_blocks.end(), rng);
+  const auto place = [&](ModelRequest& m) {  // onto the next spare blocks; its old ones spare again
+    spare_blocks.insert(spare_blocks.begin(), m.region.begin(), m.region.end());
+    m.region.assign(spare_blocks.end() - c.region_blocks, spare_blocks.end());
+    spare_blocks.resize(spare_blocks.size() - static_cast<std::size_t>(c.region_blocks));
+    o.place(m.id, m.region);
+  };
+  // Row s of a request's rows in the buffer.
+  const auto row_of = [&](const ModelRequest& m, std::int32_t s) {
+    if (!regions) return m.row * rpr + s;
+    return m.region[static_cast<std::size_t>(s / kRegionBlockRows)] * kRegionBlockRows + s % kRegionBlockRows;
+  };
   std::vector<ModelRequest> reqs(static_cast<std::size_t>(R));
   const int W = 4;
   for (int i = 0; i < R; ++i) {
@@ -131,6 +159,7 @@ TEST_P(OffloadShapes, MatchesTheModelAndIsLossless) {
     m.id = 1000 + 17 * i;
     m.length = prompt;
     m.row = o.admit(m.id, prompt);
+    if (regions) place(m);
     for (int l = 0; l < L; ++l) {
       for (std::int64_t t = 0; t < prompt; ++t) {
         const auto e = entry_of(m.id, l, t, E);
@@ -152,6 +181,11 @@ TEST_P(OffloadShapes, MatchesTheModelAndIsLossless) {
     o.warmup(m.id, windows, W);
   }
   for (int step = 0; step < steps; ++step) {
+    // In regions, the first request moves to other blocks mid-run: its LRU starts empty there.
+    if (regions && step == steps / 2) {
+      place(reqs[0]);
+      for (auto& lru : reqs[0].lru) lru = test::NaiveLru(S);
+    }
     // Decode appends T tokens to every request; the model writes their entries to the host
     // pool (the write-back, tested below) and, with reserve_newest, into the reserved rows.
     for (ModelRequest& m : reqs) {
@@ -161,7 +195,7 @@ TEST_P(OffloadShapes, MatchesTheModelAndIsLossless) {
           const std::int64_t p = m.length + t;
           const auto e = entry_of(m.id, l, p, E);
           std::memcpy(o.host_entry(m.id, l, p).data(), e.data(), E);
-          if (reserve) io().write_row(o, l, m.row * rpr + S + t, e);
+          if (reserve) io().write_row(o, l, row_of(m, S + t), e);
         }
       }
       m.length += T;
@@ -220,7 +254,7 @@ TEST_P(OffloadShapes, MatchesTheModelAndIsLossless) {
         const std::int64_t newest = m.length - T;
         for (std::size_t i = 0; i < P; ++i) {
           if (reserve && ids[i] >= newest) {
-            want[i] = m.row * rpr + S + static_cast<std::int32_t>(ids[i] - newest);
+            want[i] = row_of(m, S + static_cast<std::int32_t>(ids[i] - newest));
             masked[i] = -1;
           }
         }
@@ -229,7 +263,7 @@ TEST_P(OffloadShapes, MatchesTheModelAndIsLossless) {
         std::set<std::int32_t> distinct;
         for (std::size_t i = 0; i < P; ++i) {
           if (masked[i] >= 0) {
-            want[i] = m.row * rpr + slots[i];
+            want[i] = row_of(m, slots[i]);
             distinct.insert(masked[i]);
           }
         }
@@ -244,9 +278,9 @@ TEST_P(OffloadShapes, MatchesTheModelAndIsLossless) {
           ASSERT_EQ(0, std::memcmp(buf.data() + at, e.data(), E)) << "position " << b << " token " << ids[i] << " row " << phys[i];
         }
         // The DA split: each query row's resident rows, then its fetched ones, in order.
-        std::set<std::int32_t> fetched_slots;
-        for (const auto& f : fills) fetched_slots.insert(f.second);
-        expect_halves(got, bz, T, K, phys, [&](std::int32_t p) { return fetched_slots.contains(p - m.row * rpr); });
+        std::set<std::int32_t> fetched_rows;
+        for (const auto& f : fills) fetched_rows.insert(row_of(m, f.second));
+        expect_halves(got, bz, T, K, phys, [&](std::int32_t p) { return fetched_rows.contains(p); });
         if (HasFatalFailure()) return;
       }
     }
@@ -254,9 +288,11 @@ TEST_P(OffloadShapes, MatchesTheModelAndIsLossless) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Random, OffloadShapes,
-                         testing::Values(Shape{1, 0, 1, 1, 0, false}, Shape{3, 2, 2, 41, 7, true}, Shape{5, 3, 2, 64, 30, false},
-                                         Shape{4, 1, 3, 128, 50, true}, Shape{6, 2, 2, 2048, 2458, true},
-                                         Shape{2, 5, 1, 256, 0, false}));
+                         testing::Values(Shape{1, 0, 1, 1, 0, false, false}, Shape{3, 2, 2, 41, 7, true, false},
+                                         Shape{5, 3, 2, 64, 30, false, false}, Shape{4, 1, 3, 128, 50, true, false},
+                                         Shape{6, 2, 2, 2048, 2458, true, false}, Shape{2, 5, 1, 256, 0, false, false},
+                                         Shape{3, 2, 2, 41, 7, true, true}, Shape{4, 1, 3, 128, 50, true, true},
+                                         Shape{2, 5, 1, 256, 0, false, true}));
 
 // MTP query rows that overlap by `keep` of K ids with the previous row (the rest fresh, each
 // row's ids distinct, some -1), over [0, limit).
@@ -786,6 +822,55 @@ TEST(OffloadWriteBack, CopiesTheNewestEntriesToTheHostPool) {
           const auto got = o.host_entry(id, l, p);
           EXPECT_TRUE(std::equal(got.begin(), got.end(), want.begin())) << "request " << id << " layer " << l << " token " << p;
         }
+      }
+    }
+  }
+}
+
+// In regions, the write-back reads each request's reserved rows in its own blocks.
+TEST(OffloadWriteBack, ReadsTheReservedRowsOfEachRequestsRegion) {
+  ESS_REQUIRE_BACKEND(harness().info);
+  OffloadConfig c;
+  c.layers = 2;
+  c.layout = test::small_layout();
+  c.max_requests = 3;
+  c.query_tokens = 2;
+  c.topk = 8;
+  c.slots = 15;  // the reserved rows straddle a block: rows 15 and 16 of blocks of 8 rows
+  c.reserve_newest = true;
+  c.max_context = 400;
+  c.region_blocks = 3;
+  c.backend = harness().backend;
+  const std::size_t E = c.layout.bytes();
+  LatentBuffer buffer = engine_buffer(c.layers, 10 * 8, E, 8, 8 * E + 48);
+  buffer.blocks = 10;
+  Offload o(c, buffer);
+  const std::vector<std::vector<std::int32_t>> regions = {{6, 1, 8}, {3, 9, 0}};
+  const std::vector<RequestId> ids = {7, 9};
+  const std::vector<std::int64_t> lengths = {102, 65};
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    o.admit(ids[i], lengths[i] - 2);
+    o.place(ids[i], regions[i]);
+    o.extend(ids[i], 2);
+  }
+  const std::vector<std::int32_t> rows = {o.row(9), -1, o.row(7)};
+  const std::vector<std::int32_t> step_lengths = {65, 0, 102};
+  for (int l = 0; l < c.layers; ++l) {
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      for (int t = 0; t < 2; ++t) {
+        const std::int32_t slot = c.slots + t;  // row slot of the region: block slot / 8, row slot % 8
+        const std::int32_t p = regions[i][static_cast<std::size_t>(slot / 8)] * 8 + slot % 8;
+        io().write_row(o, l, p, entry_of(ids[i], l, lengths[i] - 2 + t, E));
+      }
+    }
+    io().write_back(o, l, rows, step_lengths, {});
+  }
+  for (int l = 0; l < c.layers; ++l) {
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      for (std::int64_t p = lengths[i] - 2; p < lengths[i]; ++p) {
+        const auto want = entry_of(ids[i], l, p, E);
+        const auto got = o.host_entry(ids[i], l, p);
+        EXPECT_TRUE(std::equal(got.begin(), got.end(), want.begin())) << "request " << ids[i] << " layer " << l << " token " << p;
       }
     }
   }

@@ -57,6 +57,8 @@ class CpuOffload final : public OffloadBackend {
     recorded_[static_cast<std::size_t>(row)].clear();
   }
 
+  void placed(std::int32_t row, RequestId id) override { reset(row, id); }  // its rows are read through the front's state
+
   void units_changed(std::int32_t, RequestId) override {}  // the rows are read from the front's state
 
   void load_whole(std::int32_t row, RequestId id, std::span<const std::int32_t> windows, int W) override {
@@ -126,6 +128,8 @@ class CpuOffload final : public OffloadBackend {
       const RequestId id = x_.request_at(row, "step", b);
       const std::int64_t len = s.lengths[b];
       x_.check_step_length("step", s.layer, b, id, len);
+      ESS_CHECK(x_.pool_rows().placed(row), "offload: step of layer {}: position {} (request {}) has no region (place it first)",
+                s.layer, b, id);
       const std::int32_t* ids = s.topk + static_cast<std::size_t>(b) * P;
       if (x_.whole(row)) {  // no LRU: its ids are checked here, mapped below
         check_whole_ids(s, b, id, len);
@@ -166,8 +170,9 @@ class CpuOffload final : public OffloadBackend {
     for (const MissEntry& m : result_.plan.entries) {
       const auto j = static_cast<std::size_t>(m.batch);
       const std::int32_t row = s.rows[positions_[j]];
-      if (s.fetch) copy_in(s.layer, requests_[j], m.token, physical(row, m.slot));
-      fetched_[j].insert(m.slot);
+      const std::int32_t p = physical(row, m.slot);
+      if (s.fetch) copy_in(s.layer, requests_[j], m.token, p);
+      fetched_[j].insert(p);
     }
     std::size_t j = 0;
     for (int b = 0; b < s.batch; ++b) {
@@ -195,7 +200,7 @@ class CpuOffload final : public OffloadBackend {
         s.counts[2 * b] = real ? static_cast<std::int32_t>(result_.per_request[j].hits) : 0;
         s.counts[2 * b + 1] = real ? static_cast<std::int32_t>(result_.per_request[j].misses) : 0;
       }
-      if (s.resident != nullptr) split_rows(s, b, real ? &fetched_[j] : nullptr, row);
+      if (s.resident != nullptr) split_rows(s, b, real ? &fetched_[j] : nullptr);
       j += real ? 1 : 0;
     }
     ++steps_;
@@ -206,11 +211,13 @@ class CpuOffload final : public OffloadBackend {
   void write_back(const WriteBack& w) override {
     const OffloadConfig& c = x_.config;
     const int T = c.query_tokens;
-    const std::int64_t rows = static_cast<std::int64_t>(c.max_requests) * c.rows_per_request();
+    const std::int64_t rows = x_.buffer_rows();
     // Validate every position first, then copy.
     for (int b = 0; b < w.batch; ++b) {
       if (x_.padding(w.rows[b], "write_back", b)) continue;
       const RequestId id = x_.request_at(w.rows[b], "write_back", b);
+      ESS_CHECK(w.source_rows != nullptr || x_.pool_rows().placed(w.rows[b]),
+                "offload: write_back of layer {}: position {} (request {}) has no region (place it first)", w.layer, b, id);
       ESS_CHECK(w.lengths[b] == x_.pool->length(id),
                 "offload: write_back of layer {}: position {} (request {}) has length {}, the request holds {} tokens",
                 w.layer, b, id, w.lengths[b], x_.pool->length(id));
@@ -275,7 +282,7 @@ class CpuOffload final : public OffloadBackend {
     sc.max_context = c.max_context;
     return sc;
   }
-  std::int32_t physical(std::int32_t row, std::int32_t slot) const { return row * x_.config.rows_per_request() + slot; }
+  std::int32_t physical(std::int32_t row, std::int32_t slot) const { return x_.pool_rows().at(row, slot); }
   // The buffer row of token `token` of the whole request at `row`: `slots` tokens per pool row it takes.
   std::int32_t whole_row(std::int32_t row, std::int32_t token) const {
     const auto& units = x_.units_of_row[static_cast<std::size_t>(row)];
@@ -370,11 +377,12 @@ class CpuOffload final : public OffloadBackend {
     reserved_hits_ += std::popcount(newest);
     ++whole_steps_;
     if (s.counts != nullptr) s.counts[2 * b] = s.counts[2 * b + 1] = 0;
-    if (s.resident != nullptr) split_rows(s, b, nullptr, row);
+    if (s.resident != nullptr) split_rows(s, b, nullptr);
   }
   void copy_in(int layer, RequestId id, std::int32_t token, std::int32_t p) { x_.put_row(layer, p, x_.pool->entry(id, layer, token)); }
   // Position b's query rows split into the rows resident before the step and those it fetched.
-  void split_rows(const LayerStep& s, int b, const std::unordered_set<std::int32_t>* fetched, std::int32_t row) const {
+  // `fetched`: the buffer rows the step copied into.
+  void split_rows(const LayerStep& s, int b, const std::unordered_set<std::int32_t>* fetched) const {
     const int T = x_.config.query_tokens, K = x_.config.topk;
     for (int t = 0; t < T; ++t) {
       const std::size_t at = (static_cast<std::size_t>(b) * T + t) * static_cast<std::size_t>(K);
@@ -382,8 +390,7 @@ class CpuOffload final : public OffloadBackend {
       for (int k = 0; k < K; ++k) {
         const std::int32_t p = s.physical[at + k];
         if (p < 0) continue;
-        const std::int32_t slot = p - row * x_.config.rows_per_request();
-        if (fetched != nullptr && fetched->contains(slot)) {
+        if (fetched != nullptr && fetched->contains(p)) {
           s.fetched[at + nf++] = p;
         } else {
           s.resident[at + nr++] = p;

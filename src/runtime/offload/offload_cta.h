@@ -53,9 +53,10 @@ ESS_DEVICE_INLINE void mask_cta(const StepShape& s, std::int32_t* lru_ids, P& p)
   const std::int32_t row = s.rows[b];
   const std::int32_t len = s.lengths[b];
   const bool whole = whole_units(s, row) != nullptr;  // its ids go to no LRU
+  const bool real = row >= 0 && s.pool.placed(row);
   for (std::int64_t i = p.tid(); i < Pn; i += p.threads()) {
     const std::int32_t id = s.topk_ids[b * Pn + i];
-    const bool keep = row >= 0 && in_group(s, i) && valid_id(id, len) && newest_index(s, id, len) < 0;
+    const bool keep = real && in_group(s, i) && valid_id(id, len) && newest_index(s, id, len) < 0;
     lru_ids[b * Pn + i] = keep && !whole ? id : -1;
   }
 }
@@ -71,16 +72,16 @@ ESS_DEVICE_INLINE void finalize_cta(const StepShape& s, const std::int32_t* lru_
   for (std::int64_t i = p.tid(); i < Pn; i += p.threads()) {
     const std::int32_t id = s.topk_ids[b * Pn + i];
     std::int32_t slot = -1, phys = -1;
-    if (row >= 0 && id >= 0 && in_group(s, i) && valid_id(id, len)) {
+    if (row >= 0 && s.pool.placed(row) && id >= 0 && in_group(s, i) && valid_id(id, len)) {
       const int newest = newest_index(s, id, len);
       if (newest >= 0) {
         slot = s.slots + newest;
-        phys = row * s.rows_per_request + slot;
+        phys = s.pool.at(row, slot);
       } else if (units != nullptr) {  // a whole request's own row; no slot (the split lists nothing for it)
-        phys = units[id / s.slots] * s.rows_per_request + id % s.slots;
+        phys = s.pool.at(units[id / s.slots], id % s.slots);
       } else if (!s.whole_only) {
         slot = lru_slots[b * Pn + i];
-        phys = slot >= 0 ? row * s.rows_per_request + slot : -1;
+        phys = slot >= 0 ? s.pool.at(row, slot) : -1;
       }
     }
     slot_ids[b * Pn + i] = slot;
@@ -144,7 +145,7 @@ ESS_DEVICE_INLINE void write_back_list_cta(const WriteBackList& w, P& p) {
   for (int base = 0; base < w.batch; base += p.threads()) {
     const int b = base + p.tid();
     const std::int32_t row = b < w.batch ? w.rows[b] : -1;
-    const int first = row >= 0 ? first_newest(w.lengths[b], T) : T;
+    const int first = row >= 0 && (w.source_rows != nullptr || w.pool.placed(row)) ? first_newest(w.lengths[b], T) : T;
     const std::int64_t n = T - first;
     std::int64_t before = 0, tile = 0;
     p.exclusive_sum(n, before, tile);
@@ -158,12 +159,12 @@ ESS_DEVICE_INLINE void write_back_list_cta(const WriteBackList& w, P& p) {
     p.exclusive_sum(units != nullptr ? n : std::int64_t{0}, whole_before, whole_tile);
     for (int t = first; t < T; ++t) {
       const std::int64_t token = static_cast<std::int64_t>(w.lengths[b]) - T + t;
-      const std::int32_t src = w.source_rows != nullptr ? w.source_rows[b * T + t] : row * w.rows_per_request + w.slots + t;
+      const std::int32_t src = w.source_rows != nullptr ? w.source_rows[b * T + t] : w.pool.at(row, w.slots + t);
       const std::int64_t at = running + before + (t - first);
       w.src_offsets[at] = w.buffer.offset(src);
       w.dst_offsets[at] = host_offset(w.page_table, row, w.max_pages, w.layers, w.layer, token, w.page_bytes, w.entry_bytes);
       if (units != nullptr) {  // and into its own row, read there once it is not among the newest
-        const std::int64_t own = static_cast<std::int64_t>(units[token / w.slots]) * w.rows_per_request + token % w.slots;
+        const std::int64_t own = w.pool.at(units[token / w.slots], static_cast<std::int32_t>(token % w.slots));
         w.whole_src[whole_running + whole_before + (t - first)] = w.buffer.offset(src);
         w.whole_dst[whole_running + whole_before + (t - first)] = w.buffer.offset(own);
       }
@@ -183,14 +184,15 @@ template <class P>
 ESS_DEVICE_INLINE void host_fill_list_cta(const HostFillList& f, P& p) {
   const bool range = f.units != nullptr || f.reserved;
   const std::int64_t n = range ? f.length - f.first : *f.count;
-  const std::int64_t own = static_cast<std::int64_t>(f.row) * f.rows_per_request;
   for (std::int64_t i = p.tid(); i < n; i += p.threads()) {
     const auto token = range ? static_cast<std::int32_t>(f.first + i) : f.tokens[i];
-    std::int64_t dest = own + (range ? 0 : f.token_slots[i]);
+    std::int32_t dest = 0;
     if (f.reserved) {
-      dest = own + f.slots + (token - (f.length - f.query_tokens));
+      dest = f.pool.at(f.row, f.slots + static_cast<std::int32_t>(token - (f.length - f.query_tokens)));
     } else if (f.units != nullptr) {
-      dest = static_cast<std::int64_t>(f.units[token / f.slots]) * f.rows_per_request + token % f.slots;
+      dest = f.pool.at(f.units[token / f.slots], token % f.slots);
+    } else {
+      dest = f.pool.at(f.row, f.token_slots[i]);
     }
     f.src_offsets[i] = host_offset(f.page_table, f.row, f.max_pages, f.layers, f.layer, token, f.page_bytes, f.entry_bytes);
     f.dst_offsets[i] = f.buffer.offset(dest);

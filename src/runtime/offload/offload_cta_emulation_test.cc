@@ -69,7 +69,7 @@ TEST_P(OffloadKernels, MaskAndFinalizeKeepTheirContract) {
   s.query_tokens = T;
   s.topk = K;
   s.slots = x.slots;
-  s.rows_per_request = x.slots + (reserve ? T : 0);
+  s.pool.rows_per_request = x.slots + (reserve ? T : 0);
   s.reserve_newest = reserve;
   s.query_begin = q0;
   s.query_end = q1;
@@ -96,7 +96,7 @@ TEST_P(OffloadKernels, MaskAndFinalizeKeepTheirContract) {
       std::int32_t slot = -1;
       if (served && id >= 0) slot = newest(x, id, len) >= 0 ? x.slots + newest(x, id, len) : x.lru[at];
       ASSERT_EQ(slot_ids[at], slot) << "b " << b << " i " << i;
-      ASSERT_EQ(physical[at], slot >= 0 ? row * s.rows_per_request + slot : -1) << "b " << b << " i " << i;
+      ASSERT_EQ(physical[at], slot >= 0 ? row * s.pool.rows_per_request + slot : -1) << "b " << b << " i " << i;
     }
   }
 }
@@ -141,7 +141,7 @@ TEST(OffloadKernels, WholePositionsReadTheirOwnRowsAndRecordTheirQueryRows) {
   s.query_tokens = T;
   s.topk = K;
   s.slots = x.slots;
-  s.rows_per_request = x.slots + T;
+  s.pool.rows_per_request = x.slots + T;
   s.reserve_newest = true;
   s.query_begin = q0;
   s.query_end = q1;
@@ -167,7 +167,7 @@ TEST(OffloadKernels, WholePositionsReadTheirOwnRowsAndRecordTheirQueryRows) {
                                fetched.damage(), resident_count.damage(), fetched_count.damage()}) {
     EXPECT_TRUE(d.empty()) << d;
   }
-  const std::int32_t rpr = s.rows_per_request;
+  const std::int32_t rpr = s.pool.rows_per_request;
   for (int b = 0; b < B; ++b) {
     const std::int32_t row = x.rows[static_cast<std::size_t>(b)], len = x.lengths[static_cast<std::size_t>(b)];
     const bool is_whole = whole[static_cast<std::size_t>(b)];
@@ -263,7 +263,7 @@ TEST(OffloadKernels, WholePositionsReadTheirOwnRowsAndRecordTheirQueryRows) {
   wl.layer = layer;
   wl.max_pages = 40;
   wl.slots = x.slots;
-  wl.rows_per_request = rpr;
+  wl.pool.rows_per_request = rpr;
   wl.rows = rows.data();
   wl.lengths = lengths.data();
   wl.page_table = g_table.data();
@@ -329,7 +329,7 @@ TEST_P(WriteBackListShapes, ListsEachPositionsNewestTokensInOrder) {
   w.layer = layer;
   w.max_pages = max_pages;
   w.slots = slots;
-  w.rows_per_request = rpr;
+  w.pool.rows_per_request = rpr;
   w.rows = g_rows.data();
   w.lengths = g_len.data();
   w.source_rows = sources ? g_src.data() : nullptr;
@@ -406,7 +406,7 @@ TEST_P(HostFillListShapes, ListsEachTokensHostEntryAndBufferRow) {
   f.max_pages = max_pages;
   f.row = row;
   f.slots = slots;
-  f.rows_per_request = rpr;
+  f.pool.rows_per_request = rpr;
   f.page_table = g_table.data();
   f.page_bytes = 64 * 656 + 512;
   f.entry_bytes = 656;

@@ -90,6 +90,10 @@ class CudaOffload final : public OffloadBackend {
       wb_whole_dst_ = DeviceBuffer<std::uint64_t>(B_ * static_cast<std::size_t>(c.query_tokens));
       wb_whole_total_ = DeviceBuffer<std::int64_t>(1);
     }
+    if (c.region_blocks > 0) {  // every pool row without a region until placed
+      regions_ = DeviceBuffer<std::int32_t>(B_ * static_cast<std::size_t>(c.region_blocks));
+      ESS_CUDA_CHECK(cudaMemset(regions_.get(), 0xff, regions_.size() * 4), "offload: the regions");
+    }
     wb_src_ = DeviceBuffer<std::uint64_t>(B_ * static_cast<std::size_t>(c.query_tokens));
     wb_dst_ = DeviceBuffer<std::uint64_t>(B_ * static_cast<std::size_t>(c.query_tokens));
     wb_total_ = DeviceBuffer<std::int64_t>(1);
@@ -191,7 +195,25 @@ class CudaOffload final : public OffloadBackend {
     const Stream s = begin();
     swap_->reset_row(row, s);
     clear_units(row, s);
+    if (regions_.get() != nullptr) {
+      const auto n = static_cast<std::size_t>(x_.config.region_blocks);
+      ESS_CUDA_CHECK(cudaMemsetAsync(regions_.get() + static_cast<std::size_t>(row) * n, 0xff, n * 4, static_cast<cudaStream_t>(s)),
+                     "offload: the region of row {}", row);
+    }
     end("release of row {}", row);
+  }
+
+  void placed(std::int32_t row, RequestId) override {
+    const Stream s = begin();
+    swap_->reset_row(row, s);
+    clear_recorded(row, s);
+    const auto n = static_cast<std::size_t>(x_.config.region_blocks);
+    std::int32_t* blocks = staging_.take<std::int32_t>(n);
+    std::copy_n(x_.region.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(row) * n), n, blocks);
+    ESS_CUDA_CHECK(cudaMemcpyAsync(regions_.get() + static_cast<std::size_t>(row) * n, blocks, n * 4, cudaMemcpyHostToDevice,
+                                   static_cast<cudaStream_t>(s)),
+                   "offload: the region of row {}", row);
+    end("the region of row {}", row);
   }
 
   void reset(std::int32_t row, RequestId) override {
@@ -337,7 +359,7 @@ class CudaOffload final : public OffloadBackend {
     shape.query_tokens = c.query_tokens;
     shape.topk = c.topk;
     shape.slots = c.slots;
-    shape.rows_per_request = rpr_;
+    shape.pool = pool_rows();
     shape.reserve_newest = c.reserve_newest;
     shape.query_begin = s.query_begin;
     shape.query_end = s.query_end;
@@ -398,7 +420,7 @@ class CudaOffload final : public OffloadBackend {
     SplitArgs sp;
     sp.batch = s.batch;
     sp.positions = static_cast<int>(P_);
-    sp.rows_per_request = rpr_;
+    sp.pool = pool_rows();
     sp.buffer = x_.buffer.rows;
     sp.rows = s.rows;
     sp.slot_ids = p.slot_ids.get();
@@ -461,7 +483,7 @@ class CudaOffload final : public OffloadBackend {
     list.layer = w.layer;
     list.max_pages = max_pages_;
     list.slots = c.slots;
-    list.rows_per_request = rpr_;
+    list.pool = pool_rows();
     list.rows = w.rows;
     list.lengths = w.lengths;
     list.source_rows = w.source_rows;
@@ -510,7 +532,7 @@ class CudaOffload final : public OffloadBackend {
   std::uint64_t device_bytes() const override {
     std::uint64_t n = swap_->device_bytes() + wb_src_.bytes() + wb_dst_.bytes() + wb_total_.bytes() + page_table_.bytes() +
                       whole_units_.bytes() + recorded_.bytes() + recorded_head_.bytes() + wb_whole_src_.bytes() +
-                      wb_whole_dst_.bytes() + wb_whole_total_.bytes();
+                      wb_whole_dst_.bytes() + wb_whole_total_.bytes() + regions_.bytes();
     for (const auto& b : owned_) n += b.bytes();
     n += row_index_.bytes() + warm_ids_.bytes() + warm_before_.bytes() + warm_tokens_.bytes() + warm_slots_.bytes() +
          warm_count_.bytes() + warm_step_slots_.bytes() + warm_step_tokens_.bytes() + warm_step_fill_slots_.bytes() +
@@ -575,6 +597,13 @@ class CudaOffload final : public OffloadBackend {
   DeviceBuffer<std::uint64_t> wb_whole_src_, wb_whole_dst_;
   DeviceBuffer<std::int64_t> wb_whole_total_;
 
+  // Regions: each pool row's blocks ([rows][region_blocks], all -1 while it has none).
+  DeviceBuffer<std::int32_t> regions_;
+
+  // Where pool rows' rows lie, as the kernels read it (the regions on the device).
+  PoolRows pool_rows() const {
+    return PoolRows{rpr_, regions_.get(), x_.config.region_blocks, x_.buffer.rows.block_rows};
+  }
   bool capturing(Stream stream) const {
     cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
     ESS_CUDA_CHECK(cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &status), "offload: capture status");
@@ -632,7 +661,7 @@ class CudaOffload final : public OffloadBackend {
     f.max_pages = max_pages_;
     f.row = row;
     f.slots = x_.config.slots;
-    f.rows_per_request = rpr_;
+    f.pool = pool_rows();
     f.page_table = page_table_.get();
     f.page_bytes = x_.pool->page_stride();
     f.entry_bytes = x_.config.layout.bytes();

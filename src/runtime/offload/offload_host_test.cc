@@ -167,6 +167,96 @@ TEST(OffloadCpu, BadInputIsRefusedByNameAndChangesNothing) {
   EXPECT_EQ(o.row(10), freed);
 }
 
+// Regions: the engine and its placements refused by name, changing nothing (the rows each
+// request's slots lie in included); a released request's blocks serve the next one.
+TEST(OffloadCpu, RegionsRefuseBadPlacementsByNameAndChangeNothing) {
+  OffloadConfig c = mtp2_config(300);  // 8 slots + 2 reserved rows: a region of 3 blocks of 4 rows
+  c.region_blocks = 3;
+  const std::size_t E = c.layout.bytes();
+  const auto paged = [&](std::int64_t blocks, std::int64_t block_rows) {
+    LatentBuffer b;
+    b.rows = RowLayout{E, block_rows, static_cast<std::uint64_t>(block_rows) * E + 32};
+    b.blocks = blocks;
+    for (int l = 0; l < c.layers; ++l) b.layer_base.push_back(cpu_allocate(static_cast<std::size_t>(blocks) * b.rows.block_stride));
+    return b;
+  };
+  const auto made = [&](OffloadConfig cc, LatentBuffer b) { return test::error_of([&] { Offload o(cc, std::move(b)); }); };
+  EXPECT_NE(made(c, {}).find("regions (region_blocks = 3) need the caller's paged buffer"), std::string::npos);
+  EXPECT_NE(made(c, paged(12, 3)).find("10 rows per request (slots 8 + reserved 2) do not fit a region of 3 blocks of 3 rows"),
+            std::string::npos);
+  EXPECT_NE(made(c, paged(0, 4)).find("block_rows = 4 and blocks = 0 must be positive"), std::string::npos);
+  OffloadConfig whole = c;
+  whole.residency = Residency::kAdaptive;
+  EXPECT_NE(made(whole, paged(12, 4)).find("residency adaptive with regions"), std::string::npos) << made(whole, paged(12, 4));
+
+  Offload o(c, paged(12, 4));
+  const std::vector<RequestId> ids = {5, 6};
+  for (const RequestId id : ids) {
+    o.admit(id, 100);
+    for (int l = 0; l < 2; ++l) {
+      for (std::int64_t t = 0; t < 100; ++t) {
+        const auto e = entry_of(id, l, t, E);
+        std::memcpy(o.host_entry(id, l, t).data(), e.data(), e.size());
+      }
+    }
+  }
+  // Before its placement a request has no rows: warmup and steps refuse it by name.
+  EXPECT_EQ(o.buffer_row(o.row(5), 0), -1);
+  EXPECT_NE(test::error_of([&] { o.warmup(5, {}, 0); }).find("warmup of request 5 (row 0): it has no region yet"), std::string::npos);
+  std::vector<std::int32_t> phys(8), rows = {o.row(5)}, topk = {1, 2, 3, 4, 5, 6, 7, 99}, lengths = {100};
+  LayerStep s;
+  s.batch = 1;
+  s.rows = rows.data();
+  s.topk = topk.data();
+  s.lengths = lengths.data();
+  s.physical = phys.data();
+  EXPECT_NE(test::error_of([&] { o.step(s); }).find("position 0 (request 5) has no region (place it first)"), std::string::npos);
+  o.place(5, std::vector<std::int32_t>{7, 2, 9});
+  o.place(6, std::vector<std::int32_t>{0, 11, 4});
+  o.warmup(5, {}, 0);
+  o.warmup(6, {}, 0);
+  EXPECT_EQ(o.buffer_row(o.row(5), 0), 28);      // block 7, row 0
+  EXPECT_EQ(o.buffer_row(o.row(5), 9), 9 * 4 + 1);  // the second reserved row: the third block (9), row 1
+  o.step(s);
+  EXPECT_EQ(phys[0], 28);      // token 1, the first selected: slot 0, block 7 row 0
+  EXPECT_EQ(phys[4], 2 * 4);   // token 5: slot 4, the second block (2), row 0
+  EXPECT_EQ(phys[7], 37);      // token 99, the newest: the second reserved row
+  const auto placements = [&] {
+    std::vector<std::int32_t> v;
+    for (const RequestId id : ids) {
+      for (std::int32_t k = 0; k < o.rows_per_request(); ++k) v.push_back(o.buffer_row(o.row(id), k));
+    }
+    return v;
+  };
+  const std::uint64_t before = digest(o, ids);
+  const std::vector<std::int32_t> rows_before = placements();
+  const auto refused = [&](std::vector<std::int32_t> blocks, RequestId id, const std::string& needle) {
+    const std::string e = test::error_of([&] { o.place(id, blocks); });
+    EXPECT_NE(e.find(needle), std::string::npos) << e;
+    EXPECT_EQ(digest(o, ids), before) << "after: " << e;
+    EXPECT_EQ(placements(), rows_before) << "after: " << e;
+  };
+  refused({1, 3}, 5, "2 blocks for a region of 3");
+  refused({1, 3, 12}, 5, "block 2 of its region is 12, outside [0, 12)");
+  refused({1, -1, 3}, 5, "block 1 of its region is -1");
+  refused({1, 3, 1}, 5, "block 1 is named twice (0 and 2 of its region)");
+  refused({1, 11, 3}, 5, "block 11 (1 of its region) lies in the region of request 6 (row 1)");
+  refused({1, 3, 5}, 8, "place of request 8: not admitted");
+  // Its own blocks again, in another order: a new region, the LRU forgotten.
+  o.place(5, std::vector<std::int32_t>{9, 7, 2});
+  EXPECT_EQ(o.buffer_row(o.row(5), 0), 36);
+  // A released request's blocks are free: the next request is placed on them.
+  o.release(6);
+  o.admit(8, 50);
+  o.place(8, std::vector<std::int32_t>{4, 0, 11});
+  EXPECT_EQ(o.buffer_row(o.row(8), 4), 0);
+  OffloadConfig flat = mtp2_config(300);
+  Offload unpaged(flat);
+  unpaged.admit(1, 10);
+  EXPECT_NE(test::error_of([&] { unpaged.place(1, std::vector<std::int32_t>{0}); }).find("the engine has no regions"),
+            std::string::npos);
+}
+
 // A step whose query tokens select more distinct ids than the slots is refused whole, changing
 // nothing; its query groups run.
 TEST(OffloadCpu, AWholeStepLargerThanThePoolIsRefusedItsGroupsRun) {

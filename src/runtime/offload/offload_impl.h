@@ -43,6 +43,9 @@ class OffloadBackend {
   // The request at `row` was whole and is sparse now (units_of_row[row] is empty): every layer's
   // LRU becomes LRU-Warmup over the windows it recorded while whole, loaded from the host pool.
   virtual void demote(std::int32_t row, RequestId id) = 0;
+  // Regions: the request at `row` was placed in a new region (OffloadState::region): every
+  // layer's LRU fresh, as reset, and its rows read through the new region from now on.
+  virtual void placed(std::int32_t row, RequestId id) = 0;
   // The lifecycle calls' device work from now on: enqueued on `stream` and not waited for
   // (ordered), or waited for by each call (the default). A backend without a device ignores it.
   virtual void set_lifecycle_stream(cuda::Stream, bool) {}
@@ -74,6 +77,21 @@ struct OffloadState {
   // when none does. A row is free when it holds no request and no whole request borrows it.
   std::vector<std::vector<std::int32_t>> units_of_row;
   std::vector<std::int32_t> borrower_of_row;
+  // Regions (config.region_blocks > 0): region[r x region_blocks ..] the blocks of pool row r's
+  // rows (all -1 until placed, and once released); row_of_block[k] the pool row whose region holds
+  // buffer block k, -1 when none does. Empty without regions.
+  std::vector<std::int32_t> region;
+  std::vector<std::int32_t> row_of_block;
+
+  // Where pool rows' rows lie, reading `region` (host memory).
+  PoolRows pool_rows() const {
+    return PoolRows{config.rows_per_request(), region.empty() ? nullptr : region.data(), config.region_blocks,
+                    buffer.rows.block_rows};
+  }
+  // The buffer rows a layer holds: max_requests x rows_per_request, or the caller's blocks with regions.
+  std::int64_t buffer_rows() const;
+  // With regions, throws naming `what`, the request and its row unless the request was placed.
+  void check_placed(std::int32_t row, RequestId id, const char* what) const;
 
   bool whole(std::int32_t row) const { return !units_of_row[static_cast<std::size_t>(row)].empty(); }
   bool row_free(std::int32_t row) const {
@@ -144,6 +162,9 @@ class Offload::Impl : public OffloadState {
   // Admission with `pool_admit` taking the host pages (all-or-nothing); returns the row.
   std::int32_t admit(RequestId id, std::int64_t prompt_length, std::int32_t wanted_row,
                      const std::function<void()>& pool_admit);
+
+  // Regions: the blocks of `row`'s region are free again, and it has none.
+  void free_region(std::int32_t row);
 
   // Residency (offload_residency.cc).
   std::int64_t demotions = 0, promotions = 0;

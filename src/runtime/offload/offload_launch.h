@@ -12,7 +12,8 @@ namespace ess::cuda {
 
 struct StepShape {
   int batch = 0, query_tokens = 1, topk = 0;
-  std::int32_t slots = 0, rows_per_request = 0;
+  std::int32_t slots = 0;
+  PoolRows pool;  // where each pool row's rows lie (a row without a region: its positions are padding)
   bool reserve_newest = false;
   int query_begin = 0, query_end = 1;     // the query group served; other query tokens are padding
   const std::int32_t* rows = nullptr;     // [B], -1 = padded
@@ -20,8 +21,8 @@ struct StepShape {
   const std::int32_t* lengths = nullptr;  // [B]
   // Residency: whole_units[r x max_units ..] the pool rows of the whole request whose own row is r,
   // r first, -1 after them (all -1: a sparse request); nullptr: every request sparse. A whole
-  // position's ids go to no LRU: each maps to its own row (units[id / slots] x rows_per_request +
-  // id % slots; a newest one to its reserved row).
+  // position's ids go to no LRU: each maps to its own row (row id % slots of pool row
+  // units[id / slots]; a newest one to its reserved row).
   const std::int32_t* whole_units = nullptr;
   int max_units = 0;
   // A step without a swap decision (every admitted request whole): a position that is not whole
@@ -39,7 +40,7 @@ struct StepShape {
 // group and, with reserve_newest, a position's T newest tokens become -1.
 int launch_mask_ids(const StepShape& s, std::int32_t* lru_ids, Stream stream);
 // Each id's slot among its request's rows (the LRU's slot, or slots + t for the t-th newest
-// token) and its physical row (row x rows_per_request + slot); -1 where there is none.
+// token) and its physical row (pool.at(row, slot)); -1 where there is none.
 int launch_finalize_rows(const StepShape& s, const std::int32_t* lru_slots, std::int32_t* slot_ids, std::int32_t* physical,
                          Stream stream);
 // The DA halves of whole and padded positions (the split's halves of sparse ones stay): a whole
@@ -59,7 +60,8 @@ int launch_whole_halves(const StepShape& s, const WholeHalves& h, Stream stream)
 // (page_table[(row x max_pages + token / 64) x layers + layer] x page_bytes + token % 64 x entry).
 struct WriteBackList {
   int batch = 0, query_tokens = 1, layers = 0, layer = 0, max_pages = 0;
-  std::int32_t slots = 0, rows_per_request = 0;
+  std::int32_t slots = 0;
+  PoolRows pool;  // a position whose row has no region lists nothing
   const std::int32_t* rows = nullptr;
   const std::int32_t* lengths = nullptr;
   const std::int32_t* source_rows = nullptr;  // nullptr: the reserved rows
@@ -82,13 +84,14 @@ int launch_write_back_list(const WriteBackList& w, Stream stream);
 // The FlashTrans list of a lifecycle load, from the host pool into one request's buffer rows of
 // a layer: the first *count of `tokens` into slots `token_slots` of pool row `row` (an
 // LRU-Warmup's changed slots; *count <= max_count); or, with `units`, the tokens [first, length)
-// of the whole request at `row` into its own rows (units[t / slots] x rows_per_request +
-// t % slots); or, with `reserved`, the tokens [first, length) into the reserved rows (token
-// length - query_tokens + t into slot slots + t). Sources as the write-back's destinations
+// of the whole request at `row` into its own rows (row t % slots of pool row units[t / slots]);
+// or, with `reserved`, the tokens [first, length) into the reserved rows (token
+// length - query_tokens + t into slot slots + t). Rows through `pool`. Sources as the write-back's destinations
 // (page_table, page_bytes, entry_bytes); *total = the entries listed. One block.
 struct HostFillList {
   int layers = 0, layer = 0, max_pages = 0;
-  std::int32_t row = 0, slots = 0, rows_per_request = 0;
+  std::int32_t row = 0, slots = 0;
+  PoolRows pool;
   const std::int32_t* page_table = nullptr;
   std::uint64_t page_bytes = 0, entry_bytes = 0;
   RowLayout buffer;

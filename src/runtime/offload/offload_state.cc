@@ -36,6 +36,16 @@ void OffloadState::check_step_length(const char* what, int layer, int position, 
                           where, position, id, length, held));
 }
 
+std::int64_t OffloadState::buffer_rows() const {
+  if (config.region_blocks > 0) return buffer.blocks * buffer.rows.block_rows;
+  return static_cast<std::int64_t>(config.max_requests) * config.rows_per_request();
+}
+
+void OffloadState::check_placed(std::int32_t row, RequestId id, const char* what) const {
+  ESS_CHECK(pool_rows().placed(row), "offload: {} of request {} (row {}): it has no region yet (place it first)", what, id,
+            row);
+}
+
 bool OffloadState::padding(std::int32_t row, const char* what, int position) const {
   ESS_CHECK(row >= -1, "offload: {}: position {} names row {}; -1 marks padding, other negative rows are refused",
             what, position, row);

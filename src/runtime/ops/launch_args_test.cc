@@ -190,13 +190,20 @@ TEST(LaunchArgs, Split) {
   a.batch = 2;
   a.positions = 8;
   EXPECT_NE(check_args(a).find("rows_per_request = 0"), std::string::npos);
-  a.rows_per_request = 16;
+  a.pool.rows_per_request = 16;
   a.buffer.row_stride = 656;
   a.rows = a.slot_ids = a.counts = a.fill_slots = device_pointer<const std::int32_t>();
   a.fill_host_offsets = device_pointer<const std::uint64_t>();
   a.miss_offsets = a.total = device_pointer<std::int64_t>();
   a.src_offsets = a.dst_offsets = device_pointer<std::uint64_t>();
   EXPECT_EQ(check_args(a), "");
+  a.pool.region = device_pointer<const std::int32_t>();  // regions too small for the rows
+  a.pool.region_blocks = 3;
+  a.pool.block_rows = 5;
+  EXPECT_NE(check_args(a).find("regions of 3 blocks of 5 rows cannot hold 16 rows per request"), std::string::npos) << check_args(a);
+  a.pool.region_blocks = 4;
+  EXPECT_EQ(check_args(a), "");
+  a.pool = PoolRows{16};
   a.resident = device_pointer<std::int32_t>();
   EXPECT_NE(check_args(a).find("together"), std::string::npos);
   a.fetched = device_pointer<std::int32_t>();

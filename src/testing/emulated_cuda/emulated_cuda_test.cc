@@ -70,7 +70,7 @@ TEST(EmulatedCuda, AKernelWritingPastItsAllocationFails) {
   s.topk = K;
   s.query_end = 1;
   s.slots = K;
-  s.rows_per_request = K;
+  s.pool.rows_per_request = K;
   s.rows = rows.get();
   s.topk_ids = ids.get();
   s.lengths = lengths.get();

@@ -3,8 +3,10 @@
 // list for the batch, and, for DA / DBA, each query row's selected rows are separated into
 // those resident before the step and those fetched by it.
 //
-// Request b's slot s is physical row rows[b] x rows_per_request + s of the layer's buffer,
-// stored buffer.offset(row) bytes from the layer's base (RowLayout, offload.h); rows[b] = -1 is a padded position: nothing listed, halves empty.
+// Request b's slot s is physical row pool.at(rows[b], s) of the layer's buffer (PoolRows: rows[b] x
+// rows_per_request + s, or in the row's region), stored buffer.offset(row) bytes from the layer's
+// base (RowLayout, offload.h); rows[b] = -1 is a padded position, and so is a row without a
+// region: nothing listed, halves empty.
 //
 // Plain C++: the arguments, their check (run by the launcher before any CUDA call) and an
 // independent CPU reference that the GPU output must equal bit for bit.
@@ -22,7 +24,7 @@ namespace ess {
 struct SplitArgs {
   int batch = 0;                                 // positions of this launch
   int positions = 0;                             // T x K ids per position
-  std::int32_t rows_per_request = 0;             // slots per request-layer (reserved rows included)
+  PoolRows pool;     // rows_per_request: slots per request-layer (reserved rows included)
   RowLayout buffer;  // row_stride set
   const std::int32_t* rows = nullptr;            // [batch] pool row, -1 = padded
   const std::int32_t* slot_ids = nullptr;        // [batch][positions] slot of each id, -1 = padding
@@ -39,7 +41,7 @@ struct SplitArgs {
   // together hold the row's valid ids exactly once (attention is order-independent up to
   // rounding, so Attn0 + Attn1 + merge see the same entries as one attention over the row).
   int query_tokens = 1;
-  std::uint8_t* flags = nullptr;                 // [batch][rows_per_request] scratch (with the split)
+  std::uint8_t* flags = nullptr;                 // [batch][pool.rows_per_request] scratch (with the split)
   std::int32_t* resident = nullptr;               // [batch][positions] out or nullptr
   std::int32_t* fetched = nullptr;              // [batch][positions] out
   std::int32_t* resident_count = nullptr;             // [batch][T] out
@@ -59,6 +61,11 @@ int split_misses(const SplitArgs& args, cuda::Stream stream);
 struct SplitProblem {
   int batch = 0, positions = 0, query_tokens = 1;
   std::int32_t rows_per_request = 0;
+  // Regions: [pool rows][region_blocks] block ids of block_rows rows each (a row's first -1: no
+  // region, a padded position); empty: row r's slots at r x rows_per_request.
+  std::vector<std::int32_t> region;
+  std::int32_t region_blocks = 0;
+  std::int64_t block_rows = 0;
   RowLayout buffer;
   bool split = true;                     // also the resident / fetched halves
   std::vector<std::int32_t> rows;        // [batch]

@@ -29,9 +29,11 @@ const SplitBackend& split_backend();  // defined by the including binary
 
 // Per position: T rows of K distinct slot ids (some -1), the misses a random subset of the
 // distinct selected slots, random host offsets; S rows per request; every 5th position padded;
-// pool rows in reverse order; with `blocked`, a paged buffer (blocks of 64 rows, padding).
+// pool rows in reverse order; with `blocked`, a paged buffer (blocks of 64 rows, padding); with
+// `regions`, each pool row's rows in a region of blocks of 16 rows drawn in a shuffled order from
+// twice as many, and every 11th pool row without a region (its position, with no misses, lists nothing).
 inline SplitProblem make_split_problem(int B, int T, int K, std::int32_t S, bool split, std::uint32_t seed,
-                                       bool blocked = false) {
+                                       bool blocked = false, bool regions = false) {
   SplitProblem p;
   p.batch = B;
   p.query_tokens = T;
@@ -42,6 +44,20 @@ inline SplitProblem make_split_problem(int B, int T, int K, std::int32_t S, bool
   p.buffer.block_stride = blocked ? 64 * 672 + 4096 : 0;
   p.split = split;
   std::mt19937 rng(seed);
+  if (regions) {
+    p.block_rows = 16;
+    p.buffer.block_rows = 16;
+    p.buffer.block_stride = 16 * p.buffer.row_stride + 2048;
+    p.region_blocks = (S + 15) / 16 + 1;  // a spare block: regions may be larger than the rows
+    std::vector<std::int32_t> blocks(static_cast<std::size_t>(2 * B * p.region_blocks));
+    std::iota(blocks.begin(), blocks.end(), 0);
+    std::shuffle(blocks.begin(), blocks.end(), rng);
+    blocks.resize(static_cast<std::size_t>(B * p.region_blocks));
+    p.region = blocks;
+    for (int r = 10; r < B; r += 11) {
+      std::fill_n(p.region.begin() + static_cast<std::ptrdiff_t>(r) * p.region_blocks, p.region_blocks, -1);
+    }
+  }
   const auto P = static_cast<std::size_t>(p.positions);
   p.slot_ids.assign(static_cast<std::size_t>(B) * P, -1);
   p.fill_slots.assign(p.slot_ids.size(), -7);  // past each request's misses: never read
@@ -62,7 +78,9 @@ inline SplitProblem make_split_problem(int B, int T, int K, std::int32_t S, bool
     }
     std::vector<std::int32_t> ws(selected.begin(), selected.end());
     std::shuffle(ws.begin(), ws.end(), rng);
-    const std::size_t misses = padded || b % 7 == 3 ? 0 : (b % 7 == 5 ? ws.size() : rng() % (ws.size() + 1));
+    // A pool row without a region: the swap engine saw only padding, so it has no misses.
+    const bool no_rows = !padded && !p.region.empty() && p.region[static_cast<std::size_t>(p.rows.back() * p.region_blocks)] < 0;
+    const std::size_t misses = padded || no_rows || b % 7 == 3 ? 0 : (b % 7 == 5 ? ws.size() : rng() % (ws.size() + 1));
     for (std::size_t m = 0; m < misses; ++m) {
       p.fill_slots[static_cast<std::size_t>(b) * P + m] = ws[m];
       p.fill_host_offsets[static_cast<std::size_t>(b) * P + m] = (rng() % 100000) * 656;
@@ -79,8 +97,15 @@ inline void expect_contract(const SplitProblem& p, const SplitResult& r) {
   const auto T = static_cast<std::size_t>(p.query_tokens);
   const std::size_t K = P / T;
   // Physical row of slot s of position b, and where it lives (stated directly, not through
-  // RowLayout::offset).
-  const auto physical = [&](std::size_t b, std::int32_t s) { return p.rows[b] * p.rows_per_request + s; };
+  // PoolRows or RowLayout::offset). A pool row without a region has no rows.
+  const auto region_of = [&](std::size_t b) {
+    return p.region.begin() + static_cast<std::ptrdiff_t>(p.rows[b]) * p.region_blocks;
+  };
+  const auto has_rows = [&](std::size_t b) { return p.rows[b] >= 0 && (p.region.empty() || *region_of(b) >= 0); };
+  const auto physical = [&](std::size_t b, std::int32_t s) -> std::int64_t {
+    if (p.region.empty()) return p.rows[b] * p.rows_per_request + s;
+    return region_of(b)[s / 16] * 16 + s % 16;
+  };
   const auto address = [&](std::int64_t row) -> std::uint64_t {
     if (p.buffer.block_rows == 0) return static_cast<std::uint64_t>(row) * p.buffer.row_stride;
     const std::int64_t block = row / p.buffer.block_rows, in_block = row - block * p.buffer.block_rows;
@@ -88,7 +113,7 @@ inline void expect_contract(const SplitProblem& p, const SplitResult& r) {
   };
   std::size_t at = 0;
   for (std::size_t b = 0; b < static_cast<std::size_t>(p.batch); ++b) {
-    if (p.rows[b] < 0) continue;  // padded: nothing listed
+    if (!has_rows(b)) continue;  // padded, or no region: nothing listed
     for (std::int32_t m = 0; m < p.counts[2 * b + 1]; ++m, ++at) {
       ASSERT_LT(at, r.src_offsets.size());
       ASSERT_EQ(r.src_offsets[at], p.fill_host_offsets[b * P + static_cast<std::size_t>(m)]) << "position " << b << " miss " << m;
@@ -107,7 +132,7 @@ inline void expect_contract(const SplitProblem& p, const SplitResult& r) {
       std::size_t h = 0, m = 0;
       for (std::size_t k = 0; k < K; ++k) {  // each valid id, in row order, is the next of its list
         const std::int32_t s = p.slot_ids[row + k];
-        if (s < 0 || p.rows[b] < 0) continue;  // a padded position's halves are empty
+        if (s < 0 || !has_rows(b)) continue;  // a padded position's halves are empty
         if (fetched.contains(s)) {
           ASSERT_LT(m, nm);
           ASSERT_EQ(r.fetched[row + m++], physical(b, s)) << fmt::format("position {} row {} id {}", b, t, k);
@@ -124,13 +149,14 @@ inline void expect_contract(const SplitProblem& p, const SplitResult& r) {
   }
 }
 
-// (batch, T, K, slots, with the resident / fetched split); odd shapes use a paged buffer.
-class SplitShapes : public testing::TestWithParam<std::tuple<int, int, int, int, bool>> {};
+// (batch, T, K, slots, with the resident / fetched split, in regions); odd shapes use a paged buffer.
+class SplitShapes : public testing::TestWithParam<std::tuple<int, int, int, int, bool, bool>> {};
 
 TEST_P(SplitShapes, KeepsTheContractAndEqualsTheReference) {
   ESS_REQUIRE_BACKEND(split_backend().info);
-  const auto [B, T, K, S, split] = GetParam();
-  const SplitProblem p = make_split_problem(B, T, K, S, split, static_cast<std::uint32_t>(B * 31 + T * 7 + K + S), B % 2 == 1);
+  const auto [B, T, K, S, split, regions] = GetParam();
+  const SplitProblem p =
+      make_split_problem(B, T, K, S, split, static_cast<std::uint32_t>(B * 31 + T * 7 + K + S), B % 2 == 1, regions);
   const SplitResult got = split_backend().split(p);
   expect_contract(p, got);
   const SplitResult want = split_reference(p);
@@ -146,9 +172,10 @@ TEST_P(SplitShapes, KeepsTheContractAndEqualsTheReference) {
 // Batches past one scan tile (1,024 requests) and thousands of requests: the place of each
 // request's misses in the list comes from a block scan, not a per-request sum.
 INSTANTIATE_TEST_SUITE_P(Awkward, SplitShapes,
-                         testing::Values(std::make_tuple(1, 1, 1, 4, true), std::make_tuple(3, 2, 41, 100, true),
-                                         std::make_tuple(5, 3, 7, 21, false), std::make_tuple(1025, 1, 41, 64, true),
-                                         std::make_tuple(3000, 2, 16, 64, true), std::make_tuple(4097, 1, 3, 8, false),
-                                         std::make_tuple(9, 2, 2048, 6554, true)));
+                         testing::Values(std::make_tuple(1, 1, 1, 4, true, false), std::make_tuple(3, 2, 41, 100, true, false),
+                                         std::make_tuple(5, 3, 7, 21, false, false), std::make_tuple(1025, 1, 41, 64, true, false),
+                                         std::make_tuple(3000, 2, 16, 64, true, false), std::make_tuple(4097, 1, 3, 8, false, false),
+                                         std::make_tuple(9, 2, 2048, 6554, true, false), std::make_tuple(23, 2, 41, 100, true, true),
+                                         std::make_tuple(12, 3, 7, 21, false, true), std::make_tuple(9, 2, 2048, 6554, true, true)));
 
 }  // namespace ess::split_test

@@ -46,7 +46,7 @@ ESS_DEVICE_INLINE void split_cta(const ess::SplitArgs& a, P& p) {
   const std::size_t Pn = static_cast<std::size_t>(a.positions);
   const std::int32_t pool_row = a.rows[b];
   const int K = a.positions / a.query_tokens;
-  if (pool_row < 0) {  // a padded position: nothing to list, empty halves
+  if (pool_row < 0 || !a.pool.placed(pool_row)) {  // a padded position (or one without rows): nothing to list, empty halves
     if (a.resident == nullptr) return;
     for (std::size_t i = static_cast<std::size_t>(tid); i < Pn; i += static_cast<std::size_t>(threads)) {
       a.resident[static_cast<std::size_t>(b) * Pn + i] = -1;
@@ -58,19 +58,18 @@ ESS_DEVICE_INLINE void split_cta(const ess::SplitArgs& a, P& p) {
     }
     return;
   }
-  const std::int64_t row_base = static_cast<std::int64_t>(pool_row) * a.rows_per_request;
   const int misses = a.counts[2 * b + 1];
   const std::int64_t base = a.miss_offsets[b];
   const std::int32_t* fs = a.fill_slots + static_cast<std::size_t>(b) * Pn;
   const std::uint64_t* fh = a.fill_host_offsets + static_cast<std::size_t>(b) * Pn;
   for (int m = tid; m < misses; m += threads) {
     a.src_offsets[base + m] = fh[m];
-    a.dst_offsets[base + m] = a.buffer.offset(row_base + fs[m]);
+    a.dst_offsets[base + m] = a.buffer.offset(a.pool.at(pool_row, fs[m]));
   }
   if (a.resident == nullptr) return;
   // The slots filled this step; every other selected slot was resident before it.
-  std::uint8_t* flag = a.flags + static_cast<std::size_t>(b) * static_cast<std::size_t>(a.rows_per_request);
-  for (int s = tid; s < a.rows_per_request; s += threads) flag[s] = 0;
+  std::uint8_t* flag = a.flags + static_cast<std::size_t>(b) * static_cast<std::size_t>(a.pool.rows_per_request);
+  for (int s = tid; s < a.pool.rows_per_request; s += threads) flag[s] = 0;
   p.sync();
   for (int m = tid; m < misses; m += threads) flag[fs[m]] = 1;
   p.sync();
@@ -97,8 +96,8 @@ ESS_DEVICE_INLINE void split_cta(const ess::SplitArgs& a, P& p) {
       p.exclusive_sum(is_miss, rank_miss, tile_miss);
       p.sync();
       for (int u = 0; u < kItems; ++u) {
-        if (is_hit[u]) hit[n_hit + rank_hit[u]] = static_cast<std::int32_t>(row_base + sl[u]);
-        if (is_miss[u]) miss[n_miss + rank_miss[u]] = static_cast<std::int32_t>(row_base + sl[u]);
+        if (is_hit[u]) hit[n_hit + rank_hit[u]] = a.pool.at(pool_row, sl[u]);
+        if (is_miss[u]) miss[n_miss + rank_miss[u]] = a.pool.at(pool_row, sl[u]);
       }
       n_hit += tile_hit;
       n_miss += tile_miss;

@@ -38,7 +38,9 @@ SplitResult emulated_split(const SplitProblem& p) {
   SplitArgs a;
   a.batch = p.batch;
   a.positions = p.positions;
-  a.rows_per_request = p.rows_per_request;
+  emu::Guarded<std::int32_t> region;
+  region.assign(p.region.empty() ? std::vector<std::int32_t>{-1} : p.region);
+  a.pool = PoolRows{p.rows_per_request, p.region.empty() ? nullptr : region.data(), p.region_blocks, p.block_rows};
   a.buffer = p.buffer;
   a.rows = rows.data();
   a.slot_ids = slot_ids.data();

@@ -12,7 +12,7 @@ SplitResult reference_split(const SplitProblem& p) {
   SplitArgs a;
   a.batch = p.batch;
   a.positions = p.positions;
-  a.rows_per_request = p.rows_per_request;
+  a.pool = PoolRows{p.rows_per_request, p.region.empty() ? nullptr : p.region.data(), p.region_blocks, p.block_rows};
   a.buffer = p.buffer;
   a.rows = a.slot_ids = a.counts = a.fill_slots = test::device_pointer<const std::int32_t>();
   a.fill_host_offsets = test::device_pointer<const std::uint64_t>();

@@ -28,7 +28,8 @@ SplitResult device_split(const SplitProblem& p) {
   SplitArgs a;
   a.batch = p.batch;
   a.positions = p.positions;
-  a.rows_per_request = p.rows_per_request;
+  const auto region = upload(p.region.empty() ? std::vector<std::int32_t>{-1} : p.region);
+  a.pool = PoolRows{p.rows_per_request, p.region.empty() ? nullptr : region.get(), p.region_blocks, p.block_rows};
   a.buffer = p.buffer;
   a.rows = pool_rows.get();
   a.slot_ids = slot_ids.get();
