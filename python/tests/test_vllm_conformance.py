@@ -179,10 +179,14 @@ READ = [
     ("distributed/kv_transfer/kv_connector/v1/hisparse/worker.py", "HiSparseConnectorWorker",
      {"vllm_config", "kv_cache_config", "cache_handles", "host_caches", "_group_leaders", "register_kv_caches",
       "shutdown"}),
-    ("v1/kv_cache_interface.py", "KVCacheConfig", {"host_group_ids"}),
-    ("v1/hisparse/runtime.py", "HiSparseCacheHandle", {"runtime", "draft_layer", "source_block_table"}),
+    ("v1/kv_cache_interface.py", "KVCacheConfig", {"host_group_ids", "kv_cache_groups"}),
+    ("v1/kv_cache_interface.py", "KVCacheGroupSpec", {"layer_names", "kv_cache_spec"}),
+    ("v1/kv_cache_interface.py", "HiSparseHotSpec", {"blocks_per_request"}),
+    ("v1/hisparse/runtime.py", "HiSparseCacheHandle", {"runtime", "draft_layer", "source_block_table", "block_table",
+                                                       "view"}),
     ("v1/hisparse/runtime.py", "HiSparseRuntime",
-     {"region_stride", "device", "index_group", "registered_host_pool", "is_group_leader"}),
+     {"region_stride", "device", "index_group", "registered_host_pool", "is_group_leader", "hot"}),
+    ("v1/hisparse/runtime.py", "PagedCacheView", {"cache", "attention_cache", "block_size", "attention_block_stride"}),
     ("v1/hisparse/runtime.py", "HiSparseIndexGroup", {"shared_topk", "swap_stats"}),
     ("v1/hisparse/runtime.py", "_SharedTopKState", {"device_topk_rows"}),
     ("distributed/kv_transfer/kv_connector/v1/hisparse/connector.py", "HiSparseConnector",
@@ -248,6 +252,36 @@ def test_start_load_kv_gets_what_the_connector_reads():
     assert {"scheduler_output", "request_state_indices", "request_ids", "attn_metadata"} <= keys, keys
     assert parameters(upstream_def("distributed/kv_transfer/kv_connector/v1/hisparse/connector.py",
                                    "HiSparseConnector", "start_load_kv"))[3]
+
+
+def test_esss_rows_in_hot_regions_read_what_vllm_binds():
+    """The connector's hot regions rest on: upstream's worker listing its cache handles hot group by hot group, each
+    group's layer names in order (hot_group_of); a layer's hot cache and resident view being one slab with one
+    layout, its handle's block table the residency table by state row (binding.py); a hot region handed out whole
+    and held until the request goes (single_type_kv_cache_manager.py HiSparseHotManager); pages unpinned only for
+    a request that has one (coordinator.py), so a request without one reads every page in place; FlashMLA reading
+    the hot cache's attention view (index_group.py physical_kv_cache); vLLM's own resident resolution mapping
+    block x attention block stride + offset by state index (the triton conversion ESS's in-place rows follow)."""
+    worker = ast.unparse(upstream_def("distributed/kv_transfer/kv_connector/v1/hisparse/worker.py",
+                                      "HiSparseConnectorWorker", "register_kv_caches"))
+    assert ("for group in self.kv_cache_config.kv_cache_groups:\n        if not isinstance(group.kv_cache_spec, "
+            "HiSparseHotSpec):\n            continue\n        for cache_name in group.layer_names:") in worker
+    binding = open(path("v1/hisparse/binding.py"), encoding="utf-8").read()
+    assert "block_table=residency[resident_source_index]," in binding
+    assert "resident.cache.data_ptr() != hot.cache.data_ptr()" in binding
+    assert 'raise RuntimeError("HiSparse resident and hot layouts must match.")' in binding
+    hot = ast.unparse(upstream_def("v1/core/single_type_kv_cache_manager.py", "HiSparseHotManager",
+                                   "allocate_new_blocks"))
+    assert "num_new_blocks = self.blocks_per_request - len(req_blocks)" in hot
+    coordinator = ast.unparse(upstream_def("v1/hisparse/coordinator.py", "HiSparseCoordinator", "_page_became_clean"))
+    assert "if self._can_read_from_host(request_id):\n        self._unpin_page(request_id, state, page_idx)" \
+        in coordinator
+    assert "return cache.runtime.hot.attention_cache" in ast.unparse(
+        upstream_def("v1/attention/backends/mla/index_group.py", "HiSparseMLAIndexGroup", "physical_kv_cache"))
+    convert = ast.unparse(upstream_def("v1/attention/backends/mla/index_group.py", "HiSparseMLAIndexGroup",
+                                       "convert_logical_to_physical_topk"))
+    assert "block_stride_rows=leader.view.attention_block_stride" in convert
+    assert "idx_mapping=leader.runtime.request_state_indices" in convert
 
 
 def test_the_host_block_table_is_kept_from_the_scheduler_output_as_vllms_runner_keeps_it():

@@ -17,6 +17,15 @@ import vllm_upstream
 
 UP = vllm_upstream.load()
 K, T, SLOTS, STATES, BLOCK, BLOCKS, CTX = 16, 1, 24, 4, 64, 6, 320
+REGION = 1          # the hot group's blocks_per_request: ESS's slots are its 64 rows less T
+SLAB_BLOCKS = 12    # vLLM's GPU blocks of each layer's hot cache
+
+
+class HiSparseHotSpec:
+    """kv_cache_interface.py HiSparseHotSpec as far as the connector reads it."""
+
+    def __init__(self, blocks_per_request):
+        self.blocks_per_request = blocks_per_request
 
 
 class UpstreamWorker:
@@ -69,6 +78,7 @@ def connector_module(monkeypatch):
         "vllm.distributed.kv_transfer.kv_connector.v1.hisparse.connector": dict(HiSparseConnector=UpstreamConnector),
         "vllm.distributed.kv_transfer.kv_connector.v1.hisparse.worker": dict(HiSparseConnectorWorker=UpstreamWorker),
         "vllm.v1.attention.backend": dict(max_decode_query_len=lambda config: T),
+        "vllm.v1.kv_cache_interface": dict(HiSparseHotSpec=HiSparseHotSpec),
     }
     for name, members in modules.items():
         parts = name.split(".")
@@ -105,11 +115,17 @@ class World:
         self.host = [self.registered[l * rows * 656:(l + 1) * rows * 656].view(rows, 656) for l in range(4)]
         self.state_blocks = torch.from_numpy(rng.permutation(STATES * BLOCKS).reshape(STATES, BLOCKS).astype(np.int32))
         self.source = torch.zeros((STATES, BLOCKS), dtype=torch.int32)
-        self.host_group_ids = (0,)   # KVCacheConfig's: the host source group
+        self.host_group_ids = (0,)   # KVCacheConfig's: the host source group, then the hot group (every layer)
+        self.kv_cache_groups = [types.SimpleNamespace(kv_cache_spec=None, layer_names=[]),
+                                types.SimpleNamespace(kv_cache_spec=HiSparseHotSpec(REGION),
+                                                      layer_names=[f"layers.{layer}.hot" for layer in range(4)])]
+        # Each layer's hot cache (runtime.py PagedCacheView: its attention view, a vLLM block every 64 rows).
+        self.slabs = [torch.zeros((SLAB_BLOCKS, BLOCK, 656), dtype=torch.uint8) for _ in range(4)]
         self.handles = []
         for layer in range(4):
             handle = UP["HiSparseCacheHandle"](types.SimpleNamespace(
                 region_stride=SLOTS, device=torch.device("cpu"), is_group_leader=True, eager_host_mirror=True,
+                hot=UP["PagedCacheView"](self.slabs[layer], self.slabs[layer], BLOCK, BLOCK),
                 request_state_indices=torch.full((STATES,), -1, dtype=torch.int32), resident_source_index=0,
                 registered_host_pool=self.registered,
                 index_group=types.SimpleNamespace(shared_topk=types.SimpleNamespace(
@@ -140,17 +156,19 @@ def config(eager=True, instance="t", speculative=False):
         speculative_config=types.SimpleNamespace(enable_adaptive_verification=False) if speculative else None)
 
 
-def scheduler_output(new=(), cached=(), finished=(), resumed=(), blocks=None):
+def scheduler_output(new=(), cached=(), finished=(), resumed=(), blocks=None, hot=None):
     """SchedulerOutput's fields the connector reads: new and cached requests as (id, computed, scheduled), the
-    cached ones marked resumed, and the host source group's blocks (group 0 here) of the new and resumed ones
-    (blocks: {id: blocks}; a cached request gets none)."""
-    blocks = blocks or {}
+    cached ones marked resumed, the host source group's blocks (group 0 here) of the new and resumed ones
+    (blocks: {id: blocks}; a cached request gets none) and the hot group's (group 1; hot: {id: its hot region},
+    given to a cached request when it is allocated)."""
+    blocks, hot = blocks or {}, hot or {}
     return types.SimpleNamespace(
-        scheduled_new_reqs=[types.SimpleNamespace(req_id=r, num_computed_tokens=c, block_ids=(blocks[r],))
+        scheduled_new_reqs=[types.SimpleNamespace(req_id=r, num_computed_tokens=c, block_ids=(blocks[r], hot.get(r, [])))
                             for r, c, _ in new],
         scheduled_cached_reqs=types.SimpleNamespace(req_ids=[r for r, _, _ in cached],
                                                     num_computed_tokens=[c for _, c, _ in cached],
-                                                    new_block_ids=[(blocks[r],) if r in resumed else None
+                                                    new_block_ids=[(blocks[r] if r in resumed else [], hot.get(r, []))
+                                                                   if r in resumed or r in hot else None
                                                                    for r, _, _ in cached],
                                                     resumed_req_ids=set(resumed)),
         num_scheduled_tokens={r: n for r, _, n in list(new) + list(cached)}, finished_req_ids=set(finished),
@@ -187,7 +205,11 @@ def test_register_start_load_and_shutdown(connector_module):
     worker = c.connector_worker
     assert worker.ess.counts_run_ahead
     info = worker.ess_engine.info
-    assert (info.layers, info.slots, info.query_tokens, info.topk, info.backend) == (3, SLOTS, T, K, "cpu")
+    assert (info.layers, info.slots, info.query_tokens, info.topk, info.backend) == (3, REGION * BLOCK - T, T, K, "cpu")
+    assert info.region_blocks == REGION and worker.ess_hot_group == 1
+    # ESS's rows are vLLM's hot caches (their attention views): no buffer of its own.
+    assert [r.hot.attention_cache.data_ptr() for r in (h.runtime for h in world.handles[:3])] == \
+        [world.slabs[layer].data_ptr() for layer in range(3)]
     assert all(isinstance(h.runtime, adapter.HiSparseRuntime) and h.runtime.upstream is u
                for h, u in zip(world.handles[:3], upstream))
     assert world.handles[3].runtime is upstream[3], "the speculator's layer keeps vLLM's runtime"
@@ -358,13 +380,34 @@ def test_reset_capture_state_resets_ess(connector_module, monkeypatch):
     c.connector_worker.shutdown()
 
 
-def test_device_rows_beyond_vllms_budget_are_refused(connector_module):
-    """ESS's rows are a buffer beside vLLM's KV cache: they must fit in the memory gpu_memory_utilization leaves
-    outside vLLM's budget, whose unallocated part (activations, CUDA graphs) is still free when they are made."""
+def test_a_hot_region_gives_esss_rows_and_the_engines_memory_must_fit(connector_module):
+    """A request vLLM gives a hot region (the hot group's blocks in the scheduler output) has ESS's rows placed there,
+    its reserved rows among them; one without is read in place (no rows). ESS allocates no rows of its own: only its
+    engine's state lies outside vLLM's KV cache, and it must fit in the memory gpu_memory_utilization leaves outside
+    vLLM's budget, whose unallocated part (activations, CUDA graphs) is still free when it is made."""
     module, _ = connector_module
+    world = World()
+    c = module.HiSparseConnector(config(), "worker", world)
+    c.register_kv_caches({})
+    decode = c.connector_worker.ess
+    world.gather([2, 0])
+    c.start_load_kv(eager(151, 71), scheduler_output=scheduler_output(new=[("a", 150, T), ("b", 70, T)],
+                                                                      blocks=owned(world, a=2, b=0), hot={"a": [7]}),
+                    request_ids=["a", "b"], request_state_indices=torch.tensor([2, 0], dtype=torch.int32))
+    assert decode.placed == {2: [7]} and decode.in_place_state[:2].tolist() == [-1, 0]
+    assert decode.rows[:2].tolist() == [2, -1]
+    assert c.connector_worker.ess_engine.buffer_row(2, REGION * BLOCK - T) == 7 * BLOCK + BLOCK - T   # reserved row
+    # "b" gets its hot region a step later (appended to a cached request's empty hot list).
+    c.start_load_kv(eager(152, 72), scheduler_output=scheduler_output(cached=[("a", 151, T), ("b", 71, T)],
+                                                                      hot={"b": [3]}),
+                    request_ids=["a", "b"], request_state_indices=torch.tensor([2, 0], dtype=torch.int32))
+    assert decode.placed == {2: [7], 0: [3]} and decode.rows[:2].tolist() == [2, 0]
+    with pytest.raises(ess.InvalidArgument, match="has 2 hot blocks; a hot region is 1"):
+        c.start_load_kv(eager(153), scheduler_output=scheduler_output(new=[("x", 152, T)], blocks=owned(world, x=1),
+                                                                      hot={"x": [4, 5]}),
+                        request_ids=["x"], request_state_indices=torch.tensor([1], dtype=torch.int32))
+    c.connector_worker.shutdown()
     GiB, total = 2**30, 80 * 2**30
-    need = 61 * adapter.latent_bytes(256, 4097)
-    assert 39 * GiB < need < 40 * GiB
 
     def device_at(utilization):
         """vLLM's KV cache fills its budget but for 2 GiB of activations and CUDA graphs still to come: what its
@@ -372,33 +415,39 @@ def test_device_rows_beyond_vllms_budget_are_refused(connector_module):
         held = total * utilization - 2 * GiB
         return total - held, held
 
-    free, held = device_at(0.92)
-    with pytest.raises(ValueError, match="need 39.09 GiB .61 layers x max_num_seqs 256 x .device_buffer_size 4096 "
-                                         "\\+ T 1. rows of 656 B. and cuda:0 has 6.40 GiB outside vLLM's budget "
-                                         ".gpu_memory_utilization 0.92 of 80.00 GiB; 8.40 GiB free, 71.60 GiB held "
-                                         "by vLLM's allocator.: set gpu_memory_utilization to at most 0.511"):
-        module.check_device_rows(61, 256, 4096, 1, free, total, 0.92, held, "cuda:0")
-    # The utilization the message names leaves room; a little more does not.
-    assert module.check_device_rows(61, 256, 4096, 1, *device_at(0.511)[:1], total, 0.511, device_at(0.511)[1],
-                                    "cuda:0") == need
-    with pytest.raises(ValueError, match="at most 0.511"):
-        module.check_device_rows(61, 256, 4096, 1, device_at(0.52)[0], total, 0.52, device_at(0.52)[1], "cuda:0")
-    # Once the engine is made, its own device memory counts too (register_kv_caches checks again with
-    # Engine.device_bytes(), with free and held as they were before the rows): what fitted the rows alone may
-    # not, and the utilization then named leaves room for both.
     engine = 9 * GiB // 10
-    with pytest.raises(ValueError, match="need 39.09 GiB .* rows of 656 B. and its engine's state 0.90 GiB more and "
-                                         "cuda:0 has .* at most 0.5"):
-        module.check_device_rows(61, 256, 4096, 1, *device_at(0.511)[:1], total, 0.511, device_at(0.511)[1],
-                                 "cuda:0", engine_bytes=engine)
-    try:
-        module.check_device_rows(61, 256, 4096, 1, *device_at(0.511)[:1], total, 0.511, device_at(0.511)[1],
-                                 "cuda:0", engine_bytes=engine)
-    except ValueError as e:
-        fits = float(str(e).split("at most ")[1].split(",")[0])
-    assert fits < 0.511
-    assert module.check_device_rows(61, 256, 4096, 1, device_at(fits)[0], total, fits, device_at(fits)[1], "cuda:0",
-                                    engine_bytes=engine) == need + engine
+    assert module.check_device_memory(engine, *device_at(0.92)[:1], total, 0.92, device_at(0.92)[1], "cuda:0") == engine
+    free, held = device_at(0.995)   # 0.40 GiB of 80 outside a 0.995 budget
+    with pytest.raises(ValueError, match="engine's state .LRU state, step scratch, page tables. needs 0.90 GiB and "
+                                         "cuda:0 has 0.40 GiB outside vLLM's budget .gpu_memory_utilization 0.995 of "
+                                         "80.00 GiB; 2.40 GiB free, 77.60 GiB held by vLLM's allocator.: set "
+                                         "gpu_memory_utilization to at most 0.988"):
+        module.check_device_memory(engine, free, total, 0.995, held, "cuda:0")
+    # The utilization the message names leaves room; a little more does not.
+    assert module.check_device_memory(engine, *device_at(0.988)[:1], total, 0.988, device_at(0.988)[1], "cuda:0")
+    with pytest.raises(ValueError, match="at most"):
+        module.check_device_memory(engine, *device_at(0.989)[:1], total, 0.989, device_at(0.989)[1], "cuda:0")
+
+
+def test_target_layers_in_several_hot_groups_are_refused(connector_module):
+    module, _ = connector_module
+    world = World()
+    names = world.kv_cache_groups[1].layer_names   # layers 2 and 3 (the speculator's) in a group of their own
+    world.kv_cache_groups.append(types.SimpleNamespace(kv_cache_spec=HiSparseHotSpec(REGION), layer_names=names[2:]))
+    del names[2:]
+    c = module.HiSparseConnector(config(), "worker", world)
+    with pytest.raises(ValueError, match=r"hot caches are in KV cache groups \[1, 2\]"):
+        c.register_kv_caches({})
+
+
+def test_a_hot_region_too_small_for_the_top_k_is_refused(connector_module, monkeypatch):
+    module, _ = connector_module
+    monkeypatch.setattr(module, "max_decode_query_len", lambda config: 49)
+    world = World()
+    c = module.HiSparseConnector(config(), "worker", world)
+    with pytest.raises(ValueError, match="leaves 15 LRU rows beside the T = 49 reserved ones; one query token's "
+                                         "top-k needs 16: set device_buffer_size to at least 65"):
+        c.register_kv_caches({})
 
 
 def test_adaptive_verification_is_refused(connector_module):

@@ -55,6 +55,8 @@ LAYERS, K, CTX, STATES, BLOCK = 2, 16, 384, 5, 64
 HOST_BLOCKS = STATES * (CTX // BLOCK + 1) + 4   # vLLM's host pool: every state's longest request, and spare
 HOST_BYTES = -(-LAYERS * HOST_BLOCKS * BLOCK * ENTRY // 4096) * 4096   # padded to 4 KiB, as vLLM registers it
 UP = vllm_upstream.load()
+# vLLM's residency table and state indices are int32; torch 1.x (Debian's) indexes with int64 only.
+INDEX = torch.int64 if torch.__version__ < "2" else torch.int32
 
 
 def host_region(buffer=None):
@@ -77,7 +79,7 @@ class VllmWorld:
     vLLM's host pool (per layer, each request's host blocks where the block pool put them) with its block tables,
     and the resident cache. mirror=False: another rank's world, whose host pool rank 0 writes."""
 
-    def __init__(self, seed, T, region=None, mirror=True):
+    def __init__(self, seed, T, region=None, mirror=True, slab_blocks=None):
         self.rng = np.random.default_rng(seed)
         self.T, self.K, self.mirror = T, K, mirror
         self.full, self.length, self.prompt = {}, {}, {}
@@ -88,13 +90,82 @@ class VllmWorld:
         # The resident cache as vllm/v1/hisparse/runtime.py PagedCacheView.bind views it: a slab whose blocks
         # interleave another KV group's (vllm/v1/hisparse/layout.py: the block stride spans every group), so the
         # layer's view is strided; the other group holds bytes no decode may read.
-        blocks = STATES * CTX // BLOCK + 2
+        blocks = slab_blocks or STATES * CTX // BLOCK + 2
         self.resident_slabs = [torch.from_numpy(self.rng.integers(0, 256, blocks * 2 * BLOCK * ENTRY, dtype=np.uint8))
                                for _ in range(LAYERS)]
         self.resident = [torch.as_strided(slab, (blocks, BLOCK, ENTRY), (2 * BLOCK * ENTRY, ENTRY, 1), BLOCK * ENTRY)
                          for slab in self.resident_slabs]
         # The forward's host block table (the handles' source_block_table): one row per batch row.
         self.source_block_table = torch.zeros((STATES, CTX // BLOCK + 1), dtype=torch.int32)
+        # Hot regions (use_slab): the slab's blocks as vLLM's GPU block pool hands them out (block 0 the null
+        # block), each request's resident pages (None: lost, read from the host) and hot region, and the residency
+        # table the worker keeps from the scheduler's updates (v1/hisparse/binding.py: [resident groups, state rows,
+        # pages], block 0 for a page read from the host).
+        self.slab = False
+
+    def use_slab(self, region_blocks):
+        self.slab, self.region_blocks = True, region_blocks
+        blocks = self.resident[0].shape[0]
+        self.gpu_free = [int(b) for b in self.rng.permutation(np.arange(1, blocks))]
+        self.resident_pages, self.hot, self.synced = {}, {}, {}
+        self.hot_given = set()   # requests whose hot region the scheduler output carried
+        self.residency = torch.zeros((1, STATES, CTX // BLOCK + 1), dtype=INDEX)
+
+    def ensure_resident(self, rid, tokens):
+        """v1/core: the resident group's blocks for the request's first `tokens` tokens (a new page each 64)."""
+        pages = self.resident_pages.setdefault(rid, [])
+        while len(pages) * BLOCK < tokens:
+            pages.append(self.gpu_free.pop())
+
+    def slot(self, rid, position):
+        """The resident slot mapping of a token (block_tables.slot_mappings of the resident group)."""
+        return self.resident_pages[rid][position // BLOCK] * BLOCK + position % BLOCK
+
+    def go_hot(self, rid):
+        """coordinator.py update_residency -> HiSparseHotManager.require_hot: the request gets its hot region (all its
+        blocks at once); its clean pages are unpinned and, here at once, reused (coordinator.py _lose_page: read from
+        the host from now on), except the ACTIVE_TAIL_PAGES (v1/hisparse/types.py: 2) still being written. A lost
+        page's block goes back to the pool, is scribbled on and handed out again first."""
+        self.hot[rid] = [self.gpu_free.pop() for _ in range(self.region_blocks)]
+        pages = self.resident_pages[rid]
+        for page in range(max(0, len(pages) - 2)):
+            block, pages[page] = pages[page], None
+            for slab in self.resident:
+                slab[block] = torch.from_numpy(self.rng.integers(0, 256, (BLOCK, ENTRY), dtype=np.uint8))
+            self.gpu_free.append(block)
+
+    def free_slab(self, rid):
+        for block in self.hot.pop(rid, []) + [b for b in self.resident_pages.pop(rid, []) if b is not None]:
+            self.gpu_free.append(block)
+        self.synced.pop(rid, None)
+        self.hot_given.discard(rid)
+
+    def residency_updates(self, batch):
+        """coordinator.py take_residency_updates: each scheduled request's pages whose block changed since it was
+        last sent (SparseKVResidencyUpdate: pages, block ids per resident group; the null block for a lost page)."""
+        updates = {}
+        for rid in batch:
+            pages = self.resident_pages.get(rid, [])
+            sent = self.synced.setdefault(rid, {})
+            changed = [p for p, block in enumerate(pages) if sent.get(p, -1) != (block or 0)]
+            if changed:
+                updates[rid] = types.SimpleNamespace(pages=changed, block_ids=([pages[p] or 0 for p in changed],))
+                sent.update({p: pages[p] or 0 for p in changed})
+        return updates
+
+    def hot_output(self, batch, fresh):
+        """The scheduler output's blocks of the hot group (source_blocks_from_output): a new request's list, a
+        cached one's region once, when it is allocated."""
+        out = {}
+        for rid in batch:
+            if rid in fresh:
+                out[rid] = (list(self.hot.get(rid, [])), True)
+                self.hot_given.discard(rid)
+            elif rid in self.hot and rid not in self.hot_given:
+                out[rid] = (list(self.hot[rid]), False)
+            if rid in self.hot:
+                self.hot_given.add(rid)
+        return out
 
     def new_request(self, rid, prompt, prefix_of=None, prefix=0):
         """prefix_of, prefix: the request's first `prefix` tokens (whole blocks) are request prefix_of's, a
@@ -117,7 +188,10 @@ class VllmWorld:
             self.blocks[rid].append(block)
 
     def free(self, rid):
-        """A finished or preempted request's blocks go back to the pool (freed last, handed out first)."""
+        """A finished or preempted request's blocks go back to the pool (freed last, handed out first), and with
+        hot regions its GPU blocks."""
+        if self.slab:
+            self.free_slab(rid)
         for block in reversed(self.blocks.pop(rid, [])):
             self.block_refs[block] -= 1
             if self.block_refs[block] == 0:
@@ -176,7 +250,7 @@ class VllmWorld:
 
 class Replay:
     def __init__(self, T, slots, seed=1, region=None, mirror=True, barrier=None, uniform=True,
-                 async_scheduling=True, counts_run_ahead=True, blocks_from_output=False):
+                 async_scheduling=True, counts_run_ahead=True, blocks_from_output=False, hot_regions=0):
         """region, mirror, barrier: a rank of a node whose ranks share vLLM's host pool (a shared-memory region
         rank 0's mirror writes, every rank's ESS reads); barrier() runs at the start of every step, after the
         previous step's mirror. uniform: the backend's require_uniform_decodes (FlashMLA sparse's: True).
@@ -184,20 +258,34 @@ class Replay:
         counts_run_ahead: EssDecode's (the connector sets it under async scheduling with speculative decoding).
         blocks_from_output: ESS is given each step's new host blocks as the scheduler output has them (the
         connector's source_blocks_from_output: a new request's whole list, a cached one's new blocks), not the
-        forward's table."""
+        forward's table. hot_regions: ESS's rows in vLLM's hot regions of this many blocks (slots: the region's rows
+        less T), in the resident slab; requests without one read in place through the residency table."""
         self.T, self.barrier, self.uniform, self.async_scheduling = T, barrier, uniform, async_scheduling
+        self.hot_regions = hot_regions
         self.rejected = {}   # request -> drafts its last verify step rejected, which the scheduler still counts
         self.blocks_from_output, self.blocks_given = blocks_from_output, {}
-        self.world = VllmWorld(seed, T, region, mirror)
+        self.world = VllmWorld(seed, T, region, mirror, slab_blocks=64 if hot_regions else None)
         rows_per_request = slots + T
-        latent = adapter.latent_buffers(LAYERS, STATES, rows_per_request)
+        # The attention view of each layer's slab (PagedCacheView.bind's attention_cache: the slab's rows from the
+        # layer's first block on, a vLLM block every 2 x 64 rows).
+        self.attention = [slab[BLOCK * ENTRY:][: (slab.shape[0] // ENTRY - BLOCK) // BLOCK * BLOCK * ENTRY]
+                          .view(-1, BLOCK, ENTRY) for slab in self.world.resident_slabs]
+        if hot_regions:
+            assert rows_per_request == hot_regions * BLOCK, "ESS's rows fill the hot region"
+            self.world.use_slab(hot_regions)
+            latent = self.attention
+        else:
+            latent = adapter.latent_buffers(LAYERS, STATES, rows_per_request)
         # vllm_connector.py EssConnectorWorker.register_kv_caches: ESS's engine on vLLM's host pool.
         pages = adapter.host_pool_layout(self.world.backing, self.world.host)
         self.engine = ess.Engine(layers=LAYERS, max_requests=STATES, max_context=CTX, topk=K, query_tokens=T,
                                  slots=slots, reserve_newest=True, latent=latent,
-                                 host_memory=self.world.backing.numpy(), foreign_pages=pages)
+                                 host_memory=self.world.backing.numpy(), foreign_pages=pages,
+                                 region_blocks=hot_regions)
         self.decode = adapter.EssDecode(self.engine, latent, STATES, self.world.source_block_table,
-                                        counts_run_ahead=counts_run_ahead)
+                                        counts_run_ahead=counts_run_ahead,
+                                        attention_block_stride=2 * BLOCK if hot_regions else BLOCK)
+        self.model_region = {}   # hot regions: request -> the region the model's LRU started on
         self.model = EngineModel(LAYERS, slots, T, reserve_newest=True)
         self.model_rows = {}   # request -> state the model admitted it at
         # vllm/v1/hisparse/binding.py bind_hisparse_kv_caches: each layer's handle bound to the resident cache
@@ -211,10 +299,9 @@ class Replay:
             # reads dtype.itemsize, which torch 1.13 lacks): the strided resident view, the attention view of the
             # whole slab from the layer's first block (block stride 2 x 64 rows), its block table and slot mapping.
             resident = self.world.resident[layer]
-            attention = self.world.resident_slabs[layer][BLOCK * ENTRY:].view(-1, ENTRY)
-            attention = attention[: attention.shape[0] // BLOCK * BLOCK].view(-1, BLOCK, ENTRY)
-            handle.view = UP["PagedCacheView"](resident, attention, BLOCK, 2 * BLOCK)
-            handle.block_table = torch.zeros((STATES, 8), dtype=torch.int32)
+            handle.view = UP["PagedCacheView"](resident, self.attention[layer], BLOCK, 2 * BLOCK)
+            # binding.py: the handle's block table is the residency table of its resident group (by state row).
+            handle.block_table = self.world.residency[0] if hot_regions else torch.zeros((STATES, 8), dtype=torch.int32)
             handle.slot_mapping = self.slot_mapping
             handle.source_block_table = self.world.source_block_table
             handle.runtime = adapter.HiSparseRuntime(self.decode, layer, handle)
@@ -241,6 +328,7 @@ class Replay:
         for rid in tuple(finished) + tuple(preempted):
             if rid in self.model_rows:
                 self.model.release(self.model_rows.pop(rid))
+            self.model_region.pop(rid, None)
             self.world.free(rid)
             self.worker_requests.discard(rid)
         self.decode.note_finished(finished)
@@ -257,6 +345,7 @@ class Replay:
         for rid in tuple(finished) + tuple(preempted):
             if rid in self.model_rows:
                 self.model.release(self.model_rows.pop(rid))
+            self.model_region.pop(rid, None)
             w.free(rid)
             self.worker_requests.discard(rid)
         # scheduled_new_reqs: the requests new to the worker (first scheduled, or resumed after preemption under
@@ -312,12 +401,22 @@ class Replay:
             block_table=self.handles[0].source_block_table, block_size=BLOCK,
             seq_lens=torch.tensor(seq_lens + [0] * (num_reqs - R), dtype=torch.int32),
             query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)))
+        hot_blocks = None
+        if self.hot_regions:
+            # The resident pages of this step's tokens, and worker.py start_step's update_hisparse_residency (upstream's
+            # own) from the scheduler's residency updates; the scheduler output's hot group blocks.
+            for rid in batch:
+                w.ensure_resident(rid, sum(scheduled[rid]))
+            UP["update_hisparse_residency"](w.residency, w.residency_updates(batch), batch,
+                                            torch.tensor(states, dtype=INDEX))
+            hot_blocks = self.seen_hot_blocks(w.hot_output(batch, set(fresh)))
         # kv_connector/v1/hisparse/connector.py HiSparseConnector.start_load_kv, then ESS's start_step
         # (vllm_connector.py HiSparseConnector.start_load_kv, with the forward's leader-layer metadata).
         self.decode.start_step(batch, torch.tensor(states, dtype=torch.int32), sched, finished=finished,
                                preempted=preempted, fresh=self.seen_fresh(fresh),
                                all_context_pages_resident=all_resident,
-                               attn_metadata=self.seen_metadata(attn, sched, batch), new_blocks=new_blocks)
+                               attn_metadata=self.seen_metadata(attn, sched, batch), new_blocks=new_blocks,
+                               hot_blocks=hot_blocks)
         served = self.decode.batch
         assert served == (0 if all_resident and len(decodes) < R else len(decodes)), "ESS staged other decode rows"
         # connector.py start_step sets all_context_pages_resident on every handle; worker.py prepare_forward ->
@@ -330,14 +429,24 @@ class Replay:
         slots = torch.full_like(self.slot_mapping, -1)
         for b, rid in enumerate(batch):
             c, n = scheduled[rid]
-            if rid in decodes:
+            if self.hot_regions:   # every computed token lands on its resident page
+                for t in range(n):
+                    slots[query_start_loc[b] + t] = w.slot(rid, c + t)
+            elif rid in decodes:
                 for t in range(n):
                     slots[query_start_loc[b] + t] = self.resident_next
                     self.resident_next = (self.resident_next + 1) % (self.world.resident[0].shape[0] * BLOCK)
             w.computed(rid, c, n)
         self.slot_mapping.copy_(slots)
         for rid in decodes:
-            if served and rid not in self.model_rows:
+            if self.hot_regions:   # the model's LRU starts (anew) when a request's rows are placed in a region
+                if served and rid in w.hot and self.model_region.get(rid) != w.hot[rid]:
+                    if rid in self.model_rows:
+                        self.model.release(self.model_rows.pop(rid))
+                    self.model_rows[rid] = states[batch.index(rid)]
+                    self.model.admit(self.model_rows[rid])
+                    self.model_region[rid] = list(w.hot[rid])
+            elif served and rid not in self.model_rows:
                 self.model_rows[rid] = states[batch.index(rid)]
                 self.model.admit(self.model_rows[rid])
         for layer in range(LAYERS):
@@ -378,8 +487,11 @@ class Replay:
             for b, rid in enumerate(decodes):
                 n = scheduled[rid][1]
                 per_row[b, T - n:] = physical[query_start_loc[b]:query_start_loc[b] + n].numpy()
-            model_batch = [(rid, self.model_rows[rid]) for rid in decodes]
-            check_rows(w, self.model, np.stack(rows), [flat] * LAYERS, layer, model_batch, per_row)
+            if self.hot_regions:
+                self.check_regions(decodes, rows, flat, layer, per_row)
+            else:
+                model_batch = [(rid, self.model_rows[rid]) for rid in decodes]
+                check_rows(w, self.model, np.stack(rows), [flat] * LAYERS, layer, model_batch, per_row)
             assert (physical[real_decode_tokens:] == -1).all(), "padded graph rows must come out as -1"
             np.testing.assert_array_equal(valid.numpy(), (physical >= 0).sum(1).numpy())
         # The row mirror of every computed row has landed in vLLM's host pool by the next step.
@@ -396,6 +508,36 @@ class Replay:
                     self.rejected[rid] = n - kept
         self.forwards_served += served > 0
         return served
+
+    def check_regions(self, decodes, rows, flat, layer, physical):
+        """Hot regions: a request with a hot region through the model's LRU, its rows (the model's row x
+        rows_per_request + slot) in its region's blocks (vLLM block k at attention row 2k x 64); one without read in
+        place at its resident pages; every byte against the full cache."""
+        w = self.world
+        rpr = self.model.rows_per_request
+        for b, rid in enumerate(decodes):
+            q = rows[b]
+            if rid in w.hot:
+                s, region = self.model_rows[rid], w.hot[rid]
+                model_rows, _, _ = self.model.step(s, layer, w.length[rid], q.tolist())
+                at = lambda p: -1 if p < 0 else region[(p - s * rpr) // BLOCK] * 2 * BLOCK + (p - s * rpr) % BLOCK
+                want = np.array([[at(p) for p in r] for r in model_rows])
+            else:
+                pages = w.resident_pages[rid]
+                want = np.where(q >= 0, np.array([[pages[t // BLOCK] * 2 * BLOCK + t % BLOCK if t >= 0 else -1
+                                                   for t in r] for r in q]), -1)
+            np.testing.assert_array_equal(physical[b], want, err_msg=f"layer {layer} request {rid} "
+                                                                      f"({'hot' if rid in w.hot else 'in place'})")
+            for t in range(self.T):
+                for k in range(K):
+                    i = q[t][k]
+                    if i >= 0 and not np.array_equal(flat[physical[b][t][k]], w.full[rid][layer][i]):
+                        raise AssertionError(f"layer {layer} request {rid} id {i}: row {physical[b][t][k]} holds other "
+                                             "bytes than the full cache")
+
+    def seen_hot_blocks(self, hot_blocks):
+        """The hot group's blocks ESS's start_step is given; a mutation replaces them."""
+        return hot_blocks
 
     def seen_metadata(self, attn, sched, batch):
         """The metadata ESS's start_step is given (the connector's leader_metadata); a mutation replaces it."""
@@ -745,3 +887,78 @@ def test_new_blocks_taken_for_the_whole_list_fail_the_replay(monkeypatch):
                         lambda self, new_blocks: {rid: (blocks, True) for rid, (blocks, _) in new_blocks.items()})
     with pytest.raises((AssertionError, ess.EssError)):
         test_decode_replay_matches_the_model_and_the_full_cache(3, 56, True, True)
+
+
+@pytest.mark.parametrize("T", [1, 3])
+def test_hot_regions_hold_esss_rows_and_resident_requests_are_read_in_place(T):
+    """ESS's rows in vLLM's hot regions (the engine's regions, over the resident slab vLLM's hot cache shares): a
+    request without a hot region is read in place at its resident pages through the residency table (upstream's
+    update_hisparse_residency keeps it), with no ESS row; once vLLM gives it a hot region (require_hot, its blocks
+    in the scheduler output) its rows, reserved rows included, are placed there, its LRU starting empty, while its
+    older resident pages are lost and reused under it. Through condense and reorder, FULL graphs, drafts, a
+    request finishing and its state reused, every row against the model (or the residency table) and every byte
+    against the full cache."""
+    r = Replay(T, BLOCK - T, seed=41 + T, hot_regions=1)
+    w = r.world
+    batch, states = three_requests(r)
+    hot_at = {2: "a", 4: "c", 7: "b"}
+    for step in range(12):
+        if step in hot_at:
+            w.go_hot(hot_at[step])
+        if step == 9:   # "c" finishes; "d" takes its state and decodes in place, then goes hot too
+            i = batch.index("c")
+            del batch[i], states[i]
+            w.new_request("d", 90)
+            r.step(batch + ["d"], states + [4], {**decode_step(batch, w, T), "d": (0, 90)}, finished=("c",))
+            batch, states = batch + ["d"], states + [4]
+            continue
+        if step == 10:
+            w.go_hot("d")
+        rng = np.random.default_rng(step)
+        order = rng.permutation(len(batch))
+        batch, states = [batch[i] for i in order], [states[i] for i in order]
+        counts = {rid: int(rng.integers(1, T + 1)) for rid in batch} if T > 1 and step % 2 else None
+        scheduled = decode_step(batch, w, T, counts)
+        uniform = len({n for _, n in scheduled.values()}) == 1
+        pad = len(batch) + 1 if uniform and step % 3 == 0 else None
+        accepted = {rid: int(rng.integers(1, n + 1)) for rid, (_, n) in scheduled.items()} if T > 1 else None
+        assert r.step(batch, states, scheduled, pad_reqs=pad, accepted=accepted) >= 1
+        # ESS knows every hot region from the scheduler output, and places a request's rows there once it serves it.
+        assert {rid: b for rid, b in r.decode.hot_of.items() if b} == {rid: w.hot[rid] for rid in batch if rid in w.hot}
+        placed = {rid for rid in batch if r.decode.state_of.get(rid) in r.decode.placed}
+        assert placed <= set(w.hot), "ESS placed a request vLLM did not make hot"
+    assert set(w.hot) == {"a", "b", "d"}
+    w.check_host_pool(batch)
+
+
+def test_a_reserved_row_outside_the_region_fails_the_replay(monkeypatch):
+    """Mutation: the newest entries copied to the reserved rows of ESS's own layout (state x rows_per_request +
+    slots + t), outside the request's hot region, where the engine does not read them."""
+    row = adapter.EssDecode._row
+    monkeypatch.setattr(adapter.EssDecode, "_row", lambda self, s, slot: s * self.info.rows_per_request + slot
+                        if slot >= self.info.slots else row(self, s, slot))
+    with pytest.raises((AssertionError, ess.EssError)):
+        test_hot_regions_hold_esss_rows_and_resident_requests_are_read_in_place(1)
+
+
+def test_the_residency_table_read_by_batch_row_fails_the_replay(monkeypatch):
+    """Mutation: a row read in place looked up in vLLM's residency table by its batch row (a stale idx_mapping
+    gather) instead of its state index."""
+    stage = adapter.EssDecode._stage
+
+    def by_batch_row(self, R, states, positions):
+        stage(self, R, states, positions)
+        rows = torch.arange(self.in_place_state.shape[0], dtype=self.in_place_state.dtype)
+        self.in_place_state.copy_(torch.where(self.in_place_state >= 0, rows, self.in_place_state))
+
+    monkeypatch.setattr(adapter.EssDecode, "_stage", by_batch_row)
+    with pytest.raises(AssertionError):
+        test_hot_regions_hold_esss_rows_and_resident_requests_are_read_in_place(1)
+
+
+def test_hot_regions_not_told_to_ess_fail_the_replay(monkeypatch):
+    """Mutation: the scheduler output's hot group blocks never reach ESS: requests vLLM moved to host reads are
+    read in place at pages vLLM has reused."""
+    monkeypatch.setattr(Replay, "seen_hot_blocks", lambda self, hot_blocks: {})
+    with pytest.raises(AssertionError):
+        test_hot_regions_hold_esss_rows_and_resident_requests_are_read_in_place(1)

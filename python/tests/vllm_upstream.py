@@ -1,7 +1,8 @@
 """vLLM 0.33.0's own code for the replays, without importing vLLM (its package needs CUDA builds, pydantic and a
 newer torch): the classes the attention layers call through (vllm/v1/hisparse/runtime.py PagedCacheView,
 is_hisparse_decode_batch, HiSparseCacheHandle; vllm/v1/attention/backends/mla/index_group.py
-SparseMLAIndexGroup, HiSparseMLAIndexGroup) and the decode split the sparse MLA metadata builders make
+SparseMLAIndexGroup, HiSparseMLAIndexGroup), the worker's residency table update (runtime.py
+update_hisparse_residency) and the decode split the sparse MLA metadata builders make
 (vllm/v1/attention/backends/utils.py split_decodes_and_prefills) are read from the pinned release's source
 (scripts/upstream.sh), each definition's text compiled as it is, in a namespace holding only what those classes name: torch, and for the
 CUDA-only helpers they reference (streams, events, the Triton conversion of the all-resident path) stand-ins
@@ -16,6 +17,7 @@ import sys
 import types
 import typing
 
+import numpy as np
 import torch
 
 RUNTIME = os.path.join("v1", "hisparse", "runtime.py")
@@ -53,7 +55,7 @@ def _definitions(path, names):
     return [found[n] for n in names]
 
 
-NAMES = {RUNTIME: ["is_hisparse_decode_batch", "PagedCacheView", "HiSparseCacheHandle"],
+NAMES = {RUNTIME: ["is_hisparse_decode_batch", "PagedCacheView", "HiSparseCacheHandle", "update_hisparse_residency"],
          INDEX_GROUP: ["SparseMLAIndexGroup", "HiSparseMLAIndexGroup"],
          BACKEND_UTILS: ["split_decodes_and_prefills"]}
 
@@ -63,6 +65,9 @@ def imported():
     included: what the compiled namespace stands in for is then the release's own code, and a replay that
     reaches a CUDA-only one fails there."""
     import importlib
+    torch_utils = importlib.import_module("vllm.utils.torch_utils")
+    if not torch.cuda.is_available():   # PyPI's CUDA torch without a device: no pinned staging for async_tensor_h2d
+        torch_utils.PIN_MEMORY = False
     out = {}
     for rel, names in NAMES.items():
         module = importlib.import_module("vllm." + rel[:-len(".py")].replace(os.sep, "."))
@@ -93,6 +98,12 @@ def load(source_dir: str = None):
         "create_hisparse_cache_handle": _refuse("create_hisparse_cache_handle"),
         "_create_side_stream": _refuse("_create_side_stream"), "_create_event": _refuse("_create_event"),
         "ops": None, "FP8_DS_MLA_ROW_BYTES": 656, "HiSparsePrefillStagingPlan": typing.Any,
+        "np": np, "Mapping": typing.Mapping, "Sequence": typing.Sequence, "SparseKVResidencyUpdate": typing.Any,
+        # vllm/utils/torch_utils.py async_tensor_h2d: a host array to the device (here the CPU): a copy (int32 as
+        # int64 under torch 1.x, which indexes with long tensors only; the values are the same).
+        "async_tensor_h2d": lambda data, device=None, dtype=None: torch.as_tensor(
+            np.asarray(data), device=device,
+            dtype=torch.int64 if dtype == torch.int32 and torch.__version__ < "2" else dtype),
     })
     flags = __future__.annotations.compiler_flag
     for rel, names in NAMES.items():

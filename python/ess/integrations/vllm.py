@@ -160,10 +160,21 @@ class EssDecode:
     new to ESS (a request keeps its state index while vLLM holds it); the decode rows' seq_lens only when the counts
     run ahead and a decode row has fewer than T tokens (its older tokens are read on the host) or the recorder is
     on; block table entries only when it is not given the scheduler's new blocks (source_blocks_from_output).
-    Its staged tensors go to the device from pinned memory without a wait."""
+    Its staged tensors go to the device from pinned memory without a wait.
+
+    Hot regions (the engine made with region_blocks: ESS's rows in vLLM's own GPU slab). `latent` is then each
+    layer's attention view of vLLM's slab (HiSparseRuntime.hot.attention_cache: [blocks, 64, 656], FlashMLA's
+    rows), and attention_block_stride its rows from one vLLM block to the next (PagedCacheView's: a multiple of
+    64), so vLLM block k is ESS's block k x attention_block_stride / 64. A decode request vLLM gave a hot region
+    (HiSparseHotManager.require_hot: the scheduler output's blocks of the hot group, start_step's hot_blocks) has
+    its ESS rows there, its reserved rows among them (Engine.place, again when the region changes); one without a
+    hot region holds every context page resident (vLLM unpins a request's pages only once it has one), and
+    swap_in reads its rows in place through vLLM's residency table (the handle's block_table, by state index),
+    as vLLM's own resolution does, with no swap and no copy."""
 
     def __init__(self, engine: Engine, latent: Sequence[torch.Tensor], max_num_reqs: int, block_table: torch.Tensor,
-                 device="cpu", synchronize: Callable[[], None] = lambda: None, counts_run_ahead: bool = True):
+                 device="cpu", synchronize: Callable[[], None] = lambda: None, counts_run_ahead: bool = True,
+                 attention_block_stride: int = KERNEL_BLOCK):
         info = engine.info
         if not info.reserve_newest:
             raise InvalidArgument("EssDecode: the engine needs reserve_newest=True (each step's newest entries are "
@@ -173,12 +184,22 @@ class EssDecode:
                                   f"{info.max_requests}]")
         if len(latent) != info.layers:
             raise InvalidArgument(f"EssDecode: {len(latent)} latent buffers for {info.layers} layers")
+        for l, t in enumerate(latent):
+            if t.dim() != 3 or tuple(t.shape[1:]) != (KERNEL_BLOCK, ENTRY_BYTES):
+                raise InvalidArgument(f"EssDecode: layer {l}'s latent is {tuple(t.shape)}; [blocks, {KERNEL_BLOCK}, "
+                                      f"{ENTRY_BYTES}] expected")
+        if attention_block_stride < KERNEL_BLOCK or attention_block_stride % KERNEL_BLOCK:
+            raise InvalidArgument(f"EssDecode: attention_block_stride = {attention_block_stride}; a multiple of "
+                                  f"{KERNEL_BLOCK} rows expected")
         if block_table.dim() != 2 or block_table.dtype != torch.int32:
             raise InvalidArgument(f"EssDecode: block_table is {block_table.dtype} {tuple(block_table.shape)}; int32 "
                                   "[batch rows, blocks] expected")
         self.engine, self.info, self.latent = engine, info, list(latent)
         self.max_num_reqs, self.block_table, self.device = max_num_reqs, block_table, torch.device(device)
         self.synchronize, self.counts_run_ahead = synchronize, bool(counts_run_ahead)
+        self.regions = info.region_blocks > 0
+        self.attention_block_stride = attention_block_stride
+        self.block_scale = attention_block_stride // KERNEL_BLOCK   # vLLM block k -> ESS block k x this
         self.pinned = self.device.type == "cuda"   # host staging pinned: its copies need no wait
         T, K = info.query_tokens, info.topk
         i32 = dict(dtype=torch.int32, device=self.device)
@@ -190,8 +211,9 @@ class EssDecode:
         self.step_binding = engine.bind_step(self.rows, self.topk, self.lengths, self.physical, counts=self.counts)
         self.max_swap_rows = max_num_reqs * T
         # Where each decode token's newest entry goes: its request's reserved row t (int64, as vLLM's slot
-        # mappings are); the scratch row for padding.
-        self.scratch_row = max_num_reqs * info.rows_per_request
+        # mappings are); the scratch row for padding (rewritten with its own bytes: with hot regions it is a row of
+        # vLLM's null block, block 0).
+        self.scratch_row = 0 if self.regions else max_num_reqs * info.rows_per_request
         self.slot_mapping = torch.full((self.max_swap_rows,), self.scratch_row, dtype=torch.int64, device=self.device)
         # Per decode token i of the step: its batch row (-1: none), its row of the staged [B x T] queries; per
         # staged query: its token (-1: padding).
@@ -201,11 +223,17 @@ class EssDecode:
         self.query_token = torch.full((self.max_swap_rows,), -1, **i64)
         self.token_index = torch.arange(self.max_swap_rows, **i64)
         self.request_state_indices = torch.full((max_num_reqs,), -1, **i32)
+        # Per batch row: the state index of a decode row served (ESS's or in place), and of one read in place
+        # (hot regions: no hot region), -1 else.
+        self.served_state = torch.full((max_num_reqs,), -1, **i32)
+        self.in_place_state = torch.full((max_num_reqs,), -1, **i32)
         self.batch = 0              # ESS positions staged for this step
         self.state_of: Dict[str, int] = {}     # vLLM request id -> state index (ESS request id and row)
         self.length_of: Dict[int, int] = {}    # state index -> tokens in ESS
         self.finished_since = set()            # ESS's requests vLLM finished since the last start_step
         self.blocks_of: Dict[str, list] = {}   # vLLM request id -> its host blocks (from the scheduler's output)
+        self.hot_of: Dict[str, list] = {}      # hot regions: vLLM request id -> its hot region's vLLM blocks
+        self.placed: Dict[int, list] = {}      # hot regions: state index -> the ESS blocks its rows are placed on
         self.lifecycle_stream = None           # the engine's lifecycle stream (CUDA: the forward's, set per step)
         self.device_reads = 0                  # start_steps that read state indices, seq_lens or blocks back
         # ESS_RECORD_TRACE: the top-k vLLM hands the swap, recorded as a trace (topk_recorder.py), by state index.
@@ -220,12 +248,13 @@ class EssDecode:
         self.finished_since.update(rid for rid in request_ids if rid in self.state_of)
         for rid in request_ids:
             self.blocks_of.pop(rid, None)
+            self.hot_of.pop(rid, None)
 
     # ---- before each forward (the connector's start_load_kv) ----
     def start_step(self, request_ids: Sequence[str], request_state_indices, scheduled: Mapping[str, Scheduled],
                    finished: Iterable[str] = (), preempted: Iterable[str] = (), fresh: Iterable[str] = (),
                    all_context_pages_resident: bool = False, attn_metadata=None,
-                   new_blocks: Optional[Mapping[str, tuple]] = None):
+                   new_blocks: Optional[Mapping[str, tuple]] = None, hot_blocks: Optional[Mapping[str, tuple]] = None):
         """request_ids: the batch's request ids in batch order (input_batch.req_ids); request_state_indices: each
         batch row's state index (input_batch.idx_mapping, on the device or the host); scheduled: this step's
         requests; finished / preempted: the scheduler output's finished_req_ids / preempted_req_ids; fresh: the
@@ -236,7 +265,9 @@ class EssDecode:
         requests (source_blocks_from_output), kept per request so that no block table entry is read back (None:
         the entries ESS needs are read from block_table, as the forward's); attn_metadata: the forward's sparse
         MLA metadata of an index-group leader layer (model_executor/layers/attention/sparse_mla_attention.py
-        build: num_decodes, num_decode_tokens, seq_lens), padded under a FULL CUDA graph.
+        build: num_decodes, num_decode_tokens, seq_lens), padded under a FULL CUDA graph; hot_blocks (hot regions
+        only, required then): this step's blocks of vLLM's hot group (source_blocks_from_output of that group: a
+        request's hot region, region_blocks blocks handed out at once and held until it finishes or is preempted).
 
         Decode rows are the forward's: its first num_decodes rows (vLLM's split, split_decodes_and_prefills;
         under a FULL graph num_decodes and num_decode_tokens count the padded rows and tokens too, which follow
@@ -287,13 +318,19 @@ class EssDecode:
                                       f"tokens; the batch's first {decodes} rows hold {tokens} tokens (only padded "
                                       "rows may add tokens, after every batch row)")
         finished, preempted = set(finished) | self.finished_since, set(preempted) | set(fresh)
-        if new_blocks is not None:
-            for rid, entry in new_blocks.items():
+        if self.regions and hot_blocks is None:
+            raise InvalidArgument("start_step: ESS's rows are in vLLM's hot regions: hot_blocks (the scheduler "
+                                  "output's blocks of the hot group, source_blocks_from_output) is required")
+        if not self.regions and hot_blocks is not None:
+            raise InvalidArgument("start_step: hot_blocks given, but the engine has no regions (region_blocks = 0)")
+        for what, given, kept in (("new_blocks", new_blocks, self.blocks_of), ("hot_blocks", hot_blocks, self.hot_of)):
+            for rid, entry in (given or {}).items():
                 if not (isinstance(entry, tuple) and len(entry) == 2):
-                    raise InvalidType(f"start_step: new_blocks[{rid!r}] = {entry!r}: (blocks, replace) expected "
+                    raise InvalidType(f"start_step: {what}[{rid!r}] = {entry!r}: (blocks, replace) expected "
                                       "(source_blocks_from_output)")
-                if not entry[1] and (rid not in self.blocks_of or rid in finished or rid in preempted):
-                    raise InvalidArgument(f"start_step: new_blocks appends to request {rid!r}, whose blocks ESS was "
+                # (A hot region is appended to a request's empty hot list: no earlier list is needed.)
+                if what == "new_blocks" and not entry[1] and (rid not in kept or rid in finished or rid in preempted):
+                    raise InvalidArgument(f"start_step: {what} appends to request {rid!r}, whose blocks ESS was "
                                           "never given (a new request's replace them)")
         states_in = torch.as_tensor(request_state_indices).reshape(-1)
         if states_in.shape[0] < R:
@@ -367,14 +404,25 @@ class EssDecode:
                                   f"{self.block_table.shape[0]} rows")
         mirror = None
         if new_blocks is not None:   # vLLM's host block table by request, as its model runner keeps its own
-            mirror = {rid: b for rid, b in self.blocks_of.items() if rid not in finished and rid not in preempted}
-            for rid, (blocks, replace) in new_blocks.items():
-                mirror[rid] = ([] if replace else mirror[rid]) + [int(v) for v in blocks]
+            mirror = self._blocks_after(self.blocks_of, new_blocks, finished, preempted)
             for b, rid, _, c, n, _ in positions:
                 if len(mirror.get(rid, ())) < -(-(c + n) // KERNEL_BLOCK):
                     raise InvalidArgument(f"start_step: batch row {b} (request {rid!r}) reaches {c + n} tokens; "
                                           f"vLLM's scheduler gave it {len(mirror.get(rid, ()))} host blocks of "
                                           f"{KERNEL_BLOCK}")
+        hot = None
+        if hot_blocks is not None:   # vLLM's hot regions by request (its hot group's blocks)
+            hot = self._blocks_after(self.hot_of, hot_blocks, finished, preempted)
+            R_blocks = self.info.region_blocks
+            for rid, blocks in hot.items():
+                if blocks and len(blocks) != R_blocks:
+                    raise InvalidArgument(f"start_step: request {rid!r} has {len(blocks)} hot blocks; a hot region is "
+                                          f"{R_blocks} (the hot group's blocks_per_request)")
+                limit = self.latent[0].shape[0]
+                for k in blocks:
+                    if not 0 < k * self.block_scale < limit:
+                        raise InvalidArgument(f"start_step: request {rid!r}'s hot block {k} is outside vLLM's slab of "
+                                              f"{limit // self.block_scale} blocks (or the null block)")
         # ESS's lifecycle calls (releases, adoptions, repages) on the forward's stream, after the forwards before it,
         # without a wait: a row released below may still be read by the forward in flight.
         if self.device.type == "cuda":
@@ -388,6 +436,8 @@ class EssDecode:
         self.finished_since.clear()
         if mirror is not None:
             self.blocks_of = mirror
+        if hot is not None:
+            self.hot_of = hot
         plans = []   # (batch row, request, state, new length, first page to give, pages in all)
         for b, rid, s, c, n, _ in positions:
             if self.state_of.get(rid, s) != s:     # vLLM gave the request another state index
@@ -426,16 +476,36 @@ class EssDecode:
                 if self.recorder is not None:
                     self.recorder.begin(s, rid, length)
             self.length_of[s] = length
+            if self.regions and self.hot_of.get(rid):   # its rows in its hot region (placed anew: its LRU empty)
+                region = [k * self.block_scale for k in self.hot_of[rid]]
+                if self.placed.get(s) != region:
+                    self.engine.place(s, region)
+                    self.placed[s] = region
         self._stage(len(request_ids), states if states is not None else states_in[:R], positions)
         if ahead and not read_lengths:   # the decode rows are batch rows 0 .. served - 1, every one staged
             self.lengths[:served].copy_(forward_lengths[:served].to(self.lengths.dtype), non_blocking=True)
         if self.recorder is not None:
             self.recorder.step([p[2] for p in positions], [true + n for *_, n, true in positions])
 
+    @staticmethod
+    def _blocks_after(kept, given, finished, preempted):
+        """Block lists by request after a step's scheduler output: `given` ({rid: (blocks, replace)}) replaces or
+        extends `kept`, the finished and preempted requests' lists dropped."""
+        after = {rid: b for rid, b in kept.items() if rid not in finished and rid not in preempted}
+        for rid, (blocks, replace) in given.items():
+            after[rid] = ([] if replace else after.get(rid, [])) + [int(v) for v in blocks]
+        return after
+
+    def _row(self, s, slot):
+        """The buffer row (FlashMLA's row of `latent`) of row `slot` of state s's rows."""
+        if not self.regions:
+            return s * self.info.rows_per_request + slot
+        return self.placed[s][slot // KERNEL_BLOCK] * KERNEL_BLOCK + slot % KERNEL_BLOCK
+
     def _stage(self, R, states, positions):
         """The step's rows, lengths and per-token maps, and the older tokens of short rows in the reserved rows.
         states: the R batch rows' state indices, a list read back or vLLM's tensor (copied on the device)."""
-        T, rpr, S = self.info.query_tokens, self.info.rows_per_request, self.info.slots
+        T, S = self.info.query_tokens, self.info.slots
         host = dict(pin_memory=self.pinned)
         rows = torch.full((self.max_num_reqs,), -1, dtype=torch.int32, **host)
         lengths = torch.zeros((self.max_num_reqs,), dtype=torch.int32, **host)
@@ -443,27 +513,36 @@ class EssDecode:
         token_flat = torch.zeros((self.max_swap_rows,), dtype=torch.int64, **host)
         token_slot = torch.full((self.max_swap_rows,), self.scratch_row, dtype=torch.int64, **host)
         query_token = torch.full((self.max_swap_rows,), -1, dtype=torch.int64, **host)
-        if any(n < T and true > 0 for *_, n, true in positions):
+        served = torch.full((self.max_num_reqs,), -1, dtype=torch.int32, **host)
+        in_place = torch.full((self.max_num_reqs,), -1, dtype=torch.int32, **host)
+        # Hot regions: a row without one is read in place (vLLM's resident pages), no ESS row of its own.
+        ess_rows = [p for p in positions if not self.regions or p[2] in self.placed]
+        if any(n < T and true > 0 for *_, n, true in ess_rows):
             self.synchronize()   # the older tokens read below are vLLM's mirror of earlier steps' rows
         i = 0
         for b, _, s, _, n, true in positions:
-            rows[b], lengths[b] = s, true + n
+            mine = not self.regions or s in self.placed
+            rows[b], lengths[b], served[b] = (s if mine else -1), true + n, s
+            in_place[b] = -1 if mine else s
             for t in range(n):
                 q = T - n + t                       # the n queries are the last n of the row's T
-                token_row[i], token_flat[i], token_slot[i] = b, b * T + q, s * rpr + S + q
+                token_row[i], token_flat[i] = b, b * T + q
+                token_slot[i] = self._row(s, S + q) if mine else self.scratch_row
                 query_token[b * T + q] = i
                 i += 1
-            for q in range(T - n):                  # the row's older tokens among its T newest
+            for q in range(T - n if mine else 0):   # the row's older tokens among its T newest
                 position = true + n - T + q
                 if position >= 0:
+                    p = self._row(s, S + q)
                     for layer in range(self.info.layers):
                         entry = self.engine.read_entries(s, layer, position, torch.empty((1, ENTRY_BYTES),
                                                                                          dtype=torch.uint8))
-                        self.latent[layer].view(-1, ENTRY_BYTES)[s * rpr + S + q].copy_(entry[0])
+                        self.latent[layer][p // KERNEL_BLOCK, p % KERNEL_BLOCK].copy_(entry[0])
         # From pinned memory without a wait (torch's pinned allocator keeps each buffer until its copy has run).
         for staged, value in ((self.rows, rows), (self.lengths, lengths), (self.token_row, token_row),
                               (self.token_flat, token_flat), (self.slot_mapping, token_slot),
-                              (self.query_token, query_token)):
+                              (self.query_token, query_token), (self.served_state, served),
+                              (self.in_place_state, in_place)):
             staged.copy_(value, non_blocking=self.pinned)
         if isinstance(states, torch.Tensor):
             self.request_state_indices[:R].copy_(states.to(self.device, torch.int32), non_blocking=True)
@@ -495,6 +574,7 @@ class EssDecode:
         self._release_state(s)
 
     def _release_state(self, s):
+        self.placed.pop(s, None)   # its hot region's blocks are free in the engine with its release
         if s in self.length_of:
             self.engine.release(s)
             del self.length_of[s]
@@ -518,10 +598,10 @@ class HiSparseRuntime:
         if getattr(handle, "draft_layer", False):
             raise InvalidArgument(f"HiSparseRuntime: layer {layer} is a speculator's layer; ESS serves the target "
                                   "model's layers (the drafter keeps vLLM's runtime)")
-        latent = decode.latent[layer]
+        latent = decode.latent[layer]   # [blocks, 64, 656]: FlashMLA's rows (with hot regions, vLLM's slab)
         self.decode, self.layer, self.handle, self.upstream = decode, layer, handle, upstream
-        self._hot = HotView(latent, latent.view(-1, KERNEL_BLOCK, ENTRY_BYTES), KERNEL_BLOCK, KERNEL_BLOCK)
-        self._flat = latent.view(-1, ENTRY_BYTES)
+        self._hot = HotView(latent, latent, KERNEL_BLOCK, decode.attention_block_stride)
+        self._blocks = latent
         self.layers_served = 0     # swap_in calls that ran this forward (0 or 1)
         self.steps_served = 0      # over the runtime's life
 
@@ -558,9 +638,11 @@ class HiSparseRuntime:
     def hot(self):
         """ESS's buffer, unless vLLM resolves this forward over resident pages (index_group.py
         convert_logical_to_physical_topk's _convert_once path: all context pages resident and prefill tokens
-        in the batch), whose rows are in upstream's hot slab."""
+        in the batch), whose rows are in upstream's hot slab. With hot regions ESS's rows are in that slab: always
+        upstream's."""
         h = self.handle
-        if self.upstream is not None and h.all_context_pages_resident and h.num_decode_tokens < h.num_actual_tokens:
+        if self.upstream is not None and (self.decode.regions or (
+                h.all_context_pages_resident and h.num_decode_tokens < h.num_actual_tokens)):
             return self.upstream.hot
         return self._hot
 
@@ -598,6 +680,22 @@ class HiSparseRuntime:
         self.decode.reset()
         if self.upstream is not None:
             self.upstream.reset_hot_state()
+
+    def _in_place(self, physical, resident, logical_topk_indices, row):
+        """Hot regions: the tokens of rows without a hot region read in place, as vLLM resolves resident pages
+        (index_group.py _convert_once -> sparse_utils.py triton_convert_req_index_to_global_index with idx_mapping):
+        id t of state s at block_table[s, t // 64] x attention_block_stride + t % 64, the handle's block_table its
+        residency table (binding.py: residency[resident_source_index], by state index; every page of a request
+        without a hot region is resident)."""
+        d = self.decode
+        state = d.in_place_state.index_select(0, row.clamp(min=0)).to(torch.int64)    # per token, -1: ESS's row
+        table = resident.block_table
+        ids = logical_topk_indices.to(torch.int64)
+        pages = (ids.clamp(min=0) // KERNEL_BLOCK).clamp(max=table.shape[1] - 1)
+        blocks = table.index_select(0, state.clamp(min=0)).to(torch.int64).gather(1, pages)
+        rows = blocks * resident.view.attention_block_stride + ids.clamp(min=0) % KERNEL_BLOCK
+        rows = torch.where(ids >= 0, rows, torch.full_like(rows, -1)).to(torch.int32)
+        return torch.where((state >= 0).unsqueeze(1), rows, physical)
 
     # ---- the decode swap ----
     def swap_in(self, *, resident, req_id_per_token: torch.Tensor, block_table, logical_topk_indices: torch.Tensor,
@@ -647,23 +745,29 @@ class HiSparseRuntime:
         # The resident view is strided (vllm/v1/hisparse/runtime.py PagedCacheView.bind: a block stride that
         # spans the slab's other groups), so only the n rows are gathered, by block and row, never the view whole.
         bs = resident.view.block_size
-        newest = resident.view.cache[src_rows // bs, src_rows % bs]
+        newest = resident.view.cache[src_rows // bs, src_rows % bs].reshape(n, ENTRY_BYTES)
         dst = torch.where(use, d.slot_mapping[:n], torch.full_like(i, d.scratch_row))
-        self._flat.index_copy_(0, dst, newest.reshape(n, ENTRY_BYTES))
+        # A padded token rewrites the scratch row with its own bytes (with hot regions it is vLLM's null block).
+        blocks = self._blocks
+        scratch = blocks[d.scratch_row // KERNEL_BLOCK, d.scratch_row % KERNEL_BLOCK].unsqueeze(0).expand(n, ENTRY_BYTES)
+        newest = torch.where(use.unsqueeze(1), newest, scratch.clone())
+        blocks.index_put_((dst // KERNEL_BLOCK, dst % KERNEL_BLOCK), newest)
         # The step's queries, staged [B, T, K]: staged query j is token query_token[j] (-1: padding).
         source = d.query_token
         at = source.clamp(0, n - 1)
         take = (source >= 0) & (source < n) & valid.index_select(0, at)
         picked = logical_topk_indices.to(torch.int32).index_select(0, at)
         d.topk.view(B * T, K).copy_(torch.where(take.unsqueeze(1), picked, torch.full_like(picked, -1)))
-        if d.recorder is not None:
-            d.recorder.record(self.layer, d.rows, d.topk)
+        if d.recorder is not None:   # every served row, ESS's and those read in place
+            d.recorder.record(self.layer, d.served_state, d.topk)
         d.step_binding.step(self.layer, B, stream=torch.cuda.current_stream(d.device) if d.device.type == "cuda" else None)
         if self.upstream is not None and self.upstream.is_group_leader:
             # vLLM's HiSparse statistics (worker.py get_kv_connector_stats reads the group leader's swap_stats,
             # uint64 [hits, misses]): the leader layer's LRU hits and misses of this step, added on the device.
             self.upstream.index_group.swap_stats.view(torch.int64).add_(d.counts.sum(0, dtype=torch.int64))
         physical = d.physical.view(B * T, K).index_select(0, d.token_flat[:n])
+        if d.regions:
+            physical = self._in_place(physical, resident, logical_topk_indices, row)
         physical = torch.where(valid.unsqueeze(1), physical, torch.full_like(physical, -1))
         self.layers_served += 1
         self.steps_served += 1

@@ -9,7 +9,8 @@ upstream's name, so vLLM's configuration treats it as HiSparse's (VllmConfig inf
 hisparse_host_pool_gib reads host_pool_gib). It is upstream's connector with one change on the worker: when
 vLLM registers its KV caches, every target-model HiSparse layer's cache handle gets ESS's HiSparseRuntime
 (ess.integrations.vllm), over one ESS engine whose host pool is vLLM's own (its per-layer host caches as
-foreign pages), and start_load_kv stages ESS's step after upstream's. The scheduler side, vLLM's host pool
+foreign pages) and whose rows are in vLLM's hot regions (its GPU slab: the hot caches' attention views), and
+start_load_kv stages ESS's step after upstream's. The scheduler side, vLLM's host pool
 (allocated, checked against free memory and shared across the node's TP ranks by vLLM), its mirror, page
 transfers and prefill staging are upstream's, unchanged.
 
@@ -24,10 +25,11 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.hisparse import connector as _upstream
 from vllm.distributed.kv_transfer.kv_connector.v1.hisparse.worker import HiSparseConnectorWorker
 from vllm.v1.attention.backend import max_decode_query_len
+from vllm.v1.kv_cache_interface import HiSparseHotSpec
 
 from ..engine import Engine
-from .vllm import (VLLM_VERSION, EssDecode, HiSparseRuntime, fresh_from_output, host_pool_layout, latent_buffers,
-                   latent_bytes, scheduled_from_output, source_blocks_from_output)
+from .vllm import (KERNEL_BLOCK, VLLM_VERSION, EssDecode, HiSparseRuntime, fresh_from_output, host_pool_layout,
+                   scheduled_from_output, source_blocks_from_output)
 
 logger = logging.getLogger("ess.integrations.vllm")
 
@@ -44,29 +46,37 @@ class EssConnectorWorker(HiSparseConnectorWorker):
         cuda = device.type == "cuda"
         T = max_decode_query_len(config)
         max_num_reqs = config.scheduler_config.max_num_seqs
-        slots = first.region_stride   # upstream's device_buffer_size: ESS's LRU slots per request-layer
-        # ESS's rows are a buffer of its own beside vLLM's KV cache (the hot regions vLLM still hands out to
-        # requests it moves to host reads go unread): checked against the memory vLLM's budget leaves before
-        # anything is allocated, and again with what the engine allocated beside them (its LRU state, step
-        # scratch and page tables) before it is used.
+        topk = first.index_group.shared_topk.device_topk_rows.shape[1]
+        # ESS's rows are in vLLM's hot regions: a request vLLM moves to host reads gets blocks_per_request blocks of
+        # its GPU slab (HiSparseHotManager.require_hot), which ESS's engine addresses as its region (Engine.place),
+        # its T reserved rows among them; FlashMLA reads the slab (the hot cache's attention view) at ESS's rows.
+        self.ess_hot_group, region_blocks = hot_group_of(self.kv_cache_config, [i for i, _ in targets])
+        slots = region_blocks * KERNEL_BLOCK - T
+        floor = min(topk, config.model_config.max_model_len)
+        if slots < floor:
+            raise ValueError(f"ESS's HiSparse connector: a hot region of {region_blocks} blocks of {KERNEL_BLOCK} rows "
+                             f"(device_buffer_size {first.region_stride}) leaves {slots} LRU rows beside the T = {T} "
+                             f"reserved ones; one query token's top-k needs {floor}: set device_buffer_size to at least "
+                             f"{floor + T}")
+        latent = [h.runtime.hot.attention_cache for _, h in targets]
+        strides = {h.runtime.hot.attention_block_stride for _, h in targets}
+        if len(strides) != 1:
+            raise ValueError(f"ESS's HiSparse connector: the hot caches' attention block strides differ ({strides})")
+        # vLLM's host pool: the one pinned (or node-shared) allocation behind every layer's host cache.
+        backing = first.registered_host_pool
+        pages = host_pool_layout(backing, [self.host_caches[i] for i, _ in targets])
         if cuda:
             free, total = torch.cuda.mem_get_info(device)
             memory = (free, total, config.cache_config.gpu_memory_utilization, torch.cuda.memory_reserved(device),
                       device)
-            check_device_rows(len(targets), max_num_reqs, slots, T, *memory)
-        latent = latent_buffers(len(targets), max_num_reqs, slots + T, device=device)
-        # vLLM's host pool: the one pinned (or node-shared) allocation behind every layer's host cache.
-        backing = first.registered_host_pool
-        pages = host_pool_layout(backing, [self.host_caches[i] for i, _ in targets])
         self.ess_engine = Engine(
             layers=len(targets), max_requests=max_num_reqs, max_context=config.model_config.max_model_len,
-            topk=first.index_group.shared_topk.device_topk_rows.shape[1], query_tokens=T, slots=slots,
-            reserve_newest=True, backend="cuda" if cuda else "cpu", device=device.index or 0, latent=latent,
-            host_memory=backing.numpy(), host_memory_pinned=cuda, foreign_pages=pages)
-        if cuda:
+            topk=topk, query_tokens=T, slots=slots, reserve_newest=True, backend="cuda" if cuda else "cpu",
+            device=device.index or 0, latent=latent, region_blocks=region_blocks, host_memory=backing.numpy(),
+            host_memory_pinned=cuda, foreign_pages=pages)
+        if cuda:   # what the engine holds on the device beside vLLM's KV cache (its LRU state, scratch, tables)
             try:
-                check_device_rows(len(targets), max_num_reqs, slots, T, *memory,
-                                  engine_bytes=self.ess_engine.device_bytes())
+                check_device_memory(self.ess_engine.device_bytes(), *memory)
             except ValueError:
                 self.ess_engine.close()
                 self.ess_engine = None
@@ -77,7 +87,8 @@ class EssConnectorWorker(HiSparseConnectorWorker):
         speculative = config.speculative_config
         run_ahead = bool(config.scheduler_config.async_scheduling and speculative is not None)
         self.ess = EssDecode(self.ess_engine, latent, max_num_reqs, targets[0][1].source_block_table, device=device,
-                             synchronize=synchronize, counts_run_ahead=run_ahead)
+                             synchronize=synchronize, counts_run_ahead=run_ahead,
+                             attention_block_stride=strides.pop())
         # The host source group (v1/hisparse/binding.py: the handles' source_block_table is its block table).
         (self.ess_source_group,) = self.kv_cache_config.host_group_ids
         self.ess_upstream_runtimes = {}
@@ -105,31 +116,42 @@ class EssConnectorWorker(HiSparseConnectorWorker):
         super().shutdown()
 
 
-def check_device_rows(layers, max_num_reqs, slots, T, free, total, utilization, allocator_held, device,
-                      engine_bytes=0):
-    """ESS's device rows (latent_buffers: layers x max_num_seqs x (device_buffer_size + T) rows of 656 B, beside
-    vLLM's KV cache), and engine_bytes more (the ESS engine's own device memory, Engine.device_bytes(), once it is
-    made), against the memory vLLM's budget leaves; free and allocator_held as they were before either. vLLM sizes
-    its KV cache so that its process fits in gpu_memory_utilization x total (v1/worker/gpu_worker.py
-    determine_available_memory: weights, the KV cache, the activation peak and the CUDA graphs' estimate); when its
-    KV cache is registered the activations and graphs are not allocated yet, so their share is still free. Of the
-    free memory, ESS may take only what lies outside that budget: free - (budget - what vLLM's allocator holds)
-    (stricter by vLLM's memory outside its allocator, the CUDA context's). Refused by name, with the utilization
-    that would leave room, when they do not fit."""
-    rows = layers * latent_bytes(max_num_reqs, slots + T)
-    need = rows + engine_bytes
+def hot_group_of(kv_cache_config, handles):
+    """The KV cache group of the hot caches of the upstream worker's cache handles `handles` (worker.py
+    register_kv_caches lists them group by group, each group's layer names in order) and its blocks_per_request
+    (HiSparseHotSpec: a hot region). Refused by name unless they are one group: a request's hot region is one
+    block list per group, and ESS places a request's rows of every layer in one region."""
+    groups = []
+    for g, group in enumerate(kv_cache_config.kv_cache_groups):
+        if isinstance(group.kv_cache_spec, HiSparseHotSpec):
+            groups += [g] * len(group.layer_names)
+    wanted = sorted({groups[i] for i in handles})
+    if len(wanted) != 1:
+        raise ValueError(f"ESS's HiSparse connector: the target layers' hot caches are in KV cache groups {wanted}; "
+                         "ESS places a request's rows in one hot region (one group)")
+    g = wanted[0]
+    return g, kv_cache_config.kv_cache_groups[g].kv_cache_spec.blocks_per_request
+
+
+def check_device_memory(engine_bytes, free, total, utilization, allocator_held, device):
+    """The ESS engine's own device memory (Engine.device_bytes(): its LRU state, step scratch and page tables; its rows
+    are in vLLM's hot regions, inside vLLM's KV cache) against the memory vLLM's budget leaves; free and
+    allocator_held as they were before the engine was made. vLLM sizes its KV cache so that its process fits in
+    gpu_memory_utilization x total (v1/worker/gpu_worker.py determine_available_memory: weights, the KV cache, the
+    activation peak and the CUDA graphs' estimate); when its KV cache is registered the activations and graphs are
+    not allocated yet, so their share is still free. Of the free memory, ESS may take only what lies outside that
+    budget: free - (budget - what vLLM's allocator holds) (stricter by vLLM's memory outside its allocator, the CUDA
+    context's). Refused by name, with the utilization that would leave room, when it does not fit."""
     budget = math.ceil(total * utilization)
     room = free - max(0, budget - allocator_held)
-    if need > room:
-        fits = math.floor((utilization - (need - room) / total) * 1000) / 1000
-        engine = f" and its engine's state {engine_bytes / 2**30:.2f} GiB more" if engine_bytes else ""
-        raise ValueError(f"ESS's HiSparse connector: its device rows need {rows / 2**30:.2f} GiB ({layers} layers x "
-                         f"max_num_seqs {max_num_reqs} x (device_buffer_size {slots} + T {T}) rows of 656 B){engine} "
-                         f"and {device} has {max(room, 0) / 2**30:.2f} GiB outside vLLM's budget "
-                         f"(gpu_memory_utilization {utilization} of {total / 2**30:.2f} GiB; {free / 2**30:.2f} GiB "
-                         f"free, {allocator_held / 2**30:.2f} GiB held by vLLM's allocator): set "
+    if engine_bytes > room:
+        fits = math.floor((utilization - (engine_bytes - room) / total) * 1000) / 1000
+        raise ValueError(f"ESS's HiSparse connector: its engine's state (LRU state, step scratch, page tables) needs "
+                         f"{engine_bytes / 2**30:.2f} GiB and {device} has {max(room, 0) / 2**30:.2f} GiB outside "
+                         f"vLLM's budget (gpu_memory_utilization {utilization} of {total / 2**30:.2f} GiB; "
+                         f"{free / 2**30:.2f} GiB free, {allocator_held / 2**30:.2f} GiB held by vLLM's allocator): set "
                          f"gpu_memory_utilization to at most {fits}, or lower max_num_seqs or device_buffer_size")
-    return need
+    return engine_bytes
 
 
 def leader_metadata(worker, forward_context, attn_metadata):
@@ -213,4 +235,5 @@ class HiSparseConnector(_upstream.HiSparseConnector):
                               fresh=fresh_from_output(output),
                               all_context_pages_resident=metadata.all_context_pages_resident,
                               attn_metadata=leader_metadata(worker, forward_context, kwargs.get("attn_metadata")),
-                              new_blocks=source_blocks_from_output(output, worker.ess_source_group))
+                              new_blocks=source_blocks_from_output(output, worker.ess_source_group),
+                              hot_blocks=source_blocks_from_output(output, worker.ess_hot_group))
