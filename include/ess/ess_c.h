@@ -144,8 +144,12 @@ typedef struct ess_config {
   /* Regions: `latent` is another engine's paged cache ([blocks, block_rows, E] tensors, e.g. vLLM's
    * HiSparse hot slab) and each request's rows (its slots, then its reserved rows) lie in
    * region_blocks of its blocks, which ess_request_place names. 0: pool row r's rows are rows
-   * [r x rows_per_request, ...) of the layer buffers. Needs latent and ESS_RESIDENCY_SPARSE. */
+   * [r x rows_per_request, ...) of the layer buffers. Needs latent and ESS_RESIDENCY_SPARSE.
+   * region_group: with regions, `layers` values (read at creation), each layer's region group: a
+   * request has a region in each group (vLLM keeps groups of layers in blocks of their own); NULL:
+   * one group. */
   int32_t region_blocks;
+  const int32_t* region_group;
 } ess_config;
 
 ESS_API void ess_config_init(ess_config* config);
@@ -306,16 +310,17 @@ ESS_API ess_status ess_request_adopt(ess_engine* engine, int64_t id, int64_t len
 ESS_API ess_status ess_request_repage(ess_engine* engine, int64_t id, int64_t length, int64_t first_page,
                                       const int32_t* pages, int64_t page_count);
 ESS_API ess_status ess_request_release(ess_engine* engine, int64_t id);
-/* Regions only (ess_config.region_blocks): request `id`'s rows lie from now on in `blocks`
- * (region_blocks block ids of the layer tensors, distinct, none in another request's region), in
- * order. Its device residency is forgotten (as ess_request_reset) and, with reserve_newest, its
+/* Regions only (ess_config.region_blocks): request `id`'s rows lie from now on in `blocks`: its
+ * region of each region group, group after group (groups x region_blocks block ids of the layer
+ * tensors, distinct, none in another request's region). Its device residency is forgotten (as ess_request_reset) and, with reserve_newest, its
  * newest min(T, length) entries are loaded into its new reserved rows. Place a request before its
  * warmup and its first step; its blocks are free again once it is released. */
 ESS_API ess_status ess_request_place(ess_engine* engine, int64_t id, const int32_t* blocks, int64_t count);
-/* The physical row of row `slot` (its slots, then its reserved rows) of pool row `row`: row x
- * rows_per_request + slot, or the row in its region; -1 while a row of an engine with regions has
- * none. */
-ESS_API ess_status ess_engine_buffer_row(const ess_engine* engine, int32_t row, int32_t slot, int32_t* out);
+/* The physical row of row `slot` (its slots, then its reserved rows) of pool row `row` in `layer`:
+ * row x rows_per_request + slot, or the row in its region of the layer's group; -1 while a row of
+ * an engine with regions has none. */
+ESS_API ess_status ess_engine_buffer_row(const ess_engine* engine, int32_t layer, int32_t row, int32_t slot,
+                                         int32_t* out);
 /* Forgets the request's device residency (its host entries stay); warm it up again after. */
 ESS_API ess_status ess_request_reset(ess_engine* engine, int64_t id);
 /* Its pool row and length (either pointer may be NULL). */

@@ -45,6 +45,7 @@ class Config(ctypes.Structure):
         ("split_bytes", ctypes.c_int32),
         ("tail_bytes", ctypes.c_int32),
         ("region_blocks", ctypes.c_int32),
+        ("region_group", ctypes.POINTER(ctypes.c_int32)),
     ]
 
 
@@ -210,7 +211,7 @@ _signatures = {
     "ess_request_release": (_c.c_int, [_P, _c.c_int64]),
     "ess_request_reset": (_c.c_int, [_P, _c.c_int64]),
     "ess_request_place": (_c.c_int, [_P, _c.c_int64, _c.POINTER(_c.c_int32), _c.c_int64]),
-    "ess_engine_buffer_row": (_c.c_int, [_P, _c.c_int32, _c.c_int32, _c.POINTER(_c.c_int32)]),
+    "ess_engine_buffer_row": (_c.c_int, [_P, _c.c_int32, _c.c_int32, _c.c_int32, _c.POINTER(_c.c_int32)]),
     "ess_engine_set_lifecycle_stream": (_c.c_int, [_P, _P, _c.c_int32]),
     "ess_request_get": (_c.c_int, [_P, _c.c_int64, _c.POINTER(_c.c_int32), _c.POINTER(_c.c_int64)]),
     "ess_step_tensors_init": (None, [_c.POINTER(StepTensors)]),

@@ -148,7 +148,9 @@ class Engine:
     pool rows are free, demoted under pressure, promoted back with whole_headroom rows left; whole and adaptive
     need reserve_newest; Engine.residency(id) says where a request is). region_blocks > 0: `latent` is another
     engine's paged cache ([blocks, block_rows, E] tensors, e.g. vLLM's hot slab) and each request's rows lie in
-    region_blocks of its blocks, named by place(); buffer_row(row, slot) says where. Every value is checked;
+    region_blocks of its blocks, named by place(); region_group: each layer's region group (a request has a region
+    in each: vLLM keeps groups of layers in blocks of their own; None: one group); buffer_row(row, slot, layer) says
+    where. Every value is checked;
     a refused one raises InvalidArgument naming it (InvalidType, also a TypeError, for a wrong
     type: a float, bool or string where an integer is meant, anything but a bool for
     reserve_newest), and nothing is created. A refused call on an engine changes nothing.
@@ -165,7 +167,7 @@ class Engine:
                  latent: Optional[Sequence] = None, host_memory=None, host_memory_pinned: bool = False,
                  foreign_pages: Optional["ForeignPages"] = None, residency: str = "sparse", whole_headroom: int = 1,
                  latent_tail: Optional[Sequence] = None, split_bytes: int = 0, tail_bytes: int = 0,
-                 region_blocks: int = 0):
+                 region_blocks: int = 0, region_group: Optional[Sequence[int]] = None):
         self._handle = None
         self._lock = threading.RLock()
         _args.choice("backend", backend, _BACKENDS)
@@ -215,6 +217,13 @@ class Engine:
             c.host_memory_bytes = view.nbytes
             c.host_memory_pinned = 1 if pinned else 0
             self._host_memory = view
+        self._region_group = None
+        if region_group is not None:
+            groups = _integers("region_group", region_group, _args.I32)
+            if len(groups) != c.layers:   # the C ABI reads `layers` values
+                raise InvalidArgument(f"region_group: {len(groups)} values for layers = {c.layers} (give layers)")
+            self._region_group = (ctypes.c_int32 * max(1, len(groups)))(*groups)
+            c.region_group = ctypes.cast(self._region_group, ctypes.POINTER(ctypes.c_int32))
         self._first_pages = None
         if foreign_pages is not None:
             if not isinstance(foreign_pages, ForeignPages):
@@ -386,21 +395,22 @@ class Engine:
 
     @_locked
     def place(self, request_id: int, blocks):
-        """Regions: the request's rows lie from now on in `blocks` (region_blocks block ids of `latent`, distinct,
-        none in another request's region); its device residency is forgotten and, with reserve_newest, its newest
-        entries loaded into its new reserved rows. Place a request before its warmup and first step."""
+        """Regions: the request's rows lie from now on in `blocks`: its region of each region group, group after
+        group (region_blocks block ids of `latent` each, distinct, none in another request's region); its device
+        residency is forgotten and, with reserve_newest, its newest entries loaded into its new reserved rows. Place a
+        request before its warmup and first step."""
         _i64(request_id=request_id)
         values = _integers("blocks", blocks, _args.I32)
         array = (ctypes.c_int32 * max(1, len(values)))(*values)
         check(lib.ess_request_place(self._h(), request_id, array, len(values)))
 
     @_locked
-    def buffer_row(self, row: int, slot: int) -> int:
-        """The physical row of row `slot` (its slots, then its reserved rows) of pool row `row`; -1 while a row of
-        an engine with regions has none."""
-        _i32(row=row, slot=slot)
+    def buffer_row(self, row: int, slot: int, layer: int = 0) -> int:
+        """The physical row of row `slot` (its slots, then its reserved rows) of pool row `row` in `layer`; -1 while
+        a row of an engine with regions has none."""
+        _i32(row=row, slot=slot, layer=layer)
         out = ctypes.c_int32()
-        check(lib.ess_engine_buffer_row(self._h(), row, slot, ctypes.byref(out)))
+        check(lib.ess_engine_buffer_row(self._h(), layer, row, slot, ctypes.byref(out)))
         return out.value
 
     @_locked

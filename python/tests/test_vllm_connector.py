@@ -115,10 +115,12 @@ class World:
         self.host = [self.registered[l * rows * 656:(l + 1) * rows * 656].view(rows, 656) for l in range(4)]
         self.state_blocks = torch.from_numpy(rng.permutation(STATES * BLOCKS).reshape(STATES, BLOCKS).astype(np.int32))
         self.source = torch.zeros((STATES, BLOCKS), dtype=torch.int32)
-        self.host_group_ids = (0,)   # KVCacheConfig's: the host source group, then the hot group (every layer)
-        self.kv_cache_groups = [types.SimpleNamespace(kv_cache_spec=None, layer_names=[]),
-                                types.SimpleNamespace(kv_cache_spec=HiSparseHotSpec(REGION),
-                                                      layer_names=[f"layers.{layer}.hot" for layer in range(4)])]
+        # KVCacheConfig's: the host source group, then two hot cache groups (v1/hisparse/layout.py packs layers into
+        # groups of one indexer page): layers 0 and 1, layers 2 and 3.
+        self.host_group_ids = (0,)
+        self.kv_cache_groups = [types.SimpleNamespace(kv_cache_spec=None, layer_names=[])] + [
+            types.SimpleNamespace(kv_cache_spec=HiSparseHotSpec(REGION), layer_names=[f"layers.{l}.hot" for l in pair])
+            for pair in ((0, 1), (2, 3))]
         # Each layer's hot cache (runtime.py PagedCacheView: its attention view, a vLLM block every 64 rows).
         self.slabs = [torch.zeros((SLAB_BLOCKS, BLOCK, 656), dtype=torch.uint8) for _ in range(4)]
         self.handles = []
@@ -159,15 +161,17 @@ def config(eager=True, instance="t", speculative=False):
 def scheduler_output(new=(), cached=(), finished=(), resumed=(), blocks=None, hot=None):
     """SchedulerOutput's fields the connector reads: new and cached requests as (id, computed, scheduled), the
     cached ones marked resumed, the host source group's blocks (group 0 here) of the new and resumed ones
-    (blocks: {id: blocks}; a cached request gets none) and the hot group's (group 1; hot: {id: its hot region},
-    given to a cached request when it is allocated)."""
+    (blocks: {id: blocks}; a cached request gets none) and the hot groups' (groups 1 and 2; hot: {id: its hot
+    regions}, given to a cached request when they are allocated)."""
     blocks, hot = blocks or {}, hot or {}
     return types.SimpleNamespace(
-        scheduled_new_reqs=[types.SimpleNamespace(req_id=r, num_computed_tokens=c, block_ids=(blocks[r], hot.get(r, [])))
+        scheduled_new_reqs=[types.SimpleNamespace(req_id=r, num_computed_tokens=c,
+                                                  block_ids=(blocks[r], *hot.get(r, ([], []))))
                             for r, c, _ in new],
         scheduled_cached_reqs=types.SimpleNamespace(req_ids=[r for r, _, _ in cached],
                                                     num_computed_tokens=[c for _, c, _ in cached],
-                                                    new_block_ids=[(blocks[r] if r in resumed else [], hot.get(r, []))
+                                                    new_block_ids=[(blocks[r] if r in resumed else [],
+                                                                    *hot.get(r, ([], [])))
                                                                    if r in resumed or r in hot else None
                                                                    for r, _, _ in cached],
                                                     resumed_req_ids=set(resumed)),
@@ -206,7 +210,8 @@ def test_register_start_load_and_shutdown(connector_module):
     assert worker.ess.counts_run_ahead
     info = worker.ess_engine.info
     assert (info.layers, info.slots, info.query_tokens, info.topk, info.backend) == (3, REGION * BLOCK - T, T, K, "cpu")
-    assert info.region_blocks == REGION and worker.ess_hot_group == 1
+    assert info.region_blocks == REGION and worker.ess_hot_groups == [1, 2]
+    assert worker.ess.region_group == [0, 0, 1]   # the target layers' hot cache groups, in order
     # ESS's rows are vLLM's hot caches (their attention views): no buffer of its own.
     assert [r.hot.attention_cache.data_ptr() for r in (h.runtime for h in world.handles[:3])] == \
         [world.slabs[layer].data_ptr() for layer in range(3)]
@@ -381,8 +386,8 @@ def test_reset_capture_state_resets_ess(connector_module, monkeypatch):
 
 
 def test_a_hot_region_gives_esss_rows_and_the_engines_memory_must_fit(connector_module):
-    """A request vLLM gives a hot region (the hot group's blocks in the scheduler output) has ESS's rows placed there,
-    its reserved rows among them; one without is read in place (no rows). ESS allocates no rows of its own: only its
+    """A request vLLM gives hot regions (each hot group's blocks in the scheduler output) has ESS's rows placed there,
+    a layer's in its group's region, its reserved rows among them; one without is read in place (no rows). ESS allocates no rows of its own: only its
     engine's state lies outside vLLM's KV cache, and it must fit in the memory gpu_memory_utilization leaves outside
     vLLM's budget, whose unallocated part (activations, CUDA graphs) is still free when it is made."""
     module, _ = connector_module
@@ -392,19 +397,26 @@ def test_a_hot_region_gives_esss_rows_and_the_engines_memory_must_fit(connector_
     decode = c.connector_worker.ess
     world.gather([2, 0])
     c.start_load_kv(eager(151, 71), scheduler_output=scheduler_output(new=[("a", 150, T), ("b", 70, T)],
-                                                                      blocks=owned(world, a=2, b=0), hot={"a": [7]}),
+                                                                      blocks=owned(world, a=2, b=0),
+                                                                      hot={"a": ([7], [9])}),
                     request_ids=["a", "b"], request_state_indices=torch.tensor([2, 0], dtype=torch.int32))
-    assert decode.placed == {2: [7]} and decode.in_place_state[:2].tolist() == [-1, 0]
+    assert decode.placed == {2: [7, 9]} and decode.in_place_state[:2].tolist() == [-1, 0]
     assert decode.rows[:2].tolist() == [2, -1]
-    assert c.connector_worker.ess_engine.buffer_row(2, REGION * BLOCK - T) == 7 * BLOCK + BLOCK - T   # reserved row
-    # "b" gets its hot region a step later (appended to a cached request's empty hot list).
+    engine = c.connector_worker.ess_engine
+    reserved = REGION * BLOCK - T
+    assert [engine.buffer_row(2, reserved, layer) for layer in range(3)] == [7 * BLOCK + reserved] * 2 + [9 * BLOCK + reserved]
+    # "b" gets its hot regions a step later (appended to a cached request's empty hot lists).
     c.start_load_kv(eager(152, 72), scheduler_output=scheduler_output(cached=[("a", 151, T), ("b", 71, T)],
-                                                                      hot={"b": [3]}),
+                                                                      hot={"b": ([3], [4])}),
                     request_ids=["a", "b"], request_state_indices=torch.tensor([2, 0], dtype=torch.int32))
-    assert decode.placed == {2: [7], 0: [3]} and decode.rows[:2].tolist() == [2, 0]
-    with pytest.raises(ess.InvalidArgument, match="has 2 hot blocks; a hot region is 1"):
+    assert decode.placed == {2: [7, 9], 0: [3, 4]} and decode.rows[:2].tolist() == [2, 0]
+    with pytest.raises(ess.InvalidArgument, match="has 2 blocks in hot group 0; a hot region is 1"):
         c.start_load_kv(eager(153), scheduler_output=scheduler_output(new=[("x", 152, T)], blocks=owned(world, x=1),
-                                                                      hot={"x": [4, 5]}),
+                                                                      hot={"x": ([4, 5], [6])}),
+                        request_ids=["x"], request_state_indices=torch.tensor([1], dtype=torch.int32))
+    with pytest.raises(ess.InvalidArgument, match="has hot regions in groups \\[1\\] of 2"):
+        c.start_load_kv(eager(153), scheduler_output=scheduler_output(new=[("x", 152, T)], blocks=owned(world, x=1),
+                                                                      hot={"x": ([], [6])}),
                         request_ids=["x"], request_state_indices=torch.tensor([1], dtype=torch.int32))
     c.connector_worker.shutdown()
     GiB, total = 2**30, 80 * 2**30
@@ -429,14 +441,12 @@ def test_a_hot_region_gives_esss_rows_and_the_engines_memory_must_fit(connector_
         module.check_device_memory(engine, *device_at(0.989)[:1], total, 0.989, device_at(0.989)[1], "cuda:0")
 
 
-def test_target_layers_in_several_hot_groups_are_refused(connector_module):
+def test_hot_groups_of_different_region_sizes_are_refused(connector_module):
     module, _ = connector_module
     world = World()
-    names = world.kv_cache_groups[1].layer_names   # layers 2 and 3 (the speculator's) in a group of their own
-    world.kv_cache_groups.append(types.SimpleNamespace(kv_cache_spec=HiSparseHotSpec(REGION), layer_names=names[2:]))
-    del names[2:]
+    world.kv_cache_groups[2].kv_cache_spec = HiSparseHotSpec(REGION + 1)
     c = module.HiSparseConnector(config(), "worker", world)
-    with pytest.raises(ValueError, match=r"hot caches are in KV cache groups \[1, 2\]"):
+    with pytest.raises(ValueError, match=r"hot cache groups \[1, 2\] have regions of \[1, 2\] blocks"):
         c.register_kv_caches({})
 
 

@@ -104,39 +104,43 @@ class VllmWorld:
         self.slab = False
 
     def use_slab(self, region_blocks):
+        """One resident group and one hot group per layer (v1/hisparse/layout.py packs as many layers in a group as
+        one indexer page holds: one, at these sizes), their blocks from one GPU block pool (block 0 the null block)."""
         self.slab, self.region_blocks = True, region_blocks
         blocks = self.resident[0].shape[0]
         self.gpu_free = [int(b) for b in self.rng.permutation(np.arange(1, blocks))]
-        self.resident_pages, self.hot, self.synced = {}, {}, {}
-        self.hot_given = set()   # requests whose hot region the scheduler output carried
-        self.residency = torch.zeros((1, STATES, CTX // BLOCK + 1), dtype=INDEX)
+        self.resident_pages, self.hot, self.synced = {}, {}, {}   # rid -> per group: pages / hot region / sent
+        self.hot_given = set()   # requests whose hot regions the scheduler output carried
+        self.residency = torch.zeros((LAYERS, STATES, CTX // BLOCK + 1), dtype=INDEX)
 
     def ensure_resident(self, rid, tokens):
-        """v1/core: the resident group's blocks for the request's first `tokens` tokens (a new page each 64)."""
-        pages = self.resident_pages.setdefault(rid, [])
-        while len(pages) * BLOCK < tokens:
-            pages.append(self.gpu_free.pop())
+        """v1/core: each resident group's blocks for the request's first `tokens` tokens (a new page each 64)."""
+        for pages in self.resident_pages.setdefault(rid, [[] for _ in range(LAYERS)]):
+            while len(pages) * BLOCK < tokens:
+                pages.append(self.gpu_free.pop())
 
-    def slot(self, rid, position):
-        """The resident slot mapping of a token (block_tables.slot_mappings of the resident group)."""
-        return self.resident_pages[rid][position // BLOCK] * BLOCK + position % BLOCK
+    def slot(self, rid, position, group):
+        """The resident slot mapping of a token in a group (block_tables.slot_mappings of that resident group)."""
+        return self.resident_pages[rid][group][position // BLOCK] * BLOCK + position % BLOCK
 
     def go_hot(self, rid):
-        """coordinator.py update_residency -> HiSparseHotManager.require_hot: the request gets its hot region (all its
-        blocks at once); its clean pages are unpinned and, here at once, reused (coordinator.py _lose_page: read from
-        the host from now on), except the ACTIVE_TAIL_PAGES (v1/hisparse/types.py: 2) still being written. A lost
-        page's block goes back to the pool, is scribbled on and handed out again first."""
-        self.hot[rid] = [self.gpu_free.pop() for _ in range(self.region_blocks)]
-        pages = self.resident_pages[rid]
-        for page in range(max(0, len(pages) - 2)):
-            block, pages[page] = pages[page], None
-            for slab in self.resident:
-                slab[block] = torch.from_numpy(self.rng.integers(0, 256, (BLOCK, ENTRY), dtype=np.uint8))
-            self.gpu_free.append(block)
+        """coordinator.py update_residency -> HiSparseHotManager.require_hot (every hot group's): the request gets its
+        hot regions (all their blocks at once); its clean pages are unpinned and, here at once, reused
+        (coordinator.py _lose_page: read from the host from now on), except the ACTIVE_TAIL_PAGES
+        (v1/hisparse/types.py: 2) still being written. A lost page's block goes back to the pool, is scribbled on and
+        handed out again first."""
+        self.hot[rid] = [[self.gpu_free.pop() for _ in range(self.region_blocks)] for _ in range(LAYERS)]
+        for group, pages in enumerate(self.resident_pages[rid]):
+            for page in range(max(0, len(pages) - 2)):
+                block, pages[page] = pages[page], None
+                self.resident[group][block] = torch.from_numpy(self.rng.integers(0, 256, (BLOCK, ENTRY),
+                                                                                 dtype=np.uint8))
+                self.gpu_free.append(block)
 
     def free_slab(self, rid):
-        for block in self.hot.pop(rid, []) + [b for b in self.resident_pages.pop(rid, []) if b is not None]:
-            self.gpu_free.append(block)
+        blocks = [b for region in self.hot.pop(rid, []) for b in region]
+        blocks += [b for pages in self.resident_pages.pop(rid, []) for b in pages if b is not None]
+        self.gpu_free.extend(blocks)
         self.synced.pop(rid, None)
         self.hot_given.discard(rid)
 
@@ -145,24 +149,27 @@ class VllmWorld:
         last sent (SparseKVResidencyUpdate: pages, block ids per resident group; the null block for a lost page)."""
         updates = {}
         for rid in batch:
-            pages = self.resident_pages.get(rid, [])
+            groups = self.resident_pages.get(rid, [[] for _ in range(LAYERS)])
+            now = [tuple(pages[p] or 0 for pages in groups) for p in range(len(groups[0]))]
             sent = self.synced.setdefault(rid, {})
-            changed = [p for p, block in enumerate(pages) if sent.get(p, -1) != (block or 0)]
+            changed = [p for p, blocks in enumerate(now) if sent.get(p) != blocks]
             if changed:
-                updates[rid] = types.SimpleNamespace(pages=changed, block_ids=([pages[p] or 0 for p in changed],))
-                sent.update({p: pages[p] or 0 for p in changed})
+                updates[rid] = types.SimpleNamespace(
+                    pages=changed, block_ids=tuple([now[p][g] for p in changed] for g in range(LAYERS)))
+                sent.update({p: now[p] for p in changed})
         return updates
 
     def hot_output(self, batch, fresh):
-        """The scheduler output's blocks of the hot group (source_blocks_from_output): a new request's list, a
+        """The scheduler output's blocks of each hot group (source_blocks_from_output): a new request's list, a
         cached one's region once, when it is allocated."""
-        out = {}
+        out = [{} for _ in range(LAYERS)]
         for rid in batch:
-            if rid in fresh:
-                out[rid] = (list(self.hot.get(rid, [])), True)
-                self.hot_given.discard(rid)
-            elif rid in self.hot and rid not in self.hot_given:
-                out[rid] = (list(self.hot[rid]), False)
+            for g in range(LAYERS):
+                if rid in fresh:
+                    out[g][rid] = (list(self.hot[rid][g]) if rid in self.hot else [], True)
+                elif rid in self.hot and rid not in self.hot_given:
+                    out[g][rid] = (list(self.hot[rid][g]), False)
+            self.hot_given.discard(rid)
             if rid in self.hot:
                 self.hot_given.add(rid)
         return out
@@ -250,7 +257,8 @@ class VllmWorld:
 
 class Replay:
     def __init__(self, T, slots, seed=1, region=None, mirror=True, barrier=None, uniform=True,
-                 async_scheduling=True, counts_run_ahead=True, blocks_from_output=False, hot_regions=0):
+                 async_scheduling=True, counts_run_ahead=True, blocks_from_output=False, hot_regions=0,
+                 slab_blocks=64):
         """region, mirror, barrier: a rank of a node whose ranks share vLLM's host pool (a shared-memory region
         rank 0's mirror writes, every rank's ESS reads); barrier() runs at the start of every step, after the
         previous step's mirror. uniform: the backend's require_uniform_decodes (FlashMLA sparse's: True).
@@ -259,12 +267,13 @@ class Replay:
         blocks_from_output: ESS is given each step's new host blocks as the scheduler output has them (the
         connector's source_blocks_from_output: a new request's whole list, a cached one's new blocks), not the
         forward's table. hot_regions: ESS's rows in vLLM's hot regions of this many blocks (slots: the region's rows
-        less T), in the resident slab; requests without one read in place through the residency table."""
+        less T), in the resident slab (slab_blocks vLLM blocks); requests without one read in place through the
+        residency table."""
         self.T, self.barrier, self.uniform, self.async_scheduling = T, barrier, uniform, async_scheduling
         self.hot_regions = hot_regions
         self.rejected = {}   # request -> drafts its last verify step rejected, which the scheduler still counts
         self.blocks_from_output, self.blocks_given = blocks_from_output, {}
-        self.world = VllmWorld(seed, T, region, mirror, slab_blocks=64 if hot_regions else None)
+        self.world = VllmWorld(seed, T, region, mirror, slab_blocks=slab_blocks if hot_regions else None)
         rows_per_request = slots + T
         # The attention view of each layer's slab (PagedCacheView.bind's attention_cache: the slab's rows from the
         # layer's first block on, a vLLM block every 2 x 64 rows).
@@ -281,17 +290,20 @@ class Replay:
         self.engine = ess.Engine(layers=LAYERS, max_requests=STATES, max_context=CTX, topk=K, query_tokens=T,
                                  slots=slots, reserve_newest=True, latent=latent,
                                  host_memory=self.world.backing.numpy(), foreign_pages=pages,
-                                 region_blocks=hot_regions)
+                                 region_blocks=hot_regions, region_group=list(range(LAYERS)) if hot_regions else None)
         self.decode = adapter.EssDecode(self.engine, latent, STATES, self.world.source_block_table,
                                         counts_run_ahead=counts_run_ahead,
-                                        attention_block_stride=2 * BLOCK if hot_regions else BLOCK)
+                                        attention_block_stride=2 * BLOCK if hot_regions else BLOCK,
+                                        region_group=list(range(LAYERS)) if hot_regions else None)
         self.model_region = {}   # hot regions: request -> the region the model's LRU started on
+        self.rows_checked = {"hot": 0, "in place": 0}   # hot regions: decode row-layers checked of each kind
         self.model = EngineModel(LAYERS, slots, T, reserve_newest=True)
         self.model_rows = {}   # request -> state the model admitted it at
         # vllm/v1/hisparse/binding.py bind_hisparse_kv_caches: each layer's handle bound to the resident cache
         # and its slot mapping (block_tables.slot_mappings, int64), its source block table the forward's host
         # block table; the connector then puts ESS's runtime on it.
-        self.slot_mapping = torch.full((1024,), -1, dtype=torch.int64)
+        # (One per layer: with hot regions each layer is a resident group of its own, with its own slot mapping.)
+        self.slot_mappings = [torch.full((1024,), -1, dtype=torch.int64) for _ in range(LAYERS)]
         self.handles = []
         for layer in range(LAYERS):
             handle = UP["HiSparseCacheHandle"](None)
@@ -301,8 +313,8 @@ class Replay:
             resident = self.world.resident[layer]
             handle.view = UP["PagedCacheView"](resident, self.attention[layer], BLOCK, 2 * BLOCK)
             # binding.py: the handle's block table is the residency table of its resident group (by state row).
-            handle.block_table = self.world.residency[0] if hot_regions else torch.zeros((STATES, 8), dtype=torch.int32)
-            handle.slot_mapping = self.slot_mapping
+            handle.block_table = self.world.residency[layer] if hot_regions else torch.zeros((STATES, 8), dtype=torch.int32)
+            handle.slot_mapping = self.slot_mappings[layer if hot_regions else 0]
             handle.source_block_table = self.world.source_block_table
             handle.runtime = adapter.HiSparseRuntime(self.decode, layer, handle)
             self.handles.append(handle)
@@ -426,18 +438,20 @@ class Replay:
         self.group.prepare_for_batch(0, attn)
         # The model computes every scheduled token: mla_attention.py update_kv_cache writes decode tokens at the
         # resident slot mapping (HiSparseCacheHandle.write_target); the row mirror lands after the forward.
-        slots = torch.full_like(self.slot_mapping, -1)
+        slots = torch.full((LAYERS, self.slot_mappings[0].shape[0]), -1, dtype=torch.int64)
         for b, rid in enumerate(batch):
             c, n = scheduled[rid]
-            if self.hot_regions:   # every computed token lands on its resident page
+            if self.hot_regions:   # every computed token lands on its resident page of each group
                 for t in range(n):
-                    slots[query_start_loc[b] + t] = w.slot(rid, c + t)
+                    for g in range(LAYERS):
+                        slots[g, query_start_loc[b] + t] = w.slot(rid, c + t, g)
             elif rid in decodes:
                 for t in range(n):
-                    slots[query_start_loc[b] + t] = self.resident_next
+                    slots[:, query_start_loc[b] + t] = self.resident_next
                     self.resident_next = (self.resident_next + 1) % (self.world.resident[0].shape[0] * BLOCK)
             w.computed(rid, c, n)
-        self.slot_mapping.copy_(slots)
+        for g, mapping in enumerate(self.slot_mappings):
+            mapping.copy_(slots[g] if self.hot_regions else slots[0])
         for rid in decodes:
             if self.hot_regions:   # the model's LRU starts (anew) when a request's rows are placed in a region
                 if served and rid in w.hot and self.model_region.get(rid) != w.hot[rid]:
@@ -518,16 +532,17 @@ class Replay:
         for b, rid in enumerate(decodes):
             q = rows[b]
             if rid in w.hot:
-                s, region = self.model_rows[rid], w.hot[rid]
+                s, region = self.model_rows[rid], w.hot[rid][layer]
                 model_rows, _, _ = self.model.step(s, layer, w.length[rid], q.tolist())
                 at = lambda p: -1 if p < 0 else region[(p - s * rpr) // BLOCK] * 2 * BLOCK + (p - s * rpr) % BLOCK
                 want = np.array([[at(p) for p in r] for r in model_rows])
             else:
-                pages = w.resident_pages[rid]
+                pages = w.resident_pages[rid][layer]
                 want = np.where(q >= 0, np.array([[pages[t // BLOCK] * 2 * BLOCK + t % BLOCK if t >= 0 else -1
                                                    for t in r] for r in q]), -1)
             np.testing.assert_array_equal(physical[b], want, err_msg=f"layer {layer} request {rid} "
                                                                       f"({'hot' if rid in w.hot else 'in place'})")
+            self.rows_checked["hot" if rid in w.hot else "in place"] += 1
             for t in range(self.T):
                 for k in range(K):
                     i = q[t][k]
@@ -924,10 +939,13 @@ def test_hot_regions_hold_esss_rows_and_resident_requests_are_read_in_place(T):
         accepted = {rid: int(rng.integers(1, n + 1)) for rid, (_, n) in scheduled.items()} if T > 1 else None
         assert r.step(batch, states, scheduled, pad_reqs=pad, accepted=accepted) >= 1
         # ESS knows every hot region from the scheduler output, and places a request's rows there once it serves it.
-        assert {rid: b for rid, b in r.decode.hot_of.items() if b} == {rid: w.hot[rid] for rid in batch if rid in w.hot}
+        for g in range(LAYERS):
+            assert {rid: b for rid, b in r.decode.hot_of[g].items() if b} == \
+                {rid: w.hot[rid][g] for rid in batch if rid in w.hot}
         placed = {rid for rid in batch if r.decode.state_of.get(rid) in r.decode.placed}
         assert placed <= set(w.hot), "ESS placed a request vLLM did not make hot"
     assert set(w.hot) == {"a", "b", "d"}
+    assert min(r.rows_checked.values()) > 20, r.rows_checked
     w.check_host_pool(batch)
 
 
@@ -935,8 +953,8 @@ def test_a_reserved_row_outside_the_region_fails_the_replay(monkeypatch):
     """Mutation: the newest entries copied to the reserved rows of ESS's own layout (state x rows_per_request +
     slots + t), outside the request's hot region, where the engine does not read them."""
     row = adapter.EssDecode._row
-    monkeypatch.setattr(adapter.EssDecode, "_row", lambda self, s, slot: s * self.info.rows_per_request + slot
-                        if slot >= self.info.slots else row(self, s, slot))
+    monkeypatch.setattr(adapter.EssDecode, "_row", lambda self, s, slot, group=0: s * self.info.rows_per_request + slot
+                        if slot >= self.info.slots else row(self, s, slot, group))
     with pytest.raises((AssertionError, ess.EssError)):
         test_hot_regions_hold_esss_rows_and_resident_requests_are_read_in_place(1)
 
@@ -959,6 +977,6 @@ def test_the_residency_table_read_by_batch_row_fails_the_replay(monkeypatch):
 def test_hot_regions_not_told_to_ess_fail_the_replay(monkeypatch):
     """Mutation: the scheduler output's hot group blocks never reach ESS: requests vLLM moved to host reads are
     read in place at pages vLLM has reused."""
-    monkeypatch.setattr(Replay, "seen_hot_blocks", lambda self, hot_blocks: {})
+    monkeypatch.setattr(Replay, "seen_hot_blocks", lambda self, hot_blocks: [{} for _ in hot_blocks])
     with pytest.raises(AssertionError):
         test_hot_regions_hold_esss_rows_and_resident_requests_are_read_in_place(1)

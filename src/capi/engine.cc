@@ -247,6 +247,7 @@ ess_status ess_engine_create(const ess_config* given, ess_engine** out) {
     const ess_config* config = &full;
     ess::OffloadConfig oc = ess::capi::offload_config(*config);
     set_foreign_pages(*config, oc);
+    if (config->region_group != nullptr) oc.region_group.assign(config->region_group, config->region_group + oc.layers);
     ess::LatentBuffer buffer;
     const bool split = config->latent_tail != nullptr || config->latent_tail_count != 0 || config->split_bytes != 0 ||
                        config->tail_bytes != 0;
@@ -662,10 +663,10 @@ ess_status ess_request_place(ess_engine* engine, int64_t id, const int32_t* bloc
   });
 }
 
-ess_status ess_engine_buffer_row(const ess_engine* engine, int32_t row, int32_t slot, int32_t* out) {
+ess_status ess_engine_buffer_row(const ess_engine* engine, int32_t layer, int32_t row, int32_t slot, int32_t* out) {
   return guard("ess_engine_buffer_row", [&] {
     ESS_CHECK(out != nullptr, "the out-pointer is NULL");
-    *out = ess::capi::engine_call(engine).offload().buffer_row(row, slot);
+    *out = ess::capi::engine_call(engine).offload().buffer_row(layer, row, slot);
   });
 }
 

@@ -271,10 +271,20 @@ const std::vector<Case>& cases() {
          c.region_blocks = 2;
          return f.create(c);
        }},
-      {"null buffer row output", kInvalid, "out-pointer is NULL", [](Fixture& f) { return ess_engine_buffer_row(f.e, 0, 0, nullptr); }},
+      {"null buffer row output", kInvalid, "out-pointer is NULL", [](Fixture& f) { return ess_engine_buffer_row(f.e, 0, 0, 0, nullptr); }},
       {"buffer row of a slot past the request's rows", kInvalid, "slot 99 outside", [](Fixture& f) {
          std::int32_t out = 0;
-         return ess_engine_buffer_row(f.e, 0, 99, &out);
+         return ess_engine_buffer_row(f.e, 0, 0, 99, &out);
+       }},
+      {"buffer row of a layer past the engine's", kInvalid, "layer 5 outside", [](Fixture& f) {
+         std::int32_t out = 0;
+         return ess_engine_buffer_row(f.e, 5, 0, 0, &out);
+       }},
+      {"region groups without regions", kInvalid, "region_group has 2 values", [](Fixture& f) {
+         ess_config c = config();
+         const std::int32_t groups[] = {0, 1};
+         c.region_group = groups;
+         return f.create(c);
        }},
       {"null step binding", kInvalid, "step binding is NULL", [](Fixture&) { return ess_step(nullptr, 0, -1, nullptr); }},
       {"null row output", kInvalid, "output is NULL", [](Fixture& f) { return ess_engine_read_row(f.e, 0, 0, nullptr, kEntry); }},

@@ -123,6 +123,13 @@ struct OffloadConfig {
   // 0: pool row r's rows are buffer rows [r x rows_per_request(), ...). Needs the caller's buffer
   // (layer_base, blocks) and residency kSparse.
   std::int32_t region_blocks = 0;
+  // Regions: the region group of each layer ([layers]; empty: one group). A request has a region in every group
+  // (the other engine may keep groups of layers in blocks of their own: vLLM's hot cache groups), placed together.
+  std::vector<std::int32_t> region_group;
+  int region_groups() const {
+    return region_group.empty() ? 1 : 1 + *std::max_element(region_group.begin(), region_group.end());
+  }
+  int region_group_of(int layer) const { return region_group.empty() ? 0 : region_group[static_cast<std::size_t>(layer)]; }
   // kWhole and kAdaptive need reserve_newest: a whole request's newest entries reach its rows
   // from the reserved rows, by write_back.
   Residency residency = Residency::kSparse;
@@ -306,16 +313,18 @@ class Offload {
   // length - T, reserve_newest). A page may change only to one holding the same entries (the
   // device rows stay valid).
   void repage(RequestId id, std::int64_t length, std::int64_t first_page, std::span<const std::int32_t> pages);
-  // Regions only (OffloadConfig::region_blocks). The request's rows from now on lie in `blocks`
-  // (region_blocks block ids of the buffer, distinct, none in another request's region), its
-  // slots first, then its reserved rows. Its device residency is forgotten (as reset does; the
-  // rows of its old region are never written again), and with reserve_newest its newest
-  // min(T, length) entries are loaded into its new reserved rows. A request must be placed
-  // before its warmup and its first step; its region is freed when it is released.
+  // Regions only (OffloadConfig::region_blocks). The request's rows from now on lie in `blocks`:
+  // its region of every region group, group after group (region_groups() x region_blocks block ids
+  // of the buffer, distinct, none in another request's region), each its slots first, then its
+  // reserved rows. Its device residency is forgotten (as reset does; the rows of its old regions
+  // are never written again), and with reserve_newest its newest min(T, length) entries are loaded
+  // into its new reserved rows. A request must be placed before its warmup and its first step; its
+  // regions are freed when it is released.
   void place(RequestId id, std::span<const std::int32_t> blocks);
-  // The buffer row of row `slot` of pool row `row` (slot < rows_per_request(); its reserved row t
-  // is slot slots + t): row x rows_per_request() + slot, or in its region (-1 when not placed).
-  std::int32_t buffer_row(std::int32_t row, std::int32_t slot) const;
+  // The buffer row of row `slot` of pool row `row` in `layer` (slot < rows_per_request(); its
+  // reserved row t is slot slots + t): row x rows_per_request() + slot, or in its region of the
+  // layer's group (-1 when not placed).
+  std::int32_t buffer_row(int layer, std::int32_t row, std::int32_t slot) const;
   // Forgets the request's device residency (every layer's LRU empty, as at admit); its host
   // entries stay. Then warmup again, e.g. when the engine resumes a preempted request whose
   // device rows it reused, or to replay a measurement from the same state.

@@ -165,16 +165,18 @@ class EssDecode:
     Hot regions (the engine made with region_blocks: ESS's rows in vLLM's own GPU slab). `latent` is then each
     layer's attention view of vLLM's slab (HiSparseRuntime.hot.attention_cache: [blocks, 64, 656], FlashMLA's
     rows), and attention_block_stride its rows from one vLLM block to the next (PagedCacheView's: a multiple of
-    64), so vLLM block k is ESS's block k x attention_block_stride / 64. A decode request vLLM gave a hot region
-    (HiSparseHotManager.require_hot: the scheduler output's blocks of the hot group, start_step's hot_blocks) has
-    its ESS rows there, its reserved rows among them (Engine.place, again when the region changes); one without a
+    64), so vLLM block k is ESS's block k x attention_block_stride / 64. vLLM packs its layers into hot cache groups
+    (v1/hisparse/layout.py: as many as one indexer page holds), each handing a request a region of its own:
+    region_group[l] is layer l's group (the engine's), in the order start_step's hot_blocks lists them. A decode
+    request vLLM gave hot regions (HiSparseHotManager.require_hot: the scheduler output's blocks of the hot groups)
+    has its ESS rows there, its reserved rows among them (Engine.place, again when a region changes); one without a
     hot region holds every context page resident (vLLM unpins a request's pages only once it has one), and
     swap_in reads its rows in place through vLLM's residency table (the handle's block_table, by state index),
     as vLLM's own resolution does, with no swap and no copy."""
 
     def __init__(self, engine: Engine, latent: Sequence[torch.Tensor], max_num_reqs: int, block_table: torch.Tensor,
                  device="cpu", synchronize: Callable[[], None] = lambda: None, counts_run_ahead: bool = True,
-                 attention_block_stride: int = KERNEL_BLOCK):
+                 attention_block_stride: int = KERNEL_BLOCK, region_group: Optional[Sequence[int]] = None):
         info = engine.info
         if not info.reserve_newest:
             raise InvalidArgument("EssDecode: the engine needs reserve_newest=True (each step's newest entries are "
@@ -200,6 +202,11 @@ class EssDecode:
         self.regions = info.region_blocks > 0
         self.attention_block_stride = attention_block_stride
         self.block_scale = attention_block_stride // KERNEL_BLOCK   # vLLM block k -> ESS block k x this
+        self.region_group = list(region_group) if region_group is not None else [0] * info.layers
+        if len(self.region_group) != info.layers:
+            raise InvalidArgument(f"EssDecode: region_group has {len(self.region_group)} values for {info.layers} "
+                                  "layers")
+        self.groups = max(self.region_group) + 1
         self.pinned = self.device.type == "cuda"   # host staging pinned: its copies need no wait
         T, K = info.query_tokens, info.topk
         i32 = dict(dtype=torch.int32, device=self.device)
@@ -214,7 +221,9 @@ class EssDecode:
         # mappings are); the scratch row for padding (rewritten with its own bytes: with hot regions it is a row of
         # vLLM's null block, block 0).
         self.scratch_row = 0 if self.regions else max_num_reqs * info.rows_per_request
-        self.slot_mapping = torch.full((self.max_swap_rows,), self.scratch_row, dtype=torch.int64, device=self.device)
+        # [region groups][tokens]: a layer's newest entries go to its group's reserved rows.
+        self.slot_mapping = torch.full((self.groups, self.max_swap_rows), self.scratch_row, dtype=torch.int64,
+                                       device=self.device)
         # Per decode token i of the step: its batch row (-1: none), its row of the staged [B x T] queries; per
         # staged query: its token (-1: padding).
         i64 = dict(dtype=torch.int64, device=self.device)
@@ -232,7 +241,7 @@ class EssDecode:
         self.length_of: Dict[int, int] = {}    # state index -> tokens in ESS
         self.finished_since = set()            # ESS's requests vLLM finished since the last start_step
         self.blocks_of: Dict[str, list] = {}   # vLLM request id -> its host blocks (from the scheduler's output)
-        self.hot_of: Dict[str, list] = {}      # hot regions: vLLM request id -> its hot region's vLLM blocks
+        self.hot_of = [{} for _ in range(self.groups)]   # hot regions, per group: vLLM request id -> its vLLM blocks
         self.placed: Dict[int, list] = {}      # hot regions: state index -> the ESS blocks its rows are placed on
         self.lifecycle_stream = None           # the engine's lifecycle stream (CUDA: the forward's, set per step)
         self.device_reads = 0                  # start_steps that read state indices, seq_lens or blocks back
@@ -248,7 +257,8 @@ class EssDecode:
         self.finished_since.update(rid for rid in request_ids if rid in self.state_of)
         for rid in request_ids:
             self.blocks_of.pop(rid, None)
-            self.hot_of.pop(rid, None)
+            for hot in self.hot_of:
+                hot.pop(rid, None)
 
     # ---- before each forward (the connector's start_load_kv) ----
     def start_step(self, request_ids: Sequence[str], request_state_indices, scheduled: Mapping[str, Scheduled],
@@ -266,8 +276,9 @@ class EssDecode:
         the entries ESS needs are read from block_table, as the forward's); attn_metadata: the forward's sparse
         MLA metadata of an index-group leader layer (model_executor/layers/attention/sparse_mla_attention.py
         build: num_decodes, num_decode_tokens, seq_lens), padded under a FULL CUDA graph; hot_blocks (hot regions
-        only, required then): this step's blocks of vLLM's hot group (source_blocks_from_output of that group: a
-        request's hot region, region_blocks blocks handed out at once and held until it finishes or is preempted).
+        only, required then): this step's blocks of each of vLLM's hot cache groups, in region group order
+        (source_blocks_from_output of each: a request's hot region there, region_blocks blocks handed out with the
+        other groups' and held until it finishes or is preempted).
 
         Decode rows are the forward's: its first num_decodes rows (vLLM's split, split_decodes_and_prefills;
         under a FULL graph num_decodes and num_decode_tokens count the padded rows and tokens too, which follow
@@ -323,13 +334,18 @@ class EssDecode:
                                   "output's blocks of the hot group, source_blocks_from_output) is required")
         if not self.regions and hot_blocks is not None:
             raise InvalidArgument("start_step: hot_blocks given, but the engine has no regions (region_blocks = 0)")
-        for what, given, kept in (("new_blocks", new_blocks, self.blocks_of), ("hot_blocks", hot_blocks, self.hot_of)):
+        if hot_blocks is not None and len(hot_blocks) != self.groups:
+            raise InvalidArgument(f"start_step: hot_blocks of {len(hot_blocks)} hot groups; the layers are in "
+                                  f"{self.groups}")
+        given_lists = [("new_blocks", new_blocks)] + [("hot_blocks", h) for h in (hot_blocks or ())]
+        for what, given in given_lists:
             for rid, entry in (given or {}).items():
                 if not (isinstance(entry, tuple) and len(entry) == 2):
                     raise InvalidType(f"start_step: {what}[{rid!r}] = {entry!r}: (blocks, replace) expected "
                                       "(source_blocks_from_output)")
                 # (A hot region is appended to a request's empty hot list: no earlier list is needed.)
-                if what == "new_blocks" and not entry[1] and (rid not in kept or rid in finished or rid in preempted):
+                if what == "new_blocks" and not entry[1] and (rid not in self.blocks_of or rid in finished or
+                                                              rid in preempted):
                     raise InvalidArgument(f"start_step: {what} appends to request {rid!r}, whose blocks ESS was "
                                           "never given (a new request's replace them)")
         states_in = torch.as_tensor(request_state_indices).reshape(-1)
@@ -411,18 +427,23 @@ class EssDecode:
                                           f"vLLM's scheduler gave it {len(mirror.get(rid, ()))} host blocks of "
                                           f"{KERNEL_BLOCK}")
         hot = None
-        if hot_blocks is not None:   # vLLM's hot regions by request (its hot group's blocks)
-            hot = self._blocks_after(self.hot_of, hot_blocks, finished, preempted)
-            R_blocks = self.info.region_blocks
-            for rid, blocks in hot.items():
-                if blocks and len(blocks) != R_blocks:
-                    raise InvalidArgument(f"start_step: request {rid!r} has {len(blocks)} hot blocks; a hot region is "
-                                          f"{R_blocks} (the hot group's blocks_per_request)")
-                limit = self.latent[0].shape[0]
-                for k in blocks:
-                    if not 0 < k * self.block_scale < limit:
-                        raise InvalidArgument(f"start_step: request {rid!r}'s hot block {k} is outside vLLM's slab of "
-                                              f"{limit // self.block_scale} blocks (or the null block)")
+        if hot_blocks is not None:   # vLLM's hot regions by group and request (its hot groups' blocks)
+            hot = [self._blocks_after(kept, given, finished, preempted) for kept, given in zip(self.hot_of, hot_blocks)]
+            R_blocks, limit = self.info.region_blocks, self.latent[0].shape[0]
+            for g, regions in enumerate(hot):
+                for rid, blocks in regions.items():
+                    if blocks and len(blocks) != R_blocks:
+                        raise InvalidArgument(f"start_step: request {rid!r} has {len(blocks)} blocks in hot group {g}; "
+                                              f"a hot region is {R_blocks} (the hot group's blocks_per_request)")
+                    for k in blocks:
+                        if not 0 < k * self.block_scale < limit:
+                            raise InvalidArgument(f"start_step: request {rid!r}'s hot block {k} is outside vLLM's slab "
+                                                  f"of {limit // self.block_scale} blocks (or the null block)")
+            for rid in set().union(*hot):
+                have = [g for g in range(self.groups) if hot[g].get(rid)]
+                if have and len(have) != self.groups:
+                    raise InvalidArgument(f"start_step: request {rid!r} has hot regions in groups {have} of "
+                                          f"{self.groups}; vLLM hands a request all its hot regions at once")
         # ESS's lifecycle calls (releases, adoptions, repages) on the forward's stream, after the forwards before it,
         # without a wait: a row released below may still be read by the forward in flight.
         if self.device.type == "cuda":
@@ -476,8 +497,8 @@ class EssDecode:
                 if self.recorder is not None:
                     self.recorder.begin(s, rid, length)
             self.length_of[s] = length
-            if self.regions and self.hot_of.get(rid):   # its rows in its hot region (placed anew: its LRU empty)
-                region = [k * self.block_scale for k in self.hot_of[rid]]
+            if self.regions and self.hot_of[0].get(rid):   # its rows in its hot regions (placed anew: its LRU empty)
+                region = [k * self.block_scale for hot in self.hot_of for k in hot[rid]]
                 if self.placed.get(s) != region:
                     self.engine.place(s, region)
                     self.placed[s] = region
@@ -496,11 +517,12 @@ class EssDecode:
             after[rid] = ([] if replace else after.get(rid, [])) + [int(v) for v in blocks]
         return after
 
-    def _row(self, s, slot):
-        """The buffer row (FlashMLA's row of `latent`) of row `slot` of state s's rows."""
+    def _row(self, s, slot, group=0):
+        """The buffer row (FlashMLA's row of `latent`) of row `slot` of state s's rows in region group `group`."""
         if not self.regions:
             return s * self.info.rows_per_request + slot
-        return self.placed[s][slot // KERNEL_BLOCK] * KERNEL_BLOCK + slot % KERNEL_BLOCK
+        region = self.placed[s][group * self.info.region_blocks:]
+        return region[slot // KERNEL_BLOCK] * KERNEL_BLOCK + slot % KERNEL_BLOCK
 
     def _stage(self, R, states, positions):
         """The step's rows, lengths and per-token maps, and the older tokens of short rows in the reserved rows.
@@ -511,7 +533,7 @@ class EssDecode:
         lengths = torch.zeros((self.max_num_reqs,), dtype=torch.int32, **host)
         token_row = torch.full((self.max_swap_rows,), -1, dtype=torch.int64, **host)
         token_flat = torch.zeros((self.max_swap_rows,), dtype=torch.int64, **host)
-        token_slot = torch.full((self.max_swap_rows,), self.scratch_row, dtype=torch.int64, **host)
+        token_slot = torch.full((self.groups, self.max_swap_rows), self.scratch_row, dtype=torch.int64, **host)
         query_token = torch.full((self.max_swap_rows,), -1, dtype=torch.int64, **host)
         served = torch.full((self.max_num_reqs,), -1, dtype=torch.int32, **host)
         in_place = torch.full((self.max_num_reqs,), -1, dtype=torch.int32, **host)
@@ -527,14 +549,15 @@ class EssDecode:
             for t in range(n):
                 q = T - n + t                       # the n queries are the last n of the row's T
                 token_row[i], token_flat[i] = b, b * T + q
-                token_slot[i] = self._row(s, S + q) if mine else self.scratch_row
+                for g in range(self.groups):
+                    token_slot[g, i] = self._row(s, S + q, g) if mine else self.scratch_row
                 query_token[b * T + q] = i
                 i += 1
             for q in range(T - n if mine else 0):   # the row's older tokens among its T newest
                 position = true + n - T + q
                 if position >= 0:
-                    p = self._row(s, S + q)
                     for layer in range(self.info.layers):
+                        p = self._row(s, S + q, self.region_group[layer])
                         entry = self.engine.read_entries(s, layer, position, torch.empty((1, ENTRY_BYTES),
                                                                                          dtype=torch.uint8))
                         self.latent[layer][p // KERNEL_BLOCK, p % KERNEL_BLOCK].copy_(entry[0])
@@ -746,7 +769,7 @@ class HiSparseRuntime:
         # spans the slab's other groups), so only the n rows are gathered, by block and row, never the view whole.
         bs = resident.view.block_size
         newest = resident.view.cache[src_rows // bs, src_rows % bs].reshape(n, ENTRY_BYTES)
-        dst = torch.where(use, d.slot_mapping[:n], torch.full_like(i, d.scratch_row))
+        dst = torch.where(use, d.slot_mapping[d.region_group[self.layer], :n], torch.full_like(i, d.scratch_row))
         # A padded token rewrites the scratch row with its own bytes (with hot regions it is vLLM's null block).
         blocks = self._blocks
         scratch = blocks[d.scratch_row // KERNEL_BLOCK, d.scratch_row % KERNEL_BLOCK].unsqueeze(0).expand(n, ENTRY_BYTES)

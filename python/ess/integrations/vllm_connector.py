@@ -48,9 +48,11 @@ class EssConnectorWorker(HiSparseConnectorWorker):
         max_num_reqs = config.scheduler_config.max_num_seqs
         topk = first.index_group.shared_topk.device_topk_rows.shape[1]
         # ESS's rows are in vLLM's hot regions: a request vLLM moves to host reads gets blocks_per_request blocks of
-        # its GPU slab (HiSparseHotManager.require_hot), which ESS's engine addresses as its region (Engine.place),
-        # its T reserved rows among them; FlashMLA reads the slab (the hot cache's attention view) at ESS's rows.
-        self.ess_hot_group, region_blocks = hot_group_of(self.kv_cache_config, [i for i, _ in targets])
+        # its GPU slab in each hot cache group (HiSparseHotManager.require_hot), which ESS's engine addresses as its
+        # regions (Engine.place), its T reserved rows among them; FlashMLA reads the slab (the hot caches' attention
+        # views) at ESS's rows.
+        self.ess_hot_groups, region_group, region_blocks = hot_groups_of(self.kv_cache_config,
+                                                                          [i for i, _ in targets])
         slots = region_blocks * KERNEL_BLOCK - T
         floor = min(topk, config.model_config.max_model_len)
         if slots < floor:
@@ -72,8 +74,8 @@ class EssConnectorWorker(HiSparseConnectorWorker):
         self.ess_engine = Engine(
             layers=len(targets), max_requests=max_num_reqs, max_context=config.model_config.max_model_len,
             topk=topk, query_tokens=T, slots=slots, reserve_newest=True, backend="cuda" if cuda else "cpu",
-            device=device.index or 0, latent=latent, region_blocks=region_blocks, host_memory=backing.numpy(),
-            host_memory_pinned=cuda, foreign_pages=pages)
+            device=device.index or 0, latent=latent, region_blocks=region_blocks, region_group=region_group,
+            host_memory=backing.numpy(), host_memory_pinned=cuda, foreign_pages=pages)
         if cuda:   # what the engine holds on the device beside vLLM's KV cache (its LRU state, scratch, tables)
             try:
                 check_device_memory(self.ess_engine.device_bytes(), *memory)
@@ -88,7 +90,7 @@ class EssConnectorWorker(HiSparseConnectorWorker):
         run_ahead = bool(config.scheduler_config.async_scheduling and speculative is not None)
         self.ess = EssDecode(self.ess_engine, latent, max_num_reqs, targets[0][1].source_block_table, device=device,
                              synchronize=synchronize, counts_run_ahead=run_ahead,
-                             attention_block_stride=strides.pop())
+                             attention_block_stride=strides.pop(), region_group=region_group)
         # The host source group (v1/hisparse/binding.py: the handles' source_block_table is its block table).
         (self.ess_source_group,) = self.kv_cache_config.host_group_ids
         self.ess_upstream_runtimes = {}
@@ -116,21 +118,21 @@ class EssConnectorWorker(HiSparseConnectorWorker):
         super().shutdown()
 
 
-def hot_group_of(kv_cache_config, handles):
-    """The KV cache group of the hot caches of the upstream worker's cache handles `handles` (worker.py
-    register_kv_caches lists them group by group, each group's layer names in order) and its blocks_per_request
-    (HiSparseHotSpec: a hot region). Refused by name unless they are one group: a request's hot region is one
-    block list per group, and ESS places a request's rows of every layer in one region."""
+def hot_groups_of(kv_cache_config, handles):
+    """The hot cache groups of the upstream worker's cache handles `handles` (worker.py register_kv_caches lists them
+    group by group, each group's layer names in order; v1/hisparse/layout.py packs the layers into groups of one
+    indexer page each): the KV cache groups in order, each handle's index among them (ESS's region group of the
+    layer) and their blocks_per_request (HiSparseHotSpec: a hot region, the same in every group)."""
     groups = []
     for g, group in enumerate(kv_cache_config.kv_cache_groups):
         if isinstance(group.kv_cache_spec, HiSparseHotSpec):
             groups += [g] * len(group.layer_names)
     wanted = sorted({groups[i] for i in handles})
-    if len(wanted) != 1:
-        raise ValueError(f"ESS's HiSparse connector: the target layers' hot caches are in KV cache groups {wanted}; "
-                         "ESS places a request's rows in one hot region (one group)")
-    g = wanted[0]
-    return g, kv_cache_config.kv_cache_groups[g].kv_cache_spec.blocks_per_request
+    sizes = {kv_cache_config.kv_cache_groups[g].kv_cache_spec.blocks_per_request for g in wanted}
+    if len(sizes) != 1:
+        raise ValueError(f"ESS's HiSparse connector: the hot cache groups {wanted} have regions of {sorted(sizes)} "
+                         "blocks; ESS keeps one region size")
+    return wanted, [wanted.index(groups[i]) for i in handles], sizes.pop()
 
 
 def check_device_memory(engine_bytes, free, total, utilization, allocator_held, device):
@@ -236,4 +238,4 @@ class HiSparseConnector(_upstream.HiSparseConnector):
                               all_context_pages_resident=metadata.all_context_pages_resident,
                               attn_metadata=leader_metadata(worker, forward_context, kwargs.get("attn_metadata")),
                               new_blocks=source_blocks_from_output(output, worker.ess_source_group),
-                              hot_blocks=source_blocks_from_output(output, worker.ess_hot_group))
+                              hot_blocks=[source_blocks_from_output(output, g) for g in worker.ess_hot_groups])

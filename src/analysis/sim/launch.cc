@@ -62,7 +62,8 @@ EngineLimits engine_limits(const std::string& engine, const std::vector<std::str
     out.whole_residency = false;
     out.shared_index_prefetch = false;
     out.notes.push_back("TBO off (vLLM 0.33.0's HiSparse needs Model Runner V2, which runs no dual-batch overlap)");
-    out.notes.push_back("every request sparse (the connector keeps no request whole at low load)");
+    out.notes.push_back("every request priced sparse (vLLM reads a request in place until its own policy moves it to host "
+                        "reads, which the plan does not model: an upper bound on the offload's cost at low load)");
   }
   if (mtp_tokens > 1) {
     // One swap serves a verify step's T query tokens (FlashMLA runs once after it): the pool holds their union.
@@ -149,15 +150,13 @@ Launch vllm_launch(const ModelSpec& model, const HardwareProfile& hw, const Depl
   const double hbm = hw.hbm_capacity_gb * 1e9;
   double utilization = d.mem_fraction_static;
   if (c.offload) {
-    // ESS's rows are a device buffer beside vLLM's KV cache, outside its budget (the connector refuses at start-up,
-    // naming the utilization that fits, when they do not fit): layers x batch x (slots + T) rows of the latent
-    // entry, and about 1 GiB of the engine's own state.
-    const double rows = double(model.num_hidden_layers) * double(per_gpu) * double(c.slots + d.mtp_tokens) *
-                        double(model.latent_entry_bytes());
+    // ESS's rows are in vLLM's hot regions, inside its budget: a request's region of cdiv(device_buffer_size, 64)
+    // blocks per layer holds its slots and its T reserved rows (device_buffer_size = slots + T). Outside the budget
+    // sits the engine's own state, about 1 GiB (the connector refuses at start-up, naming the utilization that fits,
+    // when it does not fit).
+    const int buffer = c.slots + d.mtp_tokens;
     const double engine_state = double(1ull << 30);
-    utilization = std::floor((d.mem_fraction_static - (rows + engine_state) / hbm) * 1000.0) / 1000.0;
-    ESS_CHECK(utilization > 0, "plan: context {}: ESS's rows ({:.1f} GiB) leave vLLM no memory", result.context,
-              rows / double(1ull << 30));
+    utilization = std::floor((d.mem_fraction_static - engine_state / hbm) * 1000.0) / 1000.0;
     // vLLM's host pool per engine (HiSparseConnector's host_pool_gib: a DP rank's, or the TP group's, shared by its
     // ranks on a node): every request's context in 64-token blocks, and the pool's null and copy-on-write blocks.
     // The MTP draft layers' host caches are in the same pool (v1/hisparse/binding.py).
@@ -166,31 +165,32 @@ Launch vllm_launch(const ModelSpec& model, const HardwareProfile& hw, const Depl
     const double host = double(per_gpu) * pages * 64.0 * double(host_layers) * double(model.latent_entry_bytes());
     const double host_gib = std::ceil(host / double(1ull << 30) * 10.0) / 10.0;
     // vLLM's LRU positions are int16 (v1/hisparse/runtime.py: device_buffer_size <= 32768).
-    ESS_CHECK(c.slots <= 32768,
-              "plan: context {}: the chosen pool of {} slots is above vLLM's device_buffer_size limit of 32768; plan "
-              "a shorter context or fewer slots (--pool-floor)",
-              result.context, c.slots);
+    ESS_CHECK(buffer <= 32768,
+              "plan: context {}: the chosen pool of {} slots and {} reserved rows is above vLLM's device_buffer_size "
+              "limit of 32768; plan a shorter context or fewer slots (--pool-floor)",
+              result.context, c.slots, d.mtp_tokens);
     flag("--gpu-memory-utilization", fmt::format("{}", utilization));
     flag("--kv-transfer-config",
          fmt::format(R"({{"kv_connector": "HiSparseConnector", "kv_connector_module_path": )"
                      R"("ess.integrations.vllm_connector", "kv_role": "kv_both", "kv_connector_extra_config": )"
                      R"({{"host_pool_gib": {}}}}})",
                      host_gib));
-    flag("--attention-config", fmt::format(R"({{"hisparse_config": {{"device_buffer_size": {}}}}})", c.slots));
+    flag("--attention-config", fmt::format(R"({{"hisparse_config": {{"device_buffer_size": {}}}}})", buffer));
     l.notes.push_back(fmt::format(
-        "--gpu-memory-utilization {}: the plan's {} less ESS's rows ({:.1f} GiB: {} layers x {} requests x ({} + {}) "
-        "rows of {} B) and about 1 GiB of its engine, which sit outside vLLM's budget",
-        utilization, d.mem_fraction_static, rows / double(1ull << 30), model.num_hidden_layers, per_gpu, c.slots,
-        d.mtp_tokens, model.latent_entry_bytes()));
-    // vLLM 0.33.0 still gives a request it moves to host reads a hot region of device_buffer_size rows per layer in
-    // its own pool (v1/hisparse/layout.py hot_blocks_per_request), which ESS does not read.
-    const double hot = double(host_layers) * double(per_gpu) * double(c.slots) * double(model.latent_entry_bytes());
+        "--gpu-memory-utilization {}: the plan's {} less about 1 GiB of ESS's engine state (its LRU state, step "
+        "scratch and page tables), which sits outside vLLM's budget; ESS's rows are vLLM's hot regions, inside it",
+        utilization, d.mem_fraction_static));
+    // vLLM 0.33.0 gives a request it moves to host reads a hot region of cdiv(device_buffer_size, 64) blocks per
+    // layer in its own pool (v1/hisparse/layout.py hot_blocks_per_request): ESS's rows.
+    const double region_rows = std::ceil(double(buffer) / 64.0) * 64.0;
+    const double hot = double(host_layers) * double(per_gpu) * region_rows * double(model.latent_entry_bytes());
     l.notes.push_back(fmt::format(
-        "vLLM also reserves, inside its budget, a hot region of device_buffer_size rows per layer for each request it "
-        "moves to host reads (up to {:.1f} GiB for {} requests), which ESS does not read, and its budget holds the "
-        "activations and CUDA graphs that the plan's memory fraction leaves out: vLLM may run fewer than "
-        "--max-num-seqs requests at once (its log's KV cache size says how many fit)",
-        hot / double(1ull << 30), per_gpu));
+        "device_buffer_size {}: ESS's {} slots and the {} reserved rows of a request's hot region, which vLLM gives it "
+        "per layer, inside its budget, when it moves it to host reads (up to {:.1f} GiB for {} requests; a request "
+        "is read in place at its resident pages until then); vLLM's budget also holds the activations and CUDA "
+        "graphs that the plan's memory fraction leaves out: vLLM may run fewer than --max-num-seqs requests at once "
+        "(its log's KV cache size says how many fit)",
+        buffer, c.slots, d.mtp_tokens, hot / double(1ull << 30), per_gpu));
     const std::string per_node =
         dp > 1 ? fmt::format("{} of them", dp / d.nodes) : std::string("one, shared by the TP ranks,");
     l.notes.push_back(fmt::format("host_pool_gib {}: vLLM's host pool per engine ({} requests of {} tokens); {} per "

@@ -60,6 +60,13 @@ void OffloadConfig::validate() const {
   ESS_CHECK(demotion_windows >= 0 && demotion_windows <= 1024, "offload: demotion_windows = {} must be in [0, 1024]",
             demotion_windows);
   ESS_CHECK(region_blocks >= 0, "offload: region_blocks = {} is negative", region_blocks);
+  ESS_CHECK(region_group.empty() || (region_blocks > 0 && std::ssize(region_group) == layers),
+            "offload: region_group has {} values: one per layer ({}) with regions, none without", region_group.size(),
+            layers);
+  for (std::size_t l = 0; l < region_group.size(); ++l) {
+    ESS_CHECK(region_group[l] >= 0 && region_group[l] < layers, "offload: region_group of layer {} is {}, outside [0, {})",
+              l, region_group[l], layers);
+  }
   ESS_CHECK(region_blocks == 0 || residency == Residency::kSparse,
             "offload: residency {} with regions (region_blocks = {}): a whole request's rows are pool rows of ESS's own "
             "layout; regions serve sparse requests only",
@@ -254,7 +261,9 @@ Offload::Impl::Impl(const OffloadConfig& c, LatentBuffer b, HostAllocator& host)
   units_of_row.assign(static_cast<std::size_t>(config.max_requests), {});
   borrower_of_row.assign(static_cast<std::size_t>(config.max_requests), -1);
   if (config.region_blocks > 0) {
-    region.assign(static_cast<std::size_t>(config.max_requests) * static_cast<std::size_t>(config.region_blocks), -1);
+    region.assign(static_cast<std::size_t>(config.region_groups()) * static_cast<std::size_t>(config.max_requests) *
+                      static_cast<std::size_t>(config.region_blocks),
+                  -1);
     row_of_block.assign(static_cast<std::size_t>(buffer.blocks), -1);
   }
   if (config.backend == Backend::kCuda) {
@@ -586,10 +595,14 @@ void Offload::reset(RequestId id) {
 
 void Offload::Impl::free_region(std::int32_t row) {
   if (region.empty()) return;
-  const auto at = static_cast<std::size_t>(row) * static_cast<std::size_t>(config.region_blocks);
-  for (std::size_t i = at; i < at + static_cast<std::size_t>(config.region_blocks); ++i) {
-    if (region[i] >= 0) row_of_block[static_cast<std::size_t>(region[i])] = -1;
-    region[i] = -1;
+  const auto n = static_cast<std::size_t>(config.region_blocks);
+  for (int g = 0; g < config.region_groups(); ++g) {
+    const std::size_t at = (static_cast<std::size_t>(g) * static_cast<std::size_t>(config.max_requests) +
+                            static_cast<std::size_t>(row)) * n;
+    for (std::size_t i = at; i < at + n; ++i) {
+      if (region[i] >= 0) row_of_block[static_cast<std::size_t>(region[i])] = -1;
+      region[i] = -1;
+    }
   }
 }
 
@@ -599,7 +612,9 @@ void Offload::place(RequestId id, std::span<const std::int32_t> blocks) {
   const std::int32_t row = x.find_row(id, "place");
   const std::int32_t n = x.config.region_blocks;
   ESS_CHECK(n > 0, "offload: place of request {}: the engine has no regions (region_blocks = 0)", id);
-  ESS_CHECK(std::ssize(blocks) == n, "offload: place of request {}: {} blocks for a region of {}", id, blocks.size(), n);
+  const int groups = x.config.region_groups();
+  ESS_CHECK(std::ssize(blocks) == static_cast<std::int64_t>(groups) * n,
+            "offload: place of request {}: {} blocks for {} region group(s) of {}", id, blocks.size(), groups, n);
   for (std::size_t i = 0; i < blocks.size(); ++i) {
     const std::int32_t k = blocks[i];
     ESS_CHECK(k >= 0 && k < x.buffer.blocks, "offload: place of request {}: block {} of its region is {}, outside [0, {})",
@@ -614,9 +629,10 @@ void Offload::place(RequestId id, std::span<const std::int32_t> blocks) {
     }
   }
   x.free_region(row);
-  const auto at = static_cast<std::size_t>(row) * static_cast<std::size_t>(n);
   for (std::size_t i = 0; i < blocks.size(); ++i) {
-    x.region[at + i] = blocks[i];
+    const std::size_t g = i / static_cast<std::size_t>(n);
+    x.region[(g * static_cast<std::size_t>(x.config.max_requests) + static_cast<std::size_t>(row)) * static_cast<std::size_t>(n) +
+             i % static_cast<std::size_t>(n)] = blocks[i];
     x.row_of_block[static_cast<std::size_t>(blocks[i])] = row;
   }
   x.device("place", [&] {
@@ -625,13 +641,14 @@ void Offload::place(RequestId id, std::span<const std::int32_t> blocks) {
   });
 }
 
-std::int32_t Offload::buffer_row(std::int32_t row, std::int32_t slot) const {
+std::int32_t Offload::buffer_row(int layer, std::int32_t row, std::int32_t slot) const {
   impl_->usable("buffer_row");
   const Impl& x = *impl_;
+  ESS_CHECK(layer >= 0 && layer < x.config.layers, "offload: buffer_row: layer {} outside [0, {})", layer, x.config.layers);
   ESS_CHECK(row >= 0 && row < x.config.max_requests, "offload: buffer_row: row {} outside [0, {})", row, x.config.max_requests);
   ESS_CHECK(slot >= 0 && slot < x.config.rows_per_request(), "offload: buffer_row: slot {} outside [0, {}) (rows per request)",
             slot, x.config.rows_per_request());
-  return x.pool_rows().at(row, slot);
+  return x.pool_rows(layer).at(row, slot);
 }
 
 bool Offload::whole(RequestId id) const {

@@ -129,9 +129,10 @@ TEST_P(OffloadShapes, MatchesTheModelAndIsLossless) {
   // request placed on blocks drawn in a shuffled order; its buffer rows computed here from them.
   LatentBuffer buffer;
   std::vector<std::int32_t> spare_blocks;
-  if (regions) {
+  if (regions) {  // a region group per layer (as vLLM's hot cache groups)
     c.region_blocks = (c.rows_per_request() + kRegionBlockRows - 1) / kRegionBlockRows + 1;
-    const std::int64_t blocks = 2 * static_cast<std::int64_t>(c.max_requests) * c.region_blocks;
+    c.region_group = {0, 1};
+    const std::int64_t blocks = 2 * static_cast<std::int64_t>(c.max_requests) * L * c.region_blocks;
     buffer = engine_buffer(L, blocks * kRegionBlockRows, E, kRegionBlockRows, kRegionBlockRows * E + 64);
     buffer.blocks = blocks;
     spare_blocks.resize(static_cast<std::size_t>(blocks));
@@ -141,16 +142,17 @@ TEST_P(OffloadShapes, MatchesTheModelAndIsLossless) {
   const std::int32_t rpr = c.rows_per_request();
   std::mt19937 rng(static_cast<std::uint32_t>(R * 7919 + pads * 131 + T * 31 + K + extra + reserve + 5 * regions));
   std::shuffle(spare_blocks.begin(), spare_blocks.end(), rng);
-  const auto place = [&](ModelRequest& m) {  // onto the next spare blocks; its old ones spare again
+  const auto place = [&](ModelRequest& m) {  // onto the next spare blocks (a region per layer); its old ones spare again
     spare_blocks.insert(spare_blocks.begin(), m.region.begin(), m.region.end());
-    m.region.assign(spare_blocks.end() - c.region_blocks, spare_blocks.end());
-    spare_blocks.resize(spare_blocks.size() - static_cast<std::size_t>(c.region_blocks));
+    m.region.assign(spare_blocks.end() - L * c.region_blocks, spare_blocks.end());
+    spare_blocks.resize(spare_blocks.size() - static_cast<std::size_t>(L * c.region_blocks));
     o.place(m.id, m.region);
   };
-  // Row s of a request's rows in the buffer.
-  const auto row_of = [&](const ModelRequest& m, std::int32_t s) {
+  // Row s of a request's rows in the buffer of `layer`.
+  const auto row_of = [&](const ModelRequest& m, std::int32_t s, int layer) {
     if (!regions) return m.row * rpr + s;
-    return m.region[static_cast<std::size_t>(s / kRegionBlockRows)] * kRegionBlockRows + s % kRegionBlockRows;
+    return m.region[static_cast<std::size_t>(layer * c.region_blocks + s / kRegionBlockRows)] * kRegionBlockRows +
+           s % kRegionBlockRows;
   };
   std::vector<ModelRequest> reqs(static_cast<std::size_t>(R));
   const int W = 4;
@@ -195,7 +197,7 @@ TEST_P(OffloadShapes, MatchesTheModelAndIsLossless) {
           const std::int64_t p = m.length + t;
           const auto e = entry_of(m.id, l, p, E);
           std::memcpy(o.host_entry(m.id, l, p).data(), e.data(), E);
-          if (reserve) io().write_row(o, l, row_of(m, S + t), e);
+          if (reserve) io().write_row(o, l, row_of(m, S + t, l), e);
         }
       }
       m.length += T;
@@ -254,7 +256,7 @@ TEST_P(OffloadShapes, MatchesTheModelAndIsLossless) {
         const std::int64_t newest = m.length - T;
         for (std::size_t i = 0; i < P; ++i) {
           if (reserve && ids[i] >= newest) {
-            want[i] = row_of(m, S + static_cast<std::int32_t>(ids[i] - newest));
+            want[i] = row_of(m, S + static_cast<std::int32_t>(ids[i] - newest), layer);
             masked[i] = -1;
           }
         }
@@ -263,7 +265,7 @@ TEST_P(OffloadShapes, MatchesTheModelAndIsLossless) {
         std::set<std::int32_t> distinct;
         for (std::size_t i = 0; i < P; ++i) {
           if (masked[i] >= 0) {
-            want[i] = row_of(m, slots[i]);
+            want[i] = row_of(m, slots[i], layer);
             distinct.insert(masked[i]);
           }
         }
@@ -279,7 +281,7 @@ TEST_P(OffloadShapes, MatchesTheModelAndIsLossless) {
         }
         // The DA split: each query row's resident rows, then its fetched ones, in order.
         std::set<std::int32_t> fetched_rows;
-        for (const auto& f : fills) fetched_rows.insert(row_of(m, f.second));
+        for (const auto& f : fills) fetched_rows.insert(row_of(m, f.second, layer));
         expect_halves(got, bz, T, K, phys, [&](std::int32_t p) { return fetched_rows.contains(p); });
         if (HasFatalFailure()) return;
       }

@@ -83,7 +83,7 @@ class CpuOffload final : public OffloadBackend {
       const std::vector<std::int32_t> windows = rec.oldest_first(l);
       if (windows.empty()) continue;
       const WarmupResult r = engine_->warmup(id, l, windows, length);
-      for (const MissEntry& m : r.plan.entries) copy_in(l, id, m.token, physical(row, m.slot));
+      for (const MissEntry& m : r.plan.entries) copy_in(l, id, m.token, physical(l, row, m.slot));
       warmup_fills_ += static_cast<std::int64_t>(r.plan.entries.size());
     }
     rec.clear();
@@ -95,7 +95,7 @@ class CpuOffload final : public OffloadBackend {
     const std::int64_t length = x_.pool->length(id);
     for (int l = 0; l < x_.config.layers; ++l) {
       const WarmupResult r = engine_->warmup(id, l, windows.subspan(static_cast<std::size_t>(l) * per_layer, per_layer), length);
-      for (const MissEntry& m : r.plan.entries) copy_in(l, id, m.token, physical(row, m.slot));
+      for (const MissEntry& m : r.plan.entries) copy_in(l, id, m.token, physical(l, row, m.slot));
       warmup_fills_ += static_cast<std::int64_t>(r.plan.entries.size());
     }
   }
@@ -105,7 +105,7 @@ class CpuOffload final : public OffloadBackend {
     const int T = x_.config.query_tokens;
     for (int l = 0; l < x_.config.layers; ++l) {
       for (std::int64_t t = std::max<std::int64_t>(0, length - T); t < length; ++t) {
-        copy_in(l, id, static_cast<std::int32_t>(t), physical(row, x_.config.slots + static_cast<std::int32_t>(t - (length - T))));
+        copy_in(l, id, static_cast<std::int32_t>(t), physical(l, row, x_.config.slots + static_cast<std::int32_t>(t - (length - T))));
       }
     }
   }
@@ -128,7 +128,7 @@ class CpuOffload final : public OffloadBackend {
       const RequestId id = x_.request_at(row, "step", b);
       const std::int64_t len = s.lengths[b];
       x_.check_step_length("step", s.layer, b, id, len);
-      ESS_CHECK(x_.pool_rows().placed(row), "offload: step of layer {}: position {} (request {}) has no region (place it first)",
+      ESS_CHECK(x_.pool_rows(s.layer).placed(row), "offload: step of layer {}: position {} (request {}) has no region (place it first)",
                 s.layer, b, id);
       const std::int32_t* ids = s.topk + static_cast<std::size_t>(b) * P;
       if (x_.whole(row)) {  // no LRU: its ids are checked here, mapped below
@@ -170,7 +170,7 @@ class CpuOffload final : public OffloadBackend {
     for (const MissEntry& m : result_.plan.entries) {
       const auto j = static_cast<std::size_t>(m.batch);
       const std::int32_t row = s.rows[positions_[j]];
-      const std::int32_t p = physical(row, m.slot);
+      const std::int32_t p = physical(s.layer, row, m.slot);
       if (s.fetch) copy_in(s.layer, requests_[j], m.token, p);
       fetched_[j].insert(p);
     }
@@ -190,7 +190,7 @@ class CpuOffload final : public OffloadBackend {
         if (real) {
           const std::int32_t r = reserved_[out0 + i];
           const std::int32_t slot = result_.slot_ids[j * P + i];
-          p = r >= 0 ? physical(row, c.slots + r) : (slot >= 0 ? physical(row, slot) : -1);
+          p = r >= 0 ? physical(s.layer, row, c.slots + r) : (slot >= 0 ? physical(s.layer, row, slot) : -1);
           newest |= r >= 0 ? 1u << r : 0u;
         }
         s.physical[out0 + i] = p;
@@ -216,7 +216,7 @@ class CpuOffload final : public OffloadBackend {
     for (int b = 0; b < w.batch; ++b) {
       if (x_.padding(w.rows[b], "write_back", b)) continue;
       const RequestId id = x_.request_at(w.rows[b], "write_back", b);
-      ESS_CHECK(w.source_rows != nullptr || x_.pool_rows().placed(w.rows[b]),
+      ESS_CHECK(w.source_rows != nullptr || x_.pool_rows(w.layer).placed(w.rows[b]),
                 "offload: write_back of layer {}: position {} (request {}) has no region (place it first)", w.layer, b, id);
       ESS_CHECK(w.lengths[b] == x_.pool->length(id),
                 "offload: write_back of layer {}: position {} (request {}) has length {}, the request holds {} tokens",
@@ -235,7 +235,7 @@ class CpuOffload final : public OffloadBackend {
       const RequestId id = x_.request_of_row[static_cast<std::size_t>(w.rows[b])];
       const bool whole = x_.whole(w.rows[b]);
       for (int t = first_newest(w.lengths[b], T); t < T; ++t) {
-        const std::int32_t src = w.source_rows != nullptr ? w.source_rows[b * T + t] : physical(w.rows[b], c.slots + t);
+        const std::int32_t src = w.source_rows != nullptr ? w.source_rows[b * T + t] : physical(w.layer, w.rows[b], c.slots + t);
         const std::int32_t token = w.lengths[b] - T + t;
         if (x_.buffer.split()) {  // a split row leaves the entry's padding as the host holds it
           const auto held = x_.pool->entry(id, w.layer, token);
@@ -282,11 +282,11 @@ class CpuOffload final : public OffloadBackend {
     sc.max_context = c.max_context;
     return sc;
   }
-  std::int32_t physical(std::int32_t row, std::int32_t slot) const { return x_.pool_rows().at(row, slot); }
+  std::int32_t physical(int layer, std::int32_t row, std::int32_t slot) const { return x_.pool_rows(layer).at(row, slot); }
   // The buffer row of token `token` of the whole request at `row`: `slots` tokens per pool row it takes.
   std::int32_t whole_row(std::int32_t row, std::int32_t token) const {
     const auto& units = x_.units_of_row[static_cast<std::size_t>(row)];
-    return physical(units[static_cast<std::size_t>(token / x_.config.slots)], token % x_.config.slots);
+    return physical(0, units[static_cast<std::size_t>(token / x_.config.slots)], token % x_.config.slots);  // no regions
   }
 
   // The LRU-visible ids of a whole request's last recorded_windows() query rows per layer, as
@@ -368,7 +368,7 @@ class CpuOffload final : public OffloadBackend {
         const std::size_t i = out0 + static_cast<std::size_t>(t) * K + k;
         const std::int32_t tok = in_group ? s.topk[i] : -1;
         const bool reserved = tok >= 0 && tok >= len - T;
-        s.physical[i] = tok < 0 ? -1 : reserved ? physical(row, c.slots + (tok - (len - T))) : whole_row(row, tok);
+        s.physical[i] = tok < 0 ? -1 : reserved ? physical(s.layer, row, c.slots + (tok - (len - T))) : whole_row(row, tok);
         newest |= reserved ? 1u << (tok - (len - T)) : 0u;
         window_[static_cast<std::size_t>(k)] = reserved ? -1 : tok;
       }

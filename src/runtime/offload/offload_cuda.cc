@@ -91,7 +91,7 @@ class CudaOffload final : public OffloadBackend {
       wb_whole_total_ = DeviceBuffer<std::int64_t>(1);
     }
     if (c.region_blocks > 0) {  // every pool row without a region until placed
-      regions_ = DeviceBuffer<std::int32_t>(B_ * static_cast<std::size_t>(c.region_blocks));
+      regions_ = DeviceBuffer<std::int32_t>(static_cast<std::size_t>(c.region_groups()) * B_ * static_cast<std::size_t>(c.region_blocks));
       ESS_CUDA_CHECK(cudaMemset(regions_.get(), 0xff, regions_.size() * 4), "offload: the regions");
     }
     wb_src_ = DeviceBuffer<std::uint64_t>(B_ * static_cast<std::size_t>(c.query_tokens));
@@ -195,9 +195,9 @@ class CudaOffload final : public OffloadBackend {
     const Stream s = begin();
     swap_->reset_row(row, s);
     clear_units(row, s);
-    if (regions_.get() != nullptr) {
+    for (int g = 0; regions_.get() != nullptr && g < x_.config.region_groups(); ++g) {
       const auto n = static_cast<std::size_t>(x_.config.region_blocks);
-      ESS_CUDA_CHECK(cudaMemsetAsync(regions_.get() + static_cast<std::size_t>(row) * n, 0xff, n * 4, static_cast<cudaStream_t>(s)),
+      ESS_CUDA_CHECK(cudaMemsetAsync(regions_.get() + region_at(g, row), 0xff, n * 4, static_cast<cudaStream_t>(s)),
                      "offload: the region of row {}", row);
     }
     end("release of row {}", row);
@@ -208,11 +208,13 @@ class CudaOffload final : public OffloadBackend {
     swap_->reset_row(row, s);
     clear_recorded(row, s);
     const auto n = static_cast<std::size_t>(x_.config.region_blocks);
-    std::int32_t* blocks = staging_.take<std::int32_t>(n);
-    std::copy_n(x_.region.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(row) * n), n, blocks);
-    ESS_CUDA_CHECK(cudaMemcpyAsync(regions_.get() + static_cast<std::size_t>(row) * n, blocks, n * 4, cudaMemcpyHostToDevice,
-                                   static_cast<cudaStream_t>(s)),
-                   "offload: the region of row {}", row);
+    for (int g = 0; g < x_.config.region_groups(); ++g) {
+      std::int32_t* blocks = staging_.take<std::int32_t>(n);
+      std::copy_n(x_.region.begin() + static_cast<std::ptrdiff_t>(region_at(g, row)), n, blocks);
+      ESS_CUDA_CHECK(cudaMemcpyAsync(regions_.get() + region_at(g, row), blocks, n * 4, cudaMemcpyHostToDevice,
+                                     static_cast<cudaStream_t>(s)),
+                     "offload: the region of row {}", row);
+    }
     end("the region of row {}", row);
   }
 
@@ -359,7 +361,7 @@ class CudaOffload final : public OffloadBackend {
     shape.query_tokens = c.query_tokens;
     shape.topk = c.topk;
     shape.slots = c.slots;
-    shape.pool = pool_rows();
+    shape.pool = pool_rows(s.layer);
     shape.reserve_newest = c.reserve_newest;
     shape.query_begin = s.query_begin;
     shape.query_end = s.query_end;
@@ -420,7 +422,7 @@ class CudaOffload final : public OffloadBackend {
     SplitArgs sp;
     sp.batch = s.batch;
     sp.positions = static_cast<int>(P_);
-    sp.pool = pool_rows();
+    sp.pool = pool_rows(s.layer);
     sp.buffer = x_.buffer.rows;
     sp.rows = s.rows;
     sp.slot_ids = p.slot_ids.get();
@@ -483,7 +485,7 @@ class CudaOffload final : public OffloadBackend {
     list.layer = w.layer;
     list.max_pages = max_pages_;
     list.slots = c.slots;
-    list.pool = pool_rows();
+    list.pool = pool_rows(w.layer);
     list.rows = w.rows;
     list.lengths = w.lengths;
     list.source_rows = w.source_rows;
@@ -597,12 +599,17 @@ class CudaOffload final : public OffloadBackend {
   DeviceBuffer<std::uint64_t> wb_whole_src_, wb_whole_dst_;
   DeviceBuffer<std::int64_t> wb_whole_total_;
 
-  // Regions: each pool row's blocks ([rows][region_blocks], all -1 while it has none).
+  // Regions: each pool row's blocks in each region group ([groups][rows][region_blocks], all -1 while it has none).
   DeviceBuffer<std::int32_t> regions_;
 
-  // Where pool rows' rows lie, as the kernels read it (the regions on the device).
-  PoolRows pool_rows() const {
-    return PoolRows{rpr_, regions_.get(), x_.config.region_blocks, x_.buffer.rows.block_rows};
+  // Where row `row`'s region of group g starts in the regions (as OffloadState::region).
+  std::size_t region_at(int g, std::int32_t row) const {
+    return (static_cast<std::size_t>(g) * B_ + static_cast<std::size_t>(row)) * static_cast<std::size_t>(x_.config.region_blocks);
+  }
+  // Where pool rows' rows lie in `layer`, as the kernels read it (the regions on the device).
+  PoolRows pool_rows(int layer) const {
+    const std::int32_t* region = regions_.get() == nullptr ? nullptr : regions_.get() + region_at(x_.config.region_group_of(layer), 0);
+    return PoolRows{rpr_, region, x_.config.region_blocks, x_.buffer.rows.block_rows};
   }
   bool capturing(Stream stream) const {
     cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
@@ -661,7 +668,7 @@ class CudaOffload final : public OffloadBackend {
     f.max_pages = max_pages_;
     f.row = row;
     f.slots = x_.config.slots;
-    f.pool = pool_rows();
+    f.pool = pool_rows(layer);
     f.page_table = page_table_.get();
     f.page_bytes = x_.pool->page_stride();
     f.entry_bytes = x_.config.layout.bytes();

@@ -201,7 +201,7 @@ TEST(OffloadCpu, RegionsRefuseBadPlacementsByNameAndChangeNothing) {
     }
   }
   // Before its placement a request has no rows: warmup and steps refuse it by name.
-  EXPECT_EQ(o.buffer_row(o.row(5), 0), -1);
+  EXPECT_EQ(o.buffer_row(0, o.row(5), 0), -1);
   EXPECT_NE(test::error_of([&] { o.warmup(5, {}, 0); }).find("warmup of request 5 (row 0): it has no region yet"), std::string::npos);
   std::vector<std::int32_t> phys(8), rows = {o.row(5)}, topk = {1, 2, 3, 4, 5, 6, 7, 99}, lengths = {100};
   LayerStep s;
@@ -215,8 +215,8 @@ TEST(OffloadCpu, RegionsRefuseBadPlacementsByNameAndChangeNothing) {
   o.place(6, std::vector<std::int32_t>{0, 11, 4});
   o.warmup(5, {}, 0);
   o.warmup(6, {}, 0);
-  EXPECT_EQ(o.buffer_row(o.row(5), 0), 28);      // block 7, row 0
-  EXPECT_EQ(o.buffer_row(o.row(5), 9), 9 * 4 + 1);  // the second reserved row: the third block (9), row 1
+  EXPECT_EQ(o.buffer_row(0, o.row(5), 0), 28);      // block 7, row 0
+  EXPECT_EQ(o.buffer_row(0, o.row(5), 9), 9 * 4 + 1);  // the second reserved row: the third block (9), row 1
   o.step(s);
   EXPECT_EQ(phys[0], 28);      // token 1, the first selected: slot 0, block 7 row 0
   EXPECT_EQ(phys[4], 2 * 4);   // token 5: slot 4, the second block (2), row 0
@@ -224,7 +224,7 @@ TEST(OffloadCpu, RegionsRefuseBadPlacementsByNameAndChangeNothing) {
   const auto placements = [&] {
     std::vector<std::int32_t> v;
     for (const RequestId id : ids) {
-      for (std::int32_t k = 0; k < o.rows_per_request(); ++k) v.push_back(o.buffer_row(o.row(id), k));
+      for (std::int32_t k = 0; k < o.rows_per_request(); ++k) v.push_back(o.buffer_row(0, o.row(id), k));
     }
     return v;
   };
@@ -236,7 +236,7 @@ TEST(OffloadCpu, RegionsRefuseBadPlacementsByNameAndChangeNothing) {
     EXPECT_EQ(digest(o, ids), before) << "after: " << e;
     EXPECT_EQ(placements(), rows_before) << "after: " << e;
   };
-  refused({1, 3}, 5, "2 blocks for a region of 3");
+  refused({1, 3}, 5, "2 blocks for 1 region group(s) of 3");
   refused({1, 3, 12}, 5, "block 2 of its region is 12, outside [0, 12)");
   refused({1, -1, 3}, 5, "block 1 of its region is -1");
   refused({1, 3, 1}, 5, "block 1 is named twice (0 and 2 of its region)");
@@ -244,12 +244,12 @@ TEST(OffloadCpu, RegionsRefuseBadPlacementsByNameAndChangeNothing) {
   refused({1, 3, 5}, 8, "place of request 8: not admitted");
   // Its own blocks again, in another order: a new region, the LRU forgotten.
   o.place(5, std::vector<std::int32_t>{9, 7, 2});
-  EXPECT_EQ(o.buffer_row(o.row(5), 0), 36);
+  EXPECT_EQ(o.buffer_row(0, o.row(5), 0), 36);
   // A released request's blocks are free: the next request is placed on them.
   o.release(6);
   o.admit(8, 50);
   o.place(8, std::vector<std::int32_t>{4, 0, 11});
-  EXPECT_EQ(o.buffer_row(o.row(8), 4), 0);
+  EXPECT_EQ(o.buffer_row(0, o.row(8), 4), 0);
   OffloadConfig flat = mtp2_config(300);
   Offload unpaged(flat);
   unpaged.admit(1, 10);

@@ -77,15 +77,17 @@ struct OffloadState {
   // when none does. A row is free when it holds no request and no whole request borrows it.
   std::vector<std::vector<std::int32_t>> units_of_row;
   std::vector<std::int32_t> borrower_of_row;
-  // Regions (config.region_blocks > 0): region[r x region_blocks ..] the blocks of pool row r's
-  // rows (all -1 until placed, and once released); row_of_block[k] the pool row whose region holds
-  // buffer block k, -1 when none does. Empty without regions.
+  // Regions (config.region_blocks > 0): region[(g x max_requests + r) x region_blocks ..] the blocks
+  // of pool row r's rows in region group g (all -1 until placed, and once released); row_of_block[k]
+  // the pool row whose regions hold buffer block k, -1 when none do. Empty without regions.
   std::vector<std::int32_t> region;
   std::vector<std::int32_t> row_of_block;
 
-  // Where pool rows' rows lie, reading `region` (host memory).
-  PoolRows pool_rows() const {
-    return PoolRows{config.rows_per_request(), region.empty() ? nullptr : region.data(), config.region_blocks,
+  // Where pool rows' rows lie in `layer`, reading `region` (host memory).
+  PoolRows pool_rows(int layer) const {
+    const std::size_t group = static_cast<std::size_t>(config.region_group_of(layer)) *
+                              static_cast<std::size_t>(config.max_requests) * static_cast<std::size_t>(config.region_blocks);
+    return PoolRows{config.rows_per_request(), region.empty() ? nullptr : region.data() + group, config.region_blocks,
                     buffer.rows.block_rows};
   }
   // The buffer rows a layer holds: max_requests x rows_per_request, or the caller's blocks with regions.

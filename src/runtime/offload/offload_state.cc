@@ -42,8 +42,8 @@ std::int64_t OffloadState::buffer_rows() const {
 }
 
 void OffloadState::check_placed(std::int32_t row, RequestId id, const char* what) const {
-  ESS_CHECK(pool_rows().placed(row), "offload: {} of request {} (row {}): it has no region yet (place it first)", what, id,
-            row);
+  ESS_CHECK(pool_rows(0).placed(row), "offload: {} of request {} (row {}): it has no region yet (place it first)", what,
+            id, row);
 }
 
 bool OffloadState::padding(std::int32_t row, const char* what, int position) const {

@@ -60,7 +60,7 @@ from vllm.v1.core.kv_cache_utils import (generate_scheduler_kv_cache_config, get
                                          init_none_hash, resolve_cache_hit_alignment_tokens,
                                          resolve_kv_cache_block_sizes, update_kv_cache_capacity)
 from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
-from vllm.v1.kv_cache_interface import MLAAttentionSpec, SparseCacheRole
+from vllm.v1.kv_cache_interface import HiSparseHotSpec, HiSparseResidentSpec, MLAAttentionSpec, SparseCacheRole
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.utils.hashing import get_hash_fn_by_name
@@ -213,12 +213,31 @@ def mirrored_rows(mirrors):
 
 class Driven:
     """vLLM's scheduler driving the replay: its outputs become the replay's batches, its host blocks the world's.
-    transfer: vLLM's KV transfer configuration (default: ESS's connector alone)."""
+    transfer: vLLM's KV transfer configuration (default: ESS's connector alone). hot_regions: ESS's rows in vLLM's
+    hot regions as the connector keeps them (the replay's hot_regions), the world's GPU blocks vLLM's own: each
+    request's resident pages and hot region from vLLM's KV cache manager, the residency table from the connector
+    metadata's residency updates, the hot group's blocks from the scheduler output."""
 
-    def __init__(self, tmp_path, device_bytes, seed=3, transfer=None):
+    def __init__(self, tmp_path, device_bytes, seed=3, transfer=None, hot_regions=False):
         self.vllm = VllmScheduler(tmp_path, device_bytes, transfer=transfer)
+        # vLLM's resident and hot cache groups, one pair per layer at these sizes (v1/hisparse/layout.py packs as many
+        # layers in a group as one indexer page holds), in the order the coordinator's managers have them.
+        groups = self.vllm.kv_cache_config.kv_cache_groups
+        self.hot_groups = [g for g, x in enumerate(groups) if isinstance(x.kv_cache_spec, HiSparseHotSpec)]
+        self.resident_groups = [g for g, x in enumerate(groups) if isinstance(x.kv_cache_spec, HiSparseResidentSpec)]
+        coordinator = self.vllm.coordinator
+        assert [m.kv_cache_group_id for m in coordinator.hot_managers] == self.hot_groups
+        assert [m.kv_cache_group_id for m in coordinator.resident_managers] == self.resident_groups
+        assert len(self.hot_groups) == len(self.resident_groups) == LAYERS
+        region = groups[self.hot_groups[0]].kv_cache_spec.blocks_per_request if hot_regions else 0
         # Async scheduling without speculative decoding: the connector takes the scheduler's counts as true.
-        self.replay = Replay(T=1, slots=24, seed=seed, async_scheduling=True, counts_run_ahead=False)
+        self.replay = Replay(T=1, slots=region * BLOCK - 1 if hot_regions else 24, seed=seed, async_scheduling=True,
+                             counts_run_ahead=False, hot_regions=region,
+                             slab_blocks=self.vllm.kv_cache_config.num_blocks)
+        if hot_regions:
+            world = self.replay.world
+            world.ensure_resident = lambda rid, tokens: None    # vLLM's KV cache manager allocates
+            world.go_hot = None
         # Every adoption (a request's first decode step in ESS): the only steps that may read the device.
         self.adoptions, engine = 0, self.replay.decode.engine
         adopt = engine.adopt
@@ -230,13 +249,14 @@ class Driven:
         self.device_reads_checked = 0
         world = self.replay.world
         world.allocate = lambda rid, tokens: None           # vLLM's KV cache manager allocates
-        world.free = lambda rid: world.blocks.__setitem__(rid, [])
+        world.free = lambda rid: (world.blocks.__setitem__(rid, []), world.slab and world.free_slab(rid))
         self.prompts, self.prompt_len, self.state = {}, {}, {}
         self.free_states = list(range(STATES))[::-1]   # v1/worker/gpu/states.py: the last freed is handed out first
         self.pending = None   # the step the scheduler has not seen the output of (step_with_batch_queue)
         self.all_resident_steps = self.host_read_steps = self.mirror_rows_checked = 0
         self.transfers = self.host_copies = 0
         self.prefix_hits, self.preempted = {}, set()
+        self.hot_requests = set()   # hot regions: the requests vLLM gave one
         self.fresh = set()
         # ESS is told which requests are handed their blocks afresh from vLLM's own output (the connector's
         # fresh_from_output), which must be the ones the worker does not hold.
@@ -310,6 +330,8 @@ class Driven:
             self.all_resident_steps += resident
             self.host_read_steps += not resident
             decode, reads, adoptions = self.replay.decode, self.replay.decode.device_reads, self.adoptions
+            if world.slab:   # the GPU side as vLLM's KV cache manager and connector metadata have it
+                self.gpu_side(output, metadata, batch)
             # The connector's start_load_kv: the host source group's blocks from vLLM's own output.
             new_blocks = adapter.source_blocks_from_output(output, self.vllm.coordinator.host_group_id)
             self.replay.step(batch, [self.state[r] for r in batch],
@@ -328,6 +350,26 @@ class Driven:
             self.finish(*self.pending)
         self.pending = (output, transfers, [c.dst_block_id for c in copies])
         return True
+
+    def gpu_side(self, output, metadata, batch):
+        """Hot regions: each request's resident pages (None: a page read from the host) and hot region from vLLM's
+        KV cache manager, the residency updates from the connector metadata (kv_connector/v1/hisparse/connector.py
+        build_connector_meta: coordinator.take_residency_updates), the hot group's blocks from the scheduler output
+        (the connector's source_blocks_from_output)."""
+        world, manager = self.replay.world, self.vllm.scheduler.kv_cache_manager
+        for rid in batch:
+            ids = manager.get_block_ids(rid)
+            world.resident_pages[rid] = [[b or None for b in ids[g]] for g in self.resident_groups]
+            if all(ids[g] for g in self.hot_groups):
+                world.hot[rid] = [list(ids[g]) for g in self.hot_groups]
+                self.hot_requests.add(rid)
+            else:
+                assert not any(ids[g] for g in self.hot_groups), f"{rid}: hot regions in some groups only"
+                world.hot.pop(rid, None)
+        updates = dict(metadata.residency_updates or {})
+        world.residency_updates = lambda requests: updates
+        hot = [adapter.source_blocks_from_output(output, g) for g in self.hot_groups]
+        world.hot_output = lambda requests, fresh: hot
 
     def finish(self, output, transfers, copied):
         """The worker's ModelRunnerOutput for `output`: a token for every request past its prompt, and the
@@ -382,9 +424,10 @@ def test_micro_batching_with_hisparse_is_refused_by_vllm_itself(tmp_path):
         VllmScheduler(tmp_path, 32 << 20, parallel_config=ParallelConfig(enable_dbo=True))
 
 
-def serve(tmp_path, device_bytes, transfer=None):
+def serve(tmp_path, device_bytes, transfer=None, hot_regions=True):
+    """The connector's layout (hot_regions: ESS's rows in vLLM's hot regions, the others read in place)."""
     rng = np.random.default_rng(11)
-    driven = Driven(tmp_path, device_bytes, transfer=transfer)
+    driven = Driven(tmp_path, device_bytes, transfer=transfer, hot_regions=hot_regions)
     driven.add("a", 300, 40, rng)
     driven.add("b", 190, 60, rng)
     driven.add("c", 250, 30, rng, prefix_of="a", prefix=128)
@@ -414,6 +457,23 @@ def test_decode_under_vllms_scheduler_serves_the_full_caches_bytes(tmp_path, dev
         # c on a's prefix; a preempted request resumed on its own cached pages
         assert driven.preempted and driven.prefix_hits["c"] == 128
         assert set(driven.prefix_hits) - {"c"} <= driven.preempted
+
+
+def test_esss_rows_in_vllms_hot_regions_under_its_scheduler(tmp_path):
+    """The connector's layout under vLLM's own scheduler: ESS's rows in the hot regions vLLM's HiSparse coordinator
+    hands out (the hot group's blocks of its real outputs) and, until a request has one, its rows read in place at
+    the resident pages the real residency updates name; every decode step's rows and bytes against the model, the
+    residency table and the full cache, as the replay checks them."""
+    rng = np.random.default_rng(11)
+    driven = Driven(tmp_path, 2 << 20, hot_regions=True)
+    for rid, prompt, tokens in (("a", 300, 40), ("b", 190, 60), ("d", 120, 50), ("e", 70, 20)):
+        driven.add(rid, prompt, tokens, rng)
+    driven.add("c", 250, 30, rng, prefix_of="a", prefix=128)
+    driven.run()
+    assert driven.replay.forwards_served > 50 and driven.host_read_steps > 30
+    assert len(driven.hot_requests) >= 2, "vLLM moved no request to host reads"
+    assert min(driven.replay.rows_checked.values()) > 50, driven.replay.rows_checked
+    assert not driven.vllm.scheduler.has_requests()
 
 
 def pd_decode_transfer():
