@@ -312,9 +312,11 @@ ESS_API ess_status ess_request_repage(ess_engine* engine, int64_t id, int64_t le
 ESS_API ess_status ess_request_release(ess_engine* engine, int64_t id);
 /* Regions only (ess_config.region_blocks): request `id`'s rows lie from now on in `blocks`: its
  * region of each region group, group after group (groups x region_blocks block ids of the layer
- * tensors, distinct, none in another request's region). Its device residency is forgotten (as ess_request_reset) and, with reserve_newest, its
- * newest min(T, length) entries are loaded into its new reserved rows. Place a request before its
- * warmup and its first step; its blocks are free again once it is released. */
+ * tensors, distinct, none in another request's region). Its device residency is forgotten (as
+ * ess_request_reset) and, with reserve_newest, its newest min(T, length) entries are loaded into its
+ * new reserved rows. Place a request before its warmup and its first step (the CPU backend refuses a
+ * step of an unplaced request by name; the CUDA backend serves it as padding and writes nothing
+ * back from it); its blocks are free again once it is released. */
 ESS_API ess_status ess_request_place(ess_engine* engine, int64_t id, const int32_t* blocks, int64_t count);
 /* The physical row of row `slot` (its slots, then its reserved rows) of pool row `row` in `layer`:
  * row x rows_per_request + slot, or the row in its region of the layer's group; -1 while a row of

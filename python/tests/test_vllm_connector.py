@@ -121,13 +121,20 @@ class World:
         self.kv_cache_groups = [types.SimpleNamespace(kv_cache_spec=None, layer_names=[])] + [
             types.SimpleNamespace(kv_cache_spec=HiSparseHotSpec(REGION), layer_names=[f"layers.{l}.hot" for l in pair])
             for pair in ((0, 1), (2, 3))]
-        # Each layer's hot cache (runtime.py PagedCacheView: its attention view, a vLLM block every 64 rows).
-        self.slabs = [torch.zeros((SLAB_BLOCKS, BLOCK, 656), dtype=torch.uint8) for _ in range(4)]
+        # vLLM's one hot slab: a block holds the page of each of the 4 layers (kv_cache_planning.py: a block's bytes
+        # a multiple of the hot page); a layer's view starts at its page (runtime.py PagedCacheView.bind: the strided
+        # cache, and the attention view raw[byte_offset:], a vLLM block every 4 x 64 rows), so later layers' views
+        # are shorter.
+        page = BLOCK * 656
+        self.backing = torch.zeros(SLAB_BLOCKS * 4 * page, dtype=torch.uint8)
+        self.attention = [self.backing[j * page:].view(-1, BLOCK, 656) for j in range(4)]
+        caches = [torch.as_strided(self.backing, (SLAB_BLOCKS, BLOCK, 656), (4 * page, 656, 1), j * page)
+                  for j in range(4)]
         self.handles = []
         for layer in range(4):
             handle = UP["HiSparseCacheHandle"](types.SimpleNamespace(
                 region_stride=SLOTS, device=torch.device("cpu"), is_group_leader=True, eager_host_mirror=True,
-                hot=UP["PagedCacheView"](self.slabs[layer], self.slabs[layer], BLOCK, BLOCK),
+                hot=UP["PagedCacheView"](caches[layer], self.attention[layer], BLOCK, 4 * BLOCK),
                 request_state_indices=torch.full((STATES,), -1, dtype=torch.int32), resident_source_index=0,
                 registered_host_pool=self.registered,
                 index_group=types.SimpleNamespace(shared_topk=types.SimpleNamespace(
@@ -212,9 +219,9 @@ def test_register_start_load_and_shutdown(connector_module):
     assert (info.layers, info.slots, info.query_tokens, info.topk, info.backend) == (3, REGION * BLOCK - T, T, K, "cpu")
     assert info.region_blocks == REGION and worker.ess_hot_groups == [1, 2]
     assert worker.ess.region_group == [0, 0, 1]   # the target layers' hot cache groups, in order
-    # ESS's rows are vLLM's hot caches (their attention views): no buffer of its own.
-    assert [r.hot.attention_cache.data_ptr() for r in (h.runtime for h in world.handles[:3])] == \
-        [world.slabs[layer].data_ptr() for layer in range(3)]
+    # ESS's rows are vLLM's hot caches (their attention views, cut to the shortest): no buffer of its own.
+    assert [t.data_ptr() for t in worker.ess.latent] == [world.attention[layer].data_ptr() for layer in range(3)]
+    assert {t.shape[0] for t in worker.ess.latent} == {SLAB_BLOCKS * 4 - 2}
     assert all(isinstance(h.runtime, adapter.HiSparseRuntime) and h.runtime.upstream is u
                for h, u in zip(world.handles[:3], upstream))
     assert world.handles[3].runtime is upstream[3], "the speculator's layer keeps vLLM's runtime"
@@ -400,16 +407,18 @@ def test_a_hot_region_gives_esss_rows_and_the_engines_memory_must_fit(connector_
                                                                       blocks=owned(world, a=2, b=0),
                                                                       hot={"a": ([7], [9])}),
                     request_ids=["a", "b"], request_state_indices=torch.tensor([2, 0], dtype=torch.int32))
-    assert decode.placed == {2: [7, 9]} and decode.in_place_state[:2].tolist() == [-1, 0]
+    assert decode.placed == {2: [28, 36]} and decode.in_place_state[:2].tolist() == [-1, 0]   # ESS blocks 4k
     assert decode.rows[:2].tolist() == [2, -1]
     engine = c.connector_worker.ess_engine
     reserved = REGION * BLOCK - T
-    assert [engine.buffer_row(2, reserved, layer) for layer in range(3)] == [7 * BLOCK + reserved] * 2 + [9 * BLOCK + reserved]
+    # vLLM block k is ESS's block 4k (the attention views' block stride is 4 x 64 rows).
+    assert [engine.buffer_row(2, reserved, layer) for layer in range(3)] == \
+        [7 * 4 * BLOCK + reserved] * 2 + [9 * 4 * BLOCK + reserved]
     # "b" gets its hot regions a step later (appended to a cached request's empty hot lists).
     c.start_load_kv(eager(152, 72), scheduler_output=scheduler_output(cached=[("a", 151, T), ("b", 71, T)],
                                                                       hot={"b": ([3], [4])}),
                     request_ids=["a", "b"], request_state_indices=torch.tensor([2, 0], dtype=torch.int32))
-    assert decode.placed == {2: [7, 9], 0: [3, 4]} and decode.rows[:2].tolist() == [2, 0]
+    assert decode.placed == {2: [28, 36], 0: [12, 16]} and decode.rows[:2].tolist() == [2, 0]
     with pytest.raises(ess.InvalidArgument, match="has 2 blocks in hot group 0; a hot region is 1"):
         c.start_load_kv(eager(153), scheduler_output=scheduler_output(new=[("x", 152, T)], blocks=owned(world, x=1),
                                                                       hot={"x": ([4, 5], [6])}),

@@ -296,6 +296,8 @@ class Replay:
                                         attention_block_stride=2 * BLOCK if hot_regions else BLOCK,
                                         region_group=list(range(LAYERS)) if hot_regions else None)
         self.model_region = {}   # hot regions: request -> the region the model's LRU started on
+        # vLLM's null block (block 0 of each layer's slab), which ESS may rewrite only with its own bytes.
+        self.null_block = [slab[0].clone() for slab in self.world.resident] if hot_regions else None
         self.rows_checked = {"hot": 0, "in place": 0}   # hot regions: decode row-layers checked of each kind
         self.model = EngineModel(LAYERS, slots, T, reserve_newest=True)
         self.model_rows = {}   # request -> state the model admitted it at
@@ -521,6 +523,9 @@ class Replay:
                 if self.async_scheduling:
                     self.rejected[rid] = n - kept
         self.forwards_served += served > 0
+        if self.null_block is not None:
+            for layer, slab in enumerate(w.resident):
+                assert torch.equal(slab[0], self.null_block[layer]), f"layer {layer}: vLLM's null block was written"
         return served
 
     def check_regions(self, decodes, rows, flat, layer, physical):

@@ -52,7 +52,8 @@
 // ignored, every pointer is host memory); kCuda needs the CUDA backend and a device. For
 // valid input the two give the same rows, bit for bit. Invalid input: kCpu throws ess::Error
 // naming the position and leaves every state unchanged; kCuda, which cannot check without
-// synchronizing, treats ids outside [-1, length) as padding.
+// synchronizing, treats ids outside [-1, length) as padding, and so a position whose request has no
+// region yet (regions): nothing is served for it or written back from it.
 //
 // Thread safety: one thread at a time per Offload.
 #pragma once

@@ -5,7 +5,9 @@ In vLLM 0.33.0 each HiSparse attention layer owns a cache handle (vllm/v1/hispar
 HiSparseCacheHandle) whose `runtime` (HiSparseRuntime) decides which of a decode token's logical top-k
 rows are in the GPU hot buffer, copies the misses in from the host pool and returns the physical rows
 FlashMLA reads (`swap_in`). Here `HiSparseRuntime` is ESS's: one ESS engine layer per handle, the LRU
-rows of each request in ESS's own device buffer, the misses copied from the host pool. That host pool is
+rows of each request in the hot regions vLLM hands it (EssDecode, "Hot regions"; a buffer of ESS's own,
+latent_buffers, for an engine made without regions), a request without one read in place at vLLM's resident
+pages, the misses copied from the host pool. That host pool is
 vLLM's: ESS's Total Memory Pool sits on it as foreign pages (Engine's foreign_pages: vLLM's per-layer host
 caches, its host blocks as ESS's pages), and each request's ESS page table is its vLLM host block table.
 There is one copy of the context in host memory, vLLM's: its prefill writes it, its row mirror
@@ -439,11 +441,17 @@ class EssDecode:
                         if not 0 < k * self.block_scale < limit:
                             raise InvalidArgument(f"start_step: request {rid!r}'s hot block {k} is outside vLLM's slab "
                                                   f"of {limit // self.block_scale} blocks (or the null block)")
+            owner = {}
             for rid in set().union(*hot):
                 have = [g for g in range(self.groups) if hot[g].get(rid)]
                 if have and len(have) != self.groups:
                     raise InvalidArgument(f"start_step: request {rid!r} has hot regions in groups {have} of "
                                           f"{self.groups}; vLLM hands a request all its hot regions at once")
+                for g in have:
+                    for k in hot[g][rid]:
+                        if owner.setdefault(k, rid) != rid:
+                            raise InvalidArgument(f"start_step: hot block {k} is in the regions of requests "
+                                                  f"{owner[k]!r} and {rid!r}")
         # ESS's lifecycle calls (releases, adoptions, repages) on the forward's stream, after the forwards before it,
         # without a wait: a row released below may still be read by the forward in flight.
         if self.device.type == "cuda":
@@ -497,7 +505,8 @@ class EssDecode:
                 if self.recorder is not None:
                     self.recorder.begin(s, rid, length)
             self.length_of[s] = length
-            if self.regions and self.hot_of[0].get(rid):   # its rows in its hot regions (placed anew: its LRU empty)
+        for _, rid, s, *_ in plans if self.regions else ():   # after every release: their blocks are free
+            if self.hot_of[0].get(rid):   # its rows in its hot regions (placed anew: its LRU empty)
                 region = [k * self.block_scale for hot in self.hot_of for k in hot[rid]]
                 if self.placed.get(s) != region:
                     self.engine.place(s, region)
@@ -714,10 +723,11 @@ class HiSparseRuntime:
         state = d.in_place_state.index_select(0, row.clamp(min=0)).to(torch.int64)    # per token, -1: ESS's row
         table = resident.block_table
         ids = logical_topk_indices.to(torch.int64)
-        pages = (ids.clamp(min=0) // KERNEL_BLOCK).clamp(max=table.shape[1] - 1)
-        blocks = table.index_select(0, state.clamp(min=0)).to(torch.int64).gather(1, pages)
+        pages = ids.clamp(min=0) // KERNEL_BLOCK
+        inside = (ids >= 0) & (pages < table.shape[1])   # a page past the table: -1, as vLLM's conversion gives
+        blocks = table.index_select(0, state.clamp(min=0)).to(torch.int64).gather(1, pages.clamp(max=table.shape[1] - 1))
         rows = blocks * resident.view.attention_block_stride + ids.clamp(min=0) % KERNEL_BLOCK
-        rows = torch.where(ids >= 0, rows, torch.full_like(rows, -1)).to(torch.int32)
+        rows = torch.where(inside, rows, torch.full_like(rows, -1)).to(torch.int32)
         return torch.where((state >= 0).unsqueeze(1), rows, physical)
 
     # ---- the decode swap ----
@@ -763,7 +773,8 @@ class HiSparseRuntime:
             (req_id_per_token[:n].to(torch.int64) == row)
         # The newest entries the model just wrote into the reserved rows (padding: into the scratch row).
         src_rows = resident.slot_mapping[:n].to(torch.int64)
-        use = valid & (src_rows >= 0)
+        # (A row read in place has no reserved rows: its newest entries are read where the model wrote them.)
+        use = valid & (src_rows >= 0) & (d.in_place_state.index_select(0, row.clamp(min=0)) < 0)
         src_rows = torch.where(use, src_rows, torch.zeros_like(i))
         # The resident view is strided (vllm/v1/hisparse/runtime.py PagedCacheView.bind: a block stride that
         # spans the slab's other groups), so only the n rows are gathered, by block and row, never the view whole.

@@ -60,7 +60,11 @@ class EssConnectorWorker(HiSparseConnectorWorker):
                              f"(device_buffer_size {first.region_stride}) leaves {slots} LRU rows beside the T = {T} "
                              f"reserved ones; one query token's top-k needs {floor}: set device_buffer_size to at least "
                              f"{floor + T}")
-        latent = [h.runtime.hot.attention_cache for _, h in targets]
+        # Each layer's attention view runs from its own offset in vLLM's one slab to the slab's end (PagedCacheView.bind:
+        # raw[byte_offset:]), so a later layer's has fewer rows: every view is cut to the shortest, which still holds
+        # every vLLM block's rows (block k of a layer at k x attention_block_stride rows, its layer offset below that).
+        views = [h.runtime.hot.attention_cache for _, h in targets]
+        latent = [v[:min(u.shape[0] for u in views)] for v in views]
         strides = {h.runtime.hot.attention_block_stride for _, h in targets}
         if len(strides) != 1:
             raise ValueError(f"ESS's HiSparse connector: the hot caches' attention block strides differ ({strides})")

@@ -140,6 +140,11 @@ TEST_P(OffloadShapes, MatchesTheModelAndIsLossless) {
   }
   Offload o(c, buffer);
   const std::int32_t rpr = c.rows_per_request();
+  // In regions, the bytes of every layer's buffer before anything runs: blocks never placed and the
+  // padding between blocks must keep them.
+  std::vector<std::vector<std::uint8_t>> untouched;
+  std::set<std::int32_t> ever_placed;
+  for (int l = 0; l < L && regions; ++l) untouched.push_back(io().dump(o, l));
   std::mt19937 rng(static_cast<std::uint32_t>(R * 7919 + pads * 131 + T * 31 + K + extra + reserve + 5 * regions));
   std::shuffle(spare_blocks.begin(), spare_blocks.end(), rng);
   const auto place = [&](ModelRequest& m) {  // onto the next spare blocks (a region per layer); its old ones spare again
@@ -147,6 +152,7 @@ TEST_P(OffloadShapes, MatchesTheModelAndIsLossless) {
     m.region.assign(spare_blocks.end() - L * c.region_blocks, spare_blocks.end());
     spare_blocks.resize(spare_blocks.size() - static_cast<std::size_t>(L * c.region_blocks));
     o.place(m.id, m.region);
+    ever_placed.insert(m.region.begin(), m.region.end());
   };
   // Row s of a request's rows in the buffer of `layer`.
   const auto row_of = [&](const ModelRequest& m, std::int32_t s, int layer) {
@@ -287,8 +293,23 @@ TEST_P(OffloadShapes, MatchesTheModelAndIsLossless) {
       }
     }
   }
+  // In regions: no byte of a block never placed, and none of the padding between blocks, was written.
+  for (int l = 0; l < L && regions; ++l) {
+    const std::vector<std::uint8_t> now = io().dump(o, l);
+    ASSERT_EQ(now.size(), untouched[static_cast<std::size_t>(l)].size());
+    const std::uint64_t stride = o.buffer().rows.block_stride, rows_bytes = kRegionBlockRows * E;
+    for (std::int64_t k = 0; k < o.buffer().blocks; ++k) {
+      const std::uint64_t at = static_cast<std::uint64_t>(k) * stride;
+      const std::uint64_t from = ever_placed.contains(static_cast<std::int32_t>(k)) ? at + rows_bytes : at;
+      const std::uint64_t to = std::min<std::uint64_t>(at + stride, now.size());
+      for (std::uint64_t i = from; i < to; ++i) {
+        ASSERT_EQ(now[i], untouched[static_cast<std::size_t>(l)][i]) << "layer " << l << " block " << k << " byte " << i - at;
+      }
+    }
+  }
 }
 
+// (The untouched-bytes check of the regions variant runs at the end of MatchesTheModelAndIsLossless.)
 INSTANTIATE_TEST_SUITE_P(Random, OffloadShapes,
                          testing::Values(Shape{1, 0, 1, 1, 0, false, false}, Shape{3, 2, 2, 41, 7, true, false},
                                          Shape{5, 3, 2, 64, 30, false, false}, Shape{4, 1, 3, 128, 50, true, false},

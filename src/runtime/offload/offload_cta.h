@@ -179,7 +179,8 @@ ESS_DEVICE_INLINE void write_back_list_cta(const WriteBackList& w, P& p) {
   }
 }
 
-// One block: a lifecycle load's list (offload_launch.h, HostFillList).
+// One block: a lifecycle load's list (offload_launch.h, HostFillList). With regions the row has one:
+// the front loads only into placed rows (warmup refuses an unplaced one; place loads after placing).
 template <class P>
 ESS_DEVICE_INLINE void host_fill_list_cta(const HostFillList& f, P& p) {
   const bool range = f.units != nullptr || f.reserved;

@@ -185,6 +185,11 @@ TEST(OffloadCpu, RegionsRefuseBadPlacementsByNameAndChangeNothing) {
   EXPECT_NE(made(c, paged(12, 3)).find("10 rows per request (slots 8 + reserved 2) do not fit a region of 3 blocks of 3 rows"),
             std::string::npos);
   EXPECT_NE(made(c, paged(0, 4)).find("block_rows = 4 and blocks = 0 must be positive"), std::string::npos);
+  OffloadConfig gaps = c;
+  gaps.region_group = {1, 1};
+  EXPECT_NE(made(gaps, paged(12, 4)).find("region_group has no layer in group 0"), std::string::npos);
+  gaps.region_group = {0};
+  EXPECT_NE(made(gaps, paged(12, 4)).find("region_group has 1 values: one per layer (2)"), std::string::npos);
   OffloadConfig whole = c;
   whole.residency = Residency::kAdaptive;
   EXPECT_NE(made(whole, paged(12, 4)).find("residency adaptive with regions"), std::string::npos) << made(whole, paged(12, 4));

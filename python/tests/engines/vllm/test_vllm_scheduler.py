@@ -476,6 +476,27 @@ def test_esss_rows_in_vllms_hot_regions_under_its_scheduler(tmp_path):
     assert not driven.vllm.scheduler.has_requests()
 
 
+def test_a_load_rising_past_vllms_memory_wall_and_falling_back(tmp_path):
+    """Nothing to pay at low load, under vLLM's own scheduler: one request, then one more every few steps, past the
+    device memory where vLLM moves requests to host reads (hot regions: ESS's rows), then falling back as they
+    finish. While the load is light every row is read in place at vLLM's resident pages (no ESS row, no copy); once
+    it is not, ESS serves the requests vLLM moved; every step's rows and bytes checked as the replay checks them."""
+    rng = np.random.default_rng(5)
+    driven = Driven(tmp_path, 2 << 20, hot_regions=True)
+    checked = driven.replay.rows_checked
+    driven.add("a", 150, 40, rng)
+    for _ in range(8):
+        driven.step()
+    assert checked["in place"] > 0 and checked["hot"] == 0, checked   # one request: nothing offloaded
+    for rid, prompt, tokens in (("b", 190, 50), ("c", 250, 40), ("d", 120, 50), ("e", 300, 30)):
+        driven.add(rid, prompt, tokens, rng)
+        for _ in range(6):
+            driven.step()
+    driven.run()
+    assert driven.hot_requests and checked["hot"] > 20, checked
+    assert not driven.vllm.scheduler.has_requests()
+
+
 def pd_decode_transfer():
     """A disaggregated decode instance's KV transfer configuration, as vLLM's docs and its HiSparse check
     (config/vllm.py: NixlConnector, MooncakeStoreConnector or MultiConnector are HiSparse's validated paths) have
