@@ -606,6 +606,23 @@ def three_requests(r):
     return ["a", "b", "c"], [2, 0, 4]
 
 
+def shuffled_decode_step(r, batch, states, step):
+    """One decode step of every request of `batch`, condensed and reordered (the batch rows change, each request
+    keeps its state index); with MTP some verify steps carry fewer drafts (a batch vLLM's uniform split cuts after its
+    first rows of the first row's length) and each keeps part of its tokens; every third uniform step a FULL graph
+    captured for a larger batch. Returns the new order and the draft counts (None: T each)."""
+    T, rng = r.T, np.random.default_rng(step)
+    order = rng.permutation(len(batch))
+    batch, states = [batch[i] for i in order], [states[i] for i in order]
+    counts = {rid: int(rng.integers(1, T + 1)) for rid in batch} if T > 1 and step % 2 else None
+    scheduled = decode_step(batch, r.world, T, counts)
+    uniform = len({n for _, n in scheduled.values()}) == 1
+    pad = len(batch) + 1 if uniform and step % 3 == 0 else None
+    accepted = {rid: int(rng.integers(1, n + 1)) for rid, (_, n) in scheduled.items()} if T > 1 else None
+    assert r.step(batch, states, scheduled, pad_reqs=pad, accepted=accepted) >= 1
+    return batch, states, counts
+
+
 @pytest.mark.parametrize("T,slots,async_scheduling,from_output",
                          [(1, 24, True, False), (3, 56, True, False), (3, 56, False, False), (3, 56, True, True)])
 def test_decode_replay_matches_the_model_and_the_full_cache(T, slots, async_scheduling, from_output, **rank):
@@ -616,19 +633,8 @@ def test_decode_replay_matches_the_model_and_the_full_cache(T, slots, async_sche
     w = r.world
     batch, states = three_requests(r)
     for step in range(10):
-        # Condense and reorder: the batch rows change, each request keeps its state index.
-        rng = np.random.default_rng(step)
-        order = rng.permutation(len(batch))
-        batch, states = [batch[i] for i in order], [states[i] for i in order]
-        # MTP: some verify steps carry fewer drafts (a batch vLLM's uniform split cuts after its first rows of
-        # the first row's length), and each keeps part of its tokens.
-        counts = {rid: int(rng.integers(1, T + 1)) for rid in batch} if T > 1 and step % 2 else None
-        scheduled = decode_step(batch, w, T, counts)
-        uniform = len({n for _, n in scheduled.values()}) == 1
-        pad = len(batch) + 1 if uniform and step % 3 == 0 else None   # a FULL graph captured for a larger batch
-        accepted = {rid: int(rng.integers(1, n + 1)) for rid, (_, n) in scheduled.items()} if T > 1 else None
         reads = r.decode.device_reads
-        assert r.step(batch, states, scheduled, pad_reqs=pad, accepted=accepted) >= 1
+        batch, states, counts = shuffled_decode_step(r, batch, states, step)
         if from_output and step > 0 and counts is None:   # every request known, every row T tokens
             assert r.decode.device_reads == reads, f"step {step} read the device back"
     assert r.forwards_served == 13   # 3 steps decoded beside the prefills of "b" and "c"
@@ -934,15 +940,7 @@ def test_hot_regions_hold_esss_rows_and_resident_requests_are_read_in_place(T):
             continue
         if step == 10:
             w.go_hot("d")
-        rng = np.random.default_rng(step)
-        order = rng.permutation(len(batch))
-        batch, states = [batch[i] for i in order], [states[i] for i in order]
-        counts = {rid: int(rng.integers(1, T + 1)) for rid in batch} if T > 1 and step % 2 else None
-        scheduled = decode_step(batch, w, T, counts)
-        uniform = len({n for _, n in scheduled.values()}) == 1
-        pad = len(batch) + 1 if uniform and step % 3 == 0 else None
-        accepted = {rid: int(rng.integers(1, n + 1)) for rid, (_, n) in scheduled.items()} if T > 1 else None
-        assert r.step(batch, states, scheduled, pad_reqs=pad, accepted=accepted) >= 1
+        batch, states, _ = shuffled_decode_step(r, batch, states, step)
         # ESS knows every hot region from the scheduler output, and places a request's rows there once it serves it.
         for g in range(LAYERS):
             assert {rid: b for rid, b in r.decode.hot_of[g].items() if b} == \
