@@ -67,7 +67,8 @@ void OffloadConfig::validate() const {
     ESS_CHECK(region_group[l] >= 0 && region_group[l] < layers, "offload: region_group of layer {} is {}, outside [0, {})",
               l, region_group[l], layers);
   }
-  for (int g = 0; !region_group.empty() && g < region_groups(); ++g) {  // numbered from 0, none empty (each takes device memory)
+  // Groups numbered from 0, none empty (each takes device memory).
+  for (int g = 0; !region_group.empty() && g < region_groups(); ++g) {
     ESS_CHECK(std::find(region_group.begin(), region_group.end(), g) != region_group.end(),
               "offload: region_group has no layer in group {} (groups are numbered 0 .. {} without gaps)", g,
               region_groups() - 1);
