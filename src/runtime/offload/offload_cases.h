@@ -68,6 +68,17 @@ inline std::vector<std::uint8_t> entry_of(RequestId id, int layer, std::int64_t 
   return e;
 }
 
+// The host pool entries of request `id`, tokens [from, to) of every layer, as entry_of gives them.
+inline void write_entries(Offload& o, RequestId id, std::int64_t from, std::int64_t to) {
+  const std::size_t E = o.config().layout.bytes();
+  for (int l = 0; l < o.config().layers; ++l) {
+    for (std::int64_t t = from; t < to; ++t) {
+      const auto e = entry_of(id, l, t, E);
+      std::memcpy(o.host_entry(id, l, t).data(), e.data(), E);
+    }
+  }
+}
+
 // Position bz's DA halves as the step returned them: each query row's rows that `fetched(row)` says
 // the step copied, and the others (resident), each compacted to the front in order, -1 after.
 template <class Fetched>
@@ -1146,12 +1157,7 @@ TEST(OffloadSplitBuffer, TailsInTensorsOfTheirOwnAreLossless) {
   StepIn in;
   in.batch = 1;
   in.rows = {o.admit(id, len)};
-  for (int l = 0; l < c.layers; ++l) {
-    for (std::int64_t t = 0; t < len; ++t) {
-      const auto e = entry_of(id, l, t, E);
-      std::memcpy(o.host_entry(id, l, t).data(), e.data(), E);
-    }
-  }
+  write_entries(o, id, 0, len);
   o.warmup(id, {}, 0);
   std::mt19937 rng(5);
   std::vector<std::int32_t> prev;
@@ -1295,12 +1301,7 @@ TEST(OffloadWarmup, LoadsTheNewestEntriesIntoTheReservedRows) {
     const std::int32_t rpr = c.rows_per_request();
     for (const auto& [id, length, W] : {std::tuple<RequestId, std::int64_t, int>{3, 100, 2}, {4, 2, 1}, {5, 40, 0}}) {
       const std::int32_t row = o.admit(id, length);
-      for (int l = 0; l < c.layers; ++l) {
-        for (std::int64_t t = 0; t < length; ++t) {
-          const auto e = entry_of(id, l, t, E);
-          std::memcpy(o.host_entry(id, l, t).data(), e.data(), E);
-        }
-      }
+      write_entries(o, id, 0, length);
       std::vector<std::int32_t> windows(static_cast<std::size_t>(c.layers * W * c.topk), -1);
       for (std::size_t i = 0; i < windows.size(); ++i) {  // distinct within a window, -1 past the prompt
         const auto k = static_cast<std::int64_t>(i % static_cast<std::size_t>(c.topk));

@@ -71,12 +71,7 @@ TEST(OffloadCpu, BadInputIsRefusedByNameAndChangesNothing) {
   const std::vector<RequestId> ids = {5, 6};
   for (const RequestId id : ids) {
     o.admit(id, 100);
-    for (int l = 0; l < 2; ++l) {
-      for (std::int64_t t = 0; t < 100; ++t) {
-        const auto e = entry_of(id, l, t, c.layout.bytes());
-        std::memcpy(o.host_entry(id, l, t).data(), e.data(), e.size());
-      }
-    }
+    write_entries(o, id, 0, 100);
   }
   std::vector<std::int32_t> phys(16);
   const auto step_with = [&](std::vector<std::int32_t> rows, std::vector<std::int32_t> topk, std::vector<std::int32_t> lengths,
@@ -198,12 +193,7 @@ TEST(OffloadCpu, RegionsRefuseBadPlacementsByNameAndChangeNothing) {
   const std::vector<RequestId> ids = {5, 6};
   for (const RequestId id : ids) {
     o.admit(id, 100);
-    for (int l = 0; l < 2; ++l) {
-      for (std::int64_t t = 0; t < 100; ++t) {
-        const auto e = entry_of(id, l, t, E);
-        std::memcpy(o.host_entry(id, l, t).data(), e.data(), e.size());
-      }
-    }
+    write_entries(o, id, 0, 100);
   }
   // Before its placement a request has no rows: warmup and steps refuse it by name.
   EXPECT_EQ(o.buffer_row(0, o.row(5), 0), -1);
