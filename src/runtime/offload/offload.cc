@@ -155,7 +155,8 @@ void check_heads_and_tails_apart(const LatentBuffer& b, std::int64_t n) {
 }
 
 // A split buffer (LatentBuffer::tail_base): the cut within the entry, where the tails lie.
-void check_split(LatentBuffer& b, const OffloadConfig& c, bool owned) {
+// `rows`: the buffer rows a layer holds (OffloadState::buffer_rows).
+void check_split(LatentBuffer& b, const OffloadConfig& c, bool owned, std::int64_t rows) {
   const RowTail& t = b.tail;
   const std::uint64_t entry = c.layout.bytes();
   ESS_CHECK(!owned, "offload: a buffer split in two parts (tail_base) needs the caller's layer buffers (layer_base)");
@@ -176,8 +177,7 @@ void check_split(LatentBuffer& b, const OffloadConfig& c, bool owned) {
     ESS_CHECK(b.tail_base[l] != nullptr && reinterpret_cast<std::uintptr_t>(b.tail_base[l]) % 8 == 0,
               "offload: the tail buffer of layer {} is null or not 8-byte aligned", l);
   }
-  check_heads_and_tails_apart(b, c.region_blocks > 0 ? b.blocks * b.rows.block_rows
-                                                     : static_cast<std::int64_t>(c.max_requests) * c.rows_per_request());
+  check_heads_and_tails_apart(b, rows);
   b.tail.head = b.rows;
   b.tail.delta = 0;
 }
@@ -237,7 +237,7 @@ Offload::Impl::Impl(const OffloadConfig& c, LatentBuffer b, HostAllocator& host)
               config.max_requests, config.rows_per_request(), buffer.blocks, buffer.rows.block_rows);
   }
   if (buffer.split()) {
-    check_split(buffer, config, owned);
+    check_split(buffer, config, owned, buffer_rows());
   } else {
     ESS_CHECK(buffer.tail.head_bytes == 0 && buffer.tail.bytes == 0,
               "offload: a split entry ({} + {} bytes) without tail_base: give the tails' buffers, or leave tail empty",
@@ -603,8 +603,7 @@ void Offload::Impl::free_region(std::int32_t row) {
   if (region.empty()) return;
   const auto n = static_cast<std::size_t>(config.region_blocks);
   for (int g = 0; g < config.region_groups(); ++g) {
-    const std::size_t at = (static_cast<std::size_t>(g) * static_cast<std::size_t>(config.max_requests) +
-                            static_cast<std::size_t>(row)) * n;
+    const std::size_t at = region_at(g, row);
     for (std::size_t i = at; i < at + n; ++i) {
       if (region[i] >= 0) row_of_block[static_cast<std::size_t>(region[i])] = -1;
       region[i] = -1;
@@ -636,9 +635,7 @@ void Offload::place(RequestId id, std::span<const std::int32_t> blocks) {
   }
   x.free_region(row);
   for (std::size_t i = 0; i < blocks.size(); ++i) {
-    const std::size_t g = i / static_cast<std::size_t>(n);
-    x.region[(g * static_cast<std::size_t>(x.config.max_requests) + static_cast<std::size_t>(row)) * static_cast<std::size_t>(n) +
-             i % static_cast<std::size_t>(n)] = blocks[i];
+    x.region[x.region_at(static_cast<int>(i / static_cast<std::size_t>(n)), row) + i % static_cast<std::size_t>(n)] = blocks[i];
     x.row_of_block[static_cast<std::size_t>(blocks[i])] = row;
   }
   x.device("place", [&] {

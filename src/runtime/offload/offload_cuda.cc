@@ -197,7 +197,7 @@ class CudaOffload final : public OffloadBackend {
     clear_units(row, s);
     for (int g = 0; regions_.get() != nullptr && g < x_.config.region_groups(); ++g) {
       const auto n = static_cast<std::size_t>(x_.config.region_blocks);
-      ESS_CUDA_CHECK(cudaMemsetAsync(regions_.get() + region_at(g, row), 0xff, n * 4, static_cast<cudaStream_t>(s)),
+      ESS_CUDA_CHECK(cudaMemsetAsync(regions_.get() + x_.region_at(g, row), 0xff, n * 4, static_cast<cudaStream_t>(s)),
                      "offload: the region of row {}", row);
     }
     end("release of row {}", row);
@@ -210,8 +210,8 @@ class CudaOffload final : public OffloadBackend {
     const auto n = static_cast<std::size_t>(x_.config.region_blocks);
     for (int g = 0; g < x_.config.region_groups(); ++g) {
       std::int32_t* blocks = staging_.take<std::int32_t>(n);
-      std::copy_n(x_.region.begin() + static_cast<std::ptrdiff_t>(region_at(g, row)), n, blocks);
-      ESS_CUDA_CHECK(cudaMemcpyAsync(regions_.get() + region_at(g, row), blocks, n * 4, cudaMemcpyHostToDevice,
+      std::copy_n(x_.region.begin() + static_cast<std::ptrdiff_t>(x_.region_at(g, row)), n, blocks);
+      ESS_CUDA_CHECK(cudaMemcpyAsync(regions_.get() + x_.region_at(g, row), blocks, n * 4, cudaMemcpyHostToDevice,
                                      static_cast<cudaStream_t>(s)),
                      "offload: the region of row {}", row);
     }
@@ -602,13 +602,9 @@ class CudaOffload final : public OffloadBackend {
   // Regions: each pool row's blocks in each region group ([groups][rows][region_blocks], all -1 while it has none).
   DeviceBuffer<std::int32_t> regions_;
 
-  // Where row `row`'s region of group g starts in the regions (as OffloadState::region).
-  std::size_t region_at(int g, std::int32_t row) const {
-    return (static_cast<std::size_t>(g) * B_ + static_cast<std::size_t>(row)) * static_cast<std::size_t>(x_.config.region_blocks);
-  }
   // Where pool rows' rows lie in `layer`, as the kernels read it (the regions on the device).
   PoolRows pool_rows(int layer) const {
-    const std::int32_t* region = regions_.get() == nullptr ? nullptr : regions_.get() + region_at(x_.config.region_group_of(layer), 0);
+    const std::int32_t* region = regions_.get() == nullptr ? nullptr : regions_.get() + x_.region_at(x_.config.region_group_of(layer), 0);
     return PoolRows{rpr_, region, x_.config.region_blocks, x_.buffer.rows.block_rows};
   }
   bool capturing(Stream stream) const {

@@ -83,12 +83,16 @@ struct OffloadState {
   std::vector<std::int32_t> region;
   std::vector<std::int32_t> row_of_block;
 
+  // Where pool row `row`'s region of group g starts in `region` (and in the CUDA backend's copy of it).
+  std::size_t region_at(int g, std::int32_t row) const {
+    return (static_cast<std::size_t>(g) * static_cast<std::size_t>(config.max_requests) + static_cast<std::size_t>(row)) *
+           static_cast<std::size_t>(config.region_blocks);
+  }
   // Where pool rows' rows lie in `layer`, reading `region` (host memory).
   PoolRows pool_rows(int layer) const {
-    const std::size_t group = static_cast<std::size_t>(config.region_group_of(layer)) *
-                              static_cast<std::size_t>(config.max_requests) * static_cast<std::size_t>(config.region_blocks);
-    return PoolRows{config.rows_per_request(), region.empty() ? nullptr : region.data() + group, config.region_blocks,
-                    buffer.rows.block_rows};
+    return PoolRows{config.rows_per_request(),
+                    region.empty() ? nullptr : region.data() + region_at(config.region_group_of(layer), 0),
+                    config.region_blocks, buffer.rows.block_rows};
   }
   // The buffer rows a layer holds: max_requests x rows_per_request, or the caller's blocks with regions.
   std::int64_t buffer_rows() const;
