@@ -234,9 +234,8 @@ class EssDecode:
         self.query_token = torch.full((self.max_swap_rows,), -1, **i64)
         self.token_index = torch.arange(self.max_swap_rows, **i64)
         self.request_state_indices = torch.full((max_num_reqs,), -1, **i32)
-        # Per batch row: the state index of a decode row served (ESS's or in place), and of one read in place
-        # (hot regions: no hot region), -1 else.
-        self.served_state = torch.full((max_num_reqs,), -1, **i32)
+        # Per batch row: the state index of a decode row read in place (hot regions: no hot region), -1 else (its
+        # ESS row in `rows`).
         self.in_place_state = torch.full((max_num_reqs,), -1, **i32)
         self.batch = 0              # ESS positions staged for this step
         self.state_of: Dict[str, int] = {}     # vLLM request id -> state index (ESS request id and row)
@@ -544,7 +543,6 @@ class EssDecode:
         token_flat = torch.zeros((self.max_swap_rows,), dtype=torch.int64, **host)
         token_slot = torch.full((self.groups, self.max_swap_rows), self.scratch_row, dtype=torch.int64, **host)
         query_token = torch.full((self.max_swap_rows,), -1, dtype=torch.int64, **host)
-        served = torch.full((self.max_num_reqs,), -1, dtype=torch.int32, **host)
         in_place = torch.full((self.max_num_reqs,), -1, dtype=torch.int32, **host)
         # Hot regions: a row without one is read in place (vLLM's resident pages), no ESS row of its own.
         ess_rows = [p for p in positions if not self.regions or p[2] in self.placed]
@@ -553,7 +551,7 @@ class EssDecode:
         i = 0
         for b, _, s, _, n, true in positions:
             mine = not self.regions or s in self.placed
-            rows[b], lengths[b], served[b] = (s if mine else -1), true + n, s
+            rows[b], lengths[b] = (s if mine else -1), true + n
             in_place[b] = -1 if mine else s
             for t in range(n):
                 q = T - n + t                       # the n queries are the last n of the row's T
@@ -573,8 +571,7 @@ class EssDecode:
         # From pinned memory without a wait (torch's pinned allocator keeps each buffer until its copy has run).
         for staged, value in ((self.rows, rows), (self.lengths, lengths), (self.token_row, token_row),
                               (self.token_flat, token_flat), (self.slot_mapping, token_slot),
-                              (self.query_token, query_token), (self.served_state, served),
-                              (self.in_place_state, in_place)):
+                              (self.query_token, query_token), (self.in_place_state, in_place)):
             staged.copy_(value, non_blocking=self.pinned)
         if isinstance(states, torch.Tensor):
             self.request_state_indices[:R].copy_(states.to(self.device, torch.int32), non_blocking=True)
@@ -713,14 +710,13 @@ class HiSparseRuntime:
         if self.upstream is not None:
             self.upstream.reset_hot_state()
 
-    def _in_place(self, physical, resident, logical_topk_indices, row):
+    def _in_place(self, physical, resident, logical_topk_indices, state):
         """Hot regions: the tokens of rows without a hot region read in place, as vLLM resolves resident pages
         (index_group.py _convert_once -> sparse_utils.py triton_convert_req_index_to_global_index with idx_mapping):
         id t of state s at block_table[s, t // 64] x attention_block_stride + t % 64, the handle's block_table its
         residency table (binding.py: residency[resident_source_index], by state index; every page of a request
-        without a hot region is resident)."""
-        d = self.decode
-        state = d.in_place_state.index_select(0, row.clamp(min=0)).to(torch.int64)    # per token, -1: ESS's row
+        without a hot region is resident). state: per token, its row's in_place_state (-1: an ESS row)."""
+        state = state.to(torch.int64)
         table = resident.block_table
         ids = logical_topk_indices.to(torch.int64)
         pages = ids.clamp(min=0) // KERNEL_BLOCK
@@ -774,7 +770,8 @@ class HiSparseRuntime:
         # The newest entries the model just wrote into the reserved rows (padding: into the scratch row).
         src_rows = resident.slot_mapping[:n].to(torch.int64)
         # (A row read in place has no reserved rows: its newest entries are read where the model wrote them.)
-        use = valid & (src_rows >= 0) & (d.in_place_state.index_select(0, row.clamp(min=0)) < 0)
+        in_place = d.in_place_state.index_select(0, row.clamp(min=0))   # per token: its state if read in place
+        use = valid & (src_rows >= 0) & (in_place < 0)
         src_rows = torch.where(use, src_rows, torch.zeros_like(i))
         # The resident view is strided (vllm/v1/hisparse/runtime.py PagedCacheView.bind: a block stride that
         # spans the slab's other groups), so only the n rows are gathered, by block and row, never the view whole.
@@ -793,7 +790,7 @@ class HiSparseRuntime:
         picked = logical_topk_indices.to(torch.int32).index_select(0, at)
         d.topk.view(B * T, K).copy_(torch.where(take.unsqueeze(1), picked, torch.full_like(picked, -1)))
         if d.recorder is not None:   # every served row, ESS's and those read in place
-            d.recorder.record(self.layer, d.served_state, d.topk)
+            d.recorder.record(self.layer, torch.where(d.rows >= 0, d.rows, d.in_place_state), d.topk)
         d.step_binding.step(self.layer, B, stream=torch.cuda.current_stream(d.device) if d.device.type == "cuda" else None)
         if self.upstream is not None and self.upstream.is_group_leader:
             # vLLM's HiSparse statistics (worker.py get_kv_connector_stats reads the group leader's swap_stats,
@@ -801,7 +798,7 @@ class HiSparseRuntime:
             self.upstream.index_group.swap_stats.view(torch.int64).add_(d.counts.sum(0, dtype=torch.int64))
         physical = d.physical.view(B * T, K).index_select(0, d.token_flat[:n])
         if d.regions:
-            physical = self._in_place(physical, resident, logical_topk_indices, row)
+            physical = self._in_place(physical, resident, logical_topk_indices, in_place)
         physical = torch.where(valid.unsqueeze(1), physical, torch.full_like(physical, -1))
         self.layers_served += 1
         self.steps_served += 1
