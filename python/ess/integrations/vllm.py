@@ -39,7 +39,7 @@ from ..engine import Engine, ForeignPages
 from . import _device
 from .topk_recorder import TopkRecorder
 
-__all__ = ["VLLM_VERSION", "HotView", "latent_bytes", "latent_buffers", "host_pool_layout", "Scheduled",
+__all__ = ["VLLM_VERSION", "HotView", "latent_buffers", "host_pool_layout", "Scheduled",
            "scheduled_from_output", "source_blocks_from_output", "fresh_from_output", "EssDecode",
            "HiSparseRuntime"]
 
@@ -57,19 +57,10 @@ class HotView(NamedTuple):
     attention_block_stride: int
 
 
-def _latent_blocks(max_num_reqs: int, rows_per_request: int) -> int:
-    return -(-(max_num_reqs * rows_per_request + 1) // KERNEL_BLOCK)
-
-
-def latent_bytes(max_num_reqs: int, rows_per_request: int) -> int:
-    """Bytes of one layer's buffer of latent_buffers."""
-    return _latent_blocks(max_num_reqs, rows_per_request) * KERNEL_BLOCK * ENTRY_BYTES
-
-
 def latent_buffers(layers: int, max_num_reqs: int, rows_per_request: int, device="cpu"):
     """One uint8 [blocks, 64, 656] buffer per layer: the ESS rows of max_num_reqs requests, then one scratch row
     (where the newest-entry copy of a padded token goes), rounded up to whole FlashMLA blocks."""
-    blocks = _latent_blocks(max_num_reqs, rows_per_request)
+    blocks = -(-(max_num_reqs * rows_per_request + 1) // KERNEL_BLOCK)
     return [torch.zeros((blocks, KERNEL_BLOCK, ENTRY_BYTES), dtype=torch.uint8, device=device)
             for _ in range(layers)]
 
