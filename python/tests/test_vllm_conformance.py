@@ -284,6 +284,39 @@ def test_esss_rows_in_hot_regions_read_what_vllm_binds():
     assert "idx_mapping=leader.runtime.request_state_indices" in convert
 
 
+def test_the_newest_entries_and_adaptive_verification_rest_on_upstreams_facts():
+    """With hot regions ESS fills each row's reserved rows on the device from vLLM's resident tail pages, and maps the
+    swap's tokens from req_id_per_token, which adaptive verification needs. That rests on: a request's last
+    ACTIVE_TAIL_PAGES (2) pages never unpinned (coordinator.py _resident_page_blocks), every appended page sent in
+    the residency updates (take_residency_updates); req_id_per_token built from the device's query_start_loc
+    (backend.py token_to_req_indices), the decode swap given it with num_valid_rows the device's token count
+    (index_group.py); adaptive verification deciding each row's drafts on the device (reallocate_drafts writes
+    query_start_loc there), the host's counts its even spread (compact_batch), and FlashMLA sparse not opting out
+    of that mismatch (supports_device_cpu_query_lens_mismatch, not overridden)."""
+    types_py = open(path("v1/hisparse/types.py"), encoding="utf-8").read()
+    assert f"ACTIVE_TAIL_PAGES = {adapter.ACTIVE_TAIL_PAGES}\n" in types_py
+    tail = ast.unparse(upstream_def("v1/hisparse/coordinator.py", "HiSparseCoordinator", "_resident_page_blocks"))
+    assert "if page_idx >= num_pages - ACTIVE_TAIL_PAGES or block is None:\n            return None" in tail
+    updates = ast.unparse(upstream_def("v1/hisparse/coordinator.py", "HiSparseCoordinator", "take_residency_updates"))
+    assert "pages=[*stale_pages, *range(start, num_pages)]" in updates
+    mapping = ast.unparse(upstream_def("v1/attention/backend.py", "CommonAttentionMetadata", "token_to_req_indices"))
+    assert "compute_token_to_req_indices(self.query_start_loc, buffer" in mapping
+    convert = ast.unparse(upstream_def("v1/attention/backends/mla/index_group.py", "HiSparseMLAIndexGroup",
+                                       "convert_logical_to_physical_topk"))
+    assert "num_valid_rows=attn_metadata.query_start_loc[-1:]" in convert
+    reallocate = ast.unparse(upstream_def("v1/worker/gpu/spec_decode/adaptive_verification.py",
+                                          "AdaptiveVerificationManager", "reallocate_drafts"))
+    assert "torch.cumsum(capacities + num_non_draft_tokens_gpu, dim=0, out=self.query_start_loc[1:num_reqs + 1])" \
+        in reallocate
+    compact = ast.unparse(upstream_def("v1/worker/gpu/spec_decode/adaptive_verification.py",
+                                       "AdaptiveVerificationManager", "compact_batch"))
+    assert "draft_lens_cpu[:num_verification_reqs] = draft_budget // num_verification_reqs" in compact
+    backend = open(path("v1/attention/backends/mla/flashmla_sparse.py"), encoding="utf-8").read()
+    assert "supports_device_cpu_query_lens_mismatch" not in backend
+    assert "return not cls.is_ssm()" in ast.unparse(
+        upstream_def("v1/attention/backend.py", "AttentionBackend", "supports_device_cpu_query_lens_mismatch"))
+
+
 def test_the_host_block_table_is_kept_from_the_scheduler_output_as_vllms_runner_keeps_it():
     """source_blocks_from_output follows the GPU model runner (v1/worker/gpu/model_runner.py): a new request's
     block_ids overwrite its table, a cached request's new_block_ids are appended; the table the handles read is the

@@ -469,12 +469,51 @@ def test_a_hot_region_too_small_for_the_top_k_is_refused(connector_module, monke
         c.register_kv_caches({})
 
 
-def test_adaptive_verification_is_refused(connector_module):
+def test_adaptive_verification_is_served_from_the_forwards_lengths(connector_module, monkeypatch):
+    """enable_adaptive_verification: the forward's decode tokens are the drafts the model runner kept on the device
+    (fewer than the scheduler's), and its seq_lens are the rows' lengths, staged on the device without a read back.
+    (The rows' tokens and bytes: test_vllm_replay.py::test_adaptive_verification_rows_decided_on_the_device.)"""
     module, _ = connector_module
-    adaptive = config()
-    adaptive.speculative_config = types.SimpleNamespace(enable_adaptive_verification=True)
-    with pytest.raises(ValueError, match="enable_adaptive_verification"):
-        module.HiSparseConnector(adaptive, "worker", World())
+    monkeypatch.setattr(module, "max_decode_query_len", lambda config: 3)
+    world = World()
+    adaptive = config(speculative=True)
+    adaptive.speculative_config.enable_adaptive_verification = True
+    c = module.HiSparseConnector(adaptive, "worker", world)
+    c.register_kv_caches({})
+    worker = c.connector_worker
+    assert worker.ess.adaptive and worker.ess_engine.info.query_tokens == 3
+    world.gather([2, 0])
+    out = scheduler_output(new=[("a", 150, 3), ("b", 70, 3)], blocks=owned(world, a=2, b=0))
+    forward = attn(152, 71)   # "a" kept one of its two drafts, "b" none
+    forward["layers.0"].num_decode_tokens = 3
+    c.start_load_kv(None, scheduler_output=out, request_ids=["a", "b"],
+                    request_state_indices=torch.tensor([2, 0], dtype=torch.int32), attn_metadata=forward)
+    assert worker.ess.state_of == {"a": 2, "b": 0} and worker.ess.device_reads == 1   # the new requests' states
+    assert worker.ess.lengths[:2].tolist() == [152, 71]
+    assert worker.ess_engine.request(2) == (2, 153), "ESS holds the scheduler's count, an upper bound"
+    c.connector_worker.shutdown()
+
+
+def test_an_engine_refused_by_the_decode_state_is_given_back(connector_module, monkeypatch):
+    """A refusal of EssDecode's (made after the engine) closes the engine again."""
+    module, _ = connector_module
+    made = []
+
+    class Recorded(module.Engine):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(module, "Engine", Recorded)
+
+    def refused(*args, **kwargs):
+        raise ess.InvalidArgument("EssDecode: refused")
+
+    monkeypatch.setattr(module, "EssDecode", refused)
+    c = module.HiSparseConnector(config(speculative=True), "worker", World())
+    with pytest.raises(ess.InvalidArgument, match="EssDecode: refused"):
+        c.register_kv_caches({})
+    assert c.connector_worker.ess_engine is None and len(made) == 1 and made[0]._handle is None
 
 
 @pytest.mark.parametrize("version,checked,refused", [

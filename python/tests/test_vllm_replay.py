@@ -258,7 +258,7 @@ class VllmWorld:
 class Replay:
     def __init__(self, T, slots, seed=1, region=None, mirror=True, barrier=None, uniform=True,
                  async_scheduling=True, counts_run_ahead=True, blocks_from_output=False, hot_regions=0,
-                 slab_blocks=64):
+                 slab_blocks=64, adaptive=False):
         """region, mirror, barrier: a rank of a node whose ranks share vLLM's host pool (a shared-memory region
         rank 0's mirror writes, every rank's ESS reads); barrier() runs at the start of every step, after the
         previous step's mirror. uniform: the backend's require_uniform_decodes (FlashMLA sparse's: True).
@@ -268,7 +268,7 @@ class Replay:
         connector's source_blocks_from_output: a new request's whole list, a cached one's new blocks), not the
         forward's table. hot_regions: ESS's rows in vLLM's hot regions of this many blocks (slots: the region's rows
         less T), in the resident slab (slab_blocks vLLM blocks); requests without one read in place through the
-        residency table."""
+        residency table. adaptive: vLLM's adaptive verification (step's `admitted`)."""
         self.T, self.barrier, self.uniform, self.async_scheduling = T, barrier, uniform, async_scheduling
         self.hot_regions = hot_regions
         self.rejected = {}   # request -> drafts its last verify step rejected, which the scheduler still counts
@@ -294,10 +294,12 @@ class Replay:
         self.decode = adapter.EssDecode(self.engine, latent, STATES, self.world.source_block_table,
                                         counts_run_ahead=counts_run_ahead,
                                         attention_block_stride=2 * BLOCK if hot_regions else BLOCK,
-                                        region_group=list(range(LAYERS)) if hot_regions else None)
+                                        region_group=list(range(LAYERS)) if hot_regions else None,
+                                        adaptive_verification=adaptive)
         self.model_region = {}   # hot regions: request -> the region the model's LRU started on
         # vLLM's null block (block 0 of each layer's slab), which ESS may rewrite only with its own bytes.
         self.null_block = [slab[0].clone() for slab in self.world.resident] if hot_regions else None
+        self.straddles = 0   # steps whose decode split cut a row's tokens (adaptive verification's device split)
         self.rows_checked = {"hot": 0, "in place": 0}   # hot regions: decode row-layers checked of each kind
         self.model = EngineModel(LAYERS, slots, T, reserve_newest=True)
         self.model_rows = {}   # request -> state the model admitted it at
@@ -349,10 +351,11 @@ class Replay:
 
     # ---- one step ----
     def step(self, batch, states, scheduled, finished=(), preempted=(), all_resident=False, pad_reqs=None,
-             accepted=None, new_blocks=None):
+             accepted=None, new_blocks=None, admitted=None):
         """batch: request ids in batch order (decodes first); states: their request-state indices; scheduled:
         {rid: (tokens computed before this step, tokens scheduled)}; pad_reqs: a FULL CUDA graph captured for this
-        many requests (a uniform decode batch only); accepted: {rid: tokens of its verify step kept}."""
+        many requests (a uniform decode batch only); accepted: {rid: tokens of its verify step kept}; admitted:
+        adaptive verification, {rid: tokens the model runner keeps of the scheduled ones} (adaptive_admitted)."""
         T, w = self.T, self.world
         if self.barrier is not None:
             self.barrier()
@@ -386,26 +389,48 @@ class Replay:
         # seq_lens (v1/worker/gpu/model_runner.py prepare_pos_seq_lens, from num_computed_tokens.gpu) are true.
         sched = {rid: adapter.Scheduled(c + self.rejected.get(rid, 0), n) for rid, (c, n) in scheduled.items()}
         R = len(batch)
+        # Each row's tokens: the scheduler's; under adaptive verification the device's (the drafts the model runner
+        # keeps, v1/worker/gpu/model_runner.py prepare_inputs -> reallocate_drafts: query_start_loc on the device)
+        # and the host's (compact_batch: the same total, spread evenly over the verify rows).
         query_lens = [scheduled[rid][1] for rid in batch]
-        seq_lens = [sum(scheduled[rid]) for rid in batch]
+        host_lens = query_lens
+        if admitted:
+            query_lens = [admitted.get(rid, n) for rid, n in zip(batch, query_lens)]
+            drafts = np.array([scheduled[rid][1] - 1 if scheduled[rid][0] >= w.prompt[rid] else 0 for rid in batch])
+            upper = np.array(host_lens)
+            budget = sum(query_lens) - int((upper - drafts).sum())   # the drafts the device keeps
+            host_lens = UP["AdaptiveVerificationManager.compact_batch"](
+                types.SimpleNamespace(_batch_budget=(None, None, budget), num_bonus_tokens=1),
+                drafts, upper, np.arange(R + 1))[0].tolist()
+            assert sum(host_lens) == sum(query_lens)
+        n_of = dict(zip(batch, query_lens))   # the tokens each row computes
+        seq_lens = [scheduled[rid][0] + n_of[rid] for rid in batch]
         num_actual = sum(query_lens)
         # v1/worker/gpu/model_states/default.py prepare_attn: a FULL graph's metadata has the padded request and
         # token counts (its padded requests' queries empty: model_runner.py pads query_start_loc with the real
         # count); eager and piecewise the real ones.
         if pad_reqs is not None:
-            assert pad_reqs >= R and len(set(query_lens)) == 1, "FULL graphs replay uniform decode batches"
-            num_reqs, num_tokens = pad_reqs, pad_reqs * query_lens[0]
+            assert pad_reqs >= R and len(set(host_lens)) == 1, "FULL graphs replay uniform decode batches"
+            num_reqs, num_tokens = pad_reqs, pad_reqs * host_lens[0]
         else:
             num_reqs, num_tokens = R, num_actual
         query_start_loc = np.concatenate([[0], np.cumsum(query_lens), np.full(num_reqs - R, num_actual)])
-        common = types.SimpleNamespace(max_query_len=max(query_lens), num_reqs=num_reqs, num_actual_tokens=num_tokens,
-                                       query_start_loc_cpu=torch.from_numpy(query_start_loc.astype(np.int32)))
+        host_start_loc = np.concatenate([[0], np.cumsum(host_lens), np.full(num_reqs - R, num_actual)])
+        common = types.SimpleNamespace(max_query_len=max(host_lens), num_reqs=num_reqs, num_actual_tokens=num_tokens,
+                                       query_start_loc_cpu=torch.from_numpy(host_start_loc.astype(np.int32)))
         # model_executor/layers/attention/sparse_mla_attention.py build: split_decodes_and_prefills(decode_threshold
         # = max_decode_query_len, require_uniform: FlashMLA sparse's require_uniform_decodes).
         num_decodes, _, num_decode_tokens, _ = UP["split_decodes_and_prefills"](
             common, decode_threshold=T, require_uniform=self.uniform, treat_short_extends_as_decodes=True)
         decodes = batch[:min(num_decodes, R)]
-        real_decode_tokens = int(query_start_loc[len(decodes)])
+        if admitted:   # ESS serves every verify row; the split is the host's spread, which may cut a row's tokens
+            decodes = batch[:next((b for b, rid in enumerate(batch) if not 1 <= scheduled[rid][1] <= T), R)]
+        # Each decode row's tokens in the swap (the split's first num_decode_tokens tokens: all of them unless
+        # adaptive verification's device split straddles it), and those of real rows (the rest graph padding).
+        swapped = {rid: min(n_of[rid], max(0, num_decode_tokens - int(query_start_loc[b])))
+                   for b, rid in enumerate(decodes)}
+        real_decode_tokens = min(int(query_start_loc[len(decodes)]), num_decode_tokens)
+        self.straddles += any(0 < n < n_of[rid] for rid, n in swapped.items())
         req_id_per_token = torch.zeros(max(num_tokens, num_actual), dtype=torch.int32)
         for b in range(R):
             req_id_per_token[query_start_loc[b]:query_start_loc[b + 1]] = b
@@ -442,7 +467,7 @@ class Replay:
         # resident slot mapping (HiSparseCacheHandle.write_target); the row mirror lands after the forward.
         slots = torch.full((LAYERS, self.slot_mappings[0].shape[0]), -1, dtype=torch.int64)
         for b, rid in enumerate(batch):
-            c, n = scheduled[rid]
+            c, n = scheduled[rid][0], n_of[rid]
             if self.hot_regions:   # every computed token lands on its resident page of each group
                 for t in range(n):
                     for g in range(LAYERS):
@@ -474,15 +499,13 @@ class Replay:
                     position = scheduled[rid][0] + i - query_start_loc[int(req_id_per_token[i])]
                     slot = int(slot_rows[i])
                     cache[slot // BLOCK, slot % BLOCK] = torch.from_numpy(w.full[rid][layer, position])
-            # Each decode row's T query rows (the model's view): a row of n < T tokens has its n queries last.
+            # Each decode row's T query rows (the model's view): a row of n < T tokens in the swap has them last.
             rows = []
-            for rid in decodes:
-                r = w.query_rows(rid, w.length[rid])
-                r[: T - scheduled[rid][1]] = -1
-                rows.append(r)
             topk = torch.full((max(num_decode_tokens, 1), K), -1, dtype=torch.int32)
-            for b, (rid, r) in enumerate(zip(decodes, rows)):
-                n = scheduled[rid][1]
+            for b, rid in enumerate(decodes):
+                r, n = w.query_rows(rid, w.length[rid]), swapped[rid]
+                r[: T - n] = -1
+                rows.append(r)
                 topk[query_start_loc[b]:query_start_loc[b] + n] = torch.from_numpy(r[T - n:].astype(np.int32))
             if num_decode_tokens > real_decode_tokens:   # CUDA-graph padding: whatever the indexer left there
                 topk[real_decode_tokens:] = topk[0]
@@ -490,7 +513,7 @@ class Replay:
                 continue   # vLLM resolves this step over resident pages (index_group.py _convert_once)
             for rid, r in zip(decodes, rows):
                 if layer == 0:
-                    self.handed.setdefault(rid, []).append((np.full((LAYERS, T, K), -1, np.int32), sum(scheduled[rid])))
+                    self.handed.setdefault(rid, []).append((np.full((LAYERS, T, K), -1, np.int32), seq_lens[batch.index(rid)]))
                 self.handed[rid][-1][0][layer] = r
             physical, valid = self.group.convert_logical_to_physical_topk(
                 layer, topk[:num_decode_tokens], attn, block_stride_rows=None, return_valid_counts=True)
@@ -501,7 +524,7 @@ class Replay:
             flat = kv.reshape(-1, ENTRY).numpy()
             per_row = np.full((len(decodes), T, K), -1, np.int32)
             for b, rid in enumerate(decodes):
-                n = scheduled[rid][1]
+                n = swapped[rid]
                 per_row[b, T - n:] = physical[query_start_loc[b]:query_start_loc[b] + n].numpy()
             if self.hot_regions:
                 self.check_regions(decodes, rows, flat, layer, per_row)
@@ -512,8 +535,9 @@ class Replay:
             np.testing.assert_array_equal(valid.numpy(), (physical >= 0).sum(1).numpy())
         # The row mirror of every computed row has landed in vLLM's host pool by the next step.
         for rid in batch:
-            w.mirrored(rid, *scheduled[rid])
-        # MTP: a verify step keeps `accepted` of its tokens; vLLM decodes other tokens in the others' places.
+            w.mirrored(rid, scheduled[rid][0], n_of[rid])
+        # MTP: a verify step keeps `accepted` of its tokens (of those computed); vLLM decodes other tokens in the
+        # others' places. The scheduler counted every scheduled token (the trimmed drafts count as rejected).
         self.rejected = {}
         for rid, kept in (accepted or {}).items():
             c, n = scheduled[rid]
@@ -983,3 +1007,77 @@ def test_hot_regions_not_told_to_ess_fail_the_replay(monkeypatch):
     monkeypatch.setattr(Replay, "seen_hot_blocks", lambda self, hot_blocks: [{} for _ in hot_blocks])
     with pytest.raises(AssertionError):
         test_hot_regions_hold_esss_rows_and_resident_requests_are_read_in_place(1)
+
+
+def adaptive_admitted(r, batch, states, scheduled, confidences, rng):
+    """v1/worker/gpu/spec_decode/adaptive_verification.py reallocate_drafts: the tokens each verify row keeps this
+    step, decided on the device by upstream's own _assign_draft_token_budget (the best `budget` draft slots by the
+    survival probability of each request's confidences, by state index); the budget (get_num_tokens' choice from
+    its cost tables) drawn below the scheduled drafts, or all of them, or none. None without drafts."""
+    verify = [b for b, rid in enumerate(batch) if scheduled[rid][1] > 1 and scheduled[rid][0] >= r.world.prompt[rid]]
+    if not verify:
+        return None
+    drafts = [scheduled[batch[b]][1] - 1 for b in verify]
+    budget = int(rng.choice([0, sum(drafts), int(rng.integers(1, sum(drafts) + 1))]))
+    capacities = torch.tensor(drafts, dtype=torch.int32)
+    if budget == 0:
+        capacities.zero_()
+    elif budget < sum(drafts):
+        UP["_assign_draft_token_budget"](confidences, torch.tensor([states[b] for b in verify], dtype=INDEX),
+                                         capacities, budget, r.T - 1)
+    return {batch[b]: 1 + int(c) for b, c in zip(verify, capacities)}
+
+
+@pytest.mark.parametrize("uniform", [True, False])
+def test_adaptive_verification_rows_decided_on_the_device(uniform):
+    """vLLM's adaptive verification (enable_adaptive_verification): the model runner trims each verify row's drafts on
+    the device (upstream's _assign_draft_token_budget), so a row's tokens, its seq_len and req_id_per_token are known
+    there only; the host has the scheduler's counts and the trimmed total spread evenly over the verify rows (upstream's
+    compact_batch), from which the forward's decode split is made: FlashMLA's uniform split (uniform) then cuts
+    where the host's spread changes, through a row's tokens on the device. ESS stages every verify row, maps the
+    swap's tokens from req_id_per_token and fills the reserved rows from vLLM's resident tail pages at the device's
+    lengths: every row against the model, every byte against the full cache, with no read from the device once
+    every request is known, through condense and reorder, rejected drafts under async scheduling, hot regions
+    handed out mid-run and rows read in place."""
+    T = 3
+    r = Replay(T, BLOCK - T, seed=61, hot_regions=1, adaptive=True, uniform=uniform, blocks_from_output=True)
+    w = r.world
+    batch, states = three_requests(r)
+    rng = np.random.default_rng(7)
+    confidences = torch.from_numpy(rng.uniform(0.05, 1.0, (STATES, T - 1)).astype(np.float32))
+    trimmed = 0
+    for step in range(16):
+        if step in (3, 8):
+            w.go_hot({3: "a", 8: "c"}[step])
+        order = rng.permutation(len(batch))
+        batch, states = [batch[i] for i in order], [states[i] for i in order]
+        scheduled = decode_step(batch, w, T)
+        admitted = adaptive_admitted(r, batch, states, scheduled, confidences, rng)
+        trimmed += sum(n < T for n in admitted.values())
+        accepted = {rid: int(rng.integers(1, n + 1)) for rid, n in admitted.items()}
+        reads = r.decode.device_reads
+        assert r.step(batch, states, scheduled, accepted=accepted, admitted=admitted) == len(batch)
+        assert step == 0 or r.decode.device_reads == reads, f"step {step} read the device back"   # "c" new at 0
+    assert trimmed > 10 and (r.straddles >= 2 if uniform else r.straddles == 0), (trimmed, r.straddles)
+    assert min(r.rows_checked.values()) > 20, r.rows_checked
+    w.check_host_pool(batch)
+
+
+def test_adaptive_verification_taken_as_exact_counts_is_refused(monkeypatch):
+    """Mutation: ESS not told of adaptive verification takes the scheduler's counts as the rows' tokens: the
+    forward's trimmed decode tokens are refused (never served silently)."""
+    init = adapter.EssDecode.__init__
+    monkeypatch.setattr(adapter.EssDecode, "__init__", lambda self, *a, adaptive_verification=False, **k:
+                        init(self, *a, **k))
+    with pytest.raises(ess.InvalidArgument, match="decode rows of"):
+        test_adaptive_verification_rows_decided_on_the_device(False)
+
+
+def test_adaptive_lengths_from_the_scheduler_fail_the_replay(monkeypatch):
+    """Mutation: the rows' lengths from the scheduler's counts (untrimmed, and ahead by rejected drafts) instead of
+    the forward's seq_lens: the reserved rows hold other positions than the engine reads there."""
+    monkeypatch.setattr(Replay, "seen_metadata", lambda self, attn, sched, batch: types.SimpleNamespace(**{
+        **vars(attn), "seq_lens": torch.tensor([sum(sched[rid]) for rid in batch] + [0] * (attn.num_reqs - len(batch)),
+                                               dtype=torch.int32)}))
+    with pytest.raises((AssertionError, ess.EssError)):
+        test_adaptive_verification_rows_decided_on_the_device(False)

@@ -140,8 +140,8 @@ def metadata(num_decodes, num_decode_tokens, seq_lens):
     (metadata(1, T - 1, [90 + T]), T, "the forward has 1 decode rows of 1 tokens"),          # fewer than the row's
     (metadata(1, T, []), T, "seq_lens has 0 rows"),
     # seq_lens are read (and checked) where the host needs the true count: a row of fewer than T tokens
-    (metadata(1, 1, [90 + 1 + 1]), 1, "seq_len 92 for 1 tokens puts its computed tokens at 91, outside"),
-    (metadata(1, 1, [0]), 1, "outside \\[0, the scheduler's 90\\]"),
+    (metadata(1, 1, [90 + 1 + 1]), 1, "seq_len 92 is outside \\[1, the scheduler's 90 computed \\+ 1 scheduled"),
+    (metadata(1, 1, [0]), 1, "seq_len 0 is outside \\[1, the scheduler's 90 computed"),
 ])
 def test_a_forward_that_does_not_fit_the_batch_is_refused(forward, n, match):
     """The forward's decode split and seq_lens (its attention metadata) must fit the scheduled batch: padded rows

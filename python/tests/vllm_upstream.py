@@ -23,6 +23,7 @@ import torch
 RUNTIME = os.path.join("v1", "hisparse", "runtime.py")
 INDEX_GROUP = os.path.join("v1", "attention", "backends", "mla", "index_group.py")
 BACKEND_UTILS = os.path.join("v1", "attention", "backends", "utils.py")
+ADAPTIVE = os.path.join("v1", "worker", "gpu", "spec_decode", "adaptive_verification.py")
 
 
 def default_source() -> str:
@@ -41,15 +42,27 @@ def _refuse(name):
 
 
 def _definitions(path, names):
+    """The text of each top-level definition in `names`; "Class.method" is a method's, as a function of its own."""
     source = open(path, encoding="utf-8").read()
     tree = ast.parse(source)
     lines = source.splitlines(keepends=True)
     found = {}
+
+    def add(node, name, indent=""):
+        first = node.decorator_list[0].lineno if getattr(node, "decorator_list", None) else node.lineno
+        # Blank lines before it, so that tracebacks name the release's own line numbers.
+        text = "".join(line[len(indent):] if line.startswith(indent) else line
+                       for line in lines[first - 1:node.end_lineno])
+        found[name] = "\n" * (first - 1) + text
+
     for node in tree.body:
         if isinstance(node, (ast.ClassDef, ast.FunctionDef)) and node.name in names:
-            first = node.decorator_list[0].lineno if getattr(node, "decorator_list", None) else node.lineno
-            # Blank lines before it, so that tracebacks name the release's own line numbers.
-            found[node.name] = "\n" * (first - 1) + "".join(lines[first - 1:node.end_lineno])
+            add(node, node.name)
+        if isinstance(node, ast.ClassDef):
+            for inner in node.body:
+                name = f"{node.name}.{getattr(inner, 'name', '')}"
+                if isinstance(inner, ast.FunctionDef) and name in names:
+                    add(inner, name, " " * inner.col_offset)
     missing = [n for n in names if n not in found]
     assert not missing, f"{path} no longer defines {missing}: the release's layout changed"
     return [found[n] for n in names]
@@ -57,7 +70,10 @@ def _definitions(path, names):
 
 NAMES = {RUNTIME: ["is_hisparse_decode_batch", "PagedCacheView", "HiSparseCacheHandle", "update_hisparse_residency"],
          INDEX_GROUP: ["SparseMLAIndexGroup", "HiSparseMLAIndexGroup"],
-         BACKEND_UTILS: ["split_decodes_and_prefills"]}
+         BACKEND_UTILS: ["split_decodes_and_prefills"],
+         # adaptive verification (v1/worker/gpu/model_runner.py prepare_inputs): which drafts the model runner keeps
+         # on the device, and the host's token counts then
+         ADAPTIVE: ["_assign_draft_token_budget", "AdaptiveVerificationManager.compact_batch"]}
 
 
 def imported():
@@ -72,7 +88,8 @@ def imported():
     for rel, names in NAMES.items():
         module = importlib.import_module("vllm." + rel[:-len(".py")].replace(os.sep, "."))
         for name in names:
-            out[name] = getattr(module, name)
+            owner, _, attr = name.rpartition(".")
+            out[name] = getattr(getattr(module, owner) if owner else module, attr)
     return out
 
 
@@ -108,6 +125,9 @@ def load(source_dir: str = None):
     flags = __future__.annotations.compiler_flag
     for rel, names in NAMES.items():
         path = os.path.join(source_dir, rel)
-        for text in _definitions(path, names):
+        for name, text in zip(names, _definitions(path, names)):
+            owner, _, attr = name.rpartition(".")
             exec(compile(text, path, "exec", flags=flags, dont_inherit=True), ns)
+            if owner:   # a method, compiled as a function of its own: named as the class names it
+                ns[name] = ns.pop(attr)
     return ns

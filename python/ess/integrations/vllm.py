@@ -24,9 +24,11 @@ batch between steps and refreshes the mapping in start_load_kv, so ESS positions
 gathers per batch row before the forward (v1/worker/gpu/block_table.py gather_block_tables). Decode rows
 come first in vLLM's batch, at most T tokens each (T = 1 + the speculative tokens, vLLM's
 max_decode_query_len): the forward's sparse MLA metadata says how many (its decode split) and how long
-(its seq_lens, the device's count; the scheduler's runs ahead under async scheduling). start_step maps each
-decode token to its batch row, its staged query and its reserved row, and tokens at or past num_valid_rows
-are CUDA-graph padding."""
+(its seq_lens, the device's count; the scheduler's runs ahead under async scheduling, and bounds it from above
+under adaptive verification, which trims drafts on the device). Each decode token goes to its batch row's staged
+query, its newest entries to the row's reserved rows: with hot regions swap_in works both out on the device (from
+req_id_per_token and the lengths), else start_step maps them from the scheduler's counts. Tokens at or past
+num_valid_rows are CUDA-graph padding."""
 from __future__ import annotations
 
 from typing import Callable, Dict, Iterable, Mapping, NamedTuple, Optional, Sequence
@@ -46,6 +48,7 @@ __all__ = ["VLLM_VERSION", "HotView", "latent_buffers", "host_pool_layout", "Sch
 VLLM_VERSION = "0.33.0"   # the release whose call sites these classes are checked against
 ENTRY_BYTES = 656         # vLLM's fp8_ds_mla row (FP8_DS_MLA_ROW_BYTES), ESS's DeepSeek-V3.2 entry
 KERNEL_BLOCK = 64         # FlashMLA sparse's KV block size: attention_cache is [-1, 64, 656]; ESS's page
+ACTIVE_TAIL_PAGES = 2     # vllm/v1/hisparse/types.py: a request's last pages, never unpinned (coordinator.py)
 
 
 class HotView(NamedTuple):
@@ -150,9 +153,13 @@ class EssDecode:
     below what a request holds).
 
     What start_step reads from the device: each batch row's state index only in a step where a decode request is
-    new to ESS (a request keeps its state index while vLLM holds it); the decode rows' seq_lens only when the counts
-    run ahead and a decode row has fewer than T tokens (its older tokens are read on the host) or the recorder is
-    on; block table entries only when it is not given the scheduler's new blocks (source_blocks_from_output).
+    new to ESS (a request keeps its state index while vLLM holds it); the decode rows' seq_lens only when the recorder
+    is on, or without hot regions when the counts run ahead and a decode row has fewer than T tokens (its older
+    tokens are read on the host); block table entries only when it is not given the scheduler's new blocks
+    (source_blocks_from_output). adaptive_verification: the model runner trims the verify rows' drafts on the device
+    (vLLM's enable_adaptive_verification; hot regions only): the scheduler's counts are upper bounds, every leading
+    row of 1 to T tokens is staged (the forward's decode split is the host's spread of the trimmed total, which may
+    cut a row on the device) and the lengths are the forward's seq_lens.
     Its staged tensors go to the device from pinned memory without a wait.
 
     Hot regions (the engine made with region_blocks: ESS's rows in vLLM's own GPU slab). `latent` is then each
@@ -169,7 +176,8 @@ class EssDecode:
 
     def __init__(self, engine: Engine, latent: Sequence[torch.Tensor], max_num_reqs: int, block_table: torch.Tensor,
                  device="cpu", synchronize: Callable[[], None] = lambda: None, counts_run_ahead: bool = True,
-                 attention_block_stride: int = KERNEL_BLOCK, region_group: Optional[Sequence[int]] = None):
+                 attention_block_stride: int = KERNEL_BLOCK, region_group: Optional[Sequence[int]] = None,
+                 adaptive_verification: bool = False):
         info = engine.info
         if not info.reserve_newest:
             raise InvalidArgument("EssDecode: the engine needs reserve_newest=True (each step's newest entries are "
@@ -200,8 +208,20 @@ class EssDecode:
             raise InvalidArgument(f"EssDecode: region_group has {len(self.region_group)} values for {info.layers} "
                                   "layers")
         self.groups = max(self.region_group) + 1
-        self.pinned = self.device.type == "cuda"   # host staging pinned: its copies need no wait
         T, K = info.query_tokens, info.topk
+        # With hot regions a step's T newest entries are read from vLLM's resident tail pages, which it never
+        # unpins. They lie within 4T - 3 tokens of the last page's end (the scheduler's count ahead by the drafts
+        # rejected, its tokens by the drafts trimmed, its pages by the lookahead slots: T - 1 each).
+        if self.regions and 4 * T - 3 > (ACTIVE_TAIL_PAGES - 1) * KERNEL_BLOCK:
+            raise InvalidArgument(f"EssDecode: T = {T} query tokens; with hot regions each step's T newest entries "
+                                  f"are read from vLLM's {ACTIVE_TAIL_PAGES} active tail pages of {KERNEL_BLOCK}, "
+                                  f"which hold them for T <= {((ACTIVE_TAIL_PAGES - 1) * KERNEL_BLOCK + 3) // 4}")
+        self.adaptive = bool(adaptive_verification)
+        if self.adaptive and not self.regions:
+            raise InvalidArgument("EssDecode: adaptive_verification needs ESS's rows in vLLM's hot regions "
+                                  "(region_blocks): a decode row's tokens are known only on the device then, and "
+                                  "only that layout stages them there")
+        self.pinned = self.device.type == "cuda"   # host staging pinned: its copies need no wait
         i32 = dict(dtype=torch.int32, device=self.device)
         self.rows = torch.full((max_num_reqs,), -1, **i32)          # batch row -> state index (ESS row), -1
         self.lengths = torch.zeros((max_num_reqs,), **i32)
@@ -228,6 +248,10 @@ class EssDecode:
         # Per batch row: the state index of a decode row read in place (hot regions: no hot region), -1 else (its
         # ESS row in `rows`).
         self.in_place_state = torch.full((max_num_reqs,), -1, **i32)
+        # Hot regions: [groups, batch rows, T] the buffer rows of each ESS row's T reserved rows (scratch: none), and
+        # the step's queries scattered per token ([B x T] staged rows, then one row for tokens served no row).
+        self.reserved = torch.full((self.groups, max_num_reqs, T), self.scratch_row, **i64)
+        self.topk_scatter = torch.full((max_num_reqs * T + 1, K), -1, **i32)
         self.batch = 0              # ESS positions staged for this step
         self.state_of: Dict[str, int] = {}     # vLLM request id -> state index (ESS request id and row)
         self.length_of: Dict[int, int] = {}    # state index -> tokens in ESS
@@ -235,6 +259,7 @@ class EssDecode:
         self.blocks_of: Dict[str, list] = {}   # vLLM request id -> its host blocks (from the scheduler's output)
         self.hot_of = [{} for _ in range(self.groups)]   # hot regions, per group: vLLM request id -> its vLLM blocks
         self.placed: Dict[int, list] = {}      # hot regions: state index -> the ESS blocks its rows are placed on
+        self.reserved_of: Dict[int, torch.Tensor] = {}   # hot regions: state index -> [groups, T] reserved rows
         self.lifecycle_stream = None           # the engine's lifecycle stream (CUDA: the forward's, set per step)
         self.device_reads = 0                  # start_steps that read state indices, seq_lens or blocks back
         # ESS_RECORD_TRACE: the top-k vLLM hands the swap, recorded as a trace (topk_recorder.py), by state index.
@@ -303,23 +328,38 @@ class EssDecode:
                 raise InvalidArgument(f"start_step: batch row {b}: request {rid!r} is not scheduled")
             for what, v in zip(("computed tokens", "scheduled tokens"), scheduled[rid]):   # before anything changes
                 _args.integer(f"start_step: request {rid!r}'s {what}", v, 0, 2**31 - 1)
-        if attn_metadata is None:
-            decodes = 0
-            while decodes < R and 1 <= scheduled[request_ids[decodes]][1] <= T:
-                decodes += 1
-        else:
+        if self.adaptive and attn_metadata is None and R:
+            raise InvalidArgument("start_step: adaptive verification: the forward's attention metadata is required "
+                                  "(its seq_lens are the rows' true lengths, which the model runner decides on the "
+                                  "device)")
+        leading = 0   # the batch's leading rows of 1 to T tokens
+        while leading < R and 1 <= scheduled[request_ids[leading]][1] <= T:
+            leading += 1
+        decodes = split = leading   # the rows ESS stages; the forward's decode rows
+        if attn_metadata is not None:
             num_decodes, num_decode_tokens = int(attn_metadata.num_decodes), int(attn_metadata.num_decode_tokens)
-            decodes = min(num_decodes, R)
-            for b in range(decodes):
-                if not 1 <= scheduled[request_ids[b]][1] <= T:
-                    raise InvalidArgument(f"start_step: the forward's decode row {b} (request {request_ids[b]!r}) "
-                                          f"has {scheduled[request_ids[b]][1]} tokens; ESS serves rows of 1 to T = "
-                                          f"{T}")
-            tokens = sum(scheduled[request_ids[b]][1] for b in range(decodes))
-            if num_decode_tokens < tokens or (num_decodes < R and num_decode_tokens != tokens):
-                raise InvalidArgument(f"start_step: the forward has {num_decodes} decode rows of {num_decode_tokens} "
-                                      f"tokens; the batch's first {decodes} rows hold {tokens} tokens (only padded "
-                                      "rows may add tokens, after every batch row)")
+            split = min(num_decodes, R)
+            if split > leading:
+                b = leading
+                raise InvalidArgument(f"start_step: the forward's decode row {b} (request {request_ids[b]!r}) "
+                                      f"has {scheduled[request_ids[b]][1]} tokens; ESS serves rows of 1 to T = {T}")
+            if self.adaptive:
+                # The scheduler's counts bound the rows' tokens (the model runner trims drafts on the device), and
+                # the forward's decode split is the host's even spread of them: a row's tokens may straddle it, so
+                # every leading row is staged (its tokens past the split take vLLM's prefill path).
+                tokens = sum(scheduled[request_ids[b]][1] for b in range(leading))
+                if num_decode_tokens < split or (num_decodes < R and num_decode_tokens > tokens):
+                    raise InvalidArgument(f"start_step: the forward has {num_decodes} decode rows of "
+                                          f"{num_decode_tokens} tokens; the batch's first {leading} rows hold 1 to "
+                                          f"{tokens} tokens (adaptive verification trims drafts; only padded rows may "
+                                          "add tokens, after every batch row)")
+            else:
+                decodes = split
+                tokens = sum(scheduled[request_ids[b]][1] for b in range(decodes))
+                if num_decode_tokens < tokens or (num_decodes < R and num_decode_tokens != tokens):
+                    raise InvalidArgument(f"start_step: the forward has {num_decodes} decode rows of "
+                                          f"{num_decode_tokens} tokens; the batch's first {decodes} rows hold {tokens} "
+                                          "tokens (only padded rows may add tokens, after every batch row)")
         finished, preempted = set(finished) | self.finished_since, set(preempted) | set(fresh)
         if self.regions and hot_blocks is None:
             raise InvalidArgument("start_step: ESS's rows are in vLLM's hot regions: hot_blocks (the scheduler "
@@ -354,15 +394,17 @@ class EssDecode:
         # Read back from the device (one copy) only what the host lacks: the state indices when a decode request
         # is new to ESS (a request keeps its state index while vLLM holds it: a preempted or resumed one is released
         # first), and the true lengths below.
-        swap_path = not (all_context_pages_resident and decodes < R)
+        swap_path = not (all_context_pages_resident and split < R)
         served = decodes if swap_path else 0   # the decode rows ESS serves this step
         # Counts that run ahead are read back only where the host needs the true ones: a short row's older tokens
         # (read on the host) and the recorder's lengths. Otherwise the host keeps the scheduler's counts (an upper
         # bound: the blocks of its drafts are given, and ESS on foreign pages serves a step below what a request
         # holds) and the step's lengths are the forward's seq_lens, copied on the device.
-        ahead = attn_metadata is not None and served > 0 and self.counts_run_ahead
-        read_lengths = ahead and (self.recorder is not None or
-                                  any(scheduled[request_ids[b]][1] < T for b in range(served)))
+        # With hot regions every row's newest entries are read on the device (vLLM's tail pages): only the recorder
+        # needs the true lengths on the host. Under adaptive verification the device alone has them.
+        ahead = attn_metadata is not None and served > 0 and (self.counts_run_ahead or self.adaptive)
+        read_lengths = ahead and (self.recorder is not None or (not self.regions and any(
+            scheduled[request_ids[b]][1] < T for b in range(served))))
         known = all(request_ids[b] in self.state_of and request_ids[b] not in finished and
                     request_ids[b] not in preempted for b in range(served))
         states, seq_lens = None, []
@@ -394,11 +436,12 @@ class EssDecode:
             c, n = scheduled[rid]
             true = c
             if seq_lens:
-                if not 0 <= seq_lens[b] - n <= c:
+                low = 1 if self.adaptive else n   # (adaptive verification: 1 to n tokens this step)
+                if not low <= seq_lens[b] <= c + n:
                     raise InvalidArgument(f"start_step: batch row {b} (request {rid!r}): the forward's seq_len "
-                                          f"{seq_lens[b]} for {n} tokens puts its computed tokens at "
-                                          f"{seq_lens[b] - n}, outside [0, the scheduler's {c}]")
-                true = seq_lens[b] - n
+                                          f"{seq_lens[b]} is outside [{low}, the scheduler's {c} computed + {n} "
+                                          "scheduled tokens]")
+                true = seq_lens[b] - n   # (true + n: the step's length)
             if c + n > self.info.max_context:
                 raise InvalidArgument(f"start_step: request {rid!r} reaches {c + n} tokens; the engine holds "
                                       f"max_context = {self.info.max_context}")
@@ -501,6 +544,9 @@ class EssDecode:
                 if self.placed.get(s) != region:
                     self.engine.place(s, region)
                     self.placed[s] = region
+                    self.reserved_of[s] = torch.tensor(
+                        [[self._row(s, self.info.slots + q, g) for q in range(T)] for g in range(self.groups)],
+                        dtype=torch.int64)
         self._stage(len(request_ids), states if states is not None else states_in[:R], positions)
         if ahead and not read_lengths:   # the decode rows are batch rows 0 .. served - 1, every one staged
             self.lengths[:served].copy_(forward_lengths[:served].to(self.lengths.dtype), non_blocking=True)
@@ -524,46 +570,34 @@ class EssDecode:
         return region[slot // KERNEL_BLOCK] * KERNEL_BLOCK + slot % KERNEL_BLOCK
 
     def _stage(self, R, states, positions):
-        """The step's rows, lengths and per-token maps, and the older tokens of short rows in the reserved rows.
-        states: the R batch rows' state indices, a list read back or vLLM's tensor (copied on the device)."""
+        """The step's rows and lengths, and how its tokens reach the staged queries and reserved rows. states: the R
+        batch rows' state indices, a list read back or vLLM's tensor (copied on the device).
+
+        Hot regions: each ESS row's reserved rows in its regions (swap_in maps the tokens and fills the reserved rows
+        on the device, from the forward's req_id_per_token and lengths). Else per-token maps from the scheduler's
+        counts, and the older tokens of short rows copied into the reserved rows from vLLM's host pool."""
         T, S = self.info.query_tokens, self.info.slots
         host = dict(pin_memory=self.pinned)
         rows = torch.full((self.max_num_reqs,), -1, dtype=torch.int32, **host)
         lengths = torch.zeros((self.max_num_reqs,), dtype=torch.int32, **host)
-        token_row = torch.full((self.max_swap_rows,), -1, dtype=torch.int64, **host)
-        token_flat = torch.zeros((self.max_swap_rows,), dtype=torch.int64, **host)
-        token_slot = torch.full((self.groups, self.max_swap_rows), self.scratch_row, dtype=torch.int64, **host)
-        query_token = torch.full((self.max_swap_rows,), -1, dtype=torch.int64, **host)
         in_place = torch.full((self.max_num_reqs,), -1, dtype=torch.int32, **host)
-        # Hot regions: a row without one is read in place (vLLM's resident pages), no ESS row of its own.
-        ess_rows = [p for p in positions if not self.regions or p[2] in self.placed]
-        if any(n < T and true > 0 for *_, n, true in ess_rows):
-            self.synchronize()   # the older tokens read below are vLLM's mirror of earlier steps' rows
-        i = 0
+        staged = [(self.rows, rows), (self.lengths, lengths), (self.in_place_state, in_place)]
         for b, _, s, _, n, true in positions:
+            # Hot regions: a row without one is read in place (vLLM's resident pages), no ESS row of its own.
             mine = not self.regions or s in self.placed
             rows[b], lengths[b] = (s if mine else -1), true + n
             in_place[b] = -1 if mine else s
-            for t in range(n):
-                q = T - n + t                       # the n queries are the last n of the row's T
-                token_row[i], token_flat[i] = b, b * T + q
-                for g in range(self.groups):
-                    token_slot[g, i] = self._row(s, S + q, g) if mine else self.scratch_row
-                query_token[b * T + q] = i
-                i += 1
-            for q in range(T - n if mine else 0):   # the row's older tokens among its T newest
-                position = true + n - T + q
-                if position >= 0:
-                    for layer in range(self.info.layers):
-                        p = self._row(s, S + q, self.region_group[layer])
-                        entry = self.engine.read_entries(s, layer, position, torch.empty((1, ENTRY_BYTES),
-                                                                                         dtype=torch.uint8))
-                        self.latent[layer][p // KERNEL_BLOCK, p % KERNEL_BLOCK].copy_(entry[0])
+        if self.regions:
+            reserved = torch.full(tuple(self.reserved.shape), self.scratch_row, dtype=torch.int64, **host)
+            for b, _, s, *_ in positions:
+                if s in self.placed:
+                    reserved[:, b] = self.reserved_of[s]
+            staged.append((self.reserved, reserved))
+        else:
+            staged += self._stage_tokens(positions)
         # From pinned memory without a wait (torch's pinned allocator keeps each buffer until its copy has run).
-        for staged, value in ((self.rows, rows), (self.lengths, lengths), (self.token_row, token_row),
-                              (self.token_flat, token_flat), (self.slot_mapping, token_slot),
-                              (self.query_token, query_token), (self.in_place_state, in_place)):
-            staged.copy_(value, non_blocking=self.pinned)
+        for tensor, value in staged:
+            tensor.copy_(value, non_blocking=self.pinned)
         if isinstance(states, torch.Tensor):
             self.request_state_indices[:R].copy_(states.to(self.device, torch.int32), non_blocking=True)
         else:
@@ -571,6 +605,38 @@ class EssDecode:
                                                  non_blocking=self.pinned)
         self.request_state_indices[R:].fill_(-1)
         self.batch = len(positions)
+
+    def _stage_tokens(self, positions):
+        """ESS's own buffer: per decode token its batch row, staged query and reserved row, from the scheduler's
+        counts (true: the forward's split keeps them); a row of n < T tokens has its T - n older tokens copied into
+        its reserved rows from vLLM's host pool. The staged tensors and their values."""
+        T, S = self.info.query_tokens, self.info.slots
+        host = dict(pin_memory=self.pinned)
+        token_row = torch.full((self.max_swap_rows,), -1, dtype=torch.int64, **host)
+        token_flat = torch.zeros((self.max_swap_rows,), dtype=torch.int64, **host)
+        token_slot = torch.full((self.groups, self.max_swap_rows), self.scratch_row, dtype=torch.int64, **host)
+        query_token = torch.full((self.max_swap_rows,), -1, dtype=torch.int64, **host)
+        if any(n < T and true > 0 for *_, n, true in positions):
+            self.synchronize()   # the older tokens read below are vLLM's mirror of earlier steps' rows
+        i = 0
+        for b, _, s, _, n, true in positions:
+            for t in range(n):
+                q = T - n + t                       # the n queries are the last n of the row's T
+                token_row[i], token_flat[i] = b, b * T + q
+                for g in range(self.groups):
+                    token_slot[g, i] = self._row(s, S + q, g)
+                query_token[b * T + q] = i
+                i += 1
+            for q in range(T - n):   # the row's older tokens among its T newest
+                position = true + n - T + q
+                if position >= 0:
+                    for layer in range(self.info.layers):
+                        p = self._row(s, S + q, self.region_group[layer])
+                        entry = self.engine.read_entries(s, layer, position, torch.empty((1, ENTRY_BYTES),
+                                                                                         dtype=torch.uint8))
+                        self.latent[layer][p // KERNEL_BLOCK, p % KERNEL_BLOCK].copy_(entry[0])
+        return [(self.token_row, token_row), (self.token_flat, token_flat), (self.slot_mapping, token_slot),
+                (self.query_token, query_token)]
 
     def close(self):
         """The recorder's trace written (ESS_RECORD_TRACE), before the engine goes."""
@@ -595,6 +661,7 @@ class EssDecode:
 
     def _release_state(self, s):
         self.placed.pop(s, None)   # its hot region's blocks are free in the engine with its release
+        self.reserved_of.pop(s, None)
         if s in self.length_of:
             self.engine.release(s)
             del self.length_of[s]
@@ -717,6 +784,83 @@ class HiSparseRuntime:
         rows = torch.where(inside, rows, torch.full_like(rows, -1)).to(torch.int32)
         return torch.where((state >= 0).unsqueeze(1), rows, physical)
 
+    def _map_tokens(self, req_id_per_token, limit, logical_topk_indices):
+        """Hot regions: the step's tokens mapped on the device from the forward's req_id_per_token (each token's batch
+        row, its rows' tokens consecutive and in batch order), so that a row's token count may be decided on the
+        device (adaptive verification trims drafts there): a row of n tokens has them as the last n of its T staged
+        queries. Returns per token whether it is served, its staged query row, and its state when read in place."""
+        d = self.decode
+        T, K, B = d.info.query_tokens, d.info.topk, d.max_num_reqs
+        i = d.token_index[:req_id_per_token.shape[0]]
+        row = req_id_per_token.to(torch.int64)
+        r = row.clamp(0, B - 1)
+        decode_row = (d.rows >= 0) | (d.in_place_state >= 0)   # a decode row start_step staged
+        valid = (i < limit) & (row >= 0) & (row < B) & decode_row.index_select(0, r)
+        count = torch.zeros(B, dtype=torch.int64, device=i.device).index_add_(0, r, valid.to(torch.int64))
+        first = torch.cumsum(count, 0) - count
+        q = T - count.index_select(0, r) + i - first.index_select(0, r)
+        valid = valid & (q >= 0) & (q < T)
+        flat = torch.where(valid, r * T + q, torch.full_like(i, B * T))   # B x T: the scatter's spare row
+        d.topk_scatter.fill_(-1)
+        d.topk_scatter.index_copy_(0, flat, logical_topk_indices.to(torch.int32))
+        d.topk.view(B * T, K).copy_(d.topk_scatter[:B * T])
+        return valid, flat.clamp(max=B * T - 1), d.in_place_state.index_select(0, r)
+
+    def _fill_reserved(self, resident):
+        """Hot regions: each ESS row's T reserved rows (this layer's region group) filled with its step's T newest
+        entries, positions length - T .. length - 1 (this step's tokens and the older ones of a short row), read on
+        the device from vLLM's resident tail pages through the residency table (the handle's block_table, by
+        state), where the model wrote them: vLLM never unpins a request's last ACTIVE_TAIL_PAGES pages, which hold
+        them (EssDecode's bound on T). The lengths are the step's (the forward's seq_lens under adaptive
+        verification and run-ahead counts). Rows without a position write the scratch row with its own bytes."""
+        d = self.decode
+        T = d.info.query_tokens
+        table = resident.block_table
+        state = d.rows.to(torch.int64)
+        positions = d.lengths.to(torch.int64).unsqueeze(1) - T + torch.arange(T, device=state.device)
+        pages = positions.clamp(min=0) // KERNEL_BLOCK
+        take = (state >= 0).unsqueeze(1) & (positions >= 0) & (pages < table.shape[1])
+        blocks = table.index_select(0, state.clamp(min=0)).to(torch.int64).gather(1, pages.clamp(max=table.shape[1] - 1))
+        src = blocks * resident.view.attention_block_stride + positions.clamp(min=0) % KERNEL_BLOCK
+        scratch = torch.full_like(src, d.scratch_row)
+        src = torch.where(take, src, scratch)
+        dst = torch.where(take, d.reserved[d.region_group[self.layer]], scratch)
+        cache = self._blocks
+        entries = cache[src // KERNEL_BLOCK, src % KERNEL_BLOCK]   # gathered before any row is written
+        cache.index_put_((dst // KERNEL_BLOCK, dst % KERNEL_BLOCK), entries)
+
+    def _staged_tokens(self, resident, req_id_per_token, limit, logical_topk_indices):
+        """ESS's own buffer: the step's tokens by start_step's maps (from the scheduler's counts), each token's newest
+        entry copied from where the model wrote it (resident.slot_mapping) into its reserved row. Returns per token
+        whether it is served, its staged query row, and its state when read in place (none here)."""
+        d = self.decode
+        T, K, B = d.info.query_tokens, d.info.topk, d.max_num_reqs
+        n = logical_topk_indices.shape[0]
+        i = d.token_index[:n]
+        row = d.token_row[:n]
+        valid = (i < limit) & (row >= 0) & (req_id_per_token.to(torch.int64) == row)
+        # The newest entries the model just wrote into the reserved rows (padding: into the scratch row).
+        src_rows = resident.slot_mapping[:n].to(torch.int64)
+        use = valid & (src_rows >= 0)
+        src_rows = torch.where(use, src_rows, torch.zeros_like(i))
+        # The resident view is strided (vllm/v1/hisparse/runtime.py PagedCacheView.bind: a block stride that
+        # spans the slab's other groups), so only the n rows are gathered, by block and row, never the view whole.
+        bs = resident.view.block_size
+        newest = resident.view.cache[src_rows // bs, src_rows % bs].reshape(n, ENTRY_BYTES)
+        dst = torch.where(use, d.slot_mapping[0, :n], torch.full_like(i, d.scratch_row))
+        # A padded token rewrites the scratch row with its own bytes.
+        blocks = self._blocks
+        scratch = blocks[d.scratch_row // KERNEL_BLOCK, d.scratch_row % KERNEL_BLOCK].unsqueeze(0).expand(n, ENTRY_BYTES)
+        newest = torch.where(use.unsqueeze(1), newest, scratch.clone())
+        blocks.index_put_((dst // KERNEL_BLOCK, dst % KERNEL_BLOCK), newest)
+        # The step's queries, staged [B, T, K]: staged query j is token query_token[j] (-1: padding).
+        source = d.query_token
+        at = source.clamp(0, n - 1)
+        take = (source >= 0) & (source < n) & valid.index_select(0, at)
+        picked = logical_topk_indices.to(torch.int32).index_select(0, at)
+        d.topk.view(B * T, K).copy_(torch.where(take.unsqueeze(1), picked, torch.full_like(picked, -1)))
+        return valid, d.token_flat[:n], torch.full_like(i, -1)
+
     # ---- the decode swap ----
     def swap_in(self, *, resident, req_id_per_token: torch.Tensor, block_table, logical_topk_indices: torch.Tensor,
                 block_size: int, num_valid_rows: torch.Tensor, return_valid_counts: bool = False,
@@ -726,8 +870,9 @@ class HiSparseRuntime:
         decode tokens -> int32 [n, K] rows of `hot.attention_cache` (-1 for padding and for rows at or past
         num_valid_rows), with return_valid_counts also int32 [n] counts of rows >= 0.
 
-        The newest entries the model just wrote at resident.slot_mapping (vLLM's resident cache) are copied into
-        the request's reserved rows first. block_table (vLLM's host block table) is the table start_step gave ESS
+        Each ESS row's T newest entries (the model has written this step's into vLLM's resident cache) are copied
+        into its reserved rows first: with hot regions from its resident tail pages (_fill_reserved), else from
+        resident.slot_mapping. block_table (vLLM's host block table) is the table start_step gave ESS
         its pages from, and block_size its blocks' size. ESS's step runs on the current stream, after the wait
         upstream's start_step put there for the previous steps' host writes. Everything is checked before
         anything runs; a refused call serves nothing."""
@@ -751,35 +896,14 @@ class HiSparseRuntime:
         if self.layers_served:
             raise InvalidArgument(f"swap_in (layer {self.layer}): called twice in one forward (begin_forward "
                                   "starts one)")
-        B = d.max_num_reqs   # every staged row (start_step's maps say which tokens fill which): a fixed shape
-        # Token i is valid when start_step staged it for batch row req_id_per_token[i] and it is before
-        # num_valid_rows (the rest is CUDA-graph padding).
-        i = d.token_index[:n]
-        row = d.token_row[:n]
-        valid = (i < num_valid_rows.reshape(-1)[:1].to(torch.int64)) & (row >= 0) & \
-            (req_id_per_token[:n].to(torch.int64) == row)
-        # The newest entries the model just wrote into the reserved rows (padding: into the scratch row).
-        src_rows = resident.slot_mapping[:n].to(torch.int64)
-        # (A row read in place has no reserved rows: its newest entries are read where the model wrote them.)
-        in_place = d.in_place_state.index_select(0, row.clamp(min=0))   # per token: its state if read in place
-        use = valid & (src_rows >= 0) & (in_place < 0)
-        src_rows = torch.where(use, src_rows, torch.zeros_like(i))
-        # The resident view is strided (vllm/v1/hisparse/runtime.py PagedCacheView.bind: a block stride that
-        # spans the slab's other groups), so only the n rows are gathered, by block and row, never the view whole.
-        bs = resident.view.block_size
-        newest = resident.view.cache[src_rows // bs, src_rows % bs].reshape(n, ENTRY_BYTES)
-        dst = torch.where(use, d.slot_mapping[d.region_group[self.layer], :n], torch.full_like(i, d.scratch_row))
-        # A padded token rewrites the scratch row with its own bytes (with hot regions it is vLLM's null block).
-        blocks = self._blocks
-        scratch = blocks[d.scratch_row // KERNEL_BLOCK, d.scratch_row % KERNEL_BLOCK].unsqueeze(0).expand(n, ENTRY_BYTES)
-        newest = torch.where(use.unsqueeze(1), newest, scratch.clone())
-        blocks.index_put_((dst // KERNEL_BLOCK, dst % KERNEL_BLOCK), newest)
-        # The step's queries, staged [B, T, K]: staged query j is token query_token[j] (-1: padding).
-        source = d.query_token
-        at = source.clamp(0, n - 1)
-        take = (source >= 0) & (source < n) & valid.index_select(0, at)
-        picked = logical_topk_indices.to(torch.int32).index_select(0, at)
-        d.topk.view(B * T, K).copy_(torch.where(take.unsqueeze(1), picked, torch.full_like(picked, -1)))
+        B = d.max_num_reqs   # every staged row: a fixed shape
+        # Tokens at or past num_valid_rows are CUDA-graph padding.
+        limit = num_valid_rows.reshape(-1)[:1].to(torch.int64)
+        if d.regions:
+            valid, flat, in_place = self._map_tokens(req_id_per_token[:n], limit, logical_topk_indices)
+            self._fill_reserved(resident)
+        else:
+            valid, flat, in_place = self._staged_tokens(resident, req_id_per_token[:n], limit, logical_topk_indices)
         if d.recorder is not None:   # every served row, ESS's and those read in place
             d.recorder.record(self.layer, torch.where(d.rows >= 0, d.rows, d.in_place_state), d.topk)
         d.step_binding.step(self.layer, B, stream=torch.cuda.current_stream(d.device) if d.device.type == "cuda" else None)
@@ -787,7 +911,7 @@ class HiSparseRuntime:
             # vLLM's HiSparse statistics (worker.py get_kv_connector_stats reads the group leader's swap_stats,
             # uint64 [hits, misses]): the leader layer's LRU hits and misses of this step, added on the device.
             self.upstream.index_group.swap_stats.view(torch.int64).add_(d.counts.sum(0, dtype=torch.int64))
-        physical = d.physical.view(B * T, K).index_select(0, d.token_flat[:n])
+        physical = d.physical.view(B * T, K).index_select(0, flat)
         if d.regions:
             physical = self._in_place(physical, resident, logical_topk_indices, in_place)
         physical = torch.where(valid.unsqueeze(1), physical, torch.full_like(physical, -1))

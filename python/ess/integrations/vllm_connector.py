@@ -27,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.hisparse.worker import HiSpars
 from vllm.v1.attention.backend import max_decode_query_len
 from vllm.v1.kv_cache_interface import HiSparseHotSpec
 
+from .._errors import InvalidArgument
 from ..engine import Engine
 from .vllm import (KERNEL_BLOCK, VLLM_VERSION, EssDecode, HiSparseRuntime, fresh_from_output, host_pool_layout,
                    scheduled_from_output, source_blocks_from_output)
@@ -92,9 +93,18 @@ class EssConnectorWorker(HiSparseConnectorWorker):
         # speculative decoding (upstream's HiSparseConnectorScheduler async_speculative, connector.py).
         speculative = config.speculative_config
         run_ahead = bool(config.scheduler_config.async_scheduling and speculative is not None)
-        self.ess = EssDecode(self.ess_engine, latent, max_num_reqs, targets[0][1].source_block_table, device=device,
-                             synchronize=synchronize, counts_run_ahead=run_ahead,
-                             attention_block_stride=strides.pop(), region_group=region_group)
+        # Adaptive verification (config/speculative.py enable_adaptive_verification) trims the verify rows' drafts on
+        # the device (v1/worker/gpu/spec_decode/adaptive_verification.py reallocate_drafts).
+        adaptive = bool(speculative is not None and speculative.enable_adaptive_verification)
+        try:
+            self.ess = EssDecode(self.ess_engine, latent, max_num_reqs, targets[0][1].source_block_table,
+                                 device=device, synchronize=synchronize, counts_run_ahead=run_ahead,
+                                 attention_block_stride=strides.pop(), region_group=region_group,
+                                 adaptive_verification=adaptive)
+        except InvalidArgument:
+            self.ess_engine.close()
+            self.ess_engine = None
+            raise
         # The host source group (v1/hisparse/binding.py: the handles' source_block_table is its block table).
         (self.ess_source_group,) = self.kv_cache_config.host_group_ids
         self.ess_upstream_runtimes = {}
@@ -205,11 +215,6 @@ class HiSparseConnector(_upstream.HiSparseConnector):
         check_release(vllm_config)   # before anything of upstream's is built
         super().__init__(vllm_config, role, kv_cache_config)
         if self.connector_worker is not None:
-            speculative = vllm_config.speculative_config
-            if speculative is not None and speculative.enable_adaptive_verification:
-                raise ValueError("ESS's HiSparse connector does not serve enable_adaptive_verification: it rewrites "
-                                 "the decode rows' query lengths on the device (AdaptiveVerificationManager), and "
-                                 "ESS stages each row's tokens from the scheduler's counts")
             if vllm_config.parallel_config.use_ubatching:
                 raise ValueError("ESS's HiSparse connector does not serve micro-batching (enable_dbo / ubatch_size "
                                  "> 1): start_step reads one forward's attention metadata")
