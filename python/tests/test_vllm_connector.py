@@ -70,6 +70,17 @@ class UpstreamConnector:
         return None, None
 
 
+class FlashMLASparseImpl:
+    """The two methods of vLLM's FlashMLA sparse backend vllm_overlap.py wraps (their calls: test_vllm_da.py, in vLLM's
+    venv)."""
+
+    def _host_backed_fp8_decode(self, q, topk_indices, attn_metadata, kernel_metadata, num_decodes):
+        raise AssertionError("not run here")
+
+    def _fp8_flash_mla_kernel(self, q, kv_c_and_k_pe_cache, topk_indices, kernel_metadata):
+        raise AssertionError("not run here")
+
+
 @pytest.fixture
 def connector_module(monkeypatch):
     """Stand-ins for the vLLM modules vllm_connector imports."""
@@ -79,6 +90,10 @@ def connector_module(monkeypatch):
         "vllm.distributed.kv_transfer.kv_connector.v1.hisparse.worker": dict(HiSparseConnectorWorker=UpstreamWorker),
         "vllm.v1.attention.backend": dict(max_decode_query_len=lambda config: T),
         "vllm.v1.kv_cache_interface": dict(HiSparseHotSpec=HiSparseHotSpec),
+        "vllm.v1.attention.backends.mla.flashmla_sparse": dict(FlashMLASparseImpl=FlashMLASparseImpl),
+        # The release's own function, compiled from the pinned source (pure Python).
+        "vllm.model_executor.models.utils": dict(extract_layer_index=vllm_upstream.function(
+            "model_executor/models/utils.py", "extract_layer_index")),
     }
     for name, members in modules.items():
         parts = name.split(".")
@@ -534,3 +549,43 @@ def test_a_release_other_than_the_checked_one_is_refused_by_name(connector_modul
             module.HiSparseConnector(c, "worker", World())
     else:
         assert module.HiSparseConnector(c, "worker", World()).connector_worker is not None
+
+
+@pytest.mark.parametrize("value,layers,schedules", [
+    ("da", None, ["da", "da", "da"]),
+    ("layerwise", "a - a a", ["da", "none", "da"]),   # by the model's layer index of each target layer
+    ("layerwise", "- - - a", None),                   # no target layer runs DA
+])
+def test_the_overlap_schedule_reaches_the_decode_and_wraps_flashmla(connector_module, monkeypatch, value, layers,
+                                                                    schedules):
+    module, _ = connector_module
+    monkeypatch.setenv("ESS_OVERLAP", value)
+    if layers is not None:
+        monkeypatch.setenv("ESS_OVERLAP_LAYERS", layers)
+    c = module.HiSparseConnector(config(), "worker", World())
+    c.register_kv_caches({})
+    overlap = c.connector_worker.ess.overlap
+    assert (overlap.schedules if overlap is not None else None) == schedules
+    wrapped = getattr(FlashMLASparseImpl._fp8_flash_mla_kernel, "ess_original", None) is not None
+    assert wrapped == (schedules is not None)
+    module.vllm_overlap.unpatch()
+    c.connector_worker.shutdown()
+
+
+@pytest.mark.parametrize("value,layers,match", [
+    ("dba", None, "DBA .the indexer split along the batch. is served under SGLang only"),
+    ("layerwise", "a b a a", "layer 1's schedule 'dba'; under vLLM one of none, da"),
+    ("layerwise", "a a", "ESS_OVERLAP_LAYERS has 2 layers"),
+    ("fast", None, "ESS_OVERLAP = 'fast'"),
+])
+def test_an_overlap_schedule_not_served_is_refused_and_the_engine_given_back(connector_module, monkeypatch, value,
+                                                                            layers, match):
+    module, _ = connector_module
+    monkeypatch.setenv("ESS_OVERLAP", value)
+    if layers is not None:
+        monkeypatch.setenv("ESS_OVERLAP_LAYERS", layers)
+    c = module.HiSparseConnector(config(), "worker", World())
+    with pytest.raises(ess.InvalidArgument, match=match):
+        c.register_kv_caches({})
+    assert c.connector_worker.ess_engine is None
+    assert getattr(FlashMLASparseImpl._fp8_flash_mla_kernel, "ess_original", None) is None

@@ -258,7 +258,7 @@ class VllmWorld:
 class Replay:
     def __init__(self, T, slots, seed=1, region=None, mirror=True, barrier=None, uniform=True,
                  async_scheduling=True, counts_run_ahead=True, blocks_from_output=False, hot_regions=0,
-                 slab_blocks=64, adaptive=False):
+                 slab_blocks=64, adaptive=False, overlap=None):
         """region, mirror, barrier: a rank of a node whose ranks share vLLM's host pool (a shared-memory region
         rank 0's mirror writes, every rank's ESS reads); barrier() runs at the start of every step, after the
         previous step's mirror. uniform: the backend's require_uniform_decodes (FlashMLA sparse's: True).
@@ -268,7 +268,8 @@ class Replay:
         connector's source_blocks_from_output: a new request's whole list, a cached one's new blocks), not the
         forward's table. hot_regions: ESS's rows in vLLM's hot regions of this many blocks (slots: the region's rows
         less T), in the resident slab (slab_blocks vLLM blocks); requests without one read in place through the
-        residency table. adaptive: vLLM's adaptive verification (step's `admitted`)."""
+        residency table. adaptive: vLLM's adaptive verification (step's `admitted`). overlap: every layer's schedule
+        (da: the swap armed and its rows taken in two parts, as vllm_overlap.py's FlashMLA wrapper takes them)."""
         self.T, self.barrier, self.uniform, self.async_scheduling = T, barrier, uniform, async_scheduling
         self.hot_regions = hot_regions
         self.rejected = {}   # request -> drafts its last verify step rejected, which the scheduler still counts
@@ -295,12 +296,14 @@ class Replay:
                                         counts_run_ahead=counts_run_ahead,
                                         attention_block_stride=2 * BLOCK if hot_regions else BLOCK,
                                         region_group=list(range(LAYERS)) if hot_regions else None,
-                                        adaptive_verification=adaptive)
+                                        adaptive_verification=adaptive,
+                                        overlap=None if overlap is None else [overlap] * LAYERS)
         self.model_region = {}   # hot regions: request -> the region the model's LRU started on
         # vLLM's null block (block 0 of each layer's slab), which ESS may rewrite only with its own bytes.
         self.null_block = [slab[0].clone() for slab in self.world.resident] if hot_regions else None
         self.straddles = 0   # steps whose decode split cut a row's tokens (adaptive verification's device split)
-        self.rows_checked = {"hot": 0, "in place": 0}   # hot regions: decode row-layers checked of each kind
+        self.rows_checked = {"hot": 0, "in place": 0}
+        self.fetched_checked = 0   # DA: fetched rows checked against the model's misses   # hot regions: decode row-layers checked of each kind
         self.model = EngineModel(LAYERS, slots, T, reserve_newest=True)
         self.model_rows = {}   # request -> state the model admitted it at
         # vllm/v1/hisparse/binding.py bind_hisparse_kv_caches: each layer's handle bound to the resident cache
@@ -515,9 +518,21 @@ class Replay:
                 if layer == 0:
                     self.handed.setdefault(rid, []).append((np.full((LAYERS, T, K), -1, np.int32), seq_lens[batch.index(rid)]))
                 self.handed[rid][-1][0][layer] = r
-            physical, valid = self.group.convert_logical_to_physical_topk(
-                layer, topk[:num_decode_tokens], attn, block_stride_rows=None, return_valid_counts=True)
-            assert physical.dtype == torch.int32 and valid.dtype == torch.int32
+            fetched = None
+            if self.decode.overlap is not None:
+                # flashmla_sparse.py _host_backed_fp8_decode (armed by vllm_overlap.py): the swap without valid counts,
+                # its resident rows returned and its fetched rows taken by the kernel's wrapper, for Attn1.
+                physical, fetched = self.swap_da(layer, topk[:num_decode_tokens], attn,
+                                                 [batch[int(b)] if i < real_decode_tokens else None
+                                                  for i, b in enumerate(req_id_per_token[:num_decode_tokens])])
+                fetched_rows = np.full((len(decodes), T, K), -1, np.int32)
+                for b, rid in enumerate(decodes):
+                    n = swapped[rid]
+                    fetched_rows[b, T - n:] = fetched[query_start_loc[b]:query_start_loc[b] + n].numpy()
+            else:
+                physical, valid = self.group.convert_logical_to_physical_topk(
+                    layer, topk[:num_decode_tokens], attn, block_stride_rows=None, return_valid_counts=True)
+            assert physical.dtype == torch.int32 and (fetched is not None or valid.dtype == torch.int32)
             assert tuple(physical.shape) == (num_decode_tokens, K)
             kv = self.group.physical_kv_cache(layer)
             assert kv.shape[1:] == (BLOCK, ENTRY)
@@ -527,12 +542,15 @@ class Replay:
                 n = swapped[rid]
                 per_row[b, T - n:] = physical[query_start_loc[b]:query_start_loc[b] + n].numpy()
             if self.hot_regions:
-                self.check_regions(decodes, rows, flat, layer, per_row)
+                self.check_regions(decodes, rows, flat, layer, per_row, fetched_rows if fetched is not None else None)
             else:
                 model_batch = [(rid, self.model_rows[rid]) for rid in decodes]
                 check_rows(w, self.model, np.stack(rows), [flat] * LAYERS, layer, model_batch, per_row)
             assert (physical[real_decode_tokens:] == -1).all(), "padded graph rows must come out as -1"
-            np.testing.assert_array_equal(valid.numpy(), (physical >= 0).sum(1).numpy())
+            if fetched is None:
+                np.testing.assert_array_equal(valid.numpy(), (physical >= 0).sum(1).numpy())
+            else:
+                assert (fetched[real_decode_tokens:] == -1).all(), "padded graph rows must come out as -1"
         # The row mirror of every computed row has landed in vLLM's host pool by the next step.
         for rid in batch:
             w.mirrored(rid, scheduled[rid][0], n_of[rid])
@@ -552,23 +570,50 @@ class Replay:
                 assert torch.equal(slab[0], self.null_block[layer]), f"layer {layer}: vLLM's null block was written"
         return served
 
-    def check_regions(self, decodes, rows, flat, layer, physical):
+    def swap_da(self, layer, topk, attn, request_of_token):
+        """A DA layer's swap as vllm_overlap.py's wrappers of FlashMLA's FP8 decode make it: armed, without valid
+        counts, its resident rows returned and its fetched rows taken (for Attn1). Returns both, [n, K]."""
+        overlap = self.decode.overlap
+        overlap.armed = layer
+        resident = self.group.convert_logical_to_physical_topk(layer, topk, attn, block_stride_rows=None,
+                                                               return_valid_counts=False)
+        overlap.armed = None
+        fetched = overlap.take(resident)
+        assert fetched is not None and overlap.pending is None
+        return resident, fetched
+
+    def check_regions(self, decodes, rows, flat, layer, physical, fetched=None):
         """Hot regions: a request with a hot region through the model's LRU, its rows (the model's row x
         rows_per_request + slot) in its region's blocks (vLLM block k at attention row 2k x 64); one without read in
-        place at its resident pages; every byte against the full cache."""
+        place at its resident pages; every byte against the full cache. fetched (DA): each row's fetched part, which
+        must be the rows of the model's misses (none read in place)."""
         w = self.world
         rpr = self.model.rows_per_request
         for b, rid in enumerate(decodes):
             q = rows[b]
             if rid in w.hot:
                 s, region = self.model_rows[rid], w.hot[rid][layer]
-                model_rows, _, _ = self.model.step(s, layer, w.length[rid], q.tolist())
+                model_rows, _, misses = self.model.step(s, layer, w.length[rid], q.tolist())
+                if fetched is not None:
+                    fetched_rows = {int(r) for r in fetched[b].ravel() if r >= 0}
+                    assert len(fetched_rows) == misses, f"layer {layer} request {rid}: fetched {fetched_rows}, " \
+                                                        f"{misses} misses"
+                    self.fetched_checked += misses
                 at = lambda p: -1 if p < 0 else region[(p - s * rpr) // BLOCK] * 2 * BLOCK + (p - s * rpr) % BLOCK
                 want = np.array([[at(p) for p in r] for r in model_rows])
             else:
                 pages = w.resident_pages[rid][layer]
+                assert fetched is None or (fetched[b] == -1).all(), f"layer {layer} request {rid}: fetched in place"
                 want = np.where(q >= 0, np.array([[pages[t // BLOCK] * 2 * BLOCK + t % BLOCK if t >= 0 else -1
                                                    for t in r] for r in q]), -1)
+            if fetched is not None:   # DA: each query's resident and fetched rows, compacted: as sets
+                for t in range(self.T):
+                    parts = [[int(v) for v in part[b][t] if v >= 0] for part in (physical, fetched)]
+                    assert not set(parts[0]) & set(parts[1]), f"layer {layer} request {rid}: resident and fetched"
+                    assert sorted(parts[0] + parts[1]) == sorted(int(v) for v in want[t] if v >= 0), \
+                        f"layer {layer} request {rid} query {t}: {parts} against the model's {want[t]}"
+                physical = np.array(physical)
+                physical[b] = want   # (checked as sets: the bytes below are those of the model's rows)
             np.testing.assert_array_equal(physical[b], want, err_msg=f"layer {layer} request {rid} "
                                                                       f"({'hot' if rid in w.hot else 'in place'})")
             self.rows_checked["hot" if rid in w.hot else "in place"] += 1
@@ -1081,3 +1126,45 @@ def test_adaptive_lengths_from_the_scheduler_fail_the_replay(monkeypatch):
                                                dtype=torch.int32)}))
     with pytest.raises((AssertionError, ess.EssError)):
         test_adaptive_verification_rows_decided_on_the_device(False)
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_the_da_overlap_splits_each_swap_into_resident_and_fetched_rows(adaptive):
+    """ESS_OVERLAP=da under vLLM (vllm_overlap.py): the swap, armed as FlashMLA's FP8 decode arms it, returns each
+    token's rows that were in place before the step and leaves those its step copies in; the two never overlap, the
+    fetched ones are the model's misses (none for a row read in place), and together they are every row the model
+    gives, holding the full cache's bytes. With hot regions handed out mid-run, drafts, FULL graphs and adaptive
+    verification. (The order on the GPU: Attn0 beside the copy, Attn1 after its event, is docs/gpu-validation.md's.)"""
+    T = 3
+    r = Replay(T, BLOCK - T, seed=71, hot_regions=1, overlap="da", adaptive=adaptive, blocks_from_output=True)
+    w = r.world
+    batch, states = three_requests(r)
+    rng = np.random.default_rng(9)
+    confidences = torch.from_numpy(rng.uniform(0.05, 1.0, (STATES, T - 1)).astype(np.float32))
+    for step in range(12):
+        if step in (2, 6):
+            w.go_hot({2: "b", 6: "a"}[step])
+        if adaptive:
+            order = rng.permutation(len(batch))
+            batch, states = [batch[i] for i in order], [states[i] for i in order]
+            scheduled = decode_step(batch, w, T)
+            admitted = adaptive_admitted(r, batch, states, scheduled, confidences, rng)
+            r.step(batch, states, scheduled, admitted=admitted,
+                   accepted={rid: int(rng.integers(1, n + 1)) for rid, n in admitted.items()})
+        else:
+            batch, states, _ = shuffled_decode_step(r, batch, states, step)
+    assert r.fetched_checked > 100 and min(r.rows_checked.values()) > 10, (r.fetched_checked, r.rows_checked)
+
+
+def test_a_da_swap_not_armed_by_flashmlas_decode_is_refused():
+    """A DA layer's swap from another decode path (not FlashMLA's FP8 decode, which reads the two parts) is refused by
+    name, before anything runs."""
+    r = Replay(1, BLOCK - 1, seed=73, hot_regions=1, overlap="da")
+    prefill(r, "a", 2, 90, 100)
+    r.decode.overlap.runs_da = lambda layer: True
+    with pytest.raises(ess.InvalidArgument, match="needs vLLM's FlashMLA sparse FP8 decode"):
+        r.handles[0].runtime.swap_in(resident=r.handles[0], req_id_per_token=torch.zeros(1, dtype=torch.int32),
+                                     block_table=r.world.source_block_table,
+                                     logical_topk_indices=torch.zeros((1, K), dtype=torch.int32), block_size=BLOCK,
+                                     num_valid_rows=torch.tensor([1]))
+    assert r.handles[0].runtime.layers_served == 0

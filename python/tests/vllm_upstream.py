@@ -76,6 +76,15 @@ NAMES = {RUNTIME: ["is_hisparse_decode_batch", "PagedCacheView", "HiSparseCacheH
          ADAPTIVE: ["_assign_draft_token_budget", "AdaptiveVerificationManager.compact_batch"]}
 
 
+def function(rel, name, source_dir: str = None):
+    """One self-contained function of the pinned source (`rel` under vllm/), compiled as it is."""
+    path = os.path.join(source_dir or default_source(), *rel.split("/"))
+    ns = {}
+    (text,) = _definitions(path, [name])
+    exec(compile(text, path, "exec", flags=__future__.annotations.compiler_flag, dont_inherit=True), ns)
+    return ns[name]
+
+
 def imported():
     """The same names from vLLM itself, imported (in its own venv: scripts/engines.sh), its module functions
     included: what the compiled namespace stands in for is then the release's own code, and a replay that

@@ -40,6 +40,7 @@ from .._errors import InvalidArgument, InvalidType
 from ..engine import Engine, ForeignPages
 from . import _device
 from .topk_recorder import TopkRecorder
+from .vllm_overlap import DecodeOverlap
 
 __all__ = ["VLLM_VERSION", "HotView", "latent_buffers", "host_pool_layout", "Scheduled",
            "scheduled_from_output", "source_blocks_from_output", "fresh_from_output", "EssDecode",
@@ -177,7 +178,7 @@ class EssDecode:
     def __init__(self, engine: Engine, latent: Sequence[torch.Tensor], max_num_reqs: int, block_table: torch.Tensor,
                  device="cpu", synchronize: Callable[[], None] = lambda: None, counts_run_ahead: bool = True,
                  attention_block_stride: int = KERNEL_BLOCK, region_group: Optional[Sequence[int]] = None,
-                 adaptive_verification: bool = False):
+                 adaptive_verification: bool = False, overlap: Optional[Sequence[str]] = None):
         info = engine.info
         if not info.reserve_newest:
             raise InvalidArgument("EssDecode: the engine needs reserve_newest=True (each step's newest entries are "
@@ -228,7 +229,17 @@ class EssDecode:
         self.topk = torch.full((max_num_reqs, T, K), -1, **i32)
         self.physical = torch.full((max_num_reqs, T, K), -1, **i32)
         self.counts = torch.zeros((max_num_reqs, 2), **i32)
-        self.step_binding = engine.bind_step(self.rows, self.topk, self.lengths, self.physical, counts=self.counts)
+        # The DA overlap (vllm_overlap.py): each layer's schedule; with a DA layer the steps also give each query
+        # row's resident and fetched rows, and the copy runs on a stream of its own.
+        self.overlap = None
+        if overlap is not None:
+            if len(overlap) != info.layers:
+                raise InvalidArgument(f"EssDecode: overlap has {len(overlap)} schedules for {info.layers} layers")
+            if any(schedule != "none" for schedule in overlap):
+                self.overlap = DecodeOverlap(_device.for_device(str(self.device)), overlap, max_num_reqs, T, K,
+                                             self.device)
+        self.step_binding = engine.bind_step(self.rows, self.topk, self.lengths, self.physical, counts=self.counts,
+                                             **(self.overlap.outputs() if self.overlap is not None else {}))
         self.max_swap_rows = max_num_reqs * T
         # Where each decode token's newest entry goes: its request's reserved row t (int64, as vLLM's slot
         # mappings are); the scratch row for padding (rewritten with its own bytes: with hot regions it is a row of
@@ -576,7 +587,6 @@ class EssDecode:
         Hot regions: each ESS row's reserved rows in its regions (swap_in maps the tokens and fills the reserved rows
         on the device, from the forward's req_id_per_token and lengths). Else per-token maps from the scheduler's
         counts, and the older tokens of short rows copied into the reserved rows from vLLM's host pool."""
-        T, S = self.info.query_tokens, self.info.slots
         host = dict(pin_memory=self.pinned)
         rows = torch.full((self.max_num_reqs,), -1, dtype=torch.int32, **host)
         lengths = torch.zeros((self.max_num_reqs,), dtype=torch.int32, **host)
@@ -896,6 +906,16 @@ class HiSparseRuntime:
         if self.layers_served:
             raise InvalidArgument(f"swap_in (layer {self.layer}): called twice in one forward (begin_forward "
                                   "starts one)")
+        overlap = d.overlap
+        da = overlap is not None and overlap.runs_da(self.layer)
+        if da and overlap.armed != self.layer:
+            raise InvalidArgument(f"swap_in (layer {self.layer}): ESS_OVERLAP runs DA on this layer, which needs "
+                                  "vLLM's FlashMLA sparse FP8 decode (FlashMLASparseImpl._host_backed_fp8_decode, "
+                                  "kv_cache_dtype fp8_ds_mla) to read the two parts; this swap came from another "
+                                  "decode path: set ESS_OVERLAP = none")
+        if da and (return_valid_counts or attention_indices_out is not None):
+            raise InvalidArgument(f"swap_in (layer {self.layer}): a DA swap returns the resident rows and leaves the "
+                                  "fetched ones for FlashMLA's second call: no valid counts or output buffer")
         B = d.max_num_reqs   # every staged row: a fixed shape
         # Tokens at or past num_valid_rows are CUDA-graph padding.
         limit = num_valid_rows.reshape(-1)[:1].to(torch.int64)
@@ -906,17 +926,29 @@ class HiSparseRuntime:
             valid, flat, in_place = self._staged_tokens(resident, req_id_per_token[:n], limit, logical_topk_indices)
         if d.recorder is not None:   # every served row, ESS's and those read in place
             d.recorder.record(self.layer, torch.where(d.rows >= 0, d.rows, d.in_place_state), d.topk)
-        d.step_binding.step(self.layer, B, stream=torch.cuda.current_stream(d.device) if d.device.type == "cuda" else None)
+        if da:   # the decision on the current stream, the copy on the overlap's copy stream
+            overlap.step(d.step_binding, self.layer, B)
+        else:
+            d.step_binding.step(self.layer, B,
+                                stream=torch.cuda.current_stream(d.device) if d.device.type == "cuda" else None)
         if self.upstream is not None and self.upstream.is_group_leader:
             # vLLM's HiSparse statistics (worker.py get_kv_connector_stats reads the group leader's swap_stats,
             # uint64 [hits, misses]): the leader layer's LRU hits and misses of this step, added on the device.
             self.upstream.index_group.swap_stats.view(torch.int64).add_(d.counts.sum(0, dtype=torch.int64))
-        physical = d.physical.view(B * T, K).index_select(0, flat)
-        if d.regions:
-            physical = self._in_place(physical, resident, logical_topk_indices, in_place)
-        physical = torch.where(valid.unsqueeze(1), physical, torch.full_like(physical, -1))
+        def served(table, read_in_place):
+            """Each token's rows of a staged [B, T, K] table (-1 where not valid), a row without a hot region's
+            read in place (or -1: read_in_place False)."""
+            rows = table.view(B * T, K).index_select(0, flat)
+            if d.regions:
+                rows = self._in_place(rows, resident, logical_topk_indices, in_place) if read_in_place else \
+                    torch.where((in_place >= 0).unsqueeze(1), torch.full_like(rows, -1), rows)
+            return torch.where(valid.unsqueeze(1), rows, torch.full_like(rows, -1))
+
         self.layers_served += 1
         self.steps_served += 1
+        if da:   # Attn0 reads the resident rows beside the copy, Attn1 the fetched ones (vllm_overlap.py)
+            return overlap.leave(served(overlap.resident, True), served(overlap.fetched, False))
+        physical = served(d.physical, True)
         out = physical if attention_indices_out is None else attention_indices_out.copy_(physical)
         if not return_valid_counts:
             return out

@@ -24,11 +24,14 @@ import math
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.hisparse import connector as _upstream
 from vllm.distributed.kv_transfer.kv_connector.v1.hisparse.worker import HiSparseConnectorWorker
+from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backend import max_decode_query_len
 from vllm.v1.kv_cache_interface import HiSparseHotSpec
 
 from .._errors import InvalidArgument
 from ..engine import Engine
+from . import vllm_overlap
+from ._overlap import layers_from_environment, schedule_from_environment
 from .vllm import (KERNEL_BLOCK, VLLM_VERSION, EssDecode, HiSparseRuntime, fresh_from_output, host_pool_layout,
                    scheduled_from_output, source_blocks_from_output)
 
@@ -97,14 +100,18 @@ class EssConnectorWorker(HiSparseConnectorWorker):
         # the device (v1/worker/gpu/spec_decode/adaptive_verification.py reallocate_drafts).
         adaptive = bool(speculative is not None and speculative.enable_adaptive_verification)
         try:
+            # ESS_OVERLAP: each target layer's schedule (vllm_overlap.py: DA inside FlashMLA's FP8 sparse decode).
+            overlap = overlap_schedules(hot_layer_names(self.kv_cache_config, [i for i, _ in targets]))
             self.ess = EssDecode(self.ess_engine, latent, max_num_reqs, targets[0][1].source_block_table,
                                  device=device, synchronize=synchronize, counts_run_ahead=run_ahead,
                                  attention_block_stride=strides.pop(), region_group=region_group,
-                                 adaptive_verification=adaptive)
+                                 adaptive_verification=adaptive, overlap=overlap)
         except InvalidArgument:
             self.ess_engine.close()
             self.ess_engine = None
             raise
+        if self.ess.overlap is not None:   # a DA layer: FlashMLA's FP8 sparse decode runs it in two parts
+            vllm_overlap.patch()
         # The host source group (v1/hisparse/binding.py: the handles' source_block_table is its block table).
         (self.ess_source_group,) = self.kv_cache_config.host_group_ids
         self.ess_upstream_runtimes = {}
@@ -130,6 +137,31 @@ class EssConnectorWorker(HiSparseConnectorWorker):
             self.ess_engine.close()
             self.ess_engine = None
         super().shutdown()
+
+
+def hot_layer_names(kv_cache_config, handles):
+    """The layer names of the upstream worker's cache handles `handles` (worker.py register_kv_caches lists them hot
+    group by hot group, each group's layer names in order)."""
+    names = [name for group in kv_cache_config.kv_cache_groups if isinstance(group.kv_cache_spec, HiSparseHotSpec)
+             for name in group.layer_names]
+    return [names[i] for i in handles]
+
+
+def overlap_schedules(layer_names):
+    """ESS_OVERLAP's schedule of each layer (None: none anywhere): da everywhere, or layer-wise from
+    ESS_OVERLAP_LAYERS by the model's layer index (vLLM's extract_layer_index of the layer name), a group's first
+    code (vLLM runs no micro-batches under HiSparse). DBA is refused by name (DecodeOverlap)."""
+    mode = schedule_from_environment()
+    if mode == "none":
+        return None
+    if mode == "dba":
+        raise InvalidArgument("ESS_OVERLAP = dba: DBA (the indexer split along the batch) is served under SGLang "
+                              "only; under vLLM use da, layerwise (codes a and -) or none")
+    if mode == "da":
+        return ["da"] * len(layer_names)
+    ids = [extract_layer_index(name) for name in layer_names]
+    layers = layers_from_environment(0, max(ids) + 1)
+    return [layers[i][0] for i in ids]
 
 
 def hot_groups_of(kv_cache_config, handles):

@@ -28,51 +28,16 @@ the model's forward_prepare before the indexer runs, and the swap happens inside
 from __future__ import annotations
 
 import importlib
-import os
 from typing import Optional
 
 import torch
 
 from ..._errors import InvalidArgument
+from .._overlap import LAYER_CODES, MODES, layers_from_environment, merge_states, schedule_from_environment  # noqa: F401
 from ._common import _pool_slots
 
-MODES = ("none", "da", "dba", "layerwise")
 DA_DECODE_BACKENDS = ("flashmla_kv",)
 FLASH_MLA_INTERFACE = "sglang.kernels.ops.attention.flash_mla_interface"
-LAYER_CODES = {"a": "da", "b": "dba", "-": "none"}
-
-
-def schedule_from_environment() -> str:
-    """ESS_OVERLAP (none | da | dba | layerwise; default none): the schedule of every layer's decode (dba:
-    indexer_split.py), or layer by layer from ESS_OVERLAP_LAYERS (layers_from_environment)."""
-    value = os.environ.get("ESS_OVERLAP", "none").strip().lower()
-    if value not in MODES:
-        raise InvalidArgument(f"ESS_OVERLAP = {value!r}: one of {', '.join(MODES)}")
-    return value
-
-
-def layers_from_environment(first_layer: int, layers: int):
-    """ESS_OVERLAP_LAYERS for ESS_OVERLAP = layerwise: the schedule of every layer of the model, as `ess plan` prints
-    it (its launch line's value): one group per layer from layer 0, separated by spaces, each one code per micro-batch
-    (a: DA, b: DBA, -: none, the simulator's code for a layer without misses); a group of one serves both of
-    two-batch overlap's micro-batches. Groups past the last layer (the MTP draft layer's) are not read. Returns a
-    tuple of per-micro-batch schedule tuples, indexed by layer id."""
-    text = os.environ.get("ESS_OVERLAP_LAYERS")
-    if text is None or not text.strip():
-        raise InvalidArgument("ESS_OVERLAP = layerwise needs ESS_OVERLAP_LAYERS: the schedule per layer, as the "
-                              "launch line of `ess plan --engine sglang` gives it (e.g. 'a a b b ...')")
-    groups = text.split()
-    if len(groups) < first_layer + layers:
-        raise InvalidArgument(f"ESS_OVERLAP_LAYERS has {len(groups)} layers; this pool serves layers "
-                              f"[{first_layer}, {first_layer + layers})")
-    out = []
-    for layer, group in enumerate(groups[:first_layer + layers]):
-        bad = [c for c in group if c not in LAYER_CODES]
-        if bad or len(group) > 2:
-            raise InvalidArgument(f"ESS_OVERLAP_LAYERS: layer {layer}'s schedule {group!r} is not one or two of "
-                                  f"a (DA), b (DBA), - (none)")
-        out.append(tuple(LAYER_CODES[c] for c in group))
-    return tuple(out)
 
 
 def check_decode_backend(impl: Optional[str], where: str, schedule: str = "da") -> None:
@@ -81,24 +46,6 @@ def check_decode_backend(impl: Optional[str], where: str, schedule: str = "da") 
             f"{where}: ESS_OVERLAP = {schedule} needs the dsa decode backend {' or '.join(DA_DECODE_BACKENDS)} "
             f"(FlashMLA's FP8 sparse decode, which returns the log-sum-exp the two parts are merged by); this server "
             f"runs {impl!r}: pass --dsa-decode-backend flashmla_kv, or ESS_OVERLAP = none")
-
-
-def merge_states(o0, lse0, o1, lse1):
-    """Two partial attention states over disjoint index sets merged: o [N, H, D], lse [N, H] natural-log, +inf for a
-    part that selected nothing (FlashMLA's empty row). Returns (o in o0's dtype, lse float32); a row where both parts
-    are empty stays FlashMLA's empty row (o 0, lse +inf). Where one part is empty the other is returned bit for bit
-    (its weight is exp(0) = 1, the empty one's exp(-inf) = 0)."""
-    inf = float("inf")
-    a = lse0.float().masked_fill(lse0 == inf, -inf)
-    b = lse1.float().masked_fill(lse1 == inf, -inf)
-    m = torch.maximum(a, b)
-    empty = m == -inf
-    m = m.masked_fill(empty, 0.0)
-    wa, wb = torch.exp(a - m), torch.exp(b - m)
-    total = (wa + wb).masked_fill(empty, 1.0)
-    o = o0.float() * (wa / total).unsqueeze(-1) + o1.float() * (wb / total).unsqueeze(-1)
-    lse = (m + torch.log(total)).masked_fill(empty, inf)
-    return o.to(o0.dtype), lse
 
 
 def _merge_on_device(o0, lse0, o1, lse1):

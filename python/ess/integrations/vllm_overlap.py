@@ -1,0 +1,179 @@
+"""The DA overlap in vLLM 0.33.0's FlashMLA sparse FP8 decode (the HiSparse path): attention over a layer's resident
+rows runs while its misses are copied, then over the fetched rows, the two partial states merged by their
+log-sum-exp.
+
+What runs, per layer whose schedule is DA, in FlashMLASparseImpl (v1/attention/backends/mla/flashmla_sparse.py), all
+of it vLLM's own code but for the marked steps:
+
+  _host_backed_fp8_decode   the wrapper arms ESS's runtime of the layer [ESS], then vLLM's own method runs:
+  convert_logical_to_physical_topk -> HiSparseCacheHandle.swap_in -> ESS's HiSparseRuntime.swap_in: the swap
+                            decision on the current stream, the misses copied on the copy stream after it, its event
+                            recorded when the copy ends [ESS]; returns each token's resident rows (in place before the
+                            step, -1 after them) and leaves the fetched ones
+  _fp8_flash_mla_kernel     which ESS wraps: for the resident table the swap returned it runs vLLM's own kernel call
+                            twice, Attn0 over the resident rows (beside the copy), the current stream's wait for the
+                            copy's event, Attn1 over the fetched rows, and merges the two (out, lse) [ESS]: on CUDA
+                            with vLLM's merge_attn_states (FlashMLA's +inf LSE of an empty row taken as -inf), on the
+                            host with ESS's merge_states.
+
+FlashMLA's sparse decode returns the natural-log LSE [b, h_q, s_q] and, for a query row whose indices are all -1, an
+output of 0 and an LSE of +inf. With HiSparse, vLLM's FP8 sparse MLA decode always takes this path (the mixed-batch
+path is off under HiSparse); a DA layer whose swap comes from another path (another backend, a BF16 cache) is
+refused by name at that swap. The schedule is ESS_OVERLAP (none | da | layerwise with ESS_OVERLAP_LAYERS, the codes
+a and -); DBA (the indexer split along the batch) is not served under vLLM yet and is refused by name."""
+from __future__ import annotations
+
+import importlib
+from typing import Sequence
+
+import torch
+
+from .._errors import InvalidArgument
+from ._overlap import merge_states
+
+FLASHMLA_SPARSE = "vllm.v1.attention.backends.mla.flashmla_sparse"
+SCHEDULES = ("none", "da")
+
+
+class DecodeOverlap:
+    """One EssDecode's DA state: each ESS layer's schedule, the resident and fetched tables its steps fill (bound
+    outputs, [B, T, K] buffer rows), the copy stream and its event, the layer vLLM's decode armed and the split its
+    swap left for the kernel call."""
+
+    def __init__(self, dev, schedules: Sequence[str], max_reqs: int, T: int, K: int, device):
+        bad = [(l, s) for l, s in enumerate(schedules) if s not in SCHEDULES]
+        if bad:
+            raise InvalidArgument(f"DecodeOverlap: layer {bad[0][0]}'s schedule {bad[0][1]!r}; under vLLM one of "
+                                  f"{', '.join(SCHEDULES)} (DBA's indexer split is served under SGLang only)")
+        i32 = dict(dtype=torch.int32, device=device)
+        self.dev, self.schedules = dev, list(schedules)
+        self.resident = torch.full((max_reqs, T, K), -1, **i32)
+        self.fetched = torch.full((max_reqs, T, K), -1, **i32)
+        self.resident_count = torch.zeros((max_reqs, T), **i32)
+        self.fetched_count = torch.zeros((max_reqs, T), **i32)
+        self.copy_stream = dev.Stream()
+        self.copy_done = dev.Event()
+        if dev.is_cuda:
+            # torch creates a CUDA event at its first record: until then its handle is 0, which ESS's step would take
+            # for "no event".
+            self.copy_done.record(dev.current_stream())
+        self.armed = None     # the ESS layer vLLM's decode armed, or None
+        self.pending = None   # (resident, fetched) [n, K] the armed swap left for the kernel call
+
+    def outputs(self) -> dict:
+        return dict(resident=self.resident, fetched=self.fetched, resident_count=self.resident_count,
+                    fetched_count=self.fetched_count)
+
+    def runs_da(self, layer: int) -> bool:
+        return self.schedules[layer] == "da"
+
+    def step(self, binding, layer: int, batch: int) -> None:
+        """The layer's step over the first `batch` rows: the decision on the current stream, the copy on the copy
+        stream, copy_done recorded when it ends (the host backend copies in the step itself)."""
+        dev = self.dev
+        if dev.is_cuda:
+            binding.step_async(layer, batch, 0, dev.handle(dev.current_stream()), self.copy_stream, self.copy_done)
+        else:
+            binding.step_async(layer, batch, 0)
+
+    def leave(self, resident: torch.Tensor, fetched: torch.Tensor) -> torch.Tensor:
+        self.pending = (resident, fetched)
+        return resident
+
+    def take(self, indices):
+        """The fetched table of the pending split whose resident table `indices` views (FlashMLA's [b, s_q, K]),
+        or None for any other call; consumed."""
+        if self.pending is None or indices is None:
+            return None
+        resident, fetched = self.pending
+        if indices.data_ptr() != resident.data_ptr() or indices.numel() != resident.numel():
+            return None
+        self.pending = None
+        return fetched.view(indices.shape)
+
+    def wait_for_copy(self) -> None:
+        """The current stream waits for the copy's event (Attn1 reads the fetched rows after it)."""
+        self.copy_done.wait(self.dev.current_stream())
+
+
+def merge(o0, lse0, o1, lse1):
+    """FlashMLA's two partial results, out [b, s_q, h, dv] and lse [b, h, s_q], merged per (query row, head)."""
+    b, s_q, h, d = o0.shape
+    p_out, s_out = o0.reshape(b * s_q, h, d), o1.reshape(b * s_q, h, d)
+    p_lse = lse0.permute(1, 0, 2).reshape(h, b * s_q).contiguous()
+    s_lse = lse1.permute(1, 0, 2).reshape(h, b * s_q).contiguous()
+    if o0.is_cuda:
+        from vllm.v1.attention.ops.merge_attn_states import merge_attn_states
+        out, lse = torch.empty_like(p_out), torch.empty_like(p_lse)
+        merge_attn_states(out, p_out.contiguous(), p_lse, s_out.contiguous(), s_lse, output_lse=lse)
+        inf = float("inf")
+        empty = (p_lse == inf) & (s_lse == inf)   # FlashMLA's empty row stays one (out 0, lse +inf)
+        lse.masked_fill_(empty, inf)
+        out.masked_fill_(empty.t().unsqueeze(-1), 0.0)
+    else:
+        out, lse = merge_states(p_out, p_lse.t(), s_out, s_lse.t())
+        lse = lse.t()
+    return out.view(b, s_q, h, d), lse.reshape(h, b, s_q).permute(1, 0, 2)
+
+
+def _overlap_of(impl):
+    """The DecodeOverlap of ESS's runtime on this FlashMLA sparse layer's cache handle, or None."""
+    group = getattr(impl, "index_group", None)
+    if group is None or not hasattr(group, "cache"):
+        return None, None
+    runtime = group.cache(impl.index_group_index).runtime
+    return runtime, getattr(getattr(runtime, "decode", None), "overlap", None)
+
+
+def _wrap_host_backed_decode(original):
+    def _host_backed_fp8_decode(self, q, topk_indices, attn_metadata, kernel_metadata, num_decodes):
+        runtime, overlap = _overlap_of(self)
+        if overlap is None or not overlap.runs_da(runtime.layer):
+            return original(self, q, topk_indices, attn_metadata, kernel_metadata, num_decodes)
+        overlap.armed, overlap.pending = runtime.layer, None
+        try:
+            out = original(self, q, topk_indices, attn_metadata, kernel_metadata, num_decodes)
+        finally:
+            overlap.armed = None
+        if overlap.pending is not None:
+            overlap.pending = None
+            raise RuntimeError(f"ESS layer {runtime.layer}: the DA swap returned the resident rows only, and vLLM's "
+                               "decode did not read them through FlashMLASparseImpl._fp8_flash_mla_kernel")
+        return out
+    return _host_backed_fp8_decode
+
+
+def _wrap_kernel(original):
+    def _fp8_flash_mla_kernel(self, q, kv_c_and_k_pe_cache, topk_indices, kernel_metadata):
+        _, overlap = _overlap_of(self)
+        fetched = overlap.take(topk_indices) if overlap is not None else None
+        if fetched is None:
+            return original(self, q, kv_c_and_k_pe_cache, topk_indices, kernel_metadata)
+        o0, lse0 = original(self, q, kv_c_and_k_pe_cache, topk_indices, kernel_metadata)   # Attn0, beside the copy
+        overlap.wait_for_copy()                                                           # the fetched rows land
+        o1, lse1 = original(self, q, kv_c_and_k_pe_cache, fetched, kernel_metadata)      # Attn1
+        return merge(o0, lse0, o1, lse1)
+    return _fp8_flash_mla_kernel
+
+
+_WRAPS = {"_host_backed_fp8_decode": _wrap_host_backed_decode, "_fp8_flash_mla_kernel": _wrap_kernel}
+
+
+def patch(module=None) -> None:
+    """FlashMLASparseImpl's two methods wrapped, once (each wrapper carries its original as ess_original); a layer
+    without ESS's DA passes through unchanged."""
+    cls = (module or importlib.import_module(FLASHMLA_SPARSE)).FlashMLASparseImpl
+    for name, wrap in _WRAPS.items():
+        current = getattr(cls, name)
+        if getattr(current, "ess_original", None) is None:
+            wrapped = wrap(current)
+            wrapped.ess_original = current
+            setattr(cls, name, wrapped)
+
+
+def unpatch(module=None) -> None:
+    cls = (module or importlib.import_module(FLASHMLA_SPARSE)).FlashMLASparseImpl
+    for name in _WRAPS:
+        original = getattr(getattr(cls, name), "ess_original", None)
+        if original is not None:
+            setattr(cls, name, original)

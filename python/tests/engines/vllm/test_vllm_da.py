@@ -1,0 +1,184 @@
+"""ESS_OVERLAP=da inside vLLM 0.33.0's own FlashMLA sparse FP8 decode (v1/attention/backends/mla/flashmla_sparse.py
+FlashMLASparseImpl._host_backed_fp8_decode and _fp8_flash_mla_kernel, vLLM's code, wrapped by vllm_overlap.py), in
+vLLM's venv, over the vLLM replay (test_vllm_replay.py: upstream's own cache handles and index group, ESS's rows in
+hot regions, requests read in place, every row against the LRU model).
+
+Each DA layer's decode runs vLLM's method: its convert_logical_to_physical_topk reaches ESS's swap, which returns the
+resident rows and leaves the fetched ones; vLLM's _fp8_flash_mla_kernel (heads padded as vLLM pads them) then runs
+twice, FlashMLA's FP8 sparse decode standing in (flashmla_standin.py: FlashMLA's documented reference, which cannot
+run without its CUDA kernels), and the two parts are merged. The copy is delayed as far as stream order allows (the
+fetched rows hold FP8 NaN until a stream waits for the copy's event), so a kernel call before the wait reads poison.
+Checked: FlashMLA's two calls read the resident and the fetched rows (the replay's checks against the model), and the
+merged output against one FlashMLA pass over the full cache's entries of the same ids."""
+import types
+
+import pytest
+import torch
+
+from ess.integrations import vllm_overlap
+import flashmla_standin
+from test_vllm_replay import BLOCK, CTX, LAYERS, Replay, shuffled_decode_step, three_requests
+
+flashmla_sparse = pytest.importorskip("vllm.v1.attention.backends.mla.flashmla_sparse")
+HEADS, PADDED_HEADS = 16, 64   # vLLM pads the FP8 decode's heads to 64 (FlashMLASparseImpl.fp8_decode_padded_heads)
+
+
+def fp8_entries(world, seed):
+    """Every request's full cache made of valid V32 FP8 entries (FlashMLA's quantization), drafts redrawn alike."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def entries(n):
+        return flashmla_standin.quantize(torch.randn(n, 512, generator=gen), torch.randn(n, 64, generator=gen)).numpy()
+
+    new = world.new_request
+
+    def new_request(rid, prompt, prefix_of=None, prefix=0):
+        new(rid, prompt, prefix_of, prefix)
+        fresh = entries(LAYERS * CTX).reshape(LAYERS, CTX, -1)
+        fresh[:, :prefix] = world.full[rid][:, :prefix]
+        world.full[rid] = fresh
+
+    def redraw_after(rid, position):
+        world.full[rid][:, position:] = entries(LAYERS * (CTX - position)).reshape(LAYERS, CTX - position, -1)
+
+    world.new_request, world.redraw_after = new_request, redraw_after
+
+
+class DelayedCopy:
+    """The copy's event, with the copy delayed as far as stream order allows: after each swap its fetched rows hold
+    FP8 NaN until a stream waits for the event."""
+
+    def __init__(self, overlap, attention):
+        self.attention, self.saved, self.waits = attention, [], 0
+        leave = overlap.leave
+
+        def leaving(resident, fetched):
+            rows = fetched[fetched >= 0].unique().to(torch.int64)
+            view = self.attention[overlap.armed].view(-1, flashmla_standin.ENTRY)
+            self.saved.append((view, rows, view[rows].clone()))
+            view[rows] = 0x7F
+            return leave(resident, fetched)
+        overlap.leave = leaving
+        overlap.copy_done = self
+
+    def wait(self, stream=None):
+        self.waits += 1
+        for view, rows, data in self.saved:
+            view[rows] = data
+        self.saved.clear()
+
+    def record(self, stream=None):
+        pass
+
+
+class VllmDecodeReplay(Replay):
+    """The replay whose DA layers decode through vLLM's own FlashMLASparseImpl methods (wrapped by ESS)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, overlap="da", **kwargs)
+        fp8_entries(self.world, 5)
+        self.delayed = DelayedCopy(self.decode.overlap, self.attention)
+        self.calls, self.kinds, self.rng = [], set(), torch.Generator().manual_seed(6)
+        self.count_waits = True
+
+    def swap_da(self, layer, topk, attn, request_of_token):
+        n, cls = topk.shape[0], flashmla_sparse.FlashMLASparseImpl
+        impl = types.SimpleNamespace(index_group=self.group, index_group_index=layer, softmax_scale=576 ** -0.5,
+                                     fp8_decode_padded_heads=PADDED_HEADS)
+        impl._fp8_flash_mla_kernel = types.MethodType(cls._fp8_flash_mla_kernel, impl)
+        q = torch.randn((n, HEADS, 576), generator=self.rng).to(torch.bfloat16)
+        kernel_metadata = types.SimpleNamespace(dummy_block_table=None, cache_lens=None, scheduler_metadata=None)
+        log = []
+        self.calls.append(log)
+        waits = self.delayed.waits
+        out = cls._host_backed_fp8_decode(impl, q, topk, attn, kernel_metadata, attn.num_decodes)
+        assert len(log) == 2, "Attn0 and Attn1"
+        assert self.delayed.waits == waits + 1 or not self.count_waits, "one wait for the copy, before Attn1"
+        resident, fetched = (indices.reshape(n, -1) for indices, _ in log)
+        for i in range(n):   # against one pass over the full cache's entries of the token's ids
+            rid = request_of_token[i]
+            ids = topk[i][topk[i] >= 0].tolist()
+            if rid is None or not ids:
+                continue
+            full = torch.from_numpy(self.world.full[rid][layer, ids]).view(1, 1, len(ids), -1)
+            qp = torch.zeros((1, 1, PADDED_HEADS, 576), dtype=torch.bfloat16)
+            qp[0, 0, :HEADS] = q[i]
+            ref, _ = flashmla_standin.sparse_decode(qp, full, torch.ones((1, 1, len(ids)), dtype=torch.bool),
+                                                    576 ** -0.5, 512)
+            ref, got = ref[0, 0, :HEADS], out[i]
+            n0, n1 = int((resident[i] >= 0).sum()), int((fetched[i] >= 0).sum())
+            assert n0 + n1 == len(ids), (layer, i, n0, n1, len(ids))
+            self.kinds.add("mixed" if n0 and n1 else "all resident" if n0 else "all fetched")
+            # bf16 outputs (two merged, or one over the rows in another order than the ids'): within their
+            # rounding of the largest value
+            vmax = float(flashmla_standin.dequantize(full.view(len(ids), -1))[:, :512].abs().max())
+            err = float((got.float() - ref.float()).abs().max())
+            assert err <= (3 * 2 ** -8 + 1e-5) * vmax, ("output", layer, i, n0, n1, err)
+        return resident, fetched
+
+
+def flashmla(monkeypatch):
+    """FlashMLA's FP8 sparse decode as flashmla_sparse.py calls it (its module's flash_mla_with_kvcache), each call
+    logged with the indices it read; vLLM's FlashMLASparseImpl wrapped by ESS for the test."""
+    def flash_mla_with_kvcache(q, k_cache, block_table, head_dim_v, cache_seqlens, tile_scheduler_metadata,
+                               is_fp8_kvcache=False, indices=None, softmax_scale=None):
+        assert is_fp8_kvcache and indices is not None and indices.dtype == torch.int32
+        b, s_q, h, d = q.shape
+        table = k_cache.reshape(-1, flashmla_standin.ENTRY)
+        rows = table[indices.clamp_min(0).to(torch.int64)]
+        replay_log().append((indices.clone(), rows.clone()))
+        return flashmla_standin.sparse_decode(q, rows, indices >= 0, softmax_scale, head_dim_v)
+
+    current = {}
+
+    def replay_log():
+        return current["replay"].calls[-1]
+
+    monkeypatch.setattr(flashmla_sparse, "flash_mla_with_kvcache", flash_mla_with_kvcache)
+    vllm_overlap.patch(flashmla_sparse)
+    return current
+
+
+@pytest.fixture
+def wrapped(monkeypatch):
+    current = flashmla(monkeypatch)
+    yield current
+    vllm_overlap.unpatch(flashmla_sparse)
+
+
+@pytest.mark.parametrize("T", [1, 3])
+def test_da_inside_vllms_flashmla_decode_is_lossless_and_merges_to_the_single_pass(wrapped, T):
+    r = VllmDecodeReplay(T, BLOCK - T, seed=81 + T, hot_regions=1)
+    wrapped["replay"] = r
+    w = r.world
+    batch, states = three_requests(r)
+    for step in range(8):
+        if step in (2, 5):
+            w.go_hot({2: "a", 5: "c"}[step])
+        batch, states, _ = shuffled_decode_step(r, batch, states, step)
+    assert r.kinds == {"mixed", "all resident", "all fetched"} and r.fetched_checked > 50, (r.kinds, r.fetched_checked)
+    assert min(r.rows_checked.values()) > 5, r.rows_checked
+
+
+def test_attention_before_the_copys_event_fails(wrapped, monkeypatch):
+    """Mutation: the wait for the copy's event dropped: Attn1 reads the fetched rows before the copy lands."""
+    monkeypatch.setattr(vllm_overlap.DecodeOverlap, "wait_for_copy", lambda self: None)
+    r = VllmDecodeReplay(1, BLOCK - 1, seed=91, hot_regions=1)
+    r.count_waits = False   # the poison the copy leaves until its event is waited for is what fails
+    wrapped["replay"] = r
+    with pytest.raises(AssertionError, match="output"):
+        batch, states = three_requests(r)
+        r.world.go_hot("a")
+        for step in range(3):
+            batch, states, _ = shuffled_decode_step(r, batch, states, step)
+
+
+def test_without_the_kernel_wrapper_the_split_is_refused(wrapped, monkeypatch):
+    """vLLM's decode reading the swap's rows through another call than _fp8_flash_mla_kernel is refused by name
+    (the fetched rows would go unread)."""
+    monkeypatch.setattr(flashmla_sparse.FlashMLASparseImpl, "_fp8_flash_mla_kernel",
+                        flashmla_sparse.FlashMLASparseImpl._fp8_flash_mla_kernel.ess_original)
+    r = VllmDecodeReplay(1, BLOCK - 1, seed=93, hot_regions=1)
+    wrapped["replay"] = r
+    with pytest.raises(RuntimeError, match="did not read them through FlashMLASparseImpl._fp8_flash_mla_kernel"):
+        three_requests(r)   # "a" decodes beside the prefill of "b"
