@@ -46,15 +46,16 @@ TEST(sim_launch, SglangLimitsTheModesAndThePoolFloor) {
             std::string::npos);
 }
 
-TEST(sim_launch, VllmRunsModeNoneWithoutTboAndEveryRequestSparse) {
+TEST(sim_launch, VllmRunsNoneOrDaWithoutTboAndEveryRequestSparse) {
   const std::vector<std::string> all = {"none", "da", "dba", "layerwise"};
   const EngineLimits l = engine_limits("vllm", all, false, "", false, 2);
-  EXPECT_EQ(l.modes, (std::vector<std::string>{"none"}));
+  EXPECT_EQ(l.modes, (std::vector<std::string>{"none", "da"}));
   EXPECT_FALSE(l.two_batch_overlap);
   EXPECT_FALSE(l.whole_residency);
+  EXPECT_FALSE(l.preattn_in_copy_window);
   EXPECT_EQ(l.pool_floor, "tk");
-  EXPECT_NE(test::error_of([&] { engine_limits("vllm", {"none", "da"}, true, "", false, 2); })
-                .find("overlap mode da is not served inside vLLM"), std::string::npos);
+  EXPECT_NE(test::error_of([&] { engine_limits("vllm", {"none", "dba"}, true, "", false, 2); })
+                .find("overlap mode dba is not served inside vLLM"), std::string::npos);
   EXPECT_TRUE(engine_limits("sglang", all, false, "", false, 2).two_batch_overlap);
 }
 
@@ -75,7 +76,10 @@ TEST(sim_launch, TheVllmLaunchLineCarriesThePlansChoiceAndLeavesRoomForEsssRows)
   EXPECT_FALSE(p.results[0].low_load.found);
   const StepResult& c = p.results[0].chosen.best;
   ASSERT_TRUE(c.offload);
-  EXPECT_EQ(c.overlap, OverlapMode::kNone);
+  EXPECT_TRUE(c.overlap == OverlapMode::kNone || c.overlap == OverlapMode::kDualAttention);
+  const std::vector<std::string> env = p.launches[0]["env"];
+  const std::vector<std::string> da_env = {"ESS_OVERLAP=da"};
+  EXPECT_EQ(env, c.overlap == OverlapMode::kDualAttention ? da_env : std::vector<std::string>());
   const std::vector<std::string> argv = p.launches[0]["argv"];
   ASSERT_GE(argv.size(), 3u);
   EXPECT_EQ(argv[0] + " " + argv[1], "vllm serve");

@@ -13,9 +13,10 @@ namespace ess::sim {
 namespace {
 
 // The overlap modes SGLang 0.5.23 runs with ESS (python/ess/integrations/sglang/overlap.py and
-// indexer_split.py), and vLLM 0.33.0 (python/ess/integrations/vllm.py: the swap, then attention).
+// indexer_split.py), and vLLM 0.33.0 (python/ess/integrations/vllm_overlap.py: DA inside FlashMLA's FP8 sparse
+// decode; no DBA, so no layer-wise schedule, whose layers may choose it).
 const std::vector<std::string> kSglangModes = {"none", "da", "dba", "layerwise"};
-const std::vector<std::string> kVllmModes = {"none"};
+const std::vector<std::string> kVllmModes = {"none", "da"};
 
 std::string shell_quote(const std::string& s) {
   if (!s.empty() &&
@@ -52,11 +53,12 @@ EngineLimits engine_limits(const std::string& engine, const std::vector<std::str
   if (!modes_given) {
     out.notes.push_back(fmt::format("modes: {} (what ESS runs inside {})", fmt::join(out.modes, ", "), name));
   }
-  if (!vllm) {
-    out.preattn_in_copy_window = false;
-    out.notes.push_back("PreAttn before the indexer (SGLang's model computes q in forward_prepare): DA and DBA hide "
-                        "the copy under attention over the resident entries and DBA's second indexer half only");
-  }
+  out.preattn_in_copy_window = false;
+  out.notes.push_back(vllm ? "PreAttn before the swap (vLLM's MLA layer computes q before forward_mqa swaps): DA hides "
+                             "the copy under attention over the resident entries only"
+                           : "PreAttn before the indexer (SGLang's model computes q in forward_prepare): DA and DBA "
+                             "hide the copy under attention over the resident entries and DBA's second indexer half "
+                             "only");
   if (vllm) {
     out.two_batch_overlap = false;
     out.whole_residency = false;
@@ -176,6 +178,12 @@ Launch vllm_launch(const ModelSpec& model, const HardwareProfile& hw, const Depl
                      R"({{"host_pool_gib": {}}}}})",
                      host_gib));
     flag("--attention-config", fmt::format(R"({{"hisparse_config": {{"device_buffer_size": {}}}}})", buffer));
+    if (c.overlap == OverlapMode::kDualAttention) {
+      l.env.push_back("ESS_OVERLAP=da");
+      l.notes.push_back("ESS_OVERLAP=da: each layer's FlashMLA FP8 sparse decode runs over its resident entries while "
+                        "its misses are copied, then over the copied ones (vLLM's FlashMLA sparse backend, which "
+                        "--kv-cache-dtype fp8_ds_mla selects for DeepSeek-V3.2 on Hopper)");
+    }
     l.notes.push_back(fmt::format(
         "--gpu-memory-utilization {}: the plan's {} less about 1 GiB of ESS's engine state (its LRU state, step "
         "scratch and page tables), which sits outside vLLM's budget; ESS's rows are vLLM's hot regions, inside it",

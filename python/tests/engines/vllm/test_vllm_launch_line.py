@@ -43,7 +43,15 @@ def test_the_launch_line_is_vllms(case, model_dir):
     for p in plan["plans"]:
         assert p["found"], p
         chosen, launch = p["chosen"], p["launch"]
-        assert chosen["overlap"] == "none" and not chosen["two_batch_overlap"] and "low_load" not in p
+        assert chosen["overlap"] in ("none", "da") and not chosen["two_batch_overlap"] and "low_load" not in p
+        # The environment the line sets is what the connector reads (vllm_connector.py overlap_schedules).
+        assert launch["env"] == (["ESS_OVERLAP=da"] if chosen["overlap"] == "da" else [])
+        if chosen["overlap"] == "da":
+            from ess.integrations.vllm_connector import overlap_schedules
+            names = [f"model.layers.{i}.self_attn.attn" for i in range(61)]
+            with pytest.MonkeyPatch.context() as env:
+                env.setenv("ESS_OVERLAP", launch["env"][0].split("=", 1)[1])
+                assert overlap_schedules(names) == ["da"] * 61
         args = engine_args(launch["argv"], model_dir)
         dp = dep["attention_data_parallel"]
         assert args.data_parallel_size == dp and args.tensor_parallel_size * dp == dep["nodes"] * dep["gpus_per_node"]
