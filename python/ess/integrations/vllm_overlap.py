@@ -96,18 +96,22 @@ class DecodeOverlap:
         self.copy_done.wait(self.dev.current_stream())
 
 
-def merge(o0, lse0, o1, lse1):
-    """FlashMLA's two partial results, out [b, s_q, h, dv] and lse [b, h, s_q], merged per (query row, head)."""
+def merge(o0, lse0, o1, lse1, with_vllm=None):
+    """FlashMLA's two partial results, out [b, s_q, h, dv] and lse [b, h, s_q], merged per (query row, head):
+    with_vllm (default: on CUDA) by vLLM's merge_attn_states, else by ESS's merge_states."""
     b, s_q, h, d = o0.shape
     p_out, s_out = o0.reshape(b * s_q, h, d), o1.reshape(b * s_q, h, d)
     p_lse = lse0.permute(1, 0, 2).reshape(h, b * s_q).contiguous()
     s_lse = lse1.permute(1, 0, 2).reshape(h, b * s_q).contiguous()
-    if o0.is_cuda:
+    if o0.is_cuda if with_vllm is None else with_vllm:
         from vllm.v1.attention.ops.merge_attn_states import merge_attn_states
+        inf = float("inf")
+        # FlashMLA's empty part (lse +inf) given as an empty part (-inf), whatever merge kernel vLLM picks.
+        p_empty, s_empty = p_lse == inf, s_lse == inf
+        p_lse, s_lse = p_lse.masked_fill(p_empty, -inf), s_lse.masked_fill(s_empty, -inf)
         out, lse = torch.empty_like(p_out), torch.empty_like(p_lse)
         merge_attn_states(out, p_out.contiguous(), p_lse, s_out.contiguous(), s_lse, output_lse=lse)
-        inf = float("inf")
-        empty = (p_lse == inf) & (s_lse == inf)   # FlashMLA's empty row stays one (out 0, lse +inf)
+        empty = p_empty & s_empty   # FlashMLA's empty row stays one (out 0, lse +inf)
         lse.masked_fill_(empty, inf)
         out.masked_fill_(empty.t().unsqueeze(-1), 0.0)
     else:

@@ -182,3 +182,23 @@ def test_without_the_kernel_wrapper_the_split_is_refused(wrapped, monkeypatch):
     wrapped["replay"] = r
     with pytest.raises(RuntimeError, match="did not read them through FlashMLASparseImpl._fp8_flash_mla_kernel"):
         three_requests(r)   # "a" decodes beside the prefill of "b"
+
+
+def test_vllms_merge_and_esss_agree_on_flashmlas_partial_states():
+    """The merge the DA runs on CUDA (vLLM's merge_attn_states, here its host path) against ESS's merge_states, over
+    FlashMLA's partial states with empty parts (lse +inf, out 0) on either side and on both."""
+    gen = torch.Generator().manual_seed(3)
+    b, s_q, h, d = 5, 2, 4, 512
+    o0, o1 = (torch.randn((b, s_q, h, d), generator=gen).to(torch.bfloat16) for _ in range(2))
+    lse0, lse1 = (torch.randn((b, h, s_q), generator=gen) * 4 for _ in range(2))
+    inf = float("inf")
+    lse0[0], o0[0] = inf, 0.0            # query row 0: the resident part empty
+    lse1[1], o1[1] = inf, 0.0            # row 1: the fetched part empty
+    lse0[2], lse1[2], o0[2], o1[2] = inf, inf, 0.0, 0.0   # row 2: both (CUDA-graph padding)
+    got, got_lse = vllm_overlap.merge(o0, lse0, o1, lse1, with_vllm=True)
+    want, want_lse = vllm_overlap.merge(o0, lse0, o1, lse1, with_vllm=False)
+    assert got.shape == (b, s_q, h, d) and got_lse.shape == (b, h, s_q)
+    assert torch.equal(got[:3], want[:3]) and torch.equal(got[1], o0[1]) and torch.equal(got[2], torch.zeros_like(got[2]))
+    assert (got_lse[2] == inf).all() and torch.equal(got_lse[:2], want_lse[:2])
+    assert float((got[3:].float() - want[3:].float()).abs().max()) <= 2 ** -7 * float(o0.abs().max())
+    assert torch.allclose(got_lse, want_lse, rtol=1e-5, atol=1e-5)
