@@ -533,7 +533,8 @@ def test_plan_for_sglang_gives_its_launch_line():
     with pytest.raises(ess.InvalidArgument, match="plans for sglang \\(0.5.23\\) and vllm \\(0.33.0\\)"):
         ess.plan(engine="tgi")
     v = ess.plan(engine="vllm", hardware="h200", contexts=[32768], min_otps=15)["plans"][0]
-    assert v["launch"]["argv"][:2] == ["vllm", "serve"] and v["chosen"]["overlap"] == "none"
+    assert v["launch"]["argv"][:2] == ["vllm", "serve"] and v["chosen"]["overlap"] in ("none", "da")
+    assert v["launch"]["env"] == (["ESS_OVERLAP=da"] if v["chosen"]["overlap"] == "da" else [])
     with pytest.raises(ess.InvalidType, match="engine"):
         ess.plan(engine=3)
 
