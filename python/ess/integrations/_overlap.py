@@ -62,3 +62,29 @@ def merge_states(o0, lse0, o1, lse1):
     o = o0.float() * (wa / total).unsqueeze(-1) + o1.float() * (wb / total).unsqueeze(-1)
     lse = (m + torch.log(total)).masked_fill(empty, inf)
     return o.to(o0.dtype), lse
+
+
+class CopySplit:
+    """A DA swap's hand-over to the attention kernel (both engines'): the split its swap left (`pending`: the
+    resident and fetched tables, the resident one returned to the engine's decode) and the copy's event. Subclasses
+    set dev, copy_done and pending."""
+
+    dev = None
+    copy_done = None
+    pending = None
+
+    def take(self, indices):
+        """The fetched table of the pending split whose resident table `indices` views (FlashMLA's indices: the table,
+        reshaped), or None for any other call; consumed."""
+        if self.pending is None or indices is None:
+            return None
+        resident, fetched = self.pending
+        if indices.data_ptr() != resident.data_ptr() or indices.numel() != resident.numel():
+            return None
+        self.pending = None
+        return fetched.view(indices.shape)
+
+    def wait_for_copy(self) -> None:
+        """The current stream waits for the copy's event (Attn1 reads the fetched rows after it)."""
+        self.copy_done.wait(self.dev.current_stream())
+

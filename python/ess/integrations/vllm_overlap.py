@@ -29,13 +29,13 @@ from typing import Sequence
 import torch
 
 from .._errors import InvalidArgument
-from ._overlap import merge_states
+from ._overlap import CopySplit, merge_states
 
 FLASHMLA_SPARSE = "vllm.v1.attention.backends.mla.flashmla_sparse"
 SCHEDULES = ("none", "da")
 
 
-class DecodeOverlap:
+class DecodeOverlap(CopySplit):
     """One EssDecode's DA state: each ESS layer's schedule, the resident and fetched tables its steps fill (bound
     outputs, [B, T, K] buffer rows), the copy stream and its event, the layer vLLM's decode armed and the split its
     swap left for the kernel call."""
@@ -80,20 +80,6 @@ class DecodeOverlap:
         self.pending = (resident, fetched)
         return resident
 
-    def take(self, indices):
-        """The fetched table of the pending split whose resident table `indices` views (FlashMLA's [b, s_q, K]),
-        or None for any other call; consumed."""
-        if self.pending is None or indices is None:
-            return None
-        resident, fetched = self.pending
-        if indices.data_ptr() != resident.data_ptr() or indices.numel() != resident.numel():
-            return None
-        self.pending = None
-        return fetched.view(indices.shape)
-
-    def wait_for_copy(self) -> None:
-        """The current stream waits for the copy's event (Attn1 reads the fetched rows after it)."""
-        self.copy_done.wait(self.dev.current_stream())
 
 
 def merge(o0, lse0, o1, lse1, with_vllm=None):

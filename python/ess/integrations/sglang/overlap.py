@@ -33,7 +33,8 @@ from typing import Optional
 import torch
 
 from ..._errors import InvalidArgument
-from .._overlap import LAYER_CODES, MODES, layers_from_environment, merge_states, schedule_from_environment  # noqa: F401
+from .._overlap import (LAYER_CODES, MODES, CopySplit, layers_from_environment, merge_states,  # noqa: F401
+                        schedule_from_environment)
 from ._common import _pool_slots
 
 DA_DECODE_BACKENDS = ("flashmla_kv",)
@@ -62,7 +63,7 @@ def _merge_on_device(o0, lse0, o1, lse1):
     return o, lse
 
 
-class DecodeSplit:
+class DecodeSplit(CopySplit):
     """A coordinator's DA / DBA state: the resident and fetched tables of the layer swapped last (bound outputs of
     its steps, SGLang device-pool slots after the swap), the copy stream and its events, which layer forward_decode
     armed, and under DBA the first half the indexer swapped. The split a swap leaves is consumed by the FlashMLA
@@ -158,20 +159,6 @@ class DecodeSplit:
         self.pending = (self.resident_locs[:B].view(shape), self.fetched_locs[:B].view(shape))
         return self.pending[0]
 
-    def wait_for_copy(self) -> None:
-        """The current stream waits for the copy's event (Attn1 reads the fetched rows after it)."""
-        self.copy_done.wait(self.dev.current_stream())
-
-    def take(self, indices):
-        """The pending split whose resident table `indices` is (FlashMLA's indices: the table, unsqueezed), or
-        None for any other call."""
-        if self.pending is None or indices is None:
-            return None
-        resident, fetched = self.pending
-        if indices.data_ptr() != resident.data_ptr() or indices.numel() != resident.numel():
-            return None
-        self.pending = None
-        return fetched.view(indices.shape)
 
 
 _SPLITS = []   # the DecodeSplit of every live coordinator that serves DA (a process usually has one)
