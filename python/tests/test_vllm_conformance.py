@@ -17,6 +17,7 @@ import pytest
 import vllm_callsites
 from callsite_ast import binds
 from ess.integrations import vllm as adapter
+from ess.integrations import vllm_overlap
 
 SOURCE = vllm_callsites.default_source()
 CONNECTOR = os.path.join(os.path.dirname(adapter.__file__), "vllm_connector.py")
@@ -203,8 +204,14 @@ READ = [
     ("config/attention.py", "HiSparseConfig", {"eager_host_mirror"}),
     ("config/attention.py", "AttentionConfig", {"hisparse_config"}),
     ("config/vllm.py", "VllmConfig", {"attention_config", "scheduler_config", "model_config", "parallel_config",
-                                      "cache_config", "speculative_config"}),
-    ("config/cache.py", "CacheConfig", {"gpu_memory_utilization"}),
+                                      "cache_config", "speculative_config", "compilation_config"}),
+    ("config/cache.py", "CacheConfig", {"gpu_memory_utilization", "cache_dtype"}),
+    ("config/compilation.py", "CompilationConfig", {"static_forward_context"}),
+    # (vllm_overlap.py: the DA's two FlashMLA sparse methods; the attention layer's impl, check_da_backend)
+    ("model_executor/layers/attention/mla_attention.py", "MLAAttention", {"impl"}),
+    ("v1/attention/backends/mla/flashmla_sparse.py", "FlashMLASparseImpl", {"fp8_decode_padded_heads", "softmax_scale"}),
+    ("model_executor/layers/attention/sparse_mla_attention.py", "SparseMLACommonImpl",
+     {"index_group", "index_group_index"}),   # FlashMLASparseImpl's base
     ("config/speculative.py", "SpeculativeConfig", {"enable_adaptive_verification"}),
     ("config/parallel.py", "ParallelConfig", {"use_ubatching"}),
     ("forward_context.py", "ForwardContext", {"attn_metadata"}),
@@ -313,6 +320,22 @@ def test_the_newest_entries_and_adaptive_verification_rest_on_upstreams_facts():
     assert "draft_lens_cpu[:num_verification_reqs] = draft_budget // num_verification_reqs" in compact
     backend = open(path("v1/attention/backends/mla/flashmla_sparse.py"), encoding="utf-8").read()
     assert "supports_device_cpu_query_lens_mismatch" not in backend
+    # ...but vLLM 0.33.0 refuses adaptive verification on the backends that read fp8_ds_mla: FlashMLA sparse's and
+    # FlashInfer's (SM120) metadata builders replay uniform batches only, with no varlen bound, and the manager raises
+    # for such a backend. When a release allows it, this fails: docs/integration.md's "Adaptive verification" then
+    # says it runs.
+    for rel, cls in (("v1/attention/backends/mla/flashmla_sparse.py", "FlashMLASparseMetadataBuilder"),
+                     ("v1/attention/backends/mla/flashinfer_mla_sparse.py", "FlashInferMLASparseMetadataBuilder")):
+        builder = next(n for n in ast.parse(open(path(rel), encoding="utf-8").read()).body
+                       if isinstance(n, ast.ClassDef) and n.name == cls)
+        text = ast.unparse(builder)
+        assert "_cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH" in text, cls
+        assert "get_varlen_cudagraph_max_query_len" not in text, cls
+    manager = ast.unparse(next(n for n in ast.parse(open(path("v1/worker/gpu/spec_decode/adaptive_verification.py"),
+                                                          encoding="utf-8").read()).body
+                               if isinstance(n, ast.FunctionDef) and n.name == "maybe_create_adaptive_verification_manager"))
+    assert "get_varlen_cudagraph_unsupported_backend(attn_groups, vllm_config, max_query_len" in manager
+    assert "raise ValueError(" in manager
     assert "return not cls.is_ssm()" in ast.unparse(
         upstream_def("v1/attention/backend.py", "AttentionBackend", "supports_device_cpu_query_lens_mismatch"))
 
@@ -433,3 +456,30 @@ def test_the_scan_can_fail():
     assert not binds(adapter.HiSparseRuntime.swap_in, 1, ["block_size"])
     assert getattr(adapter.HiSparseRuntime, "not_a_member", None) is None
     assert "not_a_field" not in adapter.HotView._fields
+
+
+def test_the_da_wraps_flashmlas_fp8_decode_where_vllm_calls_it():
+    """vllm_overlap.py's wrappers take vLLM's own parameters, and vLLM's HiSparse FP8 decode runs through them: the
+    separate prefill / decode path sends a host-backed decode to _host_backed_fp8_decode (the mixed-batch path is off
+    under HiSparse), which swaps through the index group and hands the table to _fp8_flash_mla_kernel; the kernel
+    call returns FlashMLA's (out, lse)."""
+    rel = "v1/attention/backends/mla/flashmla_sparse.py"
+    decode = upstream_def(rel, "FlashMLASparseImpl", "_host_backed_fp8_decode")
+    kernel = upstream_def(rel, "FlashMLASparseImpl", "_fp8_flash_mla_kernel")
+    assert parameters(decode) == (["self", "q", "topk_indices", "attn_metadata", "kernel_metadata", "num_decodes"], [],
+                                  False, False)
+    assert parameters(kernel) == (["self", "q", "kv_c_and_k_pe_cache", "topk_indices", "kernel_metadata"], [], False,
+                                  False)
+    for name, upstream in (("_host_backed_fp8_decode", decode), ("_fp8_flash_mla_kernel", kernel)):
+        wrapper = vllm_overlap._WRAPS[name](None)   # the wrapper's own signature: vLLM's
+        assert list(inspect.signature(wrapper).parameters) == parameters(upstream)[0], name
+    body = ast.unparse(decode)
+    assert "self.index_group.convert_logical_to_physical_topk(" in body
+    assert "physical_topk = physical_topk.view(num_decodes, q.shape[1], -1)" in body
+    assert "self._fp8_flash_mla_kernel(q=q, kv_c_and_k_pe_cache=" in body and "topk_indices=physical_topk" in body
+    assert "out, lse = flash_mla_with_kvcache(" in ast.unparse(kernel) and "return (out, lse)" in ast.unparse(kernel)
+    separate = ast.unparse(upstream_def(rel, "FlashMLASparseImpl", "_forward_fp8_kv_separate_prefill_decode"))
+    assert "if uses_host_cache: return self._host_backed_fp8_decode(" in " ".join(separate.split())
+    init = ast.unparse(upstream_def(rel, "FlashMLASparseMetadataBuilder", "__init__"))
+    assert "self.fp8_use_mixed_batch = self.num_heads < MIN_HEADS_FOR_BF16_PREFILL and (not self.use_hisparse)" \
+        in init

@@ -90,6 +90,7 @@ def connector_module(monkeypatch):
         "vllm.distributed.kv_transfer.kv_connector.v1.hisparse.worker": dict(HiSparseConnectorWorker=UpstreamWorker),
         "vllm.v1.attention.backend": dict(max_decode_query_len=lambda config: T),
         "vllm.v1.kv_cache_interface": dict(HiSparseHotSpec=HiSparseHotSpec),
+        "vllm.v1.hisparse.layout": dict(HISPARSE_HOT_SUFFIX=".hisparse_hot"),
         "vllm.v1.attention.backends.mla.flashmla_sparse": dict(FlashMLASparseImpl=FlashMLASparseImpl),
         # The release's own function, compiled from the pinned source (pure Python).
         "vllm.model_executor.models.utils": dict(extract_layer_index=vllm_upstream.function(
@@ -134,7 +135,7 @@ class World:
         # groups of one indexer page): layers 0 and 1, layers 2 and 3.
         self.host_group_ids = (0,)
         self.kv_cache_groups = [types.SimpleNamespace(kv_cache_spec=None, layer_names=[])] + [
-            types.SimpleNamespace(kv_cache_spec=HiSparseHotSpec(REGION), layer_names=[f"layers.{l}.hot" for l in pair])
+            types.SimpleNamespace(kv_cache_spec=HiSparseHotSpec(REGION), layer_names=[f"layers.{l}.hisparse_hot" for l in pair])
             for pair in ((0, 1), (2, 3))]
         # vLLM's one hot slab: a block holds the page of each of the 4 layers (kv_cache_planning.py: a block's bytes
         # a multiple of the hot page); a layer's view starts at its page (runtime.py PagedCacheView.bind: the strided
@@ -177,6 +178,10 @@ def config(eager=True, instance="t", speculative=False):
         scheduler_config=types.SimpleNamespace(max_num_seqs=STATES, async_scheduling=True),
         model_config=types.SimpleNamespace(max_model_len=CTX), instance_id=f"{instance}-{os.getpid()}",
         parallel_config=types.SimpleNamespace(data_parallel_index=0, use_ubatching=False),
+        # Each attention layer (the hot caches' names less ".hisparse_hot") with vLLM's FlashMLA sparse backend.
+        cache_config=types.SimpleNamespace(cache_dtype="fp8_ds_mla"),
+        compilation_config=types.SimpleNamespace(static_forward_context={
+            f"layers.{l}": types.SimpleNamespace(impl=FlashMLASparseImpl()) for l in range(4)}),
         speculative_config=types.SimpleNamespace(enable_adaptive_verification=False) if speculative else None)
 
 
@@ -484,10 +489,11 @@ def test_a_hot_region_too_small_for_the_top_k_is_refused(connector_module, monke
         c.register_kv_caches({})
 
 
-def test_adaptive_verification_is_served_from_the_forwards_lengths(connector_module, monkeypatch):
-    """enable_adaptive_verification: the forward's decode tokens are the drafts the model runner kept on the device
-    (fewer than the scheduler's), and its seq_lens are the rows' lengths, staged on the device without a read back.
-    (The rows' tokens and bytes: test_vllm_replay.py::test_adaptive_verification_rows_decided_on_the_device.)"""
+def test_adaptive_verification_is_accepted_with_the_forwards_lengths(connector_module, monkeypatch):
+    """enable_adaptive_verification (which vLLM 0.33.0 itself refuses with the backends that read fp8_ds_mla:
+    test_vllm_conformance.py): the forward's decode tokens are the drafts the model runner kept on the device (fewer
+    than the scheduler's), and its seq_lens are the rows' lengths, staged on the device without a read back. (The
+    rows' tokens and bytes: test_vllm_replay.py::test_adaptive_verification_rows_decided_on_the_device.)"""
     module, _ = connector_module
     monkeypatch.setattr(module, "max_decode_query_len", lambda config: 3)
     world = World()
@@ -570,6 +576,32 @@ def test_the_overlap_schedule_reaches_the_decode_and_wraps_flashmla(connector_mo
     assert wrapped == (schedules is not None)
     module.vllm_overlap.unpatch()
     c.connector_worker.shutdown()
+
+
+def test_da_on_another_attention_backend_or_cache_is_refused_at_registration(connector_module, monkeypatch):
+    """A DA layer whose attention is not vLLM's FlashMLA sparse FP8 decode (another backend, another cache dtype) is
+    refused when the connector registers, by name, the engine given back; a layer without DA may be anything."""
+    module, _ = connector_module
+    monkeypatch.setenv("ESS_OVERLAP", "layerwise")
+    monkeypatch.setenv("ESS_OVERLAP_LAYERS", "a - a")
+    other = config()
+    other.compilation_config.static_forward_context["layers.2"].impl = types.SimpleNamespace()
+    c = module.HiSparseConnector(other, "worker", World())
+    with pytest.raises(ess.InvalidArgument, match="layer 'layers.2.hisparse_hot' attends with SimpleNamespace"):
+        c.register_kv_caches({})
+    assert c.connector_worker.ess_engine is None
+    fine = config()   # layer 1 runs no DA: its backend is not read
+    fine.compilation_config.static_forward_context["layers.1"].impl = types.SimpleNamespace()
+    c = module.HiSparseConnector(fine, "worker", World())
+    c.register_kv_caches({})
+    assert c.connector_worker.ess.overlap.schedules == ["da", "none", "da"]
+    module.vllm_overlap.unpatch()
+    c.connector_worker.shutdown()
+    bf16 = config()
+    bf16.cache_config.cache_dtype = "auto"
+    c = module.HiSparseConnector(bf16, "worker", World())
+    with pytest.raises(ess.InvalidArgument, match="this server's cache is auto"):
+        c.register_kv_caches({})
 
 
 @pytest.mark.parametrize("value,layers,match", [

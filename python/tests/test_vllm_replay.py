@@ -130,8 +130,15 @@ class VllmWorld:
         (v1/hisparse/types.py: 2) still being written. A lost page's block goes back to the pool, is scribbled on and
         handed out again first."""
         self.hot[rid] = [[self.gpu_free.pop() for _ in range(self.region_blocks)] for _ in range(LAYERS)]
+        self.unpin_clean(rid)
+
+    def unpin_clean(self, rid):
+        """coordinator.py update_residency of a request with a hot region (every step): its pages but the last
+        ACTIVE_TAIL_PAGES are unpinned and, here at once, reused (lost, scribbled on, handed out again first)."""
         for group, pages in enumerate(self.resident_pages[rid]):
-            for page in range(max(0, len(pages) - 2)):
+            for page in range(max(0, len(pages) - adapter.ACTIVE_TAIL_PAGES)):
+                if pages[page] is None:
+                    continue
                 block, pages[page] = pages[page], None
                 self.resident[group][block] = torch.from_numpy(self.rng.integers(0, 256, (BLOCK, ENTRY),
                                                                                  dtype=np.uint8))
@@ -447,8 +454,13 @@ class Replay:
         if self.hot_regions:
             # The resident pages of this step's tokens, and worker.py start_step's update_hisparse_residency (upstream's
             # own) from the scheduler's residency updates; the scheduler output's hot group blocks.
+            # The pages reach the scheduler's count (ahead by rejected drafts, and untrimmed under adaptive
+            # verification) and its lookahead slots (up to T: DSpark's and DFlash's num_lookahead_tokens); a request
+            # with a hot region keeps only the last ACTIVE_TAIL_PAGES of them resident.
             for rid in batch:
-                w.ensure_resident(rid, sum(scheduled[rid]))
+                w.ensure_resident(rid, sched[rid].num_computed_tokens + sched[rid].num_scheduled_tokens + T)
+                if rid in w.hot:
+                    w.unpin_clean(rid)
             UP["update_hisparse_residency"](w.residency, w.residency_updates(batch), batch,
                                             torch.tensor(states, dtype=INDEX))
             hot_blocks = self.seen_hot_blocks(w.hot_output(batch, set(fresh)))
@@ -1168,3 +1180,39 @@ def test_a_da_swap_not_armed_by_flashmlas_decode_is_refused():
                                      logical_topk_indices=torch.zeros((1, K), dtype=torch.int32), block_size=BLOCK,
                                      num_valid_rows=torch.tensor([1]))
     assert r.handles[0].runtime.layers_served == 0
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_each_steps_newest_entries_come_from_vllms_last_two_pages(adaptive):
+    """A request with a hot region keeps only its last two resident pages (coordinator.py: ACTIVE_TAIL_PAGES), its
+    pages reaching the scheduler's count plus lookahead slots; over more than a page of MTP steps with rejected
+    drafts (and trimmed ones under adaptive verification) every query selects the step's T newest ids, which ESS
+    reads from those pages into its reserved rows: every byte against the full cache at each page boundary."""
+    T = 3
+    r = Replay(T, BLOCK - T, seed=97, hot_regions=1, adaptive=adaptive, blocks_from_output=True)
+    w = r.world
+    query_rows = w.query_rows
+
+    def with_the_newest(rid, n):   # every query row selects the T newest ids
+        rows = query_rows(rid, n)
+        newest = list(range(max(0, n - T), n))
+        for t in range(T):
+            ids = newest + [int(i) for i in rows[t] if i >= 0 and i not in newest]
+            rows[t] = (ids + [-1] * K)[:K]
+        return rows
+
+    w.query_rows = with_the_newest
+    batch, states = three_requests(r)
+    w.go_hot("a")
+    w.go_hot("c")
+    rng = np.random.default_rng(11)
+    confidences = torch.from_numpy(rng.uniform(0.05, 1.0, (STATES, T - 1)).astype(np.float32))
+    start = dict(w.length)
+    for step in range(60):
+        scheduled = decode_step(batch, w, T)
+        admitted = adaptive_admitted(r, batch, states, scheduled, confidences, rng) if adaptive else None
+        kept = admitted or {rid: n for rid, (_, n) in scheduled.items()}
+        r.step(batch, states, scheduled, admitted=admitted,
+               accepted={rid: int(rng.integers(1, n + 1)) for rid, n in kept.items()})
+    assert min(w.length[rid] - start[rid] for rid in ("a", "c")) > BLOCK   # past a page boundary each
+    assert r.rows_checked["hot"] > 100, r.rows_checked

@@ -145,7 +145,8 @@ class EssDecode:
 
     block_table: vLLM's host block table as the forward reads it (the handles' source_block_table: int32
     [batch rows, blocks], row b the blocks of batch row b's request). synchronize(): waits for the device work
-    already enqueued, vLLM's row mirror included (before a short row's older entries are read on the host).
+    already enqueued, vLLM's row mirror included (without hot regions, before a short row's older entries are read
+    on the host).
     Under CUDA the engine's lifecycle calls are ordered on the forward's stream (Engine.set_lifecycle_stream), so
     releases and adoptions wait for nothing on the host. counts_run_ahead: whether the scheduler's
     num_computed_tokens may exceed the device's (async scheduling with speculative decoding: upstream's
@@ -211,9 +212,11 @@ class EssDecode:
         self.groups = max(self.region_group) + 1
         T, K = info.query_tokens, info.topk
         # With hot regions a step's T newest entries are read from vLLM's resident tail pages, which it never
-        # unpins. They lie within 4T - 3 tokens of the last page's end (the scheduler's count ahead by the drafts
-        # rejected, its tokens by the drafts trimmed, its pages by the lookahead slots: T - 1 each).
-        if self.regions and 4 * T - 3 > (ACTIVE_TAIL_PAGES - 1) * KERNEL_BLOCK:
+        # unpins. The first of them lies at most 4T - 2 tokens before the end of what the scheduler allocated (its
+        # count ahead by the drafts rejected and its tokens by the drafts trimmed, T - 1 each; its lookahead slots,
+        # up to T; the window, T), and the last ACTIVE_TAIL_PAGES pages hold every position at most
+        # (ACTIVE_TAIL_PAGES - 1) x 64 + 1 before that end.
+        if self.regions and 4 * T - 2 > (ACTIVE_TAIL_PAGES - 1) * KERNEL_BLOCK + 1:
             raise InvalidArgument(f"EssDecode: T = {T} query tokens; with hot regions each step's T newest entries "
                                   f"are read from vLLM's {ACTIVE_TAIL_PAGES} active tail pages of {KERNEL_BLOCK}, "
                                   f"which hold them for T <= {((ACTIVE_TAIL_PAGES - 1) * KERNEL_BLOCK + 3) // 4}")
@@ -884,8 +887,11 @@ class HiSparseRuntime:
         into its reserved rows first: with hot regions from its resident tail pages (_fill_reserved), else from
         resident.slot_mapping. block_table (vLLM's host block table) is the table start_step gave ESS
         its pages from, and block_size its blocks' size. ESS's step runs on the current stream, after the wait
-        upstream's start_step put there for the previous steps' host writes. Everything is checked before
-        anything runs; a refused call serves nothing."""
+        upstream's start_step put there for the previous steps' host writes. On a DA layer (ESS_OVERLAP; armed by
+        vllm_overlap.py's wrapper of FlashMLA's FP8 decode, refused otherwise) the copy runs on the overlap's copy
+        stream and the call returns the rows that were resident before the step (compacted per token), leaving the
+        fetched ones for FlashMLA's second call: no valid counts or output buffer then. Everything is checked
+        before anything runs; a refused call serves nothing."""
         d = self.decode
         T, K = d.info.query_tokens, d.info.topk
         n = int(logical_topk_indices.shape[0])

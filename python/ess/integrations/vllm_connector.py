@@ -26,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.hisparse import connector as _
 from vllm.distributed.kv_transfer.kv_connector.v1.hisparse.worker import HiSparseConnectorWorker
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backend import max_decode_query_len
+from vllm.v1.hisparse.layout import HISPARSE_HOT_SUFFIX as HOT_SUFFIX
 from vllm.v1.kv_cache_interface import HiSparseHotSpec
 
 from .._errors import InvalidArgument
@@ -101,7 +102,10 @@ class EssConnectorWorker(HiSparseConnectorWorker):
         adaptive = bool(speculative is not None and speculative.enable_adaptive_verification)
         try:
             # ESS_OVERLAP: each target layer's schedule (vllm_overlap.py: DA inside FlashMLA's FP8 sparse decode).
-            overlap = overlap_schedules(hot_layer_names(self.kv_cache_config, [i for i, _ in targets]))
+            names = hot_layer_names(self.kv_cache_config, [i for i, _ in targets])
+            overlap = overlap_schedules(names)
+            if overlap is not None:
+                check_da_backend(config, [n for n, s in zip(names, overlap) if s == "da"])
             self.ess = EssDecode(self.ess_engine, latent, max_num_reqs, targets[0][1].source_block_table,
                                  device=device, synchronize=synchronize, counts_run_ahead=run_ahead,
                                  attention_block_stride=strides.pop(), region_group=region_group,
@@ -162,6 +166,25 @@ def overlap_schedules(layer_names):
     ids = [extract_layer_index(name) for name in layer_names]
     layers = layers_from_environment(0, max(ids) + 1)
     return [layers[i][0] for i in ids]
+
+
+def check_da_backend(config, hot_names):
+    """A DA layer's decode must be vLLM's FlashMLA sparse FP8 decode, which vllm_overlap.py runs in two parts: each
+    layer's attention (the static forward context's layer of the hot cache's name less ".hisparse_hot", as upstream's
+    worker finds its handle) has a FlashMLASparseImpl, over an fp8_ds_mla cache. Refused by name otherwise."""
+    dtype = config.cache_config.cache_dtype
+    if hot_names and dtype != "fp8_ds_mla":
+        raise InvalidArgument(f"ESS_OVERLAP: DA runs inside FlashMLA's FP8 sparse decode (kv_cache_dtype fp8_ds_mla); "
+                              f"this server's cache is {dtype}: set ESS_OVERLAP = none")
+    impl_class = vllm_overlap.flashmla_sparse_impl()
+    context = config.compilation_config.static_forward_context
+    for name in hot_names:
+        layer = context.get(name.removesuffix(HOT_SUFFIX))
+        impl = getattr(layer, "impl", None)
+        if not isinstance(impl, impl_class):
+            raise InvalidArgument(f"ESS_OVERLAP: DA runs inside vLLM's FlashMLA sparse FP8 decode; layer {name!r} "
+                                  f"attends with {type(impl).__name__}: set ESS_OVERLAP = none (or choose the "
+                                  "FLASHMLA_SPARSE attention backend)")
 
 
 def hot_groups_of(kv_cache_config, handles):

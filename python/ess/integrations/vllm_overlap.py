@@ -149,6 +149,11 @@ def _wrap_kernel(original):
 _WRAPS = {"_host_backed_fp8_decode": _wrap_host_backed_decode, "_fp8_flash_mla_kernel": _wrap_kernel}
 
 
+def flashmla_sparse_impl(module=None):
+    """vLLM's FlashMLASparseImpl (the class the DA wraps)."""
+    return (module or importlib.import_module(FLASHMLA_SPARSE)).FlashMLASparseImpl
+
+
 def patch(module=None) -> None:
     """FlashMLASparseImpl's two methods wrapped, once (each wrapper carries its original as ess_original); a layer
     without ESS's DA passes through unchanged."""

@@ -184,9 +184,18 @@ def test_without_the_kernel_wrapper_the_split_is_refused(wrapped, monkeypatch):
         three_requests(r)   # "a" decodes beside the prefill of "b"
 
 
-def test_vllms_merge_and_esss_agree_on_flashmlas_partial_states():
+def test_vllms_merge_and_esss_agree_on_flashmlas_partial_states(monkeypatch):
     """The merge the DA runs on CUDA (vLLM's merge_attn_states, here its host path) against ESS's merge_states, over
-    FlashMLA's partial states with empty parts (lse +inf, out 0) on either side and on both."""
+    FlashMLA's partial states with empty parts (lse +inf, out 0) on either side and on both. vLLM's kernels differ in
+    what they make of +inf (its host path and Triton take it as empty): ESS hands them -inf."""
+    import vllm.v1.attention.ops.merge_attn_states as merging
+    original = merging.merge_attn_states
+
+    def no_positive_infinity(output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse=None, **kw):
+        assert not torch.isposinf(prefix_lse).any() and not torch.isposinf(suffix_lse).any(), "+inf LSE handed on"
+        return original(output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse, **kw)
+
+    monkeypatch.setattr(merging, "merge_attn_states", no_positive_infinity)
     gen = torch.Generator().manual_seed(3)
     b, s_q, h, d = 5, 2, 4, 512
     o0, o1 = (torch.randn((b, s_q, h, d), generator=gen).to(torch.bfloat16) for _ in range(2))

@@ -237,6 +237,7 @@ class Driven:
         if hot_regions:
             world = self.replay.world
             world.ensure_resident = lambda rid, tokens: None    # vLLM's KV cache manager allocates
+            world.unpin_clean = lambda rid: None                # and vLLM's coordinator unpins
             world.go_hot = None
         # Every adoption (a request's first decode step in ESS): the only steps that may read the device.
         self.adoptions, engine = 0, self.replay.decode.engine
