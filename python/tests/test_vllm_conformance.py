@@ -205,10 +205,11 @@ READ = [
     ("config/attention.py", "AttentionConfig", {"hisparse_config"}),
     ("config/vllm.py", "VllmConfig", {"attention_config", "scheduler_config", "model_config", "parallel_config",
                                       "cache_config", "speculative_config", "compilation_config"}),
-    ("config/cache.py", "CacheConfig", {"gpu_memory_utilization", "cache_dtype"}),
+    ("config/cache.py", "CacheConfig", {"gpu_memory_utilization"}),
     ("config/compilation.py", "CompilationConfig", {"static_forward_context"}),
     # (vllm_overlap.py: the DA's two FlashMLA sparse methods; the attention layer's impl, check_da_backend)
     ("model_executor/layers/attention/mla_attention.py", "MLAAttention", {"impl"}),
+    ("model_executor/layers/attention/mla_attention.py", "MLACommonBaseImpl", {"kv_cache_dtype"}),
     ("v1/attention/backends/mla/flashmla_sparse.py", "FlashMLASparseImpl", {"fp8_decode_padded_heads", "softmax_scale"}),
     ("model_executor/layers/attention/sparse_mla_attention.py", "SparseMLACommonImpl",
      {"index_group", "index_group_index"}),   # FlashMLASparseImpl's base
@@ -335,7 +336,7 @@ def test_the_newest_entries_and_adaptive_verification_rest_on_upstreams_facts():
                                                           encoding="utf-8").read()).body
                                if isinstance(n, ast.FunctionDef) and n.name == "maybe_create_adaptive_verification_manager"))
     assert "get_varlen_cudagraph_unsupported_backend(attn_groups, vllm_config, max_query_len" in manager
-    assert "raise ValueError(" in manager
+    assert "Adaptive verification replays decode cudagraphs whose per-request" in manager
     assert "return not cls.is_ssm()" in ast.unparse(
         upstream_def("v1/attention/backend.py", "AttentionBackend", "supports_device_cpu_query_lens_mismatch"))
 
@@ -480,6 +481,14 @@ def test_the_da_wraps_flashmlas_fp8_decode_where_vllm_calls_it():
     assert "out, lse = flash_mla_with_kvcache(" in ast.unparse(kernel) and "return (out, lse)" in ast.unparse(kernel)
     separate = ast.unparse(upstream_def(rel, "FlashMLASparseImpl", "_forward_fp8_kv_separate_prefill_decode"))
     assert "if uses_host_cache: return self._host_backed_fp8_decode(" in " ".join(separate.split())
+    # check_da_backend finds a hot cache's attention layer as upstream's worker finds its handle: the name less
+    # ".hisparse_hot", in the static forward context, where MLAAttention registers itself with its impl.
+    worker = ast.unparse(upstream_def("distributed/kv_transfer/kv_connector/v1/hisparse/worker.py",
+                                      "HiSparseConnectorWorker", "register_kv_caches"))
+    assert "layer_name = cache_name[:-len(HISPARSE_HOT_SUFFIX)]" in worker
+    assert "cache_handles.append(_get_hisparse_cache(forward_context, layer_name))" in worker
+    layer = ast.unparse(upstream_def("model_executor/layers/attention/mla_attention.py", "MLAAttention", "__init__"))
+    assert "self.impl = impl" in layer and "compilation_config.static_forward_context[prefix] = self" in layer
     init = ast.unparse(upstream_def(rel, "FlashMLASparseMetadataBuilder", "__init__"))
     assert "self.fp8_use_mixed_batch = self.num_heads < MIN_HEADS_FOR_BF16_PREFILL and (not self.use_hisparse)" \
         in init

@@ -74,6 +74,8 @@ class FlashMLASparseImpl:
     """The two methods of vLLM's FlashMLA sparse backend vllm_overlap.py wraps (their calls: test_vllm_da.py, in vLLM's
     venv)."""
 
+    kv_cache_dtype = "fp8_ds_mla"
+
     def _host_backed_fp8_decode(self, q, topk_indices, attn_metadata, kernel_metadata, num_decodes):
         raise AssertionError("not run here")
 
@@ -179,7 +181,6 @@ def config(eager=True, instance="t", speculative=False):
         model_config=types.SimpleNamespace(max_model_len=CTX), instance_id=f"{instance}-{os.getpid()}",
         parallel_config=types.SimpleNamespace(data_parallel_index=0, use_ubatching=False),
         # Each attention layer (the hot caches' names less ".hisparse_hot") with vLLM's FlashMLA sparse backend.
-        cache_config=types.SimpleNamespace(cache_dtype="fp8_ds_mla"),
         compilation_config=types.SimpleNamespace(static_forward_context={
             f"layers.{l}": types.SimpleNamespace(impl=FlashMLASparseImpl()) for l in range(4)}),
         speculative_config=types.SimpleNamespace(enable_adaptive_verification=False) if speculative else None)
@@ -590,6 +591,7 @@ def test_da_on_another_attention_backend_or_cache_is_refused_at_registration(con
     with pytest.raises(ess.InvalidArgument, match="layer 'layers.2.hisparse_hot' attends with SimpleNamespace"):
         c.register_kv_caches({})
     assert c.connector_worker.ess_engine is None
+    assert getattr(FlashMLASparseImpl._fp8_flash_mla_kernel, "ess_original", None) is None
     fine = config()   # layer 1 runs no DA: its backend is not read
     fine.compilation_config.static_forward_context["layers.1"].impl = types.SimpleNamespace()
     c = module.HiSparseConnector(fine, "worker", World())
@@ -597,11 +599,13 @@ def test_da_on_another_attention_backend_or_cache_is_refused_at_registration(con
     assert c.connector_worker.ess.overlap.schedules == ["da", "none", "da"]
     module.vllm_overlap.unpatch()
     c.connector_worker.shutdown()
-    bf16 = config()
-    bf16.cache_config.cache_dtype = "auto"
+    bf16 = config()   # a layer of kv_cache_dtype_skip_layers: its own cache dtype
+    bf16.compilation_config.static_forward_context["layers.0"].impl.kv_cache_dtype = "auto"
     c = module.HiSparseConnector(bf16, "worker", World())
-    with pytest.raises(ess.InvalidArgument, match="this server's cache is auto"):
+    with pytest.raises(ess.InvalidArgument, match="layer 'layers.0.hisparse_hot''s cache is auto"):
         c.register_kv_caches({})
+    assert c.connector_worker.ess_engine is None
+    assert getattr(FlashMLASparseImpl._fp8_flash_mla_kernel, "ess_original", None) is None
 
 
 @pytest.mark.parametrize("value,layers,match", [

@@ -87,4 +87,3 @@ class CopySplit:
     def wait_for_copy(self) -> None:
         """The current stream waits for the copy's event (Attn1 reads the fetched rows after it)."""
         self.copy_done.wait(self.dev.current_stream())
-

@@ -171,11 +171,8 @@ def overlap_schedules(layer_names):
 def check_da_backend(config, hot_names):
     """A DA layer's decode must be vLLM's FlashMLA sparse FP8 decode, which vllm_overlap.py runs in two parts: each
     layer's attention (the static forward context's layer of the hot cache's name less ".hisparse_hot", as upstream's
-    worker finds its handle) has a FlashMLASparseImpl, over an fp8_ds_mla cache. Refused by name otherwise."""
-    dtype = config.cache_config.cache_dtype
-    if hot_names and dtype != "fp8_ds_mla":
-        raise InvalidArgument(f"ESS_OVERLAP: DA runs inside FlashMLA's FP8 sparse decode (kv_cache_dtype fp8_ds_mla); "
-                              f"this server's cache is {dtype}: set ESS_OVERLAP = none")
+    worker finds its handle) has a FlashMLASparseImpl over an fp8_ds_mla cache (the layer's own kv_cache_dtype, which
+    kv_cache_dtype_skip_layers may set apart from the server's). Refused by name otherwise."""
     impl_class = vllm_overlap.flashmla_sparse_impl()
     context = config.compilation_config.static_forward_context
     for name in hot_names:
@@ -185,6 +182,10 @@ def check_da_backend(config, hot_names):
             raise InvalidArgument(f"ESS_OVERLAP: DA runs inside vLLM's FlashMLA sparse FP8 decode; layer {name!r} "
                                   f"attends with {type(impl).__name__}: set ESS_OVERLAP = none (or choose the "
                                   "FLASHMLA_SPARSE attention backend)")
+        if impl.kv_cache_dtype != "fp8_ds_mla":
+            raise InvalidArgument(f"ESS_OVERLAP: DA runs inside FlashMLA's FP8 sparse decode (kv_cache_dtype "
+                                  f"fp8_ds_mla); layer {name!r}'s cache is {impl.kv_cache_dtype}: set ESS_OVERLAP = "
+                                  "none")
 
 
 def hot_groups_of(kv_cache_config, handles):

@@ -18,8 +18,8 @@ of it vLLM's own code but for the marked steps:
 
 FlashMLA's sparse decode returns the natural-log LSE [b, h_q, s_q] and, for a query row whose indices are all -1, an
 output of 0 and an LSE of +inf. With HiSparse, vLLM's FP8 sparse MLA decode always takes this path (the mixed-batch
-path is off under HiSparse); a DA layer whose swap comes from another path (another backend, a BF16 cache) is
-refused by name at that swap. The schedule is ESS_OVERLAP (none | da | layerwise with ESS_OVERLAP_LAYERS, the codes
+path is off under HiSparse); a DA layer on another backend or cache is refused by name when the connector registers
+(vllm_connector.py check_da_backend), and a DA swap from another path at that swap. The schedule is ESS_OVERLAP (none | da | layerwise with ESS_OVERLAP_LAYERS, the codes
 a and -); DBA (the indexer split along the batch) is not served under vLLM yet and is refused by name."""
 from __future__ import annotations
 
