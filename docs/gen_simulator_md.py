@@ -1,5 +1,6 @@
 # Fills docs/simulator.md.in with the outputs of `ess sim` / `ess plan` (and the sweep benchmark):
 #   python3 docs/gen_simulator_md.py BUILD/tools/ess/ess docs/simulator.md.in [BUILD/bench/sim/sim_bench] > docs/simulator.md
+#   python3 docs/gen_simulator_md.py BUILD/tools/ess/ess docs/simulator.md.in --check docs/simulator.md
 import json, subprocess, sys
 E = sys.argv[1]
 def run(*args):
@@ -71,6 +72,21 @@ for key, label, args, batches in configs:
         change = f"{100 * (r['throughput_tokens_per_s'] / p[1] - 1):+.1f} %" if p else ""
         table.append(f"| {label} | {b} | {old_step} | {r['step_ms']:.2f} | {old_tput} | {r['throughput_tokens_per_s']:.0f} | {change} |")
 out = out.replace("@OLD_NEW_TABLE@", "\n".join(table))
+if len(sys.argv) > 4 and sys.argv[3] == "--check":
+    # Everything but the benchmark's figures (this machine's timings) is what the commands print now.
+    import difflib
+    page = open(sys.argv[4]).read()
+    before, after = out.split("@BENCH@")
+    bench_at = page.find("\n```\n", len(before) - 1)
+    end = page.find("\n```", bench_at + 5) + 4 if page.startswith(before) and bench_at >= 0 else -1
+    if end < 4 or not page[end:] == after:
+        got = page if end < 4 else page[:len(before)] + "@BENCH@" + page[end:]
+        diff = list(difflib.unified_diff(got.splitlines(), out.splitlines(), sys.argv[4], "the commands' output",
+                                         lineterm="", n=1))
+        sys.exit("\n".join(diff[:40]) + f"\n{sys.argv[4]} is not what the commands print (its prose belongs in "
+                 f"{sys.argv[2]}): regenerate it with python3 docs/gen_simulator_md.py ESS {sys.argv[2]} SIM_BENCH > "
+                 f"{sys.argv[4]}")
+    sys.exit(0)
 bench = "(not run)"
 if len(sys.argv) > 3:
     b = subprocess.run([sys.argv[3], "--benchmark_min_time=0.5"], check=True, capture_output=True, text=True).stdout
