@@ -26,9 +26,10 @@ come first in vLLM's batch, at most T tokens each (T = 1 + the speculative token
 max_decode_query_len): the forward's sparse MLA metadata says how many (its decode split) and how long
 (its seq_lens, the device's count; the scheduler's runs ahead under async scheduling, and bounds it from above
 under adaptive verification, which trims drafts on the device). Each decode token goes to its batch row's staged
-query, its newest entries to the row's reserved rows: with hot regions swap_in works both out on the device (from
-req_id_per_token and the lengths), else start_step maps them from the scheduler's counts. Tokens at or past
-num_valid_rows are CUDA-graph padding."""
+query: with hot regions swap_in maps it on the device (from req_id_per_token) and reads in place the ids on pages
+vLLM still holds resident (each step's newest entries among them), else start_step maps it from the scheduler's
+counts and its newest entries are copied into the row's reserved rows. Tokens at or past num_valid_rows are
+CUDA-graph padding."""
 from __future__ import annotations
 
 from typing import Callable, Dict, Iterable, Mapping, NamedTuple, Optional, Sequence
@@ -211,7 +212,7 @@ class EssDecode:
                                   "layers")
         self.groups = max(self.region_group) + 1
         T, K = info.query_tokens, info.topk
-        # With hot regions a step's T newest entries are read from vLLM's resident tail pages, which it never
+        # With hot regions a step's T newest entries are read in place on vLLM's resident tail pages, which it never
         # unpins. The first of them lies at most 4T - 2 tokens before the end of what the scheduler allocated (its
         # count ahead by the drafts rejected and its tokens by the drafts trimmed, T - 1 each; its lookahead slots,
         # up to T; the window, T), and the last ACTIVE_TAIL_PAGES pages hold every position at most
@@ -262,9 +263,8 @@ class EssDecode:
         # Per batch row: the state index of a decode row read in place (hot regions: no hot region), -1 else (its
         # ESS row in `rows`).
         self.in_place_state = torch.full((max_num_reqs,), -1, **i32)
-        # Hot regions: [groups, batch rows, T] the buffer rows of each ESS row's T reserved rows (scratch: none), and
-        # the step's queries scattered per token ([B x T] staged rows, then one row for tokens served no row).
-        self.reserved = torch.full((self.groups, max_num_reqs, T), self.scratch_row, **i64)
+        # Hot regions: the step's queries scattered per token ([B x T] staged rows, then one row for tokens served no
+        # row).
         self.topk_scatter = torch.full((max_num_reqs * T + 1, K), -1, **i32)
         self.batch = 0              # ESS positions staged for this step
         self.state_of: Dict[str, int] = {}     # vLLM request id -> state index (ESS request id and row)
@@ -273,7 +273,6 @@ class EssDecode:
         self.blocks_of: Dict[str, list] = {}   # vLLM request id -> its host blocks (from the scheduler's output)
         self.hot_of = [{} for _ in range(self.groups)]   # hot regions, per group: vLLM request id -> its vLLM blocks
         self.placed: Dict[int, list] = {}      # hot regions: state index -> the ESS blocks its rows are placed on
-        self.reserved_of: Dict[int, torch.Tensor] = {}   # hot regions: state index -> [groups, T] reserved rows
         self.lifecycle_stream = None           # the engine's lifecycle stream (CUDA: the forward's, set per step)
         self.device_reads = 0                  # start_steps that read state indices, seq_lens or blocks back
         # ESS_RECORD_TRACE: the top-k vLLM hands the swap, recorded as a trace (topk_recorder.py), by state index.
@@ -558,9 +557,6 @@ class EssDecode:
                 if self.placed.get(s) != region:
                     self.engine.place(s, region)
                     self.placed[s] = region
-                    self.reserved_of[s] = torch.tensor(
-                        [[self._row(s, self.info.slots + q, g) for q in range(T)] for g in range(self.groups)],
-                        dtype=torch.int64)
         self._stage(len(request_ids), states if states is not None else states_in[:R], positions)
         if ahead and not read_lengths:   # the decode rows are batch rows 0 .. served - 1, every one staged
             self.lengths[:served].copy_(forward_lengths[:served].to(self.lengths.dtype), non_blocking=True)
@@ -584,12 +580,12 @@ class EssDecode:
         return region[slot // KERNEL_BLOCK] * KERNEL_BLOCK + slot % KERNEL_BLOCK
 
     def _stage(self, R, states, positions):
-        """The step's rows and lengths, and how its tokens reach the staged queries and reserved rows. states: the R
-        batch rows' state indices, a list read back or vLLM's tensor (copied on the device).
+        """The step's rows and lengths, and without hot regions how its tokens reach the staged queries and reserved
+        rows. states: the R batch rows' state indices, a list read back or vLLM's tensor (copied on the device).
 
-        Hot regions: each ESS row's reserved rows in its regions (swap_in maps the tokens and fills the reserved rows
-        on the device, from the forward's req_id_per_token and lengths). Else per-token maps from the scheduler's
-        counts, and the older tokens of short rows copied into the reserved rows from vLLM's host pool."""
+        Hot regions: swap_in maps the tokens on the device (from the forward's req_id_per_token) and reads each row's
+        newest entries in place (vLLM's resident tail pages). Else per-token maps from the scheduler's counts, and
+        the older tokens of short rows copied into the reserved rows from vLLM's host pool."""
         host = dict(pin_memory=self.pinned)
         rows = torch.full((self.max_num_reqs,), -1, dtype=torch.int32, **host)
         lengths = torch.zeros((self.max_num_reqs,), dtype=torch.int32, **host)
@@ -600,13 +596,7 @@ class EssDecode:
             mine = not self.regions or s in self.placed
             rows[b], lengths[b] = (s if mine else -1), true + n
             in_place[b] = -1 if mine else s
-        if self.regions:
-            reserved = torch.full(tuple(self.reserved.shape), self.scratch_row, dtype=torch.int64, **host)
-            for b, _, s, *_ in positions:
-                if s in self.placed:
-                    reserved[:, b] = self.reserved_of[s]
-            staged.append((self.reserved, reserved))
-        else:
+        if not self.regions:
             staged += self._stage_tokens(positions)
         # From pinned memory without a wait (torch's pinned allocator keeps each buffer until its copy has run).
         for tensor, value in staged:
@@ -674,7 +664,6 @@ class EssDecode:
 
     def _release_state(self, s):
         self.placed.pop(s, None)   # its hot region's blocks are free in the engine with its release
-        self.reserved_of.pop(s, None)
         if s in self.length_of:
             self.engine.release(s)
             del self.length_of[s]
@@ -803,7 +792,7 @@ class HiSparseRuntime:
         device (adaptive verification trims drafts there): a row of n tokens has them as the last n of its T staged
         queries. Returns per token whether it is served, its staged query row, and its state when read in place."""
         d = self.decode
-        T, K, B = d.info.query_tokens, d.info.topk, d.max_num_reqs
+        T, B = d.info.query_tokens, d.max_num_reqs
         i = d.token_index[:req_id_per_token.shape[0]]
         row = req_id_per_token.to(torch.int64)
         r = row.clamp(0, B - 1)
@@ -814,33 +803,29 @@ class HiSparseRuntime:
         q = T - count.index_select(0, r) + i - first.index_select(0, r)
         valid = valid & (q >= 0) & (q < T)
         flat = torch.where(valid, r * T + q, torch.full_like(i, B * T))   # B x T: the scatter's spare row
-        d.topk_scatter.fill_(-1)
-        d.topk_scatter.index_copy_(0, flat, logical_topk_indices.to(torch.int32))
-        d.topk.view(B * T, K).copy_(d.topk_scatter[:B * T])
-        return valid, flat.clamp(max=B * T - 1), d.in_place_state.index_select(0, r)
+        self._stage_queries(flat, logical_topk_indices)
+        return valid, flat, d.in_place_state.index_select(0, r), d.rows.index_select(0, r)
 
-    def _fill_reserved(self, resident):
-        """Hot regions: each ESS row's T reserved rows (this layer's region group) filled with its step's T newest
-        entries, positions length - T .. length - 1 (this step's tokens and the older ones of a short row), read on
-        the device from vLLM's resident tail pages through the residency table (the handle's block_table, by
-        state), where the model wrote them: vLLM never unpins a request's last ACTIVE_TAIL_PAGES pages, which hold
-        them (EssDecode's bound on T). The lengths are the step's (the forward's seq_lens under adaptive
-        verification and run-ahead counts). Rows without a position write the scratch row with its own bytes."""
+    def _stage_queries(self, flat, queries):
+        """Each token's top-k [n, K] into its staged query row (flat; B x T: none)."""
         d = self.decode
-        T = d.info.query_tokens
+        B, T, K = d.max_num_reqs, d.info.query_tokens, d.info.topk
+        d.topk_scatter.fill_(-1)
+        d.topk_scatter.index_copy_(0, flat, queries.to(torch.int32))
+        d.topk.view(B * T, K).copy_(d.topk_scatter[:B * T])
+
+    def _still_resident(self, resident, state, logical_topk_indices, valid):
+        """Hot regions: the ids of each ESS row's tokens whose pages vLLM still holds resident (the residency table,
+        by state: vLLM unpins a page of a request with a hot region once its host copy is complete, and sends a lost
+        page as block 0 before the forward that could read it), read in place there as vLLM's own resolution reads
+        them; the others go through ESS's LRU. Returns (mask [n, K], rows [n, K] of the attention view)."""
         table = resident.block_table
-        state = d.rows.to(torch.int64)
-        positions = d.lengths.to(torch.int64).unsqueeze(1) - T + torch.arange(T, device=state.device)
-        pages = positions.clamp(min=0) // KERNEL_BLOCK
-        take = (state >= 0).unsqueeze(1) & (positions >= 0) & (pages < table.shape[1])
-        blocks = table.index_select(0, state.clamp(min=0)).to(torch.int64).gather(1, pages.clamp(max=table.shape[1] - 1))
-        src = blocks * resident.view.attention_block_stride + positions.clamp(min=0) % KERNEL_BLOCK
-        scratch = torch.full_like(src, d.scratch_row)
-        src = torch.where(take, src, scratch)
-        dst = torch.where(take, d.reserved[d.region_group[self.layer]], scratch)
-        cache = self._blocks
-        entries = cache[src // KERNEL_BLOCK, src % KERNEL_BLOCK]   # gathered before any row is written
-        cache.index_put_((dst // KERNEL_BLOCK, dst % KERNEL_BLOCK), entries)
+        ids = logical_topk_indices.to(torch.int64)
+        pages = ids.clamp(min=0) // KERNEL_BLOCK
+        blocks = table.index_select(0, state.clamp(min=0).to(torch.int64)).to(torch.int64).gather(
+            1, pages.clamp(max=table.shape[1] - 1))
+        mask = (valid & (state >= 0)).unsqueeze(1) & (ids >= 0) & (pages < table.shape[1]) & (blocks > 0)
+        return mask, blocks * resident.view.attention_block_stride + ids.clamp(min=0) % KERNEL_BLOCK
 
     def _staged_tokens(self, resident, req_id_per_token, limit, logical_topk_indices):
         """ESS's own buffer: the step's tokens by start_step's maps (from the scheduler's counts), each token's newest
@@ -883,9 +868,9 @@ class HiSparseRuntime:
         decode tokens -> int32 [n, K] rows of `hot.attention_cache` (-1 for padding and for rows at or past
         num_valid_rows), with return_valid_counts also int32 [n] counts of rows >= 0.
 
-        Each ESS row's T newest entries (the model has written this step's into vLLM's resident cache) are copied
-        into its reserved rows first: with hot regions from its resident tail pages (_fill_reserved), else from
-        resident.slot_mapping. block_table (vLLM's host block table) is the table start_step gave ESS
+        With hot regions the ids of each ESS row whose pages vLLM still holds resident (its newest entries among
+        them, on its tail pages) are read in place there, the others go through ESS's LRU; else each row's T newest
+        entries are copied into its reserved rows first, from resident.slot_mapping. block_table (vLLM's host block table) is the table start_step gave ESS
         its pages from, and block_size its blocks' size. ESS's step runs on the current stream, after the wait
         upstream's start_step put there for the previous steps' host writes. On a DA layer (ESS_OVERLAP; armed by
         vllm_overlap.py's wrapper of FlashMLA's FP8 decode, refused otherwise) the copy runs on the overlap's copy
@@ -925,13 +910,18 @@ class HiSparseRuntime:
         B = d.max_num_reqs   # every staged row: a fixed shape
         # Tokens at or past num_valid_rows are CUDA-graph padding.
         limit = num_valid_rows.reshape(-1)[:1].to(torch.int64)
+        still = None
         if d.regions:
-            valid, flat, in_place = self._map_tokens(req_id_per_token[:n], limit, logical_topk_indices)
-            self._fill_reserved(resident)
+            valid, sink, in_place, state = self._map_tokens(req_id_per_token[:n], limit, logical_topk_indices)
+            flat = sink.clamp(max=B * T - 1)
+            still, still_rows = self._still_resident(resident, state, logical_topk_indices, valid)
         else:
             valid, flat, in_place = self._staged_tokens(resident, req_id_per_token[:n], limit, logical_topk_indices)
         if d.recorder is not None:   # every served row, ESS's and those read in place
             d.recorder.record(self.layer, torch.where(d.rows >= 0, d.rows, d.in_place_state), d.topk)
+        if still is not None:   # ESS's LRU serves only the ids whose pages vLLM no longer holds
+            self._stage_queries(sink, torch.where(still, torch.full_like(logical_topk_indices, -1),
+                                                  logical_topk_indices))
         if da:   # the decision on the current stream, the copy on the overlap's copy stream
             overlap.step(d.step_binding, self.layer, B)
         else:
@@ -953,8 +943,14 @@ class HiSparseRuntime:
         self.layers_served += 1
         self.steps_served += 1
         if da:   # Attn0 reads the resident rows beside the copy, Attn1 the fetched ones (vllm_overlap.py)
-            return overlap.leave(served(overlap.resident, True), served(overlap.fetched, False))
+            rows = served(overlap.resident, True)
+            if still is not None:   # the LRU's resident rows (compacted) after the ids read in place, in order
+                rank = torch.cumsum((~still).to(torch.int64), 1) - 1
+                rows = torch.where(still, still_rows, rows.gather(1, rank.clamp(0, K - 1))).to(torch.int32)
+            return overlap.leave(rows, served(overlap.fetched, False))
         physical = served(d.physical, True)
+        if still is not None:
+            physical = torch.where(still, still_rows, physical).to(torch.int32)
         out = physical if attention_indices_out is None else attention_indices_out.copy_(physical)
         if not return_valid_counts:
             return out

@@ -474,6 +474,8 @@ def test_esss_rows_in_vllms_hot_regions_under_its_scheduler(tmp_path):
     assert driven.replay.forwards_served > 50 and driven.host_read_steps > 30
     assert len(driven.hot_requests) >= 2, "vLLM moved no request to host reads"
     assert min(driven.replay.rows_checked.values()) > 50, driven.replay.rows_checked
+    # Ids of requests with a hot region on pages vLLM's coordinator still held resident, read in place there.
+    assert driven.replay.hot_ids_in_place > 50, driven.replay.hot_ids_in_place
     assert not driven.vllm.scheduler.has_requests()
 
 
