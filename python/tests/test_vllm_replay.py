@@ -475,6 +475,9 @@ class Replay:
                                hot_blocks=hot_blocks)
         served = self.decode.batch
         assert served == (0 if all_resident and len(decodes) < R else len(decodes)), "ESS staged other decode rows"
+        # The engine's lengths are the device's (the forward's seq_lens: the scheduler's counts run ahead by rejected
+        # drafts, and under adaptive verification count trimmed ones).
+        assert self.decode.lengths[:served].tolist() == seq_lens[:served], "the step's lengths are not the device's"
         # connector.py start_step sets all_context_pages_resident on every handle; worker.py prepare_forward ->
         # HiSparseCacheHandle.prepare_group_for_batch (runtime.begin_forward()).
         for handle in self.handles:
@@ -735,12 +738,13 @@ def test_decode_replay_matches_the_model_and_the_full_cache(T, slots, async_sche
         w.check_host_pool(batch)
 
 
-@pytest.mark.parametrize("T,mutated", [(1, False), (3, False), (1, True)])
-def test_the_recorded_trace_is_the_top_k_vllm_handed(tmp_path, monkeypatch, T, mutated):
+@pytest.mark.parametrize("T,mutated,hot", [(1, False, False), (3, False, False), (1, True, False), (3, False, True)])
+def test_the_recorded_trace_is_the_top_k_vllm_handed(tmp_path, monkeypatch, T, mutated, hot):
     """ESS_RECORD_TRACE under vLLM: each served request's every layer and query token as the model selected them
     (a row of n < T tokens with its first T - n queries padding), and the length its step's last query sees;
     written when the decode state closes (the connector's shutdown). mutated: batch rows taken for the state
-    indices requests are recorded by."""
+    indices requests are recorded by. hot: with hot regions (a request read in place, then one in a hot region,
+    whose ids on resident pages ESS's LRU never sees: the trace still has them)."""
     path = tmp_path / "recorded.safetensors"
     monkeypatch.setenv("ESS_RECORD_TRACE", str(path))
     monkeypatch.setenv("ESS_RECORD_REQUESTS", "2")
@@ -750,10 +754,12 @@ def test_the_recorded_trace_is_the_top_k_vllm_handed(tmp_path, monkeypatch, T, m
         record = TopkRecorder.record
         monkeypatch.setattr(TopkRecorder, "record", lambda self, layer, rows, topk: record(
             self, layer, torch.where(rows >= 0, torch.arange(rows.shape[0], dtype=rows.dtype), rows), topk))
-    r = Replay(T, 24 if T == 1 else 56, seed=8)
+    r = Replay(T, BLOCK - T if hot else 24 if T == 1 else 56, seed=8, hot_regions=1 if hot else 0)
     w = r.world
     batch, states = three_requests(r)
     for step in range(6):
+        if hot and step == 0:   # (the trace's steps of "a" end after its next two)
+            w.go_hot("a")
         counts = {rid: 1 + (step + i) % T for i, rid in enumerate(batch)} if T > 1 else None
         scheduled = decode_step(batch, w, T, counts)
         r.step(batch, states, scheduled, accepted={rid: n for rid, (_, n) in scheduled.items()} if T > 1 else None)
@@ -1161,6 +1167,17 @@ def test_adaptive_verification_taken_as_exact_counts_is_refused(monkeypatch):
     monkeypatch.setattr(adapter.EssDecode, "__init__", lambda self, *a, adaptive_verification=False, **k:
                         init(self, *a, **k))
     with pytest.raises(ess.InvalidArgument, match="decode rows of"):
+        test_adaptive_verification_rows_decided_on_the_device(False)
+
+
+
+def test_adaptive_lengths_from_the_scheduler_fail_the_replay(monkeypatch):
+    """Mutation: the rows' lengths from the scheduler's counts (untrimmed, and ahead by rejected drafts) instead of
+    the forward's seq_lens: the engine's step is not the device's."""
+    monkeypatch.setattr(Replay, "seen_metadata", lambda self, attn, sched, batch: types.SimpleNamespace(**{
+        **vars(attn), "seq_lens": torch.tensor([sum(sched[rid]) for rid in batch] + [0] * (attn.num_reqs - len(batch)),
+                                               dtype=torch.int32)}))
+    with pytest.raises((AssertionError, ess.EssError), match="lengths"):
         test_adaptive_verification_rows_decided_on_the_device(False)
 
 

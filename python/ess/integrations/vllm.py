@@ -184,7 +184,8 @@ class EssDecode:
         info = engine.info
         if not info.reserve_newest:
             raise InvalidArgument("EssDecode: the engine needs reserve_newest=True (each step's newest entries are "
-                                  "copied into ESS's reserved rows)")
+                                  "ESS's reserved rows, or with hot regions read in place on vLLM's tail pages, never "
+                                  "through the LRU)")
         if not 1 <= max_num_reqs <= info.max_requests:
             raise InvalidArgument(f"EssDecode: max_num_reqs = {max_num_reqs} outside [1, max_requests = "
                                   f"{info.max_requests}]")
@@ -318,8 +319,9 @@ class EssDecode:
         attn_metadata (tests, engines that have none) the decode rows are the batch's leading rows of at most T
         tokens and the scheduler's counts are taken as true.
 
-        A row of n < T tokens is served with its n queries as the last n of its T (the others padding) and its
-        T - n older tokens copied into the reserved rows beside its n new ones. Each decode request is adopted
+        A row of n < T tokens is served with its n queries as the last n of its T (the others padding); without hot
+        regions its T - n older tokens are copied into the reserved rows beside its n new ones (with hot regions
+        every newest entry is read in place, on vLLM's tail pages). Each decode request is adopted
         over its host blocks when it first decodes and repaged to its new length every step after (its blocks
         from the first that can be new: nothing is copied, the entries are vLLM's). When every context page is
         resident and the batch has other rows, vLLM's index group resolves the decode tokens over resident pages
