@@ -788,11 +788,12 @@ class HiSparseRuntime:
         rows = torch.where(inside, rows, torch.full_like(rows, -1)).to(torch.int32)
         return torch.where((state >= 0).unsqueeze(1), rows, physical)
 
-    def _map_tokens(self, req_id_per_token, limit, logical_topk_indices):
+    def _map_tokens(self, req_id_per_token, limit):
         """Hot regions: the step's tokens mapped on the device from the forward's req_id_per_token (each token's batch
         row, its rows' tokens consecutive and in batch order), so that a row's token count may be decided on the
         device (adaptive verification trims drafts there): a row of n tokens has them as the last n of its T staged
-        queries. Returns per token whether it is served, its staged query row, and its state when read in place."""
+        queries. Returns per token whether it is served, its staged query row (B x T: none; _stage_queries), its
+        state when its row is read in place, and its ESS row's state."""
         d = self.decode
         T, B = d.info.query_tokens, d.max_num_reqs
         i = d.token_index[:req_id_per_token.shape[0]]
@@ -805,7 +806,6 @@ class HiSparseRuntime:
         q = T - count.index_select(0, r) + i - first.index_select(0, r)
         valid = valid & (q >= 0) & (q < T)
         flat = torch.where(valid, r * T + q, torch.full_like(i, B * T))   # B x T: the scatter's spare row
-        self._stage_queries(flat, logical_topk_indices)
         return valid, flat, d.in_place_state.index_select(0, r), d.rows.index_select(0, r)
 
     def _stage_queries(self, flat, queries):
@@ -914,16 +914,19 @@ class HiSparseRuntime:
         limit = num_valid_rows.reshape(-1)[:1].to(torch.int64)
         still = None
         if d.regions:
-            valid, sink, in_place, state = self._map_tokens(req_id_per_token[:n], limit, logical_topk_indices)
+            valid, sink, in_place, state = self._map_tokens(req_id_per_token[:n], limit)
             flat = sink.clamp(max=B * T - 1)
             still, still_rows = self._still_resident(resident, state, logical_topk_indices, valid)
-        else:
-            valid, flat, in_place = self._staged_tokens(resident, req_id_per_token[:n], limit, logical_topk_indices)
-        if d.recorder is not None:   # every served row, ESS's and those read in place
-            d.recorder.record(self.layer, torch.where(d.rows >= 0, d.rows, d.in_place_state), d.topk)
-        if still is not None:   # ESS's LRU serves only the ids whose pages vLLM no longer holds
+            if d.recorder is not None:   # the top-k vLLM handed, ids read in place included
+                self._stage_queries(sink, logical_topk_indices)
+                d.recorder.record(self.layer, torch.where(d.rows >= 0, d.rows, d.in_place_state), d.topk)
+            # ESS's LRU serves only the ids whose pages vLLM no longer holds.
             self._stage_queries(sink, torch.where(still, torch.full_like(logical_topk_indices, -1),
                                                   logical_topk_indices))
+        else:
+            valid, flat, in_place = self._staged_tokens(resident, req_id_per_token[:n], limit, logical_topk_indices)
+            if d.recorder is not None:   # every served row
+                d.recorder.record(self.layer, d.rows, d.topk)
         if da:   # the decision on the current stream, the copy on the overlap's copy stream
             overlap.step(d.step_binding, self.layer, B)
         else:
