@@ -1054,31 +1054,24 @@ def test_ids_on_resident_pages_served_through_the_lru_fail_the_replay(monkeypatc
     """Mutation: a request with a hot region served wholly through ESS's LRU, the pages vLLM still holds resident
     (its newest entries' among them) ignored: the rows are not vLLM's resident ones (and, past the window, the
     reserved rows the engine reads were never written)."""
-    still = adapter.HiSparseRuntime._still_resident
-
-    def ignored(self, resident, state, logical, valid):
-        mask, rows = still(self, resident, state, logical, valid)
-        return torch.zeros_like(mask), rows
-
-    monkeypatch.setattr(adapter.HiSparseRuntime, "_still_resident", ignored)
+    monkeypatch.setattr(adapter.HiSparseRuntime, "_still_resident",
+                        staticmethod(lambda valid, state, inside, blocks: torch.zeros_like(inside)))
     with pytest.raises(AssertionError):
         test_hot_regions_hold_esss_rows_and_resident_requests_are_read_in_place(3)
 
 
 def test_resident_pages_of_hot_rows_looked_up_by_batch_row_fail_the_replay(monkeypatch):
     """Mutation: a hot row's resident pages looked up in vLLM's residency table by the token's batch row instead of
-    its request's state index."""
-    still = adapter.HiSparseRuntime._still_resident
+    its request's state index (rows read in place whole keep theirs)."""
+    lookup = adapter.HiSparseRuntime._resident_rows
 
-    def by_batch_row(self, resident, state, logical, valid):
-        d = self.decode
-        rows = torch.arange(d.max_num_reqs, dtype=d.rows.dtype)
-        batch_row = torch.full_like(state, -1)
-        for b in range(d.max_num_reqs):   # (the state of row b -> b)
-            batch_row = torch.where(state == d.rows[b], rows[b], batch_row)
-        return still(self, resident, torch.where(state >= 0, batch_row, state), logical, valid)
+    def by_batch_row(self, resident, state, logical):
+        d, mapped = self.decode, state
+        for b in range(d.max_num_reqs):   # the state of an ESS row b -> b
+            mapped = torch.where((d.rows[b] >= 0) & (state == d.rows[b]), torch.full_like(state, b), mapped)
+        return lookup(self, resident, mapped, logical)
 
-    monkeypatch.setattr(adapter.HiSparseRuntime, "_still_resident", by_batch_row)
+    monkeypatch.setattr(adapter.HiSparseRuntime, "_resident_rows", by_batch_row)
     with pytest.raises(AssertionError):
         test_hot_regions_hold_esss_rows_and_resident_requests_are_read_in_place(3)
 

@@ -246,15 +246,13 @@ class EssDecode:
         self.step_binding = engine.bind_step(self.rows, self.topk, self.lengths, self.physical, counts=self.counts,
                                              **(self.overlap.outputs() if self.overlap is not None else {}))
         self.max_swap_rows = max_num_reqs * T
-        # Where each decode token's newest entry goes: its request's reserved row t (int64, as vLLM's slot
-        # mappings are); the scratch row for padding (rewritten with its own bytes: with hot regions it is a row of
-        # vLLM's null block, block 0).
-        self.scratch_row = 0 if self.regions else max_num_reqs * info.rows_per_request
-        # [region groups][tokens]: a layer's newest entries go to its group's reserved rows.
-        self.slot_mapping = torch.full((self.groups, self.max_swap_rows), self.scratch_row, dtype=torch.int64,
-                                       device=self.device)
+        # ESS's own buffer (no regions; with them the newest entries are read in place): where each decode token's
+        # newest entry goes, its request's reserved row t (int64, as vLLM's slot mappings are), the scratch row
+        # after every request's rows for padding (rewritten with its own bytes).
+        self.scratch_row = max_num_reqs * info.rows_per_request
+        self.slot_mapping = torch.full((self.max_swap_rows,), self.scratch_row, dtype=torch.int64, device=self.device)
         # Per decode token i of the step: its batch row (-1: none), its row of the staged [B x T] queries; per
-        # staged query: its token (-1: padding).
+        # staged query: its token (-1: padding). (ESS's own buffer: start_step maps them.)
         i64 = dict(dtype=torch.int64, device=self.device)
         self.token_row = torch.full((self.max_swap_rows,), -1, **i64)
         self.token_flat = torch.zeros((self.max_swap_rows,), **i64)
@@ -574,12 +572,9 @@ class EssDecode:
             after[rid] = ([] if replace else after.get(rid, [])) + [int(v) for v in blocks]
         return after
 
-    def _row(self, s, slot, group=0):
-        """The buffer row (FlashMLA's row of `latent`) of row `slot` of state s's rows in region group `group`."""
-        if not self.regions:
-            return s * self.info.rows_per_request + slot
-        region = self.placed[s][group * self.info.region_blocks:]
-        return region[slot // KERNEL_BLOCK] * KERNEL_BLOCK + slot % KERNEL_BLOCK
+    def _row(self, s, slot):
+        """ESS's own buffer: the buffer row (FlashMLA's row of `latent`) of row `slot` of state s's rows."""
+        return s * self.info.rows_per_request + slot
 
     def _stage(self, R, states, positions):
         """The step's rows and lengths, and without hot regions how its tokens reach the staged queries and reserved
@@ -619,7 +614,7 @@ class EssDecode:
         host = dict(pin_memory=self.pinned)
         token_row = torch.full((self.max_swap_rows,), -1, dtype=torch.int64, **host)
         token_flat = torch.zeros((self.max_swap_rows,), dtype=torch.int64, **host)
-        token_slot = torch.full((self.groups, self.max_swap_rows), self.scratch_row, dtype=torch.int64, **host)
+        token_slot = torch.full((self.max_swap_rows,), self.scratch_row, dtype=torch.int64, **host)
         query_token = torch.full((self.max_swap_rows,), -1, dtype=torch.int64, **host)
         if any(n < T and true > 0 for *_, n, true in positions):
             self.synchronize()   # the older tokens read below are vLLM's mirror of earlier steps' rows
@@ -627,16 +622,14 @@ class EssDecode:
         for b, _, s, _, n, true in positions:
             for t in range(n):
                 q = T - n + t                       # the n queries are the last n of the row's T
-                token_row[i], token_flat[i] = b, b * T + q
-                for g in range(self.groups):
-                    token_slot[g, i] = self._row(s, S + q, g)
+                token_row[i], token_flat[i], token_slot[i] = b, b * T + q, self._row(s, S + q)
                 query_token[b * T + q] = i
                 i += 1
             for q in range(T - n):   # the row's older tokens among its T newest
                 position = true + n - T + q
                 if position >= 0:
                     for layer in range(self.info.layers):
-                        p = self._row(s, S + q, self.region_group[layer])
+                        p = self._row(s, S + q)
                         entry = self.engine.read_entries(s, layer, position, torch.empty((1, ENTRY_BYTES),
                                                                                          dtype=torch.uint8))
                         self.latent[layer][p // KERNEL_BLOCK, p % KERNEL_BLOCK].copy_(entry[0])
@@ -772,21 +765,28 @@ class HiSparseRuntime:
         if self.upstream is not None:
             self.upstream.reset_hot_state()
 
-    def _in_place(self, physical, resident, logical_topk_indices, state):
-        """Hot regions: the tokens of rows without a hot region read in place, as vLLM resolves resident pages
+    def _resident_rows(self, resident, state, logical_topk_indices):
+        """Hot regions: each token's ids looked up in vLLM's residency table (the handle's block_table,
+        binding.py: residency[resident_source_index], by state index), as vLLM resolves resident pages
         (index_group.py _convert_once -> sparse_utils.py triton_convert_req_index_to_global_index with idx_mapping):
-        id t of state s at block_table[s, t // 64] x attention_block_stride + t % 64, the handle's block_table its
-        residency table (binding.py: residency[resident_source_index], by state index; every page of a request
-        without a hot region is resident). state: per token, its row's in_place_state (-1: an ESS row)."""
-        state = state.to(torch.int64)
+        id t of state s at block_table[s, t // 64] x attention_block_stride + t % 64. state: per token, the state
+        index of its row (-1: none). Returns (inside [n, K]: an id on a page of the table, blocks [n, K], rows [n, K]
+        of the attention view)."""
         table = resident.block_table
         ids = logical_topk_indices.to(torch.int64)
         pages = ids.clamp(min=0) // KERNEL_BLOCK
         inside = (ids >= 0) & (pages < table.shape[1])   # a page past the table: -1, as vLLM's conversion gives
-        blocks = table.index_select(0, state.clamp(min=0)).to(torch.int64).gather(1, pages.clamp(max=table.shape[1] - 1))
-        rows = blocks * resident.view.attention_block_stride + ids.clamp(min=0) % KERNEL_BLOCK
-        rows = torch.where(inside, rows, torch.full_like(rows, -1)).to(torch.int32)
-        return torch.where((state >= 0).unsqueeze(1), rows, physical)
+        blocks = table.index_select(0, state.clamp(min=0).to(torch.int64)).to(torch.int64).gather(
+            1, pages.clamp(max=table.shape[1] - 1))
+        return inside, blocks, blocks * resident.view.attention_block_stride + ids.clamp(min=0) % KERNEL_BLOCK
+
+    @staticmethod
+    def _still_resident(valid, state, inside, blocks):
+        """Hot regions: the ids of each ESS row's tokens (state >= 0) whose pages vLLM still holds resident (block
+        > 0: vLLM unpins a page of a request with a hot region once its host copy is complete, and sends a lost page
+        as block 0 before the forward that could read it), read in place as vLLM's own resolution reads them; the
+        others go through ESS's LRU."""
+        return (valid & (state >= 0)).unsqueeze(1) & inside & (blocks > 0)
 
     def _map_tokens(self, req_id_per_token, limit):
         """Hot regions: the step's tokens mapped on the device from the forward's req_id_per_token (each token's batch
@@ -816,19 +816,6 @@ class HiSparseRuntime:
         d.topk_scatter.index_copy_(0, flat, queries.to(torch.int32))
         d.topk.view(B * T, K).copy_(d.topk_scatter[:B * T])
 
-    def _still_resident(self, resident, state, logical_topk_indices, valid):
-        """Hot regions: the ids of each ESS row's tokens whose pages vLLM still holds resident (the residency table,
-        by state: vLLM unpins a page of a request with a hot region once its host copy is complete, and sends a lost
-        page as block 0 before the forward that could read it), read in place there as vLLM's own resolution reads
-        them; the others go through ESS's LRU. Returns (mask [n, K], rows [n, K] of the attention view)."""
-        table = resident.block_table
-        ids = logical_topk_indices.to(torch.int64)
-        pages = ids.clamp(min=0) // KERNEL_BLOCK
-        blocks = table.index_select(0, state.clamp(min=0).to(torch.int64)).to(torch.int64).gather(
-            1, pages.clamp(max=table.shape[1] - 1))
-        mask = (valid & (state >= 0)).unsqueeze(1) & (ids >= 0) & (pages < table.shape[1]) & (blocks > 0)
-        return mask, blocks * resident.view.attention_block_stride + ids.clamp(min=0) % KERNEL_BLOCK
-
     def _staged_tokens(self, resident, req_id_per_token, limit, logical_topk_indices):
         """ESS's own buffer: the step's tokens by start_step's maps (from the scheduler's counts), each token's newest
         entry copied from where the model wrote it (resident.slot_mapping) into its reserved row. Returns per token
@@ -847,7 +834,7 @@ class HiSparseRuntime:
         # spans the slab's other groups), so only the n rows are gathered, by block and row, never the view whole.
         bs = resident.view.block_size
         newest = resident.view.cache[src_rows // bs, src_rows % bs].reshape(n, ENTRY_BYTES)
-        dst = torch.where(use, d.slot_mapping[0, :n], torch.full_like(i, d.scratch_row))
+        dst = torch.where(use, d.slot_mapping[:n], torch.full_like(i, d.scratch_row))
         # A padded token rewrites the scratch row with its own bytes.
         blocks = self._blocks
         scratch = blocks[d.scratch_row // KERNEL_BLOCK, d.scratch_row % KERNEL_BLOCK].unsqueeze(0).expand(n, ENTRY_BYTES)
@@ -916,7 +903,13 @@ class HiSparseRuntime:
         if d.regions:
             valid, sink, in_place, state = self._map_tokens(req_id_per_token[:n], limit)
             flat = sink.clamp(max=B * T - 1)
-            still, still_rows = self._still_resident(resident, state, logical_topk_indices, valid)
+            # One lookup in vLLM's residency table serves both: rows without a hot region read whole in place
+            # (every page of theirs is resident), and an ESS row's ids on pages vLLM still holds.
+            whole = (in_place >= 0).unsqueeze(1)
+            inside, blocks, looked_up = self._resident_rows(resident, torch.where(in_place >= 0, in_place, state),
+                                                            logical_topk_indices)
+            whole_rows = torch.where(inside, looked_up, torch.full_like(looked_up, -1))
+            still = self._still_resident(valid, state, inside, blocks)
             if d.recorder is not None:   # the top-k vLLM handed, ids read in place included
                 self._stage_queries(sink, logical_topk_indices)
                 d.recorder.record(self.layer, torch.where(d.rows >= 0, d.rows, d.in_place_state), d.topk)
@@ -941,9 +934,9 @@ class HiSparseRuntime:
             read in place (or -1: read_in_place False)."""
             rows = table.view(B * T, K).index_select(0, flat)
             if d.regions:
-                rows = self._in_place(rows, resident, logical_topk_indices, in_place) if read_in_place else \
-                    torch.where((in_place >= 0).unsqueeze(1), torch.full_like(rows, -1), rows)
-            return torch.where(valid.unsqueeze(1), rows, torch.full_like(rows, -1))
+                rows = torch.where(whole, whole_rows if read_in_place else torch.full_like(whole_rows, -1),
+                                   rows.to(torch.int64))
+            return torch.where(valid.unsqueeze(1), rows, torch.full_like(rows, -1)).to(torch.int32)
 
         self.layers_served += 1
         self.steps_served += 1
@@ -951,11 +944,11 @@ class HiSparseRuntime:
             rows = served(overlap.resident, True)
             if still is not None:   # the LRU's resident rows (compacted) after the ids read in place, in order
                 rank = torch.cumsum((~still).to(torch.int64), 1) - 1
-                rows = torch.where(still, still_rows, rows.gather(1, rank.clamp(0, K - 1))).to(torch.int32)
+                rows = torch.where(still, looked_up, rows.gather(1, rank.clamp(0, K - 1)).to(torch.int64)).to(torch.int32)
             return overlap.leave(rows, served(overlap.fetched, False))
         physical = served(d.physical, True)
         if still is not None:
-            physical = torch.where(still, still_rows, physical).to(torch.int32)
+            physical = torch.where(still, looked_up, physical.to(torch.int64)).to(torch.int32)
         out = physical if attention_indices_out is None else attention_indices_out.copy_(physical)
         if not return_valid_counts:
             return out
