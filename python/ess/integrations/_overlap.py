@@ -65,13 +65,44 @@ def merge_states(o0, lse0, o1, lse1):
 
 
 class CopySplit:
-    """A DA swap's hand-over to the attention kernel (both engines'): the split its swap left (`pending`: the
-    resident and fetched tables, the resident one returned to the engine's decode) and the copy's event. Subclasses
-    set dev, copy_done and pending."""
+    """A DA swap's state, both engines': the resident and fetched tables its steps fill (bound outputs, [max_reqs, T,
+    K] rows, each query row's compacted), the copy stream and the copy's event, and the hand-over to the attention
+    kernel (`pending`: the tables the swap left, the resident one returned to the engine's decode)."""
 
-    dev = None
-    copy_done = None
-    pending = None
+    def __init__(self, dev, max_reqs: int, T: int, K: int, device):
+        i32 = dict(dtype=torch.int32, device=device)
+        self.dev = dev
+        self.resident = torch.full((max_reqs, T, K), -1, **i32)
+        self.fetched = torch.full((max_reqs, T, K), -1, **i32)
+        self.resident_count = torch.zeros((max_reqs, T), **i32)
+        self.fetched_count = torch.zeros((max_reqs, T), **i32)
+        self.copy_stream = dev.Stream()
+        self.copy_done = self.event()   # after the layer's last copy: what Attn1 waits for
+        self.pending = None
+
+    def event(self):
+        """A copy event, recorded once: torch creates a CUDA event at its first record, and until then its handle is
+        0, which ESS's step would take for "no event" and the wait for would skip."""
+        event = self.dev.Event()
+        if self.dev.is_cuda:
+            event.record(self.dev.current_stream())
+        return event
+
+    def outputs(self) -> dict:
+        """The step binding's DA outputs (Engine.bind_step)."""
+        return dict(resident=self.resident, fetched=self.fetched, resident_count=self.resident_count,
+                    fetched_count=self.fetched_count)
+
+    def step_part(self, step, layer: int, n: int, part: int = 0, done=None) -> None:
+        """A step's device work over a bound batch's first n positions: the decision on the current stream, the copy
+        on the copy stream, `done` (default: copy_done) recorded when it ends (the host backend copies in the step
+        itself). part: the engine's scratch set (0, and 1 for a DBA layer's second half)."""
+        dev = self.dev
+        if dev.is_cuda:
+            step.step_async(layer, n, part, dev.handle(dev.current_stream()), self.copy_stream,
+                            self.copy_done if done is None else done)
+        else:
+            step.step_async(layer, n, part)
 
     def take(self, indices):
         """The fetched table of the pending split whose resident table `indices` views (FlashMLA's indices: the table,

@@ -921,7 +921,7 @@ class HiSparseRuntime:
             if d.recorder is not None:   # every served row
                 d.recorder.record(self.layer, d.rows, d.topk)
         if da:   # the decision on the current stream, the copy on the overlap's copy stream
-            overlap.step(d.step_binding, self.layer, B)
+            overlap.step_part(d.step_binding, self.layer, B)
         else:
             d.step_binding.step(self.layer, B,
                                 stream=torch.cuda.current_stream(d.device) if d.device.type == "cuda" else None)

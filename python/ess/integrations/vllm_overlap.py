@@ -45,36 +45,12 @@ class DecodeOverlap(CopySplit):
         if bad:
             raise InvalidArgument(f"DecodeOverlap: layer {bad[0][0]}'s schedule {bad[0][1]!r}; under vLLM one of "
                                   f"{', '.join(SCHEDULES)} (DBA's indexer split is served under SGLang only)")
-        i32 = dict(dtype=torch.int32, device=device)
-        self.dev, self.schedules = dev, list(schedules)
-        self.resident = torch.full((max_reqs, T, K), -1, **i32)
-        self.fetched = torch.full((max_reqs, T, K), -1, **i32)
-        self.resident_count = torch.zeros((max_reqs, T), **i32)
-        self.fetched_count = torch.zeros((max_reqs, T), **i32)
-        self.copy_stream = dev.Stream()
-        self.copy_done = dev.Event()
-        if dev.is_cuda:
-            # torch creates a CUDA event at its first record: until then its handle is 0, which ESS's step would take
-            # for "no event".
-            self.copy_done.record(dev.current_stream())
+        super().__init__(dev, max_reqs, T, K, device)
+        self.schedules = list(schedules)
         self.armed = None     # the ESS layer vLLM's decode armed, or None
-        self.pending = None   # (resident, fetched) [n, K] the armed swap left for the kernel call
-
-    def outputs(self) -> dict:
-        return dict(resident=self.resident, fetched=self.fetched, resident_count=self.resident_count,
-                    fetched_count=self.fetched_count)
 
     def runs_da(self, layer: int) -> bool:
         return self.schedules[layer] == "da"
-
-    def step(self, binding, layer: int, batch: int) -> None:
-        """The layer's step over the first `batch` rows: the decision on the current stream, the copy on the copy
-        stream, copy_done recorded when it ends (the host backend copies in the step itself)."""
-        dev = self.dev
-        if dev.is_cuda:
-            binding.step_async(layer, batch, 0, dev.handle(dev.current_stream()), self.copy_stream, self.copy_done)
-        else:
-            binding.step_async(layer, batch, 0)
 
     def leave(self, resident: torch.Tensor, fetched: torch.Tensor) -> torch.Tensor:
         self.pending = (resident, fetched)

@@ -73,29 +73,17 @@ class DecodeSplit(CopySplit):
         """padding: the coordinator's bool scratch of [max_reqs, T, K] (the swaps run one after another on a
         stream). schedule: da or dba, every layer's; or layerwise, `layers` (layers_from_environment) then giving
         each layer's per micro-batch."""
+        super().__init__(dev, max_reqs, T, K, device)
         i32 = dict(dtype=torch.int32, device=device)
-        self.dev = dev
         self._schedule = schedule
         self._layers = layers
         self._calls = {}         # layer id -> its decode forwards so far in this forward (the micro-batch's index)
         self._last_layer = None
-        self.resident = torch.full((max_reqs, T, K), -1, **i32)
-        self.fetched = torch.full((max_reqs, T, K), -1, **i32)
-        self.resident_count = torch.zeros((max_reqs, T), **i32)
-        self.fetched_count = torch.zeros((max_reqs, T), **i32)
         self.resident_locs = torch.full((max_reqs, T, K), -1, **i32)
         self.fetched_locs = torch.full((max_reqs, T, K), -1, **i32)
         self._padding = padding
-        self.copy_stream = dev.Stream()
-        self.copy_done = dev.Event()          # after the layer's last copy: what Attn1 waits for
-        self.first_copy_done = dev.Event()    # after a DBA layer's first-half copy (its step records one)
-        if dev.is_cuda:
-            # torch creates a CUDA event at its first record: until then its handle is 0, which ESS's step would take
-            # for "no event" and the wait for would skip.
-            self.copy_done.record(dev.current_stream())
-            self.first_copy_done.record(dev.current_stream())
+        self.first_copy_done = self.event()   # after a DBA layer's first-half copy (its step records one)
         self.armed = None        # the layer id forward_decode armed, or None
-        self.pending = None      # (resident view, fetched view) the swap left for the FlashMLA call
         self.first_half = None   # DBA: (layer id, batch key, positions) the indexer swapped, for forward_decode
 
     def new_forward(self) -> None:
@@ -125,20 +113,6 @@ class DecodeSplit(CopySplit):
         if self._layers is not None:
             self._observe(layer_id)
             self._calls[layer_id] = self._calls.get(layer_id, 0) + 1
-
-    def outputs(self) -> dict:
-        return dict(resident=self.resident, fetched=self.fetched, resident_count=self.resident_count,
-                    fetched_count=self.fetched_count)
-
-    def step_part(self, step, layer: int, n: int, part: int, done) -> None:
-        """A step's device work (inside the coordinator's launch) over a bound batch's first n positions: the
-        decision on the current stream, the copy on the copy stream, `done` recorded when it ends. part: the
-        engine's scratch set (0, and 1 for a DBA layer's second half)."""
-        dev = self.dev
-        if dev.is_cuda:
-            step.step_async(layer, n, part, dev.handle(dev.current_stream()), self.copy_stream, done)
-        else:
-            step.step_async(layer, n, part)   # the host backend copies in the step itself
 
     def finish(self, B: int, row_base: int) -> None:
         """Both tables of positions [0, B) as device-pool slots (-1 kept)."""
