@@ -97,3 +97,27 @@ def module(log: list) -> types.ModuleType:
     m.flash_mla_interface = types.ModuleType("flash_mla.flash_mla_interface")
     m.flash_mla_interface.FlashMLASchedMeta = FlashMLASchedMeta
     return m
+
+
+class DelayedCopy:
+    """A DA copy's event on a host device, the copy delayed as far as stream order allows: the rows a swap fetched
+    hold FP8 e4m3 NaN (poison) until a stream waits for the event, so any attention that reads them earlier is
+    poisoned. The engine's tests poison each swap's fetched rows (poison) and put this in the copy event's place."""
+
+    def __init__(self):
+        self.saved, self.waits = [], 0
+
+    def poison(self, rows: torch.Tensor, at: torch.Tensor) -> None:
+        """rows[at] (a [rows, ...] uint8 view of the cache) poisoned until the next wait."""
+        self.saved.append((rows, at, rows[at].clone()))
+        rows[at] = 0x7F
+
+    def wait(self, stream=None):
+        self.waits += 1
+        for rows, at, data in self.saved:
+            rows[at] = data
+        self.saved.clear()
+
+    def record(self, stream=None):
+        pass
+

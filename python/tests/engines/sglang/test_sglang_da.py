@@ -116,29 +116,17 @@ def single_pass(w, q, rid, layer, picks):
     return out[0, 0, :HEADS]
 
 
-class DelayedCopy:
-    """The copy's event on a host device, with the copy delayed as far as stream order allows: after each swap the
-    rows it fetched hold poison until a stream waits for the event."""
+class DelayedCopy(flashmla_standin.DelayedCopy):
+    """The coordinator's copy event, the copy delayed: after each swap the rows it fetched (its pending split's
+    device-pool slots) hold poison until a stream waits for the event."""
 
     def __init__(self, w):
-        self.w, self.saved, self.waits = w, [], 0
+        super().__init__()
+        self.w = w
 
     def after_swap(self, layer):
-        split = self.w.s.coord.decode_split
-        fetched = split.pending[1]
-        locs = torch.unique(fetched[fetched >= 0]).to(torch.int64)
-        rows = self.w.s.rows(layer)
-        self.saved.append((rows, locs, rows[locs].clone()))
-        rows[locs] = 0x7F   # FP8 e4m3 NaN: any read before the copy lands poisons the output
-
-    def wait(self, stream=None):
-        self.waits += 1
-        for rows, locs, data in self.saved:
-            rows[locs] = data
-        self.saved.clear()
-
-    def record(self, stream=None):
-        pass
+        fetched = self.w.s.coord.decode_split.pending[1]
+        self.poison(self.w.s.rows(layer), torch.unique(fetched[fetched >= 0]).to(torch.int64))
 
     def install(self):
         """Stands in for the coordinator's copy event; each swap's fetched rows poisoned until it is waited for."""

@@ -44,31 +44,20 @@ def fp8_entries(world, seed):
     world.new_request, world.redraw_after = new_request, redraw_after
 
 
-class DelayedCopy:
-    """The copy's event, with the copy delayed as far as stream order allows: after each swap its fetched rows hold
-    FP8 NaN until a stream waits for the event."""
+class DelayedCopy(flashmla_standin.DelayedCopy):
+    """The decode overlap's copy event, the copy delayed: after each swap its fetched rows (rows of the layer's
+    attention view) hold poison until a stream waits for the event."""
 
     def __init__(self, overlap, attention):
-        self.attention, self.saved, self.waits = attention, [], 0
+        super().__init__()
         leave = overlap.leave
 
         def leaving(resident, fetched):
-            rows = fetched[fetched >= 0].unique().to(torch.int64)
-            view = self.attention[overlap.armed].view(-1, flashmla_standin.ENTRY)
-            self.saved.append((view, rows, view[rows].clone()))
-            view[rows] = 0x7F
+            self.poison(attention[overlap.armed].view(-1, flashmla_standin.ENTRY),
+                        fetched[fetched >= 0].unique().to(torch.int64))
             return leave(resident, fetched)
         overlap.leave = leaving
         overlap.copy_done = self
-
-    def wait(self, stream=None):
-        self.waits += 1
-        for view, rows, data in self.saved:
-            view[rows] = data
-        self.saved.clear()
-
-    def record(self, stream=None):
-        pass
 
 
 class VllmDecodeReplay(Replay):
@@ -213,3 +202,33 @@ def test_vllms_merge_and_esss_agree_on_flashmlas_partial_states(monkeypatch):
     assert (got_lse[2] == inf).all() and torch.equal(got_lse[:2], want_lse[:2])
     assert float((got[3:].float() - want[3:].float()).abs().max()) <= 2 ** -7 * float(o0.abs().max())
     assert torch.allclose(got_lse, want_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_da_is_refused_at_registration_on_vllms_other_sparse_backend():
+    """check_da_backend (vllm_connector.py) against vLLM's own impl classes: a layer attending with
+    FlashMLASparseImpl over fp8_ds_mla passes; FlashInfer's SM120 sparse impl (which also reads fp8_ds_mla, and is
+    not a FlashMLASparseImpl) and a FlashMLA layer over another cache are refused by name. The impls are made without
+    their constructors (they need a GPU model's configuration), their kv_cache_dtype set as MLACommonBaseImpl's
+    constructor sets it; the attention layers holding them, whose constructor needs the model too, are namespaces
+    with the one attribute upstream's worker and ESS read (`impl`, mla_attention.py MLAAttention)."""
+    from vllm.v1.attention.backends.mla.flashinfer_mla_sparse_sm120 import FlashInferMLASparseSM120Impl
+    from vllm.v1.hisparse.layout import HISPARSE_HOT_SUFFIX
+    from ess import InvalidArgument
+    from ess.integrations.vllm_connector import check_da_backend
+
+    def impl(cls, dtype="fp8_ds_mla"):
+        made = object.__new__(cls)
+        made.kv_cache_dtype = dtype
+        return made
+
+    def config(**impls):
+        return types.SimpleNamespace(compilation_config=types.SimpleNamespace(static_forward_context={
+            f"model.layers.{i}.self_attn.attn": types.SimpleNamespace(impl=made) for i, made in impls.items()}))
+
+    names = [f"model.layers.{i}.self_attn.attn{HISPARSE_HOT_SUFFIX}" for i in range(2)]
+    flashmla = flashmla_sparse.FlashMLASparseImpl
+    check_da_backend(config(**{"0": impl(flashmla), "1": impl(flashmla)}), names)
+    with pytest.raises(InvalidArgument, match="attends with FlashInferMLASparseSM120Impl"):
+        check_da_backend(config(**{"0": impl(flashmla), "1": impl(FlashInferMLASparseSM120Impl)}), names)
+    with pytest.raises(InvalidArgument, match="cache is auto"):
+        check_da_backend(config(**{"0": impl(flashmla, "auto"), "1": impl(flashmla)}), names)
