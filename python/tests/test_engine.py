@@ -528,13 +528,14 @@ def test_plan_for_sglang_gives_its_launch_line():
     stock = p["plans"][0]["stock_hisparse"]   # SGLang's own HiSparse at its defaults, beside the plan
     assert stock["config"]["device_buffer_size"] == 4096 and 1 <= stock["batch"] <= stock["admitted"]
     assert "launch" not in ess.plan(hardware="h200", contexts=[32768])["plans"][0]
-    with pytest.raises(ess.InvalidArgument, match="overlap mode dba is not served inside vLLM"):
-        ess.plan(engine="vllm", modes=["none", "dba"])
     with pytest.raises(ess.InvalidArgument, match="plans for sglang \\(0.5.23\\) and vllm \\(0.33.0\\)"):
         ess.plan(engine="tgi")
     v = ess.plan(engine="vllm", hardware="h200", contexts=[32768], min_otps=15)["plans"][0]
-    assert v["launch"]["argv"][:2] == ["vllm", "serve"] and v["chosen"]["overlap"] in ("none", "da")
-    assert v["launch"]["env"] == (["ESS_OVERLAP=da"] if v["chosen"]["overlap"] == "da" else [])
+    assert v["launch"]["argv"][:2] == ["vllm", "serve"]
+    mode = v["chosen"]["overlap"]
+    assert v["launch"]["env"][:1] == ([f"ESS_OVERLAP={mode}"] if mode != "none" else [])
+    d = ess.plan(engine="vllm", hardware="h200", contexts=[131072], min_otps=10, modes=["dba"])["plans"][0]
+    assert d["chosen"]["overlap"] == "dba" and d["launch"]["env"] == ["ESS_OVERLAP=dba"]
     with pytest.raises(ess.InvalidType, match="engine"):
         ess.plan(engine=3)
 

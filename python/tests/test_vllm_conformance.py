@@ -492,3 +492,76 @@ def test_the_da_wraps_flashmlas_fp8_decode_where_vllm_calls_it():
     init = ast.unparse(upstream_def(rel, "FlashMLASparseMetadataBuilder", "__init__"))
     assert "self.fp8_use_mixed_batch = self.num_heads < MIN_HEADS_FOR_BF16_PREFILL and (not self.use_hisparse)" \
         in init
+
+
+def module_def(rel, name):
+    tree = ast.parse(open(path(rel), encoding="utf-8").read())
+    fn = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name), None)
+    assert fn is not None, f"{rel} no longer defines {name}"
+    return fn
+
+
+def fields(rel, cls):
+    tree = ast.parse(open(path(rel), encoding="utf-8").read())
+    klass = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls), None)
+    assert klass is not None, f"{rel} no longer defines {cls}"
+    return [n.target.id for n in klass.body if isinstance(n, ast.AnnAssign)]
+
+
+def test_the_dba_split_calls_vllms_indexer_as_its_dsa_attention_does():
+    """vllm_indexer_split.py's facts: vLLM's CUDA DSA attention (deepseek_v32/attention.py, which DeepSeek-V3.2 and
+    GLM-5 load on CUDA) calls sparse_attn_indexer by its module's name, eagerly, before the layer's swap; the
+    function takes the arguments the split narrows, clears and inserts only where told, reads the decode rows from
+    the first of q, weights and the top-k buffer by the metadata's counts, and reads the narrowed metadata's
+    fields; the builder's uniformity flag and paged-MQA schedule are as the split computes them per half; the
+    indexer's k cache and the attention share the layer's name prefix (extract_layer_index)."""
+    attention = "models/deepseek_v32/attention.py"
+    source = open(path(attention), encoding="utf-8").read()
+    assert "from vllm.model_executor.layers.sparse_attn_indexer import (" in source
+    assert "import vllm.models.deepseek_v32" not in source
+    call = upstream_def(attention, "DeepseekV32Attention", "_sparse_indexer_and_attn")
+    assert [ast.unparse(d) for d in call.decorator_list] == ["eager_break_during_capture"]
+    body = ast.unparse(call)
+    assert body.index("sparse_attn_indexer(q_c, self.indexer.k_cache.prefix,") < body.index(
+        "self.impl.prepare_for_batch(attn_metadata)") < body.index("self.impl.forward_mqa(")
+    assert 'prefix=f"{prefix}.indexer"' in source and 'prefix=f"{prefix}.attn"' in source
+    assert 'prefix=f"{prefix}.k_cache"' in source
+    rel = "model_executor/layers/sparse_attn_indexer.py"
+    fn = module_def(rel, "sparse_attn_indexer")
+    names = parameters(fn)[0]
+    for name in ("hidden_states", "k_cache_prefix", "q_quant", "q_scale", "k", "weights", "topk_tokens",
+                 "topk_indices_buffer", "skip_k_cache_insert", "use_pcp", "dcp_world_size", "skip_topk_buffer_clear",
+                 "candidate_blocks"):
+        assert name in names, name
+    text = " ".join(ast.unparse(fn).split())
+    for fact in ("attn_metadata_narrowed = attn_metadata[k_cache_prefix]",
+                 "if not skip_k_cache_insert:",
+                 "if not skip_topk_buffer_clear: topk_indices_buffer[:hidden_states.shape[0]] = -1",
+                 "needs_padded_path = decode_metadata.requires_padding or num_decode_tokens % decode_lens.shape[0] != 0",
+                 "padded_q_quant_decode_tokens = q_quant[:num_decode_tokens].reshape(decode_lens.shape[0], -1, "
+                 "*q_quant.shape[1:])",
+                 "seq_lens = decode_metadata.seq_lens[:batch_size]",
+                 "mqa_logits_mx_inputs(padded_q_quant_cast, padded_q_scale, weights[:num_padded_tokens])",
+                 "decode_metadata.block_table, decode_metadata.schedule_metadata",
+                 "topk_indices = topk_indices_buffer[:num_padded_tokens, :topk_tokens]"):
+        assert fact in text, fact
+    indexer = "v1/attention/backends/mla/indexer.py"
+    assert fields(indexer, "DeepSeekV32IndexerDecodeMetadata") == [
+        "block_table", "seq_lens", "decode_lens", "requires_padding", "schedule_metadata", "global_seq_lens",
+        "per_req_decode_lens", "decode_is_uniform", "write_max_decode_len", "indices"]
+    for name in ("num_decodes", "num_decode_tokens", "num_prefills", "slot_mapping", "decode"):
+        assert name in fields(indexer, "DeepseekV32IndexerMetadata"), name
+    build = " ".join(ast.unparse(upstream_def(indexer, "DeepseekV32IndexerMetadataBuilder", "build")).split())
+    for fact in ("write_is_uniform = min_decode_len == max_decode_len", "decode_is_uniform=write_is_uniform",
+                 "metadata = get_paged_mqa_logits_metadata(seq_lens, self.kv_cache_spec.num_states, self.num_sms, "
+                 "indices=decode_indices)",
+                 "if current_platform.is_cuda() and has_deep_gemm():"):
+        assert fact in build, fact
+    init = ast.unparse(upstream_def(indexer, "DeepseekV32IndexerMetadataBuilder", "__init__"))
+    assert "sm_count = num_compute_units(self.device.index)" in init and "self.num_sms = sm_count" in init
+    # The first half's swap gets what the layer's swap gets (index_group.py).
+    convert = " ".join(ast.unparse(upstream_def("v1/attention/backends/mla/index_group.py", "HiSparseMLAIndexGroup",
+                                                "convert_logical_to_physical_topk")).split())
+    for fact in ("req_id_per_token = attn_metadata.req_id_per_token[:num_tokens]",
+                 "block_size=attn_metadata.block_size", "num_valid_rows=attn_metadata.query_start_loc[-1:]"):
+        assert fact in convert, fact

@@ -83,6 +83,12 @@ class FlashMLASparseImpl:
         raise AssertionError("not run here")
 
 
+def sparse_attn_indexer(*args, **kwargs):
+    """The name vLLM's CUDA DSA attention calls its indexer by, which vllm_indexer_split.py wraps (its calls:
+    test_vllm_dba.py, in vLLM's venv)."""
+    raise AssertionError("not run here")
+
+
 @pytest.fixture
 def connector_module(monkeypatch):
     """Stand-ins for the vLLM modules vllm_connector imports."""
@@ -94,6 +100,7 @@ def connector_module(monkeypatch):
         "vllm.v1.kv_cache_interface": dict(HiSparseHotSpec=HiSparseHotSpec),
         "vllm.v1.hisparse.layout": dict(HISPARSE_HOT_SUFFIX=".hisparse_hot"),
         "vllm.v1.attention.backends.mla.flashmla_sparse": dict(FlashMLASparseImpl=FlashMLASparseImpl),
+        "vllm.models.deepseek_v32.attention": dict(sparse_attn_indexer=sparse_attn_indexer),
         # The release's own function, compiled from the pinned source (pure Python).
         "vllm.model_executor.models.utils": dict(extract_layer_index=vllm_upstream.function(
             "model_executor/models/utils.py", "extract_layer_index")),
@@ -608,9 +615,37 @@ def test_da_on_another_attention_backend_or_cache_is_refused_at_registration(con
     assert getattr(FlashMLASparseImpl._fp8_flash_mla_kernel, "ess_original", None) is None
 
 
+@pytest.mark.parametrize("value,layers", [("dba", None), ("layerwise", "a b - b")])
+def test_dba_layers_have_their_indexers_split(connector_module, monkeypatch, value, layers):
+    """A DBA layer's indexer is served by the model's layer index of its attention (vllm_indexer_split.py wraps the
+    DSA attention's indexer name, once); shutdown stops serving it."""
+    module, _ = connector_module
+    monkeypatch.setenv("ESS_OVERLAP", value)
+    if layers is not None:
+        monkeypatch.setenv("ESS_OVERLAP_LAYERS", layers)
+    c = module.HiSparseConnector(config(), "worker", World())
+    c.register_kv_caches({})
+    worker = c.connector_worker
+    overlap = worker.ess.overlap
+    dba = [l for l, s in enumerate(overlap.schedules) if s == "dba"]
+    assert dba == ([0, 1, 2] if layers is None else [1])
+    handles = [h for h in worker.cache_handles if not h.draft_layer]
+    assert {i: (rt, name) for i, (rt, name) in overlap.indexers.items()} == {
+        l: (handles[l].runtime, f"layers.{l}") for l in dba}
+    dsa = sys.modules["vllm.models.deepseek_v32.attention"]
+    try:
+        assert dsa.sparse_attn_indexer.ess_original is sparse_attn_indexer
+        assert overlap in module.vllm_indexer_split._SERVED
+        worker.shutdown()
+        assert overlap not in module.vllm_indexer_split._SERVED
+    finally:
+        module.vllm_indexer_split.unpatch(dsa)
+        module.vllm_overlap.unpatch()
+    assert dsa.sparse_attn_indexer is sparse_attn_indexer
+
+
 @pytest.mark.parametrize("value,layers,match", [
-    ("dba", None, "DBA .the indexer split along the batch. is served under SGLang only"),
-    ("layerwise", "a b a a", "layer 1's schedule 'dba'; under vLLM one of none, da"),
+    ("layerwise", "a c a", "layer 1's schedule 'c' is not one or two of"),
     ("layerwise", "a a", "ESS_OVERLAP_LAYERS has 2 layers"),
     ("fast", None, "ESS_OVERLAP = 'fast'"),
 ])

@@ -46,7 +46,7 @@ import pytest
 import torch
 
 import ess
-from ess.integrations import vllm as adapter
+from ess.integrations import vllm as adapter, vllm_indexer_split
 from lru_model import EngineModel
 from mock_engine import ENTRY, check_rows
 import vllm_upstream
@@ -277,7 +277,8 @@ class Replay:
         forward's table. hot_regions: ESS's rows in vLLM's hot regions of this many blocks (slots: the region's rows
         less T), in the resident slab (slab_blocks vLLM blocks); requests without one read in place through the
         residency table. adaptive: vLLM's adaptive verification (step's `admitted`). overlap: every layer's schedule
-        (da: the swap armed and its rows taken in two parts, as vllm_overlap.py's FlashMLA wrapper takes them)."""
+        (da: the swap armed and its rows taken in two parts, as vllm_overlap.py's FlashMLA wrapper takes them; dba:
+        also the batch's first half swapped from the indexer first, as vllm_indexer_split.py swaps it)."""
         self.T, self.barrier, self.uniform, self.async_scheduling = T, barrier, uniform, async_scheduling
         self.hot_regions = hot_regions
         self.rejected = {}   # request -> drafts its last verify step rejected, which the scheduler still counts
@@ -312,6 +313,7 @@ class Replay:
         self.straddles = 0   # steps whose decode split cut a row's tokens (adaptive verification's device split)
         self.rows_checked = {"hot": 0, "in place": 0}
         self.fetched_checked = 0   # DA: fetched rows checked against the model's misses
+        self.dba_splits = self.dba_as_da = 0   # DBA: layers whose swap the indexer split, and those it did not
         self.hot_ids_in_place = 0  # ids of rows with a hot region read in place (their pages still resident)   # hot regions: decode row-layers checked of each kind
         self.model = EngineModel(LAYERS, slots, T, reserve_newest=True)
         self.model_rows = {}   # request -> state the model admitted it at
@@ -536,6 +538,8 @@ class Replay:
                     self.handed.setdefault(rid, []).append((np.full((LAYERS, T, K), -1, np.int32), seq_lens[batch.index(rid)]))
                 self.handed[rid][-1][0][layer] = r
             fetched = None
+            if self.decode.overlap is not None and self.decode.overlap.runs_dba(layer):
+                self.first_half(layer, topk[:num_decode_tokens], attn)
             if self.decode.overlap is not None:
                 # flashmla_sparse.py _host_backed_fp8_decode (armed by vllm_overlap.py): the swap without valid counts,
                 # its resident rows returned and its fetched rows taken by the kernel's wrapper, for Attn1.
@@ -586,6 +590,27 @@ class Replay:
             for layer, slab in enumerate(w.resident):
                 assert torch.equal(slab[0], self.null_block[layer]), f"layer {layer}: vLLM's null block was written"
         return served
+
+    def first_half(self, layer, topk, attn):
+        """A DBA layer's indexer split (vllm_indexer_split.py): where the batch is pure decode of at least two rows
+        of one token count (vLLM's indexer metadata, Halves.of), the first ceil(R / 2) rows' top-k swapped from the
+        indexer (HiSparseRuntime.swap_first_half, with the layer's attention metadata), before the layer's decode."""
+        decode_lens = attn.query_start_loc[1:attn.num_decodes + 1] - attn.query_start_loc[:attn.num_decodes]
+        metadata = types.SimpleNamespace(
+            num_prefills=attn.num_reqs - attn.num_decodes, num_decodes=attn.num_decodes,
+            num_decode_tokens=attn.num_decode_tokens,
+            decode=types.SimpleNamespace(requires_padding=False, decode_lens=decode_lens, global_seq_lens=None,
+                                         indices=None,
+                                         decode_is_uniform=bool((decode_lens == decode_lens[0]).all())))
+        halves = vllm_indexer_split.Halves.of(metadata)
+        if halves is None:
+            self.dba_as_da += 1
+            return
+        self.handles[layer].runtime.swap_first_half(
+            resident=self.handles[layer], req_id_per_token=attn.req_id_per_token,
+            logical_topk_indices=topk[:halves.t0], block_size=attn.block_size,
+            num_valid_rows=attn.query_start_loc[-1:], requests=halves.r0)
+        self.dba_splits += 1
 
     def swap_da(self, layer, topk, attn, request_of_token):
         """A DA layer's swap as vllm_overlap.py's wrappers of FlashMLA's FP8 decode make it: armed, without valid
@@ -1200,6 +1225,64 @@ def test_the_da_overlap_splits_each_swap_into_resident_and_fetched_rows(adaptive
         else:
             batch, states, _ = shuffled_decode_step(r, batch, states, step)
     assert r.fetched_checked > 50 and min(r.rows_checked.values()) > 10, (r.fetched_checked, r.rows_checked)
+
+
+@pytest.mark.parametrize("T", [1, 3])
+def test_the_dba_overlap_swaps_the_first_half_from_the_indexer(T):
+    """ESS_OVERLAP=dba under vLLM (vllm_indexer_split.py): a pure decode batch of one token count has its first
+    ceil(R / 2) rows swapped from the indexer (swap_first_half) and the rest by the layer's swap, on a step bound to
+    the rows after them; the swap returns both halves' resident rows and leaves both halves' fetched ones, every row
+    checked against the model as under DA. A batch the split does not apply to (a prefill beside, a batch of one, rows
+    of different token counts, a FULL graph's padded rows) runs the layer as DA."""
+    r = Replay(T, BLOCK - T, seed=75 + T, hot_regions=1, overlap="dba", blocks_from_output=True)
+    w = r.world
+    batch, states = three_requests(r)
+    for step in range(12):
+        if step in (2, 6):
+            w.go_hot({2: "b", 6: "a"}[step])
+        batch, states, _ = shuffled_decode_step(r, batch, states, step)
+    # Split: the uniform steps without FULL-graph padding (T = 3: every other step has fewer drafts on some rows).
+    assert r.dba_splits >= 4 * LAYERS and r.dba_as_da > 0, (r.dba_splits, r.dba_as_da)
+    assert r.decode.overlap.first_half is None
+    assert r.fetched_checked > 30 and min(r.rows_checked.values()) > 10, (r.fetched_checked, r.rows_checked)
+
+
+def test_a_dba_second_half_stepped_from_the_first_row_fails_the_replay(monkeypatch):
+    """Mutation: the second half's step bound to the batch's first rows (the first half's): the first half is swapped
+    twice and the second never; the replay's model of each row's LRU catches it."""
+    monkeypatch.setattr(adapter.DecodeOverlap, "offset_step", lambda self, decode, first: decode.step_binding)
+    r = Replay(1, BLOCK - 1, seed=77, hot_regions=1, overlap="dba", blocks_from_output=True)
+    batch, states = three_requests(r)
+    for rid in ("a", "b", "c"):
+        r.world.go_hot(rid)
+    with pytest.raises(AssertionError):
+        for step in range(4):
+            batch, states, _ = shuffled_decode_step(r, batch, states, step)
+
+
+def test_a_stale_first_half_is_dropped_and_a_bad_one_refused(caplog):
+    """swap_first_half is refused by name on a layer that does not run DBA and for a first half that is not one
+    (before anything runs); a first half its layer's swap never took (a failed forward) is dropped with a warning,
+    and the next swap of the layer swaps every row."""
+    r = Replay(1, BLOCK - 1, seed=79, hot_regions=1, overlap="dba", blocks_from_output=True)
+    batch, states = three_requests(r)
+    runtime = r.handles[0].runtime
+    args = dict(resident=r.handles[0], req_id_per_token=torch.zeros(4, dtype=torch.int32), block_size=BLOCK,
+                num_valid_rows=torch.tensor([4]), logical_topk_indices=torch.full((2, K), -1, dtype=torch.int32))
+    with pytest.raises(ess.InvalidArgument, match=r"a first half of 1 to"):
+        runtime.swap_first_half(requests=3, **args)
+    with pytest.raises(ess.InvalidArgument, match=r"\[n, K = "):
+        runtime.swap_first_half(requests=1, **dict(args, logical_topk_indices=torch.zeros((2, 3), dtype=torch.int32)))
+    r.decode.overlap.schedules[1] = "da"
+    with pytest.raises(ess.InvalidArgument, match="does not run DBA"):
+        r.handles[1].runtime.swap_first_half(requests=1, **args)
+    assert r.decode.overlap.first_half is None
+    runtime.swap_first_half(requests=1, **args)   # a first half no decode takes: its step ends
+    assert r.decode.overlap.first_half is not None
+    with caplog.at_level("WARNING", logger="ess.integrations.vllm"):
+        for step in range(2):
+            batch, states, _ = shuffled_decode_step(r, batch, states, step)
+    assert "first half was never taken" in caplog.text
 
 
 def test_a_da_swap_not_armed_by_flashmlas_decode_is_refused():

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <sstream>
 
 #include "ess/sim/inputs.h"
 #include "ess/sim/memory_model.h"
@@ -33,30 +34,28 @@ PlanOptions sglang_options(std::int64_t context, double min_otps) {
 
 TEST(sim_launch, SglangLimitsTheModesAndThePoolFloor) {
   const std::vector<std::string> all = {"none", "da", "dba", "layerwise"};
-  EngineLimits l = engine_limits("sglang", all, false, "", false, 2);
+  EngineLimits l = engine_limits("sglang", all, "", false, 2);
   EXPECT_EQ(l.modes, all);  // every mode: DA and DBA inside its decode, layer-wise by ESS_OVERLAP_LAYERS
   EXPECT_FALSE(l.preattn_in_copy_window);  // its model computes q before the indexer
-  EXPECT_TRUE(engine_limits("", all, false, "", false, 2).preattn_in_copy_window);
+  EXPECT_TRUE(engine_limits("", all, "", false, 2).preattn_in_copy_window);
   EXPECT_EQ(l.pool_floor, "tk");  // MTP: the verify step swaps T x top-k at once
-  EXPECT_EQ(engine_limits("sglang", all, false, "", false, 1).pool_floor, "");
-  EXPECT_EQ(engine_limits("", all, false, "max", true, 2).modes, all);  // no engine: as asked
-  EXPECT_NE(test::error_of([&] { engine_limits("sglang", all, false, "p99", true, 2); }).find("use --pool-floor tk"),
+  EXPECT_EQ(engine_limits("sglang", all, "", false, 1).pool_floor, "");
+  EXPECT_EQ(engine_limits("", all, "max", true, 2).modes, all);  // no engine: as asked
+  EXPECT_NE(test::error_of([&] { engine_limits("sglang", all, "p99", true, 2); }).find("use --pool-floor tk"),
             std::string::npos);
-  EXPECT_NE(test::error_of([&] { engine_limits("tgi", all, false, "", false, 2); }).find("sglang (0.5.23) and vllm"),
+  EXPECT_NE(test::error_of([&] { engine_limits("tgi", all, "", false, 2); }).find("sglang (0.5.23) and vllm"),
             std::string::npos);
 }
 
-TEST(sim_launch, VllmRunsNoneOrDaWithoutTboAndEveryRequestSparse) {
+TEST(sim_launch, VllmRunsEveryModeWithoutTboAndEveryRequestSparse) {
   const std::vector<std::string> all = {"none", "da", "dba", "layerwise"};
-  const EngineLimits l = engine_limits("vllm", all, false, "", false, 2);
-  EXPECT_EQ(l.modes, (std::vector<std::string>{"none", "da"}));
+  const EngineLimits l = engine_limits("vllm", all, "", false, 2);
+  EXPECT_EQ(l.modes, all);
   EXPECT_FALSE(l.two_batch_overlap);
   EXPECT_FALSE(l.whole_residency);
   EXPECT_FALSE(l.preattn_in_copy_window);
   EXPECT_EQ(l.pool_floor, "tk");
-  EXPECT_NE(test::error_of([&] { engine_limits("vllm", {"none", "dba"}, true, "", false, 2); })
-                .find("overlap mode dba is not served inside vLLM"), std::string::npos);
-  EXPECT_TRUE(engine_limits("sglang", all, false, "", false, 2).two_batch_overlap);
+  EXPECT_TRUE(engine_limits("sglang", all, "", false, 2).two_batch_overlap);
 }
 
 TEST(sim_launch, TheVllmLaunchLineCarriesThePlansChoiceAndLeavesRoomForEsssRows) {
@@ -76,10 +75,14 @@ TEST(sim_launch, TheVllmLaunchLineCarriesThePlansChoiceAndLeavesRoomForEsssRows)
   EXPECT_FALSE(p.results[0].low_load.found);
   const StepResult& c = p.results[0].chosen.best;
   ASSERT_TRUE(c.offload);
-  EXPECT_TRUE(c.overlap == OverlapMode::kNone || c.overlap == OverlapMode::kDualAttention);
   const std::vector<std::string> env = p.launches[0]["env"];
-  const std::vector<std::string> da_env = {"ESS_OVERLAP=da"};
-  EXPECT_EQ(env, c.overlap == OverlapMode::kDualAttention ? da_env : std::vector<std::string>());
+  if (c.overlap == OverlapMode::kNone) {
+    EXPECT_TRUE(env.empty());
+  } else {
+    ASSERT_FALSE(env.empty());
+    EXPECT_EQ(env[0], "ESS_OVERLAP=" + std::string(to_string(c.overlap)));
+    EXPECT_EQ(env.size(), c.overlap == OverlapMode::kLayerWise ? 2u : 1u);
+  }
   const std::vector<std::string> argv = p.launches[0]["argv"];
   ASSERT_GE(argv.size(), 3u);
   EXPECT_EQ(argv[0] + " " + argv[1], "vllm serve");
@@ -140,7 +143,6 @@ TEST(sim_launch, SglangLayerWiseLineCarriesEachLayersSchedule) {
   const Inputs in = h200();
   PlanOptions o = sglang_options(131072, 10);
   o.modes = {"layerwise"};
-  o.modes_given = true;
   const Plans p = plan_contexts(in, o);
   ASSERT_TRUE(p.results[0].found);
   const StepResult& c = p.results[0].chosen.best;
@@ -155,6 +157,37 @@ TEST(sim_launch, SglangLayerWiseLineCarriesEachLayersSchedule) {
   // The shell line quotes the value, not the name: a quoted NAME=value would not be an assignment.
   const std::string line = p.launches[0]["command_line"];
   EXPECT_NE(line.find("ESS_OVERLAP_LAYERS='" + c.layer_modes + "'"), std::string::npos) << line;
+}
+
+// vLLM runs no micro-batches: each layer's group is one code (DA, DBA or none), which the connector reads by the
+// model's layer index (vllm_connector.py overlap_schedules).
+TEST(sim_launch, VllmLayerWiseLineCarriesOneCodePerLayer) {
+  Inputs in;
+  in.hardware = "h200";
+  in.nodes = 1;
+  in.gpus_per_node = 8;
+  in.ep = 8;
+  PlanOptions o;
+  o.contexts = {131072};
+  o.min_otps = 10;
+  o.engine = "vllm";
+  o.modes = {"layerwise"};
+  const Plans p = plan_contexts(in, o);
+  ASSERT_TRUE(p.results[0].found);
+  const StepResult& c = p.results[0].chosen.best;
+  ASSERT_TRUE(c.offload);
+  ASSERT_EQ(c.overlap, OverlapMode::kLayerWise);
+  const std::vector<std::string> env = p.launches[0]["env"];
+  EXPECT_EQ(env, (std::vector<std::string>{"ESS_OVERLAP=layerwise", "ESS_OVERLAP_LAYERS=" + c.layer_modes}));
+  std::istringstream groups(c.layer_modes);
+  std::string group;
+  int layers = 0;
+  while (groups >> group) {
+    EXPECT_EQ(group.size(), 1u) << c.layer_modes;
+    EXPECT_EQ(group.find_first_not_of("ab-"), std::string::npos) << c.layer_modes;
+    ++layers;
+  }
+  EXPECT_GE(layers, 61) << c.layer_modes;
 }
 
 // Stock HiSparse beside the plan, sized by SGLang 0.5.23's rules at its defaults: a device token

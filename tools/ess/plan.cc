@@ -37,12 +37,11 @@ void add_plan(CLI::App& app, int& exit_code) {
   cmd->add_option("--min-otps", args->options.min_otps, "Minimum output tokens/s per request")
       ->capture_default_str()
       ->check(in_range(0, std::numeric_limits<double>::max()));
-  auto* modes = add_list_option(*cmd, "--modes", args->options.modes, "Overlap modes to try (none, da, dba, layerwise)",
+  add_list_option(*cmd, "--modes", args->options.modes, "Overlap modes to try (none, da, dba, layerwise)",
                                 item_of({"none", "da", "dba", "layerwise"}));
   cmd->add_option("--engine", args->options.engine,
-                  "Plan for a serving engine: sglang (0.5.23; modes none and da) or vllm (0.33.0; mode none, TBO "
-                  "off): the search limited to what ESS serves inside it (the T x top-k pool floor with MTP) and each "
-                  "context's launch line")
+                  "Plan for a serving engine: sglang (0.5.23) or vllm (0.33.0; TBO off): the search limited to what "
+                  "ESS serves inside it (the T x top-k pool floor with MTP) and each context's launch line")
       ->check(CLI::IsMember({"sglang", "vllm"}));
   cmd->add_option("--batch-step", args->options.batch_step, "Batch sizes tried: 1, 1 + step, ...")
       ->capture_default_str()
@@ -51,9 +50,8 @@ void add_plan(CLI::App& app, int& exit_code) {
                 "Show every option's figures behind its limit: the GPU's cache memory (indexer and latent), the node's "
                 "host pool against the host DRAM it may use, H2D against host-memory bandwidth, OTPS");
   add_format_option(*cmd, args->format);
-  cmd->callback([args, modes, &exit_code] {
+  cmd->callback([args, &exit_code] {
     PlanArgs& a = *args;
-    a.options.modes_given = modes->count() > 0;
     Progress progress("contexts planned");
     a.options.progress = [&](std::size_t done, std::size_t total) { progress(done, total); };
     sim::Plans plans = sim::plan_contexts(a.inputs, a.options);

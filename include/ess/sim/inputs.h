@@ -62,7 +62,6 @@ struct PlanOptions {
   std::vector<std::int64_t> contexts = {32768};
   double min_otps = 0;
   std::vector<std::string> modes = {"none", "da", "dba", "layerwise"};
-  bool modes_given = false;  // modes chosen by the user (an engine then refuses what it does not serve)
   int batch_step = 1;
   // The serving engine the plan is for ("" = ESS's own model; "sglang"): the search limited to what its adapter
   // serves (ess/sim/launch.h), and each context's launch line.

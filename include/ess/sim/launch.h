@@ -32,7 +32,7 @@ struct EngineLimits {
   bool shared_index_prefetch = true;   // whether its adapter prefetches shared-index layers (Deployment's)
   std::vector<std::string> notes;  // what the engine changed, for the output
 };
-EngineLimits engine_limits(const std::string& engine, const std::vector<std::string>& modes, bool modes_given,
+EngineLimits engine_limits(const std::string& engine, const std::vector<std::string>& modes,
                            const std::string& pool_floor, bool pool_floor_given, int mtp_tokens);
 
 struct Launch {

@@ -41,7 +41,7 @@ from .._errors import InvalidArgument, InvalidType
 from ..engine import Engine, ForeignPages
 from . import _device
 from .topk_recorder import TopkRecorder
-from .vllm_overlap import DecodeOverlap
+from .vllm_overlap import DecodeOverlap, logger
 
 __all__ = ["VLLM_VERSION", "HotView", "latent_buffers", "host_pool_layout", "Scheduled",
            "scheduled_from_output", "source_blocks_from_output", "fresh_from_output", "EssDecode",
@@ -240,6 +240,10 @@ class EssDecode:
         if overlap is not None:
             if len(overlap) != info.layers:
                 raise InvalidArgument(f"EssDecode: overlap has {len(overlap)} schedules for {info.layers} layers")
+            if "dba" in overlap and not self.regions:
+                raise InvalidArgument("EssDecode: DBA needs ESS's rows in vLLM's hot regions (region_blocks): its "
+                                      "first half is swapped from the indexer, before the layer writes the step's "
+                                      "newest entries, which only that layout reads in place")
             if any(schedule != "none" for schedule in overlap):
                 self.overlap = DecodeOverlap(_device.for_device(str(self.device)), overlap, max_num_reqs, T, K,
                                              self.device)
@@ -274,6 +278,7 @@ class EssDecode:
         self.placed: Dict[int, list] = {}      # hot regions: state index -> the ESS blocks its rows are placed on
         self.lifecycle_stream = None           # the engine's lifecycle stream (CUDA: the forward's, set per step)
         self.device_reads = 0                  # start_steps that read state indices, seq_lens or blocks back
+        self.steps_started = 0                 # start_steps that staged a step
         # ESS_RECORD_TRACE: the top-k vLLM hands the swap, recorded as a trace (topk_recorder.py), by state index.
         self.recorder = TopkRecorder.from_environment(
             layers=info.layers, T=T, K=K, max_reqs=max_num_reqs, device=self.device,
@@ -557,6 +562,7 @@ class EssDecode:
                 if self.placed.get(s) != region:
                     self.engine.place(s, region)
                     self.placed[s] = region
+        self.steps_started += 1
         self._stage(len(request_ids), states if states is not None else states_in[:R], positions)
         if ahead and not read_lengths:   # the decode rows are batch rows 0 .. served - 1, every one staged
             self.lengths[:served].copy_(forward_lengths[:served].to(self.lengths.dtype), non_blocking=True)
@@ -808,13 +814,14 @@ class HiSparseRuntime:
         flat = torch.where(valid, r * T + q, torch.full_like(i, B * T))   # B x T: the scatter's spare row
         return valid, flat, d.in_place_state.index_select(0, r), d.rows.index_select(0, r)
 
-    def _stage_queries(self, flat, queries):
-        """Each token's top-k [n, K] into its staged query row (flat; B x T: none)."""
+    def _stage_queries(self, flat, queries, first_row: int = 0):
+        """Each token's top-k [n, K] into its staged query row (flat; B x T: none), batch rows [first_row, B) of
+        the staged table (a DBA second half leaves the first half's rows as its step read them)."""
         d = self.decode
         B, T, K = d.max_num_reqs, d.info.query_tokens, d.info.topk
         d.topk_scatter.fill_(-1)
         d.topk_scatter.index_copy_(0, flat, queries.to(torch.int32))
-        d.topk.view(B * T, K).copy_(d.topk_scatter[:B * T])
+        d.topk.view(B * T, K)[first_row * T:].copy_(d.topk_scatter[first_row * T:B * T])
 
     def _staged_tokens(self, resident, req_id_per_token, limit, logical_topk_indices):
         """ESS's own buffer: the step's tokens by start_step's maps (from the scheduler's counts), each token's newest
@@ -849,6 +856,82 @@ class HiSparseRuntime:
         return valid, d.token_flat[:n], torch.full_like(i, -1)
 
     # ---- the decode swap ----
+    def _check_tokens(self, where, logical_topk_indices, req_id_per_token, block_size) -> int:
+        d = self.decode
+        K = d.info.topk
+        n = int(logical_topk_indices.shape[0])
+        if logical_topk_indices.dim() != 2 or logical_topk_indices.shape[1] != K:
+            raise InvalidArgument(f"{where} (layer {self.layer}): logical_topk_indices has shape "
+                                  f"{tuple(logical_topk_indices.shape)}; [n, K = {K}] expected")
+        if not 1 <= n <= min(d.max_swap_rows, req_id_per_token.shape[0]):
+            raise InvalidArgument(f"{where} (layer {self.layer}): {n} token rows; from 1 to max_swap_rows = "
+                                  f"{d.max_swap_rows} and req_id_per_token's {req_id_per_token.shape[0]}")
+        if block_size != KERNEL_BLOCK:
+            raise InvalidArgument(f"{where} (layer {self.layer}): block_size = {block_size}; ESS's attention cache "
+                                  f"has blocks of {KERNEL_BLOCK} rows")
+        return n
+
+    def _stage_swap(self, resident, req_id_per_token, n, num_valid_rows, logical_topk_indices, first_row=0,
+                    record=True):
+        """The step's queries staged from the tokens' top-k (batch rows [first_row, B) of the staged table), the
+        recorder's record of them (record). Returns what the served rows are read from: per token whether it is
+        served and its staged query row; with hot regions also whether its row is read whole in place (no hot
+        region) and from which rows, each id's row looked up in vLLM's residency table, and which ids are read
+        there (`still`; None without hot regions)."""
+        d = self.decode
+        B, T = d.max_num_reqs, d.info.query_tokens
+        # Tokens at or past num_valid_rows are CUDA-graph padding.
+        limit = num_valid_rows.reshape(-1)[:1].to(torch.int64)
+        if not d.regions:
+            valid, flat, _ = self._staged_tokens(resident, req_id_per_token[:n], limit, logical_topk_indices)
+            if record and d.recorder is not None:   # every served row
+                d.recorder.record(self.layer, d.rows, d.topk)
+            return valid, flat, None, None, None, None
+        valid, sink, in_place, state = self._map_tokens(req_id_per_token[:n], limit)
+        flat = sink.clamp(max=B * T - 1)
+        # One lookup in vLLM's residency table serves both: rows without a hot region read whole in place (every
+        # page of theirs is resident), and an ESS row's ids on pages vLLM still holds.
+        whole = (in_place >= 0).unsqueeze(1)
+        inside, blocks, looked_up = self._resident_rows(resident, torch.where(in_place >= 0, in_place, state),
+                                                        logical_topk_indices)
+        whole_rows = torch.where(inside, looked_up, torch.full_like(looked_up, -1))
+        still = self._still_resident(valid, state, inside, blocks)
+        if record and d.recorder is not None:   # the top-k vLLM handed, ids read in place included
+            d.topk_scatter.fill_(-1)
+            d.topk_scatter.index_copy_(0, sink, logical_topk_indices.to(torch.int32))
+            d.recorder.record(self.layer, torch.where(d.rows >= 0, d.rows, d.in_place_state),
+                              d.topk_scatter[:B * T].view(B, T, -1))
+        # ESS's LRU serves only the ids whose pages vLLM no longer holds.
+        self._stage_queries(sink, torch.where(still, torch.full_like(logical_topk_indices, -1), logical_topk_indices),
+                            first_row)
+        return valid, flat, whole, whole_rows, looked_up, still
+
+    def swap_first_half(self, *, resident, req_id_per_token: torch.Tensor, logical_topk_indices: torch.Tensor,
+                        block_size: int, num_valid_rows: torch.Tensor, requests: int) -> None:
+        """DBA (vllm_indexer_split.py): the swap of the batch's first `requests` decode rows, from the layer's
+        indexer once it has their top-k (logical_topk_indices [n, K]: those rows' n tokens, the step's first), before
+        the indexer runs over the other half; the layer's swap_in then swaps the rest. The decision runs on the
+        current stream, the copy on the overlap's copy stream, recording the first-half event. The other arguments
+        are the layer's swap_in's (the forward's attention metadata of the layer). Everything is checked before
+        anything runs."""
+        d = self.decode
+        overlap = d.overlap
+        if overlap is None or not overlap.runs_dba(self.layer):
+            raise InvalidArgument(f"swap_first_half (layer {self.layer}): the layer does not run DBA (ESS_OVERLAP)")
+        n = self._check_tokens("swap_first_half", logical_topk_indices, req_id_per_token, block_size)
+        if not 1 <= requests < d.max_num_reqs or n < requests:
+            raise InvalidArgument(f"swap_first_half (layer {self.layer}): {requests} rows of {n} tokens; a first half "
+                                  f"of 1 to {d.max_num_reqs - 1} rows, each of at least one token")
+        if overlap.first_half is not None:
+            # Only a forward that raised between an indexer's first half and the layer's decode leaves one: its work
+            # is abandoned, and its swap left the engine consistent.
+            logger.warning("ESS: layer %s's DBA first half was never taken (its forward failed); dropped",
+                           overlap.first_half[0])
+            overlap.first_half = None
+        self._stage_swap(resident, req_id_per_token, n, num_valid_rows, logical_topk_indices, record=False)
+        overlap.step_part(d.step_binding, self.layer, requests, 0, overlap.first_copy_done)
+        overlap.first_half = (self.layer, requests, n, d.steps_started)
+
     def swap_in(self, *, resident, req_id_per_token: torch.Tensor, block_table, logical_topk_indices: torch.Tensor,
                 block_size: int, num_valid_rows: torch.Tensor, return_valid_counts: bool = False,
                 attention_indices_out: Optional[torch.Tensor] = None,
@@ -859,25 +942,18 @@ class HiSparseRuntime:
 
         With hot regions the ids of each ESS row whose pages vLLM still holds resident (its newest entries among
         them, on its tail pages) are read in place there, the others go through ESS's LRU; else each row's T newest
-        entries are copied into its reserved rows first, from resident.slot_mapping. block_table (vLLM's host block table) is the table start_step gave ESS
-        its pages from, and block_size its blocks' size. ESS's step runs on the current stream, after the wait
-        upstream's start_step put there for the previous steps' host writes. On a DA layer (ESS_OVERLAP; armed by
-        vllm_overlap.py's wrapper of FlashMLA's FP8 decode, refused otherwise) the copy runs on the overlap's copy
-        stream and the call returns the rows that were resident before the step (compacted per token), leaving the
-        fetched ones for FlashMLA's second call: no valid counts or output buffer then. Everything is checked
-        before anything runs; a refused call serves nothing."""
+        entries are copied into its reserved rows first, from resident.slot_mapping. block_table (vLLM's host block
+        table) is the table start_step gave ESS its pages from, and block_size its blocks' size. ESS's step runs on
+        the current stream, after the wait upstream's start_step put there for the previous steps' host writes. On a
+        DA or DBA layer (ESS_OVERLAP; armed by vllm_overlap.py's wrapper of FlashMLA's FP8 decode, refused
+        otherwise) the copy runs on the overlap's copy stream and the call returns the rows that were resident
+        before the step (compacted per token), leaving the fetched ones for FlashMLA's second call: no valid counts
+        or output buffer then. On a DBA layer whose indexer swapped the first half of the batch this step
+        (swap_first_half) only the other rows are swapped here; both halves' rows are returned. Everything is
+        checked before anything runs; a refused call serves nothing."""
         d = self.decode
         T, K = d.info.query_tokens, d.info.topk
-        n = int(logical_topk_indices.shape[0])
-        if logical_topk_indices.dim() != 2 or logical_topk_indices.shape[1] != K:
-            raise InvalidArgument(f"swap_in (layer {self.layer}): logical_topk_indices has shape "
-                                  f"{tuple(logical_topk_indices.shape)}; [n, K = {K}] expected")
-        if not 1 <= n <= min(d.max_swap_rows, req_id_per_token.shape[0]):
-            raise InvalidArgument(f"swap_in (layer {self.layer}): {n} token rows; from 1 to max_swap_rows = "
-                                  f"{d.max_swap_rows} and req_id_per_token's {req_id_per_token.shape[0]}")
-        if block_size != KERNEL_BLOCK:
-            raise InvalidArgument(f"swap_in (layer {self.layer}): block_size = {block_size}; ESS's attention cache "
-                                  f"has blocks of {KERNEL_BLOCK} rows")
+        n = self._check_tokens("swap_in", logical_topk_indices, req_id_per_token, block_size)
         for name, out, shape in (("attention_indices_out", attention_indices_out, (n, K)),
                                  ("valid_counts_out", valid_counts_out, (n,))):
             if out is not None and (tuple(out.shape) != shape or out.dtype != torch.int32):
@@ -889,39 +965,26 @@ class HiSparseRuntime:
         overlap = d.overlap
         da = overlap is not None and overlap.runs_da(self.layer)
         if da and overlap.armed != self.layer:
-            raise InvalidArgument(f"swap_in (layer {self.layer}): ESS_OVERLAP runs DA on this layer, which needs "
-                                  "vLLM's FlashMLA sparse FP8 decode (FlashMLASparseImpl._host_backed_fp8_decode, "
+            raise InvalidArgument(f"swap_in (layer {self.layer}): ESS_OVERLAP runs DA or DBA on this layer, which "
+                                  "needs vLLM's FlashMLA sparse FP8 decode (FlashMLASparseImpl._host_backed_fp8_decode, "
                                   "kv_cache_dtype fp8_ds_mla) to read the two parts; this swap came from another "
                                   "decode path: set ESS_OVERLAP = none")
         if da and (return_valid_counts or attention_indices_out is not None):
             raise InvalidArgument(f"swap_in (layer {self.layer}): a DA swap returns the resident rows and leaves the "
                                   "fetched ones for FlashMLA's second call: no valid counts or output buffer")
+        half = overlap.take_first_half(self.layer, d.steps_started) if da else None
+        if half is not None and half[1] > n:
+            raise RuntimeError(f"swap_in (layer {self.layer}): the indexer's DBA swap covered {half[1]} tokens; "
+                               f"this swap has {n}")
+        first = 0 if half is None else half[0]
         B = d.max_num_reqs   # every staged row: a fixed shape
-        # Tokens at or past num_valid_rows are CUDA-graph padding.
-        limit = num_valid_rows.reshape(-1)[:1].to(torch.int64)
-        still = None
-        if d.regions:
-            valid, sink, in_place, state = self._map_tokens(req_id_per_token[:n], limit)
-            flat = sink.clamp(max=B * T - 1)
-            # One lookup in vLLM's residency table serves both: rows without a hot region read whole in place
-            # (every page of theirs is resident), and an ESS row's ids on pages vLLM still holds.
-            whole = (in_place >= 0).unsqueeze(1)
-            inside, blocks, looked_up = self._resident_rows(resident, torch.where(in_place >= 0, in_place, state),
-                                                            logical_topk_indices)
-            whole_rows = torch.where(inside, looked_up, torch.full_like(looked_up, -1))
-            still = self._still_resident(valid, state, inside, blocks)
-            if d.recorder is not None:   # the top-k vLLM handed, ids read in place included
-                self._stage_queries(sink, logical_topk_indices)
-                d.recorder.record(self.layer, torch.where(d.rows >= 0, d.rows, d.in_place_state), d.topk)
-            # ESS's LRU serves only the ids whose pages vLLM no longer holds.
-            self._stage_queries(sink, torch.where(still, torch.full_like(logical_topk_indices, -1),
-                                                  logical_topk_indices))
-        else:
-            valid, flat, in_place = self._staged_tokens(resident, req_id_per_token[:n], limit, logical_topk_indices)
-            if d.recorder is not None:   # every served row
-                d.recorder.record(self.layer, d.rows, d.topk)
+        valid, flat, whole, whole_rows, looked_up, still = self._stage_swap(
+            resident, req_id_per_token, n, num_valid_rows, logical_topk_indices, first)
         if da:   # the decision on the current stream, the copy on the overlap's copy stream
-            overlap.step_part(d.step_binding, self.layer, B)
+            if first:   # DBA: the rows after the indexer's first half
+                overlap.step_part(overlap.offset_step(d, first), self.layer, B - first, 1)
+            else:
+                overlap.step_part(d.step_binding, self.layer, B)
         else:
             d.step_binding.step(self.layer, B,
                                 stream=torch.cuda.current_stream(d.device) if d.device.type == "cuda" else None)
@@ -929,6 +992,7 @@ class HiSparseRuntime:
             # vLLM's HiSparse statistics (worker.py get_kv_connector_stats reads the group leader's swap_stats,
             # uint64 [hits, misses]): the leader layer's LRU hits and misses of this step, added on the device.
             self.upstream.index_group.swap_stats.view(torch.int64).add_(d.counts.sum(0, dtype=torch.int64))
+
         def served(table, read_in_place):
             """Each token's rows of a staged [B, T, K] table (-1 where not valid), a row without a hot region's
             read in place (or -1: read_in_place False)."""

@@ -31,7 +31,7 @@ from vllm.v1.kv_cache_interface import HiSparseHotSpec
 
 from .._errors import InvalidArgument
 from ..engine import Engine
-from . import vllm_overlap
+from . import vllm_indexer_split, vllm_overlap
 from ._overlap import layers_from_environment, schedule_from_environment
 from .vllm import (KERNEL_BLOCK, VLLM_VERSION, EssDecode, HiSparseRuntime, fresh_from_output, host_pool_layout,
                    scheduled_from_output, source_blocks_from_output)
@@ -101,11 +101,12 @@ class EssConnectorWorker(HiSparseConnectorWorker):
         # the device (v1/worker/gpu/spec_decode/adaptive_verification.py reallocate_drafts).
         adaptive = bool(speculative is not None and speculative.enable_adaptive_verification)
         try:
-            # ESS_OVERLAP: each target layer's schedule (vllm_overlap.py: DA inside FlashMLA's FP8 sparse decode).
+            # ESS_OVERLAP: each target layer's schedule (vllm_overlap.py: DA inside FlashMLA's FP8 sparse decode;
+            # vllm_indexer_split.py: DBA's indexer split).
             names = hot_layer_names(self.kv_cache_config, [i for i, _ in targets])
             overlap = overlap_schedules(names)
             if overlap is not None:
-                check_da_backend(config, [n for n, s in zip(names, overlap) if s == "da"])
+                check_da_backend(config, [n for n, s in zip(names, overlap) if s != "none"])
             self.ess = EssDecode(self.ess_engine, latent, max_num_reqs, targets[0][1].source_block_table,
                                  device=device, synchronize=synchronize, counts_run_ahead=run_ahead,
                                  attention_block_stride=strides.pop(), region_group=region_group,
@@ -114,7 +115,7 @@ class EssConnectorWorker(HiSparseConnectorWorker):
             self.ess_engine.close()
             self.ess_engine = None
             raise
-        if self.ess.overlap is not None:   # a DA layer: FlashMLA's FP8 sparse decode runs it in two parts
+        if self.ess.overlap is not None:   # a DA or DBA layer: FlashMLA's FP8 sparse decode runs it in two parts
             vllm_overlap.patch()
         # The host source group (v1/hisparse/binding.py: the handles' source_block_table is its block table).
         (self.ess_source_group,) = self.kv_cache_config.host_group_ids
@@ -122,6 +123,14 @@ class EssConnectorWorker(HiSparseConnectorWorker):
         for layer, (i, handle) in enumerate(targets):
             self.ess_upstream_runtimes[i] = handle.runtime
             handle.runtime = HiSparseRuntime(self.ess, layer, handle, upstream=handle.runtime)
+            if self.ess.overlap is not None and self.ess.overlap.runs_dba(layer):
+                # DBA: the layer's indexer (by the model's layer index) swaps the batch's first half
+                # (vllm_indexer_split.py); the forward's metadata of the layer's attention gives the swap's rows.
+                self.ess.overlap.serve_indexer(extract_layer_index(names[layer]), handle.runtime,
+                                               names[layer].removesuffix(HOT_SUFFIX))
+        if self.ess.overlap is not None and self.ess.overlap.indexers:
+            vllm_indexer_split.serve(self.ess.overlap)
+            vllm_indexer_split.patch()
 
     def reset_hot_state(self):
         # HiSparseConnector.reset_capture_state (after CUDA-graph capture): upstream's leader runtimes, which
@@ -136,6 +145,8 @@ class EssConnectorWorker(HiSparseConnectorWorker):
         for i, runtime in getattr(self, "ess_upstream_runtimes", {}).items():
             self.cache_handles[i].runtime = runtime
         if getattr(self, "ess", None) is not None:
+            if self.ess.overlap is not None:
+                vllm_indexer_split.unserve(self.ess.overlap)
             self.ess.close()
         if getattr(self, "ess_engine", None) is not None:
             self.ess_engine.close()
@@ -152,24 +163,21 @@ def hot_layer_names(kv_cache_config, handles):
 
 
 def overlap_schedules(layer_names):
-    """ESS_OVERLAP's schedule of each layer (None: none anywhere): da everywhere, or layer-wise from
+    """ESS_OVERLAP's schedule of each layer (None: none anywhere): da or dba everywhere, or layer-wise from
     ESS_OVERLAP_LAYERS by the model's layer index (vLLM's extract_layer_index of the layer name), a group's first
-    code (vLLM runs no micro-batches under HiSparse). DBA is refused by name (DecodeOverlap)."""
+    code (vLLM runs no micro-batches under HiSparse)."""
     mode = schedule_from_environment()
     if mode == "none":
         return None
-    if mode == "dba":
-        raise InvalidArgument("ESS_OVERLAP = dba: DBA (the indexer split along the batch) is served under SGLang "
-                              "only; under vLLM use da, layerwise (codes a and -) or none")
-    if mode == "da":
-        return ["da"] * len(layer_names)
+    if mode in ("da", "dba"):
+        return [mode] * len(layer_names)
     ids = [extract_layer_index(name) for name in layer_names]
     layers = layers_from_environment(0, max(ids) + 1)
     return [layers[i][0] for i in ids]
 
 
 def check_da_backend(config, hot_names):
-    """A DA layer's decode must be vLLM's FlashMLA sparse FP8 decode, which vllm_overlap.py runs in two parts: each
+    """A DA or DBA layer's decode must be vLLM's FlashMLA sparse FP8 decode, which vllm_overlap.py runs in two parts: each
     layer's attention (the static forward context's layer of the hot cache's name less ".hisparse_hot", as upstream's
     worker finds its handle) has a FlashMLASparseImpl over an fp8_ds_mla cache (the layer's own kv_cache_dtype, which
     kv_cache_dtype_skip_layers may set apart from the server's). Refused by name otherwise."""

@@ -97,8 +97,8 @@ Plans plan_contexts(const Inputs& inputs, const PlanOptions& options) {
   ESS_CHECK(!options.modes.empty(), "plan: no overlap mode to try");
   for (const auto& m : options.modes) (void)parse_overlap_mode(m);  // each named mode checked first
   const EngineLimits limits =
-      engine_limits(options.engine, options.modes, options.modes_given, inputs.pool_floor.value_or(""),
-                    inputs.pool_floor.has_value(), dep.mtp_tokens);
+      engine_limits(options.engine, options.modes, inputs.pool_floor.value_or(""), inputs.pool_floor.has_value(),
+                    dep.mtp_tokens);
   ESS_CHECK(!limits.modes.empty(), "plan: no overlap mode to try");
   dep.preattn_in_copy_window = dep.preattn_in_copy_window && limits.preattn_in_copy_window;
   dep.shared_index_prefetch = dep.shared_index_prefetch && limits.shared_index_prefetch;
@@ -227,7 +227,6 @@ void read_plan_request(const nlohmann::json& j, Inputs& in, PlanOptions& opt) {
   json_read(j, "contexts", opt.contexts, source);
   json_read(j, "min_otps", opt.min_otps, source);
   json_read(j, "modes", opt.modes, source);
-  opt.modes_given = j.contains("modes");
   json_read(j, "engine", opt.engine, source);
   json_read(j, "batch_step", opt.batch_step, source);
   json_read(j, "model", in.model, source);

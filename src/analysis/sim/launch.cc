@@ -12,12 +12,6 @@
 namespace ess::sim {
 namespace {
 
-// The overlap modes SGLang 0.5.23 runs with ESS (python/ess/integrations/sglang/overlap.py and
-// indexer_split.py), and vLLM 0.33.0 (python/ess/integrations/vllm_overlap.py: DA inside FlashMLA's FP8 sparse
-// decode; no DBA, so no layer-wise schedule, whose layers may choose it).
-const std::vector<std::string> kSglangModes = {"none", "da", "dba", "layerwise"};
-const std::vector<std::string> kVllmModes = {"none", "da"};
-
 std::string shell_quote(const std::string& s) {
   if (!s.empty() &&
       s.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_./:=,@") == std::string::npos) {
@@ -30,7 +24,7 @@ std::string shell_quote(const std::string& s) {
 
 }  // namespace
 
-EngineLimits engine_limits(const std::string& engine, const std::vector<std::string>& modes, bool modes_given,
+EngineLimits engine_limits(const std::string& engine, const std::vector<std::string>& modes,
                            const std::string& pool_floor, bool pool_floor_given, int mtp_tokens) {
   EngineLimits out;
   out.modes = modes;
@@ -38,24 +32,15 @@ EngineLimits engine_limits(const std::string& engine, const std::vector<std::str
   if (engine.empty()) return out;
   ESS_CHECK(engine == kSglangEngine || engine == kVllmEngine,
             "plan: --engine {}: this build plans for sglang (0.5.23) and vllm (0.33.0)", engine);
+  // Every overlap mode runs inside both: SGLang 0.5.23 (python/ess/integrations/sglang/overlap.py and
+  // indexer_split.py) and vLLM 0.33.0 (vllm_overlap.py: DA inside FlashMLA's FP8 sparse decode; vllm_indexer_split.py:
+  // DBA's indexer split), so the modes are as asked.
   const bool vllm = engine == kVllmEngine;
-  const std::vector<std::string>& served = vllm ? kVllmModes : kSglangModes;
   const char* name = vllm ? "vLLM" : "SGLang";
-  out.modes.clear();
-  for (const std::string& m : modes) {
-    if (std::find(served.begin(), served.end(), m) != served.end()) {
-      out.modes.push_back(m);
-    } else {
-      ESS_CHECK(!modes_given, "plan: --engine {}: overlap mode {} is not served inside {} (it runs {}); leave it out "
-                "of --modes", engine, m, name, fmt::join(served, ", "));
-    }
-  }
-  if (!modes_given) {
-    out.notes.push_back(fmt::format("modes: {} (what ESS runs inside {})", fmt::join(out.modes, ", "), name));
-  }
   out.preattn_in_copy_window = false;
-  out.notes.push_back(vllm ? "PreAttn before the swap (vLLM's MLA layer computes q before forward_mqa swaps): DA hides "
-                             "the copy under attention over the resident entries only"
+  out.notes.push_back(vllm ? "PreAttn before the indexer (vLLM's DSA attention computes q before its indexer and "
+                             "forward_mqa's swap): DA and DBA hide the copy under attention over the resident entries "
+                             "and DBA's second indexer half only"
                            : "PreAttn before the indexer (SGLang's model computes q in forward_prepare): DA and DBA "
                              "hide the copy under attention over the resident entries and DBA's second indexer half "
                              "only");
@@ -178,11 +163,18 @@ Launch vllm_launch(const ModelSpec& model, const HardwareProfile& hw, const Depl
                      R"({{"host_pool_gib": {}}}}})",
                      host_gib));
     flag("--attention-config", fmt::format(R"({{"hisparse_config": {{"device_buffer_size": {}}}}})", buffer));
-    if (c.overlap == OverlapMode::kDualAttention) {
-      l.env.push_back("ESS_OVERLAP=da");
-      l.notes.push_back("ESS_OVERLAP=da: each layer's FlashMLA FP8 sparse decode runs over its resident entries while "
+    if (c.overlap != OverlapMode::kNone) {
+      l.env.push_back(fmt::format("ESS_OVERLAP={}", to_string(c.overlap)));
+      if (c.overlap == OverlapMode::kLayerWise) l.env.push_back(fmt::format("ESS_OVERLAP_LAYERS={}", c.layer_modes));
+      l.notes.push_back("ESS_OVERLAP: each DA layer's FlashMLA FP8 sparse decode runs over its resident entries while "
                         "its misses are copied, then over the copied ones (vLLM's FlashMLA sparse backend, which "
                         "--kv-cache-dtype fp8_ds_mla selects for DeepSeek-V3.2 on Hopper)");
+      if (c.overlap == OverlapMode::kDualBatchAttention || c.overlap == OverlapMode::kLayerWise) {
+        l.notes.push_back("a DBA layer's indexer runs per half of the batch, the first half's misses copied beside the "
+                          "second half's indexer, where the batch is pure decode with one token count per request "
+                          "and no CUDA-graph padding (vLLM's indexer takes a padded path otherwise); other steps run "
+                          "the layer as DA, which the plan does not model");
+      }
     }
     l.notes.push_back(fmt::format(
         "--gpu-memory-utilization {}: the plan's {} less about 1 GiB of ESS's engine state (its LRU state, step "

@@ -63,8 +63,8 @@ class DelayedCopy(flashmla_standin.DelayedCopy):
 class VllmDecodeReplay(Replay):
     """The replay whose DA layers decode through vLLM's own FlashMLASparseImpl methods (wrapped by ESS)."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, overlap="da", **kwargs)
+    def __init__(self, *args, overlap="da", **kwargs):
+        super().__init__(*args, overlap=overlap, **kwargs)
         fp8_entries(self.world, 5)
         self.delayed = DelayedCopy(self.decode.overlap, self.attention)
         self.calls, self.kinds, self.rng = [], set(), torch.Generator().manual_seed(6)
@@ -136,8 +136,12 @@ def wrapped(monkeypatch):
 
 
 @pytest.mark.parametrize("T", [1, 3])
-def test_da_inside_vllms_flashmla_decode_is_lossless_and_merges_to_the_single_pass(wrapped, T):
-    r = VllmDecodeReplay(T, BLOCK - T, seed=81 + T, hot_regions=1)
+@pytest.mark.parametrize("overlap", ["da", "dba"])
+def test_da_inside_vllms_flashmla_decode_is_lossless_and_merges_to_the_single_pass(wrapped, T, overlap):
+    """DBA: the replay's indexer swaps each split batch's first half first (test_vllm_replay.py Replay.first_half);
+    the swap then returns both halves' resident rows and leaves both halves' fetched ones, the copy's event after
+    the second half's copy."""
+    r = VllmDecodeReplay(T, BLOCK - T, seed=81 + T, hot_regions=1, overlap=overlap)
     wrapped["replay"] = r
     w = r.world
     batch, states = three_requests(r)
@@ -149,6 +153,7 @@ def test_da_inside_vllms_flashmla_decode_is_lossless_and_merges_to_the_single_pa
     # empty resident part is the merge test's case below.)
     assert {"mixed", "all resident"} <= r.kinds and r.fetched_checked > 50, (r.kinds, r.fetched_checked)
     assert min(r.rows_checked.values()) > 5, r.rows_checked
+    assert overlap == "da" or r.dba_splits > 0
 
 
 def test_attention_before_the_copys_event_fails(wrapped, monkeypatch):

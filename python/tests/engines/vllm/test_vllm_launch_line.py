@@ -15,6 +15,7 @@ CASES = [
     dict(hardware="h200", contexts=[131072], min_otps=10),                                       # the paper's 4 x 8
     dict(hardware="paper-table1", contexts=[32768], min_otps=15, mtp=1),
     dict(hardware="h200", contexts=[4096], min_otps=15, nodes=1, gpus_per_node=8, ep=8),        # all-on-GPU wins
+    dict(hardware="h200", contexts=[131072], min_otps=10, modes=["layerwise"]),                  # per layer
 ]
 HBM_GB = {"h200": 150.75, "paper-table1": 150.75}   # configs/hardware/*.json hbm_capacity_gb
 PLACEHOLDERS = {"<start>": "0", "<host>": "127.0.0.1", "<port>": "5000", "<rank>": "0"}
@@ -35,7 +36,7 @@ def engine_args(argv, model_dir):
     return EngineArgs.from_cli_args(parser.parse_args(["--model", str(model_dir), "--skip-tokenizer-init", *flags]))
 
 
-@pytest.mark.parametrize("case", CASES, ids=["8xH200", "4x8-128K", "no-MTP", "all-on-GPU"])
+@pytest.mark.parametrize("case", CASES, ids=["8xH200", "4x8-128K", "no-MTP", "all-on-GPU", "layerwise"])
 def test_the_launch_line_is_vllms(case, model_dir):
     plan = ess.plan(engine="vllm", **case)
     assert plan["engine"] == "vllm" and not plan["deployment"]["two_batch_overlap"]
@@ -43,15 +44,24 @@ def test_the_launch_line_is_vllms(case, model_dir):
     for p in plan["plans"]:
         assert p["found"], p
         chosen, launch = p["chosen"], p["launch"]
-        assert chosen["overlap"] in ("none", "da") and not chosen["two_batch_overlap"] and "low_load" not in p
-        # The environment the line sets is what the connector reads (vllm_connector.py overlap_schedules).
-        assert launch["env"] == (["ESS_OVERLAP=da"] if chosen["overlap"] == "da" else [])
-        if chosen["overlap"] == "da":
+        mode = chosen["overlap"]
+        assert not chosen["two_batch_overlap"] and "low_load" not in p
+        # The environment the line sets is what the connector reads (vllm_connector.py overlap_schedules): the
+        # plan's schedule of each of the model's 61 layers.
+        env_set = dict(e.split("=", 1) for e in launch["env"])
+        assert env_set.get("ESS_OVERLAP", "none") == mode
+        if mode != "none":
             from ess.integrations.vllm_connector import overlap_schedules
             names = [f"model.layers.{i}.self_attn.attn" for i in range(61)]
+            if mode == "layerwise":
+                codes = {"a": "da", "b": "dba", "-": "none"}
+                expected = [codes[group[0]] for group in chosen["layer_modes"].split()[:61]]
+            else:
+                expected = [mode] * 61
             with pytest.MonkeyPatch.context() as env:
-                env.setenv("ESS_OVERLAP", launch["env"][0].split("=", 1)[1])
-                assert overlap_schedules(names) == ["da"] * 61
+                for name, value in env_set.items():
+                    env.setenv(name, value)
+                assert overlap_schedules(names) == expected
         args = engine_args(launch["argv"], model_dir)
         dp = dep["attention_data_parallel"]
         assert args.data_parallel_size == dp and args.tensor_parallel_size * dp == dep["nodes"] * dep["gpus_per_node"]

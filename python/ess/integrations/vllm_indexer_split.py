@@ -1,0 +1,213 @@
+"""The DBA overlap's indexer split in vLLM 0.33.0: the indexer of a DBA layer runs per half of the decode batch, and
+the first half's misses are copied while the second half's indexer runs; attention then runs as under DA
+(vllm_overlap.py), the layer's swap taking only the second half.
+
+The indexer is vLLM's sparse_attn_indexer (model_executor/layers/sparse_attn_indexer.py), which the DSA attention of
+vLLM's CUDA model for DeepSeek-V3.2 and GLM-5 (vllm/models/deepseek_v32/attention.py, DeepseekV32Attention
+._sparse_indexer_and_attn: eager at every step, a break of vLLM's breakable CUDA graphs) calls by its module's name
+for it, before the layer's attention. ESS wraps that name (patch); the wrapper passes every call that is not a split
+through to vLLM's own function unchanged. A split, per DBA layer (its model layer index, vLLM's extract_layer_index
+of the call's k-cache layer name, served by a DecodeOverlap), all of it vLLM's own code but for the marked steps:
+
+  sparse_attn_indexer      vLLM's own, over the whole batch's tensors with the indexer metadata narrowed to the
+                           first ceil(R / 2) decode requests (half_metadata): the index keys of every token inserted
+                           and the top-k buffer cleared as the call asks (the fused path did both already), then the
+                           first half's paged MQA logits and top-k
+  swap_first_half          [ESS] the first half's swap (HiSparseRuntime.swap_first_half, with the forward's
+                           attention metadata of the layer): decision on the current stream, copy on the copy stream
+  sparse_attn_indexer      vLLM's own again, over the second half's rows (q, weights, the top-k buffer from the
+                           first half's last token on) and metadata, the key insert and the buffer clear skipped
+                           (skip_k_cache_insert, skip_topk_buffer_clear: the first call did both)
+
+Row for row, the top-k buffer holds what one call writes (each row's logits and top-k read only its own request's
+keys and lengths). The split applies to a pure decode batch of at least two requests with the same token count
+each (the indexer metadata's decode_is_uniform and no padded path), without decode context parallelism, varlen indices or DeepSeek-V4.1's candidate blocks; any other call
+runs the layer as DA. The halves' paged-MQA schedule is computed per half, as vLLM's metadata builder computes the
+whole's (vllm.utils.deep_gemm.get_paged_mqa_logits_metadata over the half's lengths, where DeepGEMM runs)."""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import threading
+from typing import List, Optional
+
+import torch
+
+DSA_ATTENTION = "vllm.models.deepseek_v32.attention"
+
+_SERVED: List = []         # the DecodeOverlaps with DBA layers (a vLLM worker process has one)
+_LOCK = threading.Lock()
+_SCHEDULE_SHAPE = {}       # the k-cache layer name -> (paged MQA block size, SM count), once per layer
+
+
+def serve(overlap) -> None:
+    """A DecodeOverlap whose DBA layers' indexers (DecodeOverlap.serve_indexer) the split serves."""
+    with _LOCK:
+        if overlap not in _SERVED:
+            _SERVED.append(overlap)
+
+
+def unserve(overlap) -> None:
+    with _LOCK:
+        if overlap in _SERVED:
+            _SERVED.remove(overlap)
+
+
+def _target(model_layer: int):
+    for overlap in _SERVED:
+        found = overlap.indexers.get(model_layer)
+        if found is not None:
+            return (overlap,) + found
+    return None
+
+
+class Halves:
+    """The layout of a decode batch the split applies to: R requests of n tokens each, the indexer's decode rows
+    (one per request, or one per token under vLLM's flattened decode) `per_request` to a request; the first half
+    its first r0 = ceil(R / 2) requests, t0 = r0 x n tokens."""
+
+    def __init__(self, R: int, n: int, per_request: int):
+        self.R, self.n, self.per_request = R, n, per_request
+        self.r0 = (R + 1) // 2
+        self.t0 = self.r0 * n
+
+    @staticmethod
+    def of(metadata, candidate_blocks=None, dcp_world_size: int = 1, use_pcp: bool = False) -> Optional["Halves"]:
+        """The halves of the batch `metadata` (vLLM's DeepseekV32IndexerMetadata) describes, or None where the split
+        does not apply."""
+        decode = getattr(metadata, "decode", None)
+        if decode is None or metadata.num_prefills or candidate_blocks is not None or dcp_world_size != 1 or use_pcp:
+            return None
+        R, N = int(metadata.num_decodes), int(metadata.num_decode_tokens)
+        if R < 2 or N % R or decode.requires_padding or not decode.decode_is_uniform:
+            return None
+        if decode.global_seq_lens is not None or decode.indices is not None:
+            return None
+        rows = int(decode.decode_lens.shape[0])
+        if rows % R or N % rows:
+            return None
+        return Halves(R, N // R, rows // R)
+
+
+def _rows(t, first, last):
+    return None if t is None else t[first:last]
+
+
+def half_metadata(metadata, halves: Halves, second: bool, schedule=None):
+    """vLLM's indexer metadata narrowed to one half of the decode batch (a copy: vLLM's dataclasses, replaced): its
+    decode rows' block table, lengths, decode lengths and per-request lengths, the token and request counts, and the
+    half's paged-MQA schedule (schedule; None: the whole's, where DeepGEMM does not run). The first half keeps the
+    whole's slot mapping (its call inserts every token's index key)."""
+    decode = metadata.decode
+    r0, R, q = halves.r0, halves.R, halves.per_request
+    first, last = (r0 * q, R * q) if second else (0, r0 * q)
+    requests = (r0, R) if second else (0, r0)
+    narrowed = dataclasses.replace(
+        decode, block_table=decode.block_table[first:last], seq_lens=decode.seq_lens[first:last],
+        decode_lens=decode.decode_lens[first:last],
+        per_req_decode_lens=_rows(decode.per_req_decode_lens, *requests),
+        schedule_metadata=decode.schedule_metadata if schedule is None else schedule)
+    tokens = (halves.R - halves.r0) * halves.n if second else halves.t0
+    slot_mapping = metadata.slot_mapping[halves.t0:] if second else metadata.slot_mapping
+    return dataclasses.replace(metadata, num_decodes=requests[1] - requests[0], num_decode_tokens=tokens,
+                               slot_mapping=slot_mapping, decode=narrowed)
+
+
+def _half_schedule(context, prefix: str, seq_lens: torch.Tensor):
+    """The half's paged-MQA schedule, as DeepseekV32IndexerMetadataBuilder.build computes the whole's (its indexer
+    cache's kernel states per block, the device's SMs), where vLLM computes one (CUDA with DeepGEMM); else None."""
+    from vllm.platforms import current_platform
+    deep_gemm = importlib.import_module("vllm.utils.deep_gemm")
+    if not (current_platform.is_cuda() and deep_gemm.has_deep_gemm()):
+        return None
+    shape = _SCHEDULE_SHAPE.get(prefix)
+    if shape is None:
+        from vllm.config import get_current_vllm_config_or_none
+        from vllm.utils.platform_utils import num_compute_units
+        layer = context.no_compile_layers[prefix]   # the indexer's k-cache layer (its spec ignores the config)
+        spec = layer.get_kv_cache_spec(get_current_vllm_config_or_none())
+        shape = _SCHEDULE_SHAPE[prefix] = (spec.num_states, num_compute_units(seq_lens.device.index or 0))
+    return deep_gemm.get_paged_mqa_logits_metadata(seq_lens, shape[0], shape[1])
+
+
+def _wrap(original):
+    signature = inspect.signature(original)
+
+    def sparse_attn_indexer(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        split = _split_of(a)
+        if split is None:
+            return original(*args, **kwargs)
+        context, metadata, attention, halves, runtime, prefix = split
+        whole = context.attn_metadata
+        buffer = a["topk_indices_buffer"]
+        t0 = halves.t0
+        try:
+            # The first half, every token's index key inserted and the whole top-k buffer cleared as one call does.
+            whole[prefix] = half_metadata(metadata, halves, False, _half_schedule(
+                context, prefix, metadata.decode.seq_lens[:halves.r0 * halves.per_request]))
+            original(**a)
+            runtime.swap_first_half(resident=runtime.handle, req_id_per_token=attention.req_id_per_token,
+                                    logical_topk_indices=buffer[:t0, :a["topk_tokens"]],
+                                    block_size=attention.block_size, num_valid_rows=attention.query_start_loc[-1:],
+                                    requests=halves.r0)
+            # The second half over its own rows.
+            whole[prefix] = half_metadata(metadata, halves, True, _half_schedule(
+                context, prefix, metadata.decode.seq_lens[halves.r0 * halves.per_request:]))
+            second = dict(a, hidden_states=a["hidden_states"][t0:], q_quant=a["q_quant"][t0:],
+                          q_scale=_rows(a["q_scale"], t0, None), weights=a["weights"][t0:],
+                          topk_indices_buffer=buffer[t0:], skip_k_cache_insert=True, skip_topk_buffer_clear=True)
+            original(**second)
+        finally:
+            whole[prefix] = metadata
+        return buffer
+    sparse_attn_indexer.ess_original = original
+    return sparse_attn_indexer
+
+
+def _split_of(a):
+    """(forward context, the layer's indexer metadata, its attention metadata, Halves, ESS runtime, k-cache layer
+    name) of a call the split serves, else None."""
+    if not _SERVED:
+        return None
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+    from vllm.model_executor.models.utils import extract_layer_index
+    from vllm.utils.torch_utils import _resolve_layer_name
+    if not is_forward_context_available():
+        return None
+    context = get_forward_context()
+    whole = context.attn_metadata
+    if not isinstance(whole, dict):
+        return None
+    prefix = _resolve_layer_name(a["k_cache_prefix"])
+    try:
+        target = _target(extract_layer_index(prefix))
+    except (AssertionError, ValueError):
+        return None
+    if target is None:
+        return None
+    _, runtime, attention_name = target
+    metadata, attention = whole.get(prefix), whole.get(attention_name)
+    if metadata is None or attention is None:
+        return None
+    halves = Halves.of(metadata, a["candidate_blocks"], a["dcp_world_size"], a["use_pcp"])
+    if halves is None or halves.t0 > a["q_quant"].shape[0]:
+        return None
+    return context, metadata, attention, halves, runtime, prefix
+
+
+def patch(module=None) -> None:
+    """The DSA attention module's sparse_attn_indexer wrapped, once (the wrapper carries vLLM's as ess_original)."""
+    module = module or importlib.import_module(DSA_ATTENTION)
+    if getattr(module.sparse_attn_indexer, "ess_original", None) is None:
+        module.sparse_attn_indexer = _wrap(module.sparse_attn_indexer)
+
+
+def unpatch(module=None) -> None:
+    module = module or importlib.import_module(DSA_ATTENTION)
+    original = getattr(module.sparse_attn_indexer, "ess_original", None)
+    if original is not None:
+        module.sparse_attn_indexer = original
