@@ -596,13 +596,13 @@ class Replay:
         of one token count (vLLM's indexer metadata, Halves.of), the first ceil(R / 2) rows' top-k swapped from the
         indexer (HiSparseRuntime.swap_first_half, with the layer's attention metadata), before the layer's decode."""
         decode_lens = attn.query_start_loc[1:attn.num_decodes + 1] - attn.query_start_loc[:attn.num_decodes]
+        uniform = bool((decode_lens == decode_lens[0]).all())   # (indexer.py build: native rows, padded if not)
         metadata = types.SimpleNamespace(
             num_prefills=attn.num_reqs - attn.num_decodes, num_decodes=attn.num_decodes,
             num_decode_tokens=attn.num_decode_tokens,
-            decode=types.SimpleNamespace(requires_padding=False, decode_lens=decode_lens, global_seq_lens=None,
-                                         indices=None,
-                                         decode_is_uniform=bool((decode_lens == decode_lens[0]).all())))
-        halves = vllm_indexer_split.Halves.of(metadata)
+            decode=types.SimpleNamespace(requires_padding=not uniform, decode_lens=decode_lens, global_seq_lens=None,
+                                         indices=None, decode_is_uniform=uniform))
+        halves = vllm_indexer_split.Halves.of(metadata, real=self.decode.uniform_rows)
         if halves is None:
             self.dba_as_da += 1
             return
@@ -1233,7 +1233,7 @@ def test_the_dba_overlap_swaps_the_first_half_from_the_indexer(T):
     ceil(R / 2) rows swapped from the indexer (swap_first_half) and the rest by the layer's swap, on a step bound to
     the rows after them; the swap returns both halves' resident rows and leaves both halves' fetched ones, every row
     checked against the model as under DA. A batch the split does not apply to (a prefill beside, a batch of one, rows
-    of different token counts, a FULL graph's padded rows) runs the layer as DA."""
+    of different token counts) runs the layer as DA; a FULL graph's padded batch is split by its real rows."""
     r = Replay(T, BLOCK - T, seed=75 + T, hot_regions=1, overlap="dba", blocks_from_output=True)
     w = r.world
     batch, states = three_requests(r)
@@ -1241,8 +1241,8 @@ def test_the_dba_overlap_swaps_the_first_half_from_the_indexer(T):
         if step in (2, 6):
             w.go_hot({2: "b", 6: "a"}[step])
         batch, states, _ = shuffled_decode_step(r, batch, states, step)
-    # Split: the uniform steps without FULL-graph padding (T = 3: every other step has fewer drafts on some rows).
-    assert r.dba_splits >= 4 * LAYERS and r.dba_as_da > 0, (r.dba_splits, r.dba_as_da)
+    # Split: the uniform steps, FULL-graph padding or not (T = 3: every other step has fewer drafts on some rows).
+    assert r.dba_splits >= (12 if T == 1 else 6) * LAYERS and r.dba_as_da > 0, (r.dba_splits, r.dba_as_da)
     assert r.decode.overlap.first_half is None
     assert r.fetched_checked > 30 and min(r.rows_checked.values()) > 10, (r.fetched_checked, r.rows_checked)
 

@@ -20,9 +20,11 @@ of the call's k-cache layer name, served by a DecodeOverlap), all of it vLLM's o
                            (skip_k_cache_insert, skip_topk_buffer_clear: the first call did both)
 
 Row for row, the top-k buffer holds what one call writes (each row's logits and top-k read only its own request's
-keys and lengths). The split applies to a pure decode batch of at least two requests with the same token count
-each (the indexer metadata's decode_is_uniform and no padded path), without decode context parallelism, varlen indices or DeepSeek-V4.1's candidate blocks; any other call
-runs the layer as DA. The halves' paged-MQA schedule is computed per half, as vLLM's metadata builder computes the
+keys and lengths). The split applies to a pure decode batch of at least two requests with the same token count each:
+by the indexer metadata (decode_is_uniform, no padded path), or, for a batch vLLM pads to a CUDA graph's size (its
+padded requests of no tokens), by the step's real decode rows as ESS's start_step knows them (EssDecode.uniform_rows:
+the first half all real, the second with the padded requests, through vLLM's padded path); not with decode context
+parallelism, varlen indices (SM100) or DeepSeek-V4.1's candidate blocks. Any other call runs the layer as DA. The halves' paged-MQA schedule is computed per half, as vLLM's metadata builder computes the
 whole's (vllm.utils.deep_gemm.get_paged_mqa_logits_metadata over the half's lengths, where DeepGEMM runs)."""
 from __future__ import annotations
 
@@ -63,31 +65,45 @@ def _target(model_layer: int):
 
 
 class Halves:
-    """The layout of a decode batch the split applies to: R requests of n tokens each, the indexer's decode rows
-    (one per request, or one per token under vLLM's flattened decode) `per_request` to a request; the first half
-    its first r0 = ceil(R / 2) requests, t0 = r0 x n tokens."""
+    """The halves of a decode batch the split applies to: its first r0 requests (t0 tokens, the indexer's first k0
+    decode rows: one per request, or one per token under vLLM's flattened decode) and the rest, up to the
+    metadata's R requests and N tokens (a CUDA graph's padded requests, of no tokens, among them)."""
 
-    def __init__(self, R: int, n: int, per_request: int):
-        self.R, self.n, self.per_request = R, n, per_request
-        self.r0 = (R + 1) // 2
-        self.t0 = self.r0 * n
+    def __init__(self, R: int, N: int, r0: int, t0: int, k0: int):
+        self.R, self.N, self.r0, self.t0, self.k0 = R, N, r0, t0, k0
 
     @staticmethod
-    def of(metadata, candidate_blocks=None, dcp_world_size: int = 1, use_pcp: bool = False) -> Optional["Halves"]:
+    def of(metadata, candidate_blocks=None, dcp_world_size: int = 1, use_pcp: bool = False,
+           real=None) -> Optional["Halves"]:
         """The halves of the batch `metadata` (vLLM's DeepseekV32IndexerMetadata) describes, or None where the split
-        does not apply."""
+        does not apply. A batch whose requests all have n tokens is halved by the metadata alone: R requests, the
+        first ceil(R / 2). A batch vLLM pads (a CUDA graph's size, its padded requests of no tokens) is halved by its
+        real requests, `real` = (rows, n) when every one of the step's decode rows has n tokens
+        (EssDecode.uniform_rows): the first ceil(rows / 2), all real, the rest with the padded requests."""
         decode = getattr(metadata, "decode", None)
         if decode is None or metadata.num_prefills or candidate_blocks is not None or dcp_world_size != 1 or use_pcp:
             return None
-        R, N = int(metadata.num_decodes), int(metadata.num_decode_tokens)
-        if R < 2 or N % R or decode.requires_padding or not decode.decode_is_uniform:
-            return None
         if decode.global_seq_lens is not None or decode.indices is not None:
             return None
+        R, N = int(metadata.num_decodes), int(metadata.num_decode_tokens)
         rows = int(decode.decode_lens.shape[0])
-        if rows % R or N % rows:
+        if R < 2:
             return None
-        return Halves(R, N // R, rows // R)
+        if not decode.requires_padding and decode.decode_is_uniform and N % R == 0 and rows % R == 0 and \
+                N % rows == 0:
+            r0 = (R + 1) // 2
+            return Halves(R, N, r0, r0 * (N // R), r0 * (rows // R))
+        if real is None:
+            return None
+        served, n = real
+        if not 2 <= served <= R or n < 1 or served * n > N:
+            return None
+        r0 = (served + 1) // 2
+        if rows == R:   # one indexer row per request: the padded path
+            return Halves(R, N, r0, r0 * n, r0)
+        if rows == N and not decode.requires_padding:   # flattened: one row per token
+            return Halves(R, N, r0, r0 * n, r0 * n)
+        return None
 
 
 def _rows(t, first, last):
@@ -97,18 +113,18 @@ def _rows(t, first, last):
 def half_metadata(metadata, halves: Halves, second: bool, schedule=None):
     """vLLM's indexer metadata narrowed to one half of the decode batch (a copy: vLLM's dataclasses, replaced): its
     decode rows' block table, lengths, decode lengths and per-request lengths, the token and request counts, and the
-    half's paged-MQA schedule (schedule; None: the whole's, where DeepGEMM does not run). The first half keeps the
+    half's paged-MQA schedule (schedule; None: the whole's, where DeepGEMM does not run). The first half, of real
+    requests of one token count, needs no padding; the second keeps the whole's padding. The first half keeps the
     whole's slot mapping (its call inserts every token's index key)."""
     decode = metadata.decode
-    r0, R, q = halves.r0, halves.R, halves.per_request
-    first, last = (r0 * q, R * q) if second else (0, r0 * q)
-    requests = (r0, R) if second else (0, r0)
+    rows = slice(halves.k0, None) if second else slice(0, halves.k0)
+    requests = (halves.r0, halves.R) if second else (0, halves.r0)
+    padding = {} if second else dict(requires_padding=False, decode_is_uniform=True)
     narrowed = dataclasses.replace(
-        decode, block_table=decode.block_table[first:last], seq_lens=decode.seq_lens[first:last],
-        decode_lens=decode.decode_lens[first:last],
-        per_req_decode_lens=_rows(decode.per_req_decode_lens, *requests),
-        schedule_metadata=decode.schedule_metadata if schedule is None else schedule)
-    tokens = (halves.R - halves.r0) * halves.n if second else halves.t0
+        decode, block_table=decode.block_table[rows], seq_lens=decode.seq_lens[rows],
+        decode_lens=decode.decode_lens[rows], per_req_decode_lens=_rows(decode.per_req_decode_lens, *requests),
+        schedule_metadata=decode.schedule_metadata if schedule is None else schedule, **padding)
+    tokens = halves.N - halves.t0 if second else halves.t0
     slot_mapping = metadata.slot_mapping[halves.t0:] if second else metadata.slot_mapping
     return dataclasses.replace(metadata, num_decodes=requests[1] - requests[0], num_decode_tokens=tokens,
                                slot_mapping=slot_mapping, decode=narrowed)
@@ -148,7 +164,7 @@ def _wrap(original):
         try:
             # The first half, every token's index key inserted and the whole top-k buffer cleared as one call does.
             whole[prefix] = half_metadata(metadata, halves, False, _half_schedule(
-                context, prefix, metadata.decode.seq_lens[:halves.r0 * halves.per_request]))
+                context, prefix, metadata.decode.seq_lens[:halves.k0]))
             original(**a)
             runtime.swap_first_half(resident=runtime.handle, req_id_per_token=attention.req_id_per_token,
                                     logical_topk_indices=buffer[:t0, :a["topk_tokens"]],
@@ -156,7 +172,7 @@ def _wrap(original):
                                     requests=halves.r0)
             # The second half over its own rows.
             whole[prefix] = half_metadata(metadata, halves, True, _half_schedule(
-                context, prefix, metadata.decode.seq_lens[halves.r0 * halves.per_request:]))
+                context, prefix, metadata.decode.seq_lens[halves.k0:]))
             second = dict(a, hidden_states=a["hidden_states"][t0:], q_quant=a["q_quant"][t0:],
                           q_scale=_rows(a["q_scale"], t0, None), weights=a["weights"][t0:],
                           topk_indices_buffer=buffer[t0:], skip_k_cache_insert=True, skip_topk_buffer_clear=True)
@@ -193,7 +209,8 @@ def _split_of(a):
     metadata, attention = whole.get(prefix), whole.get(attention_name)
     if metadata is None or attention is None:
         return None
-    halves = Halves.of(metadata, a["candidate_blocks"], a["dcp_world_size"], a["use_pcp"])
+    halves = Halves.of(metadata, a["candidate_blocks"], a["dcp_world_size"], a["use_pcp"],
+                       runtime.decode.uniform_rows)
     if halves is None or halves.t0 > a["q_quant"].shape[0]:
         return None
     return context, metadata, attention, halves, runtime, prefix

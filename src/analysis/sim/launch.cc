@@ -172,8 +172,8 @@ Launch vllm_launch(const ModelSpec& model, const HardwareProfile& hw, const Depl
       if (c.overlap == OverlapMode::kDualBatchAttention || c.overlap == OverlapMode::kLayerWise) {
         l.notes.push_back("a DBA layer's indexer runs per half of the batch, the first half's misses copied beside the "
                           "second half's indexer, where the batch is pure decode with one token count per request "
-                          "and no CUDA-graph padding (vLLM's indexer takes a padded path otherwise); other steps run "
-                          "the layer as DA, which the plan does not model");
+                          "(not under adaptive verification); other steps run the layer as DA, which the plan does "
+                          "not model");
       }
     }
     l.notes.push_back(fmt::format(

@@ -68,6 +68,22 @@ class Kernels:
             topk_indices[r] = -1
             topk_indices[r, :n] = order.to(topk_indices.dtype)
 
+    @staticmethod
+    def pack(x, lengths, pad_value=float("-inf")):
+        """vLLM's pack_seq_triton (v1/attention/ops/common.py): [N, ...] rows of B sequences -> [B, Lmax, ...]."""
+        lengths = lengths.tolist()
+        out = torch.full((len(lengths), max(lengths)) + tuple(x.shape[1:]), pad_value, dtype=x.dtype)
+        start = 0
+        for b, n in enumerate(lengths):
+            out[b, :n] = x[start:start + n]
+            start += n
+        return out
+
+    @staticmethod
+    def unpack(packed, lengths):
+        """vLLM's unpack_seq_triton: [B, Lmax, ...] -> [sum(lengths), ...]."""
+        return torch.cat([packed[b, :n] for b, n in enumerate(lengths.tolist())])
+
     def insert(self, k, kv_cache, slot_mapping, quant_block_size, scale_fmt):
         self.log.append(("insert", slot_mapping.clone()))
         for i, slot in enumerate(slot_mapping.tolist()):
@@ -84,6 +100,8 @@ def kernels(monkeypatch):
     monkeypatch.setattr(ind, "fp8_fp4_paged_mqa_logits", k.logits)
     monkeypatch.setattr(ind, "get_indexer_topk", lambda backend: k.topk)
     monkeypatch.setattr(ind, "ops", types.SimpleNamespace(indexer_k_quant_and_cache=k.insert))
+    monkeypatch.setattr(ind, "pack_seq_triton", Kernels.pack)
+    monkeypatch.setattr(ind, "unpack_seq_triton", Kernels.unpack)
     # The halves' schedule is computed where vLLM's builder computes the whole's: CUDA with DeepGEMM.
     monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
     monkeypatch.setattr(deep_gemm, "has_deep_gemm", lambda: True)
@@ -109,50 +127,61 @@ def indexer_cache():
 class Batch:
     """A pure decode batch of R requests of n tokens each, as vLLM's indexer metadata builder gives it: native (one
     indexer row per request, seq_lens [R, n]: L - n + j + 1) or flattened (one row per token, seq_lens [R x n, 1]);
-    every request's context keys in the index cache, its new tokens' keys to insert."""
+    every request's context keys in the index cache, its new tokens' keys to insert. pad: a FULL CUDA graph's padded
+    requests after them, of no tokens (the forward's token count padded too): native, vLLM's padded path
+    (requires_padding, not uniform); flattened, their tokens' rows of length 0."""
 
-    def __init__(self, R, n, seed, flattened=False, uniform=True, padded=False, prefills=0):
+    def __init__(self, R, n, seed, flattened=False, uniform=True, padded=False, prefills=0, pad=0):
         g = torch.Generator().manual_seed(seed)
-        self.R, self.n = R, n
+        self.R, self.n, self.pad = R, n, pad
+        total = R + pad
+        self.tokens = total * n
         lens = torch.randint(n + K // 2, MAX_LEN, (R,), generator=g)
         blocks = torch.randperm(BLOCKS, generator=g)[:R * (MAX_LEN // BLOCK)].view(R, -1).to(torch.int32)
         self.kv = torch.randn((BLOCKS, BLOCK, D), generator=g)
-        self.q = torch.randn((R * n, H, D), generator=g)
-        self.k = torch.randn((R * n, D), generator=g)
-        self.weights = torch.rand((R * n, H), generator=g)
+        self.q = torch.randn((self.tokens, H, D), generator=g)
+        self.k = torch.randn((self.tokens, D), generator=g)
+        self.weights = torch.rand((self.tokens, H), generator=g)
         per_token = lens.repeat_interleave(n) - n + torch.arange(n).repeat(R) + 1
         slots = torch.stack([blocks[b, (p - 1) // BLOCK] * BLOCK + (p - 1) % BLOCK
                              for b, p in zip(torch.arange(R).repeat_interleave(n), per_token)]).to(torch.int64)
+        slots = torch.cat([slots, torch.full((pad * n,), -1, dtype=torch.int64)])
+        table = torch.cat([blocks, torch.zeros((pad, blocks.shape[1]), dtype=torch.int32)])
         if flattened:
-            seq_lens, table, decode_lens = per_token.view(-1, 1), blocks.repeat_interleave(n, 0), torch.ones(R * n)
+            seq_lens = torch.cat([per_token, torch.zeros(pad * n, dtype=per_token.dtype)]).view(-1, 1)
+            table, decode_lens = table.repeat_interleave(n, 0), torch.ones(self.tokens)
         else:
-            seq_lens, table, decode_lens = per_token.view(R, n), blocks, torch.full((R,), n)
+            seq_lens = torch.cat([per_token.view(R, n), torch.zeros((pad, n), dtype=per_token.dtype)])
+            decode_lens = torch.tensor([n] * R + [0] * pad)
+            padded = padded or pad > 0
+        uniform = uniform and pad == 0
         decode = DeepSeekV32IndexerDecodeMetadata(
             block_table=table, seq_lens=seq_lens.to(torch.int32), decode_lens=decode_lens.to(torch.int32),
             requires_padding=padded, schedule_metadata=Kernels.schedule(seq_lens.to(torch.int32), BLOCK, 132),
-            per_req_decode_lens=torch.full((R,), n, dtype=torch.int32), decode_is_uniform=uniform,
-            write_max_decode_len=n)
+            per_req_decode_lens=decode_lens.to(torch.int32)[:total] if not flattened else
+            torch.tensor([n] * R + [0] * pad, dtype=torch.int32), decode_is_uniform=uniform, write_max_decode_len=n)
         self.metadata = DeepseekV32IndexerMetadata(
-            seq_lens=lens.to(torch.int32), max_seq_len=int(lens.max()), slot_mapping=slots, num_decodes=R,
-            num_decode_tokens=R * n, num_prefills=prefills, num_prefill_tokens=0, decode=decode)
+            seq_lens=torch.cat([lens, torch.zeros(pad, dtype=lens.dtype)]).to(torch.int32), max_seq_len=int(lens.max()),
+            slot_mapping=slots, num_decodes=total, num_decode_tokens=self.tokens, num_prefills=prefills,
+            num_prefill_tokens=0, decode=decode)
         # The layer's attention metadata, the three fields the swap reads (index_group.py
-        # convert_logical_to_physical_topk): FlashMLASparseMetadata's.
-        self.attention = types.SimpleNamespace(req_id_per_token=torch.arange(R, dtype=torch.int32).repeat_interleave(n),
-                                               block_size=BLOCK,
-                                               query_start_loc=torch.arange(0, R * n + 1, n, dtype=torch.int32))
+        # convert_logical_to_physical_topk): FlashMLASparseMetadata's (a padded request's queries empty).
+        self.attention = types.SimpleNamespace(
+            req_id_per_token=torch.arange(R, dtype=torch.int32).repeat_interleave(n), block_size=BLOCK,
+            query_start_loc=torch.tensor([min(b, R) * n for b in range(total + 1)], dtype=torch.int32))
 
     def call(self, skip_insert, skip_clear, original=False):
         """The DSA attention's call (its arguments as _sparse_indexer_and_attn passes them); returns the top-k
         buffer, the index cache after it."""
         kv = self.kv.clone()
-        buffer = torch.full((self.R * self.n + 3, K), 7, dtype=torch.int32)   # rows past the tokens: untouched
+        buffer = torch.full((self.tokens + 3, K), 7, dtype=torch.int32)   # rows past the tokens: untouched
         if skip_clear:   # the fused norm-rope kernel cleared the step's rows
-            buffer[:self.R * self.n] = -1
+            buffer[:self.tokens] = -1
         context = ForwardContext(no_compile_layers={PREFIX: indexer_cache()},
                                  attn_metadata={PREFIX: self.metadata, ATTENTION: self.attention}, slot_mapping={})
         fn = dsa.sparse_attn_indexer.ess_original if original else dsa.sparse_attn_indexer
         with override_forward_context(context):
-            out = fn(torch.zeros((self.R * self.n, 8)), PREFIX, kv, self.q.clone(), None, self.k.clone(),
+            out = fn(torch.zeros((self.tokens, 8)), PREFIX, kv, self.q.clone(), None, self.k.clone(),
                      self.weights.clone(), 128, "ue8m0", K, D, MAX_LEN, MAX_LEN * self.R, buffer,
                      skip_k_cache_insert=skip_insert, use_pcp=False, pcp_shard_decode_requests=False,
                      dense_mha_metadata_layer_name="", dcp_rank=0, dcp_world_size=1, cp_kv_cache_interleave_size=1,
@@ -163,12 +192,14 @@ class Batch:
 
 class Swaps:
     """ESS's side: a DecodeOverlap whose layer 0 runs DBA and serves model layer 3's indexer, its runtime's
-    swap_first_half recorded (in the kernels' log, for the order)."""
+    swap_first_half recorded (in the kernels' log, for the order); real: the step's decode rows and their token
+    count as ESS's start_step knows them (EssDecode.uniform_rows)."""
 
-    def __init__(self, kernels, max_reqs=8, T=4):
+    def __init__(self, kernels, max_reqs=8, T=4, real=None):
         self.kernels, self.calls = kernels, []
         self.overlap = vllm_overlap.DecodeOverlap(_device.for_device("cpu"), ["dba"], max_reqs, T, K, "cpu")
-        self.runtime = types.SimpleNamespace(layer=0, handle=object(), swap_first_half=self.swap_first_half)
+        self.runtime = types.SimpleNamespace(layer=0, handle=object(), swap_first_half=self.swap_first_half,
+                                             decode=types.SimpleNamespace(uniform_rows=real))
         self.overlap.serve_indexer(3, self.runtime, ATTENTION)
 
     def swap_first_half(self, **kwargs):
@@ -183,13 +214,17 @@ class Swaps:
         vllm_indexer_split.unserve(self.overlap)
 
 
-@pytest.mark.parametrize("R,n,flattened", [(2, 1, False), (5, 1, False), (4, 2, False), (3, 2, True)])
+@pytest.mark.parametrize("R,n,flattened,pad", [(2, 1, False, 0), (5, 1, False, 0), (4, 2, False, 0), (3, 2, True, 0),
+                                                (3, 2, False, 2), (3, 1, False, 3), (2, 2, True, 2)])
 @pytest.mark.parametrize("skip", [True, False])
-def test_the_split_is_one_indexer_call_with_the_first_halfs_swap_between(kernels, R, n, flattened, skip):
-    batch = Batch(R, n, seed=R * 10 + n, flattened=flattened)
+def test_the_split_is_one_indexer_call_with_the_first_halfs_swap_between(kernels, R, n, flattened, pad, skip):
+    """Uniform batches are halved by vLLM's metadata; a CUDA graph's padded batch (pad > 0) by the step's real
+    decode rows as ESS's start_step knows them, its second half through vLLM's padded path (Triton's pack and unpack
+    stood in for by their documented torch equivalents)."""
+    batch = Batch(R, n, seed=R * 10 + n + pad, flattened=flattened, pad=pad)
     whole_buffer, whole_kv = batch.call(skip, skip, original=True)
     kernels.log.clear()
-    with Swaps(kernels) as swaps:
+    with Swaps(kernels, real=(R, n)) as swaps:
         buffer, kv = batch.call(skip, skip)
     assert torch.equal(buffer, whole_buffer), "the split's top-k differ from one call's"
     assert torch.equal(kv, whole_kv), "the split's index cache differs from one call's"
@@ -209,6 +244,12 @@ def test_the_split_is_one_indexer_call_with_the_first_halfs_swap_between(kernels
     assert call["resident"] is swaps.runtime.handle and call["block_size"] == BLOCK
     assert call["req_id_per_token"] is batch.attention.req_id_per_token
     assert torch.equal(call["num_valid_rows"], torch.tensor([R * n], dtype=torch.int32))
+    if pad:   # without ESS's rows, a padded batch runs as one call
+        kernels.log.clear()
+        with Swaps(kernels, real=None) as swaps:
+            buffer, _ = batch.call(skip, skip)
+        assert torch.equal(buffer, whole_buffer) and not swaps.calls
+        assert [e[0] for e in kernels.log] == ([] if skip else ["insert"]) + ["logits"]
 
 
 @pytest.mark.parametrize("case", ["one request", "rows of different lengths", "padded", "a prefill beside",
