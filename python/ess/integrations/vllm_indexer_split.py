@@ -41,6 +41,7 @@ DSA_ATTENTION = "vllm.models.deepseek_v32.attention"
 _SERVED: List = []         # the DecodeOverlaps with DBA layers (a vLLM worker process has one)
 _LOCK = threading.Lock()
 _SCHEDULE_SHAPE = {}       # the k-cache layer name -> (paged MQA block size, SM count), once per layer
+_LAYER_OF = {}             # the k-cache layer name -> the model's layer index (-1: none), once per name
 
 
 def serve(overlap) -> None:
@@ -151,10 +152,14 @@ def _wrap(original):
     signature = inspect.signature(original)
 
     def sparse_attn_indexer(*args, **kwargs):
+        # Most calls are not a DBA layer's: those pass straight through, by the layer name alone.
+        target = _target_of(args[1] if len(args) > 1 else kwargs.get("k_cache_prefix")) if _SERVED else None
+        if target is None:
+            return original(*args, **kwargs)
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         a = bound.arguments
-        split = _split_of(a)
+        split = _split_of(a, target)
         if split is None:
             return original(*args, **kwargs)
         context, metadata, attention, halves, runtime, prefix = split
@@ -184,13 +189,26 @@ def _wrap(original):
     return sparse_attn_indexer
 
 
-def _split_of(a):
+def _target_of(name):
+    """(DecodeOverlap, ESS runtime, attention layer name) of the DBA layer whose indexer's k-cache layer is `name`
+    (as the call passes it), else None."""
+    layer = _LAYER_OF.get(name) if isinstance(name, str) else None
+    if layer is None:
+        from vllm.model_executor.models.utils import extract_layer_index
+        from vllm.utils.torch_utils import _resolve_layer_name
+        try:
+            layer = extract_layer_index(_resolve_layer_name(name))
+        except (AssertionError, ValueError):
+            layer = -1
+        if isinstance(name, str):
+            _LAYER_OF[name] = layer
+    return _target(layer)
+
+
+def _split_of(a, target):
     """(forward context, the layer's indexer metadata, its attention metadata, Halves, ESS runtime, k-cache layer
     name) of a call the split serves, else None."""
-    if not _SERVED:
-        return None
     from vllm.forward_context import get_forward_context, is_forward_context_available
-    from vllm.model_executor.models.utils import extract_layer_index
     from vllm.utils.torch_utils import _resolve_layer_name
     if not is_forward_context_available():
         return None
@@ -199,12 +217,6 @@ def _split_of(a):
     if not isinstance(whole, dict):
         return None
     prefix = _resolve_layer_name(a["k_cache_prefix"])
-    try:
-        target = _target(extract_layer_index(prefix))
-    except (AssertionError, ValueError):
-        return None
-    if target is None:
-        return None
     _, runtime, attention_name = target
     metadata, attention = whole.get(prefix), whole.get(attention_name)
     if metadata is None or attention is None:
