@@ -565,6 +565,16 @@ def test_a_release_other_than_the_checked_one_is_refused_by_name(connector_modul
         assert module.HiSparseConnector(c, "worker", World()).connector_worker is not None
 
 
+def registered(module, monkeypatch, value, layers=None):
+    """The connector's worker registered with ESS_OVERLAP = value (and ESS_OVERLAP_LAYERS = layers)."""
+    monkeypatch.setenv("ESS_OVERLAP", value)
+    if layers is not None:
+        monkeypatch.setenv("ESS_OVERLAP_LAYERS", layers)
+    c = module.HiSparseConnector(config(), "worker", World())
+    c.register_kv_caches({})
+    return c
+
+
 @pytest.mark.parametrize("value,layers,schedules", [
     ("da", None, ["da", "da", "da"]),
     ("layerwise", "a - a a", ["da", "none", "da"]),   # by the model's layer index of each target layer
@@ -573,11 +583,7 @@ def test_a_release_other_than_the_checked_one_is_refused_by_name(connector_modul
 def test_the_overlap_schedule_reaches_the_decode_and_wraps_flashmla(connector_module, monkeypatch, value, layers,
                                                                     schedules):
     module, _ = connector_module
-    monkeypatch.setenv("ESS_OVERLAP", value)
-    if layers is not None:
-        monkeypatch.setenv("ESS_OVERLAP_LAYERS", layers)
-    c = module.HiSparseConnector(config(), "worker", World())
-    c.register_kv_caches({})
+    c = registered(module, monkeypatch, value, layers)
     overlap = c.connector_worker.ess.overlap
     assert (overlap.schedules if overlap is not None else None) == schedules
     wrapped = getattr(FlashMLASparseImpl._fp8_flash_mla_kernel, "ess_original", None) is not None
@@ -620,12 +626,7 @@ def test_dba_layers_have_their_indexers_split(connector_module, monkeypatch, val
     """A DBA layer's indexer is served by the model's layer index of its attention (vllm_indexer_split.py wraps the
     DSA attention's indexer name, once); shutdown stops serving it."""
     module, _ = connector_module
-    monkeypatch.setenv("ESS_OVERLAP", value)
-    if layers is not None:
-        monkeypatch.setenv("ESS_OVERLAP_LAYERS", layers)
-    c = module.HiSparseConnector(config(), "worker", World())
-    c.register_kv_caches({})
-    worker = c.connector_worker
+    worker = registered(module, monkeypatch, value, layers).connector_worker
     overlap = worker.ess.overlap
     dba = [l for l, s in enumerate(overlap.schedules) if s == "dba"]
     assert dba == ([0, 1, 2] if layers is None else [1])

@@ -726,6 +726,17 @@ def three_requests(r):
     return ["a", "b", "c"], [2, 0, 4]
 
 
+def decode_steps(r, steps, hot):
+    """three_requests, then `steps` shuffled decode steps, request hot[step] moved to a hot region before that
+    step."""
+    batch, states = three_requests(r)
+    for step in range(steps):
+        if step in hot:
+            r.world.go_hot(hot[step])
+        batch, states, _ = shuffled_decode_step(r, batch, states, step)
+    return batch, states
+
+
 def shuffled_decode_step(r, batch, states, step):
     """One decode step of every request of `batch`, condensed and reordered (the batch rows change, each request
     keeps its state index); with MTP some verify steps carry fewer drafts (a batch vLLM's uniform split cuts after its
@@ -1235,12 +1246,7 @@ def test_the_dba_overlap_swaps_the_first_half_from_the_indexer(T):
     checked against the model as under DA. A batch the split does not apply to (a prefill beside, a batch of one, rows
     of different token counts) runs the layer as DA; a FULL graph's padded batch is split by its real rows."""
     r = Replay(T, BLOCK - T, seed=75 + T, hot_regions=1, overlap="dba", blocks_from_output=True)
-    w = r.world
-    batch, states = three_requests(r)
-    for step in range(12):
-        if step in (2, 6):
-            w.go_hot({2: "b", 6: "a"}[step])
-        batch, states, _ = shuffled_decode_step(r, batch, states, step)
+    decode_steps(r, 12, {2: "b", 6: "a"})
     # Split: the uniform steps, FULL-graph padding or not (T = 3: every other step has fewer drafts on some rows).
     assert r.dba_splits >= (12 if T == 1 else 6) * LAYERS and r.dba_as_da > 0, (r.dba_splits, r.dba_as_da)
     assert r.decode.overlap.first_half is None
@@ -1279,7 +1285,7 @@ def test_a_stale_first_half_is_dropped_and_a_bad_one_refused(caplog):
     assert r.decode.overlap.first_half is None
     runtime.swap_first_half(requests=1, **args)   # a first half no decode takes: its step ends
     assert r.decode.overlap.first_half is not None
-    with caplog.at_level("WARNING", logger="ess.integrations.vllm"):
+    with caplog.at_level("WARNING", logger="ess.integrations"):
         for step in range(2):
             batch, states, _ = shuffled_decode_step(r, batch, states, step)
     assert "first half was never taken" in caplog.text

@@ -17,20 +17,35 @@
 namespace ess::sim {
 namespace {
 
-// The paper's deployment on the h200 profile, and a plan for SGLang at one context.
+// The paper's deployment on the h200 profile, and a plan for an engine at one context.
 Inputs h200() {
   Inputs in;
   in.hardware = "h200";
   return in;
 }
 
-PlanOptions sglang_options(std::int64_t context, double min_otps) {
+// One node of 8 H200 (DP attention 8, EP 8).
+Inputs h200_node() {
+  Inputs in = h200();
+  in.nodes = 1;
+  in.gpus_per_node = 8;
+  in.ep = 8;
+  return in;
+}
+
+PlanOptions engine_options(const char* engine, std::int64_t context, double min_otps) {
   PlanOptions o;
   o.contexts = {context};
   o.min_otps = min_otps;
-  o.engine = "sglang";
+  o.engine = engine;
   return o;
 }
+
+PlanOptions sglang_options(std::int64_t context, double min_otps) {
+  return engine_options("sglang", context, min_otps);
+}
+
+PlanOptions vllm_options(std::int64_t context, double min_otps) { return engine_options("vllm", context, min_otps); }
 
 TEST(sim_launch, SglangLimitsTheModesAndThePoolFloor) {
   const std::vector<std::string> all = {"none", "da", "dba", "layerwise"};
@@ -59,16 +74,7 @@ TEST(sim_launch, VllmRunsEveryModeWithoutTboAndEveryRequestSparse) {
 }
 
 TEST(sim_launch, TheVllmLaunchLineCarriesThePlansChoiceAndLeavesRoomForEsssRows) {
-  Inputs in;
-  in.hardware = "h200";
-  in.nodes = 1;
-  in.gpus_per_node = 8;
-  in.ep = 8;
-  PlanOptions o;
-  o.contexts = {32768};
-  o.min_otps = 15;
-  o.engine = "vllm";
-  const Plans p = plan_contexts(in, o);
+  const Plans p = plan_contexts(h200_node(), vllm_options(32768, 15));
   EXPECT_FALSE(p.deployment.two_batch_overlap);
   ASSERT_TRUE(p.results[0].found);
   EXPECT_FALSE(p.results[0].chosen.two_batch_overlap);
@@ -162,17 +168,9 @@ TEST(sim_launch, SglangLayerWiseLineCarriesEachLayersSchedule) {
 // vLLM runs no micro-batches: each layer's group is one code (DA, DBA or none), which the connector reads by the
 // model's layer index (vllm_connector.py overlap_schedules).
 TEST(sim_launch, VllmLayerWiseLineCarriesOneCodePerLayer) {
-  Inputs in;
-  in.hardware = "h200";
-  in.nodes = 1;
-  in.gpus_per_node = 8;
-  in.ep = 8;
-  PlanOptions o;
-  o.contexts = {131072};
-  o.min_otps = 10;
-  o.engine = "vllm";
+  PlanOptions o = vllm_options(131072, 10);
   o.modes = {"layerwise"};
-  const Plans p = plan_contexts(in, o);
+  const Plans p = plan_contexts(h200_node(), o);
   ASSERT_TRUE(p.results[0].found);
   const StepResult& c = p.results[0].chosen.best;
   ASSERT_TRUE(c.offload);

@@ -3,11 +3,14 @@ for (ESS_OVERLAP, ESS_OVERLAP_LAYERS) and the merge of two partial attention sta
 log-sum-exp (the DA overlap's Attn0 over a layer's resident rows and Attn1 over the rows its step copied in)."""
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 
 from .._errors import InvalidArgument
+
+logger = logging.getLogger("ess.integrations")
 
 MODES = ("none", "da", "dba", "layerwise")
 LAYER_CODES = {"a": "da", "b": "dba", "-": "none"}
@@ -79,6 +82,16 @@ class CopySplit:
         self.copy_stream = dev.Stream()
         self.copy_done = self.event()   # after the layer's last copy: what Attn1 waits for
         self.pending = None
+        self.first_half = None   # DBA: the first half of a batch the indexer swapped (each engine's tuple)
+
+    def drop_first_half(self) -> None:
+        """A DBA first half no decode took, dropped with a warning: only a forward that raised between a layer's
+        indexer and its decode leaves one; that forward's work is abandoned, and its swap left the engine
+        consistent."""
+        if self.first_half is not None:
+            logger.warning("ESS: layer %s's DBA first half was never taken (its forward failed); dropped",
+                           self.first_half[0])
+            self.first_half = None
 
     def event(self):
         """A copy event, recorded once: torch creates a CUDA event at its first record, and until then its handle is

@@ -41,7 +41,7 @@ from .._errors import InvalidArgument, InvalidType
 from ..engine import Engine, ForeignPages
 from . import _device
 from .topk_recorder import TopkRecorder
-from .vllm_overlap import DecodeOverlap, logger
+from .vllm_overlap import DecodeOverlap
 
 __all__ = ["VLLM_VERSION", "HotView", "latent_buffers", "host_pool_layout", "Scheduled",
            "scheduled_from_output", "source_blocks_from_output", "fresh_from_output", "EssDecode",
@@ -927,12 +927,7 @@ class HiSparseRuntime:
         if not 1 <= requests < d.max_num_reqs or n < requests:
             raise InvalidArgument(f"swap_first_half (layer {self.layer}): {requests} rows of {n} tokens; a first half "
                                   f"of 1 to {d.max_num_reqs - 1} rows, each of at least one token")
-        if overlap.first_half is not None:
-            # Only a forward that raised between an indexer's first half and the layer's decode leaves one: its work
-            # is abandoned, and its swap left the engine consistent.
-            logger.warning("ESS: layer %s's DBA first half was never taken (its forward failed); dropped",
-                           overlap.first_half[0])
-            overlap.first_half = None
+        overlap.drop_first_half()   # (the layer's swap always takes one: only a failed forward leaves one)
         self._stage_swap(resident, req_id_per_token, n, num_valid_rows, logical_topk_indices, record=False)
         overlap.step_part(d.step_binding, self.layer, requests, 0, overlap.first_copy_done)
         overlap.first_half = (self.layer, requests, n, d.steps_started)
@@ -971,8 +966,8 @@ class HiSparseRuntime:
         da = overlap is not None and overlap.runs_da(self.layer)
         if da and overlap.armed != self.layer:
             raise InvalidArgument(f"swap_in (layer {self.layer}): ESS_OVERLAP runs DA or DBA on this layer, which "
-                                  "needs vLLM's FlashMLA sparse FP8 decode (FlashMLASparseImpl._host_backed_fp8_decode, "
-                                  "kv_cache_dtype fp8_ds_mla) to read the two parts; this swap came from another "
+                                  "needs vLLM's FlashMLA sparse FP8 decode (FlashMLASparseImpl."
+                                  "_host_backed_fp8_decode, kv_cache_dtype fp8_ds_mla) to read the two parts; this swap came from another "
                                   "decode path: set ESS_OVERLAP = none")
         if da and (return_valid_counts or attention_indices_out is not None):
             raise InvalidArgument(f"swap_in (layer {self.layer}): a DA swap returns the resident rows and leaves the "

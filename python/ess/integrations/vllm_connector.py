@@ -177,10 +177,10 @@ def overlap_schedules(layer_names):
 
 
 def check_da_backend(config, hot_names):
-    """A DA or DBA layer's decode must be vLLM's FlashMLA sparse FP8 decode, which vllm_overlap.py runs in two parts: each
-    layer's attention (the static forward context's layer of the hot cache's name less ".hisparse_hot", as upstream's
-    worker finds its handle) has a FlashMLASparseImpl over an fp8_ds_mla cache (the layer's own kv_cache_dtype, which
-    kv_cache_dtype_skip_layers may set apart from the server's). Refused by name otherwise."""
+    """A DA or DBA layer's decode must be vLLM's FlashMLA sparse FP8 decode, which vllm_overlap.py runs in two parts:
+    each layer's attention (the static forward context's layer of the hot cache's name less ".hisparse_hot", as
+    upstream's worker finds its handle) has a FlashMLASparseImpl over an fp8_ds_mla cache (the layer's own
+    kv_cache_dtype, which kv_cache_dtype_skip_layers may set apart from the server's). Refused by name otherwise."""
     impl_class = vllm_overlap.flashmla_sparse_impl()
     context = config.compilation_config.static_forward_context
     for name in hot_names:

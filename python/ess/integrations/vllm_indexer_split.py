@@ -24,8 +24,9 @@ keys and lengths). The split applies to a pure decode batch of at least two requ
 by the indexer metadata (decode_is_uniform, no padded path), or, for a batch vLLM pads to a CUDA graph's size (its
 padded requests of no tokens), by the step's real decode rows as ESS's start_step knows them (EssDecode.uniform_rows:
 the first half all real, the second with the padded requests, through vLLM's padded path); not with decode context
-parallelism, varlen indices (SM100) or DeepSeek-V4.1's candidate blocks. Any other call runs the layer as DA. The halves' paged-MQA schedule is computed per half, as vLLM's metadata builder computes the
-whole's (vllm.utils.deep_gemm.get_paged_mqa_logits_metadata over the half's lengths, where DeepGEMM runs)."""
+parallelism, varlen indices (SM100) or DeepSeek-V4.1's candidate blocks. Any other call runs the layer as DA. The
+halves' paged-MQA schedule is computed per half, as vLLM's metadata builder computes the whole's
+(vllm.utils.deep_gemm.get_paged_mqa_logits_metadata over the half's lengths, where DeepGEMM runs)."""
 from __future__ import annotations
 
 import dataclasses

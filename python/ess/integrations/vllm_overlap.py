@@ -27,15 +27,12 @@ ESS_OVERLAP (none | da | dba | layerwise with ESS_OVERLAP_LAYERS, the codes a, b
 from __future__ import annotations
 
 import importlib
-import logging
 from typing import Sequence
 
 import torch
 
 from .._errors import InvalidArgument
 from ._overlap import CopySplit, merge_states
-
-logger = logging.getLogger("ess.integrations.vllm")
 
 FLASHMLA_SPARSE = "vllm.v1.attention.backends.mla.flashmla_sparse"
 SCHEDULES = ("none", "da", "dba")
@@ -94,12 +91,13 @@ class DecodeOverlap(CopySplit):
         """(batch rows, tokens) the indexer swapped already for this layer in this step (EssDecode.steps_started;
         None: none); consumed. A first half of another layer or step is one a failed forward left (the indexer's
         swap ran, the layer's decode never came): dropped, its swap having left the engine consistent."""
-        half, self.first_half = self.first_half, None
+        half = self.first_half
         if half is None:
             return None
         if half[0] != layer or half[3] != step:
-            logger.warning("ESS: layer %s's DBA first half was never taken (its forward failed); dropped", half[0])
+            self.drop_first_half()
             return None
+        self.first_half = None
         return half[1:3]
 
     def leave(self, resident: torch.Tensor, fetched: torch.Tensor) -> torch.Tensor:

@@ -659,12 +659,7 @@ class HiSparseCoordinator(Staging):
         if not 0 < b0 < B or tuple(top_k_half.shape[1:]) != expected[1:]:
             raise InvalidArgument(f"swap_first_half: top-k of shape {tuple(top_k_half.shape)} is not the first "
                                   f"positions of a batch of {list(expected)}")
-        if split.first_half is not None:
-            # Only a forward that raised between a first half and its forward_decode leaves one (forward_decode
-            # always takes it): that forward's work is abandoned, and its swap left the engine consistent.
-            logger.warning("ESS: layer %s's DBA first half was never taken (its forward failed); dropped",
-                           split.first_half[0])
-            split.first_half = None
+        split.drop_first_half()   # (forward_decode always takes one: only a failed forward leaves one)
         rows, lengths, step, first = self._batches.slot(layer, req_pool_indices)
 
         def swap():

@@ -17,7 +17,7 @@ import torch
 
 from ess.integrations import vllm_overlap
 import flashmla_standin
-from test_vllm_replay import BLOCK, CTX, LAYERS, Replay, shuffled_decode_step, three_requests
+from test_vllm_replay import BLOCK, CTX, LAYERS, Replay, decode_steps, shuffled_decode_step, three_requests
 
 flashmla_sparse = pytest.importorskip("vllm.v1.attention.backends.mla.flashmla_sparse")
 HEADS, PADDED_HEADS = 16, 64   # vLLM pads the FP8 decode's heads to 64 (FlashMLASparseImpl.fp8_decode_padded_heads)
@@ -143,12 +143,7 @@ def test_da_inside_vllms_flashmla_decode_is_lossless_and_merges_to_the_single_pa
     the second half's copy."""
     r = VllmDecodeReplay(T, BLOCK - T, seed=81 + T, hot_regions=1, overlap=overlap)
     wrapped["replay"] = r
-    w = r.world
-    batch, states = three_requests(r)
-    for step in range(8):
-        if step in (2, 5):
-            w.go_hot({2: "a", 5: "c"}[step])
-        batch, states, _ = shuffled_decode_step(r, batch, states, step)
+    decode_steps(r, 8, {2: "a", 5: "c"})
     # (A token whose every id is fetched is rare: each step's newest ids are read in place on vLLM's tail pages. Its
     # empty resident part is the merge test's case below.)
     assert {"mixed", "all resident"} <= r.kinds and r.fetched_checked > 50, (r.kinds, r.fetched_checked)
