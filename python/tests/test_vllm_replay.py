@@ -371,6 +371,7 @@ class Replay:
         many requests (a uniform decode batch only); accepted: {rid: tokens of its verify step kept}; admitted:
         adaptive verification, {rid: tokens the model runner keeps of the scheduled ones} (adaptive_admitted)."""
         T, w = self.T, self.world
+        self.full_graph = pad_reqs is not None
         if self.barrier is not None:
             self.barrier()
         for rid in tuple(finished) + tuple(preempted):
@@ -594,16 +595,22 @@ class Replay:
     def first_half(self, layer, topk, attn):
         """A DBA layer's indexer split (vllm_indexer_split.py): where the batch is pure decode of at least two rows
         of one token count (vLLM's indexer metadata, Halves.of), the first ceil(R / 2) rows' top-k swapped from the
-        indexer (HiSparseRuntime.swap_first_half, with the layer's attention metadata), before the layer's decode."""
-        decode_lens = attn.query_start_loc[1:attn.num_decodes + 1] - attn.query_start_loc[:attn.num_decodes]
+        indexer (HiSparseRuntime.swap_first_half, with the layer's attention metadata), before the layer's decode,
+        where ESS serves rows. A FULL graph replays the split its capture made: over its capture batch, R requests
+        of the graph's query length each (some of them padding now)."""
+        R = attn.num_decodes
+        if self.full_graph:
+            decode_lens = torch.full((R,), attn.num_decode_tokens // R, dtype=torch.int32)
+        else:
+            decode_lens = attn.query_start_loc[1:R + 1] - attn.query_start_loc[:R]
         uniform = bool((decode_lens == decode_lens[0]).all())   # (indexer.py build: native rows, padded if not)
         metadata = types.SimpleNamespace(
             num_prefills=attn.num_reqs - attn.num_decodes, num_decodes=attn.num_decodes,
             num_decode_tokens=attn.num_decode_tokens,
             decode=types.SimpleNamespace(requires_padding=not uniform, decode_lens=decode_lens, global_seq_lens=None,
                                          indices=None, decode_is_uniform=uniform))
-        halves = vllm_indexer_split.Halves.of(metadata, real=self.decode.uniform_rows)
-        if halves is None:
+        halves = vllm_indexer_split.Halves.of(metadata)
+        if halves is None or self.decode.batch == 0:
             self.dba_as_da += 1
             return
         self.handles[layer].runtime.swap_first_half(
@@ -1244,11 +1251,15 @@ def test_the_dba_overlap_swaps_the_first_half_from_the_indexer(T):
     ceil(R / 2) rows swapped from the indexer (swap_first_half) and the rest by the layer's swap, on a step bound to
     the rows after them; the swap returns both halves' resident rows and leaves both halves' fetched ones, every row
     checked against the model as under DA. A batch the split does not apply to (a prefill beside, a batch of one, rows
-    of different token counts) runs the layer as DA; a FULL graph's padded batch is split by its real rows."""
+    of different token counts) runs the layer as DA; a FULL graph's replay runs its capture's split (over the
+    captured batch size: padded rows among either half)."""
     r = Replay(T, BLOCK - T, seed=75 + T, hot_regions=1, overlap="dba", blocks_from_output=True)
-    decode_steps(r, 12, {2: "b", 6: "a"})
+    batch, states = decode_steps(r, 12, {2: "b", 6: "a"})
+    assert 2 * len(batch) - 1 == STATES
+    for _ in range(2):   # a FULL graph captured for 2R - 1 requests: its first half holds every real row
+        r.step(batch, states, decode_step(batch, r.world, T), pad_reqs=STATES)
     # Split: the uniform steps, FULL-graph padding or not (T = 3: every other step has fewer drafts on some rows).
-    assert r.dba_splits >= (12 if T == 1 else 6) * LAYERS and r.dba_as_da > 0, (r.dba_splits, r.dba_as_da)
+    assert r.dba_splits >= (14 if T == 1 else 8) * LAYERS and r.dba_as_da > 0, (r.dba_splits, r.dba_as_da)
     assert r.decode.overlap.first_half is None
     assert r.fetched_checked > 30 and min(r.rows_checked.values()) > 10, (r.fetched_checked, r.rows_checked)
 

@@ -279,7 +279,6 @@ class EssDecode:
         self.lifecycle_stream = None           # the engine's lifecycle stream (CUDA: the forward's, set per step)
         self.device_reads = 0                  # start_steps that read state indices, seq_lens or blocks back
         self.steps_started = 0                 # start_steps that staged a step
-        self.uniform_rows = None               # (decode rows, tokens each) of this step when every row has as many
         # ESS_RECORD_TRACE: the top-k vLLM hands the swap, recorded as a trace (topk_recorder.py), by state index.
         self.recorder = TopkRecorder.from_environment(
             layers=info.layers, T=T, K=K, max_reqs=max_num_reqs, device=self.device,
@@ -563,10 +562,6 @@ class EssDecode:
                 if self.placed.get(s) != region:
                     self.engine.place(s, region)
                     self.placed[s] = region
-        # The step's decode rows, when each has the same token count as the forward computes it (the scheduler's: not
-        # under adaptive verification): what DBA's indexer split takes past a CUDA graph's padded requests.
-        counts = {p[4] for p in positions}
-        self.uniform_rows = (len(positions), counts.pop()) if len(counts) == 1 and not self.adaptive else None
         self.steps_started += 1
         self._stage(len(request_ids), states if states is not None else states_in[:R], positions)
         if ahead and not read_lengths:   # the decode rows are batch rows 0 .. served - 1, every one staged

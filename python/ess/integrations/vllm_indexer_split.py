@@ -4,10 +4,12 @@ the first half's misses are copied while the second half's indexer runs; attenti
 
 The indexer is vLLM's sparse_attn_indexer (model_executor/layers/sparse_attn_indexer.py), which the DSA attention of
 vLLM's CUDA model for DeepSeek-V3.2 and GLM-5 (vllm/models/deepseek_v32/attention.py, DeepseekV32Attention
-._sparse_indexer_and_attn: eager at every step, a break of vLLM's breakable CUDA graphs) calls by its module's name
-for it, before the layer's attention. ESS wraps that name (patch); the wrapper passes every call that is not a split
-through to vLLM's own function unchanged. A split, per DBA layer (its model layer index, vLLM's extract_layer_index
-of the call's k-cache layer name, served by a DecodeOverlap), all of it vLLM's own code but for the marked steps:
+._sparse_indexer_and_attn) calls by its module's name for it, before the layer's attention. ESS wraps that name
+(patch); the wrapper passes every call that is not a split through to vLLM's own function unchanged. It runs where
+the call runs: at every eager or piecewise step, and at the capture of a FULL CUDA graph (vLLM's decode graphs under
+HiSparse, FULL_AND_PIECEWISE), whose replays then run the split as captured: the halves of the captured batch size.
+A split, per DBA layer (its model layer index, vLLM's extract_layer_index of the call's k-cache layer name, served by
+a DecodeOverlap), all of it vLLM's own code but for the marked steps:
 
   sparse_attn_indexer      vLLM's own, over the whole batch's tensors with the indexer metadata narrowed to the
                            first ceil(R / 2) decode requests (half_metadata): the index keys of every token inserted
@@ -20,13 +22,12 @@ of the call's k-cache layer name, served by a DecodeOverlap), all of it vLLM's o
                            (skip_k_cache_insert, skip_topk_buffer_clear: the first call did both)
 
 Row for row, the top-k buffer holds what one call writes (each row's logits and top-k read only its own request's
-keys and lengths). The split applies to a pure decode batch of at least two requests with the same token count each:
-by the indexer metadata (decode_is_uniform, no padded path), or, for a batch vLLM pads to a CUDA graph's size (its
-padded requests of no tokens), by the step's real decode rows as ESS's start_step knows them (EssDecode.uniform_rows:
-the first half all real, the second with the padded requests, through vLLM's padded path); not with decode context
-parallelism, varlen indices (SM100) or DeepSeek-V4.1's candidate blocks. Any other call runs the layer as DA. The
-halves' paged-MQA schedule is computed per half, as vLLM's metadata builder computes the whole's
-(vllm.utils.deep_gemm.get_paged_mqa_logits_metadata over the half's lengths, where DeepGEMM runs)."""
+keys and lengths). The split applies to a pure decode batch of at least two requests with the same token count each
+(the indexer metadata's decode_is_uniform, no padded path: a FULL graph's capture batch is one), of which ESS serves
+rows this step; not with decode context parallelism, varlen indices (SM100), DeepSeek-V4.1's candidate blocks or
+adaptive verification. Any other call runs the layer as DA. The halves' paged-MQA schedule is computed per half, as
+vLLM's metadata builder computes the whole's (vllm.utils.deep_gemm.get_paged_mqa_logits_metadata over the half's
+lengths and the cache's kernel block, where DeepGEMM runs; inside a FULL graph, captured with the rest)."""
 from __future__ import annotations
 
 import dataclasses
@@ -41,7 +42,7 @@ DSA_ATTENTION = "vllm.models.deepseek_v32.attention"
 
 _SERVED: List = []         # the DecodeOverlaps with DBA layers (a vLLM worker process has one)
 _LOCK = threading.Lock()
-_SCHEDULE_SHAPE = {}       # the k-cache layer name -> (paged MQA block size, SM count), once per layer
+_SM_COUNT = {}             # device index -> its SMs (vLLM's num_compute_units), once per device
 _LAYER_OF = {}             # the k-cache layer name -> the model's layer index (-1: none), once per name
 
 
@@ -69,19 +70,15 @@ def _target(model_layer: int):
 class Halves:
     """The halves of a decode batch the split applies to: its first r0 requests (t0 tokens, the indexer's first k0
     decode rows: one per request, or one per token under vLLM's flattened decode) and the rest, up to the
-    metadata's R requests and N tokens (a CUDA graph's padded requests, of no tokens, among them)."""
+    metadata's R requests and N tokens."""
 
     def __init__(self, R: int, N: int, r0: int, t0: int, k0: int):
         self.R, self.N, self.r0, self.t0, self.k0 = R, N, r0, t0, k0
 
     @staticmethod
-    def of(metadata, candidate_blocks=None, dcp_world_size: int = 1, use_pcp: bool = False,
-           real=None) -> Optional["Halves"]:
-        """The halves of the batch `metadata` (vLLM's DeepseekV32IndexerMetadata) describes, or None where the split
-        does not apply. A batch whose requests all have n tokens is halved by the metadata alone: R requests, the
-        first ceil(R / 2). A batch vLLM pads (a CUDA graph's size, its padded requests of no tokens) is halved by its
-        real requests, `real` = (rows, n) when every one of the step's decode rows has n tokens
-        (EssDecode.uniform_rows): the first ceil(rows / 2), all real, the rest with the padded requests."""
+    def of(metadata, candidate_blocks=None, dcp_world_size: int = 1, use_pcp: bool = False) -> Optional["Halves"]:
+        """The halves of the batch `metadata` (vLLM's DeepseekV32IndexerMetadata) describes, R requests of n tokens
+        each, the first ceil(R / 2); None where the split does not apply."""
         decode = getattr(metadata, "decode", None)
         if decode is None or metadata.num_prefills or candidate_blocks is not None or dcp_world_size != 1 or use_pcp:
             return None
@@ -89,23 +86,10 @@ class Halves:
             return None
         R, N = int(metadata.num_decodes), int(metadata.num_decode_tokens)
         rows = int(decode.decode_lens.shape[0])
-        if R < 2:
+        if R < 2 or decode.requires_padding or not decode.decode_is_uniform or N % R or rows % R or N % rows:
             return None
-        if not decode.requires_padding and decode.decode_is_uniform and N % R == 0 and rows % R == 0 and \
-                N % rows == 0:
-            r0 = (R + 1) // 2
-            return Halves(R, N, r0, r0 * (N // R), r0 * (rows // R))
-        if real is None:
-            return None
-        served, n = real
-        if not 2 <= served <= R or n < 1 or served * n > N:
-            return None
-        r0 = (served + 1) // 2
-        if rows == R:   # one indexer row per request: the padded path
-            return Halves(R, N, r0, r0 * n, r0)
-        if rows == N and not decode.requires_padding:   # flattened: one row per token
-            return Halves(R, N, r0, r0 * n, r0 * n)
-        return None
+        r0 = (R + 1) // 2
+        return Halves(R, N, r0, r0 * (N // R), r0 * (rows // R))
 
 
 def _rows(t, first, last):
@@ -115,38 +99,35 @@ def _rows(t, first, last):
 def half_metadata(metadata, halves: Halves, second: bool, schedule=None):
     """vLLM's indexer metadata narrowed to one half of the decode batch (a copy: vLLM's dataclasses, replaced): its
     decode rows' block table, lengths, decode lengths and per-request lengths, the token and request counts, and the
-    half's paged-MQA schedule (schedule; None: the whole's, where DeepGEMM does not run). The first half, of real
-    requests of one token count, needs no padding; the second keeps the whole's padding. The first half keeps the
+    half's paged-MQA schedule (schedule; None: the whole's, where DeepGEMM does not run). The first half keeps the
     whole's slot mapping (its call inserts every token's index key)."""
     decode = metadata.decode
     rows = slice(halves.k0, None) if second else slice(0, halves.k0)
     requests = (halves.r0, halves.R) if second else (0, halves.r0)
-    padding = {} if second else dict(requires_padding=False, decode_is_uniform=True)
     narrowed = dataclasses.replace(
         decode, block_table=decode.block_table[rows], seq_lens=decode.seq_lens[rows],
         decode_lens=decode.decode_lens[rows], per_req_decode_lens=_rows(decode.per_req_decode_lens, *requests),
-        schedule_metadata=decode.schedule_metadata if schedule is None else schedule, **padding)
+        schedule_metadata=decode.schedule_metadata if schedule is None else schedule)
     tokens = halves.N - halves.t0 if second else halves.t0
     slot_mapping = metadata.slot_mapping[halves.t0:] if second else metadata.slot_mapping
     return dataclasses.replace(metadata, num_decodes=requests[1] - requests[0], num_decode_tokens=tokens,
                                slot_mapping=slot_mapping, decode=narrowed)
 
 
-def _half_schedule(context, prefix: str, seq_lens: torch.Tensor):
-    """The half's paged-MQA schedule, as DeepseekV32IndexerMetadataBuilder.build computes the whole's (its indexer
-    cache's kernel states per block, the device's SMs), where vLLM computes one (CUDA with DeepGEMM); else None."""
+def _half_schedule(kv_cache: torch.Tensor, seq_lens: torch.Tensor):
+    """The half's paged-MQA schedule, as DeepseekV32IndexerMetadataBuilder.build computes the whole's (the indexer
+    cache's kernel block: the paged cache's second dimension, DeepGEMM's block_size; the device's SMs), where vLLM
+    computes one (CUDA with DeepGEMM); else None."""
     from vllm.platforms import current_platform
     deep_gemm = importlib.import_module("vllm.utils.deep_gemm")
     if not (current_platform.is_cuda() and deep_gemm.has_deep_gemm()):
         return None
-    shape = _SCHEDULE_SHAPE.get(prefix)
-    if shape is None:
-        from vllm.config import get_current_vllm_config_or_none
+    device = seq_lens.device.index or 0
+    sms = _SM_COUNT.get(device)
+    if sms is None:
         from vllm.utils.platform_utils import num_compute_units
-        layer = context.no_compile_layers[prefix]   # the indexer's k-cache layer (its spec ignores the config)
-        spec = layer.get_kv_cache_spec(get_current_vllm_config_or_none())
-        shape = _SCHEDULE_SHAPE[prefix] = (spec.num_states, num_compute_units(seq_lens.device.index or 0))
-    return deep_gemm.get_paged_mqa_logits_metadata(seq_lens, shape[0], shape[1])
+        sms = _SM_COUNT[device] = num_compute_units(device)
+    return deep_gemm.get_paged_mqa_logits_metadata(seq_lens, int(kv_cache.shape[1]), sms)
 
 
 def _wrap(original):
@@ -170,7 +151,7 @@ def _wrap(original):
         try:
             # The first half, every token's index key inserted and the whole top-k buffer cleared as one call does.
             whole[prefix] = half_metadata(metadata, halves, False, _half_schedule(
-                context, prefix, metadata.decode.seq_lens[:halves.k0]))
+                a["kv_cache"], metadata.decode.seq_lens[:halves.k0]))
             original(**a)
             runtime.swap_first_half(resident=runtime.handle, req_id_per_token=attention.req_id_per_token,
                                     logical_topk_indices=buffer[:t0, :a["topk_tokens"]],
@@ -178,7 +159,7 @@ def _wrap(original):
                                     requests=halves.r0)
             # The second half over its own rows.
             whole[prefix] = half_metadata(metadata, halves, True, _half_schedule(
-                context, prefix, metadata.decode.seq_lens[halves.k0:]))
+                a["kv_cache"], metadata.decode.seq_lens[halves.k0:]))
             second = dict(a, hidden_states=a["hidden_states"][t0:], q_quant=a["q_quant"][t0:],
                           q_scale=_rows(a["q_scale"], t0, None), weights=a["weights"][t0:],
                           topk_indices_buffer=buffer[t0:], skip_k_cache_insert=True, skip_topk_buffer_clear=True)
@@ -219,11 +200,14 @@ def _split_of(a, target):
         return None
     prefix = _resolve_layer_name(a["k_cache_prefix"])
     _, runtime, attention_name = target
+    if runtime.decode.batch == 0 or runtime.decode.adaptive:
+        # ESS serves no row this step (vLLM resolves it over resident pages: no swap follows), or the rows' token
+        # counts are decided on the device (adaptive verification).
+        return None
     metadata, attention = whole.get(prefix), whole.get(attention_name)
     if metadata is None or attention is None:
         return None
-    halves = Halves.of(metadata, a["candidate_blocks"], a["dcp_world_size"], a["use_pcp"],
-                       runtime.decode.uniform_rows)
+    halves = Halves.of(metadata, a["candidate_blocks"], a["dcp_world_size"], a["use_pcp"])
     if halves is None or halves.t0 > a["q_quant"].shape[0]:
         return None
     return context, metadata, attention, halves, runtime, prefix

@@ -1,14 +1,16 @@
 """ESS_OVERLAP=dba's indexer split (vllm_indexer_split.py) over vLLM 0.33.0's own sparse_attn_indexer
 (model_executor/layers/sparse_attn_indexer.py), called as vLLM's CUDA DSA attention calls it
 (models/deepseek_v32/attention.py DeepseekV32Attention._sparse_indexer_and_attn: by that module's name, which ESS
-wraps), with vLLM's own indexer metadata classes (v1/attention/backends/mla/indexer.py), its forward context and its
-indexer cache's kv-cache spec, in vLLM's venv.
+wraps), with vLLM's own indexer metadata classes (v1/attention/backends/mla/indexer.py) and its forward context, in
+vLLM's venv.
 
-DeepGEMM's paged MQA logits and their schedule, vLLM's top-k kernels and the index-key insert cannot run on a CPU:
+DeepGEMM's paged MQA logits and their schedule, vLLM's top-k kernels, the index-key insert and Triton's pack and
+unpack of padded rows cannot run on a CPU:
 torch stand-ins compute what they are documented to (the logits of row (b, t): the sum over heads of relu(q . k) x
 the head's weight, over the row's context through its block table, -inf past it; each row's top-k of its first
 seq_len logits; the schedule a function of the lengths it was computed for, which the logits stand-in checks
-against the lengths it is called with; the insert writes each token's key at its slot). Everything else in the call
+against the lengths and cache block it is called with; the insert writes each token's key at its slot; pack and
+unpack move each request's rows into and out of a row of the longest one's length). Everything else in the call
 is vLLM's code. ESS's swap is recorded (its own tests: test_vllm_replay.py's DBA replay).
 
 Checked: the split writes the top-k buffer and the index cache byte for byte as one call does; the first half's
@@ -22,7 +24,6 @@ import torch
 ind = pytest.importorskip("vllm.model_executor.layers.sparse_attn_indexer")
 dsa = pytest.importorskip("vllm.models.deepseek_v32.attention")
 from vllm.forward_context import ForwardContext, override_forward_context  # noqa: E402
-from vllm.model_executor.models.deepseek_v2 import DeepseekV32IndexerCache  # noqa: E402
 from vllm.v1.attention.backends.mla.indexer import (DeepseekV32IndexerMetadata,  # noqa: E402
                                                     DeepSeekV32IndexerDecodeMetadata)
 
@@ -107,21 +108,11 @@ def kernels(monkeypatch):
     monkeypatch.setattr(deep_gemm, "has_deep_gemm", lambda: True)
     monkeypatch.setattr(deep_gemm, "get_paged_mqa_logits_metadata", Kernels.schedule)
     monkeypatch.setattr(platform_utils, "num_compute_units", lambda device=0: 132)
-    vllm_indexer_split._SCHEDULE_SHAPE.clear()
+    vllm_indexer_split._SM_COUNT.clear()
     vllm_indexer_split.patch(dsa)
     yield k
     vllm_indexer_split.unpatch(dsa)
-    vllm_indexer_split._SCHEDULE_SHAPE.clear()
-
-
-def indexer_cache():
-    """vLLM's indexer k-cache layer (deepseek_v2.py DeepseekV32IndexerCache), built without the VllmConfig its
-    constructor reads (none builds on this CPU), for its own get_kv_cache_spec."""
-    cache = DeepseekV32IndexerCache.__new__(DeepseekV32IndexerCache)
-    torch.nn.Module.__init__(cache)
-    cache.cache_config, cache.head_dim, cache.dtype, cache.prefix = (types.SimpleNamespace(block_size=BLOCK), D,
-                                                                     torch.uint8, PREFIX)
-    return cache
+    vllm_indexer_split._SM_COUNT.clear()
 
 
 class Batch:
@@ -131,7 +122,7 @@ class Batch:
     requests after them, of no tokens (the forward's token count padded too): native, vLLM's padded path
     (requires_padding, not uniform); flattened, their tokens' rows of length 0."""
 
-    def __init__(self, R, n, seed, flattened=False, uniform=True, padded=False, prefills=0, pad=0):
+    def __init__(self, R, n, seed, flattened=False, uniform=True, pad=0):
         g = torch.Generator().manual_seed(seed)
         self.R, self.n, self.pad = R, n, pad
         total = R + pad
@@ -153,16 +144,15 @@ class Batch:
         else:
             seq_lens = torch.cat([per_token.view(R, n), torch.zeros((pad, n), dtype=per_token.dtype)])
             decode_lens = torch.tensor([n] * R + [0] * pad)
-            padded = padded or pad > 0
         uniform = uniform and pad == 0
         decode = DeepSeekV32IndexerDecodeMetadata(
             block_table=table, seq_lens=seq_lens.to(torch.int32), decode_lens=decode_lens.to(torch.int32),
-            requires_padding=padded, schedule_metadata=Kernels.schedule(seq_lens.to(torch.int32), BLOCK, 132),
+            requires_padding=pad > 0 and not flattened, schedule_metadata=Kernels.schedule(seq_lens.to(torch.int32), BLOCK, 132),
             per_req_decode_lens=decode_lens.to(torch.int32)[:total] if not flattened else
             torch.tensor([n] * R + [0] * pad, dtype=torch.int32), decode_is_uniform=uniform, write_max_decode_len=n)
         self.metadata = DeepseekV32IndexerMetadata(
             seq_lens=torch.cat([lens, torch.zeros(pad, dtype=lens.dtype)]).to(torch.int32), max_seq_len=int(lens.max()),
-            slot_mapping=slots, num_decodes=total, num_decode_tokens=self.tokens, num_prefills=prefills,
+            slot_mapping=slots, num_decodes=total, num_decode_tokens=self.tokens, num_prefills=0,
             num_prefill_tokens=0, decode=decode)
         # The layer's attention metadata, the three fields the swap reads (index_group.py
         # convert_logical_to_physical_topk): FlashMLASparseMetadata's (a padded request's queries empty).
@@ -177,7 +167,7 @@ class Batch:
         buffer = torch.full((self.tokens + 3, K), 7, dtype=torch.int32)   # rows past the tokens: untouched
         if skip_clear:   # the fused norm-rope kernel cleared the step's rows
             buffer[:self.tokens] = -1
-        context = ForwardContext(no_compile_layers={PREFIX: indexer_cache()},
+        context = ForwardContext(no_compile_layers={},
                                  attn_metadata={PREFIX: self.metadata, ATTENTION: self.attention}, slot_mapping={})
         fn = dsa.sparse_attn_indexer.ess_original if original else dsa.sparse_attn_indexer
         with override_forward_context(context):
@@ -192,14 +182,14 @@ class Batch:
 
 class Swaps:
     """ESS's side: a DecodeOverlap whose layer 0 runs DBA and serves model layer 3's indexer, its runtime's
-    swap_first_half recorded (in the kernels' log, for the order); real: the step's decode rows and their token
-    count as ESS's start_step knows them (EssDecode.uniform_rows)."""
+    swap_first_half recorded (in the kernels' log, for the order); served: the decode rows ESS serves this step
+    (EssDecode.batch), adaptive: EssDecode.adaptive."""
 
-    def __init__(self, kernels, max_reqs=8, T=4, real=None):
+    def __init__(self, kernels, max_reqs=8, T=4, served=4, adaptive=False):
         self.kernels, self.calls = kernels, []
         self.overlap = vllm_overlap.DecodeOverlap(_device.for_device("cpu"), ["dba"], max_reqs, T, K, "cpu")
         self.runtime = types.SimpleNamespace(layer=0, handle=object(), swap_first_half=self.swap_first_half,
-                                             decode=types.SimpleNamespace(uniform_rows=real))
+                                             decode=types.SimpleNamespace(batch=served, adaptive=adaptive))
         self.overlap.serve_indexer(3, self.runtime, ATTENTION)
 
     def swap_first_half(self, **kwargs):
@@ -214,17 +204,15 @@ class Swaps:
         vllm_indexer_split.unserve(self.overlap)
 
 
-@pytest.mark.parametrize("R,n,flattened,pad", [(2, 1, False, 0), (5, 1, False, 0), (4, 2, False, 0), (3, 2, True, 0),
-                                                (3, 2, False, 2), (3, 1, False, 3), (2, 2, True, 2)])
+@pytest.mark.parametrize("R,n,flattened", [(2, 1, False), (5, 1, False), (4, 2, False), (3, 2, True)])
 @pytest.mark.parametrize("skip", [True, False])
-def test_the_split_is_one_indexer_call_with_the_first_halfs_swap_between(kernels, R, n, flattened, pad, skip):
-    """Uniform batches are halved by vLLM's metadata; a CUDA graph's padded batch (pad > 0) by the step's real
-    decode rows as ESS's start_step knows them, its second half through vLLM's padded path (Triton's pack and unpack
-    stood in for by their documented torch equivalents)."""
-    batch = Batch(R, n, seed=R * 10 + n + pad, flattened=flattened, pad=pad)
+def test_the_split_is_one_indexer_call_with_the_first_halfs_swap_between(kernels, R, n, flattened, skip):
+    """skip: the DSA attention's call (the index keys inserted and the top-k rows cleared before it); else the
+    generic call, which inserts and clears."""
+    batch = Batch(R, n, seed=R * 10 + n, flattened=flattened)
     whole_buffer, whole_kv = batch.call(skip, skip, original=True)
     kernels.log.clear()
-    with Swaps(kernels, real=(R, n)) as swaps:
+    with Swaps(kernels) as swaps:
         buffer, kv = batch.call(skip, skip)
     assert torch.equal(buffer, whole_buffer), "the split's top-k differ from one call's"
     assert torch.equal(kv, whole_kv), "the split's index cache differs from one call's"
@@ -244,30 +232,25 @@ def test_the_split_is_one_indexer_call_with_the_first_halfs_swap_between(kernels
     assert call["resident"] is swaps.runtime.handle and call["block_size"] == BLOCK
     assert call["req_id_per_token"] is batch.attention.req_id_per_token
     assert torch.equal(call["num_valid_rows"], torch.tensor([R * n], dtype=torch.int32))
-    if pad:   # without ESS's rows, a padded batch runs as one call
-        kernels.log.clear()
-        with Swaps(kernels, real=None) as swaps:
-            buffer, _ = batch.call(skip, skip)
-        assert torch.equal(buffer, whole_buffer) and not swaps.calls
-        assert [e[0] for e in kernels.log] == ([] if skip else ["insert"]) + ["logits"]
 
 
 @pytest.mark.parametrize("case", ["one request", "rows of different lengths", "padded", "a prefill beside",
-                                  "another layer", "not served"])
+                                  "another layer", "not served", "no ESS row", "adaptive verification"])
 def test_calls_the_split_does_not_serve_pass_through(kernels, case):
-    batch = Batch(1 if case == "one request" else 4, 2, seed=3, uniform=case != "rows of different lengths",
-                  padded=case == "padded", prefills=0)
-    if case in ("padded", "a prefill beside"):
-        # vLLM's own call of these needs Triton (its padded path packs the rows) or prefill metadata: the split
-        # declines them by the metadata alone.
-        batch.metadata.num_prefills = int(case == "a prefill beside")
+    """Padded: a batch padded past its requests (vLLM's padded path; eager or piecewise steps never pad requests, a
+    FULL graph's replay runs its capture's split)."""
+    batch = Batch(1 if case == "one request" else 3, 2, seed=3, uniform=case != "rows of different lengths",
+                  pad=2 if case == "padded" else 0)
+    if case == "a prefill beside":
+        # vLLM's own call of it needs prefill metadata: the split declines it by the metadata alone.
+        batch.metadata.num_prefills = 1
         assert vllm_indexer_split.Halves.of(batch.metadata) is None
-        batch.metadata.num_prefills, batch.metadata.decode.requires_padding = 0, False
+        batch.metadata.num_prefills = 0
         assert vllm_indexer_split.Halves.of(batch.metadata) is not None
         return
     whole_buffer, _ = batch.call(True, True, original=True)
     kernels.log.clear()
-    swaps = Swaps(kernels)
+    swaps = Swaps(kernels, served=0 if case == "no ESS row" else 4, adaptive=case == "adaptive verification")
     if case == "another layer":
         swaps.overlap.indexers = {4: swaps.overlap.indexers[3]}
     if case == "not served":
@@ -301,7 +284,7 @@ def test_a_half_with_the_whole_batchs_schedule_fails(kernels, monkeypatch):
     """Mutation: the halves given the whole batch's paged-MQA schedule (DeepGEMM would split the whole's work over
     its SMs for half the rows): the logits stand-in, which checks a schedule against the lengths it runs over,
     refuses."""
-    monkeypatch.setattr(vllm_indexer_split, "_half_schedule", lambda context, prefix, seq_lens: None)
+    monkeypatch.setattr(vllm_indexer_split, "_half_schedule", lambda kv_cache, seq_lens: None)
     batch = Batch(4, 1, seed=13)
     with Swaps(kernels), pytest.raises(AssertionError, match="stale paged-MQA schedule"):
         batch.call(True, True)
