@@ -559,6 +559,18 @@ def test_the_dba_split_calls_vllms_indexer_as_its_dsa_attention_does():
         assert fact in build, fact
     init = ast.unparse(upstream_def(indexer, "DeepseekV32IndexerMetadataBuilder", "__init__"))
     assert "sm_count = num_compute_units(self.device.index)" in init and "self.num_sms = sm_count" in init
+    # Where the wrapper runs: the DSA attention's call runs inside a FULL graph's capture (HiSparse's decode graphs),
+    # so a replay runs the captured split.
+    breakable = " ".join(ast.unparse(module_def("compilation/breakable_cudagraph.py",
+                                                "eager_break_during_capture")).split())
+    assert "if mode == CUDAGraphMode.FULL: return fn(*args, **kwargs)" in breakable
+    config = open(path("config/vllm.py"), encoding="utf-8").read()
+    assert '"HiSparse does not support cudagraph_mode=FULL; use "' in config
+    assert '"FULL_AND_PIECEWISE (the default), which captures FULL graphs "' in config
+    # The halves' schedule takes the paged cache's block (DeepGEMM's block_size: the cache's second dimension).
+    assert "kv_cache: Paged KV-cache of shape [num_blocks, block_size, 1, D+4]" in " ".join(
+        ast.unparse(module_def("utils/deep_gemm.py", "fp8_fp4_paged_mqa_logits")).split())
+    assert "return kv_cache.unsqueeze(-2)" in ast.unparse(module_def(rel, "kv_cache_as_quant_view"))
     # The first half's swap gets what the layer's swap gets (index_group.py).
     convert = " ".join(ast.unparse(upstream_def("v1/attention/backends/mla/index_group.py", "HiSparseMLAIndexGroup",
                                                 "convert_logical_to_physical_topk")).split())
