@@ -24,7 +24,7 @@ a DecodeOverlap), all of it vLLM's own code but for the marked steps:
 Row for row, the top-k buffer holds what one call writes (each row's logits and top-k read only its own request's
 keys and lengths). The split applies to a pure decode batch of at least two requests with the same token count each
 (the indexer metadata's decode_is_uniform, no padded path: a FULL graph's capture batch is one), of which ESS serves
-rows this step; not with decode context parallelism, varlen indices (SM100), DeepSeek-V4.1's candidate blocks or
+rows this step (or a FULL graph's capture); not with decode context parallelism, varlen indices (SM100), DeepSeek-V4.1's candidate blocks or
 adaptive verification. Any other call runs the layer as DA. The halves' paged-MQA schedule is computed per half, as
 vLLM's metadata builder computes the whole's (vllm.utils.deep_gemm.get_paged_mqa_logits_metadata over the half's
 lengths and the cache's kernel block, where DeepGEMM runs; inside a FULL graph, captured with the rest)."""
@@ -187,6 +187,10 @@ def _target_of(name):
     return _target(layer)
 
 
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def _split_of(a, target):
     """(forward context, the layer's indexer metadata, its attention metadata, Halves, ESS runtime, k-cache layer
     name) of a call the split serves, else None."""
@@ -200,9 +204,10 @@ def _split_of(a, target):
         return None
     prefix = _resolve_layer_name(a["k_cache_prefix"])
     _, runtime, attention_name = target
-    if runtime.decode.batch == 0 or runtime.decode.adaptive:
-        # ESS serves no row this step (vLLM resolves it over resident pages: no swap follows), or the rows' token
-        # counts are decided on the device (adaptive verification).
+    if runtime.decode.adaptive or (runtime.decode.batch == 0 and not _capturing()):
+        # The rows' token counts are decided on the device (adaptive verification), or ESS serves no row this step
+        # (vLLM resolves it over resident pages: no swap follows). A FULL graph's capture runs before any step ESS
+        # staged (the connector stages none for it): its replays read the rows each step stages.
         return None
     metadata, attention = whole.get(prefix), whole.get(attention_name)
     if metadata is None or attention is None:

@@ -262,6 +262,17 @@ def test_calls_the_split_does_not_serve_pass_through(kernels, case):
     assert [e[0] for e in kernels.log] == ["logits"] and not swaps.calls
 
 
+def test_a_full_graphs_capture_splits_before_any_staged_step(kernels, monkeypatch):
+    """A FULL decode graph is captured before ESS stages any step (the connector stages none for a capture's dummy
+    batch): the capture splits all the same, and its replays read the rows each step stages."""
+    batch = Batch(4, 1, seed=17)
+    whole_buffer, _ = batch.call(True, True, original=True)
+    monkeypatch.setattr(vllm_indexer_split, "_capturing", lambda: True)
+    with Swaps(kernels, served=0) as swaps:
+        buffer, _ = batch.call(True, True)
+    assert torch.equal(buffer, whole_buffer) and len(swaps.calls) == 1
+
+
 def test_a_second_half_over_the_whole_block_table_fails(kernels, monkeypatch):
     """Mutation: the second half's metadata keeps the whole batch's block table (a half's rows read the other's
     pages): its top-k differ from one call's."""
