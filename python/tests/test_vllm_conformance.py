@@ -559,11 +559,17 @@ def test_the_dba_split_calls_vllms_indexer_as_its_dsa_attention_does():
         assert fact in build, fact
     init = ast.unparse(upstream_def(indexer, "DeepseekV32IndexerMetadataBuilder", "__init__"))
     assert "sm_count = num_compute_units(self.device.index)" in init and "self.num_sms = sm_count" in init
-    # Where the wrapper runs: the DSA attention's call runs inside a FULL graph's capture (HiSparse's decode graphs),
-    # so a replay runs the captured split.
+    # Where the wrapper runs: a FULL graph (HiSparse's decode graphs) is captured under torch.cuda.graph with no
+    # breakable capture, so the DSA attention's call runs inside it and a replay runs the captured split; the capture
+    # runs no connector pre_forward (no start_load_kv: ESS stages no step for it), then resets the capture state.
     breakable = " ".join(ast.unparse(module_def("compilation/breakable_cudagraph.py",
                                                 "eager_break_during_capture")).split())
-    assert "if mode == CUDAGraphMode.FULL: return fn(*args, **kwargs)" in breakable
+    assert "capture = BreakableCUDAGraphCapture.current() if capture is None: return fn(*args, **kwargs)" in breakable
+    manager = " ".join(ast.unparse(upstream_def("v1/worker/gpu/cudagraph_utils.py", "CudaGraphManager",
+                                                "capture")).split())
+    assert "torch.cuda.graph(" in manager and "forward_fn(CUDAGraphMode.NONE)" in manager
+    capture = ast.unparse(upstream_def("v1/worker/gpu/model_runner.py", "GPUModelRunner", "capture_model"))
+    assert "pre_forward" not in capture and "self.kv_connector.reset_capture_state()" in capture
     config = open(path("config/vllm.py"), encoding="utf-8").read()
     assert '"HiSparse does not support cudagraph_mode=FULL; use "' in config
     assert '"FULL_AND_PIECEWISE (the default), which captures FULL graphs "' in config
