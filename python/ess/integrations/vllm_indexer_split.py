@@ -26,8 +26,9 @@ keys and lengths). The split applies to a pure decode batch of at least two requ
 (the indexer metadata's decode_is_uniform, no padded path: a FULL graph's capture batch is one), of which ESS serves
 rows this step (or a FULL graph's capture); not with decode context parallelism, varlen indices (SM100),
 DeepSeek-V4.1's candidate blocks or adaptive verification. Any other call runs the layer as DA. The halves' paged-MQA
-schedule is computed per half, as vLLM's metadata builder computes the whole's (vllm.utils.deep_gemm.get_paged_mqa_logits_metadata over the half's
-lengths and the cache's kernel block, where DeepGEMM runs; inside a FULL graph, captured with the rest)."""
+schedule is computed per half, as vLLM's metadata builder computes the whole's
+(vllm.utils.deep_gemm.get_paged_mqa_logits_metadata over the half's lengths and the cache's kernel block, where
+DeepGEMM runs; inside a FULL graph, captured with the rest)."""
 from __future__ import annotations
 
 import dataclasses
