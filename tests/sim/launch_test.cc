@@ -47,30 +47,38 @@ PlanOptions sglang_options(std::int64_t context, double min_otps) {
 
 PlanOptions vllm_options(std::int64_t context, double min_otps) { return engine_options("vllm", context, min_otps); }
 
+// Every overlap mode runs inside the engine: a plan asked for one mode alone chooses it.
+void expect_every_mode_planned(const Inputs& in, PlanOptions o) {
+  for (const char* mode : {"da", "dba", "layerwise"}) {
+    o.modes = {mode};
+    const Plans p = plan_contexts(in, o);
+    ASSERT_TRUE(p.results[0].found) << mode;
+    EXPECT_EQ(to_string(p.results[0].chosen.best.overlap), std::string(mode)) << o.engine;
+  }
+}
+
 TEST(sim_launch, SglangLimitsTheModesAndThePoolFloor) {
-  const std::vector<std::string> all = {"none", "da", "dba", "layerwise"};
-  EngineLimits l = engine_limits("sglang", all, "", false, 2);
-  EXPECT_EQ(l.modes, all);  // every mode: DA and DBA inside its decode, layer-wise by ESS_OVERLAP_LAYERS
+  EngineLimits l = engine_limits("sglang", "", false, 2);
+  expect_every_mode_planned(h200(), sglang_options(131072, 10));  // DA / DBA inside its decode, ESS_OVERLAP_LAYERS
   EXPECT_FALSE(l.preattn_in_copy_window);  // its model computes q before the indexer
-  EXPECT_TRUE(engine_limits("", all, "", false, 2).preattn_in_copy_window);
+  EXPECT_TRUE(engine_limits("", "", false, 2).preattn_in_copy_window);
   EXPECT_EQ(l.pool_floor, "tk");  // MTP: the verify step swaps T x top-k at once
-  EXPECT_EQ(engine_limits("sglang", all, "", false, 1).pool_floor, "");
-  EXPECT_EQ(engine_limits("", all, "max", true, 2).modes, all);  // no engine: as asked
-  EXPECT_NE(test::error_of([&] { engine_limits("sglang", all, "p99", true, 2); }).find("use --pool-floor tk"),
+  EXPECT_EQ(engine_limits("sglang", "", false, 1).pool_floor, "");
+  EXPECT_EQ(engine_limits("", "max", true, 2).pool_floor, "max");  // no engine: as asked
+  EXPECT_NE(test::error_of([&] { engine_limits("sglang", "p99", true, 2); }).find("use --pool-floor tk"),
             std::string::npos);
-  EXPECT_NE(test::error_of([&] { engine_limits("tgi", all, "", false, 2); }).find("sglang (0.5.23) and vllm"),
+  EXPECT_NE(test::error_of([&] { engine_limits("tgi", "", false, 2); }).find("sglang (0.5.23) and vllm"),
             std::string::npos);
 }
 
 TEST(sim_launch, VllmRunsEveryModeWithoutTboAndEveryRequestSparse) {
-  const std::vector<std::string> all = {"none", "da", "dba", "layerwise"};
-  const EngineLimits l = engine_limits("vllm", all, "", false, 2);
-  EXPECT_EQ(l.modes, all);
+  const EngineLimits l = engine_limits("vllm", "", false, 2);
+  expect_every_mode_planned(h200_node(), vllm_options(131072, 10));
   EXPECT_FALSE(l.two_batch_overlap);
   EXPECT_FALSE(l.whole_residency);
   EXPECT_FALSE(l.preattn_in_copy_window);
   EXPECT_EQ(l.pool_floor, "tk");
-  EXPECT_TRUE(engine_limits("sglang", all, "", false, 2).two_batch_overlap);
+  EXPECT_TRUE(engine_limits("sglang", "", false, 2).two_batch_overlap);
 }
 
 TEST(sim_launch, TheVllmLaunchLineCarriesThePlansChoiceAndLeavesRoomForEsssRows) {

@@ -38,7 +38,7 @@ void add_plan(CLI::App& app, int& exit_code) {
       ->capture_default_str()
       ->check(in_range(0, std::numeric_limits<double>::max()));
   add_list_option(*cmd, "--modes", args->options.modes, "Overlap modes to try (none, da, dba, layerwise)",
-                                item_of({"none", "da", "dba", "layerwise"}));
+                  item_of({"none", "da", "dba", "layerwise"}));
   cmd->add_option("--engine", args->options.engine,
                   "Plan for a serving engine: sglang (0.5.23) or vllm (0.33.0; TBO off): the search limited to what "
                   "ESS serves inside it (the T x top-k pool floor with MTP) and each context's launch line")

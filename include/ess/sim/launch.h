@@ -20,11 +20,10 @@ namespace ess::sim {
 inline constexpr const char* kSglangEngine = "sglang";
 inline constexpr const char* kVllmEngine = "vllm";
 
-// What an engine's adapter serves, applied to a plan before the search: its overlap modes and
-// its pool floor rule. Refuses, by name, an engine this build does not plan for and a request
-// for something the engine's adapter refuses (a mode, a pool floor below what it needs).
+// What an engine's adapter serves, applied to a plan before the search (every overlap mode runs
+// inside both engines): its pool floor rule and what it runs beside ESS. Refuses, by name, an
+// engine this build does not plan for and a pool floor below what its adapter needs.
 struct EngineLimits {
-  std::vector<std::string> modes;  // the modes to try (those asked for, less none of them)
   std::string pool_floor;          // the floor rule to use ("" = as given)
   bool two_batch_overlap = true;   // whether the engine runs it with ESS (false: the search keeps it off)
   bool whole_residency = true;     // whether its adapter keeps requests whole at low load (ESS_RESIDENCY)
@@ -32,8 +31,8 @@ struct EngineLimits {
   bool shared_index_prefetch = true;   // whether its adapter prefetches shared-index layers (Deployment's)
   std::vector<std::string> notes;  // what the engine changed, for the output
 };
-EngineLimits engine_limits(const std::string& engine, const std::vector<std::string>& modes,
-                           const std::string& pool_floor, bool pool_floor_given, int mtp_tokens);
+EngineLimits engine_limits(const std::string& engine, const std::string& pool_floor, bool pool_floor_given,
+                           int mtp_tokens);
 
 struct Launch {
   std::string engine;                 // "sglang" or "vllm"

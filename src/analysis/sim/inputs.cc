@@ -97,13 +97,11 @@ Plans plan_contexts(const Inputs& inputs, const PlanOptions& options) {
   ESS_CHECK(!options.modes.empty(), "plan: no overlap mode to try");
   for (const auto& m : options.modes) (void)parse_overlap_mode(m);  // each named mode checked first
   const EngineLimits limits =
-      engine_limits(options.engine, options.modes, inputs.pool_floor.value_or(""), inputs.pool_floor.has_value(),
-                    dep.mtp_tokens);
-  ESS_CHECK(!limits.modes.empty(), "plan: no overlap mode to try");
+      engine_limits(options.engine, inputs.pool_floor.value_or(""), inputs.pool_floor.has_value(), dep.mtp_tokens);
   dep.preattn_in_copy_window = dep.preattn_in_copy_window && limits.preattn_in_copy_window;
   dep.shared_index_prefetch = dep.shared_index_prefetch && limits.shared_index_prefetch;
   std::vector<std::string> notes = limits.notes;
-  std::vector<std::string> modes = limits.modes;
+  std::vector<std::string> modes = options.modes;
   const bool dsa = !model.is_deepseek_v4() && !model.is_minimax_m3();
   if (!dsa) {
     const std::string family = model.is_deepseek_v4() ? "DeepSeek-V4" : "MiniMax-M3";

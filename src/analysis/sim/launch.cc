@@ -22,19 +22,26 @@ std::string shell_quote(const std::string& s) {
   return out + "'";
 }
 
+// ESS_OVERLAP for an offloaded choice, and ESS_OVERLAP_LAYERS for a layer-wise one: the simulator's choice per layer
+// (and micro-batch), in the adapters' codes (a DA, b DBA, - no misses).
+void add_overlap_env(const StepResult& c, std::vector<std::string>& env) {
+  if (!c.offload || c.overlap == OverlapMode::kNone) return;
+  env.push_back(fmt::format("ESS_OVERLAP={}", to_string(c.overlap)));
+  if (c.overlap == OverlapMode::kLayerWise) env.push_back(fmt::format("ESS_OVERLAP_LAYERS={}", c.layer_modes));
+}
+
 }  // namespace
 
-EngineLimits engine_limits(const std::string& engine, const std::vector<std::string>& modes,
-                           const std::string& pool_floor, bool pool_floor_given, int mtp_tokens) {
+EngineLimits engine_limits(const std::string& engine, const std::string& pool_floor, bool pool_floor_given,
+                           int mtp_tokens) {
   EngineLimits out;
-  out.modes = modes;
   out.pool_floor = pool_floor_given ? pool_floor : "";
   if (engine.empty()) return out;
   ESS_CHECK(engine == kSglangEngine || engine == kVllmEngine,
             "plan: --engine {}: this build plans for sglang (0.5.23) and vllm (0.33.0)", engine);
   // Every overlap mode runs inside both: SGLang 0.5.23 (python/ess/integrations/sglang/overlap.py and
   // indexer_split.py) and vLLM 0.33.0 (vllm_overlap.py: DA inside FlashMLA's FP8 sparse decode; vllm_indexer_split.py:
-  // DBA's indexer split), so the modes are as asked.
+  // DBA's indexer split): the search tries the modes as asked.
   const bool vllm = engine == kVllmEngine;
   const char* name = vllm ? "vLLM" : "SGLang";
   out.preattn_in_copy_window = false;
@@ -163,9 +170,8 @@ Launch vllm_launch(const ModelSpec& model, const HardwareProfile& hw, const Depl
                      R"({{"host_pool_gib": {}}}}})",
                      host_gib));
     flag("--attention-config", fmt::format(R"({{"hisparse_config": {{"device_buffer_size": {}}}}})", buffer));
+    add_overlap_env(c, l.env);
     if (c.overlap != OverlapMode::kNone) {
-      l.env.push_back(fmt::format("ESS_OVERLAP={}", to_string(c.overlap)));
-      if (c.overlap == OverlapMode::kLayerWise) l.env.push_back(fmt::format("ESS_OVERLAP_LAYERS={}", c.layer_modes));
       l.notes.push_back("ESS_OVERLAP: each DA layer's FlashMLA FP8 sparse decode runs over its resident entries while "
                         "its misses are copied, then over the copied ones (vLLM's FlashMLA sparse backend, which "
                         "--kv-cache-dtype fp8_ds_mla selects for DeepSeek-V3.2 on Hopper)");
@@ -218,11 +224,7 @@ Launch launch_for(const std::string& engine, const ModelSpec& model, const Hardw
   const int gpus = d.gpus();
   const int dp = d.attention_data_parallel;
   const int per_gpu = c.batch;
-  if (c.offload && c.overlap != OverlapMode::kNone) l.env.push_back(fmt::format("ESS_OVERLAP={}", to_string(c.overlap)));
-  if (c.offload && c.overlap == OverlapMode::kLayerWise) {
-    // The simulator's choice per layer and micro-batch, in the adapter's codes (a DA, b DBA, - no misses).
-    l.env.push_back(fmt::format("ESS_OVERLAP_LAYERS={}", c.layer_modes));
-  }
+  add_overlap_env(c, l.env);
   if (c.offload && !model.shared_index.empty() && !result.chosen.shared_index_prefetch) {
     // resolve_shared_index_layers then passes no pattern: the shared layers swap at their own turn.
     l.env.push_back("SGLANG_DISABLE_HISPARSE_PREFETCH=1");
