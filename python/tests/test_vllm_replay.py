@@ -49,6 +49,7 @@ import ess
 from ess.integrations import vllm as adapter, vllm_indexer_split
 from lru_model import EngineModel
 from mock_engine import ENTRY, check_rows
+from recording_device import RecordingDevice
 import vllm_upstream
 
 LAYERS, K, CTX, STATES, BLOCK = 2, 16, 384, 5, 64
@@ -1352,34 +1353,13 @@ def test_each_steps_newest_entries_come_from_vllms_last_two_pages(adaptive):
     assert r.rows_checked["hot"] > 100, r.rows_checked
 
 
-class RecordingDevice:
-    """A CUDA-like device whose streams and events log what is asked of them (the work itself runs on the host),
-    for the order the DA / DBA swap asks of CUDA's streams, which the host backend cannot show."""
+class CudaRecordingDevice(RecordingDevice):
+    """The recording device as CUDA (its streams' handles the streams themselves): a split swap's step then asks for
+    streams and events (CopySplit.step_part)."""
     is_cuda = True
 
-    def __init__(self):
-        self.log, self.streams = [], 0
-        self.current = self.Stream()
-
-    def Stream(self):
-        self.streams += 1
-        return f"stream{self.streams}"
-
-    def Event(self):
-        device = self
-
-        class Event:
-            def record(self, stream):
-                device.log.append(("record", self, stream))
-
-            def wait(self, stream):
-                device.log.append(("wait", self, stream))
-        return Event()
-
-    def current_stream(self):
-        return self.current
-
-    def handle(self, stream):
+    @staticmethod
+    def handle(stream):
         return stream
 
 
@@ -1390,7 +1370,7 @@ class RecordedStep:
         self.step, self.log, self.first = step, log, first
 
     def step_async(self, layer, n, part, stream=None, copy_stream=None, done=None):
-        self.log.append(("step", layer, self.first, n, part, stream, copy_stream, done))
+        self.log.add("step", layer, self.first, n, part, stream, copy_stream, done)
         self.step.step_async(layer, n, part)
 
 
@@ -1399,7 +1379,7 @@ def test_dba_asks_cudas_streams_for_the_order_its_overlap_needs(monkeypatch):
     recording the first-half event; the second half's on a step bound from the first half's last row, its copy on
     the same copy stream recording the copy event (which Attn1 waits for, vllm_overlap.py: the copies in order on
     one stream, it covers both). A DA layer (or a DBA layer the indexer did not split) steps every row once."""
-    device = RecordingDevice()
+    device = CudaRecordingDevice()
     monkeypatch.setattr(adapter._device, "for_device", lambda name: device)
     bound = adapter.DecodeOverlap.offset_step
     monkeypatch.setattr(adapter.DecodeOverlap, "offset_step",
@@ -1410,19 +1390,18 @@ def test_dba_asks_cudas_streams_for_the_order_its_overlap_needs(monkeypatch):
     batch, states = three_requests(r)
     r.world.go_hot("a")
     r.world.go_hot("c")
-    del device.log[:]
+    device.log.entries.clear()
     before = r.dba_splits
     batch, states, _ = shuffled_decode_step(r, batch, states, 1)   # uniform, no graph padding: split
     assert r.dba_splits == before + LAYERS
-    steps = [e for e in device.log if e[0] == "step"]
-    assert len(steps) == 2 * LAYERS
+    steps = [e for e in device.log.entries if e[0] == "step"]
+    current, copy = device.current_stream(), overlap.copy_stream
+    assert len(steps) == 2 * LAYERS and copy is not current
     for layer in range(LAYERS):
         first, second = steps[2 * layer:2 * layer + 2]
-        assert first[1:] == (layer, 0, 2, 0, device.current, overlap.copy_stream, overlap.first_copy_done), first
-        assert second[1:] == (layer, 2, STATES - 2, 1, device.current, overlap.copy_stream, overlap.copy_done), second
-    assert overlap.copy_stream != device.current
-    del device.log[:]
+        assert first[1:] == (layer, 0, 2, 0, current, copy, overlap.first_copy_done), first
+        assert second[1:] == (layer, 2, STATES - 2, 1, current, copy, overlap.copy_done), second
+    device.log.entries.clear()
     prefill(r, "d", 1, 40, 100, others=batch, other_states=states)   # decodes beside a prefill: not split
-    steps = [e for e in device.log if e[0] == "step"]
-    assert steps and all(e[2:] == (0, STATES, 0, device.current, overlap.copy_stream, overlap.copy_done)
-                         for e in steps), steps
+    steps = [e for e in device.log.entries if e[0] == "step"]
+    assert steps and all(e[2:] == (0, STATES, 0, current, copy, overlap.copy_done) for e in steps), steps

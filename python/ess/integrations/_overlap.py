@@ -68,9 +68,10 @@ def merge_states(o0, lse0, o1, lse1):
 
 
 class CopySplit:
-    """A DA swap's state, both engines': the resident and fetched tables its steps fill (bound outputs, [max_reqs, T,
-    K] rows, each query row's compacted), the copy stream and the copy's event, and the hand-over to the attention
-    kernel (`pending`: the tables the swap left, the resident one returned to the engine's decode)."""
+    """A DA / DBA swap's state, both engines': the resident and fetched tables its steps fill (bound outputs,
+    [max_reqs, T, K] rows, each query row's compacted), the copy stream and the copies' events, the layer the decode
+    armed, the hand-over to the attention kernel (`pending`: the tables the swap left, the resident one returned to
+    the engine's decode) and under DBA the first half the indexer swapped."""
 
     def __init__(self, dev, max_reqs: int, T: int, K: int, device):
         i32 = dict(dtype=torch.int32, device=device)
@@ -81,8 +82,11 @@ class CopySplit:
         self.fetched_count = torch.zeros((max_reqs, T), **i32)
         self.copy_stream = dev.Stream()
         self.copy_done = self.event()   # after the layer's last copy: what Attn1 waits for
+        self.first_copy_done = self.event()   # after a DBA layer's first-half copy (its step records one)
+        self.armed = None        # the layer the engine's decode armed for a split swap, or None
         self.pending = None
-        self.first_half = None   # DBA: the first half of a batch the indexer swapped (each engine's tuple)
+        self.first_half = None   # DBA: the first half of a batch the indexer swapped (each engine's tuple), for the
+                                 # layer's swap
 
     def drop_first_half(self) -> None:
         """A DBA first half no decode took, dropped with a warning: only a forward that raised between a layer's

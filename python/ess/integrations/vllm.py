@@ -814,14 +814,19 @@ class HiSparseRuntime:
         flat = torch.where(valid, r * T + q, torch.full_like(i, B * T))   # B x T: the scatter's spare row
         return valid, flat, d.in_place_state.index_select(0, r), d.rows.index_select(0, r)
 
-    def _stage_queries(self, flat, queries, first_row: int = 0):
-        """Each token's top-k [n, K] into its staged query row (flat; B x T: none), batch rows [first_row, B) of
-        the staged table (a DBA second half leaves the first half's rows as its step read them)."""
+    def _scatter(self, flat, queries):
+        """Each token's top-k [n, K] in its staged query row (flat; B x T: none) of the scatter; returns its
+        [B, T, K] staged rows."""
         d = self.decode
-        B, T, K = d.max_num_reqs, d.info.query_tokens, d.info.topk
+        B, T = d.max_num_reqs, d.info.query_tokens
         d.topk_scatter.fill_(-1)
         d.topk_scatter.index_copy_(0, flat, queries.to(torch.int32))
-        d.topk.view(B * T, K)[first_row * T:].copy_(d.topk_scatter[first_row * T:B * T])
+        return d.topk_scatter[:B * T].view(B, T, -1)
+
+    def _stage_queries(self, flat, queries, first_row: int = 0):
+        """Each token's top-k [n, K] into its staged query row, batch rows [first_row, B) of the staged table (a DBA
+        second half leaves the first half's rows as its step read them)."""
+        self.decode.topk[first_row:].copy_(self._scatter(flat, queries)[first_row:])
 
     def _staged_tokens(self, resident, req_id_per_token, limit, logical_topk_indices):
         """ESS's own buffer: the step's tokens by start_step's maps (from the scheduler's counts), each token's newest
@@ -897,10 +902,8 @@ class HiSparseRuntime:
         whole_rows = torch.where(inside, looked_up, torch.full_like(looked_up, -1))
         still = self._still_resident(valid, state, inside, blocks)
         if record and d.recorder is not None:   # the top-k vLLM handed, ids read in place included
-            d.topk_scatter.fill_(-1)
-            d.topk_scatter.index_copy_(0, sink, logical_topk_indices.to(torch.int32))
             d.recorder.record(self.layer, torch.where(d.rows >= 0, d.rows, d.in_place_state),
-                              d.topk_scatter[:B * T].view(B, T, -1))
+                              self._scatter(sink, logical_topk_indices))
         # ESS's LRU serves only the ids whose pages vLLM no longer holds.
         self._stage_queries(sink, torch.where(still, torch.full_like(logical_topk_indices, -1), logical_topk_indices),
                             first_row)
@@ -962,8 +965,8 @@ class HiSparseRuntime:
         if da and overlap.armed != self.layer:
             raise InvalidArgument(f"swap_in (layer {self.layer}): ESS_OVERLAP runs DA or DBA on this layer, which "
                                   "needs vLLM's FlashMLA sparse FP8 decode (FlashMLASparseImpl."
-                                  "_host_backed_fp8_decode, kv_cache_dtype fp8_ds_mla) to read the two parts; this swap came from another "
-                                  "decode path: set ESS_OVERLAP = none")
+                                  "_host_backed_fp8_decode, kv_cache_dtype fp8_ds_mla) to read the two parts; this "
+                                  "swap came from another decode path: set ESS_OVERLAP = none")
         if da and (return_valid_counts or attention_indices_out is not None):
             raise InvalidArgument(f"swap_in (layer {self.layer}): a DA swap returns the resident rows and leaves the "
                                   "fetched ones for FlashMLA's second call: no valid counts or output buffer")

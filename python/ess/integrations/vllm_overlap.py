@@ -51,9 +51,7 @@ class DecodeOverlap(CopySplit):
                                   f"{', '.join(SCHEDULES)}")
         super().__init__(dev, max_reqs, T, K, device)
         self.schedules = list(schedules)
-        self.armed = None     # the ESS layer vLLM's decode armed, or None
-        self.first_copy_done = self.event()   # after a DBA layer's first-half copy
-        self.first_half = None   # DBA: (ESS layer, batch rows, tokens, step) the indexer swapped, for swap_in
+        # armed: an ESS layer; first_half: (ESS layer, batch rows, tokens, EssDecode.steps_started).
         self.indexers = {}       # DBA: the model's layer index -> (the layer's HiSparseRuntime, its attention's name)
         self._offset_steps = {}  # first batch row -> the step bound to rows [first, max_reqs)
 

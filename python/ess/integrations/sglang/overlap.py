@@ -82,9 +82,7 @@ class DecodeSplit(CopySplit):
         self.resident_locs = torch.full((max_reqs, T, K), -1, **i32)
         self.fetched_locs = torch.full((max_reqs, T, K), -1, **i32)
         self._padding = padding
-        self.first_copy_done = self.event()   # after a DBA layer's first-half copy (its step records one)
-        self.armed = None        # the layer id forward_decode armed, or None
-        self.first_half = None   # DBA: (layer id, batch key, positions) the indexer swapped, for forward_decode
+        # armed: the layer id forward_decode armed; first_half: (layer id, batch key, positions).
 
     def new_forward(self) -> None:
         """A step's preparation begins the next forward: the micro-batch counts restart, and a DBA first half a
